@@ -1,0 +1,49 @@
+"""One attention block: qkv -> rope -> KV write into pages -> ragged paged attention -> out."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.config import ModelConfig
+from models.kv_cache import AttentionMetadata
+from models.layers import apply_rope, param, rope_inv_freq
+from pallas_kernels import ragged_paged_attention, write_kv
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        c, dt = config, config.jnp_dtype
+        self.q = param(rngs, (c.hidden_size, c.num_heads, c.head_dim), ("embed", "q_heads", "head_dim"), dt)
+        self.k = param(rngs, (c.hidden_size, c.num_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), dt)
+        self.v = param(rngs, (c.hidden_size, c.num_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), dt)
+        self.o = param(rngs, (c.num_heads, c.head_dim, c.hidden_size), ("q_heads", "head_dim", "embed"), dt)
+        if c.attention_bias:
+            self.q_bias = param(rngs, (c.num_heads, c.head_dim), ("q_heads", "head_dim"), dt)
+            self.k_bias = param(rngs, (c.num_kv_heads, c.head_dim), ("kv_heads", "head_dim"), dt)
+            self.v_bias = param(rngs, (c.num_kv_heads, c.head_dim), ("kv_heads", "head_dim"), dt)
+        self.has_bias = c.attention_bias
+        self.inv_freq = tuple(float(f) for f in rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling_dict))
+        self.sm_scale = c.head_dim ** -0.5
+        self.sliding_window = c.sliding_window
+
+    def __call__(self,
+                 x: jax.Array,  # [T, E]
+                 positions: jax.Array,  # [T] int32
+                 pages: jax.Array,  # [num_pages, page_size, 2 * Hkv, D]
+                 meta: AttentionMetadata,
+                 impl: str,
+                 ) -> tuple[jax.Array, jax.Array]:  # [T, E], pages
+        q = jnp.einsum("te,ehd->thd", x, self.q[...])
+        k = jnp.einsum("te,ehd->thd", x, self.k[...])
+        v = jnp.einsum("te,ehd->thd", x, self.v[...])
+        if self.has_bias:
+            q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+        inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        pages = write_kv(pages, k, v, meta.slot_mapping)
+        out = ragged_paged_attention(
+            q, pages, meta.kv_lens, meta.page_indices, meta.cu_q_lens, meta.num_seqs,
+            sm_scale=self.sm_scale, sliding_window=self.sliding_window, impl=impl)
+        return jnp.einsum("thd,hde->te", out, self.o[...]), pages

@@ -1,0 +1,74 @@
+"""The model-side cache and batch metadata, both typed pytrees (never string-keyed dicts)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import init_kv_pages
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """One page array per layer, each [num_pages, page_size, 2 * Hkv, D]."""
+
+    pages: tuple[jax.Array, ...]
+
+    @classmethod
+    def create(cls, config, num_pages: int, page_size: int, dtype=None,
+               fill_value: float = 0.0) -> "KVCache":
+        dtype = dtype or config.jnp_dtype
+        return cls(tuple(
+            init_kv_pages(num_pages, page_size, config.num_kv_heads, config.head_dim, dtype, fill_value)
+            for _ in range(config.num_layers)
+        ))
+
+    @property
+    def num_pages(self) -> int:
+        return self.pages[0].shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.pages[0].shape[1]
+
+    def nbytes(self) -> int:
+        return sum(p.size * p.dtype.itemsize for p in self.pages)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    """Where each flat token belongs. S = padded sequence slots, P = max pages per seq."""
+
+    cu_q_lens: jax.Array  # [S+1] int32, prefix sums of new tokens per sequence
+    kv_lens: jax.Array  # [S] int32, cached + new tokens per sequence
+    page_indices: jax.Array  # [S, P] int32, pages of each sequence in order
+    num_seqs: jax.Array  # [1] int32, live sequences (the rest are padding)
+    slot_mapping: jax.Array  # [T] int32, page * page_size + offset; -1 for padding tokens
+    logits_indices: jax.Array  # [S] int32, the token row whose logits each sequence samples
+
+
+def single_sequence_metadata(num_tokens: int, start: int, pages: list[int], page_size: int,
+                             pad_to: int | None = None) -> AttentionMetadata:
+    """Metadata for one sequence whose tokens [start, start + num_tokens) are new.
+
+    A convenience for notebooks and tests; the engine builds batches in engine/batch.py.
+    """
+    import numpy as np
+
+    total = pad_to or num_tokens
+    pos = np.arange(start, start + num_tokens)
+    slots = np.full(total, -1, np.int32)
+    page_arr = np.asarray(pages, np.int32)
+    slots[:num_tokens] = page_arr[pos // page_size] * page_size + pos % page_size
+    return AttentionMetadata(
+        cu_q_lens=jnp.asarray([0, num_tokens], jnp.int32),
+        kv_lens=jnp.asarray([start + num_tokens], jnp.int32),
+        page_indices=jnp.asarray(page_arr[None, :], jnp.int32),
+        num_seqs=jnp.asarray([1], jnp.int32),
+        slot_mapping=jnp.asarray(slots),
+        logits_indices=jnp.asarray([num_tokens - 1], jnp.int32),
+    )

@@ -1,0 +1,65 @@
+"""Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2) as a functional Flax NNX module.
+
+    logits, kv_cache = model(tokens, positions, kv_cache, meta)
+
+The cache goes in and comes out; logits come only for `meta.logits_indices`, one row per
+sequence, because computing [T, vocab] for a long prompt would cost more than a layer.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.attention import Attention
+from models.config import ModelConfig
+from models.kv_cache import AttentionMetadata, KVCache
+from models.layers import Embed, GatedMLP, RMSNorm, param
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        dt = config.jnp_dtype
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt, rngs)
+        self.attn = Attention(config, rngs)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt, rngs)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dt, rngs)
+
+    def __call__(self, x, positions, pages, meta, impl):
+        h, pages = self.attn(self.attn_norm(x), positions, pages, meta, impl)
+        x = x + h
+        return x + self.mlp(self.mlp_norm(x)), pages
+
+
+class Llama(nnx.Module):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs | None = None,
+                 attention_impl: str = "auto"):
+        rngs = rngs or nnx.Rngs(config.seed)
+        dt = config.jnp_dtype
+        self.config = config
+        self.attention_impl = attention_impl
+        self.embed = Embed(config.vocab_size, config.hidden_size, dt, rngs)
+        self.layers = nnx.List([DecoderLayer(config, rngs) for _ in range(config.num_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt, rngs)
+        if not config.tie_word_embeddings:
+            self.lm_head = param(rngs, (config.hidden_size, config.vocab_size), ("embed", "vocab"), dt)
+
+    def __call__(self,
+                 tokens: jax.Array,  # [T] int32
+                 positions: jax.Array,  # [T] int32
+                 kv_cache: KVCache,
+                 meta: AttentionMetadata,
+                 ) -> tuple[jax.Array, KVCache]:  # logits [S, vocab] float32
+        x = self.embed(tokens)
+        new_pages = []
+        for i, (layer, pages) in enumerate(zip(self.layers, kv_cache.pages)):
+            with jax.named_scope(f"layer_{i}"):
+                x, pages = layer(x, positions, pages, meta, self.attention_impl)
+            new_pages.append(pages)
+        x = self.norm(jnp.take(x, meta.logits_indices, axis=0))  # [S, E]
+        if self.config.tie_word_embeddings:
+            logits = self.embed.attend(x)
+        else:
+            logits = x @ self.lm_head[...]
+        return logits.astype(jnp.float32), KVCache(tuple(new_pages))

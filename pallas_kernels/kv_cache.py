@@ -1,0 +1,61 @@
+"""The paged KV layout and its functional write.
+
+One layer's cache is one array `pages[num_pages, page_size, 2 * Hkv, D]`. K and V of KV
+head h sit side by side at combined-head index 2h and 2h+1. Interleaving keeps a head's
+K and V in one block (one DMA per page on TPU, one shard per tensor-parallel rank) and
+keeps the last two dims (heads, D) dense, which is what TPU tiling wants.
+
+A token's slot is `page * page_size + offset`; a negative slot writes nothing, which is
+how padding tokens are dropped without a branch.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def init_kv_pages(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+                  dtype=jnp.float32, fill_value: float = 0.0) -> jax.Array:
+    """Allocates one layer's pages: [num_pages, page_size, 2 * num_kv_heads, head_dim]."""
+    if min(num_pages, page_size, num_kv_heads, head_dim) <= 0:
+        raise ValueError(
+            f"init_kv_pages needs positive sizes, got num_pages={num_pages}, "
+            f"page_size={page_size}, num_kv_heads={num_kv_heads}, head_dim={head_dim}"
+        )
+    return jnp.full((num_pages, page_size, 2 * num_kv_heads, head_dim), fill_value, dtype)
+
+
+def merge_kv(k: jax.Array,  # [T, Hkv, D]
+             v: jax.Array,  # [T, Hkv, D]
+             ) -> jax.Array:  # [T, 2 * Hkv, D]
+    """Interleaves K and V heads: index 2h is K of head h, 2h + 1 is V of head h."""
+    t, h, d = k.shape
+    return jnp.stack([k, v], axis=2).reshape(t, 2 * h, d)
+
+
+def split_kv(kv: jax.Array,  # [..., 2 * Hkv, D]
+             ) -> tuple[jax.Array, jax.Array]:  # K, V: [..., Hkv, D]
+    return kv[..., 0::2, :], kv[..., 1::2, :]
+
+
+def write_kv(pages: jax.Array,  # [num_pages, page_size, 2 * Hkv, D]
+             k: jax.Array,  # [T, Hkv, D]
+             v: jax.Array,  # [T, Hkv, D]
+             slot_mapping: jax.Array,  # [T] int32, page * page_size + offset; < 0 skips
+             ) -> jax.Array:  # pages, same shape; donate the input to update in place
+    num_pages, page_size, combined, head_dim = pages.shape
+    if k.shape != v.shape or k.ndim != 3 or 2 * k.shape[1] != combined or k.shape[2] != head_dim:
+        raise ValueError(
+            f"write_kv: k {k.shape} and v {v.shape} must be [T, {combined // 2}, {head_dim}] "
+            f"for pages {pages.shape}"
+        )
+    if slot_mapping.shape != (k.shape[0],):
+        raise ValueError(f"write_kv: slot_mapping {slot_mapping.shape} must be [{k.shape[0]}]")
+    total = num_pages * page_size
+    kv = merge_kv(k, v).astype(pages.dtype)
+    # Out-of-range indices are dropped by mode="drop"; map negatives past the end.
+    slots = jnp.where(slot_mapping < 0, total, slot_mapping)
+    flat = pages.reshape(total, combined, head_dim)
+    flat = flat.at[slots].set(kv, mode="drop", unique_indices=True)
+    return flat.reshape(pages.shape)

@@ -1,0 +1,63 @@
+"""Ragged paged attention: one API, one module per backend, `reference` as the oracle."""
+
+from __future__ import annotations
+
+import importlib
+
+import jax
+
+# impl name -> (module, function). Modules import lazily so a backend's toolchain is
+# only needed when that backend is asked for.
+IMPLS = {
+    "reference": ("pallas_kernels.ragged_paged_attention.reference",
+                  "ragged_paged_attention_reference"),
+}
+
+
+def resolve_impl(impl: str) -> str:
+    """Maps "auto" to the backend's best impl; validates explicit names."""
+    if impl == "auto":
+        return "xla" if "xla" in IMPLS else "reference"
+    if impl not in IMPLS:
+        raise ValueError(f"unknown attention impl {impl!r}; choose from auto, {', '.join(IMPLS)}")
+    return impl
+
+
+def validate(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs):
+    """Static shape checks at trace time, so mistakes fail here, not deep inside XLA."""
+    if q.ndim != 3:
+        raise ValueError(f"q must be [T, Hq, D], got shape {q.shape}")
+    if kv_pages.ndim != 4 or kv_pages.shape[2] % 2:
+        raise ValueError(f"kv_pages must be [num_pages, page_size, 2*Hkv, D], got {kv_pages.shape}")
+    num_kv_heads = kv_pages.shape[2] // 2
+    if q.shape[2] != kv_pages.shape[3]:
+        raise ValueError(f"head_dim mismatch: q {q.shape[2]} vs kv_pages {kv_pages.shape[3]}")
+    if q.shape[1] % num_kv_heads:
+        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of kv heads ({num_kv_heads})")
+    s = kv_lens.shape[0]
+    if kv_lens.ndim != 1 or page_indices.ndim != 2 or page_indices.shape[0] != s:
+        raise ValueError(f"kv_lens [S] and page_indices [S, P] disagree: {kv_lens.shape}, {page_indices.shape}")
+    if cu_q_lens.shape != (s + 1,):
+        raise ValueError(f"cu_q_lens must be [S+1] = [{s + 1}], got {cu_q_lens.shape}")
+    if num_seqs.shape != (1,):
+        raise ValueError(f"num_seqs must be [1], got {num_seqs.shape}")
+
+
+def ragged_paged_attention(
+    q: jax.Array,  # [T, Hq, D]
+    kv_pages: jax.Array,  # [num_pages, page_size, 2 * Hkv, D]
+    kv_lens: jax.Array,  # [S] int32: cached + new tokens per sequence
+    page_indices: jax.Array,  # [S, P] int32
+    cu_q_lens: jax.Array,  # [S+1] int32
+    num_seqs: jax.Array,  # [1] int32
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    impl: str = "auto",
+) -> jax.Array:  # [T, Hq, D]
+    validate(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    module, fn = IMPLS[resolve_impl(impl)]
+    kernel = getattr(importlib.import_module(module), fn)
+    return kernel(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                  sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)

@@ -1,0 +1,76 @@
+"""Pure-jnp ragged paged attention: slow, obviously right, the oracle for every impl.
+
+One flat token array holds all sequences back to back (`cu_q_lens`). Sequence s has
+`kv_lens[s]` tokens in its pages (cached + new); its q_len new tokens are its last ones,
+so query i of s sits at position `kv_lens[s] - q_len(s) + i`. The loop runs over
+sequences, each time scoring every query against that sequence's keys and keeping the
+rows that belong to it; cost is S x T x K, fine for a reference.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.kv_cache import split_kv
+
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: no inf - inf = NaN
+
+
+def token_layout(cu_q_lens: jax.Array,  # [S+1]
+                 kv_lens: jax.Array,  # [S]
+                 num_seqs: jax.Array,  # [1]
+                 num_tokens: int):
+    """Per-token sequence id, position and validity: each [T]."""
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.searchsorted(cu_q_lens[1:], t, side="right").astype(jnp.int32)
+    seq = jnp.minimum(seq, kv_lens.shape[0] - 1)
+    valid = t < cu_q_lens[num_seqs[0]]
+    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+    pos = kv_lens[seq] - q_len + (t - cu_q_lens[seq])
+    return seq, pos, valid
+
+
+def ragged_paged_attention_reference(
+    q: jax.Array,  # [T, Hq, D]
+    kv_pages: jax.Array,  # [num_pages, page_size, 2 * Hkv, D]
+    kv_lens: jax.Array,  # [S] int32
+    page_indices: jax.Array,  # [S, P] int32
+    cu_q_lens: jax.Array,  # [S+1] int32
+    num_seqs: jax.Array,  # [1] int32
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> jax.Array:  # [T, Hq, D]
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, page_size, combined, _ = kv_pages.shape
+    num_kv_heads = combined // 2
+    group = num_q_heads // num_kv_heads
+    max_kv = page_indices.shape[1] * page_size
+    seq_of, pos, valid = token_layout(cu_q_lens, kv_lens, num_seqs, num_tokens)
+    qf = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
+    key_pos = jnp.arange(max_kv, dtype=jnp.int32)
+
+    def one_sequence(s, out):
+        kv = kv_pages[page_indices[s]].reshape(max_kv, combined, head_dim)
+        k, v = split_kv(kv.astype(jnp.float32))  # [K, Hkv, D]
+        in_len = key_pos < kv_lens[s]
+        # Unused page slots may hold anything (NaN in tests): zero them before any math.
+        k = jnp.where(in_len[:, None, None], k, 0.0)
+        v = jnp.where(in_len[:, None, None], v, 0.0)
+        scores = jnp.einsum("thgd,khd->thgk", qf, k) * sm_scale
+        if soft_cap is not None:
+            scores = soft_cap * jnp.tanh(scores / soft_cap)
+        visible = in_len[None, :] & (key_pos[None, :] <= pos[:, None])
+        if sliding_window is not None:
+            visible &= key_pos[None, :] > pos[:, None] - sliding_window
+        scores = jnp.where(visible[:, None, None, :], scores, MASK_VALUE)
+        probs = jax.nn.softmax(scores, axis=-1)
+        o = jnp.einsum("thgk,khd->thgd", probs, v)
+        mine = (seq_of == s) & valid
+        return jnp.where(mine[:, None, None, None], o, out)
+
+    out = jnp.zeros_like(qf)
+    out = jax.lax.fori_loop(0, num_seqs[0], one_sequence, out)
+    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
