@@ -1,0 +1,153 @@
+"""Reads a TOML preset ([model] [engine] [mesh]) plus `section.key=value` overrides.
+
+The same override keys work on the CLI (`--set mesh.tensor=4`) and in notebooks
+(`Engine.from_config("tiny", overrides={"mesh.tensor": 4})`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from typing import Any, Mapping
+
+from models.config import ConfigError, ModelConfig
+
+PRESET_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSettings:
+    page_size: int = 16
+    num_pages: int = 1024  # per data replica, including the reserved null page 0
+    max_model_len: int = 4096
+    max_num_seqs: int = 16  # sequences per step
+    max_num_batched_tokens: int = 256  # token budget per step
+    attention_impl: str = "auto"
+    enable_prefix_caching: bool = True
+    max_num_partial_prefills: int = 1  # prompts allowed mid-prefill at once
+    long_prefill_token_threshold: int = 0  # 0: no cap on one prompt's chunk
+    max_waiting: int = 1024  # bounded waiting queue (serving backpressure)
+    token_buckets: tuple[int, ...] = ()  # () -> derived from max_num_batched_tokens
+    seq_buckets: tuple[int, ...] = ()  # () -> derived from max_num_seqs
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("page_size", "num_pages", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+            if int(getattr(self, name)) <= 0:
+                raise ConfigError(f"engine.{name} must be positive, got {getattr(self, name)}")
+        if self.num_pages < 2:
+            raise ConfigError("engine.num_pages must be at least 2 (page 0 is the null page)")
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return -(-self.max_model_len // self.page_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSettings:
+    data: int = 1
+    tensor: int = 1
+    sequence: int = 1
+    coordinator: str = ""  # "host:port" for multi-process runs; "" = single process
+    num_processes: int = 1
+    process_id: int = 0
+
+    def __post_init__(self):
+        for name in ("data", "tensor", "sequence", "num_processes"):
+            if int(getattr(self, name)) <= 0:
+                raise ConfigError(f"mesh.{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def size(self) -> int:
+        return self.data * self.tensor * self.sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    name: str
+    model: ModelConfig
+    engine: EngineSettings
+    mesh: MeshSettings
+    model_path: str | None = None
+
+
+SECTIONS = {"model": ModelConfig, "engine": EngineSettings, "mesh": MeshSettings}
+
+
+def resolve_preset(config: str) -> str:
+    """A TOML path, or the name of a preset under configs/ ("tiny", "llama3_8b")."""
+    if os.path.exists(config):
+        return config
+    candidate = os.path.join(PRESET_DIR, config if config.endswith(".toml") else config + ".toml")
+    if os.path.exists(candidate):
+        return candidate
+    presets = sorted(f[:-5] for f in os.listdir(PRESET_DIR) if f.endswith(".toml"))
+    raise ConfigError(f"config {config!r} is neither a file nor a preset; presets: {', '.join(presets)}")
+
+
+def parse_overrides(overrides: Mapping[str, Any] | list[str] | None) -> dict[str, dict[str, Any]]:
+    """{"mesh.tensor": 4} or ["mesh.tensor=4"] -> {"mesh": {"tensor": 4}}."""
+    if overrides is None:
+        return {}
+    if not isinstance(overrides, Mapping):
+        pairs = {}
+        for item in overrides:
+            if "=" not in item:
+                raise ConfigError(f"override {item!r} must look like section.key=value")
+            key, raw = item.split("=", 1)
+            pairs[key.strip()] = _parse_value(raw.strip())
+        overrides = pairs
+    out: dict[str, dict[str, Any]] = {}
+    for key, value in overrides.items():
+        section, _, field = key.partition(".")
+        if section not in SECTIONS or not field:
+            raise ConfigError(f"override key {key!r} must be one of model.*, engine.*, mesh.*")
+        known = {f.name for f in dataclasses.fields(SECTIONS[section])}
+        if field not in known:
+            raise ConfigError(f"unknown key {key!r}; {section} has: {', '.join(sorted(known))}")
+        out.setdefault(section, {})[field] = value
+    return out
+
+
+def _parse_value(raw: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw  # bare strings: --set engine.attention_impl=xla
+
+
+def _build(cls, values: dict[str, Any]):
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(values) - known
+    if unknown:
+        raise ConfigError(f"unknown keys for {cls.__name__}: {sorted(unknown)}")
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+    try:
+        return cls(**values)
+    except TypeError as e:
+        raise ConfigError(f"bad {cls.__name__} values: {e}") from None
+
+
+def load_config(config: str = "tiny", overrides: Mapping[str, Any] | list[str] | None = None,
+                model_path: str | None = None) -> Config:
+    path = resolve_preset(config)
+    with open(path, "rb") as f:
+        data = tomllib.load(f)
+    unknown = set(data) - set(SECTIONS)
+    if unknown:
+        raise ConfigError(f"{path}: unknown sections {sorted(unknown)}; expected [model] [engine] [mesh]")
+    extra = parse_overrides(overrides)
+    if model_path:
+        model = ModelConfig.from_hf(model_path)
+        model_extra = extra.get("model", {})
+        model = dataclasses.replace(model, **model_extra) if model_extra else model
+    else:
+        model = ModelConfig.from_dict({**data.get("model", {}), **extra.get("model", {})})
+    engine = _build(EngineSettings, {**data.get("engine", {}), **extra.get("engine", {})})
+    mesh = _build(MeshSettings, {**data.get("mesh", {}), **extra.get("mesh", {})})
+    if engine.max_model_len > model.max_position_embeddings:
+        raise ConfigError(f"engine.max_model_len ({engine.max_model_len}) exceeds the model's "
+                          f"max_position_embeddings ({model.max_position_embeddings})")
+    name = os.path.splitext(os.path.basename(path))[0]
+    return Config(name=name, model=model, engine=engine, mesh=mesh, model_path=model_path)

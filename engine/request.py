@@ -1,0 +1,107 @@
+"""What a caller asks for and what it gets back. Plain data; no JAX here."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+
+class InvalidRequest(ValueError):
+    """Bad input from a caller. `field` names the offending field for API error messages."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at `engine.max_waiting`; the caller should back off."""
+
+
+MAX_TOP_K = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None  # per-request: same seed, same tokens, whatever the batch
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None  # None = off; N = chosen token's logprob + top-N
+    cache_salt: str | None = None  # requests with different salts never share cached pages
+
+    def __post_init__(self):
+        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    def validate(self, vocab_size: int | None = None) -> "SamplingParams":
+        def bad(field, msg):
+            raise InvalidRequest(field, msg)
+
+        def finite(field, value):
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                bad(field, f"must be a finite number, got {value!r}")
+
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        for field in ("temperature", "top_p", "min_p", "repetition_penalty",
+                      "presence_penalty", "frequency_penalty"):
+            finite(field, getattr(self, field))
+        if not 0.0 <= self.temperature <= 100.0:
+            bad("temperature", f"must be in [0, 100], got {self.temperature}")
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k <= MAX_TOP_K:
+            bad("top_k", f"must be an integer in [0, {MAX_TOP_K}] (0 = off), got {self.top_k!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty}")
+        for field in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, field) <= 2.0:
+                bad(field, f"must be in [-2, 2], got {getattr(self, field)}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
+            bad("seed", f"must be a non-negative integer, got {self.seed!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            bad("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
+        if any(not s for s in self.stop):
+            bad("stop", "stop strings must be non-empty")
+        if vocab_size is not None:
+            for t in self.stop_token_ids:
+                if not 0 <= t < vocab_size:
+                    bad("stop_token_ids", f"token id {t} is outside the vocabulary [0, {vocab_size})")
+        return self
+
+
+@dataclasses.dataclass
+class Completion:
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
+    prompt_tokens: int
+    cached_tokens: int
+    metrics: dict[str, float]  # arrival_time, queue_s, ttft_s, prefill_s, tpot_s, e2e_s
+    logprobs: list[dict[str, Any]] | None = None
+    error: str | None = None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """What one engine step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool = False
+    completion: Completion | None = None  # set when finished
+    logprobs: list[dict[str, Any]] | None = None

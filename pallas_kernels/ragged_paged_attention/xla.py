@@ -1,0 +1,241 @@
+"""Blocked, flash-style ragged paged attention in pure JAX: the CPU default, GPU fallback.
+
+Static shapes, ragged contents. The flat token array is cut into query blocks of
+`block_q` rows. A block may hold the tail of one sequence and the head of the next, so
+the unit of work is an *item* = (query block, sequence): at most `num_blocks + S` of them,
+listed in jnp from `cu_q_lens` (`work_items`). For each item a `fori_loop` walks the KV
+blocks of that sequence with dynamic bounds, so nothing above the causal diagonal (or
+before the sliding window) is ever computed, not just masked:
+
+    [kv_lo, a)    masked   (window edge: some keys too old for some rows)
+    [a, c)        unmasked (every row of the item sees every key: no mask, no NaN guard)
+    [c, kv_hi)    masked   (causal diagonal, and the partial last page)
+
+The G query heads of one KV head are stacked into one [G*block_q, D] operand, so each
+step is a batched matmul over KV heads. Softmax runs in base 2 (log2(e) is folded into
+q) with a polynomial exp2 that XLA CPU vectorizes well. K/V of masked blocks are zeroed
+with `where` beyond kv_len, so NaN in unused page slots never reaches an output; rows of
+an item that belong to another sequence, and padding rows, are dropped with `where`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.ragged_paged_attention.block_sizes import xla_block_sizes
+
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+LOG2E = math.log2(math.e)
+
+
+# --------------------------------------------------------------------------- metadata
+def sanitize_cu_q_lens(cu_q_lens, num_seqs):
+    """Entries past num_seqs (padding sequences) become the live total: empty sequences."""
+    s1 = cu_q_lens.shape[0]
+    n = num_seqs[0]
+    total = cu_q_lens[n]
+    return jnp.where(jnp.arange(s1, dtype=jnp.int32) <= n, cu_q_lens, total).astype(jnp.int32)
+
+
+def work_items(cu_q_lens,  # [S+1] int32, sanitized
+               num_seqs,  # [1] int32
+               num_blocks: int,
+               block_q: int):
+    """(query block, sequence) pairs covering every live token once.
+
+    Returns item_block[M], item_seq[M], num_items[] with M = num_blocks + S (static).
+    Items past num_items repeat the last real one (harmless for consumers that check
+    num_items; useful for grids that must not fetch out of range).
+    """
+    num_slots = cu_q_lens.shape[0] - 1
+    total = cu_q_lens[num_seqs[0]]
+    ends = cu_q_lens[1:]
+    r0 = jnp.arange(num_blocks, dtype=jnp.int32) * block_q
+    r1 = jnp.minimum(r0 + block_q, total) - 1
+    active = r0 < total
+    first = jnp.searchsorted(ends, r0, side="right").astype(jnp.int32)
+    last = jnp.searchsorted(ends, jnp.maximum(r1, 0), side="right").astype(jnp.int32)
+    first = jnp.minimum(first, num_slots - 1)
+    last = jnp.minimum(last, num_slots - 1)
+    count = jnp.where(active, last - first + 1, 0)
+    incl = jnp.cumsum(count).astype(jnp.int32)
+    num_items = incl[-1]
+    m = num_blocks + num_slots
+    i = jnp.minimum(jnp.arange(m, dtype=jnp.int32), jnp.maximum(num_items - 1, 0))
+    blk = jnp.searchsorted(incl, i, side="right").astype(jnp.int32)
+    blk = jnp.minimum(blk, num_blocks - 1)
+    seq = first[blk] + i - (incl[blk] - count[blk])
+    seq = jnp.clip(seq, 0, num_slots - 1)
+    return blk, seq, num_items
+
+
+def item_bounds(b, s, cu, kv_lens, block_q: int, block_kv: int, sliding_window):
+    """Rows, positions and KV block ranges of one item; all int32 scalars."""
+    q_start, q_end = cu[s], cu[s + 1]
+    kv_len = kv_lens[s]
+    ctx = kv_len - (q_end - q_start)  # position of the sequence's first new token
+    r0 = b * block_q
+    lo = jnp.maximum(r0, q_start)
+    hi = jnp.minimum(r0 + block_q, q_end)
+    empty = hi <= lo
+    pmin = ctx + lo - q_start
+    pmax = ctx + hi - 1 - q_start
+    kv_hi = jnp.where(empty, 0, (jnp.minimum(pmax + 1, kv_len) + block_kv - 1) // block_kv)
+    if sliding_window is None:
+        kv_lo = jnp.int32(0)
+        a = jnp.int32(0)
+    else:
+        w = sliding_window
+        kv_lo = jnp.maximum(pmin - w + 1, 0) // block_kv
+        # Blocks from `a` on have every key newer than pmax - W: visible to all rows.
+        a = jnp.maximum(pmax - w + 1 + block_kv - 1, 0) // block_kv
+    kv_lo = jnp.minimum(kv_lo, kv_hi)
+    a = jnp.clip(a, kv_lo, kv_hi)
+    c = jnp.clip((pmin + 1) // block_kv, a, kv_hi)  # blocks before c end at or below pmin
+    return dict(q_start=q_start, ctx=ctx, kv_len=kv_len, r0=r0, lo=lo, hi=hi,
+                kv_lo=kv_lo, a=a, c=c, kv_hi=kv_hi)
+
+
+# --------------------------------------------------------------------------- math
+def exp2(x):
+    """2**x for x <= 0 in f32: Cody-Waite split + degree-6 polynomial, ~2 ulp.
+
+    XLA CPU's generic exp goes through extra range handling; this one vectorizes to a
+    few FMAs. Inputs below -126 flush to 0.
+    """
+    x = jnp.maximum(x, -126.0)
+    n = jnp.floor(x + 0.5)
+    f = x - n  # [-0.5, 0.5]
+    # Taylor-ish minimax coefficients of 2**f on [-0.5, 0.5].
+    p = jnp.float32(1.5252733804059840e-5)
+    p = p * f + jnp.float32(1.5403530393381610e-4)
+    p = p * f + jnp.float32(1.3333558146428443e-3)
+    p = p * f + jnp.float32(9.6181291076284772e-3)
+    p = p * f + jnp.float32(5.5504108664821580e-2)
+    p = p * f + jnp.float32(2.4022650695910071e-1)
+    p = p * f + jnp.float32(6.9314718055994531e-1)
+    p = p * f + jnp.float32(1.0)
+    scale = lax.bitcast_convert_type((n.astype(jnp.int32) + 127) << 23, jnp.float32)
+    return p * scale
+
+
+# --------------------------------------------------------------------------- kernel
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap",
+                                             "block_q", "block_kv", "fast_exp"))
+def ragged_paged_attention_xla(
+    q: jax.Array,  # [T, Hq, D]
+    kv_pages: jax.Array,  # [num_pages, page_size, 2 * Hkv, D]
+    kv_lens: jax.Array,  # [S] int32
+    page_indices: jax.Array,  # [S, P] int32
+    cu_q_lens: jax.Array,  # [S+1] int32
+    num_seqs: jax.Array,  # [1] int32
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    block_q: int | None = None,
+    block_kv: int | None = None,
+    fast_exp: bool = True,
+) -> jax.Array:  # [T, Hq, D]
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_pages, page_size, combined, _ = kv_pages.shape
+    num_kv_heads = combined // 2
+    group = num_q_heads // num_kv_heads
+    num_slots, max_pages = page_indices.shape
+    sizes = xla_block_sizes(num_tokens, num_slots, group, head_dim, q.dtype.itemsize, page_size)
+    bq = block_q or sizes.block_q
+    bk = block_kv or sizes.block_kv
+    if bk % page_size:
+        raise ValueError(f"block_kv {bk} must be a multiple of page_size {page_size}")
+    ppb = bk // page_size
+    num_blocks = -(-num_tokens // bq)
+    t_pad = num_blocks * bq
+    num_kv_blocks = -(-max_pages // ppb)
+    rows = group * bq
+    cdt = q.dtype  # matmul operand dtype; accumulation is always f32
+    exp2_fn = exp2 if fast_exp else jnp.exp2
+
+    cu = sanitize_cu_q_lens(cu_q_lens.astype(jnp.int32), num_seqs)
+    kv_lens = kv_lens.astype(jnp.int32)
+    pidx = jnp.clip(page_indices.astype(jnp.int32), 0, num_pages - 1)
+    pidx = jnp.pad(pidx, ((0, 0), (0, num_kv_blocks * ppb - max_pages)))
+    item_block, item_seq, num_items = work_items(cu, num_seqs, num_blocks, bq)
+
+    # q -> [num_blocks, Hkv, G*bq, D], scaled so scores come out in log2 units.
+    q_scale = sm_scale if soft_cap is not None else sm_scale * LOG2E
+    qs = (q.astype(jnp.float32) * q_scale).astype(cdt)
+    qs = jnp.pad(qs, ((0, t_pad - num_tokens), (0, 0), (0, 0)))
+    qs = qs.reshape(num_blocks, bq, num_kv_heads, group, head_dim)
+    qs = qs.transpose(0, 2, 3, 1, 4).reshape(num_blocks, num_kv_heads, rows, head_dim)
+    row_in_block = jnp.tile(jnp.arange(bq, dtype=jnp.int32), group)  # [rows], g-major
+
+    def load_kv(s, j):
+        ids = lax.dynamic_slice_in_dim(pidx[s], j * ppb, ppb)
+        kv = kv_pages[ids].reshape(bk, combined, head_dim)
+        k = kv[:, 0::2, :].transpose(1, 0, 2)  # [Hkv, bk, D]
+        v = kv[:, 1::2, :].transpose(1, 0, 2)
+        return k, v
+
+    def scores_of(qb, k):
+        sc = jnp.einsum("hrd,hkd->hrk", qb, k, preferred_element_type=jnp.float32)
+        if soft_cap is not None:
+            sc = (soft_cap * LOG2E) * jnp.tanh(sc / soft_cap)
+        return sc
+
+    def update(carry, sc, v):
+        m, l, acc = carry
+        m_new = jnp.maximum(m, sc.max(axis=-1))
+        alpha = exp2_fn(m - m_new)
+        p = exp2_fn(sc - m_new[..., None])
+        l = alpha * l + p.sum(axis=-1)
+        pv = jnp.einsum("hrk,hkd->hrd", p.astype(cdt), v, preferred_element_type=jnp.float32)
+        acc = alpha[..., None] * acc + pv
+        return m_new, l, acc
+
+    def one_item(i, out):
+        b, s = item_block[i], item_seq[i]
+        ib = item_bounds(b, s, cu, kv_lens, bq, bk, sliding_window)
+        qb = qs[b]  # [Hkv, rows, D]
+        row_tok = ib["r0"] + row_in_block  # flat token of each row
+        row_pos = ib["ctx"] + row_tok - ib["q_start"]  # [rows]
+        key_iota = jnp.arange(bk, dtype=jnp.int32)
+
+        def masked_step(j, carry):
+            k, v = load_kv(s, j)
+            key_pos = j * bk + key_iota
+            in_len = (key_pos < ib["kv_len"])[None, :, None]
+            k = jnp.where(in_len, k, jnp.zeros((), k.dtype))
+            v = jnp.where(in_len, v, jnp.zeros((), v.dtype))
+            sc = scores_of(qb, k)
+            vis = (key_pos[None, :] <= row_pos[:, None]) & (key_pos[None, :] < ib["kv_len"])
+            if sliding_window is not None:
+                vis &= key_pos[None, :] > row_pos[:, None] - sliding_window
+            sc = jnp.where(vis[None], sc, MASK_VALUE)
+            return update(carry, sc, v)
+
+        def full_step(j, carry):
+            k, v = load_kv(s, j)
+            return update(carry, scores_of(qb, k), v)
+
+        carry = (jnp.full((num_kv_heads, rows), MASK_VALUE, jnp.float32),
+                 jnp.zeros((num_kv_heads, rows), jnp.float32),
+                 jnp.zeros((num_kv_heads, rows, head_dim), jnp.float32))
+        carry = lax.fori_loop(ib["kv_lo"], ib["a"], masked_step, carry)
+        carry = lax.fori_loop(ib["a"], ib["c"], full_step, carry)
+        carry = lax.fori_loop(ib["c"], ib["kv_hi"], masked_step, carry)
+        _, l, acc = carry
+        o = acc / jnp.where(l > 0, l, 1.0)[..., None]
+        mine = (row_tok >= ib["lo"]) & (row_tok < ib["hi"])
+        o = jnp.where(mine[None, :, None], o, out[b])
+        return out.at[b].set(o)
+
+    out = jnp.zeros((num_blocks, num_kv_heads, rows, head_dim), jnp.float32)
+    out = lax.fori_loop(0, num_items, one_item, out)
+    out = out.reshape(num_blocks, num_kv_heads, group, bq, head_dim).transpose(0, 3, 1, 2, 4)
+    out = out.reshape(t_pad, num_q_heads, head_dim)[:num_tokens]
+    return out.astype(q.dtype)

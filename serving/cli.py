@@ -1,0 +1,58 @@
+"""`jaxfill <command>`: discovers the command modules in serving/commands/.
+
+Each command lives in its own file, so adding one never touches another's code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+
+from serving import commands
+
+
+def common_model_args(parser: argparse.ArgumentParser) -> None:
+    """--config / --model / --set, shared by every command that builds a model."""
+    parser.add_argument("--config", default="tiny", help="TOML file or preset name (default: tiny)")
+    parser.add_argument("--model", default=None, help="Hugging Face model directory")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override a config field, e.g. --set mesh.tensor=4 (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxfill", description="JAX/XLA LLM inference built around prefill")
+    top = parser.add_subparsers(dest="command", required=True)
+    groups: dict[str, argparse._SubParsersAction] = {}
+    mods = sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name)
+    for info in mods:
+        mod = importlib.import_module(f"serving.commands.{info.name}")
+        path = mod.COMMAND
+        if len(path) == 1:
+            sub = top.add_parser(path[0], help=mod.HELP, description=mod.HELP)
+        else:
+            if path[0] not in groups:
+                group = top.add_parser(path[0], help=f"{path[0]} commands")
+                groups[path[0]] = group.add_subparsers(dest="subcommand", required=True)
+            sub = groups[path[0]].add_parser(path[1], help=mod.HELP, description=mod.HELP)
+        mod.add_arguments(sub)
+        sub.set_defaults(run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from models.config import ConfigError
+    from engine.request import InvalidRequest
+
+    try:
+        return int(args.run(args) or 0)
+    except (ConfigError, InvalidRequest, ValueError) as e:
+        # Bad input: one clear line, not a traceback from deep inside JAX.
+        print(f"jaxfill: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""`jaxfill generate`: prompts in, streamed text (or JSON lines) out."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+COMMAND = ("generate",)
+HELP = "generate text for one or more prompts"
+
+
+def add_arguments(p) -> None:
+    from serving.cli import common_model_args
+
+    common_model_args(p)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    src.add_argument("--prompt-ids", action="append", help="comma-separated token ids (repeatable)")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+
+
+def run(args) -> int:
+    from engine.engine import Engine
+    from engine.request import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed).validate()
+    prompts = args.prompt or [_parse_ids(t) for t in args.prompt_ids]
+    engine = Engine.from_config(args.config, model_path=args.model, overrides=args.overrides,
+                                progress=not args.json)
+    if args.json:
+        for completion in engine.generate(prompts, params):
+            print(json.dumps({"token_ids": completion.token_ids, "text": completion.text,
+                              "finish_reason": completion.finish_reason,
+                              "prompt_tokens": completion.prompt_tokens}), flush=True)
+        return 0
+    for prompt in prompts:
+        shown = prompt if isinstance(prompt, str) else f"<{len(prompt)} token ids>"
+        print(f"\n>>> {shown}", file=sys.stderr, flush=True)
+        for chunk in engine.stream(prompt, params):
+            sys.stdout.write(chunk.new_text)
+            sys.stdout.flush()
+        print(flush=True)
+    return 0
