@@ -1,0 +1,146 @@
+"""KV page bookkeeping on the host: free list, ref counts, prefix hashes, LRU eviction.
+
+Pure Python, no JAX. Page 0 is the null page: never allocated, it fills the unused
+columns of `page_indices` and padding sequences point at it.
+
+One free queue holds every page with ref count 0, oldest first. A page that was full
+when freed keeps its prefix hash and stays findable (a cache hit takes it back out of
+the queue) until allocation reaches it at the head of the queue: that is the LRU
+eviction. Requests free their pages in reverse order, so a request's tail pages (the
+least shareable ones) are evicted before its head pages.
+
+A full page's hash chains its parent's hash, its tokens and the request's cache_salt,
+so equal hashes mean equal whole prefixes (and equal salts).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from typing import Sequence
+
+NULL_PAGE = 0
+
+
+def hash_page(parent: bytes | None, tokens: Sequence[int], salt: str | None = None) -> bytes:
+    """Hash of one full page given its parent's hash (None for the first page)."""
+    h = hashlib.blake2b(digest_size=16)
+    if parent is None:
+        h.update(b"root:" + (salt or "").encode("utf-8") + b"\x00")
+    else:
+        h.update(parent)
+    h.update(struct.pack(f"<{len(tokens)}q", *tokens))
+    return h.digest()
+
+
+def prefix_hashes(tokens: Sequence[int], page_size: int, salt: str | None = None,
+                  start: int = 0, parent: bytes | None = None) -> list[bytes]:
+    """Hashes of full pages start, start + 1, ... of `tokens` (parent = hash of page start - 1)."""
+    out = []
+    for i in range(start, len(tokens) // page_size):
+        parent = hash_page(parent, tokens[i * page_size:(i + 1) * page_size], salt)
+        out.append(parent)
+    return out
+
+
+class BlockManager:
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
+        if num_pages < 2:
+            raise ValueError("need at least 2 pages (page 0 is the null page)")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_pages
+        self.page_hash: list[bytes | None] = [None] * num_pages
+        self.cached: dict[bytes, int] = {}  # hash -> page
+        self.free_queue: OrderedDict[int, None] = OrderedDict((p, None) for p in range(1, num_pages))
+        self.hits = 0  # pages served from the prefix cache
+        self.queries = 0  # pages looked up
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_free(self) -> int:
+        """Pages that can be allocated now (free, including evictable cached pages)."""
+        return len(self.free_queue)
+
+    @property
+    def num_usable(self) -> int:
+        return self.num_pages - 1
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def lookup(self, hashes: Sequence[bytes]) -> list[int]:
+        """Pages of the longest cached prefix of `hashes` (no ref counts change)."""
+        if not self.enable_prefix_caching:
+            return []
+        pages = []
+        for h in hashes:
+            page = self.cached.get(h)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def can_allocate(self, num_new: int, hit_pages: Sequence[int] = ()) -> bool:
+        """Whether `num_new` fresh pages fit after taking `hit_pages` out of the free queue."""
+        taken = sum(1 for p in hit_pages if self.ref_counts[p] == 0)
+        return self.num_free - taken >= num_new
+
+    # ------------------------------------------------------------------ changes
+    def acquire(self, pages: Sequence[int]) -> None:
+        """Takes a reference on cached pages (prefix hits)."""
+        for p in pages:
+            if self.ref_counts[p] == 0:
+                del self.free_queue[p]
+            self.ref_counts[p] += 1
+        self.hits += len(pages)
+
+    def allocate(self, n: int) -> list[int]:
+        """n fresh pages from the head of the free queue, evicting their cached hashes."""
+        if n > len(self.free_queue):
+            raise MemoryError(f"need {n} pages, {len(self.free_queue)} free")
+        out = []
+        for _ in range(n):
+            page, _ = self.free_queue.popitem(last=False)
+            h = self.page_hash[page]
+            if h is not None:
+                if self.cached.get(h) == page:
+                    del self.cached[h]
+                self.page_hash[page] = None
+            self.ref_counts[page] = 1
+            out.append(page)
+        return out
+
+    def free(self, pages: Sequence[int]) -> None:
+        """Drops one reference per page, tail first; unreferenced pages join the free queue."""
+        for p in reversed(pages):
+            if p == NULL_PAGE:
+                continue
+            assert self.ref_counts[p] > 0, f"double free of page {p}"
+            self.ref_counts[p] -= 1
+            if self.ref_counts[p] == 0:
+                self.free_queue[p] = None
+
+    def register(self, page: int, h: bytes) -> None:
+        """Marks a full, computed page as holding the prefix with hash h."""
+        if not self.enable_prefix_caching or self.page_hash[page] is not None:
+            return
+        if h in self.cached:  # the same prefix was computed twice: keep the first copy
+            return
+        self.cached[h] = page
+        self.page_hash[page] = h
+
+    def reset_prefix_cache(self) -> None:
+        for h, p in list(self.cached.items()):
+            self.page_hash[p] = None
+        self.cached.clear()
+
+    def check(self) -> None:
+        """Invariants (tests): every page is exactly one of free / referenced."""
+        for p in range(1, self.num_pages):
+            assert (self.ref_counts[p] == 0) == (p in self.free_queue), p
+        assert NULL_PAGE not in self.free_queue
+        for h, p in self.cached.items():
+            assert self.page_hash[p] == h
