@@ -87,7 +87,7 @@ class GenerateChunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerateComplete(_message.Message):
-    __slots__ = ("finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "queue_time_s", "ttft_s", "request_id", "e2e_s")
+    __slots__ = ("finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "queue_time_s", "ttft_s", "request_id", "e2e_s", "error")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,7 @@ class GenerateComplete(_message.Message):
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     E2E_S_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
@@ -104,7 +105,8 @@ class GenerateComplete(_message.Message):
     ttft_s: float
     request_id: str
     e2e_s: float
-    def __init__(self, finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., queue_time_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., request_id: _Optional[str] = ..., e2e_s: _Optional[float] = ...) -> None: ...
+    error: str
+    def __init__(self, finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., queue_time_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., request_id: _Optional[str] = ..., e2e_s: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("chunk", "complete")
