@@ -1,0 +1,116 @@
+"""Float64 NumPy oracle for ragged paged attention, and a builder of ragged test batches.
+
+The oracle shares no code with any impl (not even `reference.py`): it walks sequences
+and rows one by one in float64, reading K/V only at positions < kv_len, so garbage in
+unused page slots cannot influence it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
+           sliding_window=None, soft_cap=None):
+    """Returns (out[T, Hq, D] float64, live[T] bool). Rows not live are left at 0."""
+    q = np.asarray(q, np.float64)
+    pages = np.asarray(kv_pages, np.float64)
+    kv_lens, page_indices = np.asarray(kv_lens), np.asarray(page_indices)
+    cu, n = np.asarray(cu_q_lens), int(np.asarray(num_seqs)[0])
+    t, hq, d = q.shape
+    _, page_size, combined, _ = pages.shape
+    hkv = combined // 2
+    g = hq // hkv
+    out = np.zeros((t, hq, d))
+    live = np.zeros(t, bool)
+    for s in range(n):
+        kv_len = int(kv_lens[s])
+        q_len = int(cu[s + 1] - cu[s])
+        npg = -(-kv_len // page_size)
+        kv = pages[page_indices[s, :npg]].reshape(npg * page_size, combined, d)[:kv_len]
+        k, v = kv[:, 0::2], kv[:, 1::2]  # [K, Hkv, D]
+        for i in range(q_len):
+            row = int(cu[s]) + i
+            live[row] = True
+            pos = kv_len - q_len + i
+            lo = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
+            qr = q[row].reshape(hkv, g, d)
+            sc = np.einsum("khd,hgd->hgk", k[lo:pos + 1], qr) * sm_scale
+            if soft_cap is not None:
+                sc = soft_cap * np.tanh(sc / soft_cap)
+            p = np.exp(sc - sc.max(axis=-1, keepdims=True))
+            p /= p.sum(axis=-1, keepdims=True)
+            out[row] = np.einsum("hgk,khd->hgd", p, v[lo:pos + 1]).reshape(hq, d)
+    return out, live
+
+
+@dataclasses.dataclass
+class Batch:
+    q: np.ndarray  # [T, Hq, D]
+    kv_pages: np.ndarray  # [num_pages, page_size, 2 * Hkv, D]
+    kv_lens: np.ndarray  # [S] int32
+    page_indices: np.ndarray  # [S, P] int32
+    cu_q_lens: np.ndarray  # [S + 1] int32
+    num_seqs: np.ndarray  # [1] int32
+
+    def args(self):
+        return (self.q, self.kv_pages, self.kv_lens, self.page_indices, self.cu_q_lens,
+                self.num_seqs)
+
+
+def make_batch(seqs, *, num_q_heads, num_kv_heads, head_dim, page_size, dtype=np.float32,
+               num_tokens=None, num_slots=None, max_pages=None, num_pages=None, seed=0,
+               garbage=np.nan):
+    """seqs: list of (q_len, kv_len) with kv_len >= q_len >= 0.
+
+    Pages are a random permutation; every page slot no sequence owns, every position at or
+    past a sequence's kv_len, every padding token row of q and every padding sequence's
+    metadata is garbage (NaN by default), so leaks show up as NaN.
+    """
+    rng = np.random.default_rng(seed)
+    n = len(seqs)
+    total = sum(ql for ql, _ in seqs)
+    num_tokens = num_tokens or max(total, 1)
+    num_slots = num_slots or max(n, 1)
+    need = [-(-kl // page_size) for _, kl in seqs]
+    max_pages = max_pages or max(need + [1])
+    num_pages = num_pages or sum(need) + 3
+    assert num_tokens >= total and num_slots >= n and max_pages >= max(need + [0])
+    assert num_pages >= sum(need)
+    combined = 2 * num_kv_heads
+    pages = np.full((num_pages, page_size, combined, head_dim), garbage, np.float32)
+    perm = rng.permutation(num_pages)
+    page_indices = np.zeros((num_slots, max_pages), np.int32)
+    # Padding slots of page_indices point at real-but-unowned (garbage) pages.
+    page_indices[:] = perm[-1]
+    used = 0
+    for s, (ql, kl) in enumerate(seqs):
+        assert 0 <= ql <= kl
+        ids = perm[used:used + need[s]]
+        used += need[s]
+        page_indices[s, :need[s]] = ids
+        kv = rng.standard_normal((kl, combined, head_dim)).astype(np.float32)
+        flat = pages[ids].reshape(-1, combined, head_dim)
+        flat[:kl] = kv
+        pages[ids] = flat.reshape(need[s], page_size, combined, head_dim)
+    q = np.full((num_tokens, num_q_heads, head_dim), garbage, np.float32)
+    q[:total] = rng.standard_normal((total, num_q_heads, head_dim)).astype(np.float32)
+    cu = np.zeros(num_slots + 1, np.int32)
+    cu[1:n + 1] = np.cumsum([ql for ql, _ in seqs])
+    cu[n + 1:] = total
+    kv_lens = np.zeros(num_slots, np.int32)
+    kv_lens[:n] = [kl for _, kl in seqs]
+    kv_lens[n:] = 7  # padding sequences: nonsense lengths the kernel must ignore
+    q, pages = q.astype(dtype), pages.astype(dtype)
+    return Batch(q, pages, kv_lens, page_indices, cu, np.asarray([n], np.int32))
+
+
+def rel_err(out, ref, live):
+    """max |out - ref| / max |ref| over live rows."""
+    out = np.asarray(out, np.float64)[live]
+    ref = ref[live]
+    if ref.size == 0:
+        return 0.0
+    return float(np.max(np.abs(out - ref)) / max(np.max(np.abs(ref)), 1e-30))
