@@ -1,0 +1,113 @@
+"""`jaxfill serve`: the gRPC server (Generation + JetStream shim + health + reflection)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import time
+
+COMMAND = ("serve",)
+HELP = "serve the model over gRPC (jaxfill.v1.Generation, JetStream Orchestrator, health, reflection)"
+
+
+def add_arguments(p) -> None:
+    from serving.cli import common_model_args
+
+    common_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=50051, help="gRPC port (0 = pick a free one)")
+    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (off by default)")
+    p.add_argument("--api-key", default=None, help="require `authorization: Bearer KEY` on every RPC but health")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key: serve TLS)")
+    p.add_argument("--tls-key", default=None, help="PEM private key")
+    p.add_argument("--max-message-mb", type=float, default=16.0, help="largest gRPC message either way")
+    p.add_argument("--grace-period", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM/SIGINT")
+    p.add_argument("--no-warmup", action="store_true", help="skip compiling the shape buckets up front")
+    p.add_argument("--log-level", default="INFO")
+
+
+def _log_startup(log, engine, args, load_s: float) -> None:
+    cfg = engine.config
+    m = cfg.model
+    src = cfg.model_path or f"random init (seed {getattr(m, 'seed', 0)})"
+    log.info("loaded %s: %s, %d layers, hidden %d, heads %d/%d kv, vocab %d, dtype %s from %s in %.1f s",
+             cfg.name, getattr(m, "architecture", "?"), m.num_layers, m.hidden_size, m.num_heads,
+             m.num_kv_heads, m.vocab_size, getattr(m, "dtype", "?"), src, load_s)
+    e = cfg.engine
+    log.info("engine: %d pages x %d tokens, max_model_len %d, max_num_seqs %d, token budget %d, max_waiting %d",
+             e.num_pages, e.page_size, e.max_model_len, e.max_num_seqs, e.max_num_batched_tokens, e.max_waiting)
+    try:
+        import jax
+
+        devs = jax.devices()
+        log.info("mesh: data=%d tensor=%d sequence=%d on %d %s device(s)", cfg.mesh.data, cfg.mesh.tensor,
+                 cfg.mesh.sequence, len(devs), devs[0].platform)
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def _buckets(engine) -> str:
+    for attr in ("buckets", "compiled_buckets", "shape_buckets"):
+        b = getattr(engine, attr, None)
+        if b:
+            return f"{len(b)} shape buckets {list(b)}"
+    e = engine.config.engine
+    if e.token_buckets or e.seq_buckets:
+        return f"token buckets {list(e.token_buckets)}, seq buckets {list(e.seq_buckets)}"
+    return "shape buckets"
+
+
+async def _serve(args, engine, log) -> int:
+    from serving.server import Server
+
+    server = Server(engine, host=args.host, port=args.port, metrics_port=args.metrics_port, api_key=args.api_key,
+                    tls_cert=args.tls_cert, tls_key=args.tls_key,
+                    max_message_bytes=int(args.max_message_mb * (1 << 20)), warmup=not args.no_warmup)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    port = await server.start()
+    scheme = "grpcs" if args.tls_cert else "grpc"
+    log.info("listening on %s://%s:%d (health NOT_SERVING until warm-up ends)%s", scheme, args.host, port,
+             f"; auth: API key" if args.api_key else "")
+    if server.metrics_port is not None:
+        log.info("metrics on http://%s:%d/metrics", server.metrics_host, server.metrics_port)
+    start = time.perf_counter()
+    ready_logged = False
+    while not stop.is_set():
+        if server.loop.state == "failed":
+            log.error("warm-up failed: %s", server.loop.error)
+            await server.shutdown(0)
+            return 1
+        if not ready_logged and server.ready.is_set():
+            ready_logged = True
+            log.info("warm-up done in %.1f s (%s compiled); health SERVING", time.perf_counter() - start,
+                     _buckets(engine))
+        try:
+            await asyncio.wait_for(stop.wait(), 0.2)
+        except asyncio.TimeoutError:
+            pass
+    log.info("signal received: draining (health NOT_SERVING, new requests refused, %d in flight, grace %.0f s)",
+             server.loop.num_active, args.grace_period)
+    result = await server.shutdown(args.grace_period)
+    log.info("stopped: %d in flight at the signal, %d aborted after the grace period",
+             result["in_flight"], result["aborted"])
+    return 0
+
+
+def run(args) -> int:
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("jaxfill.serve")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ValueError("--tls-cert and --tls-key go together")
+    from engine.engine import Engine
+
+    start = time.perf_counter()
+    engine = Engine.from_config(args.config, model_path=args.model, overrides=args.overrides, progress=False)
+    _log_startup(log, engine, args, time.perf_counter() - start)
+    return asyncio.run(_serve(args, engine, log))
