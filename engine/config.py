@@ -31,6 +31,8 @@ class EngineSettings:
     token_buckets: tuple[int, ...] = ()  # () -> derived from max_num_batched_tokens
     seq_buckets: tuple[int, ...] = ()  # () -> derived from max_num_seqs
     seed: int = 0
+    scheduling_policy: str = "fcfs"  # "fcfs" | "priority" (lower priority value runs first)
+    penalty_window: int = 256  # tokens of history the repetition/presence/frequency penalties see
 
     def __post_init__(self):
         for name in ("page_size", "num_pages", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
@@ -38,6 +40,10 @@ class EngineSettings:
                 raise ConfigError(f"engine.{name} must be positive, got {getattr(self, name)}")
         if self.num_pages < 2:
             raise ConfigError("engine.num_pages must be at least 2 (page 0 is the null page)")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ConfigError(f"engine.scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
+        if int(self.penalty_window) <= 0:
+            raise ConfigError(f"engine.penalty_window must be positive, got {self.penalty_window}")
 
     @property
     def max_pages_per_seq(self) -> int:

@@ -105,3 +105,89 @@ class RequestOutput:
     finished: bool = False
     completion: Completion | None = None  # set when finished
     logprobs: list[dict[str, Any]] | None = None
+
+
+class Status:
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    """One request's host-side state: tokens, progress, pages, stop state, timings.
+
+    `num_computed` counts tokens whose K/V sit in the request's pages. The request needs
+    compute while num_computed < num_tokens; a step whose chunk reaches num_tokens samples.
+    There is no prefill phase: a decode is just a chunk of one token.
+    """
+
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                 priority: int = 0, arrival_seq: int = 0, seed: int = 0, eos_token_ids=()):
+        import time
+
+        self.request_id = request_id
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.priority = priority
+        self.arrival_seq = arrival_seq
+        self.seed = seed  # params.seed, or one drawn by the engine
+        self.eos_token_ids = () if params.ignore_eos else tuple(eos_token_ids)
+        self.output_ids: list[int] = []
+        self.num_computed = 0
+        self.pages: list[int] = []
+        self.page_hashes: list[bytes] = []
+        self.status = Status.WAITING
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.cached_tokens: int | None = None  # set at first admission
+        self.num_preemptions = 0
+        self.logprobs: list[dict[str, Any]] | None = [] if params.logprobs is not None else None
+        # text
+        self.detok = None
+        self.text = ""  # emitted text (never includes a stop string)
+        self.pending_text = ""  # decoded but held back: could be the start of a stop string
+        # timings (perf_counter)
+        self.arrival_wall = time.time()
+        self.arrival = time.perf_counter()
+        self.first_scheduled: float | None = None
+        self.first_token: float | None = None
+        self.last_token: float | None = None
+        self.finished_at: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def remaining(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    def token(self, i: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+    def metrics(self) -> dict[str, float]:
+        end = self.finished_at or self.last_token or self.arrival
+        m = {"arrival_time": self.arrival_wall, "e2e_s": end - self.arrival,
+             "num_preemptions": float(self.num_preemptions)}
+        if self.first_scheduled is not None:
+            m["queue_s"] = self.first_scheduled - self.arrival
+        if self.first_token is not None:
+            m["ttft_s"] = self.first_token - self.arrival
+            if self.first_scheduled is not None:
+                m["prefill_s"] = self.first_token - self.first_scheduled
+            n = len(self.output_ids)
+            m["tpot_s"] = (self.last_token - self.first_token) / (n - 1) if n > 1 else 0.0
+        return m
+
+    def completion(self) -> Completion:
+        return Completion(self.request_id, list(self.output_ids), self.text, self.finish_reason or "abort",
+                          len(self.prompt_ids), self.cached_tokens or 0, self.metrics(),
+                          logprobs=self.logprobs, error=self.error)

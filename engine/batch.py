@@ -1,0 +1,158 @@
+"""Scheduler output -> host numpy arrays padded to one of a few fixed (tokens, seqs) buckets.
+
+Padding tokens get slot -1 (write nothing) and position 0; padding sequences get
+kv_len 0, an empty q range (cu_q_lens repeats the total) and page 0 everywhere.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+
+import jax
+import numpy as np
+
+from engine.sampler import SamplingArrays
+from engine.scheduler import SchedulerOutput
+from models.config import ConfigError
+from models.kv_cache import AttentionMetadata
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+    tokens: jax.Array  # [T] i32
+    positions: jax.Array  # [T] i32
+    meta: AttentionMetadata
+    sampling: SamplingArrays
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.tokens.shape[0], self.meta.kv_lens.shape[0]
+
+
+def token_buckets(settings) -> tuple[int, ...]:
+    """Explicit engine.token_buckets, or 16, 64, 256, ... (x4) plus the token budget."""
+    budget = settings.max_num_batched_tokens
+    if settings.token_buckets:
+        b = tuple(sorted(set(int(x) for x in settings.token_buckets)))
+        if b[-1] < budget:
+            raise ConfigError(f"engine.token_buckets {b} must reach engine.max_num_batched_tokens ({budget})")
+        return tuple(x for x in b if x < budget) + (budget,)
+    out, b = [], min(16, budget)
+    while b < budget:
+        out.append(b)
+        b *= 4
+    return tuple(out) + (budget,)
+
+
+def seq_buckets(settings) -> tuple[int, ...]:
+    """Explicit engine.seq_buckets, or just max_num_seqs (padding rows are cheap)."""
+    m = settings.max_num_seqs
+    if settings.seq_buckets:
+        b = sorted(set(int(x) for x in settings.seq_buckets))
+        return tuple(x for x in b if x < m) + (m,)
+    return (m,)
+
+
+def bucket_shapes(settings) -> list[tuple[int, int]]:
+    """Every (T, S) a step can take; S <= T since each sequence brings at least one token."""
+    shapes = []
+    for t in token_buckets(settings):
+        for s in sorted({min(s, t) for s in seq_buckets(settings)}):
+            shapes.append((t, s))
+    return shapes
+
+
+def pick_bucket(shapes: list[tuple[int, int]], num_tokens: int, num_seqs: int) -> tuple[int, int]:
+    i = bisect.bisect_left(shapes, (num_tokens, 0))
+    for t, s in shapes[i:]:
+        if t >= num_tokens and s >= num_seqs:
+            return t, s
+    raise ValueError(f"no bucket holds {num_tokens} tokens / {num_seqs} seqs; buckets: {shapes}")
+
+
+def _split_seed(seed: int) -> tuple[int, int]:
+    seed &= (1 << 64) - 1
+    return seed >> 32, seed & 0xFFFFFFFF
+
+
+def build_batch(out: SchedulerOutput, shape: tuple[int, int], page_size: int, max_pages: int,
+                vocab_size: int, penalty_window: int) -> StepBatch:
+    t_pad, s_pad = shape
+    tokens = np.zeros(t_pad, np.int32)
+    positions = np.zeros(t_pad, np.int32)
+    slots = np.full(t_pad, -1, np.int32)
+    cu = np.zeros(s_pad + 1, np.int32)
+    kv_lens = np.zeros(s_pad, np.int32)
+    page_indices = np.zeros((s_pad, max_pages), np.int32)
+    logits_idx = np.zeros(s_pad, np.int32)
+    temp = np.zeros(s_pad, np.float32)
+    top_k = np.zeros(s_pad, np.int32)
+    top_p = np.ones(s_pad, np.float32)
+    min_p = np.zeros(s_pad, np.float32)
+    seed_hi = np.zeros(s_pad, np.uint32)
+    seed_lo = np.zeros(s_pad, np.uint32)
+    out_index = np.zeros(s_pad, np.int32)
+    rep = np.ones(s_pad, np.float32)
+    pres = np.zeros(s_pad, np.float32)
+    freq = np.zeros(s_pad, np.float32)
+    hist = np.full((s_pad, penalty_window), -1, np.int32)
+    want_lp = np.zeros(s_pad, np.bool_)
+
+    pos_t = 0
+    for i, sch in enumerate(out.seqs):
+        req, start, n = sch.req, sch.start, sch.num_new
+        end = start + n
+        npr = len(req.prompt_ids)
+        if start >= npr:
+            ids = req.output_ids[start - npr:end - npr]
+        else:
+            ids = req.prompt_ids[start:end] + (req.output_ids[:end - npr] if end > npr else [])
+        sl = slice(pos_t, pos_t + n)
+        tokens[sl] = ids
+        pos = np.arange(start, end, dtype=np.int32)
+        positions[sl] = pos
+        pages = np.asarray(req.pages, np.int32)
+        slots[sl] = pages[pos // page_size] * page_size + pos % page_size
+        pos_t += n
+        cu[i + 1] = pos_t
+        kv_lens[i] = end
+        page_indices[i, :len(pages)] = pages
+        logits_idx[i] = pos_t - 1
+        if sch.samples:
+            p = req.params
+            temp[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
+            seed_hi[i], seed_lo[i] = _split_seed(req.seed)
+            out_index[i] = len(req.output_ids)
+            want_lp[i] = p.logprobs is not None
+            if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+                rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
+                outs = req.output_ids[-penalty_window:]
+                room = penalty_window - len(outs)
+                prompt = req.prompt_ids[-room:] if room > 0 else []
+                h = np.asarray(list(outs) + [x + vocab_size for x in prompt], np.int32)
+                hist[i, :len(h)] = h
+    num = len(out.seqs)
+    cu[num + 1:] = pos_t
+    meta = AttentionMetadata(cu_q_lens=cu, kv_lens=kv_lens, page_indices=page_indices,
+                             num_seqs=np.asarray([num], np.int32), slot_mapping=slots,
+                             logits_indices=logits_idx)
+    sampling = SamplingArrays(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
+                              seed_hi=seed_hi, seed_lo=seed_lo, out_index=out_index,
+                              repetition_penalty=rep, presence_penalty=pres, frequency_penalty=freq,
+                              hist=hist, want_logprobs=want_lp)
+    return StepBatch(tokens, positions, meta, sampling)
+
+
+def dummy_batch(shape: tuple[int, int], max_pages: int, penalty_window: int) -> StepBatch:
+    """An all-padding batch of one bucket shape (warm-up): one live 1-token sequence on
+    the null page whose write is skipped (slot -1)."""
+    t_pad, s_pad = shape
+    from engine.scheduler import SchedulerOutput
+
+    b = build_batch(SchedulerOutput([], [], []), shape, 1, max_pages, 1, penalty_window)
+    b.meta.cu_q_lens[1:] = 1
+    b.meta.kv_lens[0] = 1
+    b.meta.num_seqs[0] = 1
+    return b

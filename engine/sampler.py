@@ -1,0 +1,134 @@
+"""Sampling on device from per-row parameter arrays (pure jnp, runs inside the step jit).
+
+Every sampling knob is data, never a static argument, so changing one never recompiles.
+Row s draws with its own key fold_in(fold_in(fold_in(key(0), seed_hi), seed_lo), output
+index): the same seed gives the same tokens whatever batch the request lands in, and
+whatever other rows ask for (both branches of every `lax.cond` give a row the same
+result when its own filters are off).
+
+Penalties need each row's token counts. The batch carries a fixed-shape history
+`hist[S, H]` of the row's most recent token ids (output tokens as id, prompt tokens as
+id + V, padding -1); counts are rebuilt here with one scatter-add. H is
+`engine.penalty_window` (static), so penalties see at most the last H tokens.
+
+Logprobs are those of the raw model distribution (before penalties and temperature):
+the chosen token's and the top MAX_LOGPROBS (the host keeps the N each request asked for).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+MAX_LOGPROBS = 20
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingArrays:
+    temperature: jax.Array  # [S] f32, 0 = greedy
+    top_k: jax.Array  # [S] i32, 0 = off
+    top_p: jax.Array  # [S] f32, 1 = off
+    min_p: jax.Array  # [S] f32, 0 = off
+    seed_hi: jax.Array  # [S] u32
+    seed_lo: jax.Array  # [S] u32
+    out_index: jax.Array  # [S] i32, index of the token being sampled in the output
+    repetition_penalty: jax.Array  # [S] f32, 1 = off
+    presence_penalty: jax.Array  # [S] f32
+    frequency_penalty: jax.Array  # [S] f32
+    hist: jax.Array  # [S, H] i32: output id | prompt id + V | -1
+    want_logprobs: jax.Array  # [S] bool
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SampleOutput:
+    tokens: jax.Array  # [S] i32
+    logprob: jax.Array  # [S] f32, raw logprob of the chosen token
+    top_ids: jax.Array  # [S, N] i32
+    top_logprobs: jax.Array  # [S, N] f32
+
+
+def apply_penalties(logits: jax.Array,  # [S, V] f32
+                    sp: SamplingArrays) -> jax.Array:
+    s, v = logits.shape
+
+    def penalize(logits):
+        h = sp.hist
+        valid = h >= 0
+        is_out = valid & (h < v)
+        tok = jnp.where(valid, h % v, 0)
+        rows = jnp.broadcast_to(jnp.arange(s)[:, None], h.shape)
+        out_counts = jnp.zeros((s, v), jnp.int32).at[rows, tok].add(is_out.astype(jnp.int32))
+        seen = jnp.zeros((s, v), jnp.bool_).at[rows, tok].max(valid)
+        rp = sp.repetition_penalty[:, None]
+        logits = jnp.where(seen, jnp.where(logits > 0, logits / rp, logits * rp), logits)
+        logits = logits - sp.frequency_penalty[:, None] * out_counts
+        logits = logits - sp.presence_penalty[:, None] * (out_counts > 0)
+        return logits
+
+    active = jnp.any((sp.repetition_penalty != 1.0) | (sp.presence_penalty != 0.0)
+                     | (sp.frequency_penalty != 0.0))
+    return jax.lax.cond(active, penalize, lambda x: x, logits)
+
+
+def filter_mask(scaled: jax.Array,  # [S, V] f32, logits / temperature
+                sp: SamplingArrays) -> jax.Array:  # [S, V] bool: tokens that may be drawn
+    """top-k, then top-p on the renormalised top-k distribution, and min-p (vs the max)."""
+    s, v = scaled.shape
+
+    def cutoff(scaled):
+        vals = -jnp.sort(-scaled, axis=-1)  # [S, V] descending
+        pos = jnp.arange(v)[None, :]
+        k = jnp.where(sp.top_k <= 0, v, jnp.minimum(sp.top_k, v))[:, None]
+        in_k = pos < k
+        probs = jax.nn.softmax(jnp.where(in_k, vals, -jnp.inf), axis=-1)
+        cum = jnp.cumsum(probs, axis=-1)
+        keep = in_k & ((cum - probs) < sp.top_p[:, None])
+        keep &= probs >= sp.min_p[:, None] * probs[:, :1]
+        n = jnp.maximum(jnp.sum(keep, axis=-1), 1)
+        cut = jnp.take_along_axis(vals, (n - 1)[:, None], axis=-1)  # [S, 1]
+        return scaled >= cut
+
+    active = jnp.any((sp.top_k > 0) | (sp.top_p < 1.0) | (sp.min_p > 0.0))
+    return jax.lax.cond(active, cutoff, lambda x: jnp.ones(x.shape, jnp.bool_), scaled)
+
+
+def row_keys(sp: SamplingArrays) -> jax.Array:
+    base = jax.random.key(0)
+
+    def one(hi, lo, idx):
+        return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(base, hi), lo), idx)
+
+    return jax.vmap(one)(sp.seed_hi, sp.seed_lo, sp.out_index)
+
+
+def sample(logits: jax.Array,  # [S, V] f32
+           sp: SamplingArrays) -> SampleOutput:
+    raw = jax.nn.log_softmax(logits, axis=-1)
+    logits = apply_penalties(logits, sp)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def draw(logits):
+        temp = jnp.where(sp.temperature > 0, sp.temperature, 1.0)[:, None]
+        scaled = logits / temp
+        masked = jnp.where(filter_mask(scaled, sp), scaled, -jnp.inf)
+        keys = row_keys(sp)
+        return jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, masked).astype(jnp.int32)
+
+    sampled = jax.lax.cond(jnp.any(sp.temperature > 0), draw, lambda x: greedy, logits)
+    tokens = jnp.where(sp.temperature > 0, sampled, greedy)
+    chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
+    n = min(MAX_LOGPROBS, logits.shape[-1])
+
+    def top(raw):
+        lp, ids = jax.lax.top_k(raw, n)
+        return ids.astype(jnp.int32), lp
+
+    def none(raw):
+        return jnp.zeros((raw.shape[0], n), jnp.int32), jnp.zeros((raw.shape[0], n), raw.dtype)
+
+    top_ids, top_lps = jax.lax.cond(jnp.any(sp.want_logprobs), top, none, raw)
+    return SampleOutput(tokens, chosen, top_ids, top_lps)

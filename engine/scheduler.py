@@ -1,0 +1,208 @@
+"""Token-budget continuous batching with no prefill phase (vLLM v1 style), pure Python.
+
+Each step every running request's `num_computed` catches up to its `num_tokens` under
+`max_num_batched_tokens`:
+
+1. running decodes (one token each) first, so ongoing streams never stall;
+2. then running requests that are mid-prefill, each chunk capped by
+   `long_prefill_token_threshold`;
+3. then waiting requests (FCFS, or by priority), after a prefix-cache lookup. A prompt
+   that would still be unfinished after this step is a *partial* prefill; at most
+   `max_num_partial_prefills` of those run at once; other prompts may pass it.
+
+When pages run out for a running request, the lowest-priority (latest) running request
+is preempted: its pages are freed and it goes back to waiting with num_computed = 0,
+to be recomputed (prefix-cache hits make that cheap). Nothing ever crashes for lack of
+pages; a request that cannot fit even alone finishes with "length".
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import time
+
+from engine.block_manager import BlockManager, prefix_hashes
+from engine.request import Request, Status
+
+
+@dataclasses.dataclass
+class Scheduled:
+    req: Request
+    start: int  # num_computed when scheduled: first new token's position
+    num_new: int
+
+    @property
+    def samples(self) -> bool:
+        return self.start + self.num_new == self.req.num_tokens
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    seqs: list[Scheduled]
+    preempted: list[Request]
+    finished: list[Request]  # finished by the scheduler (no room even alone)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new for s in self.seqs)
+
+
+class Scheduler:
+    def __init__(self, settings, block_manager: BlockManager | None = None):
+        s = settings
+        self.page_size = s.page_size
+        self.max_tokens = s.max_num_batched_tokens
+        self.max_seqs = s.max_num_seqs
+        self.max_partial = max(1, s.max_num_partial_prefills)
+        self.chunk_cap = s.long_prefill_token_threshold or None
+        self.max_model_len = s.max_model_len
+        self.policy = getattr(s, "scheduling_policy", "fcfs")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"engine.scheduling_policy must be fcfs or priority, got {self.policy!r}")
+        self.bm = block_manager or BlockManager(s.num_pages, s.page_size, s.enable_prefix_caching)
+        self.waiting: list[Request] = []  # sorted by _key
+        self.running: list[Request] = []  # admission order
+        self.num_preemptions = 0
+        self.cached_tokens_total = 0
+
+    # ------------------------------------------------------------------ queues
+    def _key(self, r: Request):
+        return (r.priority if self.policy == "priority" else 0, r.arrival_seq)
+
+    def add(self, req: Request) -> None:
+        req.status = Status.WAITING
+        keys = [self._key(r) for r in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, self._key(req)), req)
+
+    def remove(self, req: Request) -> None:
+        """Takes a request out of the queues and frees its pages (abort, error, finish)."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
+
+    def _release(self, req: Request) -> None:
+        self.bm.free(req.pages)
+        req.pages = []
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ pages
+    def _grow(self, req: Request, upto: int) -> bool:
+        """Allocates pages so the request holds `upto` tokens; False if none are left."""
+        need = self.bm.pages_for(upto) - len(req.pages)
+        if need <= 0:
+            return True
+        if not self.bm.can_allocate(need):
+            return False
+        req.pages += self.bm.allocate(need)
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.num_computed = 0
+        req.page_hashes = []
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(req)
+
+    def _hashes(self, req: Request, upto_tokens: int) -> list[bytes]:
+        """Full-page hashes of the request's first `upto_tokens` tokens (memoized)."""
+        full = upto_tokens // self.page_size
+        if len(req.page_hashes) < full:
+            ids = req.all_ids()[:full * self.page_size]
+            parent = req.page_hashes[-1] if req.page_hashes else None
+            req.page_hashes += prefix_hashes(ids, self.page_size, req.params.cache_salt,
+                                             start=len(req.page_hashes), parent=parent)
+        return req.page_hashes[:full]
+
+    def register_computed(self, req: Request) -> None:
+        """Publishes the request's full, computed pages in the prefix cache."""
+        if not self.bm.enable_prefix_caching:
+            return
+        hashes = self._hashes(req, req.num_computed)
+        for page, h in zip(req.pages, hashes):
+            self.bm.register(page, h)
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_tokens
+        seqs: list[Scheduled] = []
+        preempted: list[Request] = []
+        finished: list[Request] = []
+        now = time.perf_counter()
+
+        decodes = [r for r in self.running if r.remaining == 1]
+        prefills = [r for r in self.running if r.remaining > 1]
+        for req in decodes + prefills:
+            if req.status != Status.RUNNING:
+                continue  # preempted by an earlier request of this loop
+            if budget == 0 or len(seqs) >= self.max_seqs:
+                break
+            n = min(req.remaining, budget)
+            if self.chunk_cap and req.remaining > 1:
+                n = min(n, self.chunk_cap)
+            while not self._grow(req, req.num_computed + n):
+                victim = max(self.running, key=self._key)
+                if victim is req and len(self.running) == 1:
+                    # Cannot fit even alone: the pool is too small for this sequence.
+                    self.running.remove(req)
+                    self._release(req)
+                    req.finish_reason = "length"
+                    finished.append(req)
+                    req = None
+                    break
+                for i, s in enumerate(seqs):
+                    if s.req is victim:
+                        budget += s.num_new
+                        del seqs[i]
+                        break
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    req = None
+                    break
+            if req is None:
+                continue
+            seqs.append(Scheduled(req, req.num_computed, n))
+            budget -= n
+
+        num_partial = sum(1 for s in seqs if s.num_new < s.req.remaining)
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(seqs) < self.max_seqs:
+            req = self.waiting[i]
+            hits: list[int] = []
+            if self.bm.enable_prefix_caching and not req.pages:
+                hits = self.bm.lookup(self._hashes(req, req.num_tokens - 1))
+            computed = len(hits) * self.page_size
+            remaining = req.num_tokens - computed
+            n = min(remaining, budget)
+            if self.chunk_cap and remaining > 1:
+                n = min(n, self.chunk_cap)
+            if n < remaining and num_partial >= self.max_partial:
+                i += 1  # would become another partial prefill: let shorter prompts pass
+                continue
+            need = self.bm.pages_for(computed + n) - len(hits)
+            if not self.bm.can_allocate(need, hits):
+                break  # out of pages: stop admitting (running requests keep theirs)
+            self.bm.acquire(hits)
+            req.pages = hits + self.bm.allocate(need)
+            req.num_computed = computed
+            if req.cached_tokens is None:
+                req.cached_tokens = computed
+                self.cached_tokens_total += computed
+            if req.first_scheduled is None:
+                req.first_scheduled = now
+            self.bm.queries += len(req.page_hashes)
+            del self.waiting[i]
+            req.status = Status.RUNNING
+            self.running.append(req)
+            seqs.append(Scheduled(req, computed, n))
+            budget -= n
+            if n < remaining:
+                num_partial += 1
+        return SchedulerOutput(seqs, preempted, finished)
