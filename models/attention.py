@@ -9,6 +9,7 @@ from flax import nnx
 from models.config import ModelConfig
 from models.kv_cache import AttentionMetadata
 from models.layers import apply_rope, param, rope_inv_freq
+from models.sharding import constrain, kv_heads_for, sharded_attention
 from pallas_kernels import ragged_paged_attention, write_kv
 
 
@@ -42,8 +43,22 @@ class Attention(nnx.Module):
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        pages = write_kv(pages, k, v, meta.slot_mapping)
-        out = ragged_paged_attention(
-            q, pages, meta.kv_lens, meta.page_indices, meta.cu_q_lens, meta.num_seqs,
-            sm_scale=self.sm_scale, sliding_window=self.sliding_window, impl=impl)
-        return jnp.einsum("thd,hde->te", out, self.o[...]), pages
+        # A cache laid out for more KV heads than the model has (tensor parallel with
+        # Hkv < tensor, see models/sharding.py) holds each head repeated r times in a row.
+        r = kv_heads_for(pages.shape[2], k.shape[1])
+        if r > 1:
+            k, v = jnp.repeat(k, r, axis=1), jnp.repeat(v, r, axis=1)
+        q = constrain(q, ("tokens", "act_heads", None))
+        k = constrain(k, ("tokens", "act_kv_heads", None))
+        v = constrain(v, ("tokens", "act_kv_heads", None))
+
+        def attend(q, k, v, pages, meta):  # per-device view under a mesh
+            pages = write_kv(pages, k, v, meta.slot_mapping)
+            out = ragged_paged_attention(
+                q, pages, meta.kv_lens, meta.page_indices, meta.cu_q_lens, meta.num_seqs,
+                sm_scale=self.sm_scale, sliding_window=self.sliding_window, impl=impl)
+            return out, pages
+
+        out, pages = sharded_attention(attend, q, k, v, pages, meta)
+        out = jnp.einsum("thd,hde->te", out, self.o[...])  # all-reduce over tensor
+        return constrain(out, ("tokens", "act_embed")), pages

@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models.sharding import constrain, vocab_parallel_embed
+
 
 def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dtype,
           init: str = "normal", scale: float = 0.02) -> nnx.Param:
@@ -77,7 +79,8 @@ class GatedMLP(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:  # [T, E] -> [T, E]
         with jax.named_scope("mlp"):
             h = jax.nn.silu(x @ self.gate[...]) * (x @ self.up[...])
-            return h @ self.down[...]
+            h = constrain(h, ("tokens", "act_mlp"))
+            return constrain(h @ self.down[...], ("tokens", "act_embed"))  # all-reduce over tensor
 
 
 class Embed(nnx.Module):
@@ -85,7 +88,7 @@ class Embed(nnx.Module):
         self.embedding = param(rngs, (vocab, hidden), ("vocab", "embed"), dtype)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:  # [T] -> [T, E]
-        return jnp.take(self.embedding[...], tokens, axis=0)
+        return vocab_parallel_embed(self.embedding[...], tokens)
 
     def attend(self, x: jax.Array) -> jax.Array:  # [S, E] -> [S, V], tied LM head
-        return x @ self.embedding[...].T
+        return constrain(x @ self.embedding[...].T, ("seqs", "act_vocab"))

@@ -16,6 +16,7 @@ from models.attention import Attention
 from models.config import ModelConfig
 from models.kv_cache import AttentionMetadata, KVCache
 from models.layers import Embed, GatedMLP, RMSNorm, param
+from models.sharding import constrain
 
 
 class DecoderLayer(nnx.Module):
@@ -57,9 +58,10 @@ class Llama(nnx.Module):
             with jax.named_scope(f"layer_{i}"):
                 x, pages = layer(x, positions, pages, meta, self.attention_impl)
             new_pages.append(pages)
-        x = self.norm(jnp.take(x, meta.logits_indices, axis=0))  # [S, E]
+        x = constrain(jnp.take(x, meta.logits_indices, axis=0), ("seqs", "act_embed"))
+        x = self.norm(x)  # [S, E]
         if self.config.tie_word_embeddings:
             logits = self.embed.attend(x)
         else:
-            logits = x @ self.lm_head[...]
+            logits = constrain(x @ self.lm_head[...], ("seqs", "act_vocab"))  # vocab-parallel
         return logits.astype(jnp.float32), KVCache(tuple(new_pages))

@@ -1,0 +1,96 @@
+"""The device mesh from the [mesh] config section, and multi-process initialisation.
+
+    initialize_distributed(settings)   # once per process, before any other jax call
+    mesh = make_mesh(settings)         # axes ('data', 'tensor', 'sequence'), AxisType.Auto
+
+Axes are AxisType.Auto: model code only names logical axes and adds sharding constraints;
+XLA's partitioner inserts the collectives (an Explicit mesh would make every matmul over
+a sharded contracting dim spell out its out_sharding).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from models.config import ConfigError
+
+AXES = ("data", "tensor", "sequence")
+
+
+def initialize_distributed(settings) -> bool:
+    """jax.distributed.initialize for multi-process runs; returns True if it initialised.
+
+    * mesh.coordinator="host:port" with mesh.num_processes > 1: explicit (CPU/GPU clusters,
+      tests with two processes on 127.0.0.1). On CPU the gloo collectives are selected.
+    * no coordinator but a TPU pod / cluster environment (TPU_WORKER_HOSTNAMES with more
+      than one host, MEGASCALE_COORDINATOR_ADDRESS, JAX_COORDINATOR_ADDRESS, SLURM_JOB_ID,
+      OMPI_COMM_WORLD_SIZE): jax.distributed.initialize() auto-detects.
+    * otherwise single process: nothing to do.
+    Must run before any jax computation or device query in the process.
+    """
+    import jax
+
+    if jax.distributed.is_initialized():
+        return False
+    if settings.coordinator and settings.num_processes > 1:
+        if not 0 <= settings.process_id < settings.num_processes:
+            raise ConfigError(f"mesh.process_id ({settings.process_id}) must be in [0, {settings.num_processes})")
+        # Only affects the CPU backend (cross-process CPU collectives); harmless elsewhere.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(coordinator_address=settings.coordinator,
+                                   num_processes=settings.num_processes,
+                                   process_id=settings.process_id)
+        return True
+    if settings.num_processes > 1 and not settings.coordinator and not _cluster_env():
+        raise ConfigError("mesh.num_processes > 1 needs mesh.coordinator (host:port) outside a TPU pod/cluster")
+    if _cluster_env():
+        jax.distributed.initialize()
+        return True
+    return False
+
+
+def _cluster_env() -> bool:
+    env = os.environ
+    hosts = env.get("TPU_WORKER_HOSTNAMES", "")
+    return bool(("," in hosts) or env.get("MEGASCALE_COORDINATOR_ADDRESS")
+                or env.get("JAX_COORDINATOR_ADDRESS")
+                or (env.get("SLURM_JOB_ID") and int(env.get("SLURM_NTASKS", "1")) > 1)
+                or int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1)
+
+
+def ordered_devices(devices=None) -> list:
+    """All global devices, process-major (each process's devices contiguous, by id within
+    a process). Global ids are not contiguous across processes (e.g. 0-3 and 131072-...),
+    so ordering by process first keeps the innermost mesh axes inside one host."""
+    import jax
+
+    devices = list(devices if devices is not None else jax.devices())
+    return sorted(devices, key=lambda d: (d.process_index, d.id))
+
+
+def make_mesh(settings, devices=None):
+    """jax.sharding.Mesh with axes ('data', 'tensor', 'sequence') of the configured sizes.
+
+    The product must equal the number of devices (all processes together). Device order:
+    TPU single-process uses jax.make_mesh (topology-aware); otherwise process-major order,
+    so with two hosts the outermost axis ('data', else 'tensor') spans hosts.
+    """
+    import jax
+    from jax.sharding import AxisType
+
+    devices = ordered_devices(devices)
+    shape = (int(settings.data), int(settings.tensor), int(settings.sequence))
+    if int(np.prod(shape)) != len(devices):
+        kinds = sorted({d.platform for d in devices})
+        raise ConfigError(
+            f"mesh data={shape[0]} x tensor={shape[1]} x sequence={shape[2]} = {int(np.prod(shape))} "
+            f"devices, but {len(devices)} {'/'.join(kinds)} device(s) are visible across "
+            f"{jax.process_count()} process(es); set mesh.* so the product is {len(devices)}"
+            + (" (on CPU, fake more with XLA_FLAGS=--xla_force_host_platform_device_count=N)"
+               if kinds == ["cpu"] else ""))
+    types = (AxisType.Auto,) * len(AXES)
+    if devices[0].platform == "tpu" and jax.process_count() == 1:
+        return jax.make_mesh(shape, AXES, axis_types=types, devices=devices)
+    return jax.sharding.Mesh(np.array(devices, dtype=object).reshape(shape), AXES, axis_types=types)

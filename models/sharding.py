@@ -1,0 +1,308 @@
+"""Logical axis names -> mesh axes. The only place in models/ that names mesh axes.
+
+Model code labels arrays with logical names ('vocab', 'embed', 'q_heads', ...; see
+RULES) and calls `constrain` / `sharded_attention` / `vocab_parallel_embed`; with no mesh
+in context those are no-ops, so the single-device model is exactly the unsharded one.
+Put a mesh in context with `jax.set_mesh(mesh)` around the jitted call (the mesh's axes
+are AxisType.Auto, see engine/mesh.py) and the same model code runs:
+
+* tensor parallel (Megatron) over 'tensor': q/k/v and gate/up split by heads/columns,
+  o and down by rows (one all-reduce after attention, one after the MLP), vocab-parallel
+  embedding (masked local lookup + all-reduce) and LM head (logits stay vocab-sharded);
+  the KV cache split by KV head on axis 2 of the pages. K/V are interleaved there
+  (2h = K_h, 2h+1 = V_h), so contiguous shards keep each (K_h, V_h) pair together.
+  With fewer KV heads than 'tensor' (GQA, Hkv=2 on tensor=8), the k/v weights stay
+  replicated, every rank computes the Hkv heads (a small matmul) and repeats each head
+  r = tensor / Hkv times; the cache then holds Hkv * r heads, one (or Hkv*r/tensor) per
+  rank, instead of a replicated Hkv-head cache on every rank. Query head j still reads
+  original KV head j // (Hq/Hkv): repeating head h into r consecutive heads keeps GQA's
+  contiguous grouping. `kv_cache_heads(config, mesh)` says how many heads to allocate.
+* sequence parallel over 'sequence': the flat token axis is split; every matmul is local.
+  Attention all-gathers this layer's new K/V over 'sequence' (not a ring): every
+  sequence rank writes all new K/V into its replica of the pages (pages are replicated
+  over 'sequence'), so decode finds everything locally with no sequence awareness, and
+  each rank then attends its own query rows against the paged cache with the ragged
+  kernel (metadata re-cut per rank, causal bound kept, so attention FLOPs split too).
+  With GQA the gathered K/V are Hq/Hkv times smaller than Q; a ring would move the
+  same bytes and only buys overlap, which XLA CPU does not give, and a ring would still
+  have to leave a full copy in the pages for decode.
+* data parallel over 'data': `data_parallel_forward` maps the whole forward over 'data'
+  with shard_map; each replica gets its own tokens, metadata and page pool (pages axis 0
+  is split over 'data'; page ids in a replica's metadata are local to its pool).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+DATA, TENSOR, SEQUENCE = "data", "tensor", "sequence"
+MESH_AXES = (DATA, TENSOR, SEQUENCE)
+
+# logical name -> mesh axis (or tuple of axes, or None = replicated)
+RULES: dict[str, Any] = {
+    # params
+    "vocab": TENSOR,
+    "embed": None,
+    "q_heads": TENSOR,
+    "kv_heads": TENSOR,  # dropped (replicated) when Hkv is not a multiple of tensor
+    "head_dim": None,
+    "mlp": TENSOR,
+    "norm": None,
+    # activations
+    "tokens": SEQUENCE,
+    "act_embed": None,
+    "act_heads": TENSOR,
+    "act_kv_heads": TENSOR,
+    "act_mlp": TENSOR,
+    "act_vocab": TENSOR,
+    "seqs": None,
+    # one layer's KV pages [num_pages, page_size, 2*Hkv, D]
+    "cache_pages": DATA,
+    "cache_slots": None,
+    "cache_heads": TENSOR,
+    "cache_head_dim": None,
+}
+KV_CACHE_AXES = ("cache_pages", "cache_slots", "cache_heads", "cache_head_dim")
+
+
+def _axis_size(mesh, axis) -> int:
+    if mesh is None or axis is None:
+        return 1
+    names = axis if isinstance(axis, tuple) else (axis,)
+    shape = dict(zip(mesh.axis_names, mesh.axis_sizes)) if hasattr(mesh, "axis_sizes") else dict(mesh.shape)
+    return int(np.prod([shape.get(n, 1) for n in names]))
+
+
+def logical_spec(axes: Sequence[str | None], rules: Mapping[str, Any] | None = None,
+                 mesh=None, shape: Sequence[int] | None = None,
+                 exclude: frozenset = frozenset()) -> P:
+    """Logical names -> PartitionSpec. With mesh and shape, a dim not divisible by its mesh
+    axes is replicated instead (e.g. 2 KV heads on tensor=4); mesh axes absent from the
+    mesh, in `exclude` (manual in the current context), or already used are dropped."""
+    rules = RULES if rules is None else rules
+    used: set[str] = set()
+    out = []
+    for i, name in enumerate(axes):
+        axis = rules.get(name) if name is not None else None
+        if axis is not None:
+            names = tuple(a for a in (axis if isinstance(axis, tuple) else (axis,))
+                          if a not in used and a not in exclude
+                          and (mesh is None or a in mesh.axis_names))
+            axis = (names[0] if len(names) == 1 else names) if names else None
+        if axis is not None and mesh is not None and shape is not None and shape[i] % _axis_size(mesh, axis):
+            axis = None
+        if axis is not None:
+            used.update(axis if isinstance(axis, tuple) else (axis,))
+        out.append(axis)
+    return P(*out)
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _var_axes(var: nnx.Variable) -> tuple:
+    meta = var.get_metadata()
+    axes = meta.get("out_sharding") or meta.get("sharding_names") or meta.get("sharding")
+    if axes is None:
+        return (None,) * len(var.shape)
+    return tuple(axes)
+
+
+def param_shardings(state: nnx.State, mesh: jax.sharding.Mesh,
+                    rules: Mapping[str, Any] | None = None) -> nnx.State:
+    """A pytree matching `state` (abstract or concrete) with a NamedSharding per param."""
+    def one(var):
+        return var.replace(NamedSharding(mesh, logical_spec(_var_axes(var), rules, mesh, var.shape)))
+    return jax.tree.map(one, state, is_leaf=_is_var)
+
+
+def shard_params(state: nnx.State, mesh: jax.sharding.Mesh,
+                 rules: Mapping[str, Any] | None = None) -> nnx.State:
+    """Moves an already materialised state onto the mesh (tests, small models)."""
+    return jax.device_put(state, param_shardings(state, mesh, rules))
+
+
+def abstract_state(config, attention_impl: str = "auto"):
+    """(graphdef, abstract state) of a Llama, without allocating anything."""
+    from models.llama import Llama
+
+    model = nnx.eval_shape(lambda: Llama(config, nnx.Rngs(0), attention_impl=attention_impl))
+    return nnx.split(model)
+
+
+def init_sharded(config, mesh: jax.sharding.Mesh, attention_impl: str = "auto",
+                 rules: Mapping[str, Any] | None = None):
+    """Random init straight into shards (jit with out_shardings): (graphdef, state).
+    Bitwise the same values as `Llama(config)` (threefry is partitionable)."""
+    from models.llama import Llama
+
+    graphdef, abstract = abstract_state(config, attention_impl)
+    shardings = param_shardings(abstract, mesh, rules)
+
+    def init():
+        return nnx.split(Llama(config, nnx.Rngs(config.seed), attention_impl=attention_impl))[1]
+
+    with jax.set_mesh(mesh):
+        state = jax.jit(init, out_shardings=shardings)()
+    return graphdef, state
+
+
+def placer(mesh: jax.sharding.Mesh, abstract_state: nnx.State,
+           rules: Mapping[str, Any] | None = None) -> Callable[[tuple, np.ndarray], jax.Array]:
+    """`place(path, array)` for models.checkpoint.load_hf_params: each device receives only
+    its own slice of the host (memory-mapped) tensor; the whole tensor never lands on
+    one device. In multi-process runs each process reads only its devices' slices."""
+    flat = dict(nnx.to_flat_state(abstract_state))
+
+    def place(path: tuple, array: np.ndarray) -> jax.Array:
+        var = flat[tuple(path)]
+        sharding = NamedSharding(mesh, logical_spec(_var_axes(var), rules, mesh, array.shape))
+        return jax.make_array_from_callback(array.shape, sharding, lambda idx: np.asarray(array[idx]))
+    return place
+
+
+# ----------------------------------------------------------------------------- KV cache
+def kv_repeat(num_kv_heads: int, mesh) -> int:
+    """How many times each KV head is repeated so the cache splits evenly over 'tensor'."""
+    tp = _axis_size(mesh, TENSOR) if mesh is not None and TENSOR in mesh.axis_names else 1
+    if num_kv_heads % tp == 0:
+        return 1
+    if tp % num_kv_heads == 0:
+        return tp // num_kv_heads
+    raise ValueError(f"num_kv_heads ({num_kv_heads}) and mesh.tensor ({tp}) must divide one another")
+
+
+def kv_cache_heads(config, mesh) -> int:
+    """KV heads per layer the cache holds under `mesh` (Hkv, or Hkv repeated up to tensor)."""
+    return config.num_kv_heads * kv_repeat(config.num_kv_heads, mesh)
+
+
+def kv_cache_sharding(mesh: jax.sharding.Mesh, rules: Mapping[str, Any] | None = None) -> NamedSharding:
+    """One layer's pages [num_pages, page_size, 2*H, D]: pages split over 'data' (one pool
+    per replica), heads over 'tensor' (K/V pairs stay together), replicated over 'sequence'."""
+    return NamedSharding(mesh, logical_spec(KV_CACHE_AXES, rules, mesh))
+
+
+def create_kv_cache(config, mesh: jax.sharding.Mesh, num_pages: int, page_size: int,
+                    dtype=None, fill_value: float = 0.0):
+    """A KVCache allocated in shards. `num_pages` is per data replica (as engine.num_pages);
+    the global page axis holds data * num_pages pages."""
+    from models.kv_cache import KVCache
+    from pallas_kernels import init_kv_pages
+
+    dtype = dtype or config.jnp_dtype
+    heads, dp = kv_cache_heads(config, mesh), _axis_size(mesh, DATA)
+    sharding = kv_cache_sharding(mesh)
+    make = jax.jit(lambda: init_kv_pages(num_pages * dp, page_size, heads, config.head_dim, dtype, fill_value),
+                   out_shardings=sharding)
+    return KVCache(tuple(make() for _ in range(config.num_layers)))
+
+
+# ------------------------------------------------------------------ model-side helpers
+def _context_mesh():
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh is None or mesh.empty else mesh
+
+
+def _manual(mesh) -> frozenset:
+    return frozenset(getattr(mesh, "manual_axes", ()) or ())
+
+
+def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+    """with_sharding_constraint by logical names; a no-op without a mesh in context."""
+    mesh = _context_mesh()
+    if mesh is None:
+        return x
+    spec = logical_spec(axes, RULES, mesh, x.shape, exclude=_manual(mesh))
+    if all(s is None for s in spec) and not _manual(mesh) and mesh.size == 1:
+        return x
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
+def kv_heads_for(pages_heads: int, num_kv_heads: int) -> int:
+    """Repeat factor the cache layout implies (pages hold 2 * Hkv * r heads)."""
+    r, rem = divmod(pages_heads // 2, num_kv_heads)
+    if rem or r < 1:
+        raise ValueError(f"pages hold {pages_heads // 2} KV heads, model has {num_kv_heads}")
+    return r
+
+
+def _free_axes(mesh, *names):
+    manual = _manual(mesh)
+    return tuple(n for n in names if n in mesh.axis_names and n not in manual and _axis_size(mesh, n) > 1)
+
+
+def vocab_parallel_embed(table: jax.Array,  # [V, E] logical ('vocab', 'embed')
+                         tokens: jax.Array,  # [T] int32
+                         ) -> jax.Array:  # [T, E]
+    """Row lookup in a vocab-sharded table: each tensor rank looks up the ids in its vocab
+    slice (others give 0) and one all-reduce sums them. Without a mesh: jnp.take."""
+    mesh = _context_mesh()
+    axes = () if mesh is None else _free_axes(mesh, TENSOR, SEQUENCE)
+    if mesh is None or TENSOR not in axes or table.shape[0] % _axis_size(mesh, TENSOR):
+        return constrain(jnp.take(table, tokens, axis=0), ("tokens", "act_embed"))
+    tok_axis = SEQUENCE if SEQUENCE in axes and tokens.shape[0] % _axis_size(mesh, SEQUENCE) == 0 else None
+
+    def local(tab, tok):  # tab [V/tp, E], tok [T/sp]
+        vl = tab.shape[0]
+        ids = tok - jax.lax.axis_index(TENSOR) * vl
+        ok = (ids >= 0) & (ids < vl)
+        rows = jnp.take(tab, jnp.where(ok, ids, 0), axis=0)
+        return jax.lax.psum(jnp.where(ok[:, None], rows, jnp.zeros_like(rows)), TENSOR)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(TENSOR, None), P(tok_axis)),
+                         out_specs=P(tok_axis, None), axis_names=set(axes), check_vma=False)(table, tokens)
+
+
+def _local_metadata(meta, lo: jax.Array, n: int):
+    """Metadata for query rows [lo, lo + n) of the flat batch; slot_mapping stays global."""
+    cu = meta.cu_q_lens
+    local_cu = jnp.clip(cu - lo, 0, n).astype(jnp.int32)
+    cut = jnp.maximum(cu[1:] - (lo + n), 0)  # queries of sequence s after this chunk
+    kv_lens = (meta.kv_lens - cut).astype(jnp.int32)
+    return type(meta)(cu_q_lens=local_cu, kv_lens=kv_lens, page_indices=meta.page_indices,
+                      num_seqs=meta.num_seqs, slot_mapping=meta.slot_mapping,
+                      logits_indices=meta.logits_indices)
+
+
+def sharded_attention(attend: Callable, q: jax.Array, k: jax.Array, v: jax.Array,
+                      pages: jax.Array, meta) -> tuple[jax.Array, jax.Array]:
+    """Runs `attend(q, k, v, pages, meta) -> (out, pages)` per device.
+
+    `attend` writes k/v into pages at meta.slot_mapping (one row per k/v row) and attends q
+    rows described by meta.cu_q_lens/kv_lens. Heads are split over 'tensor' (q, k, v and
+    the pages' head axis); with 'sequence', q rows are split, k/v and slot_mapping are
+    all-gathered so every rank writes the whole chunk into its replica of the pages, and
+    each rank gets metadata re-cut to its own rows. Without a mesh: attend(...) as is.
+    """
+    mesh = _context_mesh()
+    axes = () if mesh is None else _free_axes(mesh, TENSOR, SEQUENCE)
+    if not axes:
+        return attend(q, k, v, pages, meta)
+    tp = TENSOR if TENSOR in axes else None
+    sp = SEQUENCE if SEQUENCE in axes else None
+    if tp and (q.shape[1] % _axis_size(mesh, tp) or k.shape[1] % _axis_size(mesh, tp)):
+        raise ValueError(f"heads q={q.shape[1]} k={k.shape[1]} must split over tensor={_axis_size(mesh, tp)}")
+    if sp and q.shape[0] % _axis_size(mesh, sp):
+        raise ValueError(f"{q.shape[0]} tokens must split over sequence={_axis_size(mesh, sp)}; pad the batch")
+
+    def local(q, k, v, pages, meta):
+        if sp:
+            n = q.shape[0]
+            k = jax.lax.all_gather(k, sp, axis=0, tiled=True)
+            v = jax.lax.all_gather(v, sp, axis=0, tiled=True)
+            meta = _local_metadata(meta, jax.lax.axis_index(sp) * n, n)
+        return attend(q, k, v, pages, meta)
+
+    tok = P(sp, tp, None)
+    page_spec = P(None, None, tp, None)
+    return jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, page_spec, P()),
+                         out_specs=(tok, page_spec), axis_names=set(axes), check_vma=False)(q, k, v, pages, meta)
