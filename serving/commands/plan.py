@@ -1,0 +1,108 @@
+"""`jaxfill plan`: prefill cost, KV footprint and TTFT floor from model shape, mesh and hardware."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+COMMAND = ("plan",)
+HELP = "prefill FLOPs, KV bytes, TTFT floor and capacity for a config on given hardware"
+
+
+def add_arguments(p) -> None:
+    from serving.cli import common_model_args
+
+    common_model_args(p)
+    p.add_argument("--hardware", default="h100_sxm",
+                   help="entry of configs/hardware.toml (h100_sxm, h200, b200, tpu_v5e, tpu_v5p, tpu_v6e) "
+                        "or 'cpu' to measure this machine now (default: h100_sxm)")
+    p.add_argument("--prompt-len", dest="prompt_lens", type=int, action="append", default=None,
+                   metavar="N", help="prompt length in tokens (repeatable; default: 128, 512, 2048, ... "
+                                     "below engine.max_model_len)")
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt length on stdout")
+
+
+def _si(x: float, unit: str = "") -> str:
+    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g} {prefix}{unit}"
+    return f"{x:.3g} {unit}"
+
+
+def _bytes(x: float) -> str:
+    for scale, prefix in ((1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g} {prefix}"
+    return f"{x:.0f} B"
+
+
+def _seconds(x: float) -> str:
+    if x >= 1:
+        return f"{x:.3g} s"
+    if x >= 1e-3:
+        return f"{x * 1e3:.3g} ms"
+    return f"{x * 1e6:.3g} us"
+
+
+def format_table(rows: list[dict], columns: list[tuple[str, str, callable]]) -> str:
+    cells = [[h for h, _, _ in columns]] + [[fmt(r[k]) for _, k, fmt in columns] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+PLAN_COLUMNS = [
+    ("prompt", "prompt_len", str),
+    ("FLOPs", "prefill_flops", lambda x: _si(x)),
+    ("matmul", "matmul_flops", lambda x: _si(x)),
+    ("attention", "attention_flops", lambda x: _si(x)),
+    ("KV/request", "kv_bytes_per_request", _bytes),
+    ("pages", "pages_per_request", str),
+    ("bound", "bound", str),
+    ("collective", "collective_s", _seconds),
+    ("TTFT floor", "ttft_floor_s", _seconds),
+    ("tok/s ceil", "tokens_per_s_ceiling", lambda x: _si(x)),
+    ("fit", "max_concurrent_requests", str),
+    ("TTFT(2N)/TTFT(N)", "decay_coefficient", lambda x: f"{x:.2f}"),
+]
+
+
+def run(args) -> int:
+    from engine.config import load_config
+    from engine.hardware import load_hardware
+    from engine.planner import check_mesh, check_prompt_len, default_prompt_lens, model_matmul_shape, plan
+
+    config = load_config(args.config, overrides=args.overrides, model_path=args.model)
+    check_mesh(config.model, config.mesh)
+    lens = args.prompt_lens or default_prompt_lens(config.engine)
+    for n in lens:  # validate before measuring the CPU
+        check_prompt_len(n, config.engine)
+    if args.hardware.lower() == "cpu" and not args.json:
+        print("measuring this CPU (XLA matmul + streaming bandwidth)...", file=sys.stderr, flush=True)
+    hw = load_hardware(args.hardware, config.model.dtype, model_matmul_shape(config.model))
+    rows = plan(config, hw, lens)
+    mesh = config.mesh
+    if args.json:
+        for row in rows:
+            print(json.dumps({"config": config.name, "hardware": hw.name, "dtype": config.model.dtype,
+                              "mesh": {"data": mesh.data, "tensor": mesh.tensor, "sequence": mesh.sequence},
+                              **row}), flush=True)
+        return 0
+    m = config.model
+    first = rows[0]
+    print(f"model   {config.name}: {m.num_params() / 1e9:.3g}B params, {m.dtype}, {m.num_layers} layers, "
+          f"{m.num_heads} q / {m.num_kv_heads} kv heads x {m.head_dim}; weights {_bytes(first['weight_bytes'])}")
+    print(f"mesh    data={mesh.data} tensor={mesh.tensor} sequence={mesh.sequence} "
+          f"({mesh.size} devices); weights per device {_bytes(first['weight_bytes_per_device'])}")
+    print(f"device  {hw.name}: {hw.description}; {_si(hw.peak_flops(m.dtype), 'FLOP/s')} {m.dtype}, "
+          f"{_bytes(hw.hbm_bytes)} at {_si(hw.hbm_bytes_per_s, 'B/s')}, link {_si(hw.link_bytes_per_s, 'B/s')}")
+    print(f"        source: {hw.source}")
+    print(f"KV      {first['kv_bytes_per_token']} bytes/token "
+          f"(2 x {m.num_layers} layers x {m.num_kv_heads} kv heads x {m.head_dim} x {m.jnp_dtype.dtype.itemsize} B), "
+          f"page_size {config.engine.page_size}")
+    print()
+    print(format_table(rows, PLAN_COLUMNS))
+    print("\nTTFT floor = max(FLOPs/peak, bytes/bandwidth) per device + collectives; "
+          "fit = requests of this length whose KV fits beside the weights (x data replicas).")
+    return 0

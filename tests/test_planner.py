@@ -1,0 +1,202 @@
+"""engine/planner.py + `jaxfill plan`: FLOP and byte counts checked against what XLA
+compiles and what the engine allocates; published KV sizes; bad input -> exit code 2.
+
+How the FLOP checks work. `compiled.cost_analysis()["flops"]` is XLA's HloCostAnalysis
+total for the compiled prefill forward. It counts a while loop's body ONCE, whatever the
+trip count, and the attention impls are loops: `xla` walks KV blocks with dynamic bounds
+(so its true attention FLOPs are invisible to the cost analysis), `reference` loops over
+the sequences (trip count num_seqs = 1 here, so counting the body once is exact) and
+scores each query against the sequence's whole page table, masked: a FULL [T, P*page]
+score matrix, not the causal triangle. So:
+
+* matmul part: compile the forward with attention replaced by a zero-FLOP stub (returns
+  q), registered as an impl in pallas_kernels' IMPLS table. What remains is projections,
+  MLP, the one-row LM head and elementwise work (norms, rope, silu: a few % at most);
+  it must equal the planner's matmul FLOPs within 5%.
+* attention part: (reference forward) - (stub forward) must equal the planner's
+  `attention_flops(causal=False, kv_len=P*page_size)`, the full-matrix count the
+  reference really computes, plus at most 8 elementwise FLOPs per score (softmax, mask);
+  within 5% when head_dim >= 64 (tiny's head_dim 32 leaves the softmax ~5%). The
+  causal count the planner reports is that same per-pair cost over the lower triangle
+  incl. the diagonal, checked by brute force in test_visible_pairs.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import pytest
+from flax import nnx
+
+from engine.config import load_config
+from engine.hardware import Hardware, load_hardware
+from engine.planner import (attention_flops, kv_bytes_per_token, matmul_flops, plan, plan_prefill,
+                            ttft_floor, visible_pairs)
+from models.kv_cache import KVCache, single_sequence_metadata
+from models.llama import Llama
+from pallas_kernels.ragged_paged_attention import IMPLS
+from serving.cli import main
+
+
+def stub_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **kwargs):
+    """Zero-FLOP stand-in for ragged paged attention: [T, Hq, D] in, [T, Hq, D] out."""
+    return q
+
+
+def compiled_flops(config_name: str, num_tokens: int, impl: str, monkeypatch) -> float:
+    from models.forward import forward
+
+    monkeypatch.setitem(IMPLS, "planner_test_stub", (__name__, "stub_attention"))
+    cfg = load_config(config_name).model
+    page = 16
+    n_pages = -(-num_tokens // page)
+    model = nnx.eval_shape(lambda: Llama(cfg, attention_impl=impl))  # shapes only, no init
+    graphdef, state = nnx.split(model)
+    cache = jax.eval_shape(lambda: KVCache.create(cfg, n_pages + 1, page))
+    meta = single_sequence_metadata(num_tokens, 0, list(range(1, n_pages + 1)), page)
+    tokens = jax.ShapeDtypeStruct((num_tokens,), jax.numpy.int32)
+    compiled = forward.lower(graphdef, state, tokens, tokens, cache, meta).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float(cost["flops"]), n_pages * page
+
+
+@pytest.mark.parametrize("config_name", ["tiny", "bench"])
+@pytest.mark.parametrize("num_tokens", [256, 2048])
+def test_flops_match_xla_cost_analysis(config_name, num_tokens, monkeypatch):
+    cfg = load_config(config_name).model
+    stub, _ = compiled_flops(config_name, num_tokens, "planner_test_stub", monkeypatch)
+    planned = matmul_flops(cfg, num_tokens)
+    assert abs(stub - planned) / planned < 0.05, (stub, planned)
+    assert stub >= planned  # XLA adds elementwise work on top, never less matmul
+    ref, kv_len = compiled_flops(config_name, num_tokens, "reference", monkeypatch)
+    full = attention_flops(cfg, num_tokens, causal=False, kv_len=kv_len)
+    scores = cfg.num_layers * cfg.num_heads * num_tokens * kv_len
+    # Exactly the two matmuls, plus at most 8 elementwise FLOPs per score (scale, mask,
+    # max, subtract, sum, divide; exp is a transcendental, counted apart by XLA).
+    assert full <= ref - stub <= full + 8 * scores, (ref - stub, full, scores)
+    if cfg.head_dim >= 64:  # 4 * head_dim FLOPs per score dwarf the elementwise ones
+        assert abs((ref - stub) - full) / full < 0.05, (ref - stub, full)
+    # The causal count is what a prefill needs: just over half of the full square.
+    causal = attention_flops(cfg, num_tokens)
+    assert causal == full * (num_tokens + 1) // (2 * kv_len)
+
+
+def test_visible_pairs_brute_force():
+    for window in (None, 1, 5, 16):
+        for context in (0, 3, 20):
+            for n in (1, 7, 32):
+                brute = sum(min(p + 1, window or 10**9) for p in range(context, context + n))
+                assert visible_pairs(n, context, window) == brute, (window, context, n)
+
+
+@pytest.mark.parametrize("config_name", ["tiny", "bench", "llama3_8b", "mistral_7b"])
+def test_kv_bytes_per_token_equal_engine_allocation(config_name):
+    cfg = load_config(config_name).model
+    cache = KVCache.create(cfg, num_pages=3, page_size=16)
+    assert cache.nbytes() / (cache.num_pages * cache.page_size) == kv_bytes_per_token(cfg)
+
+
+def test_published_kv_sizes():
+    assert kv_bytes_per_token(load_config("llama3_8b").model) == 131072  # 128 KiB/token bf16
+    assert kv_bytes_per_token(load_config("llama2_7b").model) == 524288  # 512 KiB/token bf16
+    assert kv_bytes_per_token(load_config("llama3_70b").model) == 327680
+
+
+H100 = load_hardware("h100_sxm")
+
+
+def test_plan_llama3_8b_by_hand():
+    cfg = load_config("llama3_8b")
+    row = plan_prefill(cfg, H100, 2048)
+    m = cfg.model
+    assert row["kv_bytes_per_request"] == 128 * 16 * 131072 and row["pages_per_request"] == 128
+    weights = m.num_params() * 2
+    assert row["weight_bytes"] == weights
+    assert row["max_concurrent_requests"] == int((80e9 - weights) // (128 * 16 * 131072))
+    # 2048 tokens of an 8B model on an H100 are compute bound: FLOPs / 989 TFLOP/s.
+    assert row["bound"] == "compute"
+    assert row["ttft_floor_s"] == pytest.approx(row["prefill_flops"] / 989.4e12, rel=1e-9)
+    # Mostly linear in N with a growing quadratic share: 2 < decay < 4.
+    assert 2.0 < row["decay_coefficient"] < 2.2
+    assert row["decay_coefficient"] == pytest.approx(
+        ttft_floor(m, cfg.mesh, H100, 4096) / ttft_floor(m, cfg.mesh, H100, 2048))
+    # Short prompts read the weights faster than they multiply them: memory bound, decay ~1.
+    short = plan_prefill(cfg, H100, 16)
+    assert short["bound"] == "memory" and short["decay_coefficient"] < 1.1
+
+
+def test_tensor_and_sequence_parallel():
+    one = plan_prefill(load_config("llama3_70b"), H100, 4096)
+    tp8 = plan_prefill(load_config("llama3_70b", {"mesh.tensor": 8}), H100, 4096)
+    assert one["max_concurrent_requests"] == 0  # 141 GB of weights do not fit one 80 GB GPU
+    assert tp8["weight_bytes_per_device"] == pytest.approx(one["weight_bytes"] / 8, rel=1e-6)
+    assert tp8["collective_s"] > 0 and one["collective_s"] == 0
+    # Compute splits 8 ways (8 KV heads: nothing replicated); the all-reduces come on top.
+    assert tp8["compute_s"] == pytest.approx(one["compute_s"] / 8, rel=1e-6)
+    assert tp8["ttft_floor_s"] == pytest.approx(tp8["compute_s"] + tp8["collective_s"])
+    assert tp8["collective_s"] == pytest.approx(tp8["collective_bytes_per_device"] / 450e9)
+    assert tp8["max_concurrent_requests"] > 0
+    # Two all-reduces of [T, E] per layer, ring: 2 (n-1)/n of the buffer each.
+    assert tp8["collective_bytes_per_device"] == pytest.approx(80 * 2 * 2 * 7 / 8 * 4096 * 8192 * 2)
+    # tensor=16 with 8 KV heads: heads repeated twice, each rank stores one.
+    tp16 = plan_prefill(load_config("llama3_70b", {"mesh.tensor": 16}), H100, 4096)
+    assert tp16["kv_bytes_per_request"] == one["kv_bytes_per_request"]  # per request, all ranks
+    sp2 = plan_prefill(load_config("llama3_70b", {"mesh.tensor": 8, "mesh.sequence": 2}), H100, 4096)
+    assert sp2["collective_s"] > tp8["collective_s"] / 2  # + the K/V all-gather
+    assert sp2["flops_per_device"] == pytest.approx(tp8["flops_per_device"] / 2, rel=0.01)
+    dp2 = plan_prefill(load_config("llama3_70b", {"mesh.tensor": 8, "mesh.data": 2}), H100, 4096)
+    assert dp2["max_concurrent_requests"] == 2 * tp8["max_concurrent_requests"]
+    assert dp2["ttft_floor_s"] == tp8["ttft_floor_s"]
+
+
+def test_cpu_shared_by_fake_devices():
+    hw = Hardware("cpu", "x", 1e11, 1e11, 1e10, 1e10, 1e10, "test", shared_by_mesh=True)
+    cfg = load_config("bench")
+    t1 = plan(cfg, hw, [2048])[0]["ttft_floor_s"]
+    t2 = plan(load_config("bench", {"mesh.tensor": 2}), hw, [2048])[0]["ttft_floor_s"]
+    assert t2 > t1  # two fake devices on the same cores: no faster, plus the all-reduces
+
+
+def test_hardware_table_complete():
+    for name in ("h100_sxm", "h200", "b200", "tpu_v5e", "tpu_v5p", "tpu_v6e", "H100", "TPU-v6e"):
+        hw = load_hardware(name)
+        assert hw.bf16_flops > 1e14 and hw.hbm_bytes > 1e10 and hw.hbm_bytes_per_s > 5e11
+        assert hw.link_bytes_per_s > 1e11 and hw.source
+
+
+def run_cli(argv, capsys):
+    rc = main(argv)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_plan_cli_json(capsys):
+    rc, out, _ = run_cli(["plan", "--config", "llama3_8b", "--hardware", "h200", "--prompt-len", "512",
+                          "--prompt-len", "4096", "--set", "mesh.tensor=8", "--json"], capsys)
+    assert rc == 0
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["prompt_len"] for r in rows] == [512, 4096]
+    for key in ("prompt_len", "prefill_flops", "attention_flops", "kv_bytes_per_token", "kv_bytes_per_request",
+                "ttft_floor_s", "max_concurrent_requests", "decay_coefficient"):
+        assert key in rows[0], key
+    assert rows[0]["mesh"]["tensor"] == 8 and rows[0]["kv_bytes_per_token"] == 131072
+
+
+def test_plan_cli_table(capsys):
+    rc, out, _ = run_cli(["plan", "--config", "tiny", "--hardware", "tpu_v6e"], capsys)
+    assert rc == 0 and "TTFT floor" in out and "2048" in out and "tpu_v6e" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--hardware", "a100"], "unknown hardware 'a100'"),
+    (["--set", "mesh.tensor=3"], "mesh.tensor=3 does not divide model.num_heads=32"),
+    (["--config", "qwen2_7b", "--set", "mesh.tensor=7"], "num_kv_heads=4"),
+    (["--prompt-len", "8192"], "max_model_len=8192"),
+    (["--prompt-len", "0"], "must be positive"),
+])
+def test_plan_cli_bad_input(argv, message, capsys):
+    argv = ["plan", "--config", "llama3_8b"] + argv if "--config" not in argv else ["plan"] + argv
+    rc, out, err = run_cli(argv, capsys)
+    assert rc == 2 and message in err and "Traceback" not in err, err
