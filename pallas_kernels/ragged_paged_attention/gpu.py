@@ -70,7 +70,7 @@ def _kernel(kv_lens_ref, pidx_ref, cu_ref, item_block_ref, item_seq_ref, num_ite
             in_len = key_pos < kv_len
             k = jnp.where(in_len[:, None], k, jnp.zeros((), k.dtype))
             v = jnp.where(in_len[:, None], v, jnp.zeros((), v.dtype))
-            sc = pl.dot(q, k, trans_b=True).astype(jnp.float32)  # [rows, bk], log2 units
+            sc = plgpu.dot(q, k, trans_b=True).astype(jnp.float32)  # [rows, bk], log2 units
             if soft_cap is not None:
                 sc = (soft_cap * LOG2E) * jnp.tanh(sc / soft_cap)
             vis = (key_pos[None, :] <= row_pos[:, None]) & in_len[None, :]
@@ -81,7 +81,7 @@ def _kernel(kv_lens_ref, pidx_ref, cu_ref, item_block_ref, item_seq_ref, num_ite
             alpha = jnp.exp2(m - m_new)
             p = jnp.exp2(sc - m_new[:, None])
             l = alpha * l + p.sum(axis=-1)
-            acc = alpha[:, None] * acc + pl.dot(p.astype(v.dtype), v).astype(jnp.float32)
+            acc = alpha[:, None] * acc + plgpu.dot(p.astype(v.dtype), v).astype(jnp.float32)
             return m_new, l, acc
 
         carry = (jnp.full((rows,), MASK_VALUE, jnp.float32),
