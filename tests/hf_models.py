@@ -8,7 +8,7 @@ import torch
 
 HF_SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                rms_norm_eps=1e-5)
+                rms_norm_eps=1e-5, initializer_range=0.1)
 
 
 def make_hf_checkpoint(directory: str, arch: str, dtype: torch.dtype = torch.float32, seed: int = 0,

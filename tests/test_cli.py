@@ -1,0 +1,54 @@
+"""`jaxfill generate` as a user runs it: a real subprocess, the installed console script."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+JAXFILL = shutil.which("jaxfill") or f"{sys.executable} -m serving.cli"
+
+
+def jaxfill(*args, timeout=600):
+    cmd = JAXFILL.split() + list(args)
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def test_generate_streams_text_and_json_matches():
+    out = jaxfill("generate", "--config", "configs/tiny.toml", "--prompt", "Hello", "--prompt", "Hi there",
+                  "--max-tokens", "16", "--json")
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 2
+    for row in rows:
+        assert set(row) >= {"token_ids", "text", "finish_reason"}
+        assert 1 <= len(row["token_ids"]) <= 16 and row["finish_reason"] in ("stop", "length")
+    ids = jaxfill("generate", "--prompt-ids", "256,72,101,108,108,111", "--max-tokens", "16", "--json")
+    assert ids.returncode == 0, ids.stderr
+    assert json.loads(ids.stdout.splitlines()[-1])["token_ids"] == rows[0]["token_ids"]  # "Hello" == its bytes
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--prompt-ids", "1,2,99999"], "token id 99999 is outside the vocabulary"),
+    (["--prompt-ids", "1,x"], "comma-separated integers"),
+    (["--prompt", "hi", "--temperature", "-1"], "temperature"),
+    (["--prompt", "hi", "--top-p", "0"], "top_p"),
+    (["--prompt", "hi", "--max-tokens", "0"], "max_tokens"),
+    (["--prompt", "x" * 5000], "max_model_len"),
+    (["--prompt", "hi", "--set", "mesh.tensr=2"], "unknown key 'mesh.tensr'"),
+    (["--prompt", "hi", "--config", "nope"], "neither a file nor a preset"),
+])
+def test_bad_input_is_one_clear_line(args, message, capsys):
+    from serving.cli import main
+
+    assert main(["generate", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_bad_input_exit_code_from_the_console_script():
+    out = jaxfill("generate", "--prompt", "hi", "--top-k", "-3")
+    assert out.returncode == 2 and "top_k" in out.stderr and "Traceback" not in out.stderr

@@ -1,0 +1,460 @@
+"""A real gRPC server on 127.0.0.1 (in-process, on its own event-loop thread) driven by
+real gRPC clients: parity with Engine.generate, the JetStream shim, health, reflection,
+cancellation, every error status, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from engine.config import load_config
+from engine.engine import Engine
+from engine.request import SamplingParams
+from serving.client import AsyncClient, Client, make_request
+from serving.proto.jaxfill.v1 import generation_pb2 as pb
+from serving.proto.jaxfill.v1 import generation_pb2_grpc as pb_grpc
+from serving.proto.jetstream.core.proto import jetstream_pb2 as js
+from serving.proto.jetstream.core.proto import jetstream_pb2_grpc as js_grpc
+from serving.server import ServerThread
+from serving_util import compile_cache_dir, scrape
+
+MAX_TOKENS = 8
+BYTES = 256
+
+
+def _prompt(i: int):
+    """64 prompts: text and token ids, 1 to ~300 tokens (some span several prefill chunks)."""
+    n = [1, 3, 17, 40, 64, 100, 150, 300][i % 8]
+    if i % 3 == 0:
+        return "".join(chr(97 + (i * 7 + j * 3) % 26) for j in range(n))
+    return [(i * 31 + j * 17) % BYTES for j in range(n)]
+
+
+def _params(i: int) -> dict:
+    if i % 4 == 3:  # seeded sampling: same seed, same tokens, whatever the batch
+        return dict(max_tokens=MAX_TOKENS, temperature=0.5, top_k=20, top_p=0.75, seed=1000 + i)
+    if i % 8 == 2:
+        return dict(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+    return dict(max_tokens=MAX_TOKENS - (i % 3), ignore_eos=i % 2 == 0)
+
+
+PROMPTS = [_prompt(i) for i in range(64)]
+PARAMS = [_params(i) for i in range(64)]
+JS_PROMPTS = [[5, 6, 7, 8, 9], list(range(40, 90)), "jetstream text prompt"]
+JS_MAX = 6
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    compile_cache_dir(tmp_path_factory)
+    engine = Engine(load_config("tiny"), progress=False, warmup=False)
+    reference = engine.generate(PROMPTS, [SamplingParams(**p) for p in PARAMS])
+    js_reference = engine.generate(JS_PROMPTS, SamplingParams(max_tokens=JS_MAX))
+    st = ServerThread(engine, host="127.0.0.1", port=0, metrics_port=0)
+    try:
+        assert st.wait_ready(600), "server never became ready"
+        yield st, engine, reference, js_reference
+    finally:
+        st.stop(5)
+
+
+def _arun(coro, timeout=120):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def test_64_concurrent_streams_match_engine_generate(served):
+    st, _engine, reference, _ = served
+
+    async def go():
+        async with AsyncClient(st.address) as c:
+            return await asyncio.gather(*[c.generate(p, timeout=120, request_id=f"par-{i}", **kw)
+                                          for i, (p, kw) in enumerate(zip(PROMPTS, PARAMS))])
+
+    results = _arun(go())
+    assert len(results) == 64
+    for i, (got, want) in enumerate(zip(results, reference)):
+        assert got.token_ids == want.token_ids, f"request {i}: {got.token_ids} != {want.token_ids}"
+        assert got.text == want.text, i
+        assert got.finish_reason == want.finish_reason, i
+        assert got.complete.prompt_tokens == want.prompt_tokens, i
+        assert got.complete.completion_tokens == len(want.token_ids), i
+        assert got.complete.request_id == f"par-{i}"
+        assert got.complete.ttft_s > 0 and got.complete.e2e_s >= got.complete.ttft_s
+    assert sum(len(r.token_ids) for r in results) > 64
+
+
+def test_logprobs_streamed_when_asked(served):
+    st, _engine, reference, _ = served
+    i = 2  # _params(2) asks for logprobs=2
+    req = make_request(PROMPTS[i], **PARAMS[i])
+    with grpc.insecure_channel(st.address) as ch:
+        chunks = [r.chunk for r in pb_grpc.GenerationStub(ch).Generate(req, timeout=60) if r.HasField("chunk")]
+    lps = [lp for c in chunks for lp in c.logprobs]
+    assert [lp.token_id for lp in lps] == reference[i].token_ids
+    for lp, want in zip(lps, reference[i].logprobs):
+        assert math.isclose(lp.logprob, want["logprob"], rel_tol=1e-4, abs_tol=1e-4)
+        assert len(lp.top) == 2 and lp.logprob <= 0.0
+
+
+def test_jetstream_decode_streams_same_tokens(served):
+    st, _engine, _, js_reference = served
+    with grpc.insecure_channel(st.address) as ch:
+        stub = js_grpc.OrchestratorStub(ch)
+        assert stub.HealthCheck(js.HealthCheckRequest(), timeout=10).is_live
+        for prompt, want in zip(JS_PROMPTS, js_reference):
+            if isinstance(prompt, str):
+                req = js.DecodeRequest(max_tokens=JS_MAX, text_content=js.DecodeRequest.TextContent(text=prompt))
+            else:
+                req = js.DecodeRequest(max_tokens=JS_MAX,
+                                       token_content=js.DecodeRequest.TokenContent(token_ids=prompt))
+            ids, text = [], ""
+            for resp in stub.Decode(req, timeout=60):
+                assert resp.WhichOneof("content") == "stream_content"
+                (sample,) = resp.stream_content.samples
+                ids.extend(sample.token_ids)
+                text += sample.text
+            assert ids == want.token_ids
+            assert text == want.text
+
+
+def test_jetstream_shim_matches_jetstream_wire_format():
+    """Field numbers and names a JetStream client (jetstream/core/proto/jetstream.proto) sends."""
+    f = js.DESCRIPTOR
+    assert f.name == "jetstream/core/proto/jetstream.proto" and f.package == "jetstream_proto"
+    svc = f.services_by_name["Orchestrator"]
+    assert {m.name: (m.input_type.name, m.output_type.name, m.server_streaming if hasattr(m, "server_streaming")
+                     else None) for m in svc.methods}.keys() == {"Decode", "HealthCheck"}
+    req = js.DecodeRequest.DESCRIPTOR
+    assert {fd.name: fd.number for fd in req.fields} == {
+        "max_tokens": 4, "text_content": 5, "token_content": 6, "metadata": 7, "num_samples": 8}
+    assert [fd.name for fd in req.oneofs_by_name["content"].fields] == ["text_content", "token_content"]
+    assert [fd.name for fd in req.oneofs_by_name["metadata_optional"].fields] == ["metadata"]
+    assert js.DecodeRequest.TokenContent.DESCRIPTOR.fields_by_name["token_ids"].number == 1
+    assert js.DecodeRequest.Metadata.DESCRIPTOR.fields_by_name["start_time"].number == 1
+    resp = js.DecodeResponse.DESCRIPTOR
+    assert {fd.name: fd.number for fd in resp.fields} == {"initial_content": 2, "stream_content": 3}
+    sample = js.DecodeResponse.StreamContent.Sample.DESCRIPTOR
+    assert {fd.name: fd.number for fd in sample.fields} == {"text": 1, "token_ids": 2}
+    assert js.HealthCheckResponse.DESCRIPTOR.fields_by_name["is_live"].number == 1
+    # Bytes a JetStream client would put on the wire: token_content{1,2,3}, max_tokens=7.
+    wire = bytes([0x20, 0x07, 0x32, 0x05, 0x0A, 0x03, 0x01, 0x02, 0x03])
+    assert list(js.DecodeRequest.FromString(wire).token_content.token_ids) == [1, 2, 3]
+    assert js.DecodeRequest.FromString(wire).max_tokens == 7
+
+
+def test_health_serving_and_reflection_lists_both_services(served):
+    st, *_ = served
+    with grpc.insecure_channel(st.address) as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        for service in ("", "jaxfill.v1.Generation", "jetstream_proto.Orchestrator"):
+            status = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
+            assert status == health_pb2.HealthCheckResponse.SERVING, service
+        refl = reflection_pb2_grpc.ServerReflectionStub(ch)
+        (resp,) = list(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                                 timeout=10))
+        names = {s.name for s in resp.list_services_response.service}
+        assert {"jaxfill.v1.Generation", "jetstream_proto.Orchestrator", "grpc.health.v1.Health"} <= names
+        (resp,) = list(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(
+            file_containing_symbol="jetstream_proto.Orchestrator")]), timeout=10))
+        assert resp.file_descriptor_response.file_descriptor_proto
+
+
+def test_model_info_tokenize_detokenize(served):
+    st, engine, *_ = served
+    with Client(st.address) as c:
+        info = c.model_info()
+        assert info.vocab_size == 320 and info.page_size == 16 and info.max_model_len == 4096
+        assert info.architecture == "LlamaForCausalLM" and info.mesh.data == 1 and info.mesh.num_devices >= 1
+        assert info.pages_total == engine.stats()["pages_total"] > 0
+        ids = list(c.stub.Tokenize(pb.TokenizeRequest(text="héllo")).token_ids)
+        assert ids == engine.tokenizer.encode("héllo")
+        assert list(c.stub.Tokenize(pb.TokenizeRequest(text="hi", add_bos=False)).token_ids) == [104, 105]
+        assert c.stub.Detokenize(pb.DetokenizeRequest(token_ids=ids)).text == "héllo"
+
+
+async def _wait_pages_free(c: AsyncClient, timeout: float = 20.0) -> pb.ModelInfo:
+    deadline = time.perf_counter() + timeout
+    while True:
+        info = await c.model_info()
+        if info.pages_free == info.pages_total and info.num_running == 0 and info.num_waiting == 0:
+            return info
+        if time.perf_counter() > deadline:
+            return info
+        await asyncio.sleep(0.05)
+
+
+def test_cancel_50_streams_mid_prefill_and_mid_decode_frees_all_pages(served):
+    st, *_ = served
+
+    async def go():
+        async with AsyncClient(st.address) as c, AsyncClient(st.address) as c2:
+            base = await c.model_info()
+            assert base.pages_free == base.pages_total
+            # 14 decode streams (long outputs; max_num_seqs is 16), then 31 long prompts: one in
+            # chunked prefill at a time (engine.max_num_partial_prefills), the rest queued.
+            decode = [c.stream([7, 8, 9, i], request_id=f"dec-{i}", max_tokens=3000, ignore_eos=True)
+                      for i in range(14)]
+            prefill_calls = [c.stream([(i * 13 + j) % BYTES for j in range(1500 + i)], request_id=f"pre-{i}",
+                                      max_tokens=4, ignore_eos=True) for i in range(31)]
+            # 5 more on a second channel, cut by their deadline and by closing the channel.
+            timed = [c2.stream([(i + j) % BYTES for j in range(2000)], timeout=1.5, max_tokens=4) for i in range(3)]
+            dropped = [c2.stream([(i * 5 + j) % BYTES for j in range(1800)], max_tokens=4) for i in range(2)]
+            got = {}
+
+            async def read_two(call, key):
+                n = 0
+                async for resp in call:
+                    if resp.HasField("chunk"):
+                        n += 1
+                        got[key] = n
+                        if n == 2:
+                            return
+
+            await asyncio.wait_for(asyncio.gather(*[read_two(d, i) for i, d in enumerate(decode)]), 120)
+            assert len(got) == 14  # every decode stream is mid-decode
+            for _ in range(50):
+                await asyncio.sleep(0.02)
+                mid = await c.model_info()
+                if mid.num_waiting > 0:
+                    break
+            assert mid.pages_free < mid.pages_total  # pages held by running requests
+            assert mid.num_waiting > 0  # long prompts queued / prefilling
+            for call in decode + prefill_calls:
+                call.cancel()
+            prefill_tokens = []
+            for call in prefill_calls:
+                try:
+                    async for resp in call:
+                        prefill_tokens.append(resp)
+                except asyncio.CancelledError:
+                    pass
+            for call in timed:  # queued behind the long prompts: the deadline passes first
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    async for _ in call:
+                        pass
+                assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            await c2.close()  # disconnect: the 2 `dropped` streams
+            for call in dropped:
+                try:
+                    async for _ in call:
+                        pass
+                except (grpc.aio.AioRpcError, asyncio.CancelledError):
+                    pass
+            info = await _wait_pages_free(c)
+            assert (info.pages_free, info.num_running, info.num_waiting) == (info.pages_total, 0, 0)
+            # ... and the server still serves.
+            r = await c.generate([1, 2, 3], max_tokens=3, ignore_eos=True, timeout=60)
+            assert len(r.token_ids) == 3
+            return info
+
+    _arun(go(), timeout=240)
+
+
+def _code(fn):
+    try:
+        fn()
+    except grpc.RpcError as e:
+        return e.code(), e.details()
+    return grpc.StatusCode.OK, ""
+
+
+BAD_GENERATE = [
+    (dict(prompt=[]), "token_ids"),
+    (dict(prompt=""), "text"),
+    (dict(prompt=list(range(200)) * 21), "token_ids"),  # 4200 >= max_model_len 4096
+    (dict(prompt="x" * 5000), "text"),
+    (dict(prompt=[1, 2, 320]), "token_ids"),
+    (dict(prompt=[1, -5]), "token_ids"),
+    (dict(prompt="hi", max_tokens=-1), "sampling.max_tokens"),
+    (dict(prompt="hi", max_tokens=2**31 - 1), "sampling.max_tokens"),
+    (dict(prompt="hi", temperature=-0.5), "sampling.temperature"),
+    (dict(prompt="hi", temperature=float("nan")), "sampling.temperature"),
+    (dict(prompt="hi", temperature=1e30), "sampling.temperature"),
+    (dict(prompt="hi", top_k=-1), "sampling.top_k"),
+    (dict(prompt="hi", top_p=0.0), "sampling.top_p"),
+    (dict(prompt="hi", top_p=1.5), "sampling.top_p"),
+    (dict(prompt="hi", min_p=2.0), "sampling.min_p"),
+    (dict(prompt="hi", seed=2**64 - 1), "sampling.seed"),
+    (dict(prompt="hi", logprobs=99), "sampling.logprobs"),
+    (dict(prompt="hi", logprobs=-1), "sampling.logprobs"),
+    (dict(prompt="hi", repetition_penalty=0.0), "sampling.repetition_penalty"),
+    (dict(prompt="hi", presence_penalty=5.0), "sampling.presence_penalty"),
+    (dict(prompt="hi", frequency_penalty=float("inf")), "sampling.frequency_penalty"),
+    (dict(prompt="hi", stop=[""]), "sampling.stop"),
+    (dict(prompt="hi", stop_token_ids=[1000]), "sampling.stop_token_ids"),
+    (dict(prompt="hi", request_id="r" * 300), "request_id"),
+]
+
+
+@pytest.mark.parametrize("kw,field", BAD_GENERATE, ids=[f for _, f in BAD_GENERATE])
+def test_bad_generate_input_is_invalid_argument_naming_the_field(served, kw, field):
+    st, *_ = served
+    kw = dict(kw)
+    prompt = kw.pop("prompt")
+    with grpc.insecure_channel(st.address) as ch:
+        stub = pb_grpc.GenerationStub(ch)
+        code, details = _code(lambda: list(stub.Generate(make_request(prompt, **kw), timeout=30)))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+        assert details.startswith(field + ":"), details
+        assert len(details) > len(field) + 3
+
+
+def test_other_bad_inputs(served):
+    st, *_ = served
+    with grpc.insecure_channel(st.address) as ch:
+        stub = pb_grpc.GenerationStub(ch)
+        jstub = js_grpc.OrchestratorStub(ch)
+        cases = [
+            (lambda: list(stub.Generate(pb.GenerateRequest(), timeout=30)), "input"),
+            (lambda: list(stub.Generate(make_request("hi", cache_salt="s" * 5000), timeout=30)), "cache_salt"),
+            (lambda: stub.Detokenize(pb.DetokenizeRequest(token_ids=[1, 999]), timeout=30), "token_ids"),
+            (lambda: list(jstub.Decode(js.DecodeRequest(max_tokens=4), timeout=30)), "content"),
+            (lambda: list(jstub.Decode(js.DecodeRequest(
+                max_tokens=0, token_content=js.DecodeRequest.TokenContent(token_ids=[1, 2])), timeout=30)),
+             "max_tokens"),
+            (lambda: list(jstub.Decode(js.DecodeRequest(
+                max_tokens=4, num_samples=3, token_content=js.DecodeRequest.TokenContent(token_ids=[1])),
+                timeout=30)), "num_samples"),
+            (lambda: list(jstub.Decode(js.DecodeRequest(
+                max_tokens=4, token_content=js.DecodeRequest.TokenContent(token_ids=[1, 5000])), timeout=30)),
+             "token_content.token_ids"),
+        ]
+        for fn, field in cases:
+            code, details = _code(fn)
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, (field, code, details)
+            assert details.startswith(field + ":"), details
+        # Oversized message: bounded by max_receive_message_length (16 MiB default).
+        code, _ = _code(lambda: stub.Tokenize(pb.TokenizeRequest(text="a" * (17 << 20)), timeout=30))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_duplicate_request_id_while_in_flight(served):
+    st, *_ = served
+
+    async def go():
+        async with AsyncClient(st.address) as c:
+            first = c.stream([1, 2, 3], request_id="dup", max_tokens=2000, ignore_eos=True)
+            async for resp in first:
+                break  # in flight now
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await c.generate([4, 5], request_id="dup", max_tokens=2)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert e.value.details().startswith("request_id:")
+            # The Abort RPC ends the first stream with finish_reason "abort".
+            assert await c.abort("dup")
+            last = None
+            async for resp in first:
+                last = resp
+            assert last.complete.finish_reason == "abort"
+            assert not await c.abort("dup")
+            again = await c.generate([4, 5], request_id="dup", max_tokens=2)  # the id is free again
+            assert again.finish_reason in ("length", "stop")
+            await _wait_pages_free(c)
+
+    _arun(go())
+
+
+def test_queue_full_is_resource_exhausted(served):
+    st, *_ = served
+    loop_ = st.server.loop
+    saved = loop_.max_waiting
+
+    async def go():
+        async with AsyncClient(st.address) as c:
+            async def one(i):
+                try:
+                    await c.generate([(i + j) % BYTES for j in range(600)], max_tokens=2, timeout=60)
+                    return grpc.StatusCode.OK
+                except grpc.aio.AioRpcError as e:
+                    assert e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or "queue" in e.details()
+                    return e.code()
+            return await asyncio.gather(*[one(i) for i in range(40)])
+
+    loop_.max_waiting = 3
+    try:
+        codes = _arun(go())
+    finally:
+        loop_.max_waiting = saved
+    assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes
+    assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
+    assert codes.count(grpc.StatusCode.OK) >= 3
+
+
+def test_failed_step_is_internal_and_others_go_on(served):
+    st, engine, *_ = served
+    real_append = engine._append
+
+    def failing_append(req, *args, **kw):
+        if req.request_id.startswith("boom"):
+            raise RuntimeError("injected failure in this request's step")
+        return real_append(req, *args, **kw)
+
+    async def go():
+        async with AsyncClient(st.address) as c:
+            async def one(i):
+                rid = "boom" if i == 3 else f"fine-{i}"
+                try:
+                    return await c.generate([1, 2, 3 + i], request_id=rid, max_tokens=5, ignore_eos=True,
+                                            timeout=60)
+                except grpc.aio.AioRpcError as e:
+                    return e
+            return await asyncio.gather(*[one(i) for i in range(8)])
+
+    engine._append = failing_append
+    try:
+        results = _arun(go())
+    finally:
+        del engine._append
+    err = results[3]
+    assert isinstance(err, grpc.aio.AioRpcError) and err.code() == grpc.StatusCode.INTERNAL
+    assert "injected failure" in err.details()
+    for i, r in enumerate(results):
+        if i != 3:
+            assert not isinstance(r, Exception), r
+            assert len(r.token_ids) == 5
+
+
+def test_server_keeps_serving_after_errors(served):
+    st, *_ = served
+    with Client(st.address) as c:
+        r = c.generate([9, 8, 7], max_tokens=4, ignore_eos=True, timeout=60)
+        assert len(r.token_ids) == 4 and r.finish_reason == "length"
+        info = c.model_info()
+    assert info.pages_free == info.pages_total
+
+
+def test_metrics_endpoint_exposes_every_series(served):
+    st, *_ = served
+    m = scrape(st.server.metrics_port)
+
+    def v(name, **labels):
+        return m[(name, tuple(sorted(labels.items())))]
+
+    for h in ("jaxfill_time_to_first_token_seconds", "jaxfill_time_per_output_token_seconds",
+              "jaxfill_inter_token_latency_seconds", "jaxfill_request_queue_time_seconds",
+              "jaxfill_request_prefill_time_seconds"):
+        count, total = v(h + "_count"), v(h + "_sum")
+        assert count > 0, h
+        assert 0 < total / count < 60, (h, total / count)
+        buckets = sorted(float(dict(k[1])["le"]) for k in m if k[0] == h + "_bucket")
+        assert buckets[-1] == math.inf and buckets[-2] >= 120, h
+        assert v(h + "_bucket", le="+Inf") == count
+    assert v("jaxfill_time_to_first_token_seconds_count") >= 64
+    assert v("jaxfill_num_requests_running") == 0
+    assert v("jaxfill_num_requests_waiting") == 0
+    assert 0.0 <= v("jaxfill_kv_cache_usage_ratio") <= 1.0
+    assert v("jaxfill_prompt_tokens_total") > 64 * 50
+    assert v("jaxfill_generation_tokens_total") >= sum(p["max_tokens"] for p in PARAMS) // 2
+    assert v("jaxfill_prefix_cache_hit_tokens_total") > 0  # the parity prompts ran before in generate()
+    assert v("jaxfill_request_success_total", finish_reason="length") >= 32
+    assert v("jaxfill_request_success_total", finish_reason="abort") >= 1
+    assert v("jaxfill_request_success_total", finish_reason="error") >= 1
+    # TTFT includes queueing, so it is never below the queue time on average.
+    assert (v("jaxfill_time_to_first_token_seconds_sum") / v("jaxfill_time_to_first_token_seconds_count")
+            >= v("jaxfill_request_queue_time_seconds_sum") / v("jaxfill_request_queue_time_seconds_count") * 0.5)

@@ -1,0 +1,363 @@
+"""Tensor / sequence parallel model on 8 fake CPU devices, checked against one device.
+
+Other test files initialise jax with one CPU device in this pytest process, so every
+check here runs in one fresh subprocess (this file run as a script with
+XLA_FLAGS=--xla_force_host_platform_device_count=8). The subprocess records each check's
+numbers (or its error) as JSON; the tests below assert on them one by one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MESHES = [(1, 2, 1), (1, 4, 1), (1, 8, 1), (1, 1, 2), (1, 1, 4), (1, 2, 4)]  # (data, tensor, sequence)
+MESH_IDS = [f"t{t}s{s}" for _, t, s in MESHES]
+
+
+@pytest.fixture(scope="module")
+def results():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULTS ")]
+    assert proc.returncode == 0 and lines, f"worker failed ({proc.returncode}):\n{proc.stderr[-5000:]}"
+    return json.loads(lines[-1][len("RESULTS "):])
+
+
+def _get(results, key):
+    value = results[key]
+    if isinstance(value, dict) and "error" in value:
+        pytest.fail(f"{key} raised in the worker:\n{value['error']}")
+    return value
+
+
+@pytest.mark.parametrize("mesh", MESH_IDS)
+def test_prefill_logits_match_one_device(results, mesh):
+    r = _get(results, f"generate/{mesh}")
+    assert r["prefill_rel_err"] <= 1e-5, r
+
+
+@pytest.mark.parametrize("mesh", MESH_IDS)
+def test_greedy_tokens_match_one_device(results, mesh):
+    r = _get(results, f"generate/{mesh}")
+    assert r["tokens"] == r["ref_tokens"], r
+    assert len(set(r["ref_tokens"])) > 1
+
+
+@pytest.mark.parametrize("mesh", ["t4s1", "t1s4", "t2s4"])
+def test_ragged_multi_sequence_batch_matches_one_device(results, mesh):
+    """Three sequences straddling sequence-shard boundaries, one with a cached prefix, one
+    decoding: logits of both steps and every live cache slot equal one device."""
+    r = _get(results, f"ragged/{mesh}")
+    assert r["rel_err"] <= 1e-5, r
+    assert r["cache_err"] <= 1e-5, r
+
+
+def test_kv_cache_sharded_by_kv_head_pairs(results):
+    r = _get(results, "kv_layout")
+    # tensor=4, Hkv=2: each KV head repeated twice; rank i holds (K, V) of head i // 2.
+    assert r["pages_shape"][2] == 2 * 4, r
+    assert r["shard_shape"][2] == 2, r
+    assert r["rank_heads_match"], r
+
+
+def test_tensor4_all_reduces_per_layer(results):
+    r = _get(results, "hlo/t4")
+    # Megatron: one after attention (o), one after the MLP (down), per layer; plus one for
+    # the vocab-parallel embedding lookup. No all-gather of weights or activations.
+    assert r["all_reduce"] == 2 * r["layers"] + 1, r
+    assert r["all_gather"] == 0, r
+
+
+def test_sequence4_cuts_per_device_flops(results):
+    r = _get(results, "flops")
+    assert r["ratio"] <= 0.3, r
+
+
+def test_params_placed_in_shards_never_whole(results):
+    r = _get(results, "placement")
+    assert r["max_shard_elems"] * 8 <= r["largest_param_elems"] * 1.0001, r
+    assert r["loaded_equal"], r
+    assert r["init_equal"], r
+    # Sharded random init: per-device output + scratch stays near 1/8 of the params.
+    assert r["init_device_bytes"] <= 0.25 * r["param_bytes"], r
+
+
+def test_make_mesh_rejects_wrong_size(results):
+    r = _get(results, "mesh_errors")
+    assert "3" in r["message"] and "8" in r["message"], r
+
+
+# ----------------------------------------------------------------------------- worker
+def _worker():  # noqa: C901 - one script, many checks
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from engine.config import MeshSettings
+    from engine.mesh import make_mesh
+    from engine.simple import generate_one
+    from models import sharding
+    from models.config import ModelConfig
+    from models.forward import forward
+    from models.kv_cache import AttentionMetadata, KVCache, single_sequence_metadata
+    from models.llama import Llama
+
+    assert len(jax.devices()) == 8, jax.devices()
+    cfg = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
+                      num_heads=8, num_kv_heads=2, head_dim=16, max_position_embeddings=16384, seed=3)
+    page_size, num_pages = 8, 24
+    out: dict = {}
+
+    def mesh_of(d, t, s):
+        return make_mesh(MeshSettings(data=d, tensor=t, sequence=s), devices=jax.devices()[: d * t * s])
+
+    def record(key, fn):
+        try:
+            out[key] = fn()
+        except Exception:  # noqa: BLE001 - reported per check
+            out[key] = {"error": traceback.format_exc()}
+
+    def rel(a, b):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+    ref_model = Llama(cfg)
+    g, ref_state = nnx.split(ref_model)
+    rng = np.random.RandomState(0)
+    prompt = [int(t) for t in rng.randint(0, cfg.vocab_size, 37)]
+
+    def prefill(graphdef, state, cache, mesh=None):
+        n = 40  # the bucket generate_one pads a 37-token prompt to: one compile less
+        toks = np.zeros(n, np.int32)
+        toks[: len(prompt)] = prompt
+        pos = np.arange(n, dtype=np.int32)
+        meta = single_sequence_metadata(len(prompt), 0, list(range(1, 8)), page_size, pad_to=n)
+        if mesh is None:
+            return forward(graphdef, state, jnp.asarray(toks), jnp.asarray(pos), cache, meta)[0]
+        with jax.set_mesh(mesh):
+            return forward(graphdef, state, jnp.asarray(toks), jnp.asarray(pos), cache, meta)[0]
+
+    ref_logits = np.asarray(prefill(g, ref_state, KVCache.create(cfg, num_pages, page_size, fill_value=float("nan"))))
+    ref_tokens, _ = generate_one(ref_model, prompt, KVCache.create(cfg, num_pages, page_size), 10)
+
+    for (d, t, s), name in zip(MESHES, MESH_IDS):
+        def gen(d=d, t=t, s=s):
+            mesh = mesh_of(d, t, s)
+            graphdef, state = sharding.init_sharded(cfg, mesh)
+            cache = sharding.create_kv_cache(cfg, mesh, num_pages, page_size, fill_value=float("nan"))
+            logits = np.asarray(prefill(graphdef, state, cache, mesh))
+            cache = sharding.create_kv_cache(cfg, mesh, num_pages, page_size, fill_value=float("nan"))
+            with jax.set_mesh(mesh):
+                tokens, cache = generate_one(nnx.merge(graphdef, state), prompt, cache, 10)
+            return {"prefill_rel_err": rel(logits, ref_logits), "tokens": tokens, "ref_tokens": ref_tokens,
+                    "cache_sharding": str(cache.pages[0].sharding.spec)}
+        record(f"generate/{name}", gen)
+
+    # Ragged batches: step 1 prefills B's first 7 tokens and C's first 30; step 2 runs A
+    # (20 new), B (13 new after 7 cached) and C (1 decode token after 30) together.
+    seqs = {"A": [1, 2, 3], "B": [4, 5, 6], "C": [7, 8, 9, 10, 11]}
+    toks = {k: [int(x) for x in rng.randint(0, cfg.vocab_size, 40)] for k in seqs}
+
+    def ragged_meta(parts, n_tokens, slots=4, max_pages=5):
+        tokens = np.zeros(n_tokens, np.int32)
+        positions = np.zeros(n_tokens, np.int32)
+        slot_map = np.full(n_tokens, -1, np.int32)
+        cu = [0]
+        kv_lens, page_idx, logit_idx = [], np.zeros((slots, max_pages), np.int32), []
+        for i, (key, start, n) in enumerate(parts):
+            pages = np.asarray(seqs[key])
+            o = cu[-1]
+            p = np.arange(start, start + n)
+            tokens[o:o + n] = toks[key][start:start + n]
+            positions[o:o + n] = p
+            slot_map[o:o + n] = pages[p // page_size] * page_size + p % page_size
+            cu.append(o + n)
+            kv_lens.append(start + n)
+            page_idx[i, : len(pages)] = pages
+            logit_idx.append(o + n - 1)
+        live = len(parts)
+        cu += [cu[-1]] * (slots - live)
+        kv_lens += [0] * (slots - live)
+        logit_idx += [0] * (slots - live)
+        meta = AttentionMetadata(cu_q_lens=jnp.asarray(cu, jnp.int32), kv_lens=jnp.asarray(kv_lens, jnp.int32),
+                                 page_indices=jnp.asarray(page_idx), num_seqs=jnp.asarray([live], jnp.int32),
+                                 slot_mapping=jnp.asarray(slot_map), logits_indices=jnp.asarray(logit_idx, jnp.int32))
+        return jnp.asarray(tokens), jnp.asarray(positions), meta
+
+    steps = [ragged_meta([("B", 0, 7), ("C", 0, 30)], 64), ragged_meta([("A", 0, 20), ("B", 7, 13), ("C", 30, 1)], 64)]
+
+    def run_steps(graphdef, state, cache, mesh=None):
+        logits = []
+        for tokens, positions, meta in steps:
+            if mesh is None:
+                lg, cache = forward(graphdef, state, tokens, positions, cache, meta)
+            else:
+                with jax.set_mesh(mesh):
+                    lg, cache = forward(graphdef, state, tokens, positions, cache, meta)
+            logits.append(np.asarray(lg)[: int(meta.num_seqs[0])])
+        return np.concatenate(logits), cache
+
+    ref_ragged, ref_cache = run_steps(g, ref_state, KVCache.create(cfg, num_pages, page_size, fill_value=float("nan")))
+    used = {"A": 20, "B": 20, "C": 31}  # tokens each sequence has in the cache after step 2
+    live_slots = np.asarray([seqs[k][p // page_size] * page_size + p % page_size
+                             for k in seqs for p in range(used[k])])
+
+    def cache_rows(cache, r):
+        """Live slots of layer-0 pages, KV heads folded back to the model's Hkv (repeats dropped)."""
+        pages = np.asarray(cache.pages[0]).reshape(num_pages * page_size, -1, cfg.head_dim)[live_slots]
+        pages = pages.reshape(len(live_slots), cfg.num_kv_heads, r, 2, cfg.head_dim)
+        assert np.array_equal(pages, np.repeat(pages[:, :, :1], r, axis=2))  # repeats identical
+        return pages[:, :, 0]
+
+    for d, t, s in [(1, 4, 1), (1, 1, 4), (1, 2, 4)]:
+        def ragged(d=d, t=t, s=s):
+            mesh = mesh_of(d, t, s)
+            graphdef, state = sharding.init_sharded(cfg, mesh)
+            cache = sharding.create_kv_cache(cfg, mesh, num_pages, page_size, fill_value=float("nan"))
+            logits, cache = run_steps(graphdef, state, cache, mesh)
+            r = sharding.kv_repeat(cfg.num_kv_heads, mesh)
+            return {"rel_err": rel(logits, ref_ragged),
+                    "cache_err": rel(cache_rows(cache, r), cache_rows(ref_cache, 1))}
+        record(f"ragged/t{t}s{s}", ragged)
+
+    def kv_layout():
+        mesh = mesh_of(1, 4, 1)
+        graphdef, state = sharding.init_sharded(cfg, mesh)
+        cache = sharding.create_kv_cache(cfg, mesh, num_pages, page_size, fill_value=float("nan"))
+        _, cache = run_steps(graphdef, state, cache, mesh)
+        ref = np.asarray(ref_cache.pages[0]).reshape(num_pages * page_size, cfg.num_kv_heads, 2, cfg.head_dim)
+        ok = True
+        shards = sorted(cache.pages[0].addressable_shards, key=lambda sh: sh.index[2].start)
+        for rank, sh in enumerate(shards):
+            local = np.asarray(sh.data).reshape(num_pages * page_size, 1, 2, cfg.head_dim)[live_slots]
+            ok &= bool(np.allclose(local[:, 0], ref[live_slots, rank // 2], rtol=1e-5, atol=1e-6))
+        return {"pages_shape": list(cache.pages[0].shape), "shard_shape": list(shards[0].data.shape),
+                "rank_heads_match": ok}
+    record("kv_layout", kv_layout)
+
+    def hlo_t4():
+        mesh = mesh_of(1, 4, 1)
+        graphdef, state = sharding.init_sharded(cfg, mesh)
+        cache = sharding.create_kv_cache(cfg, mesh, num_pages, page_size)
+        tokens, positions, meta = steps[1]
+        with jax.set_mesh(mesh):
+            text = forward.lower(graphdef, state, tokens, positions, cache, meta).compile().as_text()
+        ops = sharding.collective_ops(text)
+        return {"layers": cfg.num_layers, "all_reduce": ops["all-reduce"], "all_gather": ops["all-gather"],
+                "ops": ops}
+    record("hlo/t4", hlo_t4)
+
+    def flops():
+        n = 8192
+        big = KVCache  # noqa: F841
+        meta = single_sequence_metadata(n, 0, list(range(1, n // 64 + 1)), 64)
+        tokens = jnp.zeros(n, jnp.int32)
+        positions = jnp.arange(n, dtype=jnp.int32)
+        res = {}
+        for s in (1, 4):
+            mesh = mesh_of(1, 1, s)
+            graphdef, state = sharding.abstract_state(cfg)
+            shard = sharding.param_shardings(state, mesh)
+            state = jax.tree.map(lambda v, sh: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh), state, shard)
+            pages = jax.ShapeDtypeStruct((n // 64 + 2, 64, 2 * cfg.num_kv_heads, cfg.head_dim), jnp.float32,
+                                         sharding=sharding.kv_cache_sharding(mesh))
+            cache = KVCache(tuple(pages for _ in range(cfg.num_layers)))
+            with jax.set_mesh(mesh):
+                compiled = forward.lower(graphdef, state, tokens, positions, cache, meta).compile()
+            res[s] = float(compiled.cost_analysis()["flops"])
+        return {"flops_s1": res[1], "flops_s4": res[4], "ratio": res[4] / res[1]}
+    record("flops", flops)
+
+    def placement():
+        import tempfile
+
+        from models.checkpoint import load_hf_params, save_params  # noqa: F401
+        big = ModelConfig(vocab_size=128256, hidden_size=128, intermediate_size=256, num_layers=1,
+                          num_heads=8, num_kv_heads=2, head_dim=16, seed=5)
+        mesh = mesh_of(1, 8, 1)
+        graphdef, state = sharding.init_sharded(big, mesh)
+        leaves = jax.tree.leaves(state)
+        largest = max(x.size for x in leaves)
+        max_shard = max(sh.data.size for x in leaves if x.size == largest for sh in x.addressable_shards)
+        ref = nnx.split(Llama(big))[1]
+        init_equal = all(np.array_equal(np.asarray(a), np.asarray(b))
+                         for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(ref)))
+        # memory of the sharded init program, per device
+        _, abstract = sharding.abstract_state(big)
+        shard = sharding.param_shardings(abstract, mesh)
+
+        def init():
+            return nnx.split(Llama(big, nnx.Rngs(big.seed)))[1]
+        with jax.set_mesh(mesh):
+            mem = jax.jit(init, out_shardings=shard).lower().compile().memory_analysis()
+        param_bytes = sum(x.size * 4 for x in leaves)
+        # HF checkpoint -> placer: every tensor lands only as its shards.
+        with tempfile.TemporaryDirectory() as tmp:
+            _write_hf(tmp, big, ref)
+            loaded = load_hf_params(tmp, big, place=sharding.placer(mesh, abstract), progress=False)
+        lstate = nnx.split(loaded)[1]
+        loaded_equal = all(np.array_equal(np.asarray(a), np.asarray(b))
+                           for a, b in zip(jax.tree.leaves(lstate), jax.tree.leaves(ref)))
+        loaded_sharded = all(a.sharding == b.sharding for a, b in zip(jax.tree.leaves(lstate), leaves))
+        return {"largest_param_elems": largest, "max_shard_elems": max_shard, "init_equal": init_equal,
+                "loaded_equal": loaded_equal and loaded_sharded, "param_bytes": param_bytes,
+                "init_device_bytes": int(mem.output_size_in_bytes + mem.temp_size_in_bytes)}
+    record("placement", placement)
+
+    def mesh_errors():
+        try:
+            make_mesh(MeshSettings(tensor=3))
+        except Exception as e:  # noqa: BLE001
+            return {"message": str(e)}
+        return {"message": "no error"}
+    record("mesh_errors", mesh_errors)
+    print("RESULTS " + json.dumps(out), flush=True)
+
+
+def _write_hf(directory, config, state):
+    """Minimal safetensors writer (numpy only) of `state` in HF layout."""
+    import numpy as np
+    from flax import nnx
+
+    from models.checkpoint import hf_to_param
+
+    flat = {path: np.asarray(v[...]) for path, v in nnx.to_flat_state(state)}
+    c = config
+    tensors = {}
+    for name, (path, _, hf_shape) in hf_to_param(config).items():
+        w = flat[tuple(path)]
+        if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
+            w = w.reshape(c.hidden_size, -1).T
+        elif name.endswith("o_proj.weight"):
+            w = w.reshape(-1, c.hidden_size).T
+        elif name.endswith(("gate_proj.weight", "up_proj.weight", "down_proj.weight")) or name == "lm_head.weight":
+            w = w.T
+        assert tuple(w.shape) == hf_shape, (name, w.shape, hf_shape)
+        tensors[name] = np.ascontiguousarray(w, np.float32)
+    header, offset = {}, 0
+    for name, w in tensors.items():
+        header[name] = {"dtype": "F32", "shape": list(w.shape), "data_offsets": [offset, offset + w.nbytes]}
+        offset += w.nbytes
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(os.path.join(directory, "model.safetensors"), "wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for w in tensors.values():
+            f.write(w.tobytes())
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump({"architectures": [c.architecture]}, f)
+
+
+if __name__ == "__main__":
+    _worker()
