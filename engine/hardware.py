@@ -111,10 +111,10 @@ def measure_matmul_flops(dtype: str = "float32", shape: tuple[int, int, int] = (
     return MatmulProbe(dtype, shape)(repeats)
 
 
-def measure_memory_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+def measure_memory_bandwidth(nbytes: int = 64 << 20, repeats: int = 5) -> float:
     """Bytes/s of a jitted streaming scale (read + write of an `nbytes` f32 array).
 
-    The input is donated and the output fed back, so the buffer is reused: a fresh 256 MiB
+    The input is donated and the output fed back, so the buffer is reused: a fresh
     output per call would time page faults (~1 GB/s in a VM), not memory bandwidth.
     """
     import jax
@@ -141,6 +141,6 @@ def measure_cpu(dtype: str = "float32", matmul_shape: tuple[int, int, int] | Non
         bf16_flops=flops, fp32_flops=flops, hbm_bytes=float(mem), hbm_bytes_per_s=bw,
         link_bytes_per_s=bw,  # fake devices exchange data through the same memory
         source=f"measured {time.strftime('%Y-%m-%d %H:%M')}: XLA {dtype} matmul {shape_txt} median of 5, "
-               f"256 MiB streaming scale median of 5",
+               f"64 MiB streaming scale median of 5",
         shared_by_mesh=True,
     )

@@ -125,6 +125,7 @@ def run_bench(config, lengths: list[int], chunk_sizes: list[int], repeats: int =
     grid = [(n, c) for c in sorted(set(chunk_sizes)) for n in sorted(set(lengths))]
     grid = [(n, c) for n, c in grid if c == 0 or c < n or (c >= n and 0 not in chunk_sizes)]
     t_start = time.perf_counter()
+    load_start = os.getloadavg()
     for i, (n, c) in enumerate(grid):
         label = f"[{i + 1}/{len(grid)}] len={n} chunk={c or 'whole'}"
         log(f"{label}: {warmup} warm-up + {repeats} timed runs...")
@@ -179,6 +180,8 @@ def run_bench(config, lengths: list[int], chunk_sizes: list[int], repeats: int =
         "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
         "machine": {"cpu_count": os.cpu_count(), "platform": sys.platform},
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        # Other jobs on the machine (1/5/15-minute load averages) when the timings ran.
+        "load_average_start": load_start, "load_average_end": os.getloadavg(),
         "hardware": hw.to_dict() if hw else None,
         "hardware_before": hw_before.to_dict() if hw_before else None,
         "hardware_after": hw_after.to_dict() if hw_after else None,

@@ -1,0 +1,79 @@
+"""Hugging Face side of benchmarks/prefill_cpu.py, run in its own process.
+
+    python benchmarks/prefill_hf_worker.py save DIR          # random-init bench-shape checkpoint
+    python benchmarks/prefill_hf_worker.py time DIR --lengths 128 512 --repeats 3 --threads 2
+
+`time` prints one JSON object: per length the seconds of each timed prefill
+(`model(input_ids, logits_to_keep=1)` under inference_mode, f32, sdpa attention, KV cache
+on as in a real prefill) after one warm-up run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+# The bench shape (configs/bench.toml), as a Hugging Face LlamaConfig.
+BENCH_SHAPE = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                   num_attention_heads=8, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,
+                   rope_theta=10000.0, max_position_embeddings=16384, tie_word_embeddings=False,
+                   bos_token_id=256, eos_token_id=257)
+
+
+def save(directory: str, seed: int = 0) -> None:
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(**BENCH_SHAPE)).to(torch.float32).eval()
+    model.save_pretrained(directory, safe_serialization=True)
+
+
+def time_prefill(directory: str, lengths: list[int], repeats: int, warmup: int, threads: int, seed: int) -> dict:
+    import numpy as np
+    import torch
+    import transformers as tf
+
+    torch.set_num_threads(threads)
+    model = tf.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
+                                                    attn_implementation="sdpa").eval()
+    prompt = np.random.default_rng(seed).integers(0, model.config.vocab_size, size=max(lengths))
+    out = {"framework": "transformers", "torch": torch.__version__, "transformers": tf.__version__,
+           "threads": torch.get_num_threads(), "attn_implementation": model.config._attn_implementation,
+           "lengths": {}}
+    for n in lengths:
+        ids = torch.as_tensor(prompt[:n], dtype=torch.long)[None]
+        times = []
+        with torch.inference_mode():
+            for i in range(warmup + repeats):
+                start = time.perf_counter()
+                logits = model(input_ids=ids, logits_to_keep=1).logits
+                assert logits.shape[1] == 1
+                if i >= warmup:
+                    times.append(time.perf_counter() - start)
+        print(f"hf len={n}: " + " ".join(f"{t * 1e3:.0f}" for t in times) + " ms", file=sys.stderr, flush=True)
+        out["lengths"][str(n)] = times
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=["save", "time"])
+    p.add_argument("directory")
+    p.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048, 8192])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    if args.mode == "save":
+        save(args.directory, args.seed)
+    else:
+        print(json.dumps(time_prefill(args.directory, args.lengths, args.repeats, args.warmup, args.threads,
+                                      args.seed)))
+
+
+if __name__ == "__main__":
+    main()
