@@ -33,6 +33,7 @@ class EngineSettings:
     seed: int = 0
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority" (lower priority value runs first)
     penalty_window: int = 256  # tokens of history the repetition/presence/frequency penalties see
+    chunked_prefill: bool = True  # False: baseline, whole prompts in prefill-only steps, decodes wait
 
     def __post_init__(self):
         for name in ("page_size", "num_pages", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):

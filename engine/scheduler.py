@@ -58,6 +58,7 @@ class Scheduler:
         self.chunk_cap = s.long_prefill_token_threshold or None
         self.max_model_len = s.max_model_len
         self.policy = getattr(s, "scheduling_policy", "fcfs")
+        self.chunked = getattr(s, "chunked_prefill", True)
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"engine.scheduling_policy must be fcfs or priority, got {self.policy!r}")
         self.bm = block_manager or BlockManager(s.num_pages, s.page_size, s.enable_prefix_caching)
@@ -130,6 +131,10 @@ class Scheduler:
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
+        if not self.chunked:
+            out = self._schedule_prefill_first()
+            if out is not None:
+                return out
         budget = self.max_tokens
         seqs: list[Scheduled] = []
         preempted: list[Request] = []
@@ -206,3 +211,30 @@ class Scheduler:
             if n < remaining:
                 num_partial += 1
         return SchedulerOutput(seqs, preempted, finished)
+
+    def _schedule_prefill_first(self) -> SchedulerOutput | None:
+        """Baseline (chunked_prefill = False): whole waiting prompts in a prefill-only step,
+        decodes paused meanwhile; None when no prompt can start (then decodes run)."""
+        budget, seqs, now = self.max_tokens, [], time.perf_counter()
+        while self.waiting and len(seqs) + len(self.running) < self.max_seqs:
+            req = self.waiting[0]
+            hits = self.bm.lookup(self._hashes(req, req.num_tokens - 1)) if self.bm.enable_prefix_caching else []
+            computed = len(hits) * self.page_size
+            n = req.num_tokens - computed
+            need = self.bm.pages_for(req.num_tokens) - len(hits)
+            if n > budget or not self.bm.can_allocate(need, hits):
+                break
+            self.bm.acquire(hits)
+            req.pages = hits + self.bm.allocate(need)
+            req.num_computed = computed
+            if req.cached_tokens is None:
+                req.cached_tokens = computed
+                self.cached_tokens_total += computed
+            if req.first_scheduled is None:
+                req.first_scheduled = now
+            self.waiting.pop(0)
+            req.status = Status.RUNNING
+            self.running.append(req)
+            seqs.append(Scheduled(req, computed, n))
+            budget -= n
+        return SchedulerOutput(seqs, [], []) if seqs else None
