@@ -5,6 +5,13 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/hf_models.py and friends
 
+# XLA:CPU compiles dominate the suite's time and many tests (and their subprocesses,
+# which inherit these variables) compile identical programs: share them on disk.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(_ROOT, ".jax_cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+
 
 @pytest.fixture(scope="session")
 def hf_dirs(tmp_path_factory):
