@@ -176,7 +176,7 @@ class EngineLoop:
 
     def _run(self, warmup: bool) -> None:
         try:
-            if warmup:
+            if warmup and not getattr(self.engine, "warmed_up", False):
                 start = time.perf_counter()
                 self.engine.warmup()
                 self.warmup_s = time.perf_counter() - start

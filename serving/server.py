@@ -211,6 +211,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             if which is None:
                 raise BadField("input", "set either text or token_ids")
             if which == "text":
+                if not request.text:
+                    raise BadField("text", "is empty")
                 ids = await core.encode(request.text)
             else:
                 ids = list(request.token_ids.ids)
@@ -299,6 +301,8 @@ class OrchestratorServicer(js_grpc.OrchestratorServicer):
             if which is None:
                 raise BadField("content", "set text_content or token_content")
             if which == "text_content":
+                if not request.text_content.text:
+                    raise BadField("text_content.text", "is empty")
                 ids = await core.encode(request.text_content.text)
                 field = "text_content.text"
             else:

@@ -15,11 +15,12 @@ _CACHE_DIR: list[str] = []
 
 def compile_cache_dir(tmp_path_factory) -> str:
     """One persistent XLA cache per test session, shared by the in-process server and the
-    subprocess ones: the second server loads its programs instead of compiling (~10x)."""
+    subprocess ones: the second server loads its programs instead of compiling (~10x).
+    JAXFILL_TEST_COMPILE_CACHE=DIR keeps it across sessions."""
     if not _CACHE_DIR:
         import jax
 
-        d = str(tmp_path_factory.mktemp("jax_cache"))
+        d = os.environ.get("JAXFILL_TEST_COMPILE_CACHE") or str(tmp_path_factory.mktemp("jax_cache"))
         jax.config.update("jax_compilation_cache_dir", d)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)

@@ -203,8 +203,10 @@ def test_cancel_50_streams_mid_prefill_and_mid_decode_frees_all_pages(served):
             prefill_calls = [c.stream([(i * 13 + j) % BYTES for j in range(1500 + i)], request_id=f"pre-{i}",
                                       max_tokens=4, ignore_eos=True) for i in range(31)]
             # 5 more on a second channel, cut by their deadline and by closing the channel.
-            timed = [c2.stream([(i + j) % BYTES for j in range(2000)], timeout=1.5, max_tokens=4) for i in range(3)]
-            dropped = [c2.stream([(i * 5 + j) % BYTES for j in range(1800)], max_tokens=4) for i in range(2)]
+            timed = [c2.stream([(i + j) % BYTES for j in range(200)], timeout=1.5, max_tokens=3000, ignore_eos=True)
+                     for i in range(3)]
+            dropped = [c2.stream([(i * 5 + j) % BYTES for j in range(180)], max_tokens=3000, ignore_eos=True)
+                       for i in range(2)]
             got = {}
 
             async def read_two(call, key):
@@ -234,7 +236,7 @@ def test_cancel_50_streams_mid_prefill_and_mid_decode_frees_all_pages(served):
                         prefill_tokens.append(resp)
                 except asyncio.CancelledError:
                     pass
-            for call in timed:  # queued behind the long prompts: the deadline passes first
+            for call in timed:  # 3000 tokens take far longer than the 1.5 s deadline
                 with pytest.raises(grpc.aio.AioRpcError) as e:
                     async for _ in call:
                         pass
@@ -265,12 +267,12 @@ def _code(fn):
 
 
 BAD_GENERATE = [
-    (dict(prompt=[]), "token_ids"),
+    (dict(prompt=[]), "token_ids.ids"),
     (dict(prompt=""), "text"),
-    (dict(prompt=list(range(200)) * 21), "token_ids"),  # 4200 >= max_model_len 4096
+    (dict(prompt=list(range(200)) * 21), "token_ids.ids"),  # 4200 >= max_model_len 4096
     (dict(prompt="x" * 5000), "text"),
-    (dict(prompt=[1, 2, 320]), "token_ids"),
-    (dict(prompt=[1, -5]), "token_ids"),
+    (dict(prompt=[1, 2, 320]), "token_ids.ids"),
+    (dict(prompt=[1, -5]), "token_ids.ids"),
     (dict(prompt="hi", max_tokens=-1), "sampling.max_tokens"),
     (dict(prompt="hi", max_tokens=2**31 - 1), "sampling.max_tokens"),
     (dict(prompt="hi", temperature=-0.5), "sampling.temperature"),

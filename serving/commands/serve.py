@@ -26,6 +26,8 @@ def add_arguments(p) -> None:
     p.add_argument("--grace-period", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM/SIGINT")
     p.add_argument("--no-warmup", action="store_true", help="skip compiling the shape buckets up front")
+    p.add_argument("--compile-cache", default=None, metavar="DIR",
+                   help="persistent XLA compilation cache: restarts load the step programs instead of compiling")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -49,11 +51,24 @@ def _log_startup(log, engine, args, load_s: float) -> None:
         pass
 
 
+def build_engine(config: str, model: str | None, overrides):
+    """The Engine, not yet warmed up: the server listens (health NOT_SERVING) while it compiles."""
+    from engine.config import load_config
+    from engine.engine import Engine
+
+    try:
+        return Engine(load_config(config, overrides, model), progress=False, warmup=False)
+    except TypeError:  # an Engine without the warmup switch warms up in from_config
+        return Engine.from_config(config, model_path=model, overrides=overrides, progress=False)
+
+
 def _buckets(engine) -> str:
-    for attr in ("buckets", "compiled_buckets", "shape_buckets"):
-        b = getattr(engine, attr, None)
-        if b:
-            return f"{len(b)} shape buckets {list(b)}"
+    try:
+        shapes = engine.stats().get("bucket_shapes")
+    except Exception:  # noqa: BLE001
+        shapes = None
+    if shapes:
+        return f"{len(shapes)} step buckets (tokens x seqs) " + ", ".join(f"{t}x{s}" for t, s in shapes)
     e = engine.config.engine
     if e.token_buckets or e.seq_buckets:
         return f"token buckets {list(e.token_buckets)}, seq buckets {list(e.seq_buckets)}"
@@ -105,9 +120,14 @@ def run(args) -> int:
     log = logging.getLogger("jaxfill.serve")
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ValueError("--tls-cert and --tls-key go together")
-    from engine.engine import Engine
+    if args.compile_cache:
+        import jax
 
+        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+        log.info("XLA compilation cache: %s", args.compile_cache)
     start = time.perf_counter()
-    engine = Engine.from_config(args.config, model_path=args.model, overrides=args.overrides, progress=False)
+    engine = build_engine(args.config, args.model, args.overrides)
     _log_startup(log, engine, args, time.perf_counter() - start)
     return asyncio.run(_serve(args, engine, log))
