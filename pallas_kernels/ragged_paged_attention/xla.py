@@ -125,60 +125,24 @@ def exp2(x):
 
 
 # --------------------------------------------------------------------------- kernel
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap",
-                                             "block_q", "block_kv", "fast_exp"))
-def ragged_paged_attention_xla(
-    q: jax.Array,  # [T, Hq, D]
-    kv_pages: jax.Array,  # [num_pages, page_size, 2 * Hkv, D]
-    kv_lens: jax.Array,  # [S] int32
-    page_indices: jax.Array,  # [S, P] int32
-    cu_q_lens: jax.Array,  # [S+1] int32
-    num_seqs: jax.Array,  # [1] int32
-    *,
-    sm_scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    block_q: int | None = None,
-    block_kv: int | None = None,
-    fast_exp: bool = True,
-) -> jax.Array:  # [T, Hq, D]
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_pages, page_size, combined, _ = kv_pages.shape
-    num_kv_heads = combined // 2
-    group = num_q_heads // num_kv_heads
-    num_slots, max_pages = page_indices.shape
-    sizes = xla_block_sizes(num_tokens, num_slots, group, head_dim, q.dtype.itemsize, page_size)
-    bq = block_q or sizes.block_q
-    bk = block_kv or sizes.block_kv
-    if bk % page_size:
-        raise ValueError(f"block_kv {bk} must be a multiple of page_size {page_size}")
-    ppb = bk // page_size
-    num_blocks = -(-num_tokens // bq)
-    t_pad = num_blocks * bq
-    num_kv_blocks = -(-max_pages // ppb)
-    rows = group * bq
-    cdt = q.dtype  # matmul operand dtype; accumulation is always f32
-    exp2_fn = exp2 if fast_exp else jnp.exp2
-
-    cu = sanitize_cu_q_lens(cu_q_lens.astype(jnp.int32), num_seqs)
-    kv_lens = kv_lens.astype(jnp.int32)
-    pidx = jnp.clip(page_indices.astype(jnp.int32), 0, num_pages - 1)
-    pidx = jnp.pad(pidx, ((0, 0), (0, num_kv_blocks * ppb - max_pages)))
-    item_block, item_seq, num_items = work_items(cu, num_seqs, num_blocks, bq)
-
-    # q -> [num_blocks, Hkv, G*bq, D], scaled so scores come out in log2 units.
-    q_scale = sm_scale if soft_cap is not None else sm_scale * LOG2E
-    qs = (q.astype(jnp.float32) * q_scale).astype(cdt)
-    qs = jnp.pad(qs, ((0, t_pad - num_tokens), (0, 0), (0, 0)))
-    qs = qs.reshape(num_blocks, bq, num_kv_heads, group, head_dim)
-    qs = qs.transpose(0, 2, 3, 1, 4).reshape(num_blocks, num_kv_heads, rows, head_dim)
-    row_in_block = jnp.tile(jnp.arange(bq, dtype=jnp.int32), group)  # [rows], g-major
+def _attend(qs,  # [num_blocks, Hkv', R, D] scaled q; R = (q heads per KV head) * bq
+            kv_pages,  # [num_pages, page_size, 2 * Hkv', D]
+            pidx,  # [S, P'] int32 page table padded to whole KV blocks
+            cu, kv_lens, item_block, item_seq, num_items,
+            *, bq, bk, ppb, sliding_window, soft_cap, exp2_fn, sum_pad):
+    """One independent loop over all items for a subset of heads: out [num_blocks, Hkv', R, D]."""
+    num_blocks, num_kv_heads, rows, head_dim = qs.shape
+    combined = 2 * num_kv_heads
+    cdt = qs.dtype
+    row_in_block = jnp.tile(jnp.arange(bq, dtype=jnp.int32), rows // bq)  # [R], g-major
 
     def load_kv(s, j):
         ids = lax.dynamic_slice_in_dim(pidx[s], j * ppb, ppb)
         kv = kv_pages[ids].reshape(bk, combined, head_dim)
-        k = kv[:, 0::2, :].transpose(1, 0, 2)  # [Hkv, bk, D]
+        k = kv[:, 0::2, :].transpose(1, 0, 2)  # [Hkv', bk, D]
         v = kv[:, 1::2, :].transpose(1, 0, 2)
+        if sum_pad:  # ones columns: P @ [V | 1] also yields the row sums of P
+            v = jnp.concatenate([v, jnp.ones((num_kv_heads, bk, sum_pad), v.dtype)], axis=-1)
         return k, v
 
     def scores_of(qb, k):
@@ -192,17 +156,17 @@ def ragged_paged_attention_xla(
         m_new = jnp.maximum(m, sc.max(axis=-1))
         alpha = exp2_fn(m - m_new)
         p = exp2_fn(sc - m_new[..., None])
-        l = alpha * l + p.sum(axis=-1)
+        if not sum_pad:
+            l = alpha * l + p.sum(axis=-1)
         pv = jnp.einsum("hrk,hkd->hrd", p.astype(cdt), v, preferred_element_type=jnp.float32)
-        acc = alpha[..., None] * acc + pv
-        return m_new, l, acc
+        return m_new, l, alpha[..., None] * acc + pv
 
     def one_item(i, out):
         b, s = item_block[i], item_seq[i]
         ib = item_bounds(b, s, cu, kv_lens, bq, bk, sliding_window)
-        qb = qs[b]  # [Hkv, rows, D]
+        qb = qs[b]  # [Hkv', R, D]
         row_tok = ib["r0"] + row_in_block  # flat token of each row
-        row_pos = ib["ctx"] + row_tok - ib["q_start"]  # [rows]
+        row_pos = ib["ctx"] + row_tok - ib["q_start"]  # [R]
         key_iota = jnp.arange(bk, dtype=jnp.int32)
 
         def masked_step(j, carry):
@@ -224,18 +188,86 @@ def ragged_paged_attention_xla(
 
         carry = (jnp.full((num_kv_heads, rows), MASK_VALUE, jnp.float32),
                  jnp.zeros((num_kv_heads, rows), jnp.float32),
-                 jnp.zeros((num_kv_heads, rows, head_dim), jnp.float32))
+                 jnp.zeros((num_kv_heads, rows, head_dim + sum_pad), jnp.float32))
         carry = lax.fori_loop(ib["kv_lo"], ib["a"], masked_step, carry)
         carry = lax.fori_loop(ib["a"], ib["c"], full_step, carry)
         carry = lax.fori_loop(ib["c"], ib["kv_hi"], masked_step, carry)
         _, l, acc = carry
+        if sum_pad:
+            l, acc = acc[..., head_dim], acc[..., :head_dim]
         o = acc / jnp.where(l > 0, l, 1.0)[..., None]
         mine = (row_tok >= ib["lo"]) & (row_tok < ib["hi"])
         o = jnp.where(mine[None, :, None], o, out[b])
         return out.at[b].set(o)
 
     out = jnp.zeros((num_blocks, num_kv_heads, rows, head_dim), jnp.float32)
-    out = lax.fori_loop(0, num_items, one_item, out)
-    out = out.reshape(num_blocks, num_kv_heads, group, bq, head_dim).transpose(0, 3, 1, 2, 4)
-    out = out.reshape(t_pad, num_q_heads, head_dim)[:num_tokens]
+    return lax.fori_loop(0, num_items, one_item, out)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap",
+                                             "block_q", "block_kv", "fast_exp", "sum_pad",
+                                             "par"))
+def ragged_paged_attention_xla(
+    q: jax.Array,  # [T, Hq, D]
+    kv_pages: jax.Array,  # [num_pages, page_size, 2 * Hkv, D]
+    kv_lens: jax.Array,  # [S] int32
+    page_indices: jax.Array,  # [S, P] int32
+    cu_q_lens: jax.Array,  # [S+1] int32
+    num_seqs: jax.Array,  # [1] int32
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    block_q: int | None = None,
+    block_kv: int | None = None,
+    fast_exp: bool = True,
+    sum_pad: int = 0,
+    par: int = 1,
+) -> jax.Array:  # [T, Hq, D]
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_pages, page_size, combined, _ = kv_pages.shape
+    num_kv_heads = combined // 2
+    group = num_q_heads // num_kv_heads
+    num_slots, max_pages = page_indices.shape
+    sizes = xla_block_sizes(num_tokens, num_slots, group, head_dim, q.dtype.itemsize, page_size)
+    bq = block_q or sizes.block_q
+    bk = block_kv or sizes.block_kv
+    if bk % page_size:
+        raise ValueError(f"block_kv {bk} must be a multiple of page_size {page_size}")
+    ppb = bk // page_size
+    num_blocks = -(-num_tokens // bq)
+    t_pad = num_blocks * bq
+    num_kv_blocks = -(-max_pages // ppb)
+    cdt = q.dtype  # matmul operand dtype; accumulation is always f32
+
+    cu = sanitize_cu_q_lens(cu_q_lens.astype(jnp.int32), num_seqs)
+    kv_lens = kv_lens.astype(jnp.int32)
+    pidx = jnp.clip(page_indices.astype(jnp.int32), 0, num_pages - 1)
+    pidx = jnp.pad(pidx, ((0, 0), (0, num_kv_blocks * ppb - max_pages)))
+    item_block, item_seq, num_items = work_items(cu, num_seqs, num_blocks, bq)
+
+    # q -> [num_blocks, Hkv, G, bq, D], scaled so scores come out in log2 units.
+    q_scale = sm_scale if soft_cap is not None else sm_scale * LOG2E
+    qs = (q.astype(jnp.float32) * q_scale).astype(cdt)
+    qs = jnp.pad(qs, ((0, t_pad - num_tokens), (0, 0), (0, 0)))
+    qs = qs.reshape(num_blocks, bq, num_kv_heads, group, head_dim).transpose(0, 2, 3, 1, 4)
+
+    # `par` independent loops, split over KV heads, else over the q heads of a KV head.
+    if par > 1 and num_kv_heads % par == 0:
+        splits = [(c * (num_kv_heads // par), num_kv_heads // par, 0, group) for c in range(par)]
+    elif par > 1 and group % par == 0:
+        splits = [(0, num_kv_heads, c * (group // par), group // par) for c in range(par)]
+    else:
+        splits = [(0, num_kv_heads, 0, group)]
+    outs = []
+    for h0, nh, g0, ng in splits:
+        o = _attend(qs[:, h0:h0 + nh, g0:g0 + ng].reshape(num_blocks, nh, ng * bq, head_dim),
+                    kv_pages[:, :, 2 * h0:2 * (h0 + nh)] if nh < num_kv_heads else kv_pages,
+                    pidx, cu, kv_lens, item_block, item_seq, num_items, bq=bq, bk=bk, ppb=ppb,
+                    sliding_window=sliding_window, soft_cap=soft_cap,
+                    exp2_fn=exp2 if fast_exp else jnp.exp2, sum_pad=sum_pad)
+        outs.append(o.reshape(num_blocks, nh, ng, bq, head_dim))
+    out = outs[0] if len(outs) == 1 else jnp.concatenate(
+        outs, axis=1 if splits[0][3] == group else 2)
+    out = out.transpose(0, 3, 1, 2, 4).reshape(t_pad, num_q_heads, head_dim)[:num_tokens]
     return out.astype(q.dtype)
