@@ -17,6 +17,8 @@ def compile_cache_dir(tmp_path_factory) -> str:
     """One persistent XLA cache per test session, shared by the in-process server and the
     subprocess ones: the second server loads its programs instead of compiling (~10x).
     JAXFILL_TEST_COMPILE_CACHE=DIR keeps it across sessions."""
+    if not _CACHE_DIR and os.environ.get("JAX_COMPILATION_CACHE_DIR"):  # tests/conftest.py sets it
+        _CACHE_DIR.append(os.environ["JAX_COMPILATION_CACHE_DIR"])
     if not _CACHE_DIR:
         import jax
 
