@@ -58,7 +58,7 @@ def _kernel(kv_lens_ref, pidx_ref, cu_ref, item_block_ref, item_seq_ref, num_ite
         kv_len = ib["kv_len"]
         r0 = ib["r0"]
         q = q_ref[:, pl.ds(r0, block_q), :].reshape(rows, head_dim)
-        row_tok = r0 + jnp.arange(rows, dtype=jnp.int32) % block_q  # g-major rows
+        row_tok = r0 + lax.rem(jnp.arange(rows, dtype=jnp.int32), jnp.int32(block_q))  # g-major
         row_pos = ib["ctx"] + row_tok - ib["q_start"]
 
         def step(j, carry):

@@ -85,18 +85,21 @@ def item_bounds(b, s, cu, kv_lens, block_q: int, block_kv: int, sliding_window):
     empty = hi <= lo
     pmin = ctx + lo - q_start
     pmax = ctx + hi - 1 - q_start
-    kv_hi = jnp.where(empty, 0, (jnp.minimum(pmax + 1, kv_len) + block_kv - 1) // block_kv)
+    # lax.div on clamped non-negative operands: plain truncating division, which every
+    # backend (XLA, Mosaic scalar core, Triton) lowers; `//` would add sign fix-ups.
+    div = lambda x, y: lax.div(jnp.maximum(x, 0), jnp.int32(y))
+    kv_hi = jnp.where(empty, 0, div(jnp.minimum(pmax + 1, kv_len) + block_kv - 1, block_kv))
     if sliding_window is None:
         kv_lo = jnp.int32(0)
         a = jnp.int32(0)
     else:
         w = sliding_window
-        kv_lo = jnp.maximum(pmin - w + 1, 0) // block_kv
+        kv_lo = div(pmin - w + 1, block_kv)
         # Blocks from `a` on have every key newer than pmax - W: visible to all rows.
-        a = jnp.maximum(pmax - w + 1 + block_kv - 1, 0) // block_kv
+        a = div(pmax - w + 1 + block_kv - 1, block_kv)
     kv_lo = jnp.minimum(kv_lo, kv_hi)
     a = jnp.clip(a, kv_lo, kv_hi)
-    c = jnp.clip((pmin + 1) // block_kv, a, kv_hi)  # blocks before c end at or below pmin
+    c = jnp.clip(div(pmin + 1, block_kv), a, kv_hi)  # blocks before c end at or below pmin
     return dict(q_start=q_start, ctx=ctx, kv_len=kv_len, r0=r0, lo=lo, hi=hi,
                 kv_lo=kv_lo, a=a, c=c, kv_hi=kv_hi)
 
