@@ -32,14 +32,21 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def run(args) -> int:
+    from engine.config import load_config
     from engine.engine import Engine
+    from engine.loading import build_tokenizer, validate_prompt
     from engine.request import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed).validate()
     prompts = args.prompt or [_parse_ids(t) for t in args.prompt_ids]
-    engine = Engine.from_config(args.config, model_path=args.model, overrides=args.overrides,
-                                progress=not args.json)
+    config = load_config(args.config, args.overrides, args.model)
+    # Reject bad prompts before minutes of model build and bucket compilation.
+    tokenizer = build_tokenizer(config) if args.prompt else None
+    for prompt in prompts:
+        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        validate_prompt(ids, config.model.vocab_size, config.engine.max_model_len)
+    engine = Engine(config, progress=not args.json)
     if args.json:
         for completion in engine.generate(prompts, params):
             print(json.dumps({"token_ids": completion.token_ids, "text": completion.text,
