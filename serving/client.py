@@ -44,9 +44,10 @@ class Result:
     text: str
     finish_reason: str
     complete: pb.GenerateComplete
-    chunk_times: list[float]  # perf_counter at each chunk's arrival
+    chunk_times: list[float]  # time.monotonic() at each chunk's arrival
     start: float
     chunk_sizes: list[int] = dataclasses.field(default_factory=list)
+    delivery_s: list[float] = dataclasses.field(default_factory=list)  # arrival - server step_time, per chunk
 
 
 def _metadata(api_key: str | None):
@@ -89,18 +90,20 @@ class AsyncClient:
         return self.stub.Generate(req, timeout=timeout, metadata=self.metadata)
 
     async def generate(self, prompt, timeout: float | None = None, **kw) -> Result:
-        start = time.perf_counter()
-        ids, text, times, sizes = [], [], [], []
+        start = time.monotonic()
+        ids, text, times, sizes, delivery = [], [], [], [], []
         complete = None
         async for resp in self.stream(prompt, timeout=timeout, **kw):
             if resp.HasField("chunk"):
-                times.append(time.perf_counter())
+                now = time.monotonic()
+                times.append(now)
+                delivery.append(now - resp.chunk.step_time)
                 sizes.append(len(resp.chunk.token_ids))
                 ids.extend(resp.chunk.token_ids)
                 text.append(resp.chunk.text)
             else:
                 complete = resp.complete
-        return Result(ids, "".join(text), complete.finish_reason if complete else "", complete, times, start, sizes)
+        return Result(ids, "".join(text), complete.finish_reason if complete else "", complete, times, start, sizes, delivery)
 
     async def model_info(self) -> pb.ModelInfo:
         return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self.metadata)
@@ -121,14 +124,14 @@ class AsyncClient:
         return (await self.health_stub.Check(health_pb2.HealthCheckRequest(service=service))).status
 
     async def wait_serving(self, timeout: float = 600.0, poll_s: float = 0.1) -> None:
-        deadline = time.perf_counter() + timeout
+        deadline = time.monotonic() + timeout
         while True:
             try:
                 if await self.health() == health_pb2.HealthCheckResponse.SERVING:
                     return
             except grpc.aio.AioRpcError:
                 pass
-            if time.perf_counter() > deadline:
+            if time.monotonic() > deadline:
                 raise TimeoutError(f"server not SERVING after {timeout:.0f} s")
             await __import__("asyncio").sleep(poll_s)
 
@@ -163,18 +166,20 @@ class Client:
         return self.stub.Generate(req, timeout=timeout, metadata=self.metadata)
 
     def generate(self, prompt, timeout: float | None = None, **kw) -> Result:
-        start = time.perf_counter()
-        ids, text, times, sizes = [], [], [], []
+        start = time.monotonic()
+        ids, text, times, sizes, delivery = [], [], [], [], []
         complete = None
         for resp in self.stream(prompt, timeout=timeout, **kw):
             if resp.HasField("chunk"):
-                times.append(time.perf_counter())
+                now = time.monotonic()
+                times.append(now)
+                delivery.append(now - resp.chunk.step_time)
                 sizes.append(len(resp.chunk.token_ids))
                 ids.extend(resp.chunk.token_ids)
                 text.append(resp.chunk.text)
             else:
                 complete = resp.complete
-        return Result(ids, "".join(text), complete.finish_reason if complete else "", complete, times, start, sizes)
+        return Result(ids, "".join(text), complete.finish_reason if complete else "", complete, times, start, sizes, delivery)
 
     def model_info(self) -> pb.ModelInfo:
         return self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self.metadata)

@@ -9,7 +9,7 @@ per-request asyncio queues. A cancelled stream's abort is applied before the nex
 runs, so its pages are free within one step.
 
 Stream items (what `RequestStream.queue` yields), each `(kind, payload, t)` with `t`
-the engine-thread `time.perf_counter()` when the step returned:
+the engine-thread `time.monotonic()` when the step returned:
     ("output", RequestOutput, t)   tokens and/or the final Completion
     ("aborted", None, t)           aborted by `abort()` (an Abort RPC, or shutdown)
     ("error", Exception, t)        add_request refused it (InvalidRequest, QueueFull), or
@@ -43,7 +43,7 @@ class RequestStream:
     def __init__(self, request_id: str, prompt_tokens: int, arrival: float):
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
-        self.arrival = arrival  # perf_counter when the handler received it
+        self.arrival = arrival  # time.monotonic() when the handler received it
         self.queue: asyncio.Queue = asyncio.Queue()
         self.first_token_t: float | None = None
         self.last_token_t: float | None = None
@@ -113,7 +113,7 @@ class EngineLoop:
             raise InvalidRequest("request_id", f"{request_id!r} is already in flight")
         if self._pending_adds + self._stats.get("num_waiting", 0) >= self.max_waiting:
             raise QueueFull(f"waiting queue is full ({self.max_waiting} requests)")
-        stream = RequestStream(request_id, len(prompt_ids), arrival or time.perf_counter())
+        stream = RequestStream(request_id, len(prompt_ids), arrival or time.monotonic())
         self._streams[request_id] = stream
         self._pending_adds += 1
         self._inbox.append(("add", request_id, prompt_ids, params, priority))
@@ -177,9 +177,9 @@ class EngineLoop:
     def _run(self, warmup: bool) -> None:
         try:
             if warmup and not getattr(self.engine, "warmed_up", False):
-                start = time.perf_counter()
+                start = time.monotonic()
                 self.engine.warmup()
-                self.warmup_s = time.perf_counter() - start
+                self.warmup_s = time.monotonic() - start
             if self.state == WARMING:
                 self.state = SERVING
             for cb in self._ready_callbacks:
@@ -211,7 +211,7 @@ class EngineLoop:
         items = []
         while self._inbox:
             op = self._inbox.popleft()
-            now = time.perf_counter()
+            now = time.monotonic()
             if op[0] == "add":
                 _, rid, prompt_ids, params, priority = op
                 items.append(("added", rid, None, now))
@@ -242,7 +242,7 @@ class EngineLoop:
             # The step as a whole failed: fail everything in flight, keep the loop alive.
             log.error("engine.step() failed; failing %d requests:\n%s", len(self._in_engine),
                       traceback.format_exc())
-            now = time.perf_counter()
+            now = time.monotonic()
             items = []
             for rid in list(self._in_engine):
                 try:
@@ -252,7 +252,7 @@ class EngineLoop:
                 items.append(("error", rid, StepFailed(f"engine step failed: {e}"), now))
             self._in_engine.clear()
             return items
-        now = time.perf_counter()
+        now = time.monotonic()
         self.steps += 1
         items = []
         gen_tokens = 0

@@ -156,9 +156,9 @@ class _Core:
                     await context.abort(grpc.StatusCode.INTERNAL, str(payload))
                 if kind == "aborted":
                     self._observe(stream, "abort", None, t)
-                    yield kind, None, stream
+                    yield kind, None, stream, t
                     return
-                yield kind, payload, stream
+                yield kind, payload, stream, t
                 if payload.finished:
                     c = payload.completion
                     reason = c.finish_reason if c is not None else "stop"
@@ -192,7 +192,7 @@ class _Core:
             cached_tokens=completion.cached_tokens if completion else 0,
             queue_time_s=float(m.get("queue_s", 0.0) or 0.0),
             ttft_s=(stream.first_token_t - stream.arrival) if stream.first_token_t is not None else 0.0,
-            e2e_s=time.perf_counter() - stream.arrival)
+            e2e_s=time.monotonic() - stream.arrival)
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
@@ -200,7 +200,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.core = core
 
     async def Generate(self, request: pb.GenerateRequest, context):
-        arrival = time.perf_counter()
+        arrival = time.monotonic()
         core = self.core
         await core.check_available(context)
         try:
@@ -226,12 +226,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except BadField as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         async with contextlib.aclosing(core.run(context, ids, params, rid, request.priority, arrival)) as events:
-            async for kind, out, stream in events:
+            async for kind, out, stream, t in events:
                 if kind == "aborted":
                     yield pb.GenerateResponse(complete=core.complete(stream, "abort", None))
                     return
                 if out.new_token_ids or out.new_text:
-                    chunk = pb.GenerateChunk(token_ids=out.new_token_ids, text=out.new_text)
+                    chunk = pb.GenerateChunk(token_ids=out.new_token_ids, text=out.new_text, step_time=t)
                     if out.logprobs and params.logprobs is not None:
                         chunk.logprobs.extend(_logprobs_to_proto(out.logprobs))
                     yield pb.GenerateResponse(chunk=chunk)
@@ -293,7 +293,7 @@ class OrchestratorServicer(js_grpc.OrchestratorServicer):
         self.core = core
 
     async def Decode(self, request: js.DecodeRequest, context):
-        arrival = time.perf_counter()
+        arrival = time.monotonic()
         core = self.core
         await core.check_available(context)
         try:
@@ -318,7 +318,7 @@ class OrchestratorServicer(js_grpc.OrchestratorServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         rid = "js-" + uuid.uuid4().hex
         async with contextlib.aclosing(core.run(context, ids, params, rid, 0, arrival)) as events:
-            async for kind, out, _stream in events:
+            async for kind, out, _stream, _t in events:
                 if kind == "aborted":
                     return
                 if out.new_token_ids or out.new_text:
@@ -385,7 +385,7 @@ class Server:
         self.server: grpc.aio.Server | None = None
         self.metrics_http = None
         self.ready = asyncio.Event()
-        self.started_at = time.perf_counter()
+        self.started_at = time.monotonic()
 
     async def start(self) -> int:
         options = [("grpc.max_receive_message_length", self.max_message_bytes),
@@ -438,13 +438,13 @@ class Server:
         """Drain: NOT_SERVING, refuse new work, let in-flight finish within grace_s, abort the rest."""
         self.loop.begin_drain()
         await self.health.enter_graceful_shutdown()
-        deadline = time.perf_counter() + grace_s
+        deadline = time.monotonic() + grace_s
         in_flight = self.loop.num_active
-        while self.loop.num_active and time.perf_counter() < deadline:
+        while self.loop.num_active and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         aborted = self.loop.abort_all()
-        flush_deadline = time.perf_counter() + 2.0
-        while self.loop.num_active and time.perf_counter() < flush_deadline:
+        flush_deadline = time.monotonic() + 2.0
+        while self.loop.num_active and time.monotonic() < flush_deadline:
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.05)  # let the aborted streams' last messages go out
         await self.server.stop(1.0)

@@ -93,6 +93,7 @@ class RequestResult:
     error: str = ""
     cached_tokens: int = 0
     probe: bool = False
+    delivery: list[float] = dataclasses.field(default_factory=list)  # engine step end -> client, per chunk
 
 
 def _lens(rng, mean: int, ratio: float, n: int) -> np.ndarray:
@@ -151,13 +152,14 @@ class GrpcSender:
         client = self.clients[self.n % len(self.clients)]
         self.n += 1
         res = RequestResult(prompt_len=len(req.prompt), probe=req.probe)
-        res.start = start = time.perf_counter()
+        res.start = start = time.monotonic()
         last = None
         try:
             call = client.stream(req.prompt, timeout=self.timeout, max_tokens=req.output_len, ignore_eos=True)
             async for resp in call:
                 if resp.HasField("chunk"):
-                    now = time.perf_counter()
+                    now = time.monotonic()
+                    res.delivery.append(now - resp.chunk.step_time)
                     if last is None:
                         res.ttft = now - start
                     else:
@@ -169,7 +171,7 @@ class GrpcSender:
                     res.success = resp.complete.finish_reason in ("length", "stop")
                     if not res.success:
                         res.error = f"finish_reason={resp.complete.finish_reason}"
-            res.latency = time.perf_counter() - start
+            res.latency = time.monotonic() - start
         except grpc.aio.AioRpcError as e:
             res.error = f"{e.code().name}: {e.details()}"
         return res
@@ -201,18 +203,19 @@ class InProcessSender:
         from engine.request import SamplingParams
 
         res = RequestResult(prompt_len=len(req.prompt), probe=req.probe)
-        res.start = start = time.perf_counter()
+        res.start = start = time.monotonic()
         self.n += 1
         rid = f"inproc-{self.n}"
         stream = self.loop.submit(req.prompt, SamplingParams(max_tokens=req.output_len, ignore_eos=True), rid)
         last = None
         while True:
-            kind, out, _t = await stream.queue.get()
+            kind, out, t = await stream.queue.get()
             if kind != "output":
                 res.error = f"{kind}: {out}"
                 return res
             if out.new_token_ids or out.new_text:
-                now = time.perf_counter()
+                now = time.monotonic()
+                res.delivery.append(now - t)
                 if last is None:
                     res.ttft = now - start
                 else:
@@ -223,7 +226,7 @@ class InProcessSender:
                 c = out.completion
                 res.cached_tokens = c.cached_tokens if c else 0
                 res.success = c is None or c.finish_reason in ("length", "stop")
-                res.latency = time.perf_counter() - start
+                res.latency = time.monotonic() - start
                 return res
 
 
@@ -252,7 +255,7 @@ async def run_workload(send, requests: list[BenchRequest], args, probe_len: tupl
             prompt = rng.integers(0, 256, size=probe_len[0]).tolist()
             probes.append(asyncio.create_task(send(BenchRequest(prompt, probe_len[1], probe=True))))
 
-    start = time.perf_counter()
+    start = time.monotonic()
     probe_task = asyncio.create_task(prober()) if probe_len and args.probe_interval > 0 else None
     tasks = []
     for req, gap in zip(requests, gaps):
@@ -262,7 +265,7 @@ async def run_workload(send, requests: list[BenchRequest], args, probe_len: tupl
     try:
         results = await asyncio.wait_for(asyncio.gather(*tasks), args.max_duration)
     finally:
-        duration = time.perf_counter() - start
+        duration = time.monotonic() - start
         done.set()
         if probe_task:
             await probe_task
@@ -311,6 +314,8 @@ def calculate_metrics(results: list[RequestResult], duration: float, percentiles
         m["goodput_slo_ms"] = goodput
     for values, name in ((ttfts, "ttft"), (tpots, "tpot"), (itls, "itl"), (e2els, "e2el")):
         m.update(_stats(values, name, percentiles))
+    # Engine step returned -> chunk in the client's hands (same host, CLOCK_MONOTONIC).
+    m.update(_stats([x for r in ok for x in r.delivery], "delivery", sorted(set(percentiles) | {50.0})))
     return m
 
 
@@ -340,7 +345,8 @@ def print_report(title: str, m: dict) -> None:
     for k, v in rows:
         print(f"{k:<40}{v:>10}")
     for name, label in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
-                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
+                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency"),
+                        ("delivery", "Step end -> client (streaming overhead)")):
         print("{s:{c}^{n}}".format(s=label, n=w, c="-"))
         for k, v in m.items():
             if k.endswith(f"_{name}_ms") and not k.startswith("std"):
@@ -354,11 +360,12 @@ def plot(path: str, runs: dict[str, tuple[list[RequestResult], dict]], title: st
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, axes = plt.subplots(1, 4, figsize=(19, 4.2))
     for label, (results, _m) in runs.items():
         ok = [r for r in results if r.success]
         for ax, values in ((axes[0], [r.ttft * 1e3 for r in ok]),
-                           (axes[1], [x * 1e3 for r in ok for x in r.itl])):
+                           (axes[1], [x * 1e3 for r in ok for x in r.itl]),
+                           (axes[3], [x * 1e3 for r in ok for x in r.delivery])):
             if values:
                 v = np.sort(values)
                 ax.plot(v, np.arange(1, len(v) + 1) / len(v), label=label)
@@ -367,6 +374,8 @@ def plot(path: str, runs: dict[str, tuple[list[RequestResult], dict]], title: st
     axes[0].set(xlabel="TTFT (ms)", ylabel="CDF", title="time to first token")
     axes[1].set(xlabel="inter-token latency (ms)", ylabel="CDF", title="inter-token latency")
     axes[2].set(xlabel="request start (s into run)", ylabel="end-to-end latency (ms)", title="E2E latency")
+    axes[3].set(xlabel="engine step end -> client (ms)", ylabel="CDF", title="per-chunk delivery (streaming overhead)")
+    axes[3].set_xscale("log")
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -436,14 +445,20 @@ async def _bench(args) -> dict:
     if "inprocess" in out:
         ip = out["inprocess"]
         out["streaming_overhead"] = {
+            "median_delivery_ms_grpc": out["median_delivery_ms"],
+            "median_delivery_ms_inprocess": ip["median_delivery_ms"],
+            "median_delivery_overhead_ms": out["median_delivery_ms"] - ip["median_delivery_ms"],
+            "p99_delivery_overhead_ms": out["p99_delivery_ms"] - ip["p99_delivery_ms"],
             "median_tpot_delta_ms": out["median_tpot_ms"] - ip["median_tpot_ms"],
             "median_itl_delta_ms": out["median_itl_ms"] - ip["median_itl_ms"],
             "median_ttft_delta_ms": out["median_ttft_ms"] - ip["median_ttft_ms"],
             "median_e2el_delta_ms": out["median_e2el_ms"] - ip["median_e2el_ms"],
         }
+        so = out["streaming_overhead"]
         print("streaming overhead per token (gRPC - in-process, p50): "
-              f"TPOT {out['streaming_overhead']['median_tpot_delta_ms']:+.3f} ms, "
-              f"ITL {out['streaming_overhead']['median_itl_delta_ms']:+.3f} ms")
+              f"delivery {so['median_delivery_ms_grpc']:.3f} - {so['median_delivery_ms_inprocess']:.3f} = "
+              f"{so['median_delivery_overhead_ms']:+.3f} ms; TPOT {so['median_tpot_delta_ms']:+.3f} ms, "
+              f"ITL {so['median_itl_delta_ms']:+.3f} ms (TPOT/ITL deltas include run-to-run noise)")
     out["errors"] = sorted({r.error for r in results if r.error})[:20]
     out.update({
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "jaxfill-grpc", "label": args.label,
