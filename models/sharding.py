@@ -306,3 +306,51 @@ def sharded_attention(attend: Callable, q: jax.Array, k: jax.Array, v: jax.Array
     page_spec = P(None, None, tp, None)
     return jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, page_spec, P()),
                          out_specs=(tok, page_spec), axis_names=set(axes), check_vma=False)(q, k, v, pages, meta)
+
+
+# ----------------------------------------------------------------------- HLO inspection
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+_DTYPE_BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s64": 8, "s32": 4, "u32": 4, "s16": 2,
+                "u16": 2, "s8": 1, "u8": 1, "pred": 1, "f8e4m3fn": 1, "f8e5m2": 1}
+
+
+def collective_ops(hlo_text: str) -> dict[str, int]:
+    """Counts collectives in compiled HLO text (an async *-start counts once, *-done not),
+    plus '<op>_bytes': the summed operand sizes of each kind, from the result shape and the
+    replica-group size (compiled HLO text does not print operand types)."""
+    import re
+
+    counts = {op: 0 for op in COLLECTIVES}
+    counts.update({op + "_bytes": 0 for op in COLLECTIVES})
+    pattern = re.compile(r"=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\(")
+    for line in hlo_text.splitlines():
+        m = pattern.search(line)
+        if not m:
+            continue
+        shapes, op, start = m.group(1), m.group(2), m.group(3)
+        counts[op] += 1
+        sizes = [int(np.prod([int(x) for x in dims.split(",") if x])) * _DTYPE_BYTES.get(dtype, 4)
+                 for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", shapes)]
+        group = _group_size(line)
+        if start and op in ("all-gather", "collective-permute", "all-to-all") and len(sizes) >= 2:
+            nbytes = sizes[0]  # (operand, result[, ...]) tuple of the async start
+        elif op == "all-gather":
+            nbytes = sum(sizes) // group
+        elif op == "reduce-scatter":
+            nbytes = sum(sizes) * group
+        else:
+            nbytes = sum(sizes)
+        counts[op + "_bytes"] += nbytes
+    return counts
+
+
+def _group_size(line: str) -> int:
+    import re
+
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", line)
+    if m:
+        return int(m.group(2))
+    m = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
+    if m:
+        return len(m.group(1).split(","))
+    return 1
