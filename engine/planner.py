@@ -226,6 +226,7 @@ def plan_prefill(config: Config, hw: Hardware, prompt_len: int) -> dict:
         "kv_bytes_written": prompt_len * per_token,
         "kv_bytes_per_token": per_token,
         "kv_bytes_per_request": per_request,
+        "kv_bytes_per_request_per_device": per_request_dev,  # Hkv * r heads / tensor
         "pages_per_request": pages,
         "page_size": engine.page_size,
         "flops_per_device": cost.flops,

@@ -142,7 +142,9 @@ def test_tensor_and_sequence_parallel():
     assert tp8["collective_bytes_per_device"] == pytest.approx(80 * 2 * 2 * 7 / 8 * 4096 * 8192 * 2)
     # tensor=16 with 8 KV heads: heads repeated twice, each rank stores one.
     tp16 = plan_prefill(load_config("llama3_70b", {"mesh.tensor": 16}), H100, 4096)
-    assert tp16["kv_bytes_per_request"] == one["kv_bytes_per_request"]  # per request, all ranks
+    assert tp16["kv_bytes_per_request"] == one["kv_bytes_per_request"]  # the model's logical K/V
+    assert tp16["kv_bytes_per_request_per_device"] == one["kv_bytes_per_request"] / 8  # 1 of 16 heads
+    assert tp8["kv_bytes_per_request_per_device"] == one["kv_bytes_per_request"] / 8
     sp2 = plan_prefill(load_config("llama3_70b", {"mesh.tensor": 8, "mesh.sequence": 2}), H100, 4096)
     assert sp2["collective_s"] > tp8["collective_s"] / 2  # + the K/V all-gather
     assert sp2["flops_per_device"] == pytest.approx(tp8["flops_per_device"] / 2, rel=0.01)

@@ -53,7 +53,8 @@ def _log(msg: str) -> None:
 def time_prefill(model, prompt: list[int], page_size: int, chunk: int | None, repeats: int,
                  warmup: int, probe=None) -> tuple[list[float], list[float], int, int]:
     """Timed prefills of `prompt`; returns (seconds per run, probe FLOP/s per run, cache
-    bytes, cache slots). `probe()`, when given, runs right before each timed run."""
+    bytes, cache slots). `probe()`, when given, runs right before and right after each
+    timed run; the run's rate is the mean of the two."""
     import jax
 
     from engine.simple import prefill_chunks
@@ -65,13 +66,14 @@ def time_prefill(model, prompt: list[int], page_size: int, chunk: int | None, re
     pages = list(range(1, n_pages + 1))
     times, rates = [], []
     for i in range(warmup + repeats):
-        if i >= warmup and probe is not None:
-            rates.append(probe())
+        before = probe() if i >= warmup and probe is not None else None
         start = time.perf_counter()
         logits, cache = prefill_chunks(model, prompt, cache, pages, chunk)
         jax.block_until_ready(logits)
         if i >= warmup:
             times.append(time.perf_counter() - start)
+            if probe is not None:
+                rates.append((before + probe()) / 2)
     jax.block_until_ready(cache)
     return times, rates, nbytes, slots
 
@@ -110,7 +112,7 @@ def run_bench(config, lengths: list[int], chunk_sizes: list[int], repeats: int =
         return load_hardware(hw_name, m.dtype, model_matmul_shape(m))
 
     hw_before = measure_hw()
-    # On a CPU (often shared), a short matmul probe before every timed run records how
+    # On a CPU (often shared), a short matmul probe around every timed run records how
     # much of the machine the run got; each run is compared with the floor at that rate.
     probe = None
     if hw_before is not None and hw_before.shared_by_mesh:
@@ -147,7 +149,7 @@ def run_bench(config, lengths: list[int], chunk_sizes: list[int], repeats: int =
         bw = (hw_before.hbm_bytes_per_s + hw_after.hbm_bytes_per_s) / 2
         hw = dataclasses.replace(hw_before, bf16_flops=peak, fp32_flops=peak, hbm_bytes_per_s=bw,
                                  link_bytes_per_s=bw, source=hw_before.source + "; peak = median of "
-                                 "the matmul probes run before every timed run")
+                                 "the matmul probes run around every timed run")
     per_token = kv_bytes_per_token(m)
     for p in points:
         p["kv_bytes_per_token_formula"] = per_token
