@@ -1,0 +1,149 @@
+"""One process of the two-process test (tests/test_multihost.py): 4 CPU devices each,
+jax.distributed over 127.0.0.1, one 8-device mesh, the same jitted steps in lockstep.
+
+    python tests/multihost_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_JSON
+
+Runs (1) a model-level greedy loop (chunked prefill + decode with the sharded forward),
+(2) Engine.generate with the same mesh; writes {"model": [...], "engine": [...] or error}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+TENSOR, SEQUENCE = 2, 4
+CHUNK = 16
+MODEL = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=8,
+             num_kv_heads=2, head_dim=16, max_position_embeddings=4096, seed=3)
+PROMPT = [(37 * i + 11) % 500 for i in range(37)]
+MAX_TOKENS = 10
+
+
+def model_config():
+    from models.config import ModelConfig
+
+    return ModelConfig(**MODEL)
+
+
+def reference_tokens() -> list[int]:
+    """Single process, one device: engine/simple.py's loop (the ground truth)."""
+    from flax import nnx
+
+    from engine.simple import generate_one
+    from models.kv_cache import KVCache
+    from models.llama import Llama
+    from models import sharding
+
+    cfg = model_config()
+    graphdef, _ = sharding.abstract_state(cfg)
+    import jax
+
+    state = jax.jit(lambda: nnx.split(Llama(cfg, nnx.Rngs(cfg.seed)))[1])()
+    tokens, _ = generate_one(nnx.merge(graphdef, state), PROMPT, KVCache.create(cfg, 16, 8), MAX_TOKENS, chunk=CHUNK)
+    return tokens
+
+
+def sharded_greedy(mesh) -> list[int]:
+    """Model-level greedy loop; every input is a global (replicated) array, the argmax is
+    replicated so each process reads it from its own devices."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from engine.simple import bucket
+    from models import sharding
+    from models.forward import forward
+    from models.kv_cache import single_sequence_metadata
+
+    cfg = model_config()
+    graphdef, state = sharding.init_sharded(cfg, mesh)
+    cache = sharding.create_kv_cache(cfg, mesh, 16, 8)
+    replicated = NamedSharding(mesh, P())
+
+    def put(x):
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, replicated, lambda idx: x[idx])
+
+    pick = jax.jit(lambda logits: jnp.argmax(logits[0]).astype(jnp.int32), out_shardings=replicated)
+    pages = list(range(1, 8))
+    seq = list(PROMPT)
+    out: list[int] = []
+    pos = 0
+    while len(out) < MAX_TOKENS:
+        while pos < len(seq):
+            n = min(CHUNK, len(seq) - pos)
+            padded = bucket(n)
+            tokens = np.zeros(padded, np.int32)
+            tokens[:n] = seq[pos:pos + n]
+            positions = np.zeros(padded, np.int32)
+            positions[:n] = np.arange(pos, pos + n)
+            meta = jax.tree.map(put, single_sequence_metadata(n, pos, pages, 8, pad_to=padded))
+            with jax.set_mesh(mesh):
+                logits, cache = forward(graphdef, state, put(tokens), put(positions), cache, meta)
+            pos += n
+        token = int(np.asarray(pick(logits).addressable_data(0)))
+        out.append(token)
+        seq.append(token)
+    return out
+
+
+def engine_tokens(settings, mesh) -> list[int]:
+    """Engine.generate on the same mesh; the params come in already sharded (init_sharded),
+    so no process ever builds the whole model on one device."""
+    from flax import nnx
+
+    from engine.config import load_config
+    from engine.engine import Engine
+    from engine.request import SamplingParams
+    from models import sharding
+
+    overrides = {f"model.{k}": v for k, v in MODEL.items()}
+    overrides.update({
+        "mesh.tensor": settings.tensor, "mesh.sequence": settings.sequence,
+        "mesh.coordinator": settings.coordinator, "mesh.num_processes": settings.num_processes,
+        "mesh.process_id": settings.process_id,
+        "engine.page_size": 8, "engine.num_pages": 64, "engine.max_model_len": 256,
+        "engine.max_num_seqs": 1, "engine.max_num_batched_tokens": CHUNK,
+        "engine.token_buckets": [CHUNK], "engine.seq_buckets": [1],
+    })
+    config = load_config("tiny", overrides)
+    graphdef, state = sharding.init_sharded(config.model, mesh, config.engine.attention_impl)
+    engine = Engine(config, progress=False, model=nnx.merge(graphdef, state))
+    [completion] = engine.generate([PROMPT], SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+    return list(completion.token_ids)
+
+
+def main():
+    process_id, num_processes, port, out_path = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    from engine.config import MeshSettings
+    from engine.mesh import initialize_distributed, make_mesh
+
+    settings = MeshSettings(tensor=TENSOR, sequence=SEQUENCE, coordinator=f"127.0.0.1:{port}",
+                            num_processes=num_processes, process_id=process_id)
+    initialize_distributed(settings)
+    import jax
+
+    result = {"process_index": jax.process_index(), "process_count": jax.process_count(),
+              "global_devices": len(jax.devices()), "local_devices": len(jax.local_devices()),
+              "device_ids": sorted(d.id for d in jax.devices())}
+    mesh = make_mesh(settings)
+    result["model"] = sharded_greedy(mesh)
+    try:
+        result["engine"] = engine_tokens(settings, mesh)
+    except Exception:  # noqa: BLE001 - reported, the test decides
+        result["engine_error"] = traceback.format_exc()[-4000:]
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()
