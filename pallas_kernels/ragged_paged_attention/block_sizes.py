@@ -49,6 +49,18 @@ _XLA_TABLE = {
 }
 
 
+def xla_parallel_loops(backend: str, num_kv_heads: int, group: int) -> int:
+    """Independent loops the XLA impl splits the heads into. On CPU, XLA runs independent
+    while loops on separate cores, which scales better than intra-op threading of the
+    small ops inside one loop (2 = the cores of the dev machine). On GPU one loop."""
+    if backend != "cpu":
+        return 1
+    for par in (2,):
+        if num_kv_heads % par == 0 or group % par == 0:
+            return par
+    return 1
+
+
 def xla_block_sizes(num_tokens: int, num_seq_slots: int, group: int, head_dim: int,
                     itemsize: int, page_size: int) -> BlockSizes:
     """Static choice from static shapes.

@@ -12,7 +12,13 @@ before the sliding window) is ever computed, not just masked:
     [c, kv_hi)    masked   (causal diagonal, and the partial last page)
 
 The G query heads of one KV head are stacked into one [G*block_q, D] operand, so each
-step is a batched matmul over KV heads. Softmax runs in base 2 (log2(e) is folded into
+step is a batched matmul over KV heads. On CPU the heads are split into `par` independent
+loops (XLA runs independent loops on separate cores).
+
+Decode batches (every live sequence has <= `short_q` new tokens, checked at run time with
+`lax.cond`) take a sequence-batched path instead: one loop over KV blocks that serves all
+sequences at once ([S, Hkv, G*short_q, D] x [S, Hkv, block, D] per step), rather than
+one item, and one short loop, per sequence. Softmax runs in base 2 (log2(e) is folded into
 q) with a polynomial exp2 that XLA CPU vectorizes well. K/V of masked blocks are zeroed
 with `where` beyond kv_len, so NaN in unused page slots never reaches an output; rows of
 an item that belong to another sequence, and padding rows, are dropped with `where`.
@@ -27,7 +33,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.ragged_paged_attention.block_sizes import xla_block_sizes
+from pallas_kernels.ragged_paged_attention.block_sizes import (kv_block, xla_block_sizes,
+                                                               xla_parallel_loops)
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 LOG2E = math.log2(math.e)
@@ -207,9 +214,76 @@ def _attend(qs,  # [num_blocks, Hkv', R, D] scaled q; R = (q heads per KV head) 
     return lax.fori_loop(0, num_items, one_item, out)
 
 
+def _attend_short(qs,  # [T, Hq, D] scaled q (log2 units unless soft_cap)
+                  kv_pages, pidx, cu, kv_lens, num_seqs,
+                  *, q_max, bk, ppb, sliding_window, soft_cap, exp2_fn):
+    """Sequence-batched path for batches whose every live sequence has <= q_max new
+    tokens (decode, speculative decode): one loop over KV blocks, all sequences at once,
+    instead of one item per sequence. Returns out [T, Hq, D] f32, zeros on padding rows."""
+    num_tokens, num_q_heads, head_dim = qs.shape
+    num_kv_heads = kv_pages.shape[2] // 2
+    group = num_q_heads // num_kv_heads
+    num_slots = kv_lens.shape[0]
+    cdt = qs.dtype
+    live = jnp.arange(num_slots, dtype=jnp.int32) < num_seqs[0]
+    q_len = jnp.where(live, cu[1:] - cu[:-1], 0)
+    kv_len = jnp.where(live, kv_lens, 0)
+    i = jnp.arange(q_max, dtype=jnp.int32)
+    row_ok = i[None, :] < q_len[:, None]  # [S, q_max]
+    tok = jnp.where(row_ok, cu[:-1, None] + i[None, :], num_tokens)  # OOB = dropped
+    pos = kv_len[:, None] - q_len[:, None] + i[None, :]  # [S, q_max]
+    qb = qs.at[jnp.minimum(tok, num_tokens - 1)].get()  # [S, q_max, Hq, D]
+    qb = jnp.where(row_ok[..., None, None], qb, jnp.zeros((), cdt))
+    qb = qb.reshape(num_slots, q_max, num_kv_heads, group, head_dim).transpose(0, 2, 3, 1, 4)
+    rows = group * q_max
+    qb = qb.reshape(num_slots, num_kv_heads, rows, head_dim)
+    row_pos = jnp.tile(pos, (1, group))  # [S, R] g-major, like qb's rows
+    nkb = -(-kv_len // bk)
+    j_hi = jnp.max(nkb)
+    if sliding_window is None:
+        j_lo = jnp.int32(0)
+    else:
+        first = jnp.maximum(pos[:, 0] - sliding_window + 1, 0) // bk
+        j_lo = jnp.min(jnp.where(q_len > 0, first, j_hi))
+    key_iota = jnp.arange(bk, dtype=jnp.int32)
+
+    def step(j, carry):
+        m, l, acc = carry
+        ids = lax.dynamic_slice_in_dim(pidx, j * ppb, ppb, axis=1)  # [S, ppb]
+        kv = kv_pages[ids].reshape(num_slots, bk, 2 * num_kv_heads, head_dim)
+        key_pos = j * bk + key_iota
+        in_len = key_pos[None, :] < kv_len[:, None]  # [S, bk]
+        kv = jnp.where(in_len[:, :, None, None], kv, jnp.zeros((), kv.dtype))
+        k = kv[:, :, 0::2].transpose(0, 2, 1, 3)  # [S, Hkv, bk, D]
+        v = kv[:, :, 1::2].transpose(0, 2, 1, 3)
+        sc = jnp.einsum("shrd,shkd->shrk", qb, k, preferred_element_type=jnp.float32)
+        if soft_cap is not None:
+            sc = (soft_cap * LOG2E) * jnp.tanh(sc / soft_cap)
+        vis = (key_pos[None, None, :] <= row_pos[:, :, None]) & in_len[:, None, :]
+        if sliding_window is not None:
+            vis &= key_pos[None, None, :] > row_pos[:, :, None] - sliding_window
+        sc = jnp.where(vis[:, None], sc, MASK_VALUE)
+        m_new = jnp.maximum(m, sc.max(axis=-1))
+        alpha = exp2_fn(m - m_new)
+        p = exp2_fn(sc - m_new[..., None])
+        l = alpha * l + p.sum(axis=-1)
+        pv = jnp.einsum("shrk,shkd->shrd", p.astype(cdt), v, preferred_element_type=jnp.float32)
+        return m_new, l, alpha[..., None] * acc + pv
+
+    carry = (jnp.full((num_slots, num_kv_heads, rows), MASK_VALUE, jnp.float32),
+             jnp.zeros((num_slots, num_kv_heads, rows), jnp.float32),
+             jnp.zeros((num_slots, num_kv_heads, rows, head_dim), jnp.float32))
+    _, l, acc = lax.fori_loop(j_lo, j_hi, step, carry)
+    o = acc / jnp.where(l > 0, l, 1.0)[..., None]  # [S, Hkv, R, D]
+    o = o.reshape(num_slots, num_kv_heads, group, q_max, head_dim).transpose(0, 3, 1, 2, 4)
+    o = o.reshape(num_slots * q_max, num_q_heads, head_dim)
+    out = jnp.zeros((num_tokens, num_q_heads, head_dim), jnp.float32)
+    return out.at[tok.reshape(-1)].set(o, mode="drop")
+
+
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap",
                                              "block_q", "block_kv", "fast_exp", "sum_pad",
-                                             "par"))
+                                             "par", "short_q"))
 def ragged_paged_attention_xla(
     q: jax.Array,  # [T, Hq, D]
     kv_pages: jax.Array,  # [num_pages, page_size, 2 * Hkv, D]
@@ -225,7 +299,8 @@ def ragged_paged_attention_xla(
     block_kv: int | None = None,
     fast_exp: bool = True,
     sum_pad: int = 0,
-    par: int = 1,
+    par: int | None = None,
+    short_q: int = 1,  # batches whose sequences all have <= short_q new tokens: batched path
 ) -> jax.Array:  # [T, Hq, D]
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, combined, _ = kv_pages.shape
@@ -239,7 +314,6 @@ def ragged_paged_attention_xla(
         raise ValueError(f"block_kv {bk} must be a multiple of page_size {page_size}")
     ppb = bk // page_size
     num_blocks = -(-num_tokens // bq)
-    t_pad = num_blocks * bq
     num_kv_blocks = -(-max_pages // ppb)
     cdt = q.dtype  # matmul operand dtype; accumulation is always f32
 
@@ -249,10 +323,47 @@ def ragged_paged_attention_xla(
     pidx = jnp.pad(pidx, ((0, 0), (0, num_kv_blocks * ppb - max_pages)))
     item_block, item_seq, num_items = work_items(cu, num_seqs, num_blocks, bq)
 
-    # q -> [num_blocks, Hkv, G, bq, D], scaled so scores come out in log2 units.
+    # q scaled so scores come out in log2 units (soft cap: scaled after the tanh).
     q_scale = sm_scale if soft_cap is not None else sm_scale * LOG2E
-    qs = (q.astype(jnp.float32) * q_scale).astype(cdt)
-    qs = jnp.pad(qs, ((0, t_pad - num_tokens), (0, 0), (0, 0)))
+    q_scaled = (q.astype(jnp.float32) * q_scale).astype(cdt)
+    exp2_fn = exp2 if fast_exp else jnp.exp2
+    if par is None:
+        par = xla_parallel_loops(jax.default_backend(), num_kv_heads, group)
+
+    def by_items(q_scaled):
+        return _by_items(q_scaled, kv_pages, pidx, cu, kv_lens, item_block, item_seq,
+                         num_items, bq=bq, bk=bk, ppb=ppb, par=par,
+                         sliding_window=sliding_window, soft_cap=soft_cap, exp2_fn=exp2_fn,
+                         sum_pad=sum_pad)
+
+    q_max = min(short_q, num_tokens)
+    if q_max <= 0 or num_tokens <= q_max:
+        return by_items(q_scaled).astype(q.dtype)
+    bk_short = kv_block(page_size, 128)
+    ppb_short = bk_short // page_size
+    pidx_short = jnp.pad(pidx, ((0, 0), (0, -pidx.shape[1] % ppb_short)))
+
+    def short(q_scaled):
+        return _attend_short(q_scaled, kv_pages, pidx_short, cu, kv_lens, num_seqs,
+                             q_max=q_max, bk=bk_short, ppb=ppb_short,
+                             sliding_window=sliding_window, soft_cap=soft_cap,
+                             exp2_fn=exp2_fn)
+
+    live = jnp.arange(num_slots, dtype=jnp.int32) < num_seqs[0]
+    longest = jnp.max(jnp.where(live, cu[1:] - cu[:-1], 0))
+    out = lax.cond(longest <= q_max, short, by_items, q_scaled)
+    return out.astype(q.dtype)
+
+
+def _by_items(q_scaled, kv_pages, pidx, cu, kv_lens, item_block, item_seq, num_items, *,
+              bq, bk, ppb, par, sliding_window, soft_cap, exp2_fn, sum_pad):
+    """The item path: returns out [T, Hq, D] f32."""
+    num_tokens, num_q_heads, head_dim = q_scaled.shape
+    num_kv_heads = kv_pages.shape[2] // 2
+    group = num_q_heads // num_kv_heads
+    num_blocks = -(-num_tokens // bq)
+    t_pad = num_blocks * bq
+    qs = jnp.pad(q_scaled, ((0, t_pad - num_tokens), (0, 0), (0, 0)))
     qs = qs.reshape(num_blocks, bq, num_kv_heads, group, head_dim).transpose(0, 2, 3, 1, 4)
 
     # `par` independent loops, split over KV heads, else over the q heads of a KV head.
@@ -267,10 +378,9 @@ def ragged_paged_attention_xla(
         o = _attend(qs[:, h0:h0 + nh, g0:g0 + ng].reshape(num_blocks, nh, ng * bq, head_dim),
                     kv_pages[:, :, 2 * h0:2 * (h0 + nh)] if nh < num_kv_heads else kv_pages,
                     pidx, cu, kv_lens, item_block, item_seq, num_items, bq=bq, bk=bk, ppb=ppb,
-                    sliding_window=sliding_window, soft_cap=soft_cap,
-                    exp2_fn=exp2 if fast_exp else jnp.exp2, sum_pad=sum_pad)
+                    sliding_window=sliding_window, soft_cap=soft_cap, exp2_fn=exp2_fn,
+                    sum_pad=sum_pad)
         outs.append(o.reshape(num_blocks, nh, ng, bq, head_dim))
     out = outs[0] if len(outs) == 1 else jnp.concatenate(
         outs, axis=1 if splits[0][3] == group else 2)
-    out = out.transpose(0, 3, 1, 2, 4).reshape(t_pad, num_q_heads, head_dim)[:num_tokens]
-    return out.astype(q.dtype)
+    return out.transpose(0, 3, 1, 2, 4).reshape(t_pad, num_q_heads, head_dim)[:num_tokens]
