@@ -28,6 +28,9 @@ def add_arguments(p) -> None:
     p.add_argument("--no-warmup", action="store_true", help="skip compiling the shape buckets up front")
     p.add_argument("--compile-cache", default=None, metavar="DIR",
                    help="persistent XLA compilation cache: restarts load the step programs instead of compiling")
+    p.add_argument("--gil-switch-interval-ms", type=float, default=0.5,
+                   help="sys.setswitchinterval: how long the engine thread may hold the GIL while the "
+                        "gRPC event loop waits to stream tokens (Python's default is 5 ms)")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -120,6 +123,8 @@ def run(args) -> int:
     log = logging.getLogger("jaxfill.serve")
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ValueError("--tls-cert and --tls-key go together")
+    if args.gil_switch_interval_ms > 0:
+        sys.setswitchinterval(args.gil_switch_interval_ms / 1000.0)
     if args.compile_cache:
         import jax
 
