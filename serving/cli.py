@@ -43,12 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from models.config import ConfigError
-    from engine.request import InvalidRequest
-
     try:
         return int(args.run(args) or 0)
-    except (ConfigError, InvalidRequest, ValueError) as e:
+    except ValueError as e:  # ConfigError, InvalidRequest, CheckpointError are ValueErrors
         # Bad input: one clear line, not a traceback from deep inside JAX.
         print(f"jaxfill: error: {e}", file=sys.stderr)
         return 2
