@@ -308,6 +308,39 @@ def sharded_attention(attend: Callable, q: jax.Array, k: jax.Array, v: jax.Array
                          out_specs=(tok, page_spec), axis_names=set(axes), check_vma=False)(q, k, v, pages, meta)
 
 
+# ----------------------------------------------------------------------- data parallel
+def data_parallel_forward(graphdef: nnx.GraphDef, state: nnx.State,
+                          tokens: jax.Array,  # [DP * T] int32, replica r owns rows [r*T, (r+1)*T)
+                          positions: jax.Array,  # [DP * T] int32
+                          kv_cache,  # KVCache, pages [DP * num_pages, page_size, 2H, D]
+                          meta,  # AttentionMetadata, every leaf stacked per replica: [DP, ...]
+                          ):  # logits [DP * S, V], kv_cache
+    """The forward mapped over 'data' (call inside jit with the mesh in context).
+
+    Each 'data' replica runs the ordinary model on its own batch: its T tokens, its own
+    metadata (page ids local to its pool: 0..num_pages-1) and its own slice of the page
+    axis. Params are replicated over 'data' (and still split over 'tensor'); tensor and
+    sequence parallelism work inside each replica unchanged. No collective crosses
+    'data'. Without 'data' in the context mesh it is the plain forward of replica 0.
+    """
+    mesh = _context_mesh()
+    if mesh is None or DATA not in _free_axes(mesh, DATA):
+        if tokens.shape[0] != meta.slot_mapping.shape[-1]:
+            raise ValueError("no 'data' axis > 1 in the context mesh: pass one replica's batch")
+        return nnx.merge(graphdef, state)(tokens, positions, kv_cache, jax.tree.map(lambda x: x[0], meta))
+
+    def local(state, tokens, positions, kv_cache, meta):
+        meta = jax.tree.map(lambda x: x[0], meta)
+        return nnx.merge(graphdef, state)(tokens, positions, kv_cache, meta)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(DATA), P(DATA), P(DATA), P(DATA)),
+                         out_specs=(P(DATA), P(DATA)), axis_names={DATA},
+                         check_vma=False)(state, tokens, positions, kv_cache, meta)
+
+
+forward_data_parallel = jax.jit(data_parallel_forward, static_argnums=0, donate_argnums=4)
+
+
 # ----------------------------------------------------------------------- HLO inspection
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 _DTYPE_BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s64": 8, "s32": 4, "u32": 4, "s16": 2,

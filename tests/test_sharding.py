@@ -98,6 +98,13 @@ def test_params_placed_in_shards_never_whole(results):
     assert not r["full_vocab_in_init_hlo"], r
 
 
+def test_data_parallel_replicas_match_one_device(results):
+    r = _get(results, "dp/d2t2s2")
+    assert r["rel_err"] <= 1e-5, r
+    assert r["pages_shape"][0] == 2 * 24, r  # one 24-page pool per replica
+    assert "data" in r["pages_spec"], r
+
+
 def test_make_mesh_rejects_wrong_size(results):
     r = _get(results, "mesh_errors")
     assert "3" in r["message"] and "8" in r["message"], r
@@ -112,7 +119,6 @@ def _worker():  # noqa: C901 - one script, many checks
 
     from engine.config import MeshSettings
     from engine.mesh import make_mesh
-    from engine.simple import generate_one, prefill_chunks
     from models import sharding
     from models.config import ModelConfig
     from models.forward import forward
@@ -143,79 +149,76 @@ def _worker():  # noqa: C901 - one script, many checks
 
     g, _ = sharding.abstract_state(cfg)
     ref_state = jit_init(cfg)  # eager Llama(cfg) compiles op by op: much slower on CPU
-    ref_model = nnx.merge(g, ref_state)
     rng = np.random.RandomState(0)
-    prompt = [int(t) for t in rng.randint(0, cfg.vocab_size, 37)]
-    chunk = 16  # prefill in 16-token chunks, decode in the 16-token bucket: one compile per mesh
+    # Every step below has one shape (16 tokens, 4 sequence slots, 7 pages per sequence),
+    # so each mesh compiles the forward once (AOT) and reuses it for all its checks.
+    n_tok, n_slots, max_pages = 16, 4, 7
 
-    def context(mesh):
-        return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
-
-    def generate(model, cache, mesh=None):
-        with context(mesh):
-            logits, cache = prefill_chunks(model, prompt, cache, list(range(1, 8)), chunk=chunk)
-            tokens, _ = generate_one(model, prompt, cache, 10, chunk=chunk)
-        return np.asarray(logits), tokens
-
-    ref_logits, ref_tokens = generate(ref_model, KVCache.create(cfg, num_pages, page_size, fill_value=float("nan")))
-
-    for (d, t, s), name in zip(MESHES, MESH_IDS):
-        def gen(d=d, t=t, s=s):
-            mesh = mesh_of(d, t, s)
-            state = sharding.shard_params(ref_state, mesh)
-            cache = sharding.create_kv_cache(cfg, mesh, num_pages, page_size, fill_value=float("nan"))
-            logits, tokens = generate(nnx.merge(g, state), cache, mesh)
-            return {"prefill_rel_err": rel(logits, ref_logits), "tokens": tokens, "ref_tokens": ref_tokens}
-        record(f"generate/{name}", gen)
-
-    # Ragged batches: step 1 prefills B's first 7 tokens and C's first 9; step 2 runs A
-    # (5 new), B (6 new after 7 cached) and C (1 decode token after 9) together; with
-    # sequence=4 the 16-row batch is cut every 4 rows, through A and B.
-    seqs = {"A": [1, 2, 3], "B": [4, 5, 6], "C": [7, 8, 9, 10, 11]}
-    toks = {k: [int(x) for x in rng.randint(0, cfg.vocab_size, 40)] for k in seqs}
-
-    def ragged_meta(parts, n_tokens, slots=4, max_pages=5):
-        tokens = np.zeros(n_tokens, np.int32)
-        positions = np.zeros(n_tokens, np.int32)
-        slot_map = np.full(n_tokens, -1, np.int32)
-        cu = [0]
-        kv_lens, page_idx, logit_idx = [], np.zeros((slots, max_pages), np.int32), []
-        for i, (key, start, n) in enumerate(parts):
-            pages = np.asarray(seqs[key])
-            o = cu[-1]
-            p = np.arange(start, start + n)
-            tokens[o:o + n] = toks[key][start:start + n]
+    def batch(parts):
+        """parts: (token ids of the sequence, its pages, start, count) per live sequence."""
+        tokens, positions = np.zeros(n_tok, np.int32), np.zeros(n_tok, np.int32)
+        slot_map = np.full(n_tok, -1, np.int32)
+        cu, kv_lens, logit_idx = [0], [], []
+        page_idx = np.zeros((n_slots, max_pages), np.int32)
+        for i, (ids, pages, start, n) in enumerate(parts):
+            o, p, pages = cu[-1], np.arange(start, start + n), np.asarray(pages)
+            tokens[o:o + n] = ids[start:start + n]
             positions[o:o + n] = p
             slot_map[o:o + n] = pages[p // page_size] * page_size + p % page_size
             cu.append(o + n)
             kv_lens.append(start + n)
             page_idx[i, : len(pages)] = pages
             logit_idx.append(o + n - 1)
-        live = len(parts)
-        cu += [cu[-1]] * (slots - live)
-        kv_lens += [0] * (slots - live)
-        logit_idx += [0] * (slots - live)
-        meta = AttentionMetadata(cu_q_lens=jnp.asarray(cu, jnp.int32), kv_lens=jnp.asarray(kv_lens, jnp.int32),
-                                 page_indices=jnp.asarray(page_idx), num_seqs=jnp.asarray([live], jnp.int32),
-                                 slot_mapping=jnp.asarray(slot_map), logits_indices=jnp.asarray(logit_idx, jnp.int32))
+        pad = n_slots - len(parts)
+        meta = AttentionMetadata(
+            cu_q_lens=jnp.asarray(cu + [cu[-1]] * pad, jnp.int32), kv_lens=jnp.asarray(kv_lens + [0] * pad, jnp.int32),
+            page_indices=jnp.asarray(page_idx), num_seqs=jnp.asarray([len(parts)], jnp.int32),
+            slot_mapping=jnp.asarray(slot_map), logits_indices=jnp.asarray(logit_idx + [0] * pad, jnp.int32))
         return jnp.asarray(tokens), jnp.asarray(positions), meta
 
-    steps = [ragged_meta([("B", 0, 7), ("C", 0, 9)], 16), ragged_meta([("A", 0, 5), ("B", 7, 6), ("C", 9, 1)], 16)]
+    def context(mesh):
+        return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
 
-    def run_steps(graphdef, state, cache, mesh=None):
-        """Both steps through one AOT-compiled forward; returns (logits, cache, HLO text)."""
-        logits = []
+    def compile_forward(state, cache, mesh=None):
         with context(mesh):
-            compiled = forward.lower(graphdef, state, *steps[0][:2], cache, steps[0][2]).compile()
-            for tokens, positions, meta in steps:
-                lg, cache = compiled(state, tokens, positions, cache, meta)
-                logits.append(np.asarray(lg)[: int(meta.num_seqs[0])])
-        return np.concatenate(logits), cache, compiled.as_text()
+            tokens, positions, meta = batch([(list(range(20)), [1], 0, 1)])
+            return forward.lower(g, state, tokens, positions, cache, meta).compile()
 
-    ref_ragged, ref_cache, _ = run_steps(g, ref_state, KVCache.create(cfg, num_pages, page_size, fill_value=float("nan")))
+    prompt = [int(t) for t in rng.randint(0, cfg.vocab_size, 37)]
+
+    def generate(compiled, state, cache, max_tokens=10):
+        """Chunked prefill (16-token chunks: 16, 16, 5) then greedy decode, one sequence."""
+        seq, pages, out, pos = list(prompt), list(range(1, 8)), [], 0
+        prefill_logits = None
+        while len(out) < max_tokens:
+            while pos < len(seq):
+                n = min(n_tok, len(seq) - pos)
+                tokens, positions, meta = batch([(seq, pages, pos, n)])
+                logits, cache = compiled(state, tokens, positions, cache, meta)
+                pos += n
+            if prefill_logits is None:
+                prefill_logits = np.asarray(logits)[0]
+            out.append(int(np.argmax(np.asarray(logits)[0])))
+            seq.append(out[-1])
+        return prefill_logits, out
+
+    # Ragged batches: step 1 prefills B's first 7 tokens and C's first 9; step 2 runs A
+    # (5 new), B (6 new after 7 cached) and C (1 decode token after 9) together; with
+    # sequence=4 the 16-row batch is cut every 4 rows, through A and B.
+    seqs = {"A": [9, 10, 11], "B": [12, 13, 14], "C": [15, 16, 17, 18, 19]}
+    toks = {k: [int(x) for x in rng.randint(0, cfg.vocab_size, 40)] for k in seqs}
+    steps = [batch([(toks["B"], seqs["B"], 0, 7), (toks["C"], seqs["C"], 0, 9)]),
+             batch([(toks["A"], seqs["A"], 0, 5), (toks["B"], seqs["B"], 7, 6), (toks["C"], seqs["C"], 9, 1)])]
     used = {"A": 5, "B": 13, "C": 10}  # tokens each sequence has in the cache after step 2
     live_slots = np.asarray([seqs[k][p // page_size] * page_size + p % page_size
                              for k in seqs for p in range(used[k])])
+
+    def run_steps(compiled, state, cache):
+        logits = []
+        for tokens, positions, meta in steps:
+            lg, cache = compiled(state, tokens, positions, cache, meta)
+            logits.append(np.asarray(lg)[: int(meta.num_seqs[0])])
+        return np.concatenate(logits), cache
 
     def cache_rows(cache, r):
         """Live slots of layer-0 pages, KV heads folded back to the model's Hkv (repeats dropped)."""
@@ -223,6 +226,15 @@ def _worker():  # noqa: C901 - one script, many checks
         pages = pages.reshape(len(live_slots), cfg.num_kv_heads, r, 2, cfg.head_dim)
         assert np.array_equal(pages, np.repeat(pages[:, :, :1], r, axis=2))  # repeats identical
         return pages[:, :, 0]
+
+    def nan_cache(mesh=None):
+        if mesh is None:
+            return KVCache.create(cfg, num_pages, page_size, fill_value=float("nan"))
+        return sharding.create_kv_cache(cfg, mesh, num_pages, page_size, fill_value=float("nan"))
+
+    ref_compiled = compile_forward(ref_state, nan_cache())
+    ref_logits, ref_tokens = generate(ref_compiled, ref_state, nan_cache())
+    ref_ragged, ref_cache = run_steps(ref_compiled, ref_state, nan_cache())
 
     def kv_layout(cache):
         ref = np.asarray(ref_cache.pages[0]).reshape(num_pages * page_size, cfg.num_kv_heads, 2, cfg.head_dim)
@@ -234,24 +246,59 @@ def _worker():  # noqa: C901 - one script, many checks
         return {"pages_shape": list(cache.pages[0].shape), "shard_shape": list(shards[0].data.shape),
                 "rank_heads_match": ok}
 
-    for d, t, s in [(1, 4, 1), (1, 1, 4), (1, 2, 4)]:
-        def ragged(d=d, t=t, s=s):
+    for (d, t, s), name in zip(MESHES, MESH_IDS):
+        def gen(d=d, t=t, s=s, name=name):
             mesh = mesh_of(d, t, s)
             state = sharding.shard_params(ref_state, mesh)
-            cache = sharding.create_kv_cache(cfg, mesh, num_pages, page_size, fill_value=float("nan"))
-            logits, cache, hlo = run_steps(g, state, cache, mesh)
-            r = sharding.kv_repeat(cfg.num_kv_heads, mesh)
-            if (t, s) == (4, 1):
-                record("kv_layout", lambda: kv_layout(cache))
-                ops = sharding.collective_ops(hlo)
-                out["hlo/t4"] = {"layers": cfg.num_layers, "all_reduce": ops["all-reduce"],
-                                 "all_gather": ops["all-gather"], "ops": ops,
-                                 "lines": [l.strip()[:300] for l in hlo.splitlines() if "all-reduce" in l][:3]}
-            return {"rel_err": rel(logits, ref_ragged),
-                    "cache_err": rel(cache_rows(cache, r), cache_rows(ref_cache, 1))}
-        record(f"ragged/t{t}s{s}", ragged)
-    out.setdefault("kv_layout", {"error": "ragged/t4s1 did not run"})
-    out.setdefault("hlo/t4", {"error": "ragged/t4s1 did not run"})
+            compiled = compile_forward(state, nan_cache(mesh), mesh)
+            logits, tokens = generate(compiled, state, nan_cache(mesh))
+            out[f"generate/{name}"] = {"prefill_rel_err": rel(logits, ref_logits), "tokens": tokens,
+                                       "ref_tokens": ref_tokens}
+            if name in ("t4s1", "t1s4", "t2s4"):
+                logits, cache = run_steps(compiled, state, nan_cache(mesh))
+                r = sharding.kv_repeat(cfg.num_kv_heads, mesh)
+                out[f"ragged/{name}"] = {"rel_err": rel(logits, ref_ragged),
+                                         "cache_err": rel(cache_rows(cache, r), cache_rows(ref_cache, 1))}
+                if name == "t4s1":
+                    record("kv_layout", lambda: kv_layout(cache))
+                    ops = sharding.collective_ops(compiled.as_text())
+                    out["hlo/t4"] = {"layers": cfg.num_layers, "all_reduce": ops["all-reduce"],
+                                     "all_gather": ops["all-gather"], "ops": ops}
+            return out[f"generate/{name}"]
+        record(f"generate/{name}", gen)
+    for key in ("kv_layout", "hlo/t4", "ragged/t4s1", "ragged/t1s4", "ragged/t2s4"):
+        out.setdefault(key, {"error": "its mesh's run failed; see generate/*"})
+
+    def data_parallel():
+        """data=2 x tensor=2 x sequence=2: two replicas, each its own batch and page pool
+        (page ids local to the pool and overlapping across replicas), two steps."""
+        per_replica = [[batch([(toks["A"], [1, 2], 0, 13)]), batch([(toks["A"], [1, 2], 13, 1)])],
+                       [batch([(toks["C"], [2, 4], 0, 9), (toks["B"], [5], 0, 4)]),
+                        batch([(toks["C"], [2, 4], 9, 1), (toks["B"], [5], 4, 1)])]]
+        ref = {}
+        for r in range(2):
+            cache = nan_cache()
+            for step in range(2):
+                lg, cache = ref_compiled(ref_state, *per_replica[r][step][:2], cache, per_replica[r][step][2])
+                ref[(r, step)] = np.asarray(lg)
+        mesh = mesh_of(2, 2, 2)
+        state = sharding.shard_params(ref_state, mesh)
+        cache = nan_cache(mesh)
+        err = 0.0
+        for step in range(2):
+            parts = [per_replica[r][step] for r in range(2)]
+            tk = jnp.concatenate([p[0] for p in parts])
+            ps = jnp.concatenate([p[1] for p in parts])
+            meta = jax.tree.map(lambda *x: jnp.stack(x), *[p[2] for p in parts])
+            with jax.set_mesh(mesh):
+                lg, cache = sharding.forward_data_parallel(g, state, tk, ps, cache, meta)
+            lg = np.asarray(lg)
+            for r in range(2):
+                live = int(parts[r][2].num_seqs[0])
+                err = max(err, rel(lg[r * n_slots: r * n_slots + live], ref[(r, step)][:live]))
+        return {"rel_err": err, "pages_shape": list(cache.pages[0].shape),
+                "pages_spec": str(cache.pages[0].sharding.spec)}
+    record("dp/d2t2s2", data_parallel)
 
     def flops():
         n = 8192
@@ -280,23 +327,22 @@ def _worker():  # noqa: C901 - one script, many checks
         big = ModelConfig(vocab_size=128256, hidden_size=128, intermediate_size=256, num_layers=1,
                           num_heads=8, num_kv_heads=2, head_dim=16, seed=5)
         mesh = mesh_of(1, 8, 1)
-        graphdef, state = sharding.init_sharded(big, mesh)
+        _, abstract = sharding.abstract_state(big)
+        shard = sharding.param_shardings(abstract, mesh)
+
+        def init():  # what sharding.init_sharded compiles
+            return nnx.split(Llama(big, nnx.Rngs(big.seed)))[1]
+        with jax.set_mesh(mesh):
+            compiled = jax.jit(init, out_shardings=shard).lower().compile()
+            state = compiled()
+        mem = compiled.memory_analysis()
+        full_vocab = bool(re.search(r"\[(128256,|[\d,]*,128256\])", compiled.as_text()))
         leaves = jax.tree.leaves(state)
         largest = max(x.size for x in leaves)
         max_shard = max(sh.data.size for x in leaves if x.size == largest for sh in x.addressable_shards)
         ref = jit_init(big)
         init_equal = all(np.array_equal(np.asarray(a), np.asarray(b))
                          for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(ref)))
-        # memory of the sharded init program, per device
-        _, abstract = sharding.abstract_state(big)
-        shard = sharding.param_shardings(abstract, mesh)
-
-        def init():
-            return nnx.split(Llama(big, nnx.Rngs(big.seed)))[1]
-        with jax.set_mesh(mesh):
-            compiled = jax.jit(init, out_shardings=shard).lower().compile()
-        mem = compiled.memory_analysis()
-        full_vocab = bool(re.search(r"\[(128256,|[\d,]*,128256\])", compiled.as_text()))
         param_bytes = sum(x.size * 4 for x in leaves)
         # HF checkpoint -> placer: every tensor lands only as its shards.
         with tempfile.TemporaryDirectory() as tmp:
