@@ -18,7 +18,7 @@ from pallas_kernels import ragged_paged_attention
 
 IMPLS = ["reference", "xla", "pallas_tpu", "pallas_gpu"]
 # Interpret mode is slow: fewer examples for the Pallas impls.
-EXAMPLES = {"reference": 8, "xla": 25, "pallas_tpu": 6, "pallas_gpu": 6}
+EXAMPLES = {"reference": 5, "xla": 15, "pallas_tpu": 4, "pallas_gpu": 4}
 TOL = {np.float32: 1e-5, jnp.bfloat16: 2e-2}
 
 # (num_q_heads, num_kv_heads, head_dim, page_size, dtype, sliding_window, soft_cap)
@@ -86,12 +86,11 @@ def test_random_ragged_batches(impl):
 # Deterministic corner cases, each for every impl.
 CASES = {
     # name: (seqs, hq, hkv, d, page_size, dtype, window, cap)
-    "page_boundaries": ([(8, 8), (1, 16), (3, 17), (4, 15), (1, 1)], 4, 2, 64, 8,
+    "page_boundaries": ([(8, 8), (1, 16), (3, 17), (4, 15), (1, 1), (2, 9)], 4, 2, 64, 8,
                         np.float32, None, None),
     "decode_only": ([(1, 5), (1, 32), (1, 33), (1, 1)], 8, 2, 64, 8, np.float32, None, None),
-    "one_kv_head": ([(9, 20), (1, 7)], 4, 1, 64, 4, np.float32, None, None),
+    "one_kv_head_gqa_8": ([(9, 20), (1, 7)], 8, 1, 64, 4, np.float32, None, None),
     "gqa_1": ([(9, 20), (1, 7)], 2, 2, 64, 4, np.float32, None, None),
-    "gqa_8": ([(9, 20), (1, 7)], 16, 2, 64, 4, np.float32, None, None),
     "head_dim_256_bf16": ([(6, 13), (1, 9)], 4, 2, 256, 4, jnp.bfloat16, None, None),
     "head_dim_128_bf16_cap": ([(6, 13), (2, 30)], 4, 1, 128, 8, jnp.bfloat16, None, 10.0),
     "window_and_cap": ([(12, 40), (1, 40)], 4, 2, 64, 4, np.float32, 9, 15.0),

@@ -12,8 +12,8 @@ before the sliding window) is ever computed, not just masked:
     [c, kv_hi)    masked   (causal diagonal, and the partial last page)
 
 The G query heads of one KV head are stacked into one [G*block_q, D] operand, so each
-step is a batched matmul over KV heads. On CPU the heads are split into `par` independent
-loops (XLA runs independent loops on separate cores).
+step is a batched matmul over KV heads. (`par` > 1 splits the heads into independent
+loops; off by default, see block_sizes.xla_parallel_loops.)
 
 Decode batches (every live sequence has <= `short_q` new tokens, checked at run time with
 `lax.cond`) take a sequence-batched path instead: one loop over KV blocks that serves all
