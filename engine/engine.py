@@ -23,7 +23,7 @@ from typing import Iterable, Iterator
 
 from engine.batch import bucket_shapes, build_batch, pick_bucket
 from engine.config import Config, load_config
-from engine.loading import build_model, build_tokenizer, validate_prompt
+from engine.loading import build_mesh, build_model, build_tokenizer, validate_prompt
 from engine.request import (Completion, InvalidRequest, QueueFull, Request, RequestOutput,
                             SamplingParams, Status)
 from engine.runner import Runner
@@ -63,7 +63,10 @@ class Engine:
             self.tokenizer = build_tokenizer(config)
         except ValueError as e:
             self.tokenizer = _IdsOnlyTokenizer(str(e))
-        self.runner = Runner(config, model if model is not None else build_model(config, progress=progress))
+        mesh = build_mesh(config)
+        if model is None:
+            model = build_model(config, mesh, progress=progress)
+        self.runner = Runner(config, model, mesh)
         self.scheduler = Scheduler(s)
         self.shapes = bucket_shapes(s)
         self.max_pages = s.max_pages_per_seq

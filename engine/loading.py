@@ -10,8 +10,34 @@ from engine.tokenizer import load_tokenizer
 from models.llama import Llama
 
 
-def build_model(config: Config, place=None, progress: bool = True) -> Llama:
+def build_mesh(config: Config):
+    """Joins the multi-process runtime if configured, then builds the mesh (None: one device).
+
+    Runs before any other device query, as jax.distributed requires."""
+    from engine.mesh import initialize_distributed, make_mesh
+
+    initialize_distributed(config.mesh)
+    import jax
+
+    if config.mesh.size == 1 and jax.process_count() == 1:
+        return None
+    return make_mesh(config.mesh)
+
+
+def build_model(config: Config, mesh=None, progress: bool = True) -> Llama:
+    """Params go straight into their shards when a mesh is given: never whole on one device."""
     impl = config.engine.attention_impl
+    if mesh is not None:
+        from flax import nnx
+
+        from models import sharding
+
+        if not config.model_path:
+            return nnx.merge(*sharding.init_sharded(config.model, mesh, impl))
+        _, abstract = sharding.abstract_state(config.model, impl)
+        place = sharding.placer(mesh, abstract)
+    else:
+        place = None
     if config.model_path:
         from models.checkpoint import default_place, load_hf_params
 

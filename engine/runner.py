@@ -34,11 +34,7 @@ class Runner:
     def __init__(self, config, model, mesh=None):
         self.config = config
         s = config.engine
-        self.mesh = mesh
-        if mesh is None and config.mesh.size > 1:
-            from engine.mesh import make_mesh
-
-            self.mesh = make_mesh(config.mesh)
+        self.mesh = mesh  # engine.loading.build_mesh; None = one device
         if self.mesh is not None and self.mesh.shape.get("data", 1) > 1:
             raise ConfigError("the engine runs one data replica for now; set mesh.data = 1")
         self.graphdef, state = nnx.split(model)
@@ -47,7 +43,7 @@ class Runner:
 
             from models.sharding import shard_params
 
-            state = shard_params(state, self.mesh)
+            state = shard_params(state, self.mesh)  # a no-op for params built sharded
             self.batch_sharding = NamedSharding(self.mesh, PartitionSpec())
         else:
             self.batch_sharding = None
