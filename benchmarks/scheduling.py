@@ -32,7 +32,7 @@ MODES = {
     "a_prefill_first": {"engine.chunked_prefill": False, "engine.max_num_batched_tokens": 4096,
                         "engine.token_buckets": [16, 256, 1024, 2048, 3072, 4096]},
     "b_chunked": {"engine.chunked_prefill": True, "engine.max_num_batched_tokens": 512,
-                  "engine.long_prefill_token_threshold": 384, "engine.max_num_partial_prefills": 1,
+                  "engine.max_num_partial_prefills": 1,
                   "engine.token_buckets": [16, 128, 512]},
 }
 COMMON = {"engine.max_model_len": 4096, "engine.num_pages": 1536, "engine.max_num_seqs": 16,

@@ -41,6 +41,7 @@ def kv_block(page_size: int, target: int) -> int:
 # (1024 x 256 beat 512 x 256 by ~15% at S=2048, Hq=8/Hkv=2/D=64 f32, despite the 2 MB
 # score tile; a shared, noisy machine: see RESULTS.md).
 # key: (head_dim, itemsize) -> (max rows of the stacked [G*block_q, D] operand, block_kv)
+MIN_PREFILL_BLOCK_Q = 256
 _XLA_TABLE = {
     (64, 4): (1024, 256),
     (128, 4): (512, 128),
@@ -78,7 +79,11 @@ def xla_block_sizes(num_tokens: int, num_seq_slots: int, group: int, head_dim: i
     max_rows, kv_target = _XLA_TABLE[key]
     max_bq = max(8, _pow2_at_most(max(1, max_rows // group)))
     avg = -(-num_tokens // max(1, num_seq_slots))
-    bq = min(max_bq, max(8, _pow2_at_least(avg)))
+    # A bucket with many sequence slots may still carry one long prefill chunk (the
+    # engine's mixed steps): never let block_q fall below MIN_PREFILL_BLOCK_Q there, or
+    # the chunk runs as many tiny matmuls. Pure decode batches take the batched path.
+    floor = min(MIN_PREFILL_BLOCK_Q, num_tokens)
+    bq = min(max_bq, max(8, _pow2_at_least(max(avg, floor))))
     bq = min(bq, max(8, _pow2_at_least(num_tokens)))
     return BlockSizes(block_q=bq, block_kv=kv_block(page_size, kv_target))
 
