@@ -1,0 +1,47 @@
+"""TLS: a client that trusts the server's certificate gets the engine's tokens; a
+plaintext client gets nothing."""
+
+import subprocess
+
+import grpc
+import pytest
+
+from engine.config import load_config
+from engine.engine import Engine
+from engine.request import SamplingParams
+from serving.client import Client
+from serving.server import ServerThread
+from serving_util import compile_cache_dir
+
+
+@pytest.fixture(scope="module")
+def tls_server(tmp_path_factory):
+    compile_cache_dir(tmp_path_factory)
+    d = tmp_path_factory.mktemp("tls")
+    cert, key = d / "cert.pem", d / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    engine = Engine(load_config("tiny"), progress=False, warmup=False)
+    st = ServerThread(engine, host="127.0.0.1", port=0, tls_cert=str(cert), tls_key=str(key))
+    try:
+        assert st.wait_ready(600), "server never became ready"
+        yield st, engine, str(cert)
+    finally:
+        st.stop(5)
+
+
+def test_tls_client_gets_the_engine_tokens(tls_server):
+    st, engine, cert = tls_server
+    expected = engine.generate(["Hello TLS"], SamplingParams(max_tokens=6))[0]
+    with Client(st.address, tls_ca=cert, tls_server_name="localhost") as client:
+        got = client.generate("Hello TLS", timeout=120, max_tokens=6)
+    assert got.token_ids == expected.token_ids and got.finish_reason == expected.finish_reason
+
+
+def test_plaintext_client_is_refused(tls_server):
+    st, _, _ = tls_server
+    with Client(st.address) as client:
+        with pytest.raises(grpc.RpcError) as err:
+            client.model_info()
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
