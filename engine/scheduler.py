@@ -194,23 +194,27 @@ class Scheduler:
             need = self.bm.pages_for(computed + n) - len(hits)
             if not self.bm.can_allocate(need, hits):
                 break  # out of pages: stop admitting (running requests keep theirs)
-            self.bm.acquire(hits)
-            req.pages = hits + self.bm.allocate(need)
-            req.num_computed = computed
-            if req.cached_tokens is None:
-                req.cached_tokens = computed
-                self.cached_tokens_total += computed
-            if req.first_scheduled is None:
-                req.first_scheduled = now
             self.bm.queries += len(req.page_hashes)
             del self.waiting[i]
-            req.status = Status.RUNNING
-            self.running.append(req)
-            seqs.append(Scheduled(req, computed, n))
+            seqs.append(self._admit(req, hits, need, computed, n, now))
             budget -= n
             if n < remaining:
                 num_partial += 1
         return SchedulerOutput(seqs, preempted, finished)
+
+    def _admit(self, req, hits: list[int], need: int, computed: int, n: int, now: float) -> Scheduled:
+        """A waiting request starts running: cached pages shared, new pages allocated."""
+        self.bm.acquire(hits)
+        req.pages = hits + self.bm.allocate(need)
+        req.num_computed = computed
+        if req.cached_tokens is None:
+            req.cached_tokens = computed
+            self.cached_tokens_total += computed
+        if req.first_scheduled is None:
+            req.first_scheduled = now
+        req.status = Status.RUNNING
+        self.running.append(req)
+        return Scheduled(req, computed, n)
 
     def _schedule_prefill_first(self) -> SchedulerOutput | None:
         """Baseline (chunked_prefill = False): whole waiting prompts in a prefill-only step,
@@ -224,17 +228,7 @@ class Scheduler:
             need = self.bm.pages_for(req.num_tokens) - len(hits)
             if n > budget or not self.bm.can_allocate(need, hits):
                 break
-            self.bm.acquire(hits)
-            req.pages = hits + self.bm.allocate(need)
-            req.num_computed = computed
-            if req.cached_tokens is None:
-                req.cached_tokens = computed
-                self.cached_tokens_total += computed
-            if req.first_scheduled is None:
-                req.first_scheduled = now
             self.waiting.pop(0)
-            req.status = Status.RUNNING
-            self.running.append(req)
-            seqs.append(Scheduled(req, computed, n))
+            seqs.append(self._admit(req, hits, need, computed, n, now))
             budget -= n
         return SchedulerOutput(seqs, [], []) if seqs else None

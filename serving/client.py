@@ -49,6 +49,23 @@ class Result:
     chunk_sizes: list[int] = dataclasses.field(default_factory=list)
     delivery_s: list[float] = dataclasses.field(default_factory=list)  # arrival - server step_time, per chunk
 
+    @classmethod
+    def empty(cls) -> "Result":
+        return cls([], "", "", None, [], time.monotonic())
+
+    def add(self, resp: pb.GenerateResponse) -> None:
+        """Folds one streamed response in (sync and async clients share this)."""
+        if resp.HasField("chunk"):
+            now = time.monotonic()
+            self.chunk_times.append(now)
+            self.delivery_s.append(now - resp.chunk.step_time)
+            self.chunk_sizes.append(len(resp.chunk.token_ids))
+            self.token_ids.extend(resp.chunk.token_ids)
+            self.text += resp.chunk.text
+        else:
+            self.complete = resp.complete
+            self.finish_reason = resp.complete.finish_reason
+
 
 def _metadata(api_key: str | None):
     return (("authorization", f"Bearer {api_key}"),) if api_key else None
@@ -90,20 +107,10 @@ class AsyncClient:
         return self.stub.Generate(req, timeout=timeout, metadata=self.metadata)
 
     async def generate(self, prompt, timeout: float | None = None, **kw) -> Result:
-        start = time.monotonic()
-        ids, text, times, sizes, delivery = [], [], [], [], []
-        complete = None
+        result = Result.empty()
         async for resp in self.stream(prompt, timeout=timeout, **kw):
-            if resp.HasField("chunk"):
-                now = time.monotonic()
-                times.append(now)
-                delivery.append(now - resp.chunk.step_time)
-                sizes.append(len(resp.chunk.token_ids))
-                ids.extend(resp.chunk.token_ids)
-                text.append(resp.chunk.text)
-            else:
-                complete = resp.complete
-        return Result(ids, "".join(text), complete.finish_reason if complete else "", complete, times, start, sizes, delivery)
+            result.add(resp)
+        return result
 
     async def model_info(self) -> pb.ModelInfo:
         return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self.metadata)
@@ -166,20 +173,10 @@ class Client:
         return self.stub.Generate(req, timeout=timeout, metadata=self.metadata)
 
     def generate(self, prompt, timeout: float | None = None, **kw) -> Result:
-        start = time.monotonic()
-        ids, text, times, sizes, delivery = [], [], [], [], []
-        complete = None
+        result = Result.empty()
         for resp in self.stream(prompt, timeout=timeout, **kw):
-            if resp.HasField("chunk"):
-                now = time.monotonic()
-                times.append(now)
-                delivery.append(now - resp.chunk.step_time)
-                sizes.append(len(resp.chunk.token_ids))
-                ids.extend(resp.chunk.token_ids)
-                text.append(resp.chunk.text)
-            else:
-                complete = resp.complete
-        return Result(ids, "".join(text), complete.finish_reason if complete else "", complete, times, start, sizes, delivery)
+            result.add(resp)
+        return result
 
     def model_info(self) -> pb.ModelInfo:
         return self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self.metadata)
