@@ -156,3 +156,11 @@ def dummy_batch(shape: tuple[int, int], max_pages: int, penalty_window: int) -> 
     b.meta.kv_lens[0] = 1
     b.meta.num_seqs[0] = 1
     return b
+
+
+def stack_batches(batches: list[StepBatch]) -> StepBatch:
+    """One batch per data replica, all of one bucket shape -> leaves stacked [R, ...].
+    A single replica's batch is returned as is (the one-replica step takes it unstacked)."""
+    if len(batches) == 1:
+        return batches[0]
+    return jax.tree.map(lambda *xs: np.stack(xs), *batches)

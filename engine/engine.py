@@ -9,6 +9,19 @@
 One thread steps; add_request / abort may come from other threads (one lock guards the
 queues; the device call runs outside it). A request whose step fails finishes with
 finish_reason "error" and its pages are freed; the engine keeps going.
+
+mesh.data = R > 1: R schedulers and page pools (engine/replicas.py); each step stacks
+their batches, padded to one bucket, into one data-parallel step.
+
+Multi-process (jax.distributed): every process builds the Engine; process 0 owns the
+scheduler and drives it, the others call `follow()` and run each step process 0
+broadcasts; `close()` on process 0 releases them:
+
+    with Engine.from_config(cfg) as engine:
+        if engine.is_leader:
+            completions = engine.generate(prompts)
+        else:
+            engine.follow()
 """
 
 from __future__ import annotations
@@ -21,13 +34,14 @@ import time
 import traceback
 from typing import Iterable, Iterator
 
-from engine.batch import bucket_shapes, build_batch, pick_bucket
+from engine.batch import bucket_shapes, build_batch, pick_bucket, stack_batches
 from engine.config import Config, load_config
 from engine.loading import build_mesh, build_model, build_tokenizer, validate_prompt
 from engine.request import (Completion, InvalidRequest, QueueFull, Request, RequestOutput,
                             SamplingParams, Status)
+from engine.output import append_token
+from engine.replicas import ReplicaScheduler
 from engine.runner import Runner
-from engine.scheduler import Scheduler
 
 
 class _IdsOnlyTokenizer:
@@ -66,9 +80,9 @@ class Engine:
         mesh = build_mesh(config)
         if model is None:
             model = build_model(config, mesh, progress=progress)
-        self.runner = Runner(config, model, mesh)
-        self.scheduler = Scheduler(s)
         self.shapes = bucket_shapes(s)
+        self.runner = Runner(config, model, mesh, self.shapes)
+        self.scheduler = ReplicaScheduler(s, self.runner.num_replicas)  # one per mesh.data replica
         self.max_pages = s.max_pages_per_seq
         self.requests: dict[str, Request] = {}  # unfinished, by id
         self._lock = threading.RLock()
@@ -79,7 +93,7 @@ class Engine:
         self.num_steps = 0
         self.num_errors = 0
         self.warmed_up = False
-        if warmup:
+        if warmup and self.is_leader:  # followers compile as they follow the leader's warm-up
             self.warmup(progress)
 
     @classmethod
@@ -94,7 +108,8 @@ class Engine:
             print(f"jaxfill: compiling {len(self.shapes)} step buckets (tokens x seqs): {shapes}",
                   file=sys.stderr, flush=True)
         start = time.perf_counter()
-        self.runner.warmup(self.shapes, self.max_pages, self.settings.penalty_window, progress)
+        self._leader_only("warmup")
+        self.runner.warmup(progress)
         self.warmup_s = time.perf_counter() - start
         self.warmed_up = True
 
@@ -122,6 +137,7 @@ class Engine:
                                  f"(engine.num_pages x engine.page_size)")
         if not isinstance(priority, int):
             raise InvalidRequest("priority", f"must be an integer, got {priority!r}")
+        self._leader_only("add_request")
         with self._lock:
             if request_id is None:
                 request_id = f"req-{next(self._ids)}"
@@ -131,8 +147,9 @@ class Engine:
                 raise InvalidRequest("request_id", "must be a non-empty string")
             if request_id in self.requests:
                 raise InvalidRequest("request_id", f"{request_id!r} is already in flight")
-            if len(self.scheduler.waiting) >= s.max_waiting:
-                raise QueueFull(f"{len(self.scheduler.waiting)} requests waiting (engine.max_waiting)")
+            waiting = self.scheduler.num_waiting()
+            if waiting >= s.max_waiting:
+                raise QueueFull(f"{waiting} requests waiting (engine.max_waiting)")
             seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
             req = Request(request_id, ids, params, priority, next(self._arrivals), seed,
                           eos_token_ids=self.config.model.eos_token_id or ())
@@ -158,113 +175,71 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         with self._lock:
             outputs, self._outbox = self._outbox, []
-            sched = self.scheduler.schedule()
-            for req in sched.finished:  # no room in the pool even alone
+            scheds = self.scheduler.schedule()  # one per data replica
+            for req in (r for sched in scheds for r in sched.finished):  # no room in the pool even alone
                 outputs.append(self._finish(req, "length"))
-            if not sched.seqs:
+            if not any(sched.seqs for sched in scheds):
                 return outputs
-            shape = pick_bucket(self.shapes, sched.num_tokens, len(sched.seqs))
+            shape = pick_bucket(self.shapes, max(sc.num_tokens for sc in scheds), max(len(sc.seqs) for sc in scheds))
             try:
-                batch = build_batch(sched, shape, self.settings.page_size, self.max_pages,
-                                    self.vocab_size, self.settings.penalty_window)
+                batch = stack_batches([build_batch(sc, shape, self.settings.page_size, self.max_pages,
+                                                   self.vocab_size, self.settings.penalty_window) for sc in scheds])
             except Exception as e:  # noqa: BLE001 - a bad request must not stop the engine
-                return outputs + self._fail(sched, e)
+                return outputs + self._fail(scheds, e)
         try:
             host = self.runner.run(batch)
         except Exception as e:  # noqa: BLE001
             with self._lock:
-                return outputs + self._fail(sched, e)
+                return outputs + self._fail(scheds, e)
         with self._lock:
             self.num_steps += 1
             now = time.perf_counter()
-            for row, sch in enumerate(sched.seqs):
-                req = sch.req
-                if req.status != Status.RUNNING or self.requests.get(req.request_id) is not req:
-                    continue  # aborted while the step ran
-                try:
-                    req.num_computed = sch.start + sch.num_new
-                    self.scheduler.register_computed(req)
-                    if sch.samples:
-                        out = self._append(req, int(host.tokens[row]), host, row, now)
-                        if out is not None:
-                            outputs.append(out)
-                except Exception as e:  # noqa: BLE001
-                    outputs.append(self._finish(req, "error", error=f"{type(e).__name__}: {e}"))
+            for replica, sched in enumerate(scheds):
+                for i, sch in enumerate(sched.seqs):
+                    out = self._advance(sch, host, replica * shape[1] + i, now)
+                    if out is not None:
+                        outputs.append(out)
         return outputs
 
-    def _fail(self, sched, exc: Exception) -> list[RequestOutput]:
+    def _advance(self, sch, host, row: int, now: float) -> RequestOutput | None:
+        """A scheduled chunk ran: move the request on, and take its token if it sampled."""
+        req = sch.req
+        if req.status != Status.RUNNING or self.requests.get(req.request_id) is not req:
+            return None  # aborted while the step ran
+        try:
+            req.num_computed = sch.start + sch.num_new
+            self.scheduler.register_computed(req)
+            if sch.samples:
+                return self._append(req, int(host.tokens[row]), host, row, now)
+        except Exception as e:  # noqa: BLE001
+            return self._finish(req, "error", error=f"{type(e).__name__}: {e}")
+        return None
+
+    def _fail(self, scheds, exc: Exception) -> list[RequestOutput]:
         """The step raised: its requests finish with "error"; the engine carries on."""
         self.num_errors += 1
         msg = f"{type(exc).__name__}: {exc}"
         traceback.print_exc(file=sys.stderr)
         outs = []
-        for sch in sched.seqs:
+        for sch in (sch for sched in scheds for sch in sched.seqs):
             if self.requests.get(sch.req.request_id) is sch.req:
                 outs.append(self._finish(sch.req, "error", error=msg))
         if not self.runner.cache_ok():
             # The donated cache is gone: every computed page is lost. Recompute the rest.
             self.runner.reset_cache()
-            for req in list(self.scheduler.running):
-                self.scheduler._preempt(req)
-            self.scheduler.bm.reset_prefix_cache()
+            self.scheduler.recompute_all()
         return outs
 
     # ------------------------------------------------------------------ per token
     def _append(self, req: Request, token: int, host, row: int, now: float) -> RequestOutput | None:
-        p = req.params
-        req.output_ids.append(token)
-        if req.first_token is None:
-            req.first_token = now
-        req.last_token = now
-        lp = None
-        if req.logprobs is not None:
-            n = p.logprobs
-            lp = {"token_id": token, "logprob": float(host.logprob[row]),
-                  "top": [(int(i), float(v)) for i, v in zip(host.top_ids[row][:n], host.top_logprobs[row][:n])]}
-            req.logprobs.append(lp)
-        new_text = req.detok.feed([token])
-        reason = None
-        if token in req.eos_token_ids or token in p.stop_token_ids:
-            reason = "stop"
-        elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.settings.max_model_len:
-            reason = "length"
-        if reason is not None:
-            new_text += req.detok.flush()
-        emitted, hit = self._stop_strings(req, new_text, final=reason is not None)
-        if hit:
-            reason = "stop"
+        emitted, reason, lp = append_token(req, token, host.logprob[row], host.top_ids[row],
+                                           host.top_logprobs[row], now, self.settings.max_model_len)
         if reason is not None:
             out = self._finish(req, reason, text=emitted)
             out.new_token_ids = [token]
             out.logprobs = [lp] if lp else None
             return out
         return RequestOutput(req.request_id, [token], emitted, logprobs=[lp] if lp else None)
-
-    @staticmethod
-    def _stop_strings(req: Request, new_text: str, final: bool) -> tuple[str, bool]:
-        """Text safe to emit now, and whether a stop string ended the request. Text that
-        could be the start of a stop string is held back until it cannot be."""
-        stops = req.params.stop
-        if not stops:
-            req.text += new_text
-            return new_text, False
-        buf = req.pending_text + new_text
-        cut = min((i for i in (buf.find(s) for s in stops) if i >= 0), default=-1)
-        if cut >= 0:
-            req.pending_text = ""
-            req.text += buf[:cut]
-            return buf[:cut], True
-        hold = 0
-        if not final:
-            for s in stops:
-                for k in range(min(len(s) - 1, len(buf)), 0, -1):
-                    if buf.endswith(s[:k]):
-                        hold = max(hold, k)
-                        break
-        emit = buf[:len(buf) - hold]
-        req.pending_text = buf[len(buf) - hold:]
-        req.text += emit
-        return emit, False
 
     def _finish(self, req: Request, reason: str, text: str = "", error: str | None = None) -> RequestOutput:
         self.scheduler.remove(req)
@@ -332,21 +307,41 @@ class Engine:
 
     def stats(self) -> dict:
         with self._lock:
-            bm = self.scheduler.bm
             return {
-                "pages_total": bm.num_usable,
-                "pages_free": bm.num_free,
-                "pages_cached": len(bm.cached),
+                **self.scheduler.stats(),
                 "page_size": self.settings.page_size,
-                "num_running": len(self.scheduler.running),
-                "num_waiting": len(self.scheduler.waiting),
                 "buckets": len(self.shapes),
                 "bucket_shapes": list(self.shapes),
-                "prefix_cache_hits": bm.hits,
-                "prefix_cache_queries": bm.queries,
-                "cached_tokens_total": self.scheduler.cached_tokens_total,
-                "num_preemptions": self.scheduler.num_preemptions,
                 "num_steps": self.num_steps,
                 "num_errors": self.num_errors,
                 "compiled_programs": Runner.cache_size(),
             }
+
+    # ------------------------------------------------------------------ multi-process
+    @property
+    def is_leader(self) -> bool:
+        """Process 0 of a multi-process run (or the only process): owns the scheduler."""
+        return self.runner.is_leader
+
+    def _leader_only(self, what: str) -> None:
+        if not self.is_leader:
+            raise RuntimeError(f"{what}() runs on process 0 only: process 0 owns the scheduler; "
+                               "other processes call engine.follow()")
+
+    def follow(self) -> int:
+        """Processes 1..N-1: run process 0's steps (warm-up included) until it calls close()."""
+        return self.runner.follow()
+
+    def idle(self) -> None:
+        """Call when there is nothing to step (the serving loop does): keeps followers alive."""
+        self.runner.idle()
+
+    def close(self) -> None:
+        """Process 0: releases the followers. A no-op in a single-process run; idempotent."""
+        self.runner.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -134,7 +134,8 @@ class Request:
         self.eos_token_ids = () if params.ignore_eos else tuple(eos_token_ids)
         self.output_ids: list[int] = []
         self.num_computed = 0
-        self.pages: list[int] = []
+        self.pages: list[int] = []  # page ids in its data replica's pool
+        self.replica = 0  # the data replica that holds its pages (engine/replicas.py)
         self.page_hashes: list[bytes] = []
         self.status = Status.WAITING
         self.finish_reason: str | None = None

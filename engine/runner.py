@@ -3,54 +3,72 @@
     host StepBatch (numpy) --device_put--> step.step (jit, cache donated) --> host numpy
 
 Single device by default. With `[mesh]` larger than one device, params and cache are
-placed with models/sharding.py (tensor / sequence axes) and batches are replicated;
-one data replica for now (engine.num_pages is one pool).
+placed with models/sharding.py. With mesh.data = R > 1 the batch holds R replicas'
+batches stacked [R, ...], split over 'data', and runs through step.step_replicas; the
+cache's page axis holds R pools of engine.num_pages pages.
+
+Multi-process (jax.distributed): process 0 broadcasts every batch before running it and
+the other processes run it from `follow()` (engine/lockstep.py), so all run the same
+jitted programs in the same order.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
+import traceback
 
 import jax
 import numpy as np
 from flax import nnx
 
-from engine.batch import StepBatch, dummy_batch
-from engine.step import step
-from models.config import ConfigError
+from engine.batch import StepBatch, dummy_batch, stack_batches
+from engine.lockstep import HEARTBEAT, RESET, RUN, STOP, Lockstep
+from engine.step import step, step_replicas
 from models.kv_cache import KVCache
+
+log = logging.getLogger("jaxfill.runner")
 
 
 @dataclasses.dataclass
 class HostOutput:
-    tokens: np.ndarray  # [S] i32
-    logprob: np.ndarray  # [S] f32
-    top_ids: np.ndarray  # [S, N]
-    top_logprobs: np.ndarray  # [S, N]
+    tokens: np.ndarray  # [R * S] i32, replica-major
+    logprob: np.ndarray  # [R * S] f32
+    top_ids: np.ndarray  # [R * S, N]
+    top_logprobs: np.ndarray  # [R * S, N]
 
 
 class Runner:
-    def __init__(self, config, model, mesh=None):
+    def __init__(self, config, model, mesh=None, shapes=()):
         self.config = config
         s = config.engine
         self.mesh = mesh  # engine.loading.build_mesh; None = one device
-        if self.mesh is not None and self.mesh.shape.get("data", 1) > 1:
-            raise ConfigError("the engine runs one data replica for now; set mesh.data = 1")
+        self.num_replicas = int(mesh.shape.get("data", 1)) if mesh is not None else 1
         self.graphdef, state = nnx.split(model)
         if self.mesh is not None:
             from jax.sharding import NamedSharding, PartitionSpec
 
-            from models.sharding import shard_params
+            from models.sharding import DATA, shard_params
 
             state = shard_params(state, self.mesh)  # a no-op for params built sharded
-            self.batch_sharding = NamedSharding(self.mesh, PartitionSpec())
+            spec = PartitionSpec(DATA) if self.num_replicas > 1 else PartitionSpec()
+            self.batch_sharding = NamedSharding(self.mesh, spec)
         else:
             self.batch_sharding = None
+        self._step = step_replicas if self.num_replicas > 1 else step
         self.state = state
         self.page_size = s.page_size
         self.num_pages = s.num_pages
+        self.shapes = list(shapes)
         self.kv_cache = self.new_cache()
+        self.lockstep = None
+        if jax.process_count() > 1:
+            self.lockstep = Lockstep([self.dummy(shape) for shape in self.shapes])
+
+    @property
+    def is_leader(self) -> bool:
+        return self.lockstep is None or self.lockstep.is_leader
 
     def new_cache(self) -> KVCache:
         c = self.config
@@ -60,6 +78,12 @@ class Runner:
             return create_kv_cache(c.model, self.mesh, c.engine.num_pages, c.engine.page_size)
         return KVCache.create(c.model, c.engine.num_pages, c.engine.page_size)
 
+    def dummy(self, shape: tuple[int, int]) -> StepBatch:
+        """An all-padding batch of one bucket (warm-up, and what followers receive into)."""
+        s = self.config.engine
+        one = dummy_batch(shape, s.max_pages_per_seq, s.penalty_window)
+        return stack_batches([one] * self.num_replicas)
+
     def _context(self):
         if self.mesh is None:
             return contextlib.nullcontext()
@@ -68,10 +92,16 @@ class Runner:
     def put(self, batch: StepBatch) -> StepBatch:
         return jax.device_put(batch, self.batch_sharding)
 
+    # ------------------------------------------------------------------ steps
     def run(self, batch: StepBatch) -> HostOutput:
+        if self.lockstep is not None:
+            self.lockstep.send(RUN, batch)
+        return self._execute(batch)
+
+    def _execute(self, batch: StepBatch) -> HostOutput:
         dev = self.put(batch)
         with self._context():
-            out, self.kv_cache = step(self.graphdef, self.state, self.kv_cache, dev)
+            out, self.kv_cache = self._step(self.graphdef, self.state, self.kv_cache, dev)
         tokens, lp, ids, lps = jax.device_get((out.tokens, out.logprob, out.top_ids, out.top_logprobs))
         return HostOutput(np.asarray(tokens), np.asarray(lp), np.asarray(ids), np.asarray(lps))
 
@@ -79,20 +109,54 @@ class Runner:
         return not any(p.is_deleted() for p in self.kv_cache.pages)
 
     def reset_cache(self) -> None:
-        """After a failed step the donated cache may be gone: start from a fresh one."""
+        """After a failed step the donated cache may be gone: start from a fresh one
+        (a collective allocation: followers are told to do the same)."""
+        if self.lockstep is not None:
+            self.lockstep.send(RESET)
         self.kv_cache = self.new_cache()
 
-    def warmup(self, shapes, max_pages: int, penalty_window: int, progress: bool = True) -> None:
+    def warmup(self, progress: bool = True) -> None:
         """Compiles (and runs once) every bucket; an all-padding batch writes nothing."""
-        it = shapes
+        it = self.shapes
         if progress:
             from tqdm import tqdm
 
-            it = tqdm(shapes, desc="compiling buckets", unit="bucket")
+            it = tqdm(self.shapes, desc="compiling buckets", unit="bucket")
         for shape in it:
-            self.run(dummy_batch(shape, max_pages, penalty_window))
+            self.run(self.dummy(shape))
+
+    # ------------------------------------------------------------------ multi-process
+    def idle(self) -> None:
+        """Leader, nothing to run: keeps the followers' wait shorter than collective timeouts."""
+        if self.lockstep is not None and self.lockstep.is_leader:
+            self.lockstep.heartbeat()
+
+    def close(self) -> None:
+        """Leader: releases the followers (their follow() returns). Idempotent."""
+        if self.lockstep is not None and self.lockstep.is_leader and not self.lockstep.stopped:
+            self.lockstep.send(STOP)
+
+    def follow(self) -> int:
+        """Follower: runs the leader's batches until it closes; returns the steps run."""
+        if self.is_leader:
+            raise RuntimeError("follow() is for processes other than 0 of a multi-process run")
+        steps = 0
+        while True:
+            op, batch = self.lockstep.receive()
+            if op == STOP:
+                return steps
+            if op == RESET:
+                self.kv_cache = self.new_cache()
+            elif op == RUN:
+                try:
+                    self._execute(batch)
+                    steps += 1
+                except Exception:  # noqa: BLE001 - the leader sees the same failure and decides
+                    log.error("step failed on this follower:\n%s", traceback.format_exc())
+            elif op != HEARTBEAT:
+                raise RuntimeError(f"unknown lockstep op {op} from process 0")
 
     @staticmethod
     def cache_size() -> int:
-        """Compiled programs held by the step jit (tests: no growth after warm-up)."""
-        return step._cache_size()
+        """Compiled programs held by the step jits (tests: no growth after warm-up)."""
+        return step._cache_size() + step_replicas._cache_size()
