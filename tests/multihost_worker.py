@@ -4,7 +4,9 @@ jax.distributed over 127.0.0.1, one 8-device mesh, the same jitted steps in lock
     python tests/multihost_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_JSON
 
 Runs (1) a model-level greedy loop (chunked prefill + decode with the sharded forward),
-(2) Engine.generate with the same mesh; writes {"model": [...], "engine": [...] or error}.
+(2) the Engine on tensor 2 x sequence 4, process 0 generating and process 1 following,
+(3) the same with two data replicas (one per process) x tensor 2 x sequence 2.
+Writes {"model": [...], "engine": {...}, "engine_dp": {...}} (an "error" key on failure).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ CHUNK = 16
 MODEL = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=8,
              num_kv_heads=2, head_dim=16, max_position_embeddings=4096, seed=3)
 PROMPT = [(37 * i + 11) % 500 for i in range(37)]
+PROMPT2 = [(53 * i + 5) % 500 for i in range(21)]
 MAX_TOKENS = 10
 
 
@@ -31,21 +34,20 @@ def model_config():
     return ModelConfig(**MODEL)
 
 
-def reference_tokens() -> list[int]:
+def reference_tokens(prompt=PROMPT) -> list[int]:
     """Single process, one device: engine/simple.py's loop (the ground truth)."""
+    import jax
     from flax import nnx
 
     from engine.simple import generate_one
+    from models import sharding
     from models.kv_cache import KVCache
     from models.llama import Llama
-    from models import sharding
 
     cfg = model_config()
     graphdef, _ = sharding.abstract_state(cfg)
-    import jax
-
     state = jax.jit(lambda: nnx.split(Llama(cfg, nnx.Rngs(cfg.seed)))[1])()
-    tokens, _ = generate_one(nnx.merge(graphdef, state), PROMPT, KVCache.create(cfg, 16, 8), MAX_TOKENS, chunk=CHUNK)
+    tokens, _ = generate_one(nnx.merge(graphdef, state), prompt, KVCache.create(cfg, 16, 8), MAX_TOKENS, chunk=CHUNK)
     return tokens
 
 
@@ -94,19 +96,22 @@ def sharded_greedy(mesh) -> list[int]:
     return out
 
 
-def engine_tokens(settings, mesh) -> list[int]:
-    """Engine.generate on the same mesh; the params come in already sharded (init_sharded),
-    so no process ever builds the whole model on one device."""
+def engine_run(settings, mesh_shape: tuple[int, int, int], prompts: list[list[int]]) -> dict:
+    """Engine on a (data, tensor, sequence) mesh over both processes: process 0 schedules
+    and generates, process 1 follows its broadcast batches. Params come in already
+    sharded (init_sharded), so no process ever builds the whole model on one device."""
     from flax import nnx
 
-    from engine.config import load_config
+    from engine.config import MeshSettings, load_config
     from engine.engine import Engine
+    from engine.mesh import make_mesh
     from engine.request import SamplingParams
     from models import sharding
 
+    data, tensor, sequence = mesh_shape
     overrides = {f"model.{k}": v for k, v in MODEL.items()}
     overrides.update({
-        "mesh.tensor": settings.tensor, "mesh.sequence": settings.sequence,
+        "mesh.data": data, "mesh.tensor": tensor, "mesh.sequence": sequence,
         "mesh.coordinator": settings.coordinator, "mesh.num_processes": settings.num_processes,
         "mesh.process_id": settings.process_id,
         "engine.page_size": 8, "engine.num_pages": 64, "engine.max_model_len": 256,
@@ -114,11 +119,20 @@ def engine_tokens(settings, mesh) -> list[int]:
         "engine.token_buckets": [CHUNK], "engine.seq_buckets": [1],
     })
     config = load_config("tiny", overrides)
+    mesh = make_mesh(MeshSettings(data=data, tensor=tensor, sequence=sequence))
     graphdef, state = sharding.init_sharded(config.model, mesh, config.engine.attention_impl)
-    engine = Engine(config, progress=False, model=nnx.merge(graphdef, state))
-    [completion] = engine.generate([PROMPT], SamplingParams(
-        max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
-    return list(completion.token_ids)
+    with Engine(config, progress=False, model=nnx.merge(graphdef, state)) as engine:
+        if not engine.is_leader:
+            return {"steps_run": engine.follow()}
+        engine.runner.lockstep.last_sent -= 3600  # long idle: the next idle() sends a heartbeat
+        engine.idle()
+        completions = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                                              ignore_eos=True))
+        stats = engine.stats()
+        return {"tokens": [list(c.token_ids) for c in completions],
+                "steps_run": engine.num_steps + len(engine.shapes),  # + one warm-up step per bucket
+                "per_replica": stats["requests_per_replica"], "free": stats["pages_free"],
+                "total": stats["pages_total"]}
 
 
 def main():
@@ -136,10 +150,12 @@ def main():
               "device_ids": sorted(d.id for d in jax.devices())}
     mesh = make_mesh(settings)
     result["model"] = sharded_greedy(mesh)
-    try:
-        result["engine"] = engine_tokens(settings, mesh)
-    except Exception:  # noqa: BLE001 - reported, the test decides
-        result["engine_error"] = traceback.format_exc()[-4000:]
+    for name, shape, prompts in (("engine", (1, TENSOR, SEQUENCE), [PROMPT]),
+                                 ("engine_dp", (2, 2, 2), [PROMPT, PROMPT2])):
+        try:
+            result[name] = engine_run(settings, shape, prompts)
+        except Exception:  # noqa: BLE001 - reported, the test decides
+            result[name] = {"error": traceback.format_exc()[-4000:]}
     with open(out_path, "w") as f:
         json.dump(result, f)
     jax.distributed.shutdown()

@@ -1,7 +1,8 @@
 """Two processes x four CPU devices, jax.distributed on 127.0.0.1: generation sharded over
 all 8 devices (tensor=2 x sequence=4, collectives crossing processes over gloo) returns
-exactly the single-process tokens, through the model-level loop and through
-Engine.generate. Global device ids are not contiguous across processes."""
+exactly the single-process tokens, through the model-level loop and through the Engine
+(process 0 owns the scheduler and broadcasts each batch; process 1 follows), also with
+one data replica per process. Global device ids are not contiguous across processes."""
 
 from __future__ import annotations
 
@@ -48,9 +49,9 @@ def runs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference():
-    from multihost_worker import reference_tokens
+    from multihost_worker import PROMPT, PROMPT2, reference_tokens
 
-    return reference_tokens()
+    return [reference_tokens(PROMPT), reference_tokens(PROMPT2)]
 
 
 def test_two_processes_form_one_8_device_mesh(runs):
@@ -61,12 +62,20 @@ def test_two_processes_form_one_8_device_mesh(runs):
 
 
 def test_model_level_generation_matches_single_process(runs, reference):
-    assert len(set(reference)) > 1
+    assert len(set(reference[0])) > 1 and reference[0] != reference[1]
     for r in runs:
-        assert r["model"] == reference
+        assert r["model"] == reference[0]
 
 
-def test_engine_generate_matches_single_process(runs, reference):
-    for r in runs:
-        assert "engine_error" not in r, r["engine_error"]
-        assert r["engine"] == reference
+@pytest.mark.parametrize("name", ["engine", "engine_dp"])
+def test_engine_leader_generates_and_follower_runs_every_step(runs, reference, name):
+    leader, follower = runs[0][name], runs[1][name]
+    assert "error" not in leader, leader["error"]
+    assert "error" not in follower, follower["error"]
+    assert leader["tokens"] == reference[:len(leader["tokens"])]
+    assert follower["steps_run"] == leader["steps_run"] > 0  # the same steps, in lockstep
+    assert leader["free"] == leader["total"]
+
+
+def test_data_replicas_split_over_processes(runs):
+    assert runs[0]["engine_dp"]["per_replica"] == [1, 1]
