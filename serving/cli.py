@@ -13,12 +13,29 @@ import sys
 from serving import commands
 
 
+class _MeshOverride(argparse.Action):
+    """--coordinator / --num-processes / --process-id: shorthands for --set mesh.KEY=VALUE."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        items = list(getattr(namespace, "overrides", None) or [])
+        items.append(f"mesh.{self.dest}={values}")
+        setattr(namespace, "overrides", items)
+
+
 def common_model_args(parser: argparse.ArgumentParser) -> None:
-    """--config / --model / --set, shared by every command that builds a model."""
+    """--config / --model / --set and the multi-process flags, shared by every command
+    that builds a model."""
     parser.add_argument("--config", default="tiny", help="TOML file or preset name (default: tiny)")
     parser.add_argument("--model", default=None, help="Hugging Face model directory")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override a config field, e.g. --set mesh.tensor=4 (repeatable)")
+    multi = parser.add_argument_group(
+        "multi-process (jax.distributed; on TPU pods and SLURM the environment is detected instead)")
+    multi.add_argument("--coordinator", dest="coordinator", action=_MeshOverride, metavar="HOST:PORT",
+                       help="process 0's address, the same on every process")
+    multi.add_argument("--num-processes", dest="num_processes", action=_MeshOverride, metavar="N")
+    multi.add_argument("--process-id", dest="process_id", action=_MeshOverride, metavar="I",
+                       help="0 serves and schedules; 1..N-1 follow its steps")
 
 
 def build_parser() -> argparse.ArgumentParser:

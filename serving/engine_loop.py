@@ -188,6 +188,7 @@ class EngineLoop:
             log.error("warm-up failed:\n%s", traceback.format_exc())
             self.error = e
             self.state = FAILED
+            self._engine_call("close")
             return
         while not self._stop.is_set():
             had_ops = bool(self._inbox)
@@ -200,6 +201,18 @@ class EngineLoop:
                     self._post(items, self._snapshot())
                 self._wake.wait(self.idle_wait_s)
                 self._wake.clear()
+                self._engine_call("idle")  # multi-process: a heartbeat to the followers now and then
+        self._engine_call("close")  # multi-process: release the followers
+
+    def _engine_call(self, name: str) -> None:
+        """Optional Engine hooks (idle, close); a failure is logged, never raised."""
+        fn = getattr(self.engine, name, None)
+        if fn is None:
+            return
+        try:
+            fn()
+        except Exception:  # noqa: BLE001
+            log.error("engine.%s() failed:\n%s", name, traceback.format_exc())
 
     def _snapshot(self) -> dict:
         stats = dict(self.engine.stats())

@@ -33,8 +33,10 @@ def compile_cache_dir(tmp_path_factory) -> str:
 class ServeProcess:
     """`jaxfill serve` in a subprocess on 127.0.0.1:0; learns its ports from the startup log."""
 
-    def __init__(self, *extra: str, cache_dir: str | None = None, timeout: float = 300.0):
-        env = dict(os.environ)
+    def __init__(self, *extra: str, cache_dir: str | None = None, timeout: float = 300.0,
+                 env: dict | None = None, listens: bool = True):
+        """listens=False: a follower process of a multi-process run (it never opens a port)."""
+        env = dict(os.environ, **(env or {}))
         if cache_dir:
             env["JAX_COMPILATION_CACHE_DIR"] = cache_dir
             env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
@@ -49,7 +51,7 @@ class ServeProcess:
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
         deadline = time.time() + timeout
-        while self.port is None:
+        while listens and self.port is None:
             if self.proc.poll() is not None:
                 raise RuntimeError("server exited early:\n" + "".join(self.lines))
             if time.time() > deadline:

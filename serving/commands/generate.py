@@ -46,13 +46,21 @@ def run(args) -> int:
     for prompt in prompts:
         ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         validate_prompt(ids, config.model.vocab_size, config.engine.max_model_len)
-    engine = Engine(config, progress=not args.json)
+    with Engine(config, progress=not args.json) as engine:  # exit: process 0 releases the followers
+        if not engine.is_leader:
+            engine.follow()  # multi-process: process 0 prints the output
+            return 0
+        _print_generations(engine, args, prompts, params)
+    return 0
+
+
+def _print_generations(engine, args, prompts, params) -> None:
     if args.json:
         for completion in engine.generate(prompts, params):
             print(json.dumps({"token_ids": completion.token_ids, "text": completion.text,
                               "finish_reason": completion.finish_reason,
                               "prompt_tokens": completion.prompt_tokens}), flush=True)
-        return 0
+        return
     for prompt in prompts:
         shown = prompt if isinstance(prompt, str) else f"<{len(prompt)} token ids>"
         print(f"\n>>> {shown}", file=sys.stderr, flush=True)
@@ -60,4 +68,3 @@ def run(args) -> int:
             sys.stdout.write(chunk.new_text)
             sys.stdout.flush()
         print(flush=True)
-    return 0

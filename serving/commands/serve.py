@@ -135,4 +135,12 @@ def run(args) -> int:
     start = time.perf_counter()
     engine = build_engine(args.config, args.model, args.overrides)
     _log_startup(log, engine, args, time.perf_counter() - start)
+    if not getattr(engine, "is_leader", True):
+        import jax
+
+        log.info("process %d of %d: following process 0 (it owns the scheduler and the gRPC endpoint)",
+                 jax.process_index(), jax.process_count())
+        steps = engine.follow()
+        log.info("process 0 closed: %d steps run; exiting", steps)
+        return 0
     return asyncio.run(_serve(args, engine, log))
