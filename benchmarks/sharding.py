@@ -2,8 +2,9 @@
 
     python benchmarks/sharding.py [--tokens 2048] [--repeats 3] [--out benchmarks/results/sharding.json]
 
-For each mesh layout (tensor 2/4/8, sequence 2/4, tensor 2 x sequence 4, and the
-1-device baseline) on configs/bench.toml's model, one prefill of `tokens` tokens:
+For each mesh layout (tensor 2/4/8, sequence 2/4, tensor 2 x sequence 4, data 2,
+data 2 x tensor 2 x sequence 2, and the 1-device baseline) on configs/bench.toml's
+model, one prefill of `tokens` tokens per data replica:
   * flops / bytes accessed per device: compiled.cost_analysis() of the SPMD program;
   * collective bytes per prefill token: operand sizes of all-reduce / all-gather /
     reduce-scatter / collective-permute in the compiled HLO, summed, / tokens;
@@ -22,7 +23,8 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LAYOUTS = [(1, 1), (2, 1), (4, 1), (8, 1), (1, 2), (1, 4), (2, 4)]  # (tensor, sequence)
+LAYOUTS = [(1, 1, 1), (1, 2, 1), (1, 4, 1), (1, 8, 1), (1, 1, 2), (1, 1, 4), (1, 2, 4),
+           (2, 1, 1), (2, 2, 2)]  # (data, tensor, sequence)
 
 
 def run(tokens: int, repeats: int) -> dict:
@@ -44,26 +46,31 @@ def run(tokens: int, repeats: int) -> dict:
     tok = jnp.asarray(rng.randint(0, cfg.vocab_size, tokens).astype(np.int32))
     pos = jnp.arange(tokens, dtype=jnp.int32)
     rows = []
-    for t, s in LAYOUTS:
-        mesh = make_mesh(MeshSettings(tensor=t, sequence=s), devices=jax.devices()[: t * s])
+    for d, t, s in LAYOUTS:
+        mesh = make_mesh(MeshSettings(data=d, tensor=t, sequence=s), devices=jax.devices()[: d * t * s])
         graphdef, state = sharding.init_sharded(cfg, mesh, config.engine.attention_impl)
-        cache = sharding.create_kv_cache(cfg, mesh, num_pages, page_size)
+        cache = sharding.create_kv_cache(cfg, mesh, num_pages, page_size)  # num_pages per replica
+        if d > 1:  # one prefill per replica, metadata stacked [d, ...], page ids local to each pool
+            fn = sharding.forward_data_parallel
+            args = (jnp.tile(tok, d), jnp.tile(pos, d), cache, jax.tree.map(lambda x: np.stack([x] * d), meta))
+        else:
+            fn, args = forward, (tok, pos, cache, meta)
         with jax.set_mesh(mesh):
             start = time.perf_counter()
-            compiled = forward.lower(graphdef, state, tok, pos, cache, meta).compile()
+            compiled = fn.lower(graphdef, state, *args).compile()
             compile_s = time.perf_counter() - start
             cost = compiled.cost_analysis()
             ops = sharding.collective_ops(compiled.as_text())
             times = []
             for _ in range(repeats + 1):  # first run warms up
                 start = time.perf_counter()
-                logits, cache = compiled(state, tok, pos, cache, meta)
+                logits, cache = compiled(state, *args[:2], cache, args[3])
                 logits.block_until_ready()
                 times.append(time.perf_counter() - start)
         coll = sum(ops[k + "_bytes"] for k in ("all-reduce", "all-gather", "reduce-scatter", "collective-permute"))
-        row = {"tensor": t, "sequence": s, "devices": t * s,
+        row = {"data": d, "tensor": t, "sequence": s, "devices": d * t * s, "prefill_tokens": d * tokens,
                "flops_per_device": float(cost["flops"]), "bytes_accessed_per_device": float(cost["bytes accessed"]),
-               "collective_bytes_per_token": coll / tokens,
+               "collective_bytes_per_token": coll / (d * tokens),
                "collectives": {k: v for k, v in ops.items() if v},
                "wall_s": float(np.median(times[1:])), "compile_s": compile_s}
         rows.append(row)
@@ -71,18 +78,20 @@ def run(tokens: int, repeats: int) -> dict:
         del state, cache, logits
     base = rows[0]
     for row in rows:
-        row["flops_vs_1"] = row["flops_per_device"] / base["flops_per_device"]
-        row["bytes_vs_1"] = row["bytes_accessed_per_device"] / base["bytes_accessed_per_device"]
+        per_token = row["prefill_tokens"] / base["prefill_tokens"]  # data replicas each run a prefill
+        row["flops_vs_1"] = row["flops_per_device"] / base["flops_per_device"] / per_token
+        row["bytes_vs_1"] = row["bytes_accessed_per_device"] / base["bytes_accessed_per_device"] / per_token
     return {"model": "configs/bench.toml", "tokens": tokens, "dtype": cfg.dtype,
             "attention_impl": config.engine.attention_impl, "platform": "cpu, 8 fake devices on "
             f"{os.cpu_count()} cores", "jax": jax.__version__, "layouts": rows}
 
 
 def table(result: dict) -> str:
-    lines = ["| tensor x sequence | GFLOP/device | x vs 1 | GB accessed/device | collective B/token | wall s |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| data x tensor x sequence | prefill tokens | GFLOP/device | x vs 1 per token | GB accessed/device "
+             "| collective B/token | wall s |", "|---|---:|---:|---:|---:|---:|---:|"]
     for r in result["layouts"]:
-        lines.append(f"| {r['tensor']} x {r['sequence']} | {r['flops_per_device'] / 1e9:.1f} | {r['flops_vs_1']:.3f} "
+        lines.append(f"| {r.get('data', 1)} x {r['tensor']} x {r['sequence']} | {r.get('prefill_tokens', result['tokens'])} "
+                     f"| {r['flops_per_device'] / 1e9:.1f} | {r['flops_vs_1']:.3f} "
                      f"| {r['bytes_accessed_per_device'] / 1e9:.2f} | {r['collective_bytes_per_token']:.0f} "
                      f"| {r['wall_s']:.2f} |")
     return "\n".join(lines)

@@ -40,6 +40,8 @@ class Lockstep:
         self.is_leader = jax.process_index() == 0
         self.last_sent = time.monotonic()
         self.stopped = False
+        self.num_sent = 0  # headers sent (leader): benchmarks/multihost.py reads these
+        self.send_s = 0.0  # seconds spent broadcasting
 
     @staticmethod
     def _key(batch: StepBatch) -> tuple:
@@ -57,10 +59,13 @@ class Lockstep:
             raise RuntimeError("only process 0 sends batches")
         if self.stopped:
             raise RuntimeError("the followers were released (close() was called)")
+        start = time.perf_counter()
         bucket = self.index[self._key(batch)] if batch is not None else -1
         self._broadcast(np.asarray([op, bucket], np.int32))
         if batch is not None:
             self._broadcast(batch)
+        self.send_s += time.perf_counter() - start
+        self.num_sent += 1
         self.last_sent = time.monotonic()
         self.stopped = op == STOP
 
