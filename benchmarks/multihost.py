@@ -56,6 +56,7 @@ def child(args) -> None:
         result = {"processes": args.num_processes, "steps": len(step_s),
                   "step_ms_median": 1e3 * float(np.median(step_s)), "step_ms_p90": 1e3 * float(np.percentile(step_s, 90)),
                   "broadcast_ms_per_step": 1e3 * lock.send_s / sends if lock else 0.0,
+                  "step_ms": [round(1e3 * x, 3) for x in step_s],
                   "tokens": [tokens[r] for r in ids]}
     with open(args.out, "w") as f:
         json.dump(result, f)
@@ -76,6 +77,27 @@ def launch(num_processes: int, devices: int, args, tmp: str) -> dict:
             raise SystemExit(f"a process of the {num_processes}-process run failed")
     with open(out) as f:
         return json.load(f)
+
+
+def plot(result: dict, path: str) -> None:
+    """CDF of engine.step() wall time on process 0, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for r, label in zip(result["runs"], ("1 process x 4 devices", "2 processes x 2 devices (lockstep)")):
+        x = np.sort(r["step_ms"])
+        ax.plot(x, np.arange(1, len(x) + 1) / len(x), label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel("engine.step() on process 0 (ms)")
+    ax.set_ylabel("fraction of steps")
+    ax.set_title(f"data 2 x tensor 2, tiny model, CPU fake devices ({result['date']})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main():
@@ -106,6 +128,7 @@ def main():
               "step_ratio_2proc_vs_1proc": two["step_ms_median"] / one["step_ms_median"]}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
+    plot(result, os.path.splitext(args.out)[0] + ".png")
     print("| processes x devices | steps | step ms median | p90 | broadcast ms / step |")
     print("|---|---:|---:|---:|---:|")
     for r, label in zip(result["runs"], ("1 x 4", "2 x 2")):

@@ -123,7 +123,12 @@ def engine_run(settings, mesh_shape: tuple[int, int, int], prompts: list[list[in
     graphdef, state = sharding.init_sharded(config.model, mesh, config.engine.attention_impl)
     with Engine(config, progress=False, model=nnx.merge(graphdef, state)) as engine:
         if not engine.is_leader:
-            return {"steps_run": engine.follow()}
+            try:
+                engine.add_request(PROMPT)
+                refused = None
+            except RuntimeError as e:  # the scheduler lives on process 0 only
+                refused = str(e)
+            return {"steps_run": engine.follow(), "refused": refused}
         engine.runner.lockstep.last_sent -= 3600  # long idle: the next idle() sends a heartbeat
         engine.idle()
         completions = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,

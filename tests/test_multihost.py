@@ -74,6 +74,7 @@ def test_engine_leader_generates_and_follower_runs_every_step(runs, reference, n
     assert "error" not in follower, follower["error"]
     assert leader["tokens"] == reference[:len(leader["tokens"])]
     assert follower["steps_run"] == leader["steps_run"] > 0  # the same steps, in lockstep
+    assert "process 0" in follower["refused"]  # a follower's add_request is refused, clearly
     assert leader["free"] == leader["total"]
 
 
