@@ -85,6 +85,7 @@ def plot(result: dict, path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
     import numpy as np
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -92,6 +93,9 @@ def plot(result: dict, path: str) -> None:
         x = np.sort(r["step_ms"])
         ax.plot(x, np.arange(1, len(x) + 1) / len(x), label=label)
     ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xticks([5, 10, 20, 50, 100, 200, 500])
     ax.set_xlabel("engine.step() on process 0 (ms)")
     ax.set_ylabel("fraction of steps")
     ax.set_title(f"data 2 x tensor 2, tiny model, CPU fake devices ({result['date']})")
