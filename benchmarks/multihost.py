@@ -99,7 +99,7 @@ def plot(result: dict, path: str) -> None:
     ax.set_xlabel("engine.step() on process 0 (ms)")
     ax.set_ylabel("fraction of steps")
     ax.set_title(f"data 2 x tensor 2, tiny model, CPU fake devices ({result['date']})")
-    ax.legend()
+    ax.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
