@@ -22,18 +22,19 @@ def tls_server(tmp_path_factory):
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
                     "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
                     "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
-    engine = Engine(load_config("tiny"), progress=False, warmup=False)
+    engine = Engine(load_config("tiny"), progress=False)
+    # The reference comes first: once the server runs, its engine thread alone may step.
+    expected = engine.generate(["Hello TLS"], SamplingParams(max_tokens=6))[0]
     st = ServerThread(engine, host="127.0.0.1", port=0, tls_cert=str(cert), tls_key=str(key))
     try:
         assert st.wait_ready(600), "server never became ready"
-        yield st, engine, str(cert)
+        yield st, expected, str(cert)
     finally:
         st.stop(5)
 
 
 def test_tls_client_gets_the_engine_tokens(tls_server):
-    st, engine, cert = tls_server
-    expected = engine.generate(["Hello TLS"], SamplingParams(max_tokens=6))[0]
+    st, expected, cert = tls_server
     with Client(st.address, tls_ca=cert, tls_server_name="localhost") as client:
         got = client.generate("Hello TLS", timeout=120, max_tokens=6)
     assert got.token_ids == expected.token_ids and got.finish_reason == expected.finish_reason
