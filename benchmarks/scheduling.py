@@ -1,8 +1,8 @@
 """Scheduling benchmark, in process: (a) whole-prompt prefill first, no chunking, vs
 (b) chunked stall-free scheduling, on a Poisson (gamma, burstiness 1) workload of 90%
-short prompts, 10% long prompts and 1-token probe requests.
+short prompts, 10% (--long-fraction) long prompts and 1-token probe requests.
 
-    python benchmarks/scheduling.py [--config tiny] [--requests 80] [--rate 3] [--out ...]
+    python benchmarks/scheduling.py [--config tiny] [--requests 80] [--rate 3] [--long-fraction 0.3] [--out ...]
 
 Reports vLLM `bench serve` keys (mean_ttft_ms, p99_itl_ms, ...) per mode, plus probe
 TTFT vs step time, prefix-cached TTFT vs uncached, and chunked-prefill TTFT overhead
@@ -39,12 +39,12 @@ COMMON = {"engine.max_model_len": 4096, "engine.num_pages": 1536, "engine.max_nu
           "engine.page_size": 16}
 
 
-def workload(n: int, rate: float, seed: int, vocab: int):
+def workload(n: int, rate: float, seed: int, vocab: int, long_fraction: float = 0.1):
     rng = np.random.default_rng(seed)
     t, reqs = 0.0, []
     for i in range(n):
         t += rng.gamma(1.0, 1.0 / rate)  # burstiness 1 = Poisson
-        if rng.random() < 0.1:
+        if rng.random() < long_fraction:
             plen, out = int(rng.integers(2048, 3500)), 16
         else:
             plen, out = int(rng.integers(16, 257)), int(rng.integers(16, 65))
@@ -138,13 +138,15 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=50)
     ap.add_argument("--rate", type=float, default=1.0, help="requests/s (Poisson)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--long-fraction", type=float, default=0.1, help="share of 2k-3.5k-token prompts")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                  "scheduling.json"))
     args = ap.parse_args(argv)
     base_cfg = load_config(args.config, COMMON)
     model = build_model(base_cfg, progress=False)
-    reqs = workload(args.requests, args.rate, args.seed, base_cfg.model.vocab_size)
+    reqs = workload(args.requests, args.rate, args.seed, base_cfg.model.vocab_size, args.long_fraction)
     results = {"config": args.config, "requests": args.requests, "rate": args.rate,
+               "long_fraction": args.long_fraction,
                "long_prompt_tokens": "2048-3500 (scaled down from 4k-8k: tiny max_position_embeddings 4096)",
                "short_prompt_tokens": "16-256", "modes": {}}
     engines = {}
