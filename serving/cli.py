@@ -22,13 +22,15 @@ class _MeshOverride(argparse.Action):
         setattr(namespace, "overrides", items)
 
 
-def common_model_args(parser: argparse.ArgumentParser) -> None:
-    """--config / --model / --set and the multi-process flags, shared by every command
-    that builds a model."""
+def common_model_args(parser: argparse.ArgumentParser, multi_process: bool = False) -> None:
+    """--config / --model / --set, shared by every command that builds a model; with
+    multi_process, the jax.distributed flags of commands that can run as N processes."""
     parser.add_argument("--config", default="tiny", help="TOML file or preset name (default: tiny)")
     parser.add_argument("--model", default=None, help="Hugging Face model directory")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override a config field, e.g. --set mesh.tensor=4 (repeatable)")
+    if not multi_process:
+        return
     multi = parser.add_argument_group(
         "multi-process (jax.distributed; on TPU pods and SLURM the environment is detected instead)")
     multi.add_argument("--coordinator", dest="coordinator", action=_MeshOverride, metavar="HOST:PORT",

@@ -52,3 +52,15 @@ def test_bad_input_is_one_clear_line(args, message, capsys):
 def test_bad_input_exit_code_from_the_console_script():
     out = jaxfill("generate", "--prompt", "hi", "--top-k", "-3")
     assert out.returncode == 2 and "top_k" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_multi_process_flags_become_mesh_settings():
+    from engine.config import load_config
+    from serving.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--set", "mesh.tensor=2", "--coordinator", "10.0.0.1:8476",
+                                      "--num-processes", "2", "--process-id", "1"])
+    mesh = load_config(args.config, args.overrides).mesh
+    assert (mesh.tensor, mesh.coordinator, mesh.num_processes, mesh.process_id) == (2, "10.0.0.1:8476", 2, 1)
+    with pytest.raises(SystemExit):  # only commands that can run as N processes take them
+        build_parser().parse_args(["plan", "--coordinator", "10.0.0.1:8476"])

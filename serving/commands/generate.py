@@ -12,7 +12,7 @@ HELP = "generate text for one or more prompts"
 def add_arguments(p) -> None:
     from serving.cli import common_model_args
 
-    common_model_args(p)
+    common_model_args(p, multi_process=True)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     src.add_argument("--prompt-ids", action="append", help="comma-separated token ids (repeatable)")

@@ -15,7 +15,7 @@ HELP = "serve the model over gRPC (jaxfill.v1.Generation, JetStream Orchestrator
 def add_arguments(p) -> None:
     from serving.cli import common_model_args
 
-    common_model_args(p)
+    common_model_args(p, multi_process=True)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=50051, help="gRPC port (0 = pick a free one)")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (off by default)")
