@@ -15,10 +15,12 @@ The G query heads of one KV head are stacked into one [G*block_q, D] operand, so
 step is a batched matmul over KV heads. (`par` > 1 splits the heads into independent
 loops; off by default, see block_sizes.xla_parallel_loops.)
 
-Decode batches (every live sequence has <= `short_q` new tokens, checked at run time with
-`lax.cond`) take a sequence-batched path instead: one loop over KV blocks that serves all
-sequences at once ([S, Hkv, G*short_q, D] x [S, Hkv, block, D] per step), rather than
-one item, and one short loop, per sequence. Softmax runs in base 2 (log2(e) is folded into
+Sequences with <= `short_q` new tokens (decodes) take a sequence-batched path instead:
+one loop over KV blocks that serves all of them at once ([S, Hkv, G*short_q, D] x
+[S, Hkv, block, D] per step), rather than one item, and one short loop, per sequence.
+A pure decode batch runs only that path (`lax.cond`); a mixed batch (the engine's
+chunked prefill next to decodes) runs both, the items skipping the decode sequences,
+so a decode row never costs a whole block_q-row query block. Softmax runs in base 2 (log2(e) is folded into
 q) with a polynomial exp2 that XLA CPU vectorizes well. K/V of masked blocks are zeroed
 with `where` beyond kv_len, so NaN in unused page slots never reaches an output; rows of
 an item that belong to another sequence, and padding rows, are dropped with `where`.
@@ -139,6 +141,7 @@ def _attend(qs,  # [num_blocks, Hkv', R, D] scaled q; R = (q heads per KV head) 
             kv_pages,  # [num_pages, page_size, 2 * Hkv', D]
             pidx,  # [S, P'] int32 page table padded to whole KV blocks
             cu, kv_lens, item_block, item_seq, num_items,
+            seq_skip,  # [S] bool: sequences another path serves (their items do nothing)
             *, bq, bk, ppb, sliding_window, soft_cap, exp2_fn, sum_pad):
     """One independent loop over all items for a subset of heads: out [num_blocks, Hkv', R, D]."""
     num_blocks, num_kv_heads, rows, head_dim = qs.shape
@@ -174,6 +177,9 @@ def _attend(qs,  # [num_blocks, Hkv', R, D] scaled q; R = (q heads per KV head) 
     def one_item(i, out):
         b, s = item_block[i], item_seq[i]
         ib = item_bounds(b, s, cu, kv_lens, bq, bk, sliding_window)
+        skip = seq_skip[s]
+        for edge in ("a", "c", "kv_hi"):  # a skipped item runs no KV block at all
+            ib[edge] = jnp.where(skip, ib["kv_lo"], ib[edge])
         qb = qs[b]  # [Hkv', R, D]
         row_tok = ib["r0"] + row_in_block  # flat token of each row
         row_pos = ib["ctx"] + row_tok - ib["q_start"]  # [R]
@@ -206,7 +212,7 @@ def _attend(qs,  # [num_blocks, Hkv', R, D] scaled q; R = (q heads per KV head) 
         if sum_pad:
             l, acc = acc[..., head_dim], acc[..., :head_dim]
         o = acc / jnp.where(l > 0, l, 1.0)[..., None]
-        mine = (row_tok >= ib["lo"]) & (row_tok < ib["hi"])
+        mine = (row_tok >= ib["lo"]) & (row_tok < ib["hi"]) & ~skip
         o = jnp.where(mine[None, :, None], o, out[b])
         return out.at[b].set(o)
 
@@ -216,16 +222,17 @@ def _attend(qs,  # [num_blocks, Hkv', R, D] scaled q; R = (q heads per KV head) 
 
 def _attend_short(qs,  # [T, Hq, D] scaled q (log2 units unless soft_cap)
                   kv_pages, pidx, cu, kv_lens, num_seqs,
+                  seq_mask,  # [S] bool: the sequences this path serves (each <= q_max new tokens)
                   *, q_max, bk, ppb, sliding_window, soft_cap, exp2_fn):
-    """Sequence-batched path for batches whose every live sequence has <= q_max new
-    tokens (decode, speculative decode): one loop over KV blocks, all sequences at once,
-    instead of one item per sequence. Returns out [T, Hq, D] f32, zeros on padding rows."""
+    """Sequence-batched path for sequences with <= q_max new tokens (decode, speculative
+    decode): one loop over KV blocks, all of them at once, instead of one item per
+    sequence. Returns out [T, Hq, D] f32, zeros on rows of other sequences and padding."""
     num_tokens, num_q_heads, head_dim = qs.shape
     num_kv_heads = kv_pages.shape[2] // 2
     group = num_q_heads // num_kv_heads
     num_slots = kv_lens.shape[0]
     cdt = qs.dtype
-    live = jnp.arange(num_slots, dtype=jnp.int32) < num_seqs[0]
+    live = (jnp.arange(num_slots, dtype=jnp.int32) < num_seqs[0]) & seq_mask
     q_len = jnp.where(live, cu[1:] - cu[:-1], 0)
     kv_len = jnp.where(live, kv_lens, 0)
     i = jnp.arange(q_max, dtype=jnp.int32)
@@ -330,9 +337,12 @@ def ragged_paged_attention_xla(
     if par is None:
         par = xla_parallel_loops(jax.default_backend(), num_kv_heads, group)
 
-    def by_items(q_scaled):
+    live = jnp.arange(num_slots, dtype=jnp.int32) < num_seqs[0]
+    q_lens = jnp.where(live, cu[1:] - cu[:-1], 0)  # [S]
+
+    def by_items(q_scaled, seq_skip=jnp.zeros((num_slots,), jnp.bool_)):
         return _by_items(q_scaled, kv_pages, pidx, cu, kv_lens, item_block, item_seq,
-                         num_items, bq=bq, bk=bk, ppb=ppb, par=par,
+                         num_items, seq_skip, bq=bq, bk=bk, ppb=ppb, par=par,
                          sliding_window=sliding_window, soft_cap=soft_cap, exp2_fn=exp2_fn,
                          sum_pad=sum_pad)
 
@@ -343,19 +353,26 @@ def ragged_paged_attention_xla(
     ppb_short = bk_short // page_size
     pidx_short = jnp.pad(pidx, ((0, 0), (0, -pidx.shape[1] % ppb_short)))
 
-    def short(q_scaled):
-        return _attend_short(q_scaled, kv_pages, pidx_short, cu, kv_lens, num_seqs,
+    is_short = q_lens <= q_max  # [S]
+
+    def short(q_scaled, seq_mask=jnp.ones((num_slots,), jnp.bool_)):
+        return _attend_short(q_scaled, kv_pages, pidx_short, cu, kv_lens, num_seqs, seq_mask,
                              q_max=q_max, bk=bk_short, ppb=ppb_short,
                              sliding_window=sliding_window, soft_cap=soft_cap,
                              exp2_fn=exp2_fn)
 
-    live = jnp.arange(num_slots, dtype=jnp.int32) < num_seqs[0]
-    longest = jnp.max(jnp.where(live, cu[1:] - cu[:-1], 0))
-    out = lax.cond(longest <= q_max, short, by_items, q_scaled)
+    def mixed(q_scaled):
+        """Prefill chunks by items, decodes batched: a decode row alone in its item would
+        cost a whole block_q-row query block."""
+        row_seq = jnp.searchsorted(cu[1:], jnp.arange(num_tokens, dtype=jnp.int32), side="right")
+        short_row = is_short[jnp.minimum(row_seq, num_slots - 1)]  # [T]
+        return jnp.where(short_row[:, None, None], short(q_scaled, is_short), by_items(q_scaled, is_short))
+
+    out = lax.cond(jnp.all(is_short), short, mixed, q_scaled)
     return out.astype(q.dtype)
 
 
-def _by_items(q_scaled, kv_pages, pidx, cu, kv_lens, item_block, item_seq, num_items, *,
+def _by_items(q_scaled, kv_pages, pidx, cu, kv_lens, item_block, item_seq, num_items, seq_skip, *,
               bq, bk, ppb, par, sliding_window, soft_cap, exp2_fn, sum_pad):
     """The item path: returns out [T, Hq, D] f32."""
     num_tokens, num_q_heads, head_dim = q_scaled.shape
@@ -377,7 +394,7 @@ def _by_items(q_scaled, kv_pages, pidx, cu, kv_lens, item_block, item_seq, num_i
     for h0, nh, g0, ng in splits:
         o = _attend(qs[:, h0:h0 + nh, g0:g0 + ng].reshape(num_blocks, nh, ng * bq, head_dim),
                     kv_pages[:, :, 2 * h0:2 * (h0 + nh)] if nh < num_kv_heads else kv_pages,
-                    pidx, cu, kv_lens, item_block, item_seq, num_items, bq=bq, bk=bk, ppb=ppb,
+                    pidx, cu, kv_lens, item_block, item_seq, num_items, seq_skip, bq=bq, bk=bk, ppb=ppb,
                     sliding_window=sliding_window, soft_cap=soft_cap, exp2_fn=exp2_fn,
                     sum_pad=sum_pad)
         outs.append(o.reshape(num_blocks, nh, ng, bq, head_dim))
