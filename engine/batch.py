@@ -64,6 +64,11 @@ def bucket_shapes(settings) -> list[tuple[int, int]]:
     return shapes
 
 
+def describe_buckets(shapes: list[tuple[int, int]]) -> str:
+    """For logs: '3 step buckets (tokens x seqs): 16x16, 64x16, 256x16'."""
+    return f"{len(shapes)} step buckets (tokens x seqs): " + ", ".join(f"{t}x{s}" for t, s in shapes)
+
+
 def pick_bucket(shapes: list[tuple[int, int]], num_tokens: int, num_seqs: int) -> tuple[int, int]:
     i = bisect.bisect_left(shapes, (num_tokens, 0))
     for t, s in shapes[i:]:

@@ -32,9 +32,9 @@ import sys
 import threading
 import time
 import traceback
-from typing import Iterable, Iterator
+from typing import Iterator
 
-from engine.batch import bucket_shapes, build_batch, pick_bucket, stack_batches
+from engine.batch import bucket_shapes, build_batch, describe_buckets, pick_bucket, stack_batches
 from engine.config import Config, load_config
 from engine.loading import build_mesh, build_model, build_tokenizer, validate_prompt
 from engine.request import (Completion, InvalidRequest, QueueFull, Request, RequestOutput,
@@ -103,12 +103,10 @@ class Engine:
     # ------------------------------------------------------------------ warm-up
     def warmup(self, progress: bool = True) -> None:
         """Compiles every (tokens, seqs) bucket before the engine reports ready."""
-        if progress:
-            shapes = ", ".join(f"{t}x{s}" for t, s in self.shapes)
-            print(f"jaxfill: compiling {len(self.shapes)} step buckets (tokens x seqs): {shapes}",
-                  file=sys.stderr, flush=True)
-        start = time.perf_counter()
         self._leader_only("warmup")
+        if progress:
+            print(f"jaxfill: compiling {describe_buckets(self.shapes)}", file=sys.stderr, flush=True)
+        start = time.perf_counter()
         self.runner.warmup(progress)
         self.warmup_s = time.perf_counter() - start
         self.warmed_up = True

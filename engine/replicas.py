@@ -44,12 +44,9 @@ class ReplicaScheduler:
         self.num_added[req.replica] += 1
 
     def _place(self, req: Request) -> int:
-        first = self.replicas[0]
-        hashes = first._hashes(req, req.num_tokens - 1) if first.bm.enable_prefix_caching else []
-
         def score(i: int):
             s = self.replicas[i]
-            return -len(s.bm.lookup(hashes)), len(s.waiting) + len(s.running), i
+            return -len(s.cached_prefix(req)), len(s.waiting) + len(s.running), i
         return min(range(len(self.replicas)), key=score)
 
     def remove(self, req: Request) -> None:
@@ -65,9 +62,7 @@ class ReplicaScheduler:
     def recompute_all(self) -> None:
         """The KV cache was lost: every running request goes back to waiting, to be recomputed."""
         for s in self.replicas:
-            for req in list(s.running):
-                s._preempt(req)
-            s.bm.reset_prefix_cache()
+            s.recompute_all()
 
     def stats(self) -> dict:
         bms = [s.bm for s in self.replicas]

@@ -57,10 +57,8 @@ class Scheduler:
         self.max_partial = max(1, s.max_num_partial_prefills)
         self.chunk_cap = s.long_prefill_token_threshold or None
         self.max_model_len = s.max_model_len
-        self.policy = getattr(s, "scheduling_policy", "fcfs")
-        self.chunked = getattr(s, "chunked_prefill", True)
-        if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"engine.scheduling_policy must be fcfs or priority, got {self.policy!r}")
+        self.policy = s.scheduling_policy
+        self.chunked = s.chunked_prefill
         self.bm = block_manager or BlockManager(s.num_pages, s.page_size, s.enable_prefix_caching)
         self.waiting: list[Request] = []  # sorted by _key
         self.running: list[Request] = []  # admission order
@@ -121,6 +119,20 @@ class Scheduler:
                                              start=len(req.page_hashes), parent=parent)
         return req.page_hashes[:full]
 
+    def cached_prefix(self, req: Request) -> list[int]:
+        """Pages of the longest cached prefix of all but the request's last token (that one
+        must be computed to sample); [] with prefix caching off."""
+        if not self.bm.enable_prefix_caching:
+            return []
+        return self.bm.lookup(self._hashes(req, req.num_tokens - 1))
+
+    def recompute_all(self) -> None:
+        """The KV cache was lost: every running request goes back to waiting, to be
+        recomputed, and no cached prefix page can be trusted."""
+        for req in list(self.running):
+            self._preempt(req)
+        self.bm.reset_prefix_cache()
+
     def register_computed(self, req: Request) -> None:
         """Publishes the request's full, computed pages in the prefix cache."""
         if not self.bm.enable_prefix_caching:
@@ -180,9 +192,7 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and budget > 0 and len(seqs) < self.max_seqs:
             req = self.waiting[i]
-            hits: list[int] = []
-            if self.bm.enable_prefix_caching and not req.pages:
-                hits = self.bm.lookup(self._hashes(req, req.num_tokens - 1))
+            hits = [] if req.pages else self.cached_prefix(req)
             computed = len(hits) * self.page_size
             remaining = req.num_tokens - computed
             n = min(remaining, budget)
@@ -222,7 +232,7 @@ class Scheduler:
         budget, seqs, now = self.max_tokens, [], time.perf_counter()
         while self.waiting and len(seqs) + len(self.running) < self.max_seqs:
             req = self.waiting[0]
-            hits = self.bm.lookup(self._hashes(req, req.num_tokens - 1)) if self.bm.enable_prefix_caching else []
+            hits = self.cached_prefix(req)
             computed = len(hits) * self.page_size
             n = req.num_tokens - computed
             need = self.bm.pages_for(req.num_tokens) - len(hits)

@@ -6,7 +6,6 @@ against; it is not how the server runs (see engine/engine.py).
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx

@@ -33,7 +33,6 @@ are AxisType.Auto, see engine/mesh.py) and the same model code runs:
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, Mapping, Sequence
 
 import jax

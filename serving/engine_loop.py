@@ -58,7 +58,7 @@ class EngineLoop:
         self.idle_wait_s = idle_wait_s
         self.state = WARMING
         self.error: BaseException | None = None
-        self.max_waiting = int(getattr(engine.config.engine, "max_waiting", 1024))
+        self.max_waiting = engine.config.engine.max_waiting
         self._loop: asyncio.AbstractEventLoop | None = None
         self._inbox: collections.deque = collections.deque()
         self._wake = threading.Event()
@@ -176,7 +176,7 @@ class EngineLoop:
 
     def _run(self, warmup: bool) -> None:
         try:
-            if warmup and not getattr(self.engine, "warmed_up", False):
+            if warmup and not self.engine.warmed_up:
                 start = time.monotonic()
                 self.engine.warmup()
                 self.warmup_s = time.monotonic() - start
@@ -188,7 +188,7 @@ class EngineLoop:
             log.error("warm-up failed:\n%s", traceback.format_exc())
             self.error = e
             self.state = FAILED
-            self._engine_call("close")
+            self._quietly(self.engine.close)
             return
         while not self._stop.is_set():
             had_ops = bool(self._inbox)
@@ -201,18 +201,16 @@ class EngineLoop:
                     self._post(items, self._snapshot())
                 self._wake.wait(self.idle_wait_s)
                 self._wake.clear()
-                self._engine_call("idle")  # multi-process: a heartbeat to the followers now and then
-        self._engine_call("close")  # multi-process: release the followers
+                self._quietly(self.engine.idle)  # multi-process: a heartbeat to the followers now and then
+        self._quietly(self.engine.close)  # multi-process: release the followers
 
-    def _engine_call(self, name: str) -> None:
-        """Optional Engine hooks (idle, close); a failure is logged, never raised."""
-        fn = getattr(self.engine, name, None)
-        if fn is None:
-            return
+    @staticmethod
+    def _quietly(fn) -> None:
+        """Engine.idle / Engine.close: a failure is logged, never raised into the loop."""
         try:
             fn()
         except Exception:  # noqa: BLE001
-            log.error("engine.%s() failed:\n%s", name, traceback.format_exc())
+            log.error("engine.%s() failed:\n%s", fn.__name__, traceback.format_exc())
 
     def _snapshot(self) -> dict:
         stats = dict(self.engine.stats())

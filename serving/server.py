@@ -28,7 +28,7 @@ from grpc_reflection.v1alpha import reflection
 
 from engine.loading import validate_prompt
 from engine.request import InvalidRequest, QueueFull, SamplingParams
-from serving.engine_loop import DRAINING, FAILED, SERVING, STOPPED, WARMING, EngineLoop, StepFailed
+from serving.engine_loop import DRAINING, FAILED, SERVING, STOPPED, WARMING, EngineLoop
 from serving.metrics import ServerMetrics
 from serving.proto.jaxfill.v1 import generation_pb2 as pb
 from serving.proto.jaxfill.v1 import generation_pb2_grpc as pb_grpc

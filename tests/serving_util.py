@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +29,13 @@ def compile_cache_dir(tmp_path_factory) -> str:
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
         _CACHE_DIR.append(d)
     return _CACHE_DIR[0]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (coordinators, servers)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class ServeProcess:

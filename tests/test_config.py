@@ -41,6 +41,7 @@ def test_overrides_from_dict_and_cli_strings_agree():
     (["model.num_kv_heads=3"], "multiple of"),
     (["model.dtype=float8"], "model.dtype"),
     (["engine.max_model_len=999999"], "max_position_embeddings"),
+    (["engine.scheduling_policy=lifo"], "fcfs or priority"),
 ])
 def test_bad_overrides(overrides, match):
     with pytest.raises(ConfigError, match=match):

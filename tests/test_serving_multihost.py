@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import signal
-import socket
 import time
 
 import pytest
 
 from serving.client import Client
-from serving_util import ServeProcess, compile_cache_dir
+from serving_util import ServeProcess, compile_cache_dir, free_port
 
 ENGINE = {"engine.max_num_batched_tokens": 32, "engine.max_num_seqs": 4, "engine.num_pages": 64,
           "engine.max_model_len": 256}
@@ -21,12 +20,6 @@ MESH = {"mesh.data": 2, "mesh.tensor": 2}
 PROMPTS = [[5, 6, 7, 8, 9], [(7 * i + 3) % 250 for i in range(40)], [11, 12], [(5 * i) % 200 for i in range(19)]]
 SAMPLING = [dict(max_tokens=8, temperature=0.0), dict(max_tokens=6, temperature=0.8, seed=7),
             dict(max_tokens=5, temperature=0.0), dict(max_tokens=9, temperature=1.0, top_k=20, seed=1)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _args(process_id: int, port: int) -> list[str]:
@@ -46,7 +39,7 @@ def reference():
 
 def test_two_process_server_matches_one_process_and_stops_cleanly(tmp_path_factory, reference):
     cache = compile_cache_dir(tmp_path_factory)
-    port = _free_port()
+    port = free_port()
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
     follower = ServeProcess(*_args(1, port), cache_dir=cache, env=env, listens=False)
     leader = None

@@ -307,7 +307,7 @@ def ragged_paged_attention_xla(
     fast_exp: bool = True,
     sum_pad: int = 0,
     par: int | None = None,
-    short_q: int = 1,  # batches whose sequences all have <= short_q new tokens: batched path
+    short_q: int = 1,  # sequences with <= short_q new tokens take the sequence-batched path
 ) -> jax.Array:  # [T, Hq, D]
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, combined, _ = kv_pages.shape

@@ -18,7 +18,6 @@ Targets:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import json

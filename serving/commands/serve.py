@@ -37,21 +37,18 @@ def add_arguments(p) -> None:
 def _log_startup(log, engine, args, load_s: float) -> None:
     cfg = engine.config
     m = cfg.model
-    src = cfg.model_path or f"random init (seed {getattr(m, 'seed', 0)})"
+    src = cfg.model_path or f"random init (seed {m.seed})"
     log.info("loaded %s: %s, %d layers, hidden %d, heads %d/%d kv, vocab %d, dtype %s from %s in %.1f s",
-             cfg.name, getattr(m, "architecture", "?"), m.num_layers, m.hidden_size, m.num_heads,
-             m.num_kv_heads, m.vocab_size, getattr(m, "dtype", "?"), src, load_s)
+             cfg.name, m.architecture, m.num_layers, m.hidden_size, m.num_heads,
+             m.num_kv_heads, m.vocab_size, m.dtype, src, load_s)
     e = cfg.engine
     log.info("engine: %d pages x %d tokens, max_model_len %d, max_num_seqs %d, token budget %d, max_waiting %d",
              e.num_pages, e.page_size, e.max_model_len, e.max_num_seqs, e.max_num_batched_tokens, e.max_waiting)
-    try:
-        import jax
+    import jax
 
-        devs = jax.devices()
-        log.info("mesh: data=%d tensor=%d sequence=%d on %d %s device(s)", cfg.mesh.data, cfg.mesh.tensor,
-                 cfg.mesh.sequence, len(devs), devs[0].platform)
-    except Exception:  # noqa: BLE001
-        pass
+    devs = jax.devices()
+    log.info("mesh: data=%d tensor=%d sequence=%d on %d %s device(s) in %d process(es)", cfg.mesh.data,
+             cfg.mesh.tensor, cfg.mesh.sequence, len(devs), devs[0].platform, jax.process_count())
 
 
 def build_engine(config: str, model: str | None, overrides):
@@ -59,26 +56,11 @@ def build_engine(config: str, model: str | None, overrides):
     from engine.config import load_config
     from engine.engine import Engine
 
-    try:
-        return Engine(load_config(config, overrides, model), progress=False, warmup=False)
-    except TypeError:  # an Engine without the warmup switch warms up in from_config
-        return Engine.from_config(config, model_path=model, overrides=overrides, progress=False)
-
-
-def _buckets(engine) -> str:
-    try:
-        shapes = engine.stats().get("bucket_shapes")
-    except Exception:  # noqa: BLE001
-        shapes = None
-    if shapes:
-        return f"{len(shapes)} step buckets (tokens x seqs) " + ", ".join(f"{t}x{s}" for t, s in shapes)
-    e = engine.config.engine
-    if e.token_buckets or e.seq_buckets:
-        return f"token buckets {list(e.token_buckets)}, seq buckets {list(e.seq_buckets)}"
-    return "shape buckets"
+    return Engine(load_config(config, overrides, model), progress=False, warmup=False)
 
 
 async def _serve(args, engine, log) -> int:
+    from engine.batch import describe_buckets
     from serving.server import Server
 
     server = Server(engine, host=args.host, port=args.port, metrics_port=args.metrics_port, api_key=args.api_key,
@@ -91,7 +73,7 @@ async def _serve(args, engine, log) -> int:
     port = await server.start()
     scheme = "grpcs" if args.tls_cert else "grpc"
     log.info("listening on %s://%s:%d (health NOT_SERVING until warm-up ends)%s", scheme, args.host, port,
-             f"; auth: API key" if args.api_key else "")
+             "; auth: API key" if args.api_key else "")
     if server.metrics_port is not None:
         log.info("metrics on http://%s:%d/metrics", server.metrics_host, server.metrics_port)
     start = time.perf_counter()
@@ -104,7 +86,7 @@ async def _serve(args, engine, log) -> int:
         if not ready_logged and server.ready.is_set():
             ready_logged = True
             log.info("warm-up done in %.1f s (%s compiled); health SERVING", time.perf_counter() - start,
-                     _buckets(engine))
+                     describe_buckets(engine.shapes))
         try:
             await asyncio.wait_for(stop.wait(), 0.2)
         except asyncio.TimeoutError:
@@ -135,7 +117,7 @@ def run(args) -> int:
     start = time.perf_counter()
     engine = build_engine(args.config, args.model, args.overrides)
     _log_startup(log, engine, args, time.perf_counter() - start)
-    if not getattr(engine, "is_leader", True):
+    if not engine.is_leader:
         import jax
 
         log.info("process %d of %d: following process 0 (it owns the scheduler and the gRPC endpoint)",
