@@ -64,7 +64,7 @@ def worker_jax(seq: int, repeats: int, impl: str) -> dict:
     import numpy as np
 
     sys.path.insert(0, ROOT)
-    from pallas_kernels import ragged_paged_attention
+    from jaxfill.pallas_kernels import ragged_paged_attention
 
     rng = np.random.default_rng(0)
     num_pages = seq // PAGE

@@ -25,7 +25,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import ragged_paged_attention
+from jaxfill.pallas_kernels import ragged_paged_attention
 
 # GPU_KERNELS_DRY_RUN=1: tiny sizes on any backend, to check this script's own logic.
 DRY = os.environ.get("GPU_KERNELS_DRY_RUN") == "1"

@@ -29,8 +29,8 @@ def child(args) -> None:
     sys.path.insert(0, ROOT)
     import numpy as np
 
-    from engine.engine import Engine
-    from engine.request import SamplingParams
+    from jaxfill.engine.engine import Engine
+    from jaxfill.engine.request import SamplingParams
 
     overrides = {**MESH, **ENGINE}
     if args.num_processes > 1:

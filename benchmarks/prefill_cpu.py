@@ -61,7 +61,7 @@ def hf_round(model_dir: str, lengths: list[int], repeats: int, threads: int) -> 
 
 
 def jax_round(model_dir: str, lengths: list[int], repeats: int, work: str, i: int) -> dict:
-    run([sys.executable, "-m", "serving.cli", "bench", "prefill", "--config", "bench", "--model", model_dir,
+    run([sys.executable, "-m", "jaxfill.serving.cli", "bench", "prefill", "--config", "bench", "--model", model_dir,
          "--lengths", *map(str, lengths), "--repeats", str(repeats), "--hardware", "none",
          "--out", work, "--name", f"jax_round{i}", "--no-plots"])
     with open(os.path.join(work, f"jax_round{i}.json")) as f:

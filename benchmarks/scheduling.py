@@ -23,10 +23,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.config import load_config  # noqa: E402
-from engine.engine import Engine  # noqa: E402
-from engine.loading import build_model  # noqa: E402
-from engine.request import SamplingParams  # noqa: E402
+from jaxfill.engine.config import load_config  # noqa: E402
+from jaxfill.engine.engine import Engine  # noqa: E402
+from jaxfill.engine.loading import build_model  # noqa: E402
+from jaxfill.engine.request import SamplingParams  # noqa: E402
 
 MODES = {
     "a_prefill_first": {"engine.chunked_prefill": False, "engine.max_num_batched_tokens": 4096,

@@ -32,11 +32,11 @@ def run(tokens: int, repeats: int) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from engine.config import MeshSettings, load_config
-    from engine.mesh import make_mesh
-    from models import sharding
-    from models.forward import forward
-    from models.kv_cache import single_sequence_metadata
+    from jaxfill.engine.config import MeshSettings, load_config
+    from jaxfill.engine.mesh import make_mesh
+    from jaxfill.models import sharding
+    from jaxfill.models.forward import forward
+    from jaxfill.models.kv_cache import single_sequence_metadata
 
     config = load_config(os.path.join(ROOT, "configs", "bench.toml"))
     cfg, page_size = config.model, config.engine.page_size

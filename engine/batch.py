@@ -12,10 +12,10 @@ import dataclasses
 import jax
 import numpy as np
 
-from engine.sampler import SamplingArrays
-from engine.scheduler import SchedulerOutput
-from models.config import ConfigError
-from models.kv_cache import AttentionMetadata
+from jaxfill.engine.sampler import SamplingArrays
+from jaxfill.engine.scheduler import SchedulerOutput
+from jaxfill.models.config import ConfigError
+from jaxfill.models.kv_cache import AttentionMetadata
 
 
 @jax.tree_util.register_dataclass
@@ -154,7 +154,7 @@ def dummy_batch(shape: tuple[int, int], max_pages: int, penalty_window: int) -> 
     """An all-padding batch of one bucket shape (warm-up): one live 1-token sequence on
     the null page whose write is skipped (slot -1)."""
     t_pad, s_pad = shape
-    from engine.scheduler import SchedulerOutput
+    from jaxfill.engine.scheduler import SchedulerOutput
 
     b = build_batch(SchedulerOutput([], [], []), shape, 1, max_pages, 1, penalty_window)
     b.meta.cu_q_lens[1:] = 1

@@ -9,11 +9,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import tomllib
+from importlib import resources
 from typing import Any, Mapping
 
-from models.config import ConfigError, ModelConfig
+from jaxfill.models.config import ConfigError, ModelConfig
 
-PRESET_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+NOT_PRESETS = {"hardware"}  # configs/hardware.toml holds accelerator specs, not a [model]/[engine]/[mesh] preset
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,15 +83,21 @@ class Config:
 SECTIONS = {"model": ModelConfig, "engine": EngineSettings, "mesh": MeshSettings}
 
 
-def resolve_preset(config: str) -> str:
-    """A TOML path, or the name of a preset under configs/ ("tiny", "llama3_8b")."""
-    if os.path.exists(config):
-        return config
-    candidate = os.path.join(PRESET_DIR, config if config.endswith(".toml") else config + ".toml")
-    if os.path.exists(candidate):
-        return candidate
-    presets = sorted(f[:-5] for f in os.listdir(PRESET_DIR) if f.endswith(".toml"))
-    raise ConfigError(f"config {config!r} is neither a file nor a preset; presets: {', '.join(presets)}")
+def preset_names() -> list[str]:
+    """Presets shipped in the `jaxfill.configs` package, read through importlib.resources."""
+    names = (f.name[:-5] for f in resources.files("jaxfill.configs").iterdir() if f.name.endswith(".toml"))
+    return sorted(n for n in names if n not in NOT_PRESETS)
+
+
+def read_preset(config: str) -> tuple[str, bytes]:
+    """(name, TOML bytes) for a TOML path or a preset name ("tiny", "llama3_8b")."""
+    if os.path.isfile(config):
+        with open(config, "rb") as f:
+            return os.path.splitext(os.path.basename(config))[0], f.read()
+    name = config[:-5] if config.endswith(".toml") else config
+    if name in preset_names():
+        return name, resources.files("jaxfill.configs").joinpath(name + ".toml").read_bytes()
+    raise ConfigError(f"config {config!r} is neither a file nor a preset; presets: {', '.join(preset_names())}")
 
 
 def parse_overrides(overrides: Mapping[str, Any] | list[str] | None) -> dict[str, dict[str, Any]]:
@@ -138,12 +145,14 @@ def _build(cls, values: dict[str, Any]):
 
 def load_config(config: str = "tiny", overrides: Mapping[str, Any] | list[str] | None = None,
                 model_path: str | None = None) -> Config:
-    path = resolve_preset(config)
-    with open(path, "rb") as f:
-        data = tomllib.load(f)
+    name, raw = read_preset(config)
+    try:
+        data = tomllib.loads(raw.decode())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config {config!r} is not valid TOML: {e}") from None
     unknown = set(data) - set(SECTIONS)
     if unknown:
-        raise ConfigError(f"{path}: unknown sections {sorted(unknown)}; expected [model] [engine] [mesh]")
+        raise ConfigError(f"{config}: unknown sections {sorted(unknown)}; expected [model] [engine] [mesh]")
     extra = parse_overrides(overrides)
     if model_path:
         model = ModelConfig.from_hf(model_path)
@@ -156,5 +165,4 @@ def load_config(config: str = "tiny", overrides: Mapping[str, Any] | list[str] |
     if engine.max_model_len > model.max_position_embeddings:
         raise ConfigError(f"engine.max_model_len ({engine.max_model_len}) exceeds the model's "
                           f"max_position_embeddings ({model.max_position_embeddings})")
-    name = os.path.splitext(os.path.basename(path))[0]
     return Config(name=name, model=model, engine=engine, mesh=mesh, model_path=model_path)

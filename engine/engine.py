@@ -34,14 +34,14 @@ import time
 import traceback
 from typing import Iterator
 
-from engine.batch import bucket_shapes, build_batch, describe_buckets, pick_bucket, stack_batches
-from engine.config import Config, load_config
-from engine.loading import build_mesh, build_model, build_tokenizer, validate_prompt
-from engine.request import (Completion, InvalidRequest, QueueFull, Request, RequestOutput,
+from jaxfill.engine.batch import bucket_shapes, build_batch, describe_buckets, pick_bucket, stack_batches
+from jaxfill.engine.config import Config, load_config
+from jaxfill.engine.loading import build_mesh, build_model, build_tokenizer, validate_prompt
+from jaxfill.engine.request import (Completion, InvalidRequest, QueueFull, Request, RequestOutput,
                             SamplingParams, Status)
-from engine.output import append_token
-from engine.replicas import ReplicaScheduler
-from engine.runner import Runner
+from jaxfill.engine.output import append_token
+from jaxfill.engine.replicas import ReplicaScheduler
+from jaxfill.engine.runner import Runner
 
 
 class _IdsOnlyTokenizer:

@@ -12,9 +12,7 @@ import os
 import time
 import tomllib
 
-from engine.config import PRESET_DIR
-
-HARDWARE_FILE = os.path.join(PRESET_DIR, "hardware.toml")
+from importlib import resources
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,17 +40,20 @@ def _norm(name: str) -> str:
     return name.strip().lower().replace("-", "_").replace(" ", "_")
 
 
-def hardware_table(path: str = HARDWARE_FILE) -> dict[str, dict]:
+def hardware_table(path: str | None = None) -> dict[str, dict]:
+    """configs/hardware.toml (read from the installed package) or the TOML at `path`."""
+    if path is None:
+        return tomllib.loads(resources.files("jaxfill.configs").joinpath("hardware.toml").read_text())
     with open(path, "rb") as f:
         return tomllib.load(f)
 
 
-def hardware_names(path: str = HARDWARE_FILE) -> list[str]:
+def hardware_names(path: str | None = None) -> list[str]:
     return sorted(hardware_table(path)) + ["cpu"]
 
 
 def load_hardware(name: str, dtype: str = "bfloat16", matmul_shape: tuple[int, int, int] | None = None,
-                  path: str = HARDWARE_FILE) -> Hardware:
+                  path: str | None = None) -> Hardware:
     """A named entry of configs/hardware.toml, or `cpu` (measured now at `dtype`)."""
     key = _norm(name)
     if key == "cpu":
@@ -90,7 +91,7 @@ class MatmulProbe:
         import jax
         import jax.numpy as jnp
 
-        from models.config import DTYPES
+        from jaxfill.models.config import DTYPES
 
         m, k, n = shape
         dt = DTYPES[dtype]

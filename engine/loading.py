@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import time
 
-from engine.config import Config
-from engine.request import InvalidRequest
-from engine.tokenizer import load_tokenizer
-from models.llama import Llama
+from jaxfill.engine.config import Config
+from jaxfill.engine.request import InvalidRequest
+from jaxfill.engine.tokenizer import load_tokenizer
+from jaxfill.models.llama import Llama
 
 
 def build_mesh(config: Config):
     """Joins the multi-process runtime if configured, then builds the mesh (None: one device).
 
     Runs before any other device query, as jax.distributed requires."""
-    from engine.mesh import initialize_distributed, make_mesh
+    from jaxfill.engine.mesh import initialize_distributed, make_mesh
 
     initialize_distributed(config.mesh)
     import jax
@@ -30,7 +30,7 @@ def build_model(config: Config, mesh=None, progress: bool = True) -> Llama:
     if mesh is not None:
         from flax import nnx
 
-        from models import sharding
+        from jaxfill.models import sharding
 
         if not config.model_path:
             return nnx.merge(*sharding.init_sharded(config.model, mesh, impl))
@@ -39,7 +39,7 @@ def build_model(config: Config, mesh=None, progress: bool = True) -> Llama:
     else:
         place = None
     if config.model_path:
-        from models.checkpoint import default_place, load_hf_params
+        from jaxfill.models.checkpoint import default_place, load_hf_params
 
         return load_hf_params(config.model_path, config.model, attention_impl=impl,
                               place=place or default_place, progress=progress)

@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from engine.batch import StepBatch
+from jaxfill.engine.batch import StepBatch
 
 RUN, STOP, HEARTBEAT, RESET = 1, 2, 3, 4
 HEARTBEAT_S = 5.0
@@ -99,7 +99,7 @@ def _sum_over_processes():
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from engine.mesh import ordered_devices
+    from jaxfill.engine.mesh import ordered_devices
 
     devices = np.array(ordered_devices()).reshape(jax.process_count(), jax.local_device_count())
     mesh = Mesh(devices, ("processes", "local"))

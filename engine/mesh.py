@@ -14,7 +14,7 @@ import os
 
 import numpy as np
 
-from models.config import ConfigError
+from jaxfill.models.config import ConfigError
 
 AXES = ("data", "tensor", "sequence")
 

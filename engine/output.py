@@ -5,7 +5,7 @@ Pure Python on the engine thread; the Engine turns the result into a RequestOutp
 
 from __future__ import annotations
 
-from engine.request import Request
+from jaxfill.engine.request import Request
 
 
 def append_token(req: Request, token: int, logprob: float, top_ids, top_logprobs,  # [N], [N]

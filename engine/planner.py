@@ -32,9 +32,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from engine.config import Config, EngineSettings, MeshSettings
-from engine.hardware import Hardware
-from models.config import ModelConfig
+from jaxfill.engine.config import Config, EngineSettings, MeshSettings
+from jaxfill.engine.hardware import Hardware
+from jaxfill.models.config import ModelConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 

@@ -12,8 +12,8 @@ With one replica this is a thin wrapper around one Scheduler.
 
 from __future__ import annotations
 
-from engine.request import Request
-from engine.scheduler import Scheduler, SchedulerOutput
+from jaxfill.engine.request import Request
+from jaxfill.engine.scheduler import Scheduler, SchedulerOutput
 
 
 class ReplicaScheduler:

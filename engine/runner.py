@@ -23,10 +23,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from engine.batch import StepBatch, dummy_batch, stack_batches
-from engine.lockstep import HEARTBEAT, RESET, RUN, STOP, Lockstep
-from engine.step import step, step_replicas
-from models.kv_cache import KVCache
+from jaxfill.engine.batch import StepBatch, dummy_batch, stack_batches
+from jaxfill.engine.lockstep import HEARTBEAT, RESET, RUN, STOP, Lockstep
+from jaxfill.engine.step import step, step_replicas
+from jaxfill.models.kv_cache import KVCache
 
 log = logging.getLogger("jaxfill.runner")
 
@@ -49,7 +49,7 @@ class Runner:
         if self.mesh is not None:
             from jax.sharding import NamedSharding, PartitionSpec
 
-            from models.sharding import DATA, shard_params
+            from jaxfill.models.sharding import DATA, shard_params
 
             state = shard_params(state, self.mesh)  # a no-op for params built sharded
             spec = PartitionSpec(DATA) if self.num_replicas > 1 else PartitionSpec()
@@ -73,7 +73,7 @@ class Runner:
     def new_cache(self) -> KVCache:
         c = self.config
         if self.mesh is not None:
-            from models.sharding import create_kv_cache
+            from jaxfill.models.sharding import create_kv_cache
 
             return create_kv_cache(c.model, self.mesh, c.engine.num_pages, c.engine.page_size)
         return KVCache.create(c.model, c.engine.num_pages, c.engine.page_size)

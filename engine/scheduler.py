@@ -22,8 +22,8 @@ import bisect
 import dataclasses
 import time
 
-from engine.block_manager import BlockManager, prefix_hashes
-from engine.request import Request, Status
+from jaxfill.engine.block_manager import BlockManager, prefix_hashes
+from jaxfill.engine.request import Request, Status
 
 
 @dataclasses.dataclass

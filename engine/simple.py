@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.forward import forward
-from models.kv_cache import KVCache, single_sequence_metadata
+from jaxfill.models.forward import forward
+from jaxfill.models.kv_cache import KVCache, single_sequence_metadata
 
 
 def bucket(n: int, minimum: int = 16) -> int:

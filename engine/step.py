@@ -18,10 +18,10 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from engine.batch import StepBatch
-from engine.sampler import SampleOutput, sample
-from models.kv_cache import KVCache
-from models.sharding import data_parallel_forward
+from jaxfill.engine.batch import StepBatch
+from jaxfill.engine.sampler import SampleOutput, sample
+from jaxfill.models.kv_cache import KVCache
+from jaxfill.models.sharding import data_parallel_forward
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)

@@ -6,11 +6,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.config import ModelConfig
-from models.kv_cache import AttentionMetadata
-from models.layers import apply_rope, param, rope_inv_freq
-from models.sharding import constrain, kv_heads_for, sharded_attention
-from pallas_kernels import ragged_paged_attention, write_kv
+from jaxfill.models.config import ModelConfig
+from jaxfill.models.kv_cache import AttentionMetadata
+from jaxfill.models.layers import apply_rope, param, rope_inv_freq
+from jaxfill.models.sharding import constrain, kv_heads_for, sharded_attention
+from jaxfill.pallas_kernels import ragged_paged_attention, write_kv
 
 
 class Attention(nnx.Module):

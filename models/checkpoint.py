@@ -19,8 +19,8 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from models.config import ModelConfig
-from models.llama import Llama
+from jaxfill.models.config import ModelConfig
+from jaxfill.models.llama import Llama
 
 SAFETENSORS_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,

@@ -12,7 +12,7 @@ import functools
 import jax
 from flax import nnx
 
-from models.kv_cache import AttentionMetadata, KVCache
+from jaxfill.models.kv_cache import AttentionMetadata, KVCache
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=4)

@@ -7,7 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import init_kv_pages
+from jaxfill.pallas_kernels import init_kv_pages
 
 
 @jax.tree_util.register_dataclass

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.sharding import constrain, vocab_parallel_embed
+from jaxfill.models.sharding import constrain, vocab_parallel_embed
 
 
 def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dtype,

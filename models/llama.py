@@ -12,11 +12,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.attention import Attention
-from models.config import ModelConfig
-from models.kv_cache import AttentionMetadata, KVCache
-from models.layers import Embed, GatedMLP, RMSNorm, param
-from models.sharding import constrain
+from jaxfill.models.attention import Attention
+from jaxfill.models.config import ModelConfig
+from jaxfill.models.kv_cache import AttentionMetadata, KVCache
+from jaxfill.models.layers import Embed, GatedMLP, RMSNorm, param
+from jaxfill.models.sharding import constrain
 
 
 class DecoderLayer(nnx.Module):

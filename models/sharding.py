@@ -131,7 +131,7 @@ def shard_params(state: nnx.State, mesh: jax.sharding.Mesh,
 
 def abstract_state(config, attention_impl: str = "auto"):
     """(graphdef, abstract state) of a Llama, without allocating anything."""
-    from models.llama import Llama
+    from jaxfill.models.llama import Llama
 
     model = nnx.eval_shape(lambda: Llama(config, nnx.Rngs(0), attention_impl=attention_impl))
     return nnx.split(model)
@@ -141,7 +141,7 @@ def init_sharded(config, mesh: jax.sharding.Mesh, attention_impl: str = "auto",
                  rules: Mapping[str, Any] | None = None):
     """Random init straight into shards (jit with out_shardings): (graphdef, state).
     Bitwise the same values as `Llama(config)` (threefry is partitionable)."""
-    from models.llama import Llama
+    from jaxfill.models.llama import Llama
 
     graphdef, abstract = abstract_state(config, attention_impl)
     shardings = param_shardings(abstract, mesh, rules)
@@ -194,8 +194,8 @@ def create_kv_cache(config, mesh: jax.sharding.Mesh, num_pages: int, page_size: 
                     dtype=None, fill_value: float = 0.0):
     """A KVCache allocated in shards. `num_pages` is per data replica (as engine.num_pages);
     the global page axis holds data * num_pages pages."""
-    from models.kv_cache import KVCache
-    from pallas_kernels import init_kv_pages
+    from jaxfill.models.kv_cache import KVCache
+    from jaxfill.pallas_kernels import init_kv_pages
 
     dtype = dtype or config.jnp_dtype
     heads, dp = kv_cache_heads(config, mesh), _axis_size(mesh, DATA)

@@ -10,7 +10,7 @@ import importlib
 import pkgutil
 import sys
 
-from serving import commands
+from jaxfill.serving import commands
 
 
 class _MeshOverride(argparse.Action):
@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     groups: dict[str, argparse._SubParsersAction] = {}
     mods = sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name)
     for info in mods:
-        mod = importlib.import_module(f"serving.commands.{info.name}")
+        mod = importlib.import_module(f"jaxfill.serving.commands.{info.name}")
         path = mod.COMMAND
         if len(path) == 1:
             sub = top.add_parser(path[0], help=mod.HELP, description=mod.HELP)

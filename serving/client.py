@@ -16,8 +16,8 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from serving.proto.jaxfill.v1 import generation_pb2 as pb
-from serving.proto.jaxfill.v1 import generation_pb2_grpc as pb_grpc
+from jaxfill.serving.proto.jaxfill.v1 import generation_pb2 as pb
+from jaxfill.serving.proto.jaxfill.v1 import generation_pb2_grpc as pb_grpc
 
 SAMPLING_FIELDS = {f.name for f in pb.SamplingParams.DESCRIPTOR.fields}
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]

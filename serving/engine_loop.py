@@ -26,7 +26,7 @@ import time
 import traceback
 from typing import Any, Callable
 
-from engine.request import InvalidRequest, QueueFull, RequestOutput, SamplingParams
+from jaxfill.engine.request import InvalidRequest, QueueFull, RequestOutput, SamplingParams
 
 log = logging.getLogger("jaxfill.serving")
 

@@ -1,10 +1,10 @@
 """Regenerates the committed Python stubs under serving/proto from the .proto files.
 
-    python -m serving.gen_protos          # needs grpcio-tools (the `test` extra)
+    python -m jaxfill.serving.gen_protos          # needs grpcio-tools (the `test` extra)
 
 protoc names modules after the proto's path (`jaxfill.v1.generation_pb2`,
 `jetstream.core.proto.jetstream_pb2`); the *_pb2_grpc.py imports are rewritten to the
-package they live in (`serving.proto....`), so no sys.path tricks are needed. The
+package they live in (`jaxfill.serving.proto....`), so no sys.path tricks are needed. The
 descriptor file names stay `jaxfill/v1/generation.proto` and
 `jetstream/core/proto/jetstream.proto`, the latter exactly JetStream's, which is what
 reflection reports.
@@ -51,7 +51,7 @@ def generate() -> list[str]:
         grpc_file = os.path.join(PROTO_ROOT, stem + "_pb2_grpc.py")
         with open(grpc_file) as f:
             src = f.read()
-        src = re.sub(rf"^from {re.escape(module_pkg)} import", f"from serving.proto.{module_pkg} import",
+        src = re.sub(rf"^from {re.escape(module_pkg)} import", f"from jaxfill.serving.proto.{module_pkg} import",
                      src, flags=re.M)
         with open(grpc_file, "w") as f:
             f.write(src)

@@ -26,14 +26,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from engine.loading import validate_prompt
-from engine.request import InvalidRequest, QueueFull, SamplingParams
-from serving.engine_loop import DRAINING, FAILED, SERVING, STOPPED, WARMING, EngineLoop
-from serving.metrics import ServerMetrics
-from serving.proto.jaxfill.v1 import generation_pb2 as pb
-from serving.proto.jaxfill.v1 import generation_pb2_grpc as pb_grpc
-from serving.proto.jetstream.core.proto import jetstream_pb2 as js
-from serving.proto.jetstream.core.proto import jetstream_pb2_grpc as js_grpc
+from jaxfill.engine.loading import validate_prompt
+from jaxfill.engine.request import InvalidRequest, QueueFull, SamplingParams
+from jaxfill.serving.engine_loop import DRAINING, FAILED, SERVING, STOPPED, WARMING, EngineLoop
+from jaxfill.serving.metrics import ServerMetrics
+from jaxfill.serving.proto.jaxfill.v1 import generation_pb2 as pb
+from jaxfill.serving.proto.jaxfill.v1 import generation_pb2_grpc as pb_grpc
+from jaxfill.serving.proto.jetstream.core.proto import jetstream_pb2 as js
+from jaxfill.serving.proto.jetstream.core.proto import jetstream_pb2_grpc as js_grpc
 
 log = logging.getLogger("jaxfill.serving")
 

@@ -29,7 +29,7 @@ MAX_TOKENS = 10
 
 
 def model_config():
-    from models.config import ModelConfig
+    from jaxfill.models.config import ModelConfig
 
     return ModelConfig(**MODEL)
 
@@ -39,10 +39,10 @@ def reference_tokens(prompt=PROMPT) -> list[int]:
     import jax
     from flax import nnx
 
-    from engine.simple import generate_one
-    from models import sharding
-    from models.kv_cache import KVCache
-    from models.llama import Llama
+    from jaxfill.engine.simple import generate_one
+    from jaxfill.models import sharding
+    from jaxfill.models.kv_cache import KVCache
+    from jaxfill.models.llama import Llama
 
     cfg = model_config()
     graphdef, _ = sharding.abstract_state(cfg)
@@ -59,10 +59,10 @@ def sharded_greedy(mesh) -> list[int]:
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from engine.simple import bucket
-    from models import sharding
-    from models.forward import forward
-    from models.kv_cache import single_sequence_metadata
+    from jaxfill.engine.simple import bucket
+    from jaxfill.models import sharding
+    from jaxfill.models.forward import forward
+    from jaxfill.models.kv_cache import single_sequence_metadata
 
     cfg = model_config()
     graphdef, state = sharding.init_sharded(cfg, mesh)
@@ -102,11 +102,11 @@ def engine_run(settings, mesh_shape: tuple[int, int, int], prompts: list[list[in
     sharded (init_sharded), so no process ever builds the whole model on one device."""
     from flax import nnx
 
-    from engine.config import MeshSettings, load_config
-    from engine.engine import Engine
-    from engine.mesh import make_mesh
-    from engine.request import SamplingParams
-    from models import sharding
+    from jaxfill.engine.config import MeshSettings, load_config
+    from jaxfill.engine.engine import Engine
+    from jaxfill.engine.mesh import make_mesh
+    from jaxfill.engine.request import SamplingParams
+    from jaxfill.models import sharding
 
     data, tensor, sequence = mesh_shape
     overrides = {f"model.{k}": v for k, v in MODEL.items()}
@@ -142,8 +142,8 @@ def engine_run(settings, mesh_shape: tuple[int, int, int], prompts: list[list[in
 
 def main():
     process_id, num_processes, port, out_path = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    from engine.config import MeshSettings
-    from engine.mesh import initialize_distributed, make_mesh
+    from jaxfill.engine.config import MeshSettings
+    from jaxfill.engine.mesh import initialize_distributed, make_mesh
 
     settings = MeshSettings(tensor=TENSOR, sequence=SEQUENCE, coordinator=f"127.0.0.1:{port}",
                             num_processes=num_processes, process_id=process_id)

@@ -12,11 +12,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from attention_oracle import make_batch, oracle, rel_err
-from pallas_kernels import IMPLS, ragged_paged_attention, resolve_impl
-from pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
-from pallas_kernels.ragged_paged_attention.tpu import (interpret_params, races_found,
+from jaxfill.pallas_kernels import IMPLS, ragged_paged_attention, resolve_impl
+from jaxfill.pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
+from jaxfill.pallas_kernels.ragged_paged_attention.tpu import (interpret_params, races_found,
                                                        ragged_paged_attention_tpu)
-from pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla, work_items
+from jaxfill.pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla, work_items
 
 BLOCKED = {"xla": ragged_paged_attention_xla, "pallas_tpu": ragged_paged_attention_tpu,
            "pallas_gpu": ragged_paged_attention_gpu}

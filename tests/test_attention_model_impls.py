@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import models
-from models.kv_cache import single_sequence_metadata
+from jaxfill import models
+from jaxfill.models.kv_cache import single_sequence_metadata
 
 PAGE_SIZE = 8
 PAGES = [5, 2, 7, 0]  # out of order on purpose

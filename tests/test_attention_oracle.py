@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from attention_oracle import make_batch, oracle, rel_err
-from pallas_kernels import ragged_paged_attention
+from jaxfill.pallas_kernels import ragged_paged_attention
 
 IMPLS = ["reference", "xla", "pallas_tpu", "pallas_gpu"]
 # Interpret mode is slow: fewer examples for the Pallas impls.

@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from serving.cli import main
+from jaxfill.serving.cli import main
 
 
 def test_bench_prefill_tiny(tmp_path, capsys):

@@ -1,6 +1,6 @@
 """Block manager: exact page ids, ref counts, eviction order, prefix hashes."""
 
-from engine.block_manager import BlockManager, hash_page, prefix_hashes
+from jaxfill.engine.block_manager import BlockManager, hash_page, prefix_hashes
 
 
 def test_allocate_in_order_and_null_page_reserved():

@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hf_models import make_hf_checkpoint
-from models import ModelConfig
-from models.checkpoint import CheckpointError, load_hf_params, restore_params, save_params
+from jaxfill.models import ModelConfig
+from jaxfill.models.checkpoint import CheckpointError, load_hf_params, restore_params, save_params
 
 
 def leaves(model):

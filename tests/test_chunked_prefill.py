@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from engine.simple import prefill_chunks
-from models import KVCache, Llama, ModelConfig
+from jaxfill.engine.simple import prefill_chunks
+from jaxfill.models import KVCache, Llama, ModelConfig
 
 CONFIG = ModelConfig(num_layers=2, max_position_embeddings=512)
 PROMPT = list(np.random.default_rng(0).integers(0, CONFIG.vocab_size, 37))

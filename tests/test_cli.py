@@ -9,7 +9,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-JAXFILL = shutil.which("jaxfill") or f"{sys.executable} -m serving.cli"
+JAXFILL = shutil.which("jaxfill") or f"{sys.executable} -m jaxfill.serving.cli"
 
 
 def jaxfill(*args, timeout=600):
@@ -42,7 +42,7 @@ def test_generate_streams_text_and_json_matches():
     (["--prompt", "hi", "--config", "nope"], "neither a file nor a preset"),
 ])
 def test_bad_input_is_one_clear_line(args, message, capsys):
-    from serving.cli import main
+    from jaxfill.serving.cli import main
 
     assert main(["generate", *args]) == 2
     err = capsys.readouterr().err
@@ -55,8 +55,8 @@ def test_bad_input_exit_code_from_the_console_script():
 
 
 def test_multi_process_flags_become_mesh_settings():
-    from engine.config import load_config
-    from serving.cli import build_parser
+    from jaxfill.engine.config import load_config
+    from jaxfill.serving.cli import build_parser
 
     args = build_parser().parse_args(["serve", "--set", "mesh.tensor=2", "--coordinator", "10.0.0.1:8476",
                                       "--num-processes", "2", "--process-id", "1"])

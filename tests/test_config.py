@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from engine.config import load_config, parse_overrides
-from models.config import ConfigError, ModelConfig
+from jaxfill.engine.config import load_config, parse_overrides
+from jaxfill.models.config import ConfigError, ModelConfig
 
 PRESETS = ["tiny", "bench", "llama2_7b", "llama3_8b", "llama3_70b", "llama3_1_8b", "mistral_7b", "qwen2_7b"]
 PUBLISHED_PARAMS = {"llama2_7b": 6.74e9, "llama3_8b": 8.03e9, "llama3_70b": 70.55e9, "mistral_7b": 7.24e9,

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config import load_config
-from engine.engine import Engine
-from engine.request import InvalidRequest, QueueFull, SamplingParams
-from engine.simple import generate_one
-from engine.tokenizer import ByteTokenizer
-from models.kv_cache import KVCache
+from jaxfill.engine.config import load_config
+from jaxfill.engine.engine import Engine
+from jaxfill.engine.request import InvalidRequest, QueueFull, SamplingParams
+from jaxfill.engine.simple import generate_one
+from jaxfill.engine.tokenizer import ByteTokenizer
+from jaxfill.models.kv_cache import KVCache
 
 MAX_LEN = 1024
 N_NEW = 12
@@ -33,7 +33,7 @@ def hf_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model(hf_dir):
-    from engine.loading import build_model
+    from jaxfill.engine.loading import build_model
 
     return build_model(load_config("tiny", {"engine.max_model_len": MAX_LEN}, hf_dir), progress=False)
 

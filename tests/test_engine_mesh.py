@@ -13,8 +13,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = """
 import json, sys
-from engine.engine import Engine
-from engine.request import SamplingParams
+from jaxfill.engine.engine import Engine
+from jaxfill.engine.request import SamplingParams
 overrides = json.loads(sys.argv[1])
 engine = Engine.from_config("tiny", overrides=overrides, progress=False)
 params = [SamplingParams(max_tokens=8), SamplingParams(max_tokens=8, temperature=0.9, seed=3),

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import init_kv_pages, split_kv, write_kv
+from jaxfill.pallas_kernels import init_kv_pages, split_kv, write_kv
 
 
 def test_write_kv_places_tokens_and_leaves_the_rest():

@@ -5,10 +5,10 @@ fits the largest bucket."""
 import jax
 import numpy as np
 
-from engine.batch import build_batch, stack_batches
-from engine.lockstep import pack, unpack
-from engine.request import Request, SamplingParams
-from engine.scheduler import Scheduler
+from jaxfill.engine.batch import build_batch, stack_batches
+from jaxfill.engine.lockstep import pack, unpack
+from jaxfill.engine.request import Request, SamplingParams
+from jaxfill.engine.scheduler import Scheduler
 from test_scheduler import settings
 
 

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine.simple import generate_one, prefill_chunks
+from jaxfill.engine.simple import generate_one, prefill_chunks
 from hf_models import load_hf
-from models import KVCache, ModelConfig
-from models.checkpoint import load_hf_params
+from jaxfill.models import KVCache, ModelConfig
+from jaxfill.models.checkpoint import load_hf_params
 
 PAGE = 16
 

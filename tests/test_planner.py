@@ -29,14 +29,14 @@ import jax
 import pytest
 from flax import nnx
 
-from engine.config import load_config
-from engine.hardware import Hardware, load_hardware
-from engine.planner import (attention_flops, kv_bytes_per_token, matmul_flops, plan, plan_prefill,
+from jaxfill.engine.config import load_config
+from jaxfill.engine.hardware import Hardware, load_hardware
+from jaxfill.engine.planner import (attention_flops, kv_bytes_per_token, matmul_flops, plan, plan_prefill,
                             ttft_floor, visible_pairs)
-from models.kv_cache import KVCache, single_sequence_metadata
-from models.llama import Llama
-from pallas_kernels.ragged_paged_attention import IMPLS
-from serving.cli import main
+from jaxfill.models.kv_cache import KVCache, single_sequence_metadata
+from jaxfill.models.llama import Llama
+from jaxfill.pallas_kernels.ragged_paged_attention import IMPLS
+from jaxfill.serving.cli import main
 
 
 def stub_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **kwargs):
@@ -45,7 +45,7 @@ def stub_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **kw
 
 
 def compiled_flops(config_name: str, num_tokens: int, impl: str, monkeypatch) -> float:
-    from models.forward import forward
+    from jaxfill.models.forward import forward
 
     monkeypatch.setitem(IMPLS, "planner_test_stub", (__name__, "stub_attention"))
     cfg = load_config(config_name).model

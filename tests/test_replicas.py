@@ -3,7 +3,7 @@ load, a request's pages stay in its replica's pool, budgets are per replica."""
 
 import random
 
-from engine.replicas import ReplicaScheduler
+from jaxfill.engine.replicas import ReplicaScheduler
 from test_scheduler import fake_step, mk, settings
 
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine.sampler import MAX_LOGPROBS, SamplingArrays, sample
+from jaxfill.engine.sampler import MAX_LOGPROBS, SamplingArrays, sample
 
 V = 24
 sample_jit = jax.jit(sample)

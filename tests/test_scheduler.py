@@ -4,9 +4,9 @@ import random
 
 import pytest
 
-from engine.config import EngineSettings
-from engine.request import Request, SamplingParams, Status
-from engine.scheduler import Scheduler
+from jaxfill.engine.config import EngineSettings
+from jaxfill.engine.request import Request, SamplingParams, Status
+from jaxfill.engine.scheduler import Scheduler
 
 _seq = iter(range(10**9))
 

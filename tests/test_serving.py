@@ -13,15 +13,15 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from engine.config import load_config
-from engine.engine import Engine
-from engine.request import SamplingParams
-from serving.client import AsyncClient, Client, make_request
-from serving.proto.jaxfill.v1 import generation_pb2 as pb
-from serving.proto.jaxfill.v1 import generation_pb2_grpc as pb_grpc
-from serving.proto.jetstream.core.proto import jetstream_pb2 as js
-from serving.proto.jetstream.core.proto import jetstream_pb2_grpc as js_grpc
-from serving.server import ServerThread
+from jaxfill.engine.config import load_config
+from jaxfill.engine.engine import Engine
+from jaxfill.engine.request import SamplingParams
+from jaxfill.serving.client import AsyncClient, Client, make_request
+from jaxfill.serving.proto.jaxfill.v1 import generation_pb2 as pb
+from jaxfill.serving.proto.jaxfill.v1 import generation_pb2_grpc as pb_grpc
+from jaxfill.serving.proto.jetstream.core.proto import jetstream_pb2 as js
+from jaxfill.serving.proto.jetstream.core.proto import jetstream_pb2_grpc as js_grpc
+from jaxfill.serving.server import ServerThread
 from serving_util import compile_cache_dir, scrape
 
 MAX_TOKENS = 8

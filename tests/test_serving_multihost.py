@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from serving.client import Client
+from jaxfill.serving.client import Client
 from serving_util import ServeProcess, compile_cache_dir, free_port
 
 ENGINE = {"engine.max_num_batched_tokens": 32, "engine.max_num_seqs": 4, "engine.num_pages": 64,
@@ -30,8 +30,8 @@ def _args(process_id: int, port: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def reference():
-    from engine.engine import Engine
-    from engine.request import SamplingParams
+    from jaxfill.engine.engine import Engine
+    from jaxfill.engine.request import SamplingParams
 
     engine = Engine.from_config("tiny", overrides=ENGINE, progress=False)
     return [c.token_ids for c in engine.generate(PROMPTS, [SamplingParams(**s) for s in SAMPLING])]

@@ -10,9 +10,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from serving.client import make_request
-from serving.proto.jaxfill.v1 import generation_pb2 as pb
-from serving.proto.jaxfill.v1 import generation_pb2_grpc as pb_grpc
+from jaxfill.serving.client import make_request
+from jaxfill.serving.proto.jaxfill.v1 import generation_pb2 as pb
+from jaxfill.serving.proto.jaxfill.v1 import generation_pb2_grpc as pb_grpc
 from serving_util import ServeProcess, compile_cache_dir, scrape
 
 KEY = "s3cret-key"

@@ -6,11 +6,11 @@ import subprocess
 import grpc
 import pytest
 
-from engine.config import load_config
-from engine.engine import Engine
-from engine.request import SamplingParams
-from serving.client import Client
-from serving.server import ServerThread
+from jaxfill.engine.config import load_config
+from jaxfill.engine.engine import Engine
+from jaxfill.engine.request import SamplingParams
+from jaxfill.serving.client import Client
+from jaxfill.serving.server import ServerThread
 from serving_util import compile_cache_dir
 
 

@@ -117,13 +117,13 @@ def _worker():  # noqa: C901 - one script, many checks
     import numpy as np
     from flax import nnx
 
-    from engine.config import MeshSettings
-    from engine.mesh import make_mesh
-    from models import sharding
-    from models.config import ModelConfig
-    from models.forward import forward
-    from models.kv_cache import AttentionMetadata, KVCache, single_sequence_metadata
-    from models.llama import Llama
+    from jaxfill.engine.config import MeshSettings
+    from jaxfill.engine.mesh import make_mesh
+    from jaxfill.models import sharding
+    from jaxfill.models.config import ModelConfig
+    from jaxfill.models.forward import forward
+    from jaxfill.models.kv_cache import AttentionMetadata, KVCache, single_sequence_metadata
+    from jaxfill.models.llama import Llama
 
     assert len(jax.devices()) == 8, jax.devices()
     cfg = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
@@ -323,7 +323,7 @@ def _worker():  # noqa: C901 - one script, many checks
     def placement():
         import tempfile
 
-        from models.checkpoint import load_hf_params, save_params  # noqa: F401
+        from jaxfill.models.checkpoint import load_hf_params, save_params  # noqa: F401
         big = ModelConfig(vocab_size=128256, hidden_size=128, intermediate_size=256, num_layers=1,
                           num_heads=8, num_kv_heads=2, head_dim=16, seed=5)
         mesh = mesh_of(1, 8, 1)
@@ -372,7 +372,7 @@ def _write_hf(directory, config, state):
     import numpy as np
     from flax import nnx
 
-    from models.checkpoint import hf_to_param
+    from jaxfill.models.checkpoint import hf_to_param
 
     flat = {path: np.asarray(v[...]) for path, v in nnx.to_flat_state(state)}
     c = config

@@ -3,8 +3,8 @@
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from engine.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
-from models import ModelConfig
+from jaxfill.engine.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from jaxfill.models import ModelConfig
 
 TEXT = "héllo wörld — 日本語 and emoji 🦙🚀 done"
 

@@ -9,11 +9,11 @@ import jax
 # impl name -> (module, function). Modules import lazily so a backend's toolchain is
 # only needed when that backend is asked for.
 IMPLS = {
-    "reference": ("pallas_kernels.ragged_paged_attention.reference",
+    "reference": ("jaxfill.pallas_kernels.ragged_paged_attention.reference",
                   "ragged_paged_attention_reference"),
-    "xla": ("pallas_kernels.ragged_paged_attention.xla", "ragged_paged_attention_xla"),
-    "pallas_tpu": ("pallas_kernels.ragged_paged_attention.tpu", "ragged_paged_attention_tpu"),
-    "pallas_gpu": ("pallas_kernels.ragged_paged_attention.gpu", "ragged_paged_attention_gpu"),
+    "xla": ("jaxfill.pallas_kernels.ragged_paged_attention.xla", "ragged_paged_attention_xla"),
+    "pallas_tpu": ("jaxfill.pallas_kernels.ragged_paged_attention.tpu", "ragged_paged_attention_tpu"),
+    "pallas_gpu": ("jaxfill.pallas_kernels.ragged_paged_attention.gpu", "ragged_paged_attention_gpu"),
 }
 
 

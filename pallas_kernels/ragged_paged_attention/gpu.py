@@ -29,8 +29,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.ragged_paged_attention.block_sizes import gpu_block_sizes
-from pallas_kernels.ragged_paged_attention.xla import (MASK_VALUE, item_bounds,
+from jaxfill.pallas_kernels.ragged_paged_attention.block_sizes import gpu_block_sizes
+from jaxfill.pallas_kernels.ragged_paged_attention.xla import (MASK_VALUE, item_bounds,
                                                        sanitize_cu_q_lens, work_items)
 
 LOG2E = math.log2(math.e)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kv_cache import split_kv
+from jaxfill.pallas_kernels.kv_cache import split_kv
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: no inf - inf = NaN
 

@@ -33,8 +33,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.ragged_paged_attention.block_sizes import tpu_block_sizes
-from pallas_kernels.ragged_paged_attention.xla import (MASK_VALUE, item_bounds,
+from jaxfill.pallas_kernels.ragged_paged_attention.block_sizes import tpu_block_sizes
+from jaxfill.pallas_kernels.ragged_paged_attention.xla import (MASK_VALUE, item_bounds,
                                                        sanitize_cu_q_lens, work_items)
 
 

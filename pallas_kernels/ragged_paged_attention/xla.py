@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.ragged_paged_attention.block_sizes import (kv_block, xla_block_sizes,
+from jaxfill.pallas_kernels.ragged_paged_attention.block_sizes import (kv_block, xla_block_sizes,
                                                                xla_parallel_loops)
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)

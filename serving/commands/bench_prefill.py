@@ -28,7 +28,7 @@ DEFAULT_LENGTHS = (256, 512, 1024, 2048)
 
 
 def add_arguments(p) -> None:
-    from serving.cli import common_model_args
+    from jaxfill.serving.cli import common_model_args
 
     common_model_args(p)
     p.add_argument("--lengths", type=int, nargs="+", default=list(DEFAULT_LENGTHS), metavar="N",
@@ -57,8 +57,8 @@ def time_prefill(model, prompt: list[int], page_size: int, chunk: int | None, re
     timed run; the run's rate is the mean of the two."""
     import jax
 
-    from engine.simple import prefill_chunks
-    from models.kv_cache import KVCache
+    from jaxfill.engine.simple import prefill_chunks
+    from jaxfill.models.kv_cache import KVCache
 
     n_pages = -(-len(prompt) // page_size)
     cache = KVCache.create(model.config, n_pages + 1, page_size)  # + the null page 0
@@ -85,11 +85,11 @@ def run_bench(config, lengths: list[int], chunk_sizes: list[int], repeats: int =
 
     import dataclasses
 
-    from engine.hardware import MatmulProbe, load_hardware
-    from engine.loading import build_model
-    from engine.planner import (check_mesh, check_prompt_len, kv_bytes_per_token, model_matmul_shape,
+    from jaxfill.engine.hardware import MatmulProbe, load_hardware
+    from jaxfill.engine.loading import build_model
+    from jaxfill.engine.planner import (check_mesh, check_prompt_len, kv_bytes_per_token, model_matmul_shape,
                                 prefill_flops, ttft_floor)
-    from pallas_kernels import resolve_impl
+    from jaxfill.pallas_kernels import resolve_impl
 
     log = _log if progress else (lambda msg: None)
     m, eng = config.model, config.engine
@@ -192,7 +192,7 @@ def run_bench(config, lengths: list[int], chunk_sizes: list[int], repeats: int =
 
 
 def print_table(result: dict) -> None:
-    from serving.commands.plan import _si, format_table
+    from jaxfill.serving.commands.plan import _si, format_table
 
     rows = []
     for p in result["points"]:
@@ -222,8 +222,8 @@ def plot(result: dict, out_dir: str, stem: str, cfg) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from engine.hardware import Hardware
-    from engine.planner import ttft_floor
+    from jaxfill.engine.hardware import Hardware
+    from jaxfill.engine.planner import ttft_floor
 
     paths = []
     pts = result["points"]
@@ -299,7 +299,7 @@ def plot(result: dict, out_dir: str, stem: str, cfg) -> list[str]:
 def run(args) -> int:
     import jax
 
-    from engine.config import load_config
+    from jaxfill.engine.config import load_config
 
     config = load_config(args.config, overrides=args.overrides, model_path=args.model)
     hardware = args.hardware or ("cpu" if jax.default_backend() == "cpu" else "none")

@@ -34,7 +34,7 @@ HELP = "gRPC serving load benchmark (vLLM bench serve metrics: TTFT/TPOT/ITL/E2E
 
 
 def add_arguments(p) -> None:
-    from serving.cli import common_model_args
+    from jaxfill.serving.cli import common_model_args
 
     common_model_args(p)
     p.add_argument("--address", default=None, help="HOST:PORT of a running server; default: start one in-process")
@@ -132,7 +132,7 @@ def arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[floa
 # ------------------------------------------------------------------- senders
 class GrpcSender:
     def __init__(self, address: str, api_key: str | None, num_channels: int, timeout: float):
-        from serving.client import AsyncClient
+        from jaxfill.serving.client import AsyncClient
 
         self.clients = [AsyncClient(address, api_key=api_key) for _ in range(max(num_channels, 1))]
         self.timeout = timeout
@@ -180,7 +180,7 @@ class InProcessSender:
     """The same workload straight into an EngineLoop in this process: no gRPC, no protobuf."""
 
     def __init__(self, engine):
-        from serving.engine_loop import EngineLoop
+        from jaxfill.serving.engine_loop import EngineLoop
 
         self.engine = engine
         self.loop = EngineLoop(engine)
@@ -199,7 +199,7 @@ class InProcessSender:
         return int(self.engine.config.model.vocab_size)
 
     async def __call__(self, req: BenchRequest) -> RequestResult:
-        from engine.request import SamplingParams
+        from jaxfill.engine.request import SamplingParams
 
         res = RequestResult(prompt_len=len(req.prompt), probe=req.probe)
         res.start = start = time.monotonic()
@@ -385,7 +385,7 @@ def plot(path: str, runs: dict[str, tuple[list[RequestResult], dict]], title: st
 
 
 async def _bench(args) -> dict:
-    from serving.server import ServerThread
+    from jaxfill.serving.server import ServerThread
 
     percentiles = [float(x) for x in args.metric_percentiles.split(",") if x.strip()]
     goodput = _parse_goodput(args.goodput)
@@ -394,7 +394,7 @@ async def _bench(args) -> dict:
     runs: dict[str, tuple[list[RequestResult], dict]] = {}
     out: dict = {}
     if args.address is None or args.inprocess_baseline:
-        from engine.engine import Engine
+        from jaxfill.engine.engine import Engine
 
         engine = Engine.from_config(args.config, model_path=args.model, overrides=args.overrides, progress=False)
 
@@ -419,7 +419,7 @@ async def _bench(args) -> dict:
         address = server_thread.address
     sender = GrpcSender(address, args.api_key, args.num_channels, args.request_timeout)
     try:
-        from serving.client import AsyncClient
+        from jaxfill.serving.client import AsyncClient
 
         await AsyncClient(address, api_key=args.api_key).wait_serving(1800)
         info = await sender.clients[0].model_info()

@@ -31,7 +31,7 @@ def run(args) -> int:
     import grpc
     from google.protobuf import json_format
 
-    from serving.client import Client
+    from jaxfill.serving.client import Client
 
     with Client(args.address, api_key=args.api_key, tls_ca=args.tls_ca) as c:
         try:

@@ -10,7 +10,7 @@ HELP = "generate text for one or more prompts"
 
 
 def add_arguments(p) -> None:
-    from serving.cli import common_model_args
+    from jaxfill.serving.cli import common_model_args
 
     common_model_args(p, multi_process=True)
     src = p.add_mutually_exclusive_group(required=True)
@@ -32,10 +32,10 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def run(args) -> int:
-    from engine.config import load_config
-    from engine.engine import Engine
-    from engine.loading import build_tokenizer, validate_prompt
-    from engine.request import SamplingParams
+    from jaxfill.engine.config import load_config
+    from jaxfill.engine.engine import Engine
+    from jaxfill.engine.loading import build_tokenizer, validate_prompt
+    from jaxfill.engine.request import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed).validate()

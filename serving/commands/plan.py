@@ -10,7 +10,7 @@ HELP = "prefill FLOPs, KV bytes, TTFT floor and capacity for a config on given h
 
 
 def add_arguments(p) -> None:
-    from serving.cli import common_model_args
+    from jaxfill.serving.cli import common_model_args
 
     common_model_args(p)
     p.add_argument("--hardware", default="h100_sxm",
@@ -69,9 +69,9 @@ PLAN_COLUMNS = [
 
 
 def run(args) -> int:
-    from engine.config import load_config
-    from engine.hardware import load_hardware
-    from engine.planner import check_mesh, check_prompt_len, default_prompt_lens, model_matmul_shape, plan
+    from jaxfill.engine.config import load_config
+    from jaxfill.engine.hardware import load_hardware
+    from jaxfill.engine.planner import check_mesh, check_prompt_len, default_prompt_lens, model_matmul_shape, plan
 
     config = load_config(args.config, overrides=args.overrides, model_path=args.model)
     check_mesh(config.model, config.mesh)

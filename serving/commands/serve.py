@@ -13,7 +13,7 @@ HELP = "serve the model over gRPC (jaxfill.v1.Generation, JetStream Orchestrator
 
 
 def add_arguments(p) -> None:
-    from serving.cli import common_model_args
+    from jaxfill.serving.cli import common_model_args
 
     common_model_args(p, multi_process=True)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -53,15 +53,15 @@ def _log_startup(log, engine, args, load_s: float) -> None:
 
 def build_engine(config: str, model: str | None, overrides):
     """The Engine, not yet warmed up: the server listens (health NOT_SERVING) while it compiles."""
-    from engine.config import load_config
-    from engine.engine import Engine
+    from jaxfill.engine.config import load_config
+    from jaxfill.engine.engine import Engine
 
     return Engine(load_config(config, overrides, model), progress=False, warmup=False)
 
 
 async def _serve(args, engine, log) -> int:
-    from engine.batch import describe_buckets
-    from serving.server import Server
+    from jaxfill.engine.batch import describe_buckets
+    from jaxfill.serving.server import Server
 
     server = Server(engine, host=args.host, port=args.port, metrics_port=args.metrics_port, api_key=args.api_key,
                     tls_cert=args.tls_cert, tls_key=args.tls_key,
