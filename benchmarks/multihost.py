@@ -36,7 +36,7 @@ def child(args) -> None:
     if args.num_processes > 1:
         overrides.update({"mesh.coordinator": f"127.0.0.1:{args.port}", "mesh.num_processes": args.num_processes,
                           "mesh.process_id": args.process_id})
-    with Engine.from_config("tiny", overrides=overrides, progress=False) as engine:
+    with Engine.from_config("tiny_random", overrides=overrides, progress=False) as engine:
         if not engine.is_leader:
             engine.follow()
             return

@@ -134,7 +134,7 @@ def ttft_once(engine: Engine, prompt) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="tiny")
+    ap.add_argument("--config", default="tiny_random")
     ap.add_argument("--requests", type=int, default=50)
     ap.add_argument("--rate", type=float, default=1.0, help="requests/s (Poisson)")
     ap.add_argument("--seed", type=int, default=0)

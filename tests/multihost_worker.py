@@ -118,7 +118,7 @@ def engine_run(settings, mesh_shape: tuple[int, int, int], prompts: list[list[in
         "engine.max_num_seqs": 1, "engine.max_num_batched_tokens": CHUNK,
         "engine.token_buckets": [CHUNK], "engine.seq_buckets": [1],
     })
-    config = load_config("tiny", overrides)
+    config = load_config("tiny_random", overrides)
     mesh = make_mesh(MeshSettings(data=data, tensor=tensor, sequence=sequence))
     graphdef, state = sharding.init_sharded(config.model, mesh, config.engine.attention_impl)
     with Engine(config, progress=False, model=nnx.merge(graphdef, state)) as engine:

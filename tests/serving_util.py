@@ -49,7 +49,7 @@ class ServeProcess:
             env["JAX_COMPILATION_CACHE_DIR"] = cache_dir
             env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
             env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
-        cmd = [sys.executable, "-m", "jaxfill.serving.cli", "serve", "--config", "tiny", "--host", "127.0.0.1",
+        cmd = [sys.executable, "-m", "jaxfill.serving.cli", "serve", "--config", "tiny_random", "--host", "127.0.0.1",
                "--port", "0", *extra]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True)

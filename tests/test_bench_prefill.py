@@ -17,13 +17,13 @@ from jaxfill.serving.cli import main
 
 
 def test_bench_prefill_tiny(tmp_path, capsys):
-    rc = main(["bench", "prefill", "--config", "tiny", "--lengths", "64", "128", "--chunk-sizes", "0", "64",
+    rc = main(["bench", "prefill", "--config", "tiny_random", "--lengths", "64", "128", "--chunk-sizes", "0", "64",
                "--repeats", "2", "--out", str(tmp_path), "--hardware", "cpu"])
     out = capsys.readouterr()
     assert rc == 0, out.err
     assert "[3/3] len=128 chunk=64" in out.err  # progress
     assert "meas/floor" in out.out and "TTFT(128)/TTFT(64)" in out.out
-    result = json.loads((tmp_path / "prefill_bench_tiny.json").read_text())
+    result = json.loads((tmp_path / "prefill_bench_tiny_random.json").read_text())
     points = {(p["prompt_len"], p["chunk"]): p for p in result["points"]}
     assert set(points) == {(64, 0), (128, 0), (128, 64)}  # chunk >= length: skipped
     for p in points.values():
@@ -37,7 +37,7 @@ def test_bench_prefill_tiny(tmp_path, capsys):
     assert result["decay"][0]["prompt_len"] == 64 and result["decay"][0]["measured"] > 0
     assert result["hardware"]["name"] == "cpu" and result["attention_impl"] in ("xla", "reference")
     for stem in ("ttft", "tokens_per_s", "chunks"):
-        png = tmp_path / f"prefill_bench_tiny_{stem}.png"
+        png = tmp_path / f"prefill_bench_tiny_random_{stem}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -48,6 +48,6 @@ def test_bench_prefill_tiny(tmp_path, capsys):
     (["--chunk-sizes", "-1"], "chunk sizes"),
 ])
 def test_bench_prefill_bad_input(argv, message, tmp_path, capsys):
-    rc = main(["bench", "prefill", "--config", "tiny", "--out", str(tmp_path), "--no-plots"] + argv)
+    rc = main(["bench", "prefill", "--config", "tiny_random", "--out", str(tmp_path), "--no-plots"] + argv)
     err = capsys.readouterr().err
     assert rc == 2 and message in err, err

@@ -35,14 +35,14 @@ def hf_dir(tmp_path_factory):
 def model(hf_dir):
     from jaxfill.engine.loading import build_model
 
-    return build_model(load_config("tiny", {"engine.max_model_len": MAX_LEN}, hf_dir), progress=False)
+    return build_model(load_config("tiny_random", {"engine.max_model_len": MAX_LEN}, hf_dir), progress=False)
 
 
 def make_engine(hf_dir, model, **engine):
     over = {"engine.max_model_len": MAX_LEN, "engine.num_pages": 160, "engine.max_num_seqs": 16,
             "engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64]}
     over.update({f"engine.{k}": v for k, v in engine.items()})
-    return Engine(load_config("tiny", over, hf_dir), progress=False, model=model)
+    return Engine(load_config("tiny_random", over, hf_dir), progress=False, model=model)
 
 
 def prompts16():

@@ -16,7 +16,7 @@ import json, sys
 from jaxfill.engine.engine import Engine
 from jaxfill.engine.request import SamplingParams
 overrides = json.loads(sys.argv[1])
-engine = Engine.from_config("tiny", overrides=overrides, progress=False)
+engine = Engine.from_config("tiny_random", overrides=overrides, progress=False)
 params = [SamplingParams(max_tokens=8), SamplingParams(max_tokens=8, temperature=0.9, seed=3),
           SamplingParams(max_tokens=5, logprobs=2), SamplingParams(max_tokens=12, temperature=0.7, top_k=5, seed=9)]
 out = engine.generate(["Hello there", "abc" * 30, "The quick brown fox", "x" * 70], params)

@@ -62,7 +62,7 @@ def compiled_flops(config_name: str, num_tokens: int, impl: str, monkeypatch) ->
     return float(cost["flops"]), n_pages * page
 
 
-@pytest.mark.parametrize("config_name", ["tiny", "bench"])
+@pytest.mark.parametrize("config_name", ["tiny_random", "bench"])
 @pytest.mark.parametrize("num_tokens", [256, 2048])
 def test_flops_match_xla_cost_analysis(config_name, num_tokens, monkeypatch):
     cfg = load_config(config_name).model
@@ -91,7 +91,7 @@ def test_visible_pairs_brute_force():
                 assert visible_pairs(n, context, window) == brute, (window, context, n)
 
 
-@pytest.mark.parametrize("config_name", ["tiny", "bench", "llama3_8b", "mistral_7b"])
+@pytest.mark.parametrize("config_name", ["tiny_random", "bench", "llama3_8b", "mistral_7b"])
 def test_kv_bytes_per_token_equal_engine_allocation(config_name):
     cfg = load_config(config_name).model
     cache = KVCache.create(cfg, num_pages=3, page_size=16)
@@ -187,7 +187,7 @@ def test_plan_cli_json(capsys):
 
 
 def test_plan_cli_table(capsys):
-    rc, out, _ = run_cli(["plan", "--config", "tiny", "--hardware", "tpu_v6e"], capsys)
+    rc, out, _ = run_cli(["plan", "--config", "tiny_random", "--hardware", "tpu_v6e"], capsys)
     assert rc == 0 and "TTFT floor" in out and "2048" in out and "tpu_v6e" in out
 
 

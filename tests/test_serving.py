@@ -53,7 +53,7 @@ JS_MAX = 6
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     compile_cache_dir(tmp_path_factory)
-    engine = Engine(load_config("tiny"), progress=False, warmup=False)
+    engine = Engine(load_config("tiny_random"), progress=False, warmup=False)
     reference = engine.generate(PROMPTS, [SamplingParams(**p) for p in PARAMS])
     js_reference = engine.generate(JS_PROMPTS, SamplingParams(max_tokens=JS_MAX))
     st = ServerThread(engine, host="127.0.0.1", port=0, metrics_port=0)

@@ -33,7 +33,7 @@ def reference():
     from jaxfill.engine.engine import Engine
     from jaxfill.engine.request import SamplingParams
 
-    engine = Engine.from_config("tiny", overrides=ENGINE, progress=False)
+    engine = Engine.from_config("tiny_random", overrides=ENGINE, progress=False)
     return [c.token_ids for c in engine.generate(PROMPTS, [SamplingParams(**s) for s in SAMPLING])]
 
 

@@ -51,7 +51,7 @@ def test_serve_lifecycle_health_auth_and_sigterm_drain(tmp_path_factory):
             assert warming_code in (grpc.StatusCode.UNAVAILABLE, None)  # None: warm-up ended in between
             assert _health(health, "jaxfill.v1.Generation") == SERVING
             log = srv.log()
-            assert "loaded tiny" in log and "mesh: data=1" in log and "step buckets" in log, log
+            assert "loaded tiny_random" in log and "mesh: data=1" in log and "step buckets" in log, log
 
             # API key: health needs none; everything else does.
             with pytest.raises(grpc.RpcError) as e:
