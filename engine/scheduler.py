@@ -12,7 +12,8 @@ Each step every running request's `num_computed` catches up to its `num_tokens` 
 
 When pages run out for a running request, the lowest-priority (latest) running request
 is preempted: its pages are freed and it goes back to waiting with num_computed = 0,
-to be recomputed (prefix-cache hits make that cheap). Nothing ever crashes for lack of
+to be recomputed (prefix-cache hits make that cheap). A step that preempted admits no
+waiting request, so a victim is never re-admitted (and recomputed) in the same step. Nothing ever crashes for lack of
 pages; a request that cannot fit even alone finishes with "length".
 """
 
@@ -188,6 +189,10 @@ class Scheduler:
             seqs.append(Scheduled(req, req.num_computed, n))
             budget -= n
 
+        if preempted:
+            # Out of pages this step: admitting anyone now (the victim first of all, whose
+            # pages were just freed) would only be preempted again next step.
+            return SchedulerOutput(seqs, preempted, finished)
         num_partial = sum(1 for s in seqs if s.num_new < s.req.remaining)
         i = 0
         while i < len(self.waiting) and budget > 0 and len(seqs) < self.max_seqs:

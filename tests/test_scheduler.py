@@ -200,3 +200,29 @@ def test_thousand_random_requests_free_every_page(caching):
     assert sched.num_preemptions > 0
     assert sched.bm.num_free == sched.bm.num_usable
     assert all(c == 0 for c in sched.bm.ref_counts)
+
+
+def test_a_preempted_request_is_not_readmitted_in_the_same_step():
+    # 11 usable pages of 4 tokens, four 10-token prompts decoding 12 tokens each, chunks of
+    # 4: the pool overflows, and a victim's first chunk would fit in the pages it just freed.
+    random.seed(3)
+    sched = Scheduler(settings(num_pages=12, max_num_batched_tokens=16, long_prefill_token_threshold=4,
+                               enable_prefix_caching=False))
+    reqs = [mk(10, max_tokens=12) for _ in range(4)]
+    for r in reqs:
+        sched.add(r)
+    high = {r: 0 for r in reqs}  # most tokens ever computed: work below it is recomputation
+    recomputed = steps = 0
+    while any(r.status != Status.FINISHED for r in reqs):
+        out = sched.schedule()
+        steps += 1
+        assert not {s.req for s in out.seqs} & set(out.preempted), f"step {steps} re-admitted a victim"
+        for s in out.seqs:
+            recomputed += max(0, min(s.start + s.num_new, high[s.req]) - s.start)
+            high[s.req] = max(high[s.req], s.start + s.num_new)
+        fake_step(sched, out)
+        sched.bm.check()
+        assert steps < 500
+    assert sched.num_preemptions > 0 and recomputed > 0
+    assert sched.bm.num_free == sched.bm.num_usable
+    print(f"steps={steps} preemptions={sched.num_preemptions} recomputed={recomputed}")
