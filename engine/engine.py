@@ -57,7 +57,7 @@ class _IdsOnlyTokenizer:
     def decode(self, ids):
         return ""
 
-    def detokenizer(self):
+    def detokenizer(self, prompt_ids=()):
         return self
 
     def feed(self, ids):
@@ -151,7 +151,7 @@ class Engine:
             seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
             req = Request(request_id, ids, params, priority, next(self._arrivals), seed,
                           eos_token_ids=self.config.model.eos_token_id or ())
-            req.detok = self.tokenizer.detokenizer()
+            req.detok = self.tokenizer.detokenizer(ids)
             self.requests[request_id] = req
             self.scheduler.add(req)
         return request_id

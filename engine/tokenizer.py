@@ -1,10 +1,23 @@
-"""Tokenizers: HF `tokenizers` for real checkpoints, bytes for the tiny preset, and an
-incremental detokenizer that never emits half a UTF-8 character."""
+"""Tokenizers: HF `tokenizers` for real checkpoints, bytes for the tiny preset, and
+incremental detokenizers that never emit half a UTF-8 character.
+
+A detokenizer is primed with the prompt ids, so the text it streams is exactly what the
+output adds to the prompt's text: the concatenated pieces equal
+`decode(prompt + output)` minus its longest common prefix with `decode(prompt)`
+(tests/test_detokenizer_priming.py). Usually that is `decode(prompt)` itself; when the
+prompt ends in a broken character that the output completes, the completed character is
+streamed. Without the prompt, SentencePiece/Metaspace decoders drop the first output
+token's leading space.
+"""
 
 from __future__ import annotations
 
 import codecs
 import os
+
+# Prompt tokens a detokenizer keeps as decoding context: enough to hold a character split
+# over up to 4 byte tokens plus the token before it.
+PROMPT_CONTEXT = 8
 
 
 class ByteTokenizer:
@@ -28,14 +41,16 @@ class ByteTokenizer:
     def decode(self, ids) -> str:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
-    def detokenizer(self) -> "ByteDetokenizer":
-        return ByteDetokenizer(self)
+    def detokenizer(self, prompt_ids=()) -> "ByteDetokenizer":
+        return ByteDetokenizer(self, prompt_ids)
 
 
 class ByteDetokenizer:
-    def __init__(self, tokenizer: ByteTokenizer):
+    def __init__(self, tokenizer: ByteTokenizer, prompt_ids=()):
         self.tokenizer = tokenizer
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        # The prompt's text is not ours to emit, but a character it leaves unfinished is.
+        self.decoder.decode(tokenizer.decode_bytes(list(prompt_ids)[-PROMPT_CONTEXT:]))
 
     def feed(self, ids) -> str:
         return self.decoder.decode(self.tokenizer.decode_bytes(ids))
@@ -61,38 +76,49 @@ class HFTokenizer:
     def decode(self, ids) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)
 
-    def detokenizer(self) -> "HFDetokenizer":
-        return HFDetokenizer(self)
+    def detokenizer(self, prompt_ids=()) -> "HFDetokenizer":
+        return HFDetokenizer(self, prompt_ids)
 
 
 class HFDetokenizer:
     """Decodes a growing id list, holding text back while it ends in a broken character.
 
-    Decoding a window that starts a few tokens back keeps tokenizers that merge spaces
-    across tokens (SentencePiece's leading space) from dropping or doubling characters.
+    Each step decodes a window that starts at the previous emission point (or, first, a
+    few prompt tokens back) and emits what the new ids added to the window's text: a
+    decoder that strips the first token's leading space (Metaspace) strips it from both
+    sides of that difference, so the space of a token after the window's start survives.
     """
 
-    def __init__(self, tokenizer: HFTokenizer):
+    def __init__(self, tokenizer: HFTokenizer, prompt_ids=()):
         self.tokenizer = tokenizer
-        self.ids: list[int] = []
+        self.ids: list[int] = [int(i) for i in list(prompt_ids)[-PROMPT_CONTEXT:]]
         self.prefix_offset = 0
-        self.read_offset = 0
+        self.read_offset = len(self.ids)
+
+    def _new_text(self) -> str:
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+        text = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        # Not len(prefix): a prompt ending in a broken character decodes it as U+FFFD,
+        # which the output may turn into a real character.
+        return text[_common_prefix_len(prefix, text):]
 
     def feed(self, ids) -> str:
         self.ids.extend(int(i) for i in ids)
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        text = self.tokenizer.decode(self.ids[self.prefix_offset:])
-        if len(text) <= len(prefix) or text.endswith("\ufffd"):
+        emitted = self._new_text()
+        if not emitted or emitted.endswith("\ufffd"):
             return ""
-        emitted = text[len(prefix):]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return emitted
 
     def flush(self) -> str:
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        text = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        emitted = self._new_text()
         self.prefix_offset = self.read_offset = len(self.ids)
-        return text[len(prefix):]
+        return emitted
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 def load_tokenizer(model_config, model_path: str | None = None):
