@@ -7,6 +7,13 @@ keeps the last two dims (heads, D) dense, which is what TPU tiling wants.
 
 A token's slot is `page * page_size + offset`; a negative slot writes nothing, which is
 how padding tokens are dropped without a branch.
+
+The write is a scatter declared `unique_indices=True` (XLA may then skip serialising
+colliding updates; with a collision the result is undefined on accelerators). So every
+index must really be distinct: padding tokens (many of them per step) each get their own
+out-of-range index, `total + t`, which `mode="drop"` discards. Real slots are distinct by
+construction (the scheduler never gives two new tokens of one step the same slot:
+tests/test_write_slots.py checks build_batch's output).
 """
 
 from __future__ import annotations
@@ -54,8 +61,15 @@ def write_kv(pages: jax.Array,  # [num_pages, page_size, 2 * Hkv, D]
         raise ValueError(f"write_kv: slot_mapping {slot_mapping.shape} must be [{k.shape[0]}]")
     total = num_pages * page_size
     kv = merge_kv(k, v).astype(pages.dtype)
-    # Out-of-range indices are dropped by mode="drop"; map negatives past the end.
-    slots = jnp.where(slot_mapping < 0, total, slot_mapping)
     flat = pages.reshape(total, combined, head_dim)
-    flat = flat.at[slots].set(kv, mode="drop", unique_indices=True)
+    flat = flat.at[scatter_indices(slot_mapping, total)].set(kv, mode="drop", unique_indices=True)
     return flat.reshape(pages.shape)
+
+
+def scatter_indices(slot_mapping: jax.Array,  # [T] int32; < 0 for padding
+                    total: int,  # num_pages * page_size
+                    ) -> jax.Array:  # [T] int32
+    """Padding token t -> `total + t`: out of range (dropped) and distinct, as
+    `unique_indices=True` requires; real slots pass through."""
+    past_end = total + jnp.arange(slot_mapping.shape[0], dtype=slot_mapping.dtype)
+    return jnp.where(slot_mapping < 0, past_end, slot_mapping)
