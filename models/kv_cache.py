@@ -59,7 +59,15 @@ def single_sequence_metadata(num_tokens: int, start: int, pages: list[int], page
     """
     import numpy as np
 
+    if num_tokens < 1 or start < 0:
+        raise ValueError(f"need num_tokens >= 1 and start >= 0, got num_tokens={num_tokens}, start={start}")
+    need = -(-(start + num_tokens) // page_size)
+    if len(pages) < need:
+        raise ValueError(f"tokens [0, {start + num_tokens}) need {need} pages of {page_size} tokens; "
+                         f"got {len(pages)} pages: pass more pages (any free ones, in order)")
     total = pad_to or num_tokens
+    if total < num_tokens:
+        raise ValueError(f"pad_to={pad_to} is less than num_tokens={num_tokens}")
     pos = np.arange(start, start + num_tokens)
     slots = np.full(total, -1, np.int32)
     page_arr = np.asarray(pages, np.int32)
