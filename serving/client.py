@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 
@@ -131,16 +132,17 @@ class AsyncClient:
         return (await self.health_stub.Check(health_pb2.HealthCheckRequest(service=service))).status
 
     async def wait_serving(self, timeout: float = 600.0, poll_s: float = 0.1) -> None:
+        """Polls grpc.health.v1 until SERVING (warm-up done); TimeoutError after `timeout` s."""
         deadline = time.monotonic() + timeout
         while True:
             try:
                 if await self.health() == health_pb2.HealthCheckResponse.SERVING:
                     return
             except grpc.aio.AioRpcError:
-                pass
+                pass  # not listening yet
             if time.monotonic() > deadline:
-                raise TimeoutError(f"server not SERVING after {timeout:.0f} s")
-            await __import__("asyncio").sleep(poll_s)
+                raise TimeoutError(f"server not SERVING after {timeout:g} s")
+            await asyncio.sleep(poll_s)
 
 
 class Client:
@@ -181,5 +183,19 @@ class Client:
     def model_info(self) -> pb.ModelInfo:
         return self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self.metadata)
 
-    def health(self, service: str = "") -> int:
-        return self.health_stub.Check(health_pb2.HealthCheckRequest(service=service)).status
+    def health(self, service: str = "", timeout: float | None = None) -> int:
+        return self.health_stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout).status
+
+    def wait_serving(self, timeout: float = 600.0, poll_s: float = 0.1) -> None:
+        """Polls grpc.health.v1 until SERVING (warm-up done); TimeoutError after `timeout` s."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if self.health(timeout=max(min(5.0, deadline - time.monotonic()), 0.1)) == \
+                        health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass  # not listening yet
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server not SERVING after {timeout:g} s")
+            time.sleep(poll_s)

@@ -8,12 +8,22 @@ outputs to the event loop with one `call_soon_threadsafe`, which fans them out t
 per-request asyncio queues. A cancelled stream's abort is applied before the next step
 runs, so its pages are free within one step.
 
+Admission: `submit()` admits while fewer than max_num_seqs x data replicas (the batch
+slots) + engine.max_waiting requests are in flight, and raises QueueFull beyond. Counting
+the slots means a burst fills idle slots instead of being refused for a waiting queue that
+the next step would empty. The engine's own waiting limit still holds: what it refuses
+stays, in order, in this thread's backlog (at most the slots) and goes in as steps make room.
+
+Every admitted request ends exactly once on the event loop (`_end`), whatever ended it:
+that is where the request metrics are observed, so a stream the client cancelled or let
+pass its deadline counts as much as one that finished.
+
 Stream items (what `RequestStream.queue` yields), each `(kind, payload, t)` with `t`
 the engine-thread `time.monotonic()` when the step returned:
     ("output", RequestOutput, t)   tokens and/or the final Completion
-    ("aborted", None, t)           aborted by `abort()` (an Abort RPC, or shutdown)
-    ("error", Exception, t)        add_request refused it (InvalidRequest, QueueFull), or
-                                   the step failed as a whole
+    ("aborted", None, t)           aborted by `abort(notify=True)` (an Abort RPC, or shutdown)
+    ("error", Exception, t)        add_request refused it (InvalidRequest), or the step
+                                   failed as a whole
 """
 
 from __future__ import annotations
@@ -37,6 +47,15 @@ class StepFailed(RuntimeError):
     """engine.step() raised; every request in flight at that moment fails with it."""
 
 
+log = logging.getLogger("jaxfill.serving")
+
+WARMING, SERVING, DRAINING, STOPPED, FAILED = "warming", "serving", "draining", "stopped", "failed"
+
+
+class StepFailed(RuntimeError):
+    """engine.step() raised; every request in flight at that moment fails with it."""
+
+
 class RequestStream:
     """The asyncio side of one request: its queue and the timestamps metrics need."""
 
@@ -49,6 +68,7 @@ class RequestStream:
         self.last_token_t: float | None = None
         self.num_tokens = 0
         self.done = False
+        self.gone: str | None = None  # why the handler stopped listening ("cancelled", "deadline")
 
 
 class EngineLoop:
@@ -58,16 +78,20 @@ class EngineLoop:
         self.idle_wait_s = idle_wait_s
         self.state = WARMING
         self.error: BaseException | None = None
-        self.max_waiting = engine.config.engine.max_waiting
+        cfg = engine.config
+        self.max_waiting = cfg.engine.max_waiting
+        self.batch_slots = cfg.engine.max_num_seqs * cfg.mesh.data
         self._loop: asyncio.AbstractEventLoop | None = None
         self._inbox: collections.deque = collections.deque()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._streams: dict[str, RequestStream] = {}  # event-loop side only
-        self._pending_adds = 0  # submitted, not yet handed to the engine (event-loop side count)
-        self._in_engine: set[str] = set()  # engine-thread side only
+        self._streams: dict[str, RequestStream] = {}  # event-loop side only: admitted, not yet ended
+        self._in_engine: dict[str, RequestStream] = {}  # engine-thread side only
+        self._backlog: collections.deque = collections.deque()  # engine thread: adds the engine refused (full)
         self._stats: dict = dict(engine.stats())
+        if metrics is not None:
+            metrics.update_stats(self._stats)  # the baseline engine counters are counted from
         self._ready_callbacks: list[Callable[[], Any]] = []
         self.steps = 0
         self.warmup_s = 0.0
@@ -94,6 +118,11 @@ class EngineLoop:
             self.state = DRAINING
 
     @property
+    def capacity(self) -> int:
+        """Requests admitted at once: every batch slot, plus engine.max_waiting that wait."""
+        return self.batch_slots + self.max_waiting
+
+    @property
     def num_active(self) -> int:
         return len(self._streams)
 
@@ -106,35 +135,36 @@ class EngineLoop:
                priority: int = 0, arrival: float | None = None) -> RequestStream:
         """Queues a request for the engine thread. Runs on the event loop.
 
-        Raises InvalidRequest for a request id already in flight and QueueFull when the
-        waiting queue (engine waiting + not yet handed over) is at engine.max_waiting.
+        Raises InvalidRequest for a request id already in flight and QueueFull when
+        `capacity` requests are in flight.
         """
         if request_id in self._streams:
             raise InvalidRequest("request_id", f"{request_id!r} is already in flight")
-        if self._pending_adds + self._stats.get("num_waiting", 0) >= self.max_waiting:
-            raise QueueFull(f"waiting queue is full ({self.max_waiting} requests)")
+        if len(self._streams) >= self.capacity:
+            raise QueueFull(f"server is full: {len(self._streams)} requests in flight fill the "
+                            f"{self.batch_slots} batch slots and {self.max_waiting} waiting places "
+                            "(engine.max_num_seqs, engine.max_waiting); retry later")
         stream = RequestStream(request_id, len(prompt_ids), arrival or time.monotonic())
         self._streams[request_id] = stream
-        self._pending_adds += 1
-        self._inbox.append(("add", request_id, prompt_ids, params, priority))
+        self._inbox.append(("add", stream, prompt_ids, params, priority))
         self._wake.set()
         return stream
 
-    def abort(self, request_id: str, notify: bool = False) -> bool:
-        """Aborts a request. With notify=False (the handler itself gave up) the stream is
-        dropped at once; with notify=True (Abort RPC, shutdown) it gets an "aborted" item."""
+    def abort(self, request_id: str, notify: bool = False, reason: str = "cancelled") -> bool:
+        """Aborts a request. notify=True (Abort RPC, shutdown): its stream gets an "aborted"
+        item. notify=False: its handler has stopped listening, for `reason`; the stream gets
+        nothing more and ends (metrics included) once the engine has let go of it."""
         stream = self._streams.get(request_id)
-        if stream is None:
+        if stream is None or stream.gone:
             return False
         if not notify:
-            self._streams.pop(request_id, None)
-            stream.done = True
-        self._inbox.append(("abort", request_id, notify))
+            stream.gone = reason
+        self._inbox.append(("abort", stream))
         self._wake.set()
         return True
 
     def abort_all(self) -> int:
-        ids = list(self._streams)
+        ids = [rid for rid, s in self._streams.items() if not s.gone]
         for rid in ids:
             self.abort(rid, notify=True)
         return len(ids)
@@ -143,28 +173,47 @@ class EngineLoop:
         """Event-loop side of one step: route outputs to their streams."""
         if stats is not None:
             self._stats = stats
-        for kind, rid, payload, t in items:
-            if kind == "added":
-                self._pending_adds -= 1
+        for kind, stream, payload, t in items:
+            if stream.done:
                 continue
-            stream = self._streams.get(rid)
-            if stream is None or stream.done:
-                continue
+            finished = True
             if kind == "output":
                 if payload.new_token_ids:
                     if stream.first_token_t is None:
                         stream.first_token_t = t
-                    elif self.metrics is not None and stream.last_token_t is not None:
+                    elif self.metrics is not None and stream.last_token_t is not None and not stream.gone:
                         self.metrics.itl.observe(max(t - stream.last_token_t, 0.0))
                     stream.last_token_t = t
                     stream.num_tokens += len(payload.new_token_ids)
                 finished = payload.finished
-            else:
-                finished = True
             if finished:
-                stream.done = True
-                del self._streams[rid]
-            stream.queue.put_nowait((kind, payload, t))
+                self._end(stream, kind, payload, t)
+            if not stream.gone:
+                stream.queue.put_nowait((kind, payload, t))
+
+    def _end(self, stream: RequestStream, kind: str, payload, t: float) -> None:
+        """The one place an admitted request ends: frees its id and observes its metrics."""
+        stream.done = True
+        if self._streams.get(stream.request_id) is stream:
+            del self._streams[stream.request_id]
+        if self.metrics is None:
+            return
+        completion = payload.completion if kind == "output" else None
+        if stream.gone:
+            reason = stream.gone
+        elif kind == "output":
+            reason = completion.finish_reason if completion is not None else "stop"
+        else:
+            reason = "abort" if kind == "aborted" else "error"
+        m = (completion.metrics or {}) if completion is not None else {}
+        ttft = stream.first_token_t - stream.arrival if stream.first_token_t is not None else None
+        tpot = None
+        if stream.num_tokens > 1:
+            tpot = (stream.last_token_t - stream.first_token_t) / (stream.num_tokens - 1)
+        self.metrics.observe_finished(
+            reason=reason, prompt_tokens=stream.prompt_tokens, completion_tokens=stream.num_tokens,
+            ttft_s=ttft, tpot_s=tpot, queue_s=m.get("queue_s"), prefill_s=m.get("prefill_s"),
+            e2e_s=t - stream.arrival)
 
     # ------------------------------------------------------------- engine thread
     def _post(self, items: list, stats: dict | None = None) -> None:
@@ -219,31 +268,37 @@ class EngineLoop:
         return stats
 
     def _drain_inbox(self) -> list:
+        """Applies the queued adds and aborts in order, then hands the engine what it takes."""
         items = []
         while self._inbox:
             op = self._inbox.popleft()
-            now = time.monotonic()
             if op[0] == "add":
-                _, rid, prompt_ids, params, priority = op
-                items.append(("added", rid, None, now))
+                self._backlog.append(op)
+                continue
+            stream = op[1]
+            rid = stream.request_id
+            if self._in_engine.get(rid) is stream:
+                del self._in_engine[rid]
                 try:
-                    self.engine.add_request(prompt_ids, params, request_id=rid, priority=priority)
-                    self._in_engine.add(rid)
-                except (InvalidRequest, QueueFull) as e:
-                    items.append(("error", rid, e, now))
-                except Exception as e:  # noqa: BLE001 - one bad request must not stop the loop
-                    log.error("add_request(%s) failed:\n%s", rid, traceback.format_exc())
-                    items.append(("error", rid, StepFailed(f"add_request failed: {e}"), now))
+                    self.engine.abort(rid)
+                except Exception:  # noqa: BLE001
+                    log.error("abort(%s) failed:\n%s", rid, traceback.format_exc())
             else:
-                _, rid, notify = op
-                if rid in self._in_engine:
-                    self._in_engine.discard(rid)
-                    try:
-                        self.engine.abort(rid)
-                    except Exception:  # noqa: BLE001
-                        log.error("abort(%s) failed:\n%s", rid, traceback.format_exc())
-                if notify:
-                    items.append(("aborted", rid, None, now))
+                self._backlog = collections.deque(a for a in self._backlog if a[1] is not stream)
+            items.append(("aborted", stream, None, time.monotonic()))  # ignored if it ended first
+        while self._backlog:
+            _, stream, prompt_ids, params, priority = self._backlog[0]
+            try:
+                self.engine.add_request(prompt_ids, params, request_id=stream.request_id, priority=priority)
+                self._in_engine[stream.request_id] = stream
+            except QueueFull:
+                break  # the engine's waiting queue is full: the rest goes in as steps empty it
+            except InvalidRequest as e:
+                items.append(("error", stream, e, time.monotonic()))
+            except Exception as e:  # noqa: BLE001 - one bad request must not stop the loop
+                log.error("add_request(%s) failed:\n%s", stream.request_id, traceback.format_exc())
+                items.append(("error", stream, StepFailed(f"add_request failed: {e}"), time.monotonic()))
+            self._backlog.popleft()
         return items
 
     def _step(self) -> list:
@@ -255,12 +310,12 @@ class EngineLoop:
                       traceback.format_exc())
             now = time.monotonic()
             items = []
-            for rid in list(self._in_engine):
+            for rid, stream in list(self._in_engine.items()):
                 try:
                     self.engine.abort(rid)
                 except Exception:  # noqa: BLE001
                     pass
-                items.append(("error", rid, StepFailed(f"engine step failed: {e}"), now))
+                items.append(("error", stream, StepFailed(f"engine step failed: {e}"), now))
             self._in_engine.clear()
             return items
         now = time.monotonic()
@@ -268,10 +323,13 @@ class EngineLoop:
         items = []
         gen_tokens = 0
         for out in outputs:
+            stream = self._in_engine.get(out.request_id)
+            if stream is None:
+                continue  # the "abort" output of a request already reported as aborted
             gen_tokens += len(out.new_token_ids)
             if out.finished:
-                self._in_engine.discard(out.request_id)
-            items.append(("output", out.request_id, out, now))
+                del self._in_engine[out.request_id]
+            items.append(("output", stream, out, now))
         if self.metrics is not None and gen_tokens:
             self.metrics.generation_tokens.inc(gen_tokens)
         return items

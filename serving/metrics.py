@@ -1,9 +1,16 @@
 """Prometheus series for the server, on a private CollectorRegistry per server.
 
-Names follow vLLM's (`vllm:time_to_first_token_seconds` -> `jaxfill_time_to_first_token_seconds`)
-so existing dashboards port by renaming the prefix. TTFT counts from the moment the gRPC
-handler received the request (queueing included) to the engine step that produced the
-first token; TPOT excludes the first token.
+Names and labels follow vLLM's (`vllm:time_to_first_token_seconds` ->
+`jaxfill_time_to_first_token_seconds`, `model_name` on every series, `finished_reason` on
+request_success) so existing dashboards port by renaming the prefix. TTFT counts from the
+moment the gRPC handler received the request (queueing included) to the engine step that
+produced the first token; TPOT excludes the first token.
+
+Every admitted request is observed exactly once, when it ends (EngineLoop calls
+`observe_finished`), whether it finished, was aborted, failed, or its client cancelled or
+passed its deadline. Engine-wide counters (prefix-cache queries and hits, preemptions)
+are read from Engine.stats() deltas. No `_created` series: they double the scrape for
+nothing a dashboard uses.
 """
 
 from __future__ import annotations
@@ -16,52 +23,105 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25
                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 120.0, 240.0, 480.0, 960.0)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
                  0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 120.0)
-FINISH_REASONS = ("stop", "length", "abort", "error")
+# stop / length / abort (Abort RPC, shutdown) / error come from the engine; cancelled and
+# deadline are streams whose client went away or ran out of time before the end.
+FINISHED_REASONS = ("stop", "length", "abort", "error", "cancelled", "deadline")
+# Engine.stats() counters -> whether they count pages (x page_size: tokens, as vLLM counts)
+_ENGINE_COUNTERS = {"prefix_cache_queries": True, "prefix_cache_hits": True, "num_preemptions": False}
+
+
+def count_buckets(limit: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's request-token buckets)."""
+    out, base = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * base > limit:
+                return tuple(out)
+            out.append(m * base)
+        base *= 10
+
+
+class _NoCreatedRegistry(CollectorRegistry):
+    """A registry whose scrape leaves out the `_created` samples, for this server only
+    (prometheus_client.disable_created_metrics() would change every registry in the process)."""
+
+    def collect(self):
+        for metric in super().collect():
+            metric.samples = [s for s in metric.samples if not s.name.endswith("_created")]
+            yield metric
 
 
 class ServerMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None, model_name: str = ""):
-        self.registry = registry or CollectorRegistry()
-        r = self.registry
-        self.ttft = Histogram("jaxfill_time_to_first_token_seconds", "Arrival to first token.",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("jaxfill_time_per_output_token_seconds",
-                              "Per request: (last token - first token) / (tokens - 1).",
-                              buckets=TOKEN_BUCKETS, registry=r)
-        self.itl = Histogram("jaxfill_inter_token_latency_seconds", "Between successive streamed chunks.",
-                             buckets=TOKEN_BUCKETS, registry=r)
-        self.queue_time = Histogram("jaxfill_request_queue_time_seconds", "Time spent waiting to be scheduled.",
-                                    buckets=LATENCY_BUCKETS, registry=r)
-        self.prefill_time = Histogram("jaxfill_request_prefill_time_seconds",
-                                      "First scheduled to first token (prefill, chunks included).",
-                                      buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("jaxfill_e2e_request_latency_seconds", "Arrival to finish.",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.running = Gauge("jaxfill_num_requests_running", "Requests in the running batch.", registry=r)
-        self.waiting = Gauge("jaxfill_num_requests_waiting", "Requests waiting to be scheduled.", registry=r)
-        self.kv_usage = Gauge("jaxfill_kv_cache_usage_ratio", "Fraction of KV pages in use (0..1).", registry=r)
-        self.prompt_tokens = Counter("jaxfill_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
-        self.generation_tokens = Counter("jaxfill_generation_tokens", "Generated tokens.", registry=r)
-        self.prefix_hits = Counter("jaxfill_prefix_cache_hit_tokens", "Prompt tokens served from cached pages.",
-                                   registry=r)
-        self.success = Counter("jaxfill_request_success", "Finished requests by finish reason.",
-                               ["finish_reason"], registry=r)
-        for reason in FINISH_REASONS:
-            self.success.labels(finish_reason=reason)  # export zeros so rate() works from the start
+    def __init__(self, registry: CollectorRegistry | None = None, model_name: str = "", max_model_len: int = 4096):
+        self.registry = registry or _NoCreatedRegistry()
+        self.model_name = model_name
+        r, m = self.registry, ["model_name"]
+
+        def hist(name, doc, buckets):
+            return Histogram(name, doc, m, buckets=buckets, registry=r).labels(model_name)
+
+        self.ttft = hist("jaxfill_time_to_first_token_seconds", "Arrival to first token.", LATENCY_BUCKETS)
+        self.tpot = hist("jaxfill_time_per_output_token_seconds",
+                         "Per request: (last token - first token) / (tokens - 1).", TOKEN_BUCKETS)
+        self.itl = hist("jaxfill_inter_token_latency_seconds", "Between successive streamed chunks.", TOKEN_BUCKETS)
+        self.queue_time = hist("jaxfill_request_queue_time_seconds", "Time spent waiting to be scheduled.",
+                               LATENCY_BUCKETS)
+        self.prefill_time = hist("jaxfill_request_prefill_time_seconds",
+                                 "First scheduled to first token (prefill, chunks included).", LATENCY_BUCKETS)
+        self.e2e = hist("jaxfill_e2e_request_latency_seconds", "Arrival to the end of the request.",
+                        LATENCY_BUCKETS)
+        self.request_prompt_tokens = hist("jaxfill_request_prompt_tokens", "Prompt tokens per request.",
+                                          count_buckets(max_model_len))
+        self.request_generation_tokens = hist("jaxfill_request_generation_tokens",
+                                              "Generated tokens per request.", count_buckets(max_model_len))
+        self.running = Gauge("jaxfill_num_requests_running", "Requests in the running batch.", m,
+                             registry=r).labels(model_name)
+        self.waiting = Gauge("jaxfill_num_requests_waiting", "Requests waiting to be scheduled.", m,
+                             registry=r).labels(model_name)
+        self.kv_usage = Gauge("jaxfill_kv_cache_usage_ratio", "Fraction of KV pages in use (0..1).", m,
+                              registry=r).labels(model_name)
+        self.prompt_tokens = Counter("jaxfill_prompt_tokens", "Prompt tokens of ended requests.", m,
+                                     registry=r).labels(model_name)
+        self.generation_tokens = Counter("jaxfill_generation_tokens", "Generated tokens.", m,
+                                         registry=r).labels(model_name)
+        self.engine_counters = {
+            "prefix_cache_queries": Counter("jaxfill_prefix_cache_queries",
+                                            "Prompt tokens in full pages looked up in the prefix cache.", m,
+                                            registry=r).labels(model_name),
+            "prefix_cache_hits": Counter("jaxfill_prefix_cache_hits",
+                                         "Prompt tokens served from cached pages.", m, registry=r).labels(model_name),
+            "num_preemptions": Counter("jaxfill_num_preemptions", "Running requests preempted for pages.", m,
+                                       registry=r).labels(model_name),
+        }
+        self.success = Counter("jaxfill_request_success", "Ended requests by finished reason.",
+                               ["model_name", "finished_reason"], registry=r)
+        for reason in FINISHED_REASONS:
+            self.success.labels(model_name, reason)  # export zeros so rate() works from the start
+        self._engine_seen: dict | None = None
 
     def update_stats(self, stats: dict) -> None:
+        """Gauges from an Engine.stats() snapshot, and the engine counters' growth since the
+        previous one (the first call only sets the baseline: counts start at server start)."""
         self.running.set(stats.get("num_running", 0))
         self.waiting.set(stats.get("num_waiting", 0))
         total = stats.get("pages_total") or 0
         if total:
             self.kv_usage.set(1.0 - stats.get("pages_free", total) / total)
+        seen = {k: stats.get(k, 0) * (stats.get("page_size", 1) if per_page else 1)
+                for k, per_page in _ENGINE_COUNTERS.items()}
+        if self._engine_seen is not None:
+            for k, value in seen.items():
+                if value > self._engine_seen[k]:
+                    self.engine_counters[k].inc(value - self._engine_seen[k])
+        self._engine_seen = seen
 
-    def observe_finished(self, *, reason: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+    def observe_finished(self, *, reason: str, prompt_tokens: int, completion_tokens: int,
                          ttft_s: float | None, tpot_s: float | None, queue_s: float | None,
                          prefill_s: float | None, e2e_s: float | None) -> None:
-        self.success.labels(finish_reason=reason).inc()
+        self.success.labels(self.model_name, reason).inc()
         self.prompt_tokens.inc(max(prompt_tokens, 0))
-        self.prefix_hits.inc(max(cached_tokens, 0))
+        self.request_prompt_tokens.observe(max(prompt_tokens, 0))
+        self.request_generation_tokens.observe(max(completion_tokens, 0))
         for hist, value in ((self.ttft, ttft_s), (self.tpot, tpot_s), (self.queue_time, queue_s),
                             (self.prefill_time, prefill_s), (self.e2e, e2e_s)):
             if value is not None and value >= 0:

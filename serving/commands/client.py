@@ -21,6 +21,8 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.add_argument("--wait-ready", type=float, default=None, metavar="SECONDS",
+                   help="first wait up to SECONDS for the server's health to be SERVING (warm-up done)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--tls-ca", default=None, help="PEM root certificate: connect with TLS")
     p.add_argument("--info", action="store_true", help="print GetModelInfo and exit")
@@ -33,8 +35,12 @@ def run(args) -> int:
 
     from jaxfill.serving.client import Client
 
+    if args.wait_ready is not None and args.wait_ready < 0:
+        raise ValueError("--wait-ready must be >= 0 seconds")
     with Client(args.address, api_key=args.api_key, tls_ca=args.tls_ca) as c:
         try:
+            if args.wait_ready is not None:
+                c.wait_serving(args.wait_ready)
             if args.info:
                 print(json_format.MessageToJson(c.model_info()))
                 return 0
@@ -56,6 +62,9 @@ def run(args) -> int:
                     complete = resp.complete
         except grpc.RpcError as e:
             print(f"jaxfill client: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+        except TimeoutError as e:
+            print(f"jaxfill client: {e}", file=sys.stderr)
             return 1
     if args.json:
         out = {"token_ids": ids, **json_format.MessageToDict(complete, preserving_proto_field_name=True)}

@@ -1,0 +1,132 @@
+"""The one validation layer and stream plumbing every protocol adapter shares.
+
+Adapters (generation_service.py, jetstream_service.py) turn their messages into token
+ids and SamplingParams through `RequestCore`, which refuses bad input before anything is
+queued (INVALID_ARGUMENT, the message starting with the offending field's path), submits
+to the EngineLoop and maps how the request ends onto gRPC status codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+
+from jaxfill.engine.loading import validate_prompt
+from jaxfill.engine.request import InvalidRequest, QueueFull, SamplingParams
+from jaxfill.serving.engine_loop import DRAINING, FAILED, SERVING, STOPPED, WARMING, EngineLoop
+from jaxfill.serving.proto.jaxfill.v1 import generation_pb2 as pb
+
+MAX_STOP_STRINGS = 16
+OFFLOAD_TEXT_CHARS = 4096  # tokenize longer texts off the event loop
+
+
+class BadField(Exception):
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def why_gone(context) -> str:
+    """Why a handler stopped before its request ended: its deadline passed, or the client
+    cancelled / disconnected (the metrics' finished_reason)."""
+    try:
+        remaining = context.time_remaining()
+    except Exception:  # noqa: BLE001 - a context without deadlines
+        remaining = None
+    return "deadline" if remaining is not None and remaining < 1e-3 else "cancelled"
+
+
+class RequestCore:
+    def __init__(self, engine, loop_: EngineLoop):
+        self.engine = engine
+        self.loop = loop_
+        cfg = engine.config
+        self.vocab_size = int(cfg.model.vocab_size)
+        self.max_model_len = int(cfg.engine.max_model_len)
+        self.tokenizer = engine.tokenizer
+        self.bos_token_id = getattr(self.tokenizer, "bos_token_id", None)
+
+    async def check_available(self, context) -> None:
+        state = self.loop.state
+        if state == SERVING:
+            return
+        why = {WARMING: "the server is warming up (compiling shape buckets); retry shortly",
+               DRAINING: "the server is draining and refuses new requests",
+               STOPPED: "the server is stopped",
+               FAILED: f"warm-up failed: {self.loop.error}"}[state]
+        await context.abort(grpc.StatusCode.UNAVAILABLE, why)
+
+    async def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        if len(text) > OFFLOAD_TEXT_CHARS:
+            return await asyncio.get_running_loop().run_in_executor(None, self.tokenizer.encode, text, add_bos)
+        return self.tokenizer.encode(text, add_bos)
+
+    def check_prompt(self, ids: list[int], field: str) -> None:
+        try:
+            validate_prompt(ids, self.vocab_size, self.max_model_len)
+        except InvalidRequest as e:
+            raise BadField(field, str(e).split(": ", 1)[-1]) from None
+
+    def check_params(self, params: SamplingParams, field: str = "sampling.") -> SamplingParams:
+        """field: where the sampling fields sit in the message ("sampling." or "" for JetStream)."""
+        try:
+            params.validate(self.vocab_size)
+        except InvalidRequest as e:
+            raise BadField(f"{field}{e.field}", str(e).split(": ", 1)[-1]) from None
+        if params.max_tokens > self.max_model_len:
+            raise BadField(f"{field}max_tokens",
+                           f"{params.max_tokens} exceeds max_model_len ({self.max_model_len})")
+        if len(params.stop) > MAX_STOP_STRINGS:
+            raise BadField(f"{field}stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(params.stop)}")
+        return params
+
+    def check_fits(self, num_prompt: int, max_tokens: int, field: str) -> None:
+        """A request whose prompt plus max_tokens exceeds max_model_len is refused, not cut short."""
+        if num_prompt + max_tokens > self.max_model_len:
+            raise BadField(field, f"the prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) is "
+                                  f"{num_prompt + max_tokens} tokens, over max_model_len ({self.max_model_len})")
+
+    async def run(self, context, ids: list[int], params: SamplingParams, request_id: str, priority: int,
+                  arrival: float):
+        """Submits and yields (kind, payload, stream, t) until the request ends; maps failures
+        to status codes. A handler that stops early (cancel, disconnect, deadline) aborts it."""
+        try:
+            stream = self.loop.submit(ids, params, request_id, priority, arrival)
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except QueueFull as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        try:
+            while True:
+                kind, payload, t = await stream.queue.get()
+                if kind == "error":
+                    if isinstance(payload, InvalidRequest):
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(payload))
+                    await context.abort(grpc.StatusCode.INTERNAL, str(payload))
+                if kind == "aborted":
+                    yield kind, None, stream, t
+                    return
+                yield kind, payload, stream, t
+                if payload.finished:
+                    c = payload.completion
+                    if c is not None and c.finish_reason == "error":
+                        await context.abort(grpc.StatusCode.INTERNAL,
+                                            c.error or "the engine step for this request failed")
+                    return
+        finally:
+            if not stream.done:  # cancelled, disconnected, deadline passed: free its pages now
+                self.loop.abort(request_id, reason=why_gone(context))
+
+    @staticmethod
+    def complete(stream, reason: str, completion) -> pb.GenerateComplete:
+        m = completion.metrics if completion is not None else {}
+        return pb.GenerateComplete(
+            request_id=stream.request_id, finish_reason=reason,
+            prompt_tokens=completion.prompt_tokens if completion else stream.prompt_tokens,
+            completion_tokens=len(completion.token_ids) if completion else stream.num_tokens,
+            cached_tokens=completion.cached_tokens if completion else 0,
+            queue_time_s=float(m.get("queue_s", 0.0) or 0.0),
+            ttft_s=(stream.first_token_t - stream.arrival) if stream.first_token_t is not None else 0.0,
+            e2e_s=time.monotonic() - stream.arrival)
