@@ -49,14 +49,22 @@ class ByteDetokenizer:
     def __init__(self, tokenizer: ByteTokenizer, prompt_ids=()):
         self.tokenizer = tokenizer
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        # The prompt's text is not ours to emit, but a character it leaves unfinished is.
+        # The prompt's text is not ours to emit, but a character it leaves unfinished is
+        # once the output completes it; if the output does not, decode(prompt) already
+        # showed it as U+FFFD.
         self.decoder.decode(tokenizer.decode_bytes(list(prompt_ids)[-PROMPT_CONTEXT:]))
+        self.prompt_tail = self.decoder.getstate()[0].decode("utf-8", errors="replace")
+
+    def _emit(self, text: str) -> str:
+        if text and self.prompt_tail:
+            text, self.prompt_tail = text[_common_prefix_len(self.prompt_tail, text):], ""
+        return text
 
     def feed(self, ids) -> str:
-        return self.decoder.decode(self.tokenizer.decode_bytes(ids))
+        return self._emit(self.decoder.decode(self.tokenizer.decode_bytes(ids)))
 
     def flush(self) -> str:
-        return self.decoder.decode(b"", final=True)
+        return self._emit(self.decoder.decode(b"", final=True))
 
 
 class HFTokenizer:
@@ -83,17 +91,31 @@ class HFTokenizer:
 class HFDetokenizer:
     """Decodes a growing id list, holding text back while it ends in a broken character.
 
-    Each step decodes a window that starts at the previous emission point (or, first, a
-    few prompt tokens back) and emits what the new ids added to the window's text: a
-    decoder that strips the first token's leading space (Metaspace) strips it from both
-    sides of that difference, so the space of a token after the window's start survives.
+    Each step decodes a window that starts at the previous emission point (first, at a
+    character boundary a few prompt tokens back) and emits what the new ids added to the
+    window's text: a decoder that strips the first token's leading space (Metaspace)
+    strips it from both sides of that difference, so later tokens keep theirs.
     """
 
     def __init__(self, tokenizer: HFTokenizer, prompt_ids=()):
         self.tokenizer = tokenizer
-        self.ids: list[int] = [int(i) for i in list(prompt_ids)[-PROMPT_CONTEXT:]]
+        ids = [int(i) for i in list(prompt_ids)[-PROMPT_CONTEXT:]]
+        start, end = self._clean_span(ids)
+        self.ids = ids[start:]
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
+        self.next_prefix_offset = end - start  # where the window starts after the next emission
+
+    def _clean_span(self, ids) -> tuple[int, int]:
+        """The latest-ending ids[i:j] that decodes without U+FFFD, so the window starts and,
+        after the first emission, restarts on character boundaries. (Byte fallback decodes
+        a run of byte tokens as a whole: a window cut inside a character would turn the
+        whole run into U+FFFDs.)"""
+        for j in range(len(ids), 0, -1):
+            for i in range(j):
+                if "\ufffd" not in self.tokenizer.decode(ids[i:j]):
+                    return i, j
+        return 0, 0
 
     def _new_text(self) -> str:
         prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
@@ -107,12 +129,13 @@ class HFDetokenizer:
         emitted = self._new_text()
         if not emitted or emitted.endswith("\ufffd"):
             return ""
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.prefix_offset, self.read_offset = self.next_prefix_offset, len(self.ids)
+        self.next_prefix_offset = self.read_offset
         return emitted
 
     def flush(self) -> str:
         emitted = self._new_text()
-        self.prefix_offset = self.read_offset = len(self.ids)
+        self.prefix_offset = self.read_offset = self.next_prefix_offset = len(self.ids)
         return emitted
 
 
