@@ -26,7 +26,7 @@ import numpy as np
 
 from jaxfill.engine.batch import StepBatch
 
-RUN, STOP, HEARTBEAT, RESET = 1, 2, 3, 4
+RUN, STOP, HEARTBEAT, RESET, USE_XLA = 1, 2, 3, 4, 5
 HEARTBEAT_S = 5.0
 
 

@@ -10,6 +10,12 @@ cache's page axis holds R pools of engine.num_pages pages.
 Multi-process (jax.distributed): process 0 broadcasts every batch before running it and
 the other processes run it from `follow()` (engine/lockstep.py), so all run the same
 jitted programs in the same order.
+
+Warm-up first checks the attention impl the model was built with against `xla` on a
+small mixed batch at the model's head shapes (pallas_kernels/ragged_paged_attention/
+self_check.py); if it fails to lower or disagrees, one warning, and the engine serves
+with `xla` (`attention_impl` says which impl serves, `attention_check` why). Process 0
+decides and tells the followers, so every process compiles the same program.
 """
 
 from __future__ import annotations
@@ -24,9 +30,10 @@ import numpy as np
 from flax import nnx
 
 from jaxfill.engine.batch import StepBatch, dummy_batch, stack_batches
-from jaxfill.engine.lockstep import HEARTBEAT, RESET, RUN, STOP, Lockstep
+from jaxfill.engine.lockstep import HEARTBEAT, RESET, RUN, STOP, USE_XLA, Lockstep
 from jaxfill.engine.step import step, step_replicas
 from jaxfill.models.kv_cache import KVCache
+from jaxfill.pallas_kernels import resolve_impl
 
 log = logging.getLogger("jaxfill.runner")
 
@@ -58,6 +65,8 @@ class Runner:
             self.batch_sharding = None
         self._step = step_replicas if self.num_replicas > 1 else step
         self.state = state
+        self.attention_impl = resolve_impl(model.attention_impl)  # the impl that serves
+        self.attention_check = "not checked yet (warmup checks it)"
         self.page_size = s.page_size
         self.num_pages = s.num_pages
         self.shapes = list(shapes)
@@ -73,7 +82,7 @@ class Runner:
     def new_cache(self) -> KVCache:
         c = self.config
         if self.mesh is not None:
-            from jaxfill.models.sharding import create_kv_cache
+            from jaxfill.engine.placement import create_kv_cache
 
             return create_kv_cache(c.model, self.mesh, c.engine.num_pages, c.engine.page_size)
         return KVCache.create(c.model, c.engine.num_pages, c.engine.page_size)
@@ -116,7 +125,9 @@ class Runner:
         self.kv_cache = self.new_cache()
 
     def warmup(self, progress: bool = True) -> None:
-        """Compiles (and runs once) every bucket; an all-padding batch writes nothing."""
+        """Checks the attention impl, then compiles (and runs once) every bucket; an
+        all-padding batch writes nothing."""
+        self.check_attention_impl()
         it = self.shapes
         if progress:
             from tqdm import tqdm
@@ -124,6 +135,35 @@ class Runner:
             it = tqdm(self.shapes, desc="compiling buckets", unit="bucket")
         for shape in it:
             self.run(self.dummy(shape))
+
+    def check_attention_impl(self) -> None:
+        """Leader: a non-xla impl must lower and match xla here, or xla serves instead."""
+        if self.attention_impl == "xla":
+            self.attention_check = "xla is the baseline (nothing to check)"
+            return
+        from jaxfill.pallas_kernels.ragged_paged_attention.self_check import check_impl
+
+        m = self.config.model
+        kv_heads = min(m.num_kv_heads, 2)  # per-head work; keeps the query group size
+        error = check_impl(self.attention_impl, num_q_heads=kv_heads * (m.num_heads // m.num_kv_heads),
+                           num_kv_heads=kv_heads, head_dim=m.head_dim, page_size=self.page_size,
+                           dtype=m.jnp_dtype, sliding_window=m.sliding_window)
+        if error is None:
+            self.attention_check = f"{self.attention_impl} matches xla on a mixed batch"
+            return
+        log.warning("attention impl %r failed its warm-up check against xla (%s); serving with xla",
+                    self.attention_impl, error)
+        self.attention_check = f"{self.attention_impl} failed ({error}); xla serves"
+        if self.lockstep is not None:
+            self.lockstep.send(USE_XLA)
+        self._use_xla()
+
+    def _use_xla(self) -> None:
+        """Rebuilds the graphdef (which holds the impl name) around the same params."""
+        model = nnx.merge(self.graphdef, self.state)
+        model.attention_impl = "xla"
+        self.graphdef, self.state = nnx.split(model)
+        self.attention_impl = "xla"
 
     # ------------------------------------------------------------------ multi-process
     def idle(self) -> None:
@@ -147,6 +187,9 @@ class Runner:
                 return steps
             if op == RESET:
                 self.kv_cache = self.new_cache()
+            elif op == USE_XLA:
+                self._use_xla()
+                self.attention_check = "process 0's warm-up check failed; xla serves"
             elif op == RUN:
                 try:
                     self._execute(batch)
