@@ -6,9 +6,15 @@
       -> runner.run()                  device_put -> step.step (jit, cache donated) -> host
       -> _process()                    append tokens, logprobs, detokenize, stops, finish
 
-One thread steps; add_request / abort may come from other threads (one lock guards the
-queues; the device call runs outside it). A request whose step fails finishes with
-finish_reason "error" and its pages are freed; the engine keeps going.
+One thread steps: a step() (or generate / stream) while another thread is inside step()
+raises RuntimeError at once, since two steppers would compute one chunk twice and race on
+the donated KV cache. add_request / abort / abort_all may come from any thread (one lock
+guards the queues; the device call runs outside it). A request whose step fails finishes
+with finish_reason "error" and its pages are freed; the engine keeps going.
+
+Interrupts (KeyboardInterrupt in a notebook) propagate but leave the engine consistent:
+outputs step() took or produced go back to the outbox, generate / stream abort their own
+requests, and a KV cache lost between donation and store is rebuilt before the next step.
 
 mesh.data = R > 1: R schedulers and page pools (engine/replicas.py); each step stacks
 their batches, padded to one bucket, into one data-parallel step.
@@ -26,6 +32,7 @@ broadcasts; `close()` on process 0 releases them:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import random
 import sys
@@ -87,11 +94,13 @@ class Engine:
         self.requests: dict[str, Request] = {}  # unfinished, by id
         self._lock = threading.RLock()
         self._outbox: list[RequestOutput] = []  # reported by the next step()
+        self._stepper: int | None = None  # id of the thread inside step() or warmup()
         self._arrivals = itertools.count()
         self._ids = itertools.count()
         self._seeds = random.Random(s.seed)
         self.num_steps = 0
         self.num_errors = 0
+        self.num_cache_resets = 0
         self.warmed_up = False
         if warmup and self.is_leader:  # followers compile as they follow the leader's warm-up
             self.warmup(progress)
@@ -107,7 +116,8 @@ class Engine:
         if progress:
             print(f"jaxfill: compiling {describe_buckets(self.shapes)}", file=sys.stderr, flush=True)
         start = time.perf_counter()
-        self.runner.warmup(progress)
+        with self._one_stepper():
+            self.runner.warmup(progress)
         self.warmup_s = time.perf_counter() - start
         self.warmed_up = True
 
@@ -120,8 +130,8 @@ class Engine:
         except (TypeError, ValueError):
             raise InvalidRequest("prompt", "must be a string or a list of token ids") from None
 
-    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    priority: int = 0) -> str:
+    def _check_request(self, prompt, params: SamplingParams | None, priority: int) -> tuple[list[int], SamplingParams]:
+        """Everything about one request that can be checked without the queues: (ids, params)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequest("params", f"must be SamplingParams, got {type(params).__name__}")
@@ -135,6 +145,12 @@ class Engine:
                                  f"(engine.num_pages x engine.page_size)")
         if not isinstance(priority, int):
             raise InvalidRequest("priority", f"must be an integer, got {priority!r}")
+        return ids, params
+
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    priority: int = 0) -> str:
+        ids, params = self._check_request(prompt, params, priority)
+        s = self.settings
         self._leader_only("add_request")
         with self._lock:
             if request_id is None:
@@ -165,14 +181,77 @@ class Engine:
             self._outbox.append(self._finish(req, "abort"))
             return True
 
+    def abort_all(self) -> int:
+        """Aborts every unfinished request and drops every output not yet returned (after an
+        interrupted notebook cell, say); returns how many requests were aborted."""
+        with self._lock:
+            n = len(self.requests)
+            self._discard(list(self.requests))
+            self._outbox.clear()
+            return n
+
+    def _discard(self, request_ids) -> None:
+        """Aborts these requests and drops their pending outputs: whoever wanted them is gone
+        (a generate() or stream() that raised or was closed)."""
+        ids = set(request_ids)
+        with self._lock:
+            for rid in ids:
+                req = self.requests.get(rid)
+                if req is not None:
+                    self._finish(req, "abort")
+            self._outbox = [o for o in self._outbox if o.request_id not in ids]
+
     def has_unfinished(self) -> bool:
         with self._lock:
             return bool(self.requests or self._outbox)
 
     # ------------------------------------------------------------------ step
-    def step(self) -> list[RequestOutput]:
+    @contextlib.contextmanager
+    def _one_stepper(self):
+        """Refuses a second thread while one is inside step() or warmup(). The same thread is
+        let in: only an interrupt landing between the claim and the `try` can leave the
+        claim behind, and the next step on that thread clears it."""
+        me = threading.get_ident()
         with self._lock:
-            outputs, self._outbox = self._outbox, []
+            owner = self._stepper
+            if owner is not None and owner != me:
+                raise RuntimeError(
+                    f"Engine.step() is already running in another thread (ident {owner}): one thread "
+                    "steps an engine (a serving loop, or one generate()/stream() at a time). From other "
+                    "threads, add_request() / abort() and let the stepping thread run them.")
+            self._stepper = me
+        try:
+            yield
+        finally:
+            self._stepper = None
+
+    def step(self) -> list[RequestOutput]:
+        with self._one_stepper():
+            return self._step()
+
+    def _recover_cache(self) -> None:
+        """A step that died between donating the KV cache and storing its successor (an
+        error, or an interrupt) leaves deleted buffers: start from a fresh cache and send
+        the running requests back to be recomputed, so no later request fails for it."""
+        if not self.runner.cache_ok():
+            self.runner.reset_cache()
+            self.scheduler.recompute_all()
+            self.num_cache_resets += 1
+
+    def _step(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        try:
+            return self._step_into(outputs)
+        except BaseException:
+            with self._lock:  # nothing taken from or produced for the outbox is lost
+                self._outbox[:0] = outputs
+            raise
+
+    def _step_into(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        with self._lock:
+            outputs += self._outbox
+            self._outbox = []
+            self._recover_cache()
             scheds = self.scheduler.schedule()  # one per data replica
             for req in (r for sched in scheds for r in sched.finished):  # no room in the pool even alone
                 outputs.append(self._finish(req, "length"))
@@ -183,12 +262,14 @@ class Engine:
                 batch = stack_batches([build_batch(sc, shape, self.settings.page_size, self.max_pages,
                                                    self.vocab_size, self.settings.penalty_window) for sc in scheds])
             except Exception as e:  # noqa: BLE001 - a bad request must not stop the engine
-                return outputs + self._fail(scheds, e)
+                outputs += self._fail(scheds, e)
+                return outputs
         try:
             host = self.runner.run(batch)
         except Exception as e:  # noqa: BLE001
             with self._lock:
-                return outputs + self._fail(scheds, e)
+                outputs += self._fail(scheds, e)
+                return outputs
         with self._lock:
             self.num_steps += 1
             now = time.perf_counter()
@@ -211,6 +292,12 @@ class Engine:
                 return self._append(req, int(host.tokens[row]), host, row, now)
         except Exception as e:  # noqa: BLE001
             return self._finish(req, "error", error=f"{type(e).__name__}: {e}")
+        except BaseException:  # interrupted (KeyboardInterrupt)
+            if req.num_tokens == sch.start + sch.num_new:
+                # Sampled, but the token was not taken: with nothing left to compute the
+                # request would never be scheduled again. Run the chunk again instead.
+                req.num_computed = sch.start
+            raise
         return None
 
     def _fail(self, scheds, exc: Exception) -> list[RequestOutput]:
@@ -222,10 +309,7 @@ class Engine:
         for sch in (sch for sched in scheds for sch in sched.seqs):
             if self.requests.get(sch.req.request_id) is sch.req:
                 outs.append(self._finish(sch.req, "error", error=msg))
-        if not self.runner.cache_ok():
-            # The donated cache is gone: every computed page is lost. Recompute the rest.
-            self.runner.reset_cache()
-            self.scheduler.recompute_all()
+        self._recover_cache()
         return outs
 
     # ------------------------------------------------------------------ per token
@@ -252,27 +336,30 @@ class Engine:
     def stream(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                priority: int = 0) -> Iterator[RequestOutput]:
         """Adds one request and steps the engine until it finishes, yielding its chunks.
-        Outputs of other requests go back to the outbox for whoever steps next."""
+        Outputs of other requests go back to the outbox for whoever steps next. If the
+        stream is closed early or raises, its request is aborted and its outputs dropped."""
+        self._refuse_second_stepper()
         rid = self.add_request(prompt, params, request_id, priority)
         done = False
         try:
             while not done:
-                others = []
-                for out in self.step():
-                    if out.request_id == rid:
-                        done = done or out.finished
-                        yield out
-                    else:
-                        others.append(out)
+                outs = self.step()
+                others = [o for o in outs if o.request_id != rid]
                 if others:
                     with self._lock:
                         self._outbox.extend(others)
+                for out in (o for o in outs if o.request_id == rid):
+                    done = done or out.finished
+                    yield out
         finally:
             if not done:
-                self.abort(rid)
+                self._discard([rid])
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  priority: int = 0) -> list[Completion]:
+        """Runs the prompts to completion. Every prompt is checked before any is added; on
+        any exception (KeyboardInterrupt included) its requests are aborted and their
+        outputs dropped, then the exception propagates."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         if isinstance(params, (list, tuple)):
             if len(params) != len(prompts):
@@ -280,28 +367,42 @@ class Engine:
             plist = list(params)
         else:
             plist = [params or SamplingParams()] * len(prompts)
-        for p in plist:
-            p.validate(self.vocab_size)
-        rids: list[str | None] = [None] * len(prompts)
+        checked = []
+        for i, (prompt, p) in enumerate(zip(prompts, plist)):
+            try:
+                checked.append(self._check_request(prompt, p, priority))
+            except InvalidRequest as e:
+                raise InvalidRequest(e.field, f"prompt {i}: {str(e).removeprefix(e.field + ': ')}") from None
+        self._refuse_second_stepper()
+        rids: list[str] = []
         results: dict[str, Completion] = {}
-        nxt = 0
-        while nxt < len(prompts) or len(results) < len(prompts):
-            while nxt < len(prompts):
-                try:
-                    rids[nxt] = self.add_request(prompts[nxt], plist[nxt], priority=priority)
-                except QueueFull:
-                    break
-                nxt += 1
-            others = []
-            for out in self.step():
-                if out.finished and out.request_id in rids:
-                    results[out.request_id] = out.completion
-                elif out.request_id not in rids:
-                    others.append(out)
-            if others:
-                with self._lock:
-                    self._outbox.extend(others)
-        return [results[r] for r in rids]
+        try:
+            while len(rids) < len(checked) or len(results) < len(checked):
+                while len(rids) < len(checked):
+                    ids, p = checked[len(rids)]
+                    try:
+                        rids.append(self.add_request(ids, p, priority=priority))
+                    except QueueFull:
+                        break
+                mine = set(rids)
+                others = []
+                for out in self.step():
+                    if out.request_id not in mine:
+                        others.append(out)
+                    elif out.finished:
+                        results[out.request_id] = out.completion
+                if others:
+                    with self._lock:
+                        self._outbox.extend(others)
+            return [results[r] for r in rids]
+        except BaseException:
+            self._discard(rids)
+            raise
+
+    def _refuse_second_stepper(self) -> None:
+        """generate / stream fail before adding anything while another thread steps."""
+        with self._one_stepper():
+            pass
 
     def stats(self) -> dict:
         with self._lock:
