@@ -8,12 +8,16 @@
 
 Each message is one broadcast in the manner of multihost_utils.broadcast_one_to_all (a
 psum over every device of every process, process 0 alone contributing), so nothing
-but JAX's own runtime carries the batch. It
-is one fixed-size int32 buffer, [op, bucket, the batch's leaves packed as int32 words,
-padding], sized for the largest bucket: a follower can wait for it without knowing the
-next bucket, it is one collective per step (a pytree of 20 leaves would be 20), and
-one compiled program. While the leader is idle it sends a HEARTBEAT now and then, so no
-follower sits in one collective for longer than the collective backend's timeout.
+but JAX's own runtime carries the batch. A follower cannot know the next bucket, so the
+first broadcast has one fixed size, FIRST_WORDS int32 words: [op, bucket, payload words,
+the payload's start]. A payload that does not fit goes in a second broadcast, its size
+rounded up to a power of two (few compiled programs). The payload is the batch's leaves
+as int32 words with each row's trailing run of one value (padding: null pages, empty
+penalty history, padding tokens) cut to one word, so it grows with the live content,
+not with the bucket: a decode step is one small broadcast where sizing for the largest
+bucket sent ~2 MiB for llama3_1_8b (page_indices [64, 8192] alone). While the leader is
+idle it sends a HEARTBEAT now and then, so no follower sits in one collective for longer
+than the collective backend's timeout.
 
 Single process: no Lockstep at all (Runner.lockstep is None).
 """
@@ -28,6 +32,9 @@ from jaxfill.engine.batch import StepBatch
 
 RUN, STOP, HEARTBEAT, RESET, USE_XLA = 1, 2, 3, 4, 5
 HEARTBEAT_S = 5.0
+HEADER = 3  # op, bucket, payload words
+FIRST_WORDS = 8192  # 32 KiB: a decode step of 64 sequences x ~100 pages fits in one broadcast
+MIN_REST_WORDS = 1024
 
 
 class Lockstep:
@@ -38,13 +45,14 @@ class Lockstep:
 
         self.templates = templates
         self.index = {self._key(b): i for i, b in enumerate(templates)}
-        self.size = 2 + max(sum(x.size for x in jax.tree.leaves(b)) for b in templates)
+        self.max_rest = max(max_payload_words(b) for b in templates) - (FIRST_WORDS - HEADER)
         self.is_leader = jax.process_index() == 0
         self._rows, self._sum = _sum_over_processes()
         self.last_sent = time.monotonic()
         self.stopped = False
         self.num_sent = 0  # messages sent (leader): benchmarks/multihost.py reads these
         self.send_s = 0.0  # seconds spent broadcasting
+        self.words_sent = 0  # int32 words broadcast (leader), both parts of every message
 
     @staticmethod
     def _key(batch: StepBatch) -> tuple:
@@ -59,19 +67,24 @@ class Lockstep:
 
     # ------------------------------------------------------------------ leader
     def send(self, op: int, batch: StepBatch | None = None) -> None:
-        """One message: [op, bucket, the batch's leaves as int32 words, zero padding]."""
+        """[op, bucket, n, the first words of pack(batch)], then the rest if any."""
         if not self.is_leader:
             raise RuntimeError("only process 0 sends batches")
         if self.stopped:
             raise RuntimeError("the followers were released (close() was called)")
         start = time.perf_counter()
-        buf = np.zeros(self.size, np.int32)
-        buf[0] = op
-        if batch is not None:
-            buf[1] = self.index[self._key(batch)]
-            words = pack(batch)
-            buf[2:2 + words.size] = words
-        self._broadcast(buf)
+        words = pack(batch) if batch is not None else np.zeros(0, np.int32)
+        first = np.zeros(FIRST_WORDS, np.int32)
+        first[:HEADER] = op, self.index[self._key(batch)] if batch is not None else 0, words.size
+        inline = min(words.size, FIRST_WORDS - HEADER)
+        first[HEADER:HEADER + inline] = words[:inline]
+        self._broadcast(first)
+        self.words_sent += first.size
+        if words.size > inline:
+            rest = np.zeros(rest_words(words.size - inline, self.max_rest), np.int32)
+            rest[:words.size - inline] = words[inline:]
+            self._broadcast(rest)
+            self.words_sent += rest.size
         self.send_s += time.perf_counter() - start
         self.num_sent += 1
         self.last_sent = time.monotonic()
@@ -84,11 +97,36 @@ class Lockstep:
     # ------------------------------------------------------------------ followers
     def receive(self) -> tuple[int, StepBatch | None]:
         """Blocks until the leader sends: (op, batch for RUN else None)."""
-        buf = self._broadcast(np.zeros(self.size, np.int32))
-        op = int(buf[0])
+        first = self._broadcast(np.zeros(FIRST_WORDS, np.int32))
+        op, bucket, n = (int(x) for x in first[:HEADER])
         if op != RUN:
             return op, None
-        return op, unpack(buf[2:], self.templates[int(buf[1])])
+        words = first[HEADER:HEADER + n]
+        if n > words.size:
+            rest = self._broadcast(np.zeros(rest_words(n - words.size, self.max_rest), np.int32))
+            words = np.concatenate([words, rest[:n - words.size]])
+        return op, unpack(words, self.templates[bucket])
+
+
+def rest_words(n: int, most: int) -> int:
+    """Size of the second broadcast for n words: a power of two (few programs compile),
+    capped at `most`, the largest any bucket can need."""
+    return min(max(MIN_REST_WORDS, 1 << (n - 1).bit_length()), max(most, n))
+
+
+def max_payload_words(template: StepBatch) -> int:
+    """pack()'s worst case for a bucket: every row kept whole, plus one length per row."""
+    import jax
+
+    return sum(_as_rows(x).shape[0] + x.size for x in jax.tree.leaves(template))
+
+
+def message_words(batch: StepBatch, templates: list[StepBatch]) -> int:
+    """int32 words one RUN message of this batch broadcasts (both parts), with these buckets."""
+    n = pack(batch).size
+    extra = n - (FIRST_WORDS - HEADER)
+    most = max(max_payload_words(b) for b in templates) - (FIRST_WORDS - HEADER)
+    return FIRST_WORDS + (rest_words(extra, most) if extra > 0 else 0)
 
 
 def _sum_over_processes():
@@ -107,26 +145,57 @@ def _sum_over_processes():
     return NamedSharding(mesh, PartitionSpec("processes")), total
 
 
+def _as_rows(x: np.ndarray) -> np.ndarray:  # [rows, last dim] int32 words
+    """4-byte dtypes bit for bit, bools as 0/1; rows along the last axis."""
+    x = np.ascontiguousarray(x)
+    w = x.view(np.int32) if x.dtype.itemsize == 4 else x.astype(np.int32)
+    return w.reshape(-1, x.shape[-1]) if x.ndim else w.reshape(1, 1)
+
+
+def _kept(rows: np.ndarray,  # [n, w] int32
+          ) -> np.ndarray:  # [n] int32: words kept per row, the trailing run of its last value cut to one
+    n, w = rows.shape
+    if w == 0:
+        return np.zeros(n, np.int32)
+    differs_reversed = np.ascontiguousarray((rows != rows[:, -1:])[:, ::-1])  # argmax is slow on a view
+    return np.where(differs_reversed.any(axis=1), w + 1 - np.argmax(differs_reversed, axis=1), 1).astype(np.int32)
+
+
 def pack(batch: StepBatch) -> np.ndarray:  # [words] int32
-    """Every leaf as int32 words (4-byte dtypes bit for bit, bools as 0/1), in tree order."""
+    """Per leaf, in tree order: each row's kept length, then the kept words of every row."""
     import jax
 
     parts = []
     for x in jax.tree.leaves(batch):
-        x = np.ascontiguousarray(x).reshape(-1)
-        parts.append(x.view(np.int32) if x.dtype.itemsize == 4 else x.astype(np.int32))
+        rows = _as_rows(x)
+        keep = _kept(rows)
+        parts.append(keep)
+        parts += [row[:k] for row, k in zip(rows, keep.tolist())]  # rows <= R * S: a short loop
     return np.concatenate(parts)
 
 
-def unpack(words: np.ndarray,  # [>= words of template] int32
+def unpack(words: np.ndarray,  # [pack(batch).size] int32
            template: StepBatch) -> StepBatch:
+    """pack's inverse: leaves of the template's shapes and dtypes, bit for bit."""
     import jax
 
     leaves, treedef = jax.tree.flatten(template)
     out, at = [], 0
     for t in leaves:
-        chunk = words[at:at + t.size]
-        at += t.size
-        x = chunk.view(t.dtype) if t.dtype.itemsize == 4 else chunk.astype(t.dtype)
-        out.append(x.reshape(t.shape).copy())
+        n, w = _as_rows(t).shape
+        keep = words[at:at + n]
+        at += n
+        if keep.size != n or (w and ((keep < 1) | (keep > w)).any()):
+            raise ValueError(f"lockstep message does not fit the bucket's template at word {at}")
+        if words.size < at + int(keep.sum()):
+            raise ValueError("lockstep message is shorter than its template needs")
+        rows = np.empty((n, w), np.int32)
+        for row, k in zip(rows, keep.tolist()):
+            row[:k] = words[at:at + k]
+            row[k:] = words[at + k - 1] if k else 0
+            at += k
+        x = rows.view(t.dtype) if t.dtype.itemsize == 4 else rows.astype(t.dtype)
+        out.append(x.reshape(t.shape))
+    if at != words.size:
+        raise ValueError(f"lockstep message has {words.size - at} words past the template")
     return jax.tree.unflatten(treedef, out)
