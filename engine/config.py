@@ -7,12 +7,15 @@ The same override keys work on the CLI (`--set mesh.tensor=4`) and in notebooks
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import tomllib
 from importlib import resources
 from typing import Any, Mapping
 
 from jaxfill.models.config import ConfigError, ModelConfig
+
+log = logging.getLogger("jaxfill.config")
 
 NOT_PRESETS = {"hardware"}  # configs/hardware.toml holds accelerator specs, not a [model]/[engine]/[mesh] preset
 
@@ -89,15 +92,23 @@ def preset_names() -> list[str]:
     return sorted(n for n in names if n not in NOT_PRESETS)
 
 
-def read_preset(config: str) -> tuple[str, bytes]:
-    """(name, TOML bytes) for a TOML path or a preset name ("tiny", "llama3_8b")."""
+def read_preset(config: str) -> tuple[str, dict[str, Any], str | None]:
+    """(name, parsed TOML, the folder a `checkpoint = "..."` key is relative to) for a TOML
+    path or a preset name ("tiny", "llama3_8b")."""
     if os.path.isfile(config):
         with open(config, "rb") as f:
-            return os.path.splitext(os.path.basename(config))[0], f.read()
-    name = config[:-5] if config.endswith(".toml") else config
-    if name in preset_names():
-        return name, resources.files("jaxfill.configs").joinpath(name + ".toml").read_bytes()
-    raise ConfigError(f"config {config!r} is neither a file nor a preset; presets: {', '.join(preset_names())}")
+            raw, base = f.read(), os.path.dirname(os.path.abspath(config))
+        name = os.path.splitext(os.path.basename(config))[0]
+    else:
+        name = config[:-5] if config.endswith(".toml") else config
+        if name not in preset_names():
+            raise ConfigError(f"config {config!r} is neither a file nor a preset; presets: {', '.join(preset_names())}")
+        package = resources.files("jaxfill.configs")
+        raw, base = package.joinpath(name + ".toml").read_bytes(), str(package)
+    try:
+        return name, tomllib.loads(raw.decode()), base
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config {config!r} is not valid TOML: {e}") from None
 
 
 def parse_overrides(overrides: Mapping[str, Any] | list[str] | None) -> dict[str, dict[str, Any]]:
@@ -145,14 +156,15 @@ def _build(cls, values: dict[str, Any]):
 
 def load_config(config: str = "tiny", overrides: Mapping[str, Any] | list[str] | None = None,
                 model_path: str | None = None) -> Config:
-    name, raw = read_preset(config)
-    try:
-        data = tomllib.loads(raw.decode())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"config {config!r} is not valid TOML: {e}") from None
+    """A preset or TOML file, then overrides. `model_path` (`--model DIR`) brings its own
+    config.json; otherwise a preset's top-level `checkpoint = "DIR"` (relative to the TOML)
+    supplies weights for the shapes its [model] section describes."""
+    name, data, base = read_preset(config)
+    checkpoint = data.pop("checkpoint", None)
     unknown = set(data) - set(SECTIONS)
     if unknown:
-        raise ConfigError(f"{config}: unknown sections {sorted(unknown)}; expected [model] [engine] [mesh]")
+        raise ConfigError(f"{config}: unknown sections {sorted(unknown)}; expected [model] [engine] [mesh] "
+                          "and an optional checkpoint = \"DIR\"")
     extra = parse_overrides(overrides)
     if model_path:
         model = ModelConfig.from_hf(model_path)
@@ -160,9 +172,23 @@ def load_config(config: str = "tiny", overrides: Mapping[str, Any] | list[str] |
         model = dataclasses.replace(model, **model_extra) if model_extra else model
     else:
         model = ModelConfig.from_dict({**data.get("model", {}), **extra.get("model", {})})
-    engine = _build(EngineSettings, {**data.get("engine", {}), **extra.get("engine", {})})
+        model_path = os.path.join(base, checkpoint) if checkpoint else None
+    engine_values = {**data.get("engine", {}), **extra.get("engine", {})}
+    engine_values = _fit_max_model_len(engine_values, "max_model_len" in extra.get("engine", {}), model)
+    engine = _build(EngineSettings, engine_values)
     mesh = _build(MeshSettings, {**data.get("mesh", {}), **extra.get("mesh", {})})
-    if engine.max_model_len > model.max_position_embeddings:
-        raise ConfigError(f"engine.max_model_len ({engine.max_model_len}) exceeds the model's "
-                          f"max_position_embeddings ({model.max_position_embeddings})")
     return Config(name=name, model=model, engine=engine, mesh=mesh, model_path=model_path)
+
+
+def _fit_max_model_len(values: dict[str, Any], explicit: bool, model: ModelConfig) -> dict[str, Any]:
+    """A preset's max_model_len is a default: it shrinks to what the model supports, so a
+    checkpoint with a shorter context still loads. A value the user set stays binding."""
+    wanted = int(values.get("max_model_len", EngineSettings.max_model_len))
+    limit = model.max_position_embeddings
+    if wanted <= limit:
+        return values
+    if explicit:
+        raise ConfigError(f"engine.max_model_len ({wanted}) exceeds the model's max_position_embeddings ({limit})")
+    log.warning("engine.max_model_len %d -> %d: the model's max_position_embeddings (set "
+                "--set engine.max_model_len=N to choose)", wanted, limit)
+    return {**values, "max_model_len": limit}

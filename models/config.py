@@ -104,11 +104,7 @@ class ModelConfig:
     def from_hf(cls, config: dict[str, Any] | str | os.PathLike) -> "ModelConfig":
         """Reads a Hugging Face config.json (a dict, a file, or a directory holding it)."""
         if not isinstance(config, dict):
-            path = os.fspath(config)
-            if os.path.isdir(path):
-                path = os.path.join(path, "config.json")
-            with open(path) as f:
-                config = json.load(f)
+            config = _read_config_json(os.fspath(config))
         archs = config.get("architectures") or []
         arch = archs[0] if archs else None
         if arch not in ARCHITECTURES:
@@ -128,6 +124,10 @@ class ModelConfig:
                 scaling = None
             elif kind != "llama3":
                 raise ConfigError(f"rope scaling type {kind!r} is not supported (only 'llama3')")
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if k not in config]
+        if missing:
+            raise ConfigError(f"config.json lacks {', '.join(missing)}")
         heads = config["num_attention_heads"]
         hidden = config["hidden_size"]
         sliding = config.get("sliding_window")
@@ -155,6 +155,24 @@ class ModelConfig:
             eos_token_id=_as_tuple(config.get("eos_token_id")),
             tokenizer="hf",
         )
+
+
+def _read_config_json(path: str) -> dict[str, Any]:
+    """A model directory (or its config.json) -> dict; every way it can be wrong is a ConfigError."""
+    if not os.path.exists(path):
+        raise ConfigError(f"model directory {path!r} does not exist")
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ConfigError(f"{path!r} has no config.json: --model wants a Hugging Face model directory")
+        path = os.path.join(path, "config.json")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot read {path}: {e}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path} is not a JSON object")
+    return config
 
 
 def _freeze(d: dict[str, Any]) -> tuple[tuple[str, Any], ...]:

@@ -29,6 +29,10 @@ def common_model_args(parser: argparse.ArgumentParser, multi_process: bool = Fal
     parser.add_argument("--model", default=None, help="Hugging Face model directory")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override a config field, e.g. --set mesh.tensor=4 (repeatable)")
+    parser.add_argument("--compile-cache", default=None, metavar="DIR",
+                        help="persistent XLA compilation cache, so a restart loads the step programs "
+                             "instead of compiling them (default: $JAXFILL_COMPILE_CACHE or "
+                             "~/.cache/jaxfill/xla; 'none' turns it off)")
     if not multi_process:
         return
     multi = parser.add_argument_group(
@@ -62,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if hasattr(args, "compile_cache"):  # every command that builds a model
+        from jaxfill.engine.compile_cache import enable_compile_cache
+
+        args.compile_cache = enable_compile_cache(args.compile_cache)
     try:
         return int(args.run(args) or 0)
     except ValueError as e:  # ConfigError, InvalidRequest, CheckpointError are ValueErrors

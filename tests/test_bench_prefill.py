@@ -51,3 +51,17 @@ def test_bench_prefill_bad_input(argv, message, tmp_path, capsys):
     rc = main(["bench", "prefill", "--config", "tiny_random", "--out", str(tmp_path), "--no-plots"] + argv)
     err = capsys.readouterr().err
     assert rc == 2 and message in err, err
+
+
+def test_default_output_is_a_fresh_directory(tmp_path, monkeypatch, capsys):
+    """Without --out a run writes under ./jaxfill-bench/prefill-<time>/, never into
+    benchmarks/results, and a second run gets its own directory."""
+    monkeypatch.chdir(tmp_path)
+    argv = ["bench", "prefill", "--config", "tiny_random", "--lengths", "16", "--repeats", "1", "--no-plots"]
+    assert main(argv) == 0 and main(argv) == 0
+    runs = sorted((tmp_path / "jaxfill-bench").iterdir())
+    assert len(runs) == 2 and all(r.name.startswith("prefill-") for r in runs)
+    for run in runs:
+        assert [f.name for f in run.iterdir()] == ["prefill_bench_tiny_random.json"]
+    assert not (tmp_path / "benchmarks").exists()
+    assert str(runs[1].relative_to(tmp_path)) in capsys.readouterr().err

@@ -40,13 +40,36 @@ def test_generate_streams_text_and_json_matches():
     (["--prompt", "x" * 5000], "max_model_len"),
     (["--prompt", "hi", "--set", "mesh.tensr=2"], "unknown key 'mesh.tensr'"),
     (["--prompt", "hi", "--config", "nope"], "neither a file nor a preset"),
+    (["--prompt", "hi", "--config", "hardware"], "neither a file nor a preset"),
+    (["--prompt-ids", "1", "--model", "{tmp}/missing"], "does not exist"),
+    (["--prompt-ids", "1", "--model", "{tmp}"], "has no config.json"),
 ])
-def test_bad_input_is_one_clear_line(args, message, capsys):
+def test_bad_input_is_one_clear_line(args, message, capsys, tmp_path):
     from jaxfill.serving.cli import main
 
-    assert main(["generate", *args]) == 2
+    assert main(["generate", *(a.format(tmp=tmp_path) for a in args)]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("command", [["plan"], ["bench", "prefill", "--lengths", "16"]])
+def test_missing_model_directory_in_every_command(command, capsys, tmp_path):
+    from jaxfill.serving.cli import main
+
+    assert main([*command, "--model", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err
+    assert "does not exist" in err and err.count("\n") == 1
+
+
+def test_checkpoint_shorter_than_the_preset_loads_as_it_comes(hf_dirs, capsys, caplog):
+    """The HF test checkpoint allows 1024 positions; the preset asks 4096 by default."""
+    from jaxfill.serving.cli import main
+
+    assert main(["generate", "--config", "tiny_random", "--model", hf_dirs["llama"], "--prompt-ids", "1,2,3",
+                 "--max-tokens", "4", "--json", "--set", "engine.num_pages=64"]) == 0
+    out = capsys.readouterr()
+    assert len(json.loads(out.out.splitlines()[-1])["token_ids"]) == 4
+    assert any("engine.max_model_len 4096 -> 1024" in r.getMessage() for r in caplog.records)
 
 
 def test_bad_input_exit_code_from_the_console_script():

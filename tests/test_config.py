@@ -73,3 +73,66 @@ def test_from_hf_rejects_unknown_architecture(tmp_path):
 def test_parse_overrides_types():
     assert parse_overrides(["engine.enable_prefix_caching=false", "model.rope_theta=1e6"]) == {
         "engine": {"enable_prefix_caching": False}, "model": {"rope_theta": 1e6}}
+
+
+HF_BASE = dict(architectures=["LlamaForCausalLM"], vocab_size=100, hidden_size=64, intermediate_size=128,
+               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def _hf_dir(tmp_path, **extra):
+    (tmp_path / "config.json").write_text(json.dumps({**HF_BASE, **extra}))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("preset", ["tiny_random", "llama3_8b"])
+def test_preset_max_model_len_shrinks_to_the_checkpoint(tmp_path, caplog, preset):
+    """A preset's engine settings are defaults: a checkpoint with a shorter context loads."""
+    model_dir = _hf_dir(tmp_path, max_position_embeddings=1024)
+    assert load_config(preset).engine.max_model_len > 1024
+    with caplog.at_level("WARNING", logger="jaxfill.config"):
+        config = load_config(preset, model_path=model_dir)
+    assert config.engine.max_model_len == 1024
+    assert [r.getMessage() for r in caplog.records if "max_model_len" in r.getMessage()] == [
+        f"engine.max_model_len {load_config(preset).engine.max_model_len} -> 1024: the model's "
+        "max_position_embeddings (set --set engine.max_model_len=N to choose)"]
+    assert load_config(preset, {"engine.max_model_len": 512}, model_dir).engine.max_model_len == 512
+
+
+def test_explicit_max_model_len_above_the_checkpoint_is_an_error(tmp_path):
+    model_dir = _hf_dir(tmp_path, max_position_embeddings=1024)
+    with pytest.raises(ConfigError, match=r"engine.max_model_len \(2048\) exceeds .*\(1024\)"):
+        load_config("tiny_random", ["engine.max_model_len=2048"], model_dir)
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda p: str(p / "missing"), "does not exist"),
+    (lambda p: str(p), "has no config.json"),
+    (lambda p: (p / "config.json").write_text("{not json") and str(p), "cannot read"),
+    (lambda p: (p / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}') and str(p), "lacks vocab_size"),
+])
+def test_bad_model_directories_are_config_errors(tmp_path, make, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config("tiny_random", model_path=make(tmp_path))
+
+
+def test_hardware_table_is_not_a_preset():
+    from jaxfill.engine.config import preset_names
+
+    assert "hardware" not in preset_names() and {"tiny", "tiny_random", "llama3_8b"} <= set(preset_names())
+    with pytest.raises(ConfigError, match="neither a file nor a preset"):
+        load_config("hardware")
+
+
+def test_presets_are_read_from_the_installed_package():
+    """Presets resolve through importlib.resources, not the current directory."""
+    import importlib.resources
+    import os
+
+    package = importlib.resources.files("jaxfill.configs")
+    assert {f.name for f in package.iterdir()} >= {"tiny.toml", "tiny_random.toml"}
+    cwd = os.getcwd()
+    try:
+        os.chdir("/")
+        assert load_config("tiny_random").name == "tiny_random"
+    finally:
+        os.chdir(cwd)

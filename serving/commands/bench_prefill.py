@@ -40,7 +40,8 @@ def add_arguments(p) -> None:
     p.add_argument("--hardware", default=None,
                    help="planner hardware for the predicted floor: 'cpu' (measured now; default on a "
                         "CPU backend), a configs/hardware.toml entry, or 'none'")
-    p.add_argument("--out", default="benchmarks/results", help="directory for JSON and PNGs")
+    p.add_argument("--out", default=None,
+                   help="directory for JSON and PNGs (default: a new jaxfill-bench/prefill-<time>/)")
     p.add_argument("--name", default=None, help="file name stem (default: prefill_bench_<config>)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNGs")
     p.add_argument("--seed", type=int, default=0, help="prompt token seed")
@@ -300,16 +301,21 @@ def run(args) -> int:
     import jax
 
     from jaxfill.engine.config import load_config
+    from jaxfill.serving.bench_output import PLOTS_HINT, fresh_results_dir, have_matplotlib
 
     config = load_config(args.config, overrides=args.overrides, model_path=args.model)
     hardware = args.hardware or ("cpu" if jax.default_backend() == "cpu" else "none")
     result = run_bench(config, args.lengths, args.chunk_sizes, args.repeats, args.warmup, hardware, args.seed)
     print_table(result)
-    os.makedirs(args.out, exist_ok=True)
+    out = args.out or fresh_results_dir("prefill")
+    os.makedirs(out, exist_ok=True)
     stem = args.name or f"prefill_bench_{config.name}"
-    path = os.path.join(args.out, f"{stem}.json")
+    path = os.path.join(out, f"{stem}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
-    written = [path] + ([] if args.no_plots else plot(result, args.out, stem, config))
+    plots = not args.no_plots and have_matplotlib()
+    if not args.no_plots and not plots:
+        _log(PLOTS_HINT + "; skipping the PNGs")
+    written = [path] + (plot(result, out, stem, config) if plots else [])
     _log("wrote " + ", ".join(written))
     return 0

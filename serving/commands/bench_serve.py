@@ -66,7 +66,7 @@ def add_arguments(p) -> None:
                    help="also run the workload in-process (no gRPC) and report the streaming overhead")
     p.add_argument("--max-duration", type=float, default=1800.0, help="hard cap on the measured run (s)")
     p.add_argument("--save-result", action="store_true")
-    p.add_argument("--result-dir", default="benchmarks/results")
+    p.add_argument("--result-dir", default=None, help="default: a new jaxfill-bench/serve-<time>/")
     p.add_argument("--result-filename", default=None)
     p.add_argument("--label", default="", help="free text stored in the JSON")
     p.add_argument("--plot", action="store_true", help="with --save-result: also write a PNG next to the JSON")
@@ -476,12 +476,17 @@ def run(args) -> int:
     if args.address is not None and not args.address.startswith(("127.0.0.1:", "localhost:", "[::1]:")):
         print(f"jaxfill bench serve: refusing non-loopback address {args.address}", file=sys.stderr)
         return 2
+    from jaxfill.serving.bench_output import PLOTS_HINT, fresh_results_dir, have_matplotlib
+
+    if args.plot and not have_matplotlib():
+        raise ValueError(f"--plot: {PLOTS_HINT}")
     result = asyncio.run(_bench(args))
     runs = result.pop("_runs")
     if args.save_result:
-        os.makedirs(args.result_dir, exist_ok=True)
+        result_dir = args.result_dir or fresh_results_dir("serve")
+        os.makedirs(result_dir, exist_ok=True)
         name = args.result_filename or f"serve_{args.dataset_name}_{result['date']}.json"
-        path = os.path.join(args.result_dir, name)
+        path = os.path.join(result_dir, name)
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
         print(f"wrote {path}")
