@@ -26,8 +26,6 @@ def add_arguments(p) -> None:
     p.add_argument("--grace-period", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM/SIGINT")
     p.add_argument("--no-warmup", action="store_true", help="skip compiling the shape buckets up front")
-    p.add_argument("--compile-cache", default=None, metavar="DIR",
-                   help="persistent XLA compilation cache: restarts load the step programs instead of compiling")
     p.add_argument("--gil-switch-interval-ms", type=float, default=0.5,
                    help="sys.setswitchinterval: how long the engine thread may hold the GIL while the "
                         "gRPC event loop waits to stream tokens (Python's default is 5 ms)")
@@ -107,13 +105,7 @@ def run(args) -> int:
         raise ValueError("--tls-cert and --tls-key go together")
     if args.gil_switch_interval_ms > 0:
         sys.setswitchinterval(args.gil_switch_interval_ms / 1000.0)
-    if args.compile_cache:
-        import jax
-
-        jax.config.update("jax_compilation_cache_dir", args.compile_cache)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-        log.info("XLA compilation cache: %s", args.compile_cache)
+    log.info("XLA compilation cache: %s", args.compile_cache or "off")
     start = time.perf_counter()
     engine = build_engine(args.config, args.model, args.overrides)
     _log_startup(log, engine, args, time.perf_counter() - start)
