@@ -87,7 +87,7 @@ def delete_cache(eng):
         p.delete()
 
 
-def inject(eng, monkeypatch, point: str) -> None:
+def inject(eng, monkeypatch, point: str, bystander: str) -> None:
     r = eng.runner
     if point == "schedule":  # after the scheduler admitted and allocated
         real = eng.scheduler.schedule
@@ -102,6 +102,15 @@ def inject(eng, monkeypatch, point: str) -> None:
         monkeypatch.setattr(r, "run", interrupt_on_call(3, r.run, before=r.run))
     elif point == "advance":  # on the 4th token taken: some outputs of this step already made
         monkeypatch.setattr(engine_module, "append_token", interrupt_on_call(4, engine_module.append_token))
+    elif point == "advance_bystander":  # on the bystander's own token, taken in its first step
+        real_append = engine_module.append_token
+
+        def append_token(req, *a, **kw):
+            if req.request_id == bystander and not req.output_ids:
+                raise KeyboardInterrupt
+            return real_append(req, *a, **kw)
+
+        monkeypatch.setattr(engine_module, "append_token", append_token)
     elif point == "detokenize":
         real_detok = eng.tokenizer.detokenizer
 
@@ -116,7 +125,7 @@ def inject(eng, monkeypatch, point: str) -> None:
 
 
 POINTS = ["schedule", "build_batch", "run_before_donation", "run_donated_not_stored", "run_after_store",
-          "advance", "detokenize"]
+          "advance", "advance_bystander", "detokenize"]
 
 
 @pytest.mark.parametrize("point", POINTS)
@@ -124,7 +133,7 @@ def test_interrupt_at_each_point_of_a_step(model, reference, monkeypatch, point)
     ref, ref_bystander = reference
     eng = make_engine(model)
     by = eng.add_request(BYSTANDER, GREEDY)
-    inject(eng, monkeypatch, point)
+    inject(eng, monkeypatch, point, by)
     with pytest.raises(KeyboardInterrupt):
         eng.generate(prompts8(), GREEDY)
     # The interrupted generate() aborted its own requests; the bystander carries on and
@@ -132,15 +141,17 @@ def test_interrupt_at_each_point_of_a_step(model, reference, monkeypatch, point)
     assert set(eng.requests) <= {by}
     monkeypatch.undo()
     got, final = [], None
-    while eng.has_unfinished():
+    for _ in range(100):
+        if not eng.has_unfinished():
+            break
         for o in eng.step():
             assert o.request_id == by, o
             got += o.new_token_ids
             if o.finished:
                 final = o.completion
+    assert final is not None, "the bystander never finished"
     assert final.token_ids == ref_bystander and final.finish_reason == "length"
-    if point not in ("advance", "detokenize"):  # there the interrupt may fall on the bystander's own token
-        assert got == ref_bystander
+    assert got == ref_bystander
     assert eng.num_cache_resets == (1 if point == "run_donated_not_stored" else 0)
     assert_clean(eng)
     assert [c.token_ids for c in eng.generate(prompts8(), GREEDY)] == ref
@@ -160,13 +171,17 @@ def test_abort_all_after_an_interrupted_cell(model, reference, monkeypatch):
     assert [c.token_ids for c in eng.generate(prompts8(), GREEDY)] == reference[0]
 
 
-def test_generate_checks_every_prompt_before_adding_any(model):
+def test_generate_checks_every_prompt_before_adding_any(model, monkeypatch):
     eng = make_engine(model)
+    added = []
+    real = eng.add_request
+    monkeypatch.setattr(eng, "add_request", lambda *a, **kw: added.append(a) or real(*a, **kw))
     with pytest.raises(InvalidRequest, match="prompt 2: token id 999") as e:
         eng.generate([[1, 2], [3, 4], [5, 999]], GREEDY)
     assert e.value.field == "prompt"
     with pytest.raises(InvalidRequest, match="prompt 1: is empty"):
         eng.generate([[1, 2], []], GREEDY)
+    assert added == []
     assert_clean(eng)
 
 
