@@ -33,9 +33,10 @@ def run(tokens: int, repeats: int) -> dict:
     import numpy as np
 
     from jaxfill.engine.config import MeshSettings, load_config
+    from hlo_collectives import collective_ops
     from jaxfill.engine.mesh import make_mesh
-    from jaxfill.models import sharding
-    from jaxfill.models.forward import forward
+    from jaxfill.engine.placement import create_kv_cache, init_sharded
+    from jaxfill.models.forward import forward, forward_data_parallel
     from jaxfill.models.kv_cache import single_sequence_metadata
 
     config = load_config(os.path.join(ROOT, "configs", "bench.toml"))
@@ -48,10 +49,10 @@ def run(tokens: int, repeats: int) -> dict:
     rows = []
     for d, t, s in LAYOUTS:
         mesh = make_mesh(MeshSettings(data=d, tensor=t, sequence=s), devices=jax.devices()[: d * t * s])
-        graphdef, state = sharding.init_sharded(cfg, mesh, config.engine.attention_impl)
-        cache = sharding.create_kv_cache(cfg, mesh, num_pages, page_size)  # num_pages per replica
+        graphdef, state = init_sharded(cfg, mesh, config.engine.attention_impl)
+        cache = create_kv_cache(cfg, mesh, num_pages, page_size)  # num_pages per replica
         if d > 1:  # one prefill per replica, metadata stacked [d, ...], page ids local to each pool
-            fn = sharding.forward_data_parallel
+            fn = forward_data_parallel
             args = (jnp.tile(tok, d), jnp.tile(pos, d), cache, jax.tree.map(lambda x: np.stack([x] * d), meta))
         else:
             fn, args = forward, (tok, pos, cache, meta)
@@ -60,7 +61,7 @@ def run(tokens: int, repeats: int) -> dict:
             compiled = fn.lower(graphdef, state, *args).compile()
             compile_s = time.perf_counter() - start
             cost = compiled.cost_analysis()
-            ops = sharding.collective_ops(compiled.as_text())
+            ops = collective_ops(compiled.as_text())
             times = []
             for _ in range(repeats + 1):  # first run warms up
                 start = time.perf_counter()

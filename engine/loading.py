@@ -25,17 +25,18 @@ def build_mesh(config: Config):
 
 
 def build_model(config: Config, mesh=None, progress: bool = True) -> Llama:
-    """Params go straight into their shards when a mesh is given: never whole on one device."""
+    """Params go straight into their shards when a mesh is given: never whole on one
+    device, and each process reads only its own devices' slices of a checkpoint."""
     impl = config.engine.attention_impl
     if mesh is not None:
         from flax import nnx
 
-        from jaxfill.models import sharding
+        from jaxfill.engine import placement
 
         if not config.model_path:
-            return nnx.merge(*sharding.init_sharded(config.model, mesh, impl))
-        _, abstract = sharding.abstract_state(config.model, impl)
-        place = sharding.placer(mesh, abstract)
+            return nnx.merge(*placement.init_sharded(config.model, mesh, impl))
+        _, abstract = placement.abstract_state(config.model, impl)
+        place = placement.shard_placer(mesh, abstract)
     else:
         place = None
     if config.model_path:

@@ -1,16 +1,19 @@
-"""Hugging Face safetensors -> params, tensor by tensor; orbax save/restore of params.
+"""Hugging Face safetensors -> params, a slice at a time; orbax save/restore of params.
 
-Tensors are read through a memory map one at a time, cast to the configured dtype and
-handed to `place(path, array)`, which decides where the array lives (one device by
-default; models/sharding.py passes a placer that shards as it loads). The whole model is
-never materialised on the host or on one device first.
+Each checkpoint tensor is handed to `place(path, tensor)` as a `TensorSlices`: its
+header entry, not its data. `place` reads the slices it needs (one device: the whole
+tensor, engine/placement.py: each local device's shard) and each read maps only that
+slice's bytes, copies and casts them, and unmaps them. No tensor is read whole unless a
+device holds it whole, and nothing of the file stays mapped between tensors.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import mmap
 import os
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +36,64 @@ class CheckpointError(ValueError):
     """A checkpoint that does not match the model it is loaded into."""
 
 
+class StoredTensor(NamedTuple):
+    """A tensor's safetensors header entry: where its bytes are, nothing read yet."""
+    file: str
+    offset: int  # absolute byte offset of the first element in `file`
+    dtype: np.dtype
+    shape: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSlices:
+    """A stored tensor seen in param layout, read one box at a time.
+
+    The param is the stored array reshaped (C order) to `stored_shape` and transposed by
+    `perm` (param axis i is stored axis perm[i]): both are views, so any box of the param
+    is a box of the file, and reading it maps only the byte range from its first to its
+    last element. Pages a box skips inside that range (an inner-axis split) are never
+    touched."""
+    stored: StoredTensor
+    stored_shape: tuple
+    perm: tuple
+    target: np.dtype  # the param's dtype; the cast happens on the slice
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.stored_shape[p] for p in self.perm)
+
+    def read(self, index: tuple = ()) -> np.ndarray:
+        """The box `index` (slices with step 1, as make_array_from_callback passes) of the
+        param: a new C-contiguous array in the target dtype, independent of the file."""
+        index = tuple(index) + (slice(None),) * (len(self.perm) - len(tuple(index)))
+        box = [(0, 0)] * len(self.perm)
+        for axis, (s, dim) in enumerate(zip(index, self.shape)):
+            start, stop, step = s.indices(dim)
+            if step != 1:
+                raise ValueError(f"slice {s} of a checkpoint tensor must have step 1")
+            box[self.perm[axis]] = (start, max(start, stop))
+        lengths = [hi - lo for lo, hi in box]
+        if 0 in lengths:
+            return np.empty([lengths[p] for p in self.perm], self.target)
+        itemsize = np.dtype(self.stored.dtype).itemsize
+        strides = [int(np.prod(self.stored_shape[i + 1:], dtype=np.int64)) for i in range(len(box))]
+        first = sum(lo * st for (lo, _), st in zip(box, strides))
+        last = sum((hi - 1) * st for (_, hi), st in zip(box, strides))
+        lo_byte = self.stored.offset + first * itemsize
+        aligned = lo_byte - lo_byte % mmap.ALLOCATIONGRANULARITY
+        with open(self.stored.file, "rb") as f:
+            mapped = mmap.mmap(f.fileno(), self.stored.offset + (last + 1) * itemsize - aligned,
+                               offset=aligned, access=mmap.ACCESS_READ)
+        try:
+            view = np.ndarray(lengths, self.stored.dtype, buffer=mapped, offset=lo_byte - aligned,
+                              strides=[st * itemsize for st in strides])
+            out = np.array(view.transpose(self.perm), dtype=self.target, order="C")
+            del view  # the map cannot close while a view exports it
+        finally:
+            mapped.close()
+        return out
+
+
 def safetensors_files(model_dir: str) -> list[str]:
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.exists(index):
@@ -45,89 +106,110 @@ def safetensors_files(model_dir: str) -> list[str]:
     raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
 
 
-def read_safetensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
-    """Yields (name, memory-mapped array) without loading the file."""
+def read_safetensors(path: str) -> Iterator[tuple[str, StoredTensor]]:
+    """Yields (name, header entry) per tensor; reads the header only."""
     with open(path, "rb") as f:
         header_len = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(header_len))
     header.pop("__metadata__", None)
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
+    size = os.path.getsize(path)
     for name, info in header.items():
         if info["dtype"] not in SAFETENSORS_DTYPES:
             raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
+        dtype = np.dtype(SAFETENSORS_DTYPES[info["dtype"]])
         start, end = info["data_offsets"]
-        dtype = SAFETENSORS_DTYPES[info["dtype"]]
-        yield name, data[start:end].view(dtype).reshape(info["shape"])
+        shape = tuple(int(n) for n in info["shape"])
+        if end - start != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize or 8 + header_len + end > size:
+            raise CheckpointError(f"{path}: tensor {name} has data_offsets {info['data_offsets']} that do not "
+                                  f"match shape {list(shape)} {info['dtype']} or lie past the end of the file")
+        yield name, StoredTensor(path, 8 + header_len + start, dtype, shape)
 
 
-def hf_to_param(config: ModelConfig) -> dict[str, tuple[tuple, Callable[[np.ndarray], np.ndarray], tuple]]:
-    """HF tensor name -> (param path, transform, expected HF shape)."""
+class HFTensor(NamedTuple):
+    """Where an HF tensor goes: param path, its HF shape, and the param as a view of it
+    (reshape the stored array to `stored_shape`, then transpose by `perm`)."""
+    param_path: tuple
+    hf_shape: tuple
+    stored_shape: tuple
+    perm: tuple
+
+
+def hf_to_param(config: ModelConfig) -> dict[str, HFTensor]:
+    """HF tensor name -> HFTensor. HF Linear weights are [out, in]; params are [in, ...]."""
     c = config
     e, i, d = c.hidden_size, c.intermediate_size, c.head_dim
     hq, hk = c.num_heads, c.num_kv_heads
+    same = lambda path, shape: HFTensor(path, shape, shape, tuple(range(len(shape))))  # noqa: E731
     table = {
-        "model.embed_tokens.weight": (("embed", "embedding"), lambda w: w, (c.vocab_size, e)),
-        "model.norm.weight": (("norm", "weight"), lambda w: w, (e,)),
+        "model.embed_tokens.weight": same(("embed", "embedding"), (c.vocab_size, e)),
+        "model.norm.weight": same(("norm", "weight"), (e,)),
     }
     if not c.tie_word_embeddings:
-        table["lm_head.weight"] = (("lm_head",), lambda w: w.T, (c.vocab_size, e))
+        table["lm_head.weight"] = HFTensor(("lm_head",), (c.vocab_size, e), (c.vocab_size, e), (1, 0))
     for n in range(c.num_layers):
-        p = f"model.layers.{n}."
-        table.update({
-            p + "self_attn.q_proj.weight": (("layers", n, "attn", "q"), lambda w: w.T.reshape(e, hq, d), (hq * d, e)),
-            p + "self_attn.k_proj.weight": (("layers", n, "attn", "k"), lambda w: w.T.reshape(e, hk, d), (hk * d, e)),
-            p + "self_attn.v_proj.weight": (("layers", n, "attn", "v"), lambda w: w.T.reshape(e, hk, d), (hk * d, e)),
-            p + "self_attn.o_proj.weight": (("layers", n, "attn", "o"), lambda w: w.T.reshape(hq, d, e), (e, hq * d)),
-            p + "mlp.gate_proj.weight": (("layers", n, "mlp", "gate"), lambda w: w.T, (i, e)),
-            p + "mlp.up_proj.weight": (("layers", n, "mlp", "up"), lambda w: w.T, (i, e)),
-            p + "mlp.down_proj.weight": (("layers", n, "mlp", "down"), lambda w: w.T, (e, i)),
-            p + "input_layernorm.weight": (("layers", n, "attn_norm", "weight"), lambda w: w, (e,)),
-            p + "post_attention_layernorm.weight": (("layers", n, "mlp_norm", "weight"), lambda w: w, (e,)),
+        p, layer = f"model.layers.{n}.", ("layers", n)
+        table.update({  # [H*D, E] stored as [H, D, E] -> [E, H, D]; o: [E, H*D] as [E, H, D] -> [H, D, E]
+            p + "self_attn.q_proj.weight": HFTensor(layer + ("attn", "q"), (hq * d, e), (hq, d, e), (2, 0, 1)),
+            p + "self_attn.k_proj.weight": HFTensor(layer + ("attn", "k"), (hk * d, e), (hk, d, e), (2, 0, 1)),
+            p + "self_attn.v_proj.weight": HFTensor(layer + ("attn", "v"), (hk * d, e), (hk, d, e), (2, 0, 1)),
+            p + "self_attn.o_proj.weight": HFTensor(layer + ("attn", "o"), (e, hq * d), (e, hq, d), (1, 2, 0)),
+            p + "mlp.gate_proj.weight": HFTensor(layer + ("mlp", "gate"), (i, e), (i, e), (1, 0)),
+            p + "mlp.up_proj.weight": HFTensor(layer + ("mlp", "up"), (i, e), (i, e), (1, 0)),
+            p + "mlp.down_proj.weight": HFTensor(layer + ("mlp", "down"), (e, i), (e, i), (1, 0)),
+            p + "input_layernorm.weight": same(layer + ("attn_norm", "weight"), (e,)),
+            p + "post_attention_layernorm.weight": same(layer + ("mlp_norm", "weight"), (e,)),
         })
         if c.attention_bias:
             table.update({
-                p + "self_attn.q_proj.bias": (("layers", n, "attn", "q_bias"), lambda w: w.reshape(hq, d), (hq * d,)),
-                p + "self_attn.k_proj.bias": (("layers", n, "attn", "k_bias"), lambda w: w.reshape(hk, d), (hk * d,)),
-                p + "self_attn.v_proj.bias": (("layers", n, "attn", "v_bias"), lambda w: w.reshape(hk, d), (hk * d,)),
+                p + "self_attn.q_proj.bias": HFTensor(layer + ("attn", "q_bias"), (hq * d,), (hq, d), (0, 1)),
+                p + "self_attn.k_proj.bias": HFTensor(layer + ("attn", "k_bias"), (hk * d,), (hk, d), (0, 1)),
+                p + "self_attn.v_proj.bias": HFTensor(layer + ("attn", "v_bias"), (hk * d,), (hk, d), (0, 1)),
             })
     return table
 
 
-def default_place(path: tuple, array: np.ndarray) -> jax.Array:
-    return jnp.asarray(array)
+def default_place(path: tuple, tensor: TensorSlices) -> jax.Array:
+    """One device: the whole tensor, read and cast once."""
+    return jax.device_put(tensor.read())
 
 
 def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "auto",
-                   place: Callable[[tuple, np.ndarray], jax.Array] = default_place,
+                   place: Callable[[tuple, TensorSlices], jax.Array] = default_place,
                    progress: bool = True) -> Llama:
-    """Builds a Llama whose params come from a Hugging Face safetensors checkpoint."""
+    """Builds a Llama whose params come from a Hugging Face safetensors checkpoint.
+
+    Every header is checked (names, shapes) before any tensor data is read, so a wrong
+    checkpoint fails fast and whole."""
     model = nnx.eval_shape(lambda: Llama(config, nnx.Rngs(0), attention_impl=attention_impl))
     graphdef, state = nnx.split(model)
     params = {path: var for path, var in nnx.to_flat_state(state)}
     table = hf_to_param(config)
-    seen: set[str] = set()
     files = safetensors_files(model_dir)
-    # Memory-mapped views: listing them reads only the headers.
-    tensors = [(path, name, array) for path in files for name, array in read_safetensors(path)]
-    target = config.jnp_dtype
-    for path, name, array in tqdm(tensors, desc="loading weights", unit="tensor", disable=not progress):
-        if name.endswith(IGNORED_SUFFIXES):
-            continue
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            continue  # some exports write the tied head too
-        if name not in table:
-            raise CheckpointError(f"unexpected tensor {name!r} in {os.path.basename(path)} "
-                                  f"(not part of a {config.architecture} with this config)")
-        param_path, transform, hf_shape = table[name]
-        if tuple(array.shape) != hf_shape:
-            raise CheckpointError(f"tensor {name!r} has shape {tuple(array.shape)}, "
-                                  f"config.json implies {hf_shape}")
-        value = np.ascontiguousarray(transform(array)).astype(target)
-        params[param_path].set_value(place(param_path, value))
-        seen.add(name)
-    missing = sorted(set(table) - seen)
-    if missing:
+    todo: list[tuple[HFTensor, StoredTensor]] = []
+    seen: set[str] = set()
+    for path in files:
+        for name, stored in read_safetensors(path):
+            if name.endswith(IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and config.tie_word_embeddings:
+                continue  # some exports write the tied head too
+            if name in seen:
+                raise CheckpointError(f"tensor {name!r} appears twice ({os.path.basename(path)} again)")
+            if name not in table:
+                raise CheckpointError(f"unexpected tensor {name!r} in {os.path.basename(path)} "
+                                      f"(not part of a {config.architecture} with this config)")
+            if stored.shape != table[name].hf_shape:
+                raise CheckpointError(f"tensor {name!r} has shape {stored.shape}, "
+                                      f"config.json implies {table[name].hf_shape}")
+            todo.append((table.pop(name), stored))
+            seen.add(name)
+    if table:
+        missing = sorted(table)
         raise CheckpointError(f"checkpoint {model_dir} is missing {len(missing)} tensors, e.g. {missing[:3]}")
+    target = np.dtype(config.jnp_dtype)
+    for spec, stored in tqdm(todo, desc="loading weights", unit="tensor", disable=not progress):
+        tensor = TensorSlices(stored, spec.stored_shape, spec.perm, target)
+        params[spec.param_path].set_value(place(spec.param_path, tensor))
     return nnx.merge(graphdef, state)
 
 

@@ -29,6 +29,10 @@ are AxisType.Auto, see engine/mesh.py) and the same model code runs:
 * data parallel over 'data': `data_parallel_forward` maps the whole forward over 'data'
   with shard_map; each replica gets its own tokens, metadata and page pool (pages axis 0
   is split over 'data'; page ids in a replica's metadata are local to its pool).
+
+Rules and in-model constraints only: building params and caches in their shards lives in
+engine/placement.py, the jitted data-parallel forward in models/forward.py, and HLO
+collective counting in benchmarks/hlo_collectives.py. Nothing here imports the model.
 """
 
 from __future__ import annotations
@@ -115,57 +119,22 @@ def _var_axes(var: nnx.Variable) -> tuple:
     return tuple(axes)
 
 
+def var_sharding(var: nnx.Variable, mesh: jax.sharding.Mesh,
+                 rules: Mapping[str, Any] | None = None) -> NamedSharding:
+    """The NamedSharding of one param (abstract or concrete) from its logical axis names."""
+    return NamedSharding(mesh, logical_spec(_var_axes(var), rules, mesh, var.shape))
+
+
 def param_shardings(state: nnx.State, mesh: jax.sharding.Mesh,
                     rules: Mapping[str, Any] | None = None) -> nnx.State:
     """A pytree matching `state` (abstract or concrete) with a NamedSharding per param."""
-    def one(var):
-        return var.replace(NamedSharding(mesh, logical_spec(_var_axes(var), rules, mesh, var.shape)))
-    return jax.tree.map(one, state, is_leaf=_is_var)
+    return jax.tree.map(lambda var: var.replace(var_sharding(var, mesh, rules)), state, is_leaf=_is_var)
 
 
 def shard_params(state: nnx.State, mesh: jax.sharding.Mesh,
                  rules: Mapping[str, Any] | None = None) -> nnx.State:
     """Moves an already materialised state onto the mesh (tests, small models)."""
     return jax.device_put(state, param_shardings(state, mesh, rules))
-
-
-def abstract_state(config, attention_impl: str = "auto"):
-    """(graphdef, abstract state) of a Llama, without allocating anything."""
-    from jaxfill.models.llama import Llama
-
-    model = nnx.eval_shape(lambda: Llama(config, nnx.Rngs(0), attention_impl=attention_impl))
-    return nnx.split(model)
-
-
-def init_sharded(config, mesh: jax.sharding.Mesh, attention_impl: str = "auto",
-                 rules: Mapping[str, Any] | None = None):
-    """Random init straight into shards (jit with out_shardings): (graphdef, state).
-    Bitwise the same values as `Llama(config)` (threefry is partitionable)."""
-    from jaxfill.models.llama import Llama
-
-    graphdef, abstract = abstract_state(config, attention_impl)
-    shardings = param_shardings(abstract, mesh, rules)
-
-    def init():
-        return nnx.split(Llama(config, nnx.Rngs(config.seed), attention_impl=attention_impl))[1]
-
-    with jax.set_mesh(mesh):
-        state = jax.jit(init, out_shardings=shardings)()
-    return graphdef, state
-
-
-def placer(mesh: jax.sharding.Mesh, abstract_state: nnx.State,
-           rules: Mapping[str, Any] | None = None) -> Callable[[tuple, np.ndarray], jax.Array]:
-    """`place(path, array)` for models.checkpoint.load_hf_params: each device receives only
-    its own slice of the host (memory-mapped) tensor; the whole tensor never lands on
-    one device. In multi-process runs each process reads only its devices' slices."""
-    flat = dict(nnx.to_flat_state(abstract_state))
-
-    def place(path: tuple, array: np.ndarray) -> jax.Array:
-        var = flat[tuple(path)]
-        sharding = NamedSharding(mesh, logical_spec(_var_axes(var), rules, mesh, array.shape))
-        return jax.make_array_from_callback(array.shape, sharding, lambda idx: np.asarray(array[idx]))
-    return place
 
 
 # ----------------------------------------------------------------------------- KV cache
@@ -188,21 +157,6 @@ def kv_cache_sharding(mesh: jax.sharding.Mesh, rules: Mapping[str, Any] | None =
     """One layer's pages [num_pages, page_size, 2*H, D]: pages split over 'data' (one pool
     per replica), heads over 'tensor' (K/V pairs stay together), replicated over 'sequence'."""
     return NamedSharding(mesh, logical_spec(KV_CACHE_AXES, rules, mesh))
-
-
-def create_kv_cache(config, mesh: jax.sharding.Mesh, num_pages: int, page_size: int,
-                    dtype=None, fill_value: float = 0.0):
-    """A KVCache allocated in shards. `num_pages` is per data replica (as engine.num_pages);
-    the global page axis holds data * num_pages pages."""
-    from jaxfill.models.kv_cache import KVCache
-    from jaxfill.pallas_kernels import init_kv_pages
-
-    dtype = dtype or config.jnp_dtype
-    heads, dp = kv_cache_heads(config, mesh), _axis_size(mesh, DATA)
-    sharding = kv_cache_sharding(mesh)
-    make = jax.jit(lambda: init_kv_pages(num_pages * dp, page_size, heads, config.head_dim, dtype, fill_value),
-                   out_shardings=sharding)
-    return KVCache(tuple(make() for _ in range(config.num_layers)))
 
 
 # ------------------------------------------------------------------ model-side helpers
@@ -336,53 +290,3 @@ def data_parallel_forward(graphdef: nnx.GraphDef, state: nnx.State,
                          out_specs=(P(DATA), P(DATA)), axis_names={DATA},
                          check_vma=False)(state, tokens, positions, kv_cache, meta)
 
-
-forward_data_parallel = jax.jit(data_parallel_forward, static_argnums=0, donate_argnums=4)
-
-
-# ----------------------------------------------------------------------- HLO inspection
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
-_DTYPE_BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s64": 8, "s32": 4, "u32": 4, "s16": 2,
-                "u16": 2, "s8": 1, "u8": 1, "pred": 1, "f8e4m3fn": 1, "f8e5m2": 1}
-
-
-def collective_ops(hlo_text: str) -> dict[str, int]:
-    """Counts collectives in compiled HLO text (an async *-start counts once, *-done not),
-    plus '<op>_bytes': the summed operand sizes of each kind, from the result shape and the
-    replica-group size (compiled HLO text does not print operand types)."""
-    import re
-
-    counts = {op: 0 for op in COLLECTIVES}
-    counts.update({op + "_bytes": 0 for op in COLLECTIVES})
-    pattern = re.compile(r"=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\(")
-    for line in hlo_text.splitlines():
-        m = pattern.search(line)
-        if not m:
-            continue
-        shapes, op, start = m.group(1), m.group(2), m.group(3)
-        counts[op] += 1
-        sizes = [int(np.prod([int(x) for x in dims.split(",") if x])) * _DTYPE_BYTES.get(dtype, 4)
-                 for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", shapes)]
-        group = _group_size(line)
-        if start and op in ("all-gather", "collective-permute", "all-to-all") and len(sizes) >= 2:
-            nbytes = sizes[0]  # (operand, result[, ...]) tuple of the async start
-        elif op == "all-gather":
-            nbytes = sum(sizes) // group
-        elif op == "reduce-scatter":
-            nbytes = sum(sizes) * group
-        else:
-            nbytes = sum(sizes)
-        counts[op + "_bytes"] += nbytes
-    return counts
-
-
-def _group_size(line: str) -> int:
-    import re
-
-    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", line)
-    if m:
-        return int(m.group(2))
-    m = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
-    if m:
-        return len(m.group(1).split(","))
-    return 1

@@ -40,12 +40,12 @@ def reference_tokens(prompt=PROMPT) -> list[int]:
     from flax import nnx
 
     from jaxfill.engine.simple import generate_one
-    from jaxfill.models import sharding
+    from jaxfill.engine import placement
     from jaxfill.models.kv_cache import KVCache
     from jaxfill.models.llama import Llama
 
     cfg = model_config()
-    graphdef, _ = sharding.abstract_state(cfg)
+    graphdef, _ = placement.abstract_state(cfg)
     state = jax.jit(lambda: nnx.split(Llama(cfg, nnx.Rngs(cfg.seed)))[1])()
     tokens, _ = generate_one(nnx.merge(graphdef, state), prompt, KVCache.create(cfg, 16, 8), MAX_TOKENS, chunk=CHUNK)
     return tokens
@@ -60,13 +60,13 @@ def sharded_greedy(mesh) -> list[int]:
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from jaxfill.engine.simple import bucket
-    from jaxfill.models import sharding
+    from jaxfill.engine import placement
     from jaxfill.models.forward import forward
     from jaxfill.models.kv_cache import single_sequence_metadata
 
     cfg = model_config()
-    graphdef, state = sharding.init_sharded(cfg, mesh)
-    cache = sharding.create_kv_cache(cfg, mesh, 16, 8)
+    graphdef, state = placement.init_sharded(cfg, mesh)
+    cache = placement.create_kv_cache(cfg, mesh, 16, 8)
     replicated = NamedSharding(mesh, P())
 
     def put(x):
@@ -106,7 +106,7 @@ def engine_run(settings, mesh_shape: tuple[int, int, int], prompts: list[list[in
     from jaxfill.engine.engine import Engine
     from jaxfill.engine.mesh import make_mesh
     from jaxfill.engine.request import SamplingParams
-    from jaxfill.models import sharding
+    from jaxfill.engine import placement
 
     data, tensor, sequence = mesh_shape
     overrides = {f"model.{k}": v for k, v in MODEL.items()}
@@ -120,7 +120,7 @@ def engine_run(settings, mesh_shape: tuple[int, int, int], prompts: list[list[in
     })
     config = load_config("tiny_random", overrides)
     mesh = make_mesh(MeshSettings(data=data, tensor=tensor, sequence=sequence))
-    graphdef, state = sharding.init_sharded(config.model, mesh, config.engine.attention_impl)
+    graphdef, state = placement.init_sharded(config.model, mesh, config.engine.attention_impl)
     with Engine(config, progress=False, model=nnx.merge(graphdef, state)) as engine:
         if not engine.is_leader:
             try:

@@ -68,3 +68,66 @@ def test_orbax_round_trip(hf_dirs, tmp_path):
     restored = restore_params(str(tmp_path / "ckpt"), config)
     for a, b in zip(leaves(model), leaves(restored)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _write_one(path, name, array, dtype="F32", shape=None):
+    """A safetensors file holding `array` between two NaN tensors."""
+    import json
+
+    nan = np.full(37, np.nan, np.float32).tobytes()
+    data = array.tobytes()
+    header = {"before": {"dtype": "F32", "shape": [37], "data_offsets": [0, len(nan)]},
+              name: {"dtype": dtype, "shape": list(shape or array.shape),
+                     "data_offsets": [len(nan), len(nan) + len(data)]},
+              "after": {"dtype": "F32", "shape": [37], "data_offsets": [len(nan) + len(data), 2 * len(nan) + len(data)]}}
+    blob = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little") + blob + nan + data + nan)
+
+
+@pytest.mark.parametrize("box", [
+    (slice(None), slice(2, 4), slice(None)),  # heads: a leading axis of the stored [H, D, E]
+    (slice(8, 16), slice(None), slice(None)),  # embed: the stored inner axis
+    (slice(3, 5), slice(1, 3), slice(2, 6)),  # a box in every axis
+    (),  # the whole tensor
+])
+def test_tensor_slices_read_only_their_box(tmp_path, box):
+    """q_proj [Hq*D, E] read as the param [E, Hq, D]: every box equals numpy's transpose of
+    the whole tensor; elements outside the box are NaN in the file, so a read that strays
+    (or misplaces an offset) shows up."""
+    from jaxfill.models.checkpoint import StoredTensor, TensorSlices, read_safetensors
+
+    hq, d, e = 4, 8, 16
+    w = np.random.RandomState(0).standard_normal((hq * d, e)).astype(np.float32)  # HF layout
+    param = w.reshape(hq, d, e).transpose(2, 0, 1)
+    want = param[box]
+    poisoned = np.full_like(param, np.nan)
+    poisoned[box] = want
+    stored_order = np.ascontiguousarray(poisoned.transpose(1, 2, 0)).reshape(hq * d, e)
+    _write_one(tmp_path / "m.safetensors", "q", stored_order)
+    stored = dict(read_safetensors(str(tmp_path / "m.safetensors")))["q"]
+    assert isinstance(stored, StoredTensor) and stored.shape == (hq * d, e)
+    tensor = TensorSlices(stored, (hq, d, e), (2, 0, 1), np.dtype(np.float32))
+    assert tensor.shape == (e, hq, d)
+    got = tensor.read(box)
+    assert got.flags.c_contiguous and not np.isnan(got).any()
+    np.testing.assert_array_equal(got, want)
+
+
+def test_tensor_slices_cast_the_slice_and_reject_bad_input(tmp_path):
+    import ml_dtypes
+
+    from jaxfill.models.checkpoint import TensorSlices, read_safetensors
+
+    w = np.random.RandomState(1).standard_normal((6, 10)).astype(ml_dtypes.bfloat16)
+    _write_one(tmp_path / "b.safetensors", "w", w, dtype="BF16")
+    stored = dict(read_safetensors(str(tmp_path / "b.safetensors")))["w"]
+    tensor = TensorSlices(stored, (6, 10), (1, 0), np.dtype(np.float32))  # an MLP weight: [E, I]
+    got = tensor.read((slice(4, 9), slice(None)))
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, w.T[4:9].astype(np.float32))
+    with pytest.raises(ValueError, match="step 1"):
+        tensor.read((slice(0, 10, 2),))
+    _write_one(tmp_path / "short.safetensors", "w", w[:5], dtype="BF16", shape=w.shape)
+    with pytest.raises(CheckpointError, match="data_offsets"):
+        list(read_safetensors(str(tmp_path / "short.safetensors")))

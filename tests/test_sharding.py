@@ -118,10 +118,13 @@ def _worker():  # noqa: C901 - one script, many checks
     from flax import nnx
 
     from jaxfill.engine.config import MeshSettings
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from hlo_collectives import collective_ops
+    from jaxfill.engine import placement
     from jaxfill.engine.mesh import make_mesh
     from jaxfill.models import sharding
     from jaxfill.models.config import ModelConfig
-    from jaxfill.models.forward import forward
+    from jaxfill.models.forward import forward, forward_data_parallel
     from jaxfill.models.kv_cache import AttentionMetadata, KVCache, single_sequence_metadata
     from jaxfill.models.llama import Llama
 
@@ -147,7 +150,7 @@ def _worker():  # noqa: C901 - one script, many checks
     def jit_init(config):
         return jax.jit(lambda: nnx.split(Llama(config, nnx.Rngs(config.seed)))[1])()
 
-    g, _ = sharding.abstract_state(cfg)
+    g, _ = placement.abstract_state(cfg)
     ref_state = jit_init(cfg)  # eager Llama(cfg) compiles op by op: much slower on CPU
     rng = np.random.RandomState(0)
     # Every step below has one shape (16 tokens, 4 sequence slots, 7 pages per sequence),
@@ -230,7 +233,7 @@ def _worker():  # noqa: C901 - one script, many checks
     def nan_cache(mesh=None):
         if mesh is None:
             return KVCache.create(cfg, num_pages, page_size, fill_value=float("nan"))
-        return sharding.create_kv_cache(cfg, mesh, num_pages, page_size, fill_value=float("nan"))
+        return placement.create_kv_cache(cfg, mesh, num_pages, page_size, fill_value=float("nan"))
 
     ref_compiled = compile_forward(ref_state, nan_cache())
     ref_logits, ref_tokens = generate(ref_compiled, ref_state, nan_cache())
@@ -261,7 +264,7 @@ def _worker():  # noqa: C901 - one script, many checks
                                          "cache_err": rel(cache_rows(cache, r), cache_rows(ref_cache, 1))}
                 if name == "t4s1":
                     record("kv_layout", lambda: kv_layout(cache))
-                    ops = sharding.collective_ops(compiled.as_text())
+                    ops = collective_ops(compiled.as_text())
                     out["hlo/t4"] = {"layers": cfg.num_layers, "all_reduce": ops["all-reduce"],
                                      "all_gather": ops["all-gather"], "ops": ops}
             return out[f"generate/{name}"]
@@ -291,7 +294,7 @@ def _worker():  # noqa: C901 - one script, many checks
             ps = jnp.concatenate([p[1] for p in parts])
             meta = jax.tree.map(lambda *x: jnp.stack(x), *[p[2] for p in parts])
             with jax.set_mesh(mesh):
-                lg, cache = sharding.forward_data_parallel(g, state, tk, ps, cache, meta)
+                lg, cache = forward_data_parallel(g, state, tk, ps, cache, meta)
             lg = np.asarray(lg)
             for r in range(2):
                 live = int(parts[r][2].num_seqs[0])
@@ -308,7 +311,7 @@ def _worker():  # noqa: C901 - one script, many checks
         res = {}
         for s in (1, 4):
             mesh = mesh_of(1, 1, s)
-            graphdef, state = sharding.abstract_state(cfg)
+            graphdef, state = placement.abstract_state(cfg)
             shard = sharding.param_shardings(state, mesh)
             state = jax.tree.map(lambda v, sh: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh), state, shard)
             pages = jax.ShapeDtypeStruct((n // 64 + 2, 64, 2 * cfg.num_kv_heads, cfg.head_dim), jnp.float32,
@@ -327,10 +330,10 @@ def _worker():  # noqa: C901 - one script, many checks
         big = ModelConfig(vocab_size=128256, hidden_size=128, intermediate_size=256, num_layers=1,
                           num_heads=8, num_kv_heads=2, head_dim=16, seed=5)
         mesh = mesh_of(1, 8, 1)
-        _, abstract = sharding.abstract_state(big)
+        _, abstract = placement.abstract_state(big)
         shard = sharding.param_shardings(abstract, mesh)
 
-        def init():  # what sharding.init_sharded compiles
+        def init():  # what placement.init_sharded compiles
             return nnx.split(Llama(big, nnx.Rngs(big.seed)))[1]
         with jax.set_mesh(mesh):
             compiled = jax.jit(init, out_shardings=shard).lower().compile()
@@ -347,7 +350,7 @@ def _worker():  # noqa: C901 - one script, many checks
         # HF checkpoint -> placer: every tensor lands only as its shards.
         with tempfile.TemporaryDirectory() as tmp:
             _write_hf(tmp, big, ref)
-            loaded = load_hf_params(tmp, big, place=sharding.placer(mesh, abstract), progress=False)
+            loaded = load_hf_params(tmp, big, place=placement.shard_placer(mesh, abstract), progress=False)
         lstate = nnx.split(loaded)[1]
         loaded_equal = all(np.array_equal(np.asarray(a), np.asarray(b))
                            for a, b in zip(jax.tree.leaves(lstate), jax.tree.leaves(ref)))
@@ -377,7 +380,7 @@ def _write_hf(directory, config, state):
     flat = {path: np.asarray(v[...]) for path, v in nnx.to_flat_state(state)}
     c = config
     tensors = {}
-    for name, (path, _, hf_shape) in hf_to_param(config).items():
+    for name, (path, hf_shape, _, _) in hf_to_param(config).items():
         w = flat[tuple(path)]
         if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
             w = w.reshape(c.hidden_size, -1).T
