@@ -33,7 +33,7 @@ from jaxfill.engine.batch import StepBatch
 RUN, STOP, HEARTBEAT, RESET, USE_XLA = 1, 2, 3, 4, 5
 HEARTBEAT_S = 5.0
 HEADER = 3  # op, bucket, payload words
-FIRST_WORDS = 8192  # 32 KiB: a decode step of 64 sequences x ~100 pages fits in one broadcast
+FIRST_WORDS = 8192  # 32 KiB: a decode of 64 sequences x 100 pages (no penalties) fits in one broadcast
 MIN_REST_WORDS = 1024
 
 
