@@ -19,6 +19,9 @@ from jaxfill.serving.engine_loop import DRAINING, FAILED, SERVING, STOPPED, WARM
 from jaxfill.serving.proto.jaxfill.v1 import generation_pb2 as pb
 
 MAX_STOP_STRINGS = 16
+# The client's deadline runs out a network hop before ours (grpc-timeout is counted from
+# when each side saw the call), so a cancel this close to our deadline is the deadline.
+DEADLINE_SLACK_S = 0.25
 OFFLOAD_TEXT_CHARS = 4096  # tokenize longer texts off the event loop
 
 
@@ -35,7 +38,7 @@ def why_gone(context) -> str:
         remaining = context.time_remaining()
     except Exception:  # noqa: BLE001 - a context without deadlines
         remaining = None
-    return "deadline" if remaining is not None and remaining < 1e-3 else "cancelled"
+    return "deadline" if remaining is not None and remaining < DEADLINE_SLACK_S else "cancelled"
 
 
 class RequestCore:

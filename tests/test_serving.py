@@ -46,7 +46,14 @@ def _params(i: int) -> dict:
 
 PROMPTS = [_prompt(i) for i in range(64)]
 PARAMS = [_params(i) for i in range(64)]
-JS_PROMPTS = [[5, 6, 7, 8, 9], list(range(40, 90)), "jetstream text prompt"]
+BOS = 256  # tiny_random's byte tokenizer
+JS_TEXT = "jetstream text prompt"
+# (content, has_bos, the prompt the engine must see): like JetStream, BOS goes in front of
+# text and token ids alike unless the client says the content has it.
+JS_CASES = [([5, 6, 7, 8, 9], False, [BOS, 5, 6, 7, 8, 9]),
+            ([BOS] + list(range(40, 90)), True, [BOS] + list(range(40, 90))),
+            (JS_TEXT, False, [BOS] + list(JS_TEXT.encode())),
+            (JS_TEXT, True, list(JS_TEXT.encode()))]
 JS_MAX = 6
 
 
@@ -55,13 +62,10 @@ def served(tmp_path_factory):
     compile_cache_dir(tmp_path_factory)
     engine = Engine(load_config("tiny_random"), progress=False, warmup=False)
     reference = engine.generate(PROMPTS, [SamplingParams(**p) for p in PARAMS])
-    js_reference = engine.generate(JS_PROMPTS, SamplingParams(max_tokens=JS_MAX))
-    st = ServerThread(engine, host="127.0.0.1", port=0, metrics_port=0)
-    try:
+    js_reference = engine.generate([ids for _, _, ids in JS_CASES], SamplingParams(max_tokens=JS_MAX))
+    with ServerThread(engine, host="127.0.0.1", port=0, metrics_port=0) as st:
         assert st.wait_ready(600), "server never became ready"
         yield st, engine, reference, js_reference
-    finally:
-        st.stop(5)
 
 
 def _arun(coro, timeout=120):
@@ -102,16 +106,19 @@ def test_logprobs_streamed_when_asked(served):
         assert len(lp.top) == 2 and lp.logprob <= 0.0
 
 
-def test_jetstream_decode_streams_same_tokens(served):
+def test_jetstream_decode_streams_same_tokens_and_honours_has_bos(served):
     st, _engine, _, js_reference = served
+    # With BOS and without, this prompt gives other tokens: so the check below can tell.
+    assert js_reference[2].token_ids != js_reference[3].token_ids
     with grpc.insecure_channel(st.address) as ch:
         stub = js_grpc.OrchestratorStub(ch)
         assert stub.HealthCheck(js.HealthCheckRequest(), timeout=10).is_live
-        for prompt, want in zip(JS_PROMPTS, js_reference):
+        for (prompt, has_bos, _), want in zip(JS_CASES, js_reference):
             if isinstance(prompt, str):
-                req = js.DecodeRequest(max_tokens=JS_MAX, text_content=js.DecodeRequest.TextContent(text=prompt))
+                req = js.DecodeRequest(max_tokens=JS_MAX, text_content=js.DecodeRequest.TextContent(text=prompt),
+                                       has_bos=has_bos)
             else:
-                req = js.DecodeRequest(max_tokens=JS_MAX,
+                req = js.DecodeRequest(max_tokens=JS_MAX, has_bos=has_bos,
                                        token_content=js.DecodeRequest.TokenContent(token_ids=prompt))
             ids, text = [], ""
             for resp in stub.Decode(req, timeout=60):
@@ -132,7 +139,8 @@ def test_jetstream_shim_matches_jetstream_wire_format():
                      else None) for m in svc.methods}.keys() == {"Decode", "HealthCheck"}
     req = js.DecodeRequest.DESCRIPTOR
     assert {fd.name: fd.number for fd in req.fields} == {
-        "max_tokens": 4, "text_content": 5, "token_content": 6, "metadata": 7, "num_samples": 8}
+        "max_tokens": 4, "text_content": 5, "token_content": 6, "metadata": 7, "num_samples": 8,
+        "lora_adapter_id": 9, "has_bos": 10}
     assert [fd.name for fd in req.oneofs_by_name["content"].fields] == ["text_content", "token_content"]
     assert [fd.name for fd in req.oneofs_by_name["metadata_optional"].fields] == ["metadata"]
     assert js.DecodeRequest.TokenContent.DESCRIPTOR.fields_by_name["token_ids"].number == 1
@@ -146,6 +154,7 @@ def test_jetstream_shim_matches_jetstream_wire_format():
     wire = bytes([0x20, 0x07, 0x32, 0x05, 0x0A, 0x03, 0x01, 0x02, 0x03])
     assert list(js.DecodeRequest.FromString(wire).token_content.token_ids) == [1, 2, 3]
     assert js.DecodeRequest.FromString(wire).max_tokens == 7
+    assert js.DecodeRequest.FromString(wire + bytes([0x50, 0x01])).has_bos  # field 10, varint 1
 
 
 def test_health_serving_and_reflection_lists_both_services(served):
@@ -291,6 +300,7 @@ BAD_GENERATE = [
     (dict(prompt="hi", stop=[""]), "sampling.stop"),
     (dict(prompt="hi", stop_token_ids=[1000]), "sampling.stop_token_ids"),
     (dict(prompt="hi", request_id="r" * 300), "request_id"),
+    (dict(prompt=[7] * 4000, max_tokens=97), "sampling.max_tokens"),  # 4097 > max_model_len: refused, not cut
 ]
 
 
@@ -326,6 +336,15 @@ def test_other_bad_inputs(served):
             (lambda: list(jstub.Decode(js.DecodeRequest(
                 max_tokens=4, token_content=js.DecodeRequest.TokenContent(token_ids=[1, 5000])), timeout=30)),
              "token_content.token_ids"),
+            (lambda: list(jstub.Decode(js.DecodeRequest(
+                max_tokens=4, token_content=js.DecodeRequest.TokenContent(token_ids=[])), timeout=30)),
+             "token_content.token_ids"),
+            (lambda: list(jstub.Decode(js.DecodeRequest(  # BOS + 4000 + 96 = 4097 > max_model_len 4096
+                max_tokens=96, token_content=js.DecodeRequest.TokenContent(token_ids=[7] * 4000)), timeout=30)),
+             "max_tokens"),
+            (lambda: list(jstub.Decode(js.DecodeRequest(
+                max_tokens=4, lora_adapter_id="a1", token_content=js.DecodeRequest.TokenContent(token_ids=[1])),
+                timeout=30)), "lora_adapter_id"),
         ]
         for fn, field in cases:
             code, details = _code(fn)
@@ -374,7 +393,7 @@ def test_queue_full_is_resource_exhausted(served):
                     await c.generate([(i + j) % BYTES for j in range(600)], max_tokens=2, timeout=60)
                     return grpc.StatusCode.OK
                 except grpc.aio.AioRpcError as e:
-                    assert e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or "queue" in e.details()
+                    assert e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or "batch slots" in e.details()
                     return e.code()
             return await asyncio.gather(*[one(i) for i in range(40)])
 
@@ -409,10 +428,13 @@ def test_failed_step_is_internal_and_others_go_on(served):
             return await asyncio.gather(*[one(i) for i in range(8)])
 
     engine._append = failing_append
+    got = {}
     try:
-        results = _arun(go())
+        d = _deltas(st, lambda: got.update(results=_arun(go())))
     finally:
         del engine._append
+    results = got["results"]
+    assert d["jaxfill_request_success_total{error}"] == 1 and d["jaxfill_request_success_total{length}"] == 7
     err = results[3]
     assert isinstance(err, grpc.aio.AioRpcError) and err.code() == grpc.StatusCode.INTERNAL
     assert "injected failure" in err.details()
@@ -431,32 +453,119 @@ def test_server_keeps_serving_after_errors(served):
     assert info.pages_free == info.pages_total
 
 
+def _quiet(st, timeout: float = 20.0) -> None:
+    """Waits until every request of earlier tests has ended (and been counted)."""
+    deadline = time.time() + timeout
+    while st.call(lambda: st.server.loop.num_active) and time.time() < deadline:
+        time.sleep(0.02)
+
+
+def _metric(st, name: str, **labels) -> float:
+    value = st.server.metrics.registry.get_sample_value(
+        name, {"model_name": st.server.metrics.model_name, **labels})
+    return 0.0 if value is None else value
+
+
+COUNTED = [("jaxfill_request_success_total", dict(finished_reason=r))
+           for r in ("stop", "length", "abort", "error", "cancelled", "deadline")] + [
+    (name, {}) for name in ("jaxfill_prompt_tokens_total", "jaxfill_generation_tokens_total",
+                            "jaxfill_request_prompt_tokens_count", "jaxfill_request_prompt_tokens_sum",
+                            "jaxfill_request_generation_tokens_sum", "jaxfill_e2e_request_latency_seconds_count",
+                            "jaxfill_time_to_first_token_seconds_count", "jaxfill_prefix_cache_queries_total",
+                            "jaxfill_prefix_cache_hits_total")]
+
+
+def _deltas(st, fn) -> dict:
+    """{series: growth} over fn(): order-independent metric checks."""
+    _quiet(st)
+    before = {(n, tuple(lb.items())): _metric(st, n, **lb) for n, lb in COUNTED}
+    fn()
+    _quiet(st)
+    return {(n if not lb else f"{n}{{{list(lb.values())[0]}}}"): _metric(st, n, **lb) - before[(n, tuple(lb.items()))]
+            for n, lb in COUNTED}
+
+
+def test_cancelled_and_deadline_streams_are_counted_once(served):
+    """The client cancels one stream mid-decode and lets another pass its deadline: each is
+    counted once, with its prompt tokens, latency and the tokens it generated."""
+    st, *_ = served
+
+    async def go():
+        async with AsyncClient(st.address) as c:
+            cancelled = c.stream([7, 8, 9, 10], max_tokens=3000, ignore_eos=True)
+            n = 0
+            async for resp in cancelled:
+                n += 1
+                if n == 2:
+                    break
+            cancelled.cancel()
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async for _ in c.stream([11] * 20, timeout=1.0, max_tokens=3000, ignore_eos=True):
+                    pass
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert len((await c.generate([3, 4, 5], max_tokens=3, ignore_eos=True, timeout=60)).token_ids) == 3
+
+    d = _deltas(st, lambda: _arun(go()))
+    reasons = {k: v for k, v in d.items() if k.startswith("jaxfill_request_success_total")}
+    assert reasons == {"jaxfill_request_success_total{stop}": 0, "jaxfill_request_success_total{length}": 1,
+                       "jaxfill_request_success_total{abort}": 0, "jaxfill_request_success_total{error}": 0,
+                       "jaxfill_request_success_total{cancelled}": 1,
+                       "jaxfill_request_success_total{deadline}": 1}, d
+    assert d["jaxfill_prompt_tokens_total"] == d["jaxfill_request_prompt_tokens_sum"] == 4 + 20 + 3
+    assert d["jaxfill_request_prompt_tokens_count"] == d["jaxfill_e2e_request_latency_seconds_count"] == 3
+    assert d["jaxfill_time_to_first_token_seconds_count"] == 3  # all three got tokens before they ended
+    # Every generated token belongs to a counted request, the abandoned streams' included.
+    assert d["jaxfill_generation_tokens_total"] == d["jaxfill_request_generation_tokens_sum"] >= 2 + 1 + 3
+
+
 def test_metrics_endpoint_exposes_every_series(served):
     st, *_ = served
+    prompt = [(j * 7) % BYTES for j in range(40)]  # two full pages: the second run hits the prefix cache
+
+    async def go():
+        async with AsyncClient(st.address) as c:
+            for _ in range(2):
+                r = await c.generate(prompt, max_tokens=3, ignore_eos=True, timeout=60)
+                assert r.finish_reason == "length"
+            call = c.stream([1, 2, 3], request_id="metrics-abort", max_tokens=3000, ignore_eos=True)
+            async for _ in call:
+                break
+            assert await c.abort("metrics-abort")
+            last = [resp async for resp in call][-1]
+            assert last.complete.finish_reason == "abort"
+
+    d = _deltas(st, lambda: _arun(go()))
+    assert d["jaxfill_request_success_total{length}"] == 2 and d["jaxfill_request_success_total{abort}"] == 1
+    assert d["jaxfill_prompt_tokens_total"] == 40 + 40 + 3
+    assert d["jaxfill_prefix_cache_queries_total"] == 2 * 32  # full pages of 16 tokens, looked up twice
+    assert d["jaxfill_prefix_cache_hits_total"] == 32  # ... found the second time
+
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{st.server.metrics_port}/metrics", timeout=10).read().decode()
+    assert "_created" not in text
     m = scrape(st.server.metrics_port)
+    assert m and all(dict(labels).get("model_name") == "tiny_random" for _, labels in m)
 
     def v(name, **labels):
-        return m[(name, tuple(sorted(labels.items())))]
+        return m[(name, tuple(sorted({"model_name": "tiny_random", **labels}.items())))]
 
     for h in ("jaxfill_time_to_first_token_seconds", "jaxfill_time_per_output_token_seconds",
               "jaxfill_inter_token_latency_seconds", "jaxfill_request_queue_time_seconds",
-              "jaxfill_request_prefill_time_seconds"):
+              "jaxfill_request_prefill_time_seconds", "jaxfill_e2e_request_latency_seconds"):
         count, total = v(h + "_count"), v(h + "_sum")
         assert count > 0, h
         assert 0 < total / count < 60, (h, total / count)
         buckets = sorted(float(dict(k[1])["le"]) for k in m if k[0] == h + "_bucket")
         assert buckets[-1] == math.inf and buckets[-2] >= 120, h
         assert v(h + "_bucket", le="+Inf") == count
-    assert v("jaxfill_time_to_first_token_seconds_count") >= 64
+    for h in ("jaxfill_request_prompt_tokens", "jaxfill_request_generation_tokens"):
+        buckets = sorted(float(dict(k[1])["le"]) for k in m if k[0] == h + "_bucket")
+        assert buckets[:4] == [1, 2, 5, 10] and buckets[-2] == 2000, (h, buckets)  # 1-2-5 up to max_model_len
     assert v("jaxfill_num_requests_running") == 0
     assert v("jaxfill_num_requests_waiting") == 0
-    assert 0.0 <= v("jaxfill_kv_cache_usage_ratio") <= 1.0
-    assert v("jaxfill_prompt_tokens_total") > 64 * 50
-    assert v("jaxfill_generation_tokens_total") >= sum(p["max_tokens"] for p in PARAMS) // 2
-    assert v("jaxfill_prefix_cache_hit_tokens_total") > 0  # the parity prompts ran before in generate()
-    assert v("jaxfill_request_success_total", finish_reason="length") >= 32
-    assert v("jaxfill_request_success_total", finish_reason="abort") >= 1
-    assert v("jaxfill_request_success_total", finish_reason="error") >= 1
+    assert v("jaxfill_kv_cache_usage_ratio") == 0.0
+    assert ("jaxfill_num_preemptions_total", (("model_name", "tiny_random"),)) in m
     # TTFT includes queueing, so it is never below the queue time on average.
     assert (v("jaxfill_time_to_first_token_seconds_sum") / v("jaxfill_time_to_first_token_seconds_count")
             >= v("jaxfill_request_queue_time_seconds_sum") / v("jaxfill_request_queue_time_seconds_count") * 0.5)
