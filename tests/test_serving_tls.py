@@ -25,12 +25,9 @@ def tls_server(tmp_path_factory):
     engine = Engine(load_config("tiny_random"), progress=False)
     # The reference comes first: once the server runs, its engine thread alone may step.
     expected = engine.generate(["Hello TLS"], SamplingParams(max_tokens=6))[0]
-    st = ServerThread(engine, host="127.0.0.1", port=0, tls_cert=str(cert), tls_key=str(key))
-    try:
+    with ServerThread(engine, host="127.0.0.1", port=0, tls_cert=str(cert), tls_key=str(key)) as st:
         assert st.wait_ready(600), "server never became ready"
         yield st, expected, str(cert)
-    finally:
-        st.stop(5)
 
 
 def test_tls_client_gets_the_engine_tokens(tls_server):
