@@ -90,10 +90,12 @@ def filter_mask(scaled: jax.Array,  # [S, V] f32, logits / temperature
         keep &= probs >= sp.min_p[:, None] * probs[:, :1]
         n = jnp.maximum(jnp.sum(keep, axis=-1), 1)
         cut = jnp.take_along_axis(vals, (n - 1)[:, None], axis=-1)  # [S, 1]
-        return scaled >= cut
+        # A row without filters keeps every token: its f32 cumsum can reach top_p = 1
+        # before the tail, which would drop tokens only because a neighbour filters.
+        return ~filters[:, None] | (scaled >= cut)
 
-    active = jnp.any((sp.top_k > 0) | (sp.top_p < 1.0) | (sp.min_p > 0.0))
-    return jax.lax.cond(active, cutoff, lambda x: jnp.ones(x.shape, jnp.bool_), scaled)
+    filters = (sp.top_k > 0) | (sp.top_p < 1.0) | (sp.min_p > 0.0)  # [S]
+    return jax.lax.cond(jnp.any(filters), cutoff, lambda x: jnp.ones(x.shape, jnp.bool_), scaled)
 
 
 def _fmix(h: jax.Array) -> jax.Array:

@@ -125,3 +125,31 @@ def test_character_split_between_prompt_and_output(tokenizers, name):
             assert got == expected_stream(tok, ids[:cut], ids[cut:])
             assert head.replace("\ufffd", "") + got == text
     assert splits >= 3
+
+
+def test_engine_stream_equals_decoded_difference(tokenizers):
+    """Engine.add_request primes each request's detokenizer with its prompt."""
+    from jaxfill.engine.config import load_config
+    from jaxfill.engine.engine import Engine
+    from jaxfill.engine.request import SamplingParams
+
+    tok = tokenizers["metaspace"]
+    over = {"engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64], "engine.num_pages": 64,
+            "engine.max_model_len": 256, "model.vocab_size": tok.vocab_size, "model.bos_token_id": 1,
+            "model.eos_token_id": [2]}
+    eng = Engine(load_config("tiny_random", over), progress=False)
+    eng.tokenizer = tok  # tiny_random's shapes with a SentencePiece-style tokenizer
+    prompts = [tok.encode(t, add_bos=False) for t in ["Hello there", "the quick brown", "naïve", "日本"]]
+    rids = [eng.add_request(p, SamplingParams(max_tokens=8, temperature=1.0, seed=i, ignore_eos=True))
+            for i, p in enumerate(prompts)]
+    text = dict.fromkeys(rids, "")
+    ids = {r: [] for r in rids}
+    while eng.has_unfinished():
+        for out in eng.step():
+            text[out.request_id] += out.new_text
+            ids[out.request_id] += out.new_token_ids
+    spaced = 0
+    for r, p in zip(rids, prompts):
+        assert text[r] == expected_stream(tok, p, ids[r])
+        spaced += tok.tok.id_to_token(ids[r][0]).startswith("▁")
+    assert spaced >= 1  # a cold-start detokenizer would have dropped that space
