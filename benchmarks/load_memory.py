@@ -74,7 +74,7 @@ def _status(field: str) -> int:
     raise KeyError(field)
 
 
-def child(model_dir: str, tensor: int) -> dict:
+def child(model_dir: str, tensor: int, mesh_overrides: dict) -> dict:
     """Runs in the measured process: load, report the numbers above as JSON."""
     import jax
     import numpy as np
@@ -83,7 +83,7 @@ def child(model_dir: str, tensor: int) -> dict:
     from jaxfill.engine.config import load_config
     from jaxfill.engine.loading import build_mesh, build_model
 
-    config = load_config("tiny_random", {"mesh.tensor": tensor}, model_path=model_dir)
+    config = load_config("tiny_random", {"mesh.tensor": tensor, **mesh_overrides}, model_path=model_dir)
     mesh = build_mesh(config)
     jax.block_until_ready(jax.device_put(np.ones(8, np.float32), jax.devices()[0]))  # start the runtime
     gc.collect()
@@ -98,43 +98,62 @@ def child(model_dir: str, tensor: int) -> dict:
     gc.collect()
     steady, peak = _status("VmRSS"), _status("VmHWM")
     local = sum(sh.data.nbytes for x in leaves for sh in x.addressable_shards)
-    return {"jaxfill": os.path.dirname(jaxfill.__file__), "tensor": tensor, "devices": len(jax.devices()), "baseline_rss": baseline, "steady_rss": steady,
+    return {"jaxfill": os.path.dirname(jaxfill.__file__), "tensor": tensor, "devices": len(jax.devices()),
+            "process": jax.process_index(), "processes": jax.process_count(), "local_devices": len(jax.local_devices()), "baseline_rss": baseline, "steady_rss": steady,
             "peak_rss": peak, "transient": peak - steady, "params_rss": steady - baseline,
             "param_bytes": sum(x.nbytes for x in leaves), "local_shard_bytes": local}
 
 
-def measure(model_dir: str, tensor: int, pythonpath: str | None = None) -> dict:
-    """One load in a fresh process (so its high-water mark is its own)."""
+def measure(model_dir: str, tensor: int, pythonpath: str | None = None, processes: int = 1) -> list[dict]:
+    """One load in fresh processes (so each high-water mark is its own): `processes`
+    processes of tensor/processes CPU devices each, joined by jax.distributed."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={tensor}",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={tensor // processes}",
                PYTHONPATH=os.pathsep.join(p for p in (pythonpath, os.environ.get("PYTHONPATH")) if p))
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", model_dir, str(tensor)],
-                          env=env, capture_output=True, text=True, timeout=600)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    if proc.returncode or not lines:
-        raise RuntimeError(f"child failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    procs = []
+    for pid in range(processes):
+        mesh = {} if processes == 1 else {"mesh.coordinator": f"127.0.0.1:{port}",
+                                          "mesh.num_processes": processes, "mesh.process_id": pid}
+        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", model_dir,
+                                       str(tensor), json.dumps(mesh)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        lines = [l for l in out.splitlines() if l.startswith("RESULT ")]
+        if proc.returncode or not lines:
+            raise RuntimeError(f"child failed ({proc.returncode}):\n{err[-4000:]}")
+        results.append(json.loads(lines[-1][len("RESULT "):]))
+    return results
 
 
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        print("RESULT " + json.dumps(child(sys.argv[2], int(sys.argv[3]))), flush=True)
+        print("RESULT " + json.dumps(child(sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4]))), flush=True)
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=16000)
     ap.add_argument("--label", default="this tree")
+    ap.add_argument("--processes", type=int, default=1, help="also load tensor=8 as N processes x 8/N devices")
     ap.add_argument("--pythonpath", help="a folder holding another `jaxfill` to measure (e.g. an older commit)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "load_memory.json"))
     args = ap.parse_args()
     config = hf_config(args.hidden, args.layers, args.vocab)
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = write_checkpoint(tmp, config)
-        runs = [measure(tmp, t, args.pythonpath) for t in (1, 8)]
+        runs = [r for t in (1, 8) for r in measure(tmp, t, args.pythonpath)]
+        if args.processes > 1:
+            runs += measure(tmp, 8, args.pythonpath, processes=args.processes)
     mb = 2 ** 20
     for r in runs:
-        print(f"[{args.label}] tensor={r['tensor']}: params {r['params_rss'] / mb:.0f} MiB, transient "
+        print(f"[{args.label}] tensor={r['tensor']} process {r.get('process', 0)}/{r.get('processes', 1)}: params {r['params_rss'] / mb:.0f} MiB, transient "
               f"{r['transient'] / mb:.1f} MiB (file {ckpt['file_bytes'] / mb:.0f} MiB, largest tensor "
               f"{ckpt['largest_tensor_bytes'] / mb:.1f} MiB)")
     result = {"label": args.label, "checkpoint": ckpt, "config": config, "runs": runs}

@@ -15,7 +15,7 @@ from load_memory import hf_config, measure, write_checkpoint  # noqa: E402
 def test_sharded_load_transient_memory_is_about_one_tensor(tmp_path):
     # 46 MiB of f32 weights, largest tensor (embedding, LM head) 8 MiB.
     ckpt = write_checkpoint(str(tmp_path), hf_config(hidden=512, layers=2, vocab=4096))
-    r = measure(str(tmp_path), tensor=8)
+    (r,) = measure(str(tmp_path), tensor=8)
     assert r["devices"] == 8 and r["jaxfill"] == ROOT, r
     # The measurement sees the params (on CPU the 8 devices live in this process).
     assert r["params_rss"] >= 0.9 * ckpt["file_bytes"], (r, ckpt)
