@@ -323,7 +323,7 @@ def _worker():  # noqa: C901 - one script, many checks
         return {"flops_s1": res[1], "flops_s4": res[4], "ratio": res[4] / res[1]}
     record("flops", flops)
 
-    def placement():
+    def load_placement():
         import tempfile
 
         from jaxfill.models.checkpoint import load_hf_params, save_params  # noqa: F401
@@ -358,7 +358,7 @@ def _worker():  # noqa: C901 - one script, many checks
         return {"full_vocab_in_init_hlo": full_vocab, "largest_param_elems": largest, "max_shard_elems": max_shard, "init_equal": init_equal,
                 "loaded_equal": loaded_equal and loaded_sharded, "param_bytes": param_bytes,
                 "init_device_bytes": int(mem.output_size_in_bytes + mem.temp_size_in_bytes)}
-    record("placement", placement)
+    record("placement", load_placement)
 
     def mesh_errors():
         try:
