@@ -29,7 +29,7 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
     min_p: float = 0.0
-    seed: int | None = None  # per-request: same seed, same tokens, whatever the batch
+    seed: int | None = None  # same seed, same draws whatever the batch, given the same logits (engine/sampler.py)
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False

@@ -1,10 +1,18 @@
 """Sampling on device from per-row parameter arrays (pure jnp, runs inside the step jit).
 
 Every sampling knob is data, never a static argument, so changing one never recompiles.
-Row s draws Gumbel noise from a hash of (seed, output index, token id) alone
-(`gumbel_noise`): the same seed gives the same tokens whatever batch the request lands in, and
-whatever other rows ask for (both branches of every `lax.cond` give a row the same
-result when its own filters are off).
+
+What holds: a row's output (token, logprobs) is a function of its own logits row,
+parameters, seed and output index only; bit for bit, whatever the batch size, the row's
+slot and what other rows ask for. Noise is a hash of (seed, output index, token id)
+(`gumbel_noise`); each `lax.cond` that batch-wide flags select has a branch that is
+the identity for a row whose own knob is off, and a row without top-k/top-p/min-p keeps
+every token (tests/test_sampling_batch_invariance.py, on XLA:CPU).
+What does not: the logits themselves. The engine's f32 logits for a request differ
+between batches and token buckets in the last bits (up to ~1e-6 in logprob measured on
+tiny_random, XLA:CPU), so a near-tie can in principle flip a token; in the tested
+runs (f32, greedy and seeded, alone / crowded / another budget) no token changed. bf16,
+sharded meshes, GPU and TPU are untested.
 
 Penalties need each row's token counts. The batch carries a fixed-shape history
 `hist[S, H]` of the row's most recent token ids (output tokens as id, prompt tokens as

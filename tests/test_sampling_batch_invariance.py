@@ -1,8 +1,8 @@
 """Same seed, same tokens whatever the batch: a row's draw depends on its own logits,
 parameters, seed and output index only, never on what its neighbours ask for.
 
-Sampler level: masks and draws of a row alone equal its masks and draws inside batches of
-other sizes next to rows that filter heavily. Engine level (tiny_random, f32, XLA:CPU):
+Sampler level: masks, draws and logprobs of a row alone equal (bitwise) those inside
+batches of other sizes, at random slots, next to rows that filter heavily and penalize. Engine level (tiny_random, f32, XLA:CPU):
 greedy and seeded requests generate the same tokens alone, in a crowded batch, and under
 another token budget (other buckets, other prefill chunking).
 """
@@ -43,10 +43,18 @@ ROW_PARAMS = [  # (temperature, top_k, top_p, min_p)
 HEAVY = [(1.0, 1, 1.0, 0.0), (1.0, 0, 0.05, 0.0), (2.0, 0, 1.0, 0.9), (0.5, 3, 0.3, 0.5)]
 
 
-def _rows(params, seeds, out_index):
+def _rows(params, seeds, out_index, penalized=None, logits=None, rng=None):
+    """`penalized` rows get repetition/frequency penalties, and every row a history of
+    its own likeliest tokens (so a penalty reaching the wrong row would move its draw)."""
     t, k, p, m = (list(c) for c in zip(*params))
-    return arrays(len(params), temperature=t, top_k=k, top_p=p, min_p=m, seed_hi=[s >> 32 for s in seeds],
-                  seed_lo=[s & 0xFFFFFFFF for s in seeds], out_index=out_index, want_logprobs=True)
+    n, pen = len(params), np.zeros(len(params), bool) if penalized is None else penalized
+    hist = np.full((n, 8), -1)
+    if logits is not None:
+        hist = np.take_along_axis(np.argsort(-logits, axis=-1)[:, :4], rng.integers(0, 4, (n, 8)), axis=-1)
+    return arrays(n, temperature=t, top_k=k, top_p=p, min_p=m, seed_hi=[s >> 32 for s in seeds],
+                  seed_lo=[s & 0xFFFFFFFF for s in seeds], out_index=out_index, want_logprobs=True,
+                  repetition_penalty=np.where(pen, 1.5, 1.0), frequency_penalty=np.where(pen, 0.5, 0.0),
+                  hist=hist)
 
 
 @pytest.mark.parametrize("batch", [2, 5, 16])
@@ -65,10 +73,12 @@ def test_row_draws_alone_equal_draws_in_any_batch(batch):
             rows[slot] = logits[i]
             row_seeds = [int(s) for s in rng.integers(0, 2**63, batch)]
             row_seeds[slot] = seeds[i]
-            out = sample_jit(jnp.asarray(rows), _rows(params, row_seeds, [step] * batch))
+            penalized = np.arange(batch) != slot  # neighbours penalize, the row does not
+            out = sample_jit(jnp.asarray(rows), _rows(params, row_seeds, [step] * batch, penalized, rows, rng))
             assert int(out.tokens[slot]) == int(alone.tokens[0]), (row, step, batch)
             assert float(out.logprob[slot]) == float(alone.logprob[0])
             np.testing.assert_array_equal(np.asarray(out.top_ids[slot]), np.asarray(alone.top_ids[0]))
+            np.testing.assert_array_equal(np.asarray(out.top_logprobs[slot]), np.asarray(alone.top_logprobs[0]))
 
 
 # ------------------------------------------------------------------ engine level
