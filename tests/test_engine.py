@@ -147,20 +147,36 @@ def test_stops_and_limits(base):
         for o in eng.step():
             if o.finished:
                 assert o.completion.finish_reason == "stop" and o.completion.token_ids == ref[:3]
-    # stop strings with a byte tokenizer: the text never contains the stop string
-    eng.tokenizer = ByteTokenizer(512)
-    text = ByteTokenizer(512).decode(ref)
-    if len(text) >= 4:
-        stop = text[2:4]
-        chunks = list(eng.stream([10, 20, 30], SamplingParams(max_tokens=N_NEW, ignore_eos=True, stop=stop)))
-        final = chunks[-1].completion
-        assert final.finish_reason == "stop" and stop not in final.text
-        assert final.text == text[:text.find(stop)]
-        assert "".join(ch.new_text for ch in chunks) == final.text
     # max_model_len
     long_prompt = [i % 500 + 1 for i in range(MAX_LEN - 3)]
     c = eng.generate([long_prompt], GREEDY)[0]
     assert c.finish_reason == "length" and len(c.token_ids) == 3
+
+
+def test_stop_strings_never_reach_the_text(hf_dir, model):
+    eng = make_engine(hf_dir, model)
+    tok = ByteTokenizer(512)
+    eng.tokenizer = tok  # this engine's own (the test checkpoint ships no tokenizer.json)
+    # Random weights: not every output decodes to clean text. Take the first prompt whose
+    # text has a two-character stop string (no replacement character) after some text.
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(32, 127, 6).tolist() for _ in range(16)]
+    found = None
+    for prompt, c in zip(prompts, eng.generate(prompts, GREEDY)):
+        text = tok.decode(c.token_ids)
+        for i in range(1, len(text) - 1):
+            if "\ufffd" not in text[i:i + 2]:
+                found = prompt, text, text[i:i + 2]
+                break
+        if found:
+            break
+    assert found, "no prompt gave a usable stop string"
+    prompt, text, stop = found
+    chunks = list(eng.stream(prompt, SamplingParams(max_tokens=N_NEW, ignore_eos=True, stop=stop)))
+    final = chunks[-1].completion
+    assert final.finish_reason == "stop" and stop not in final.text
+    assert final.text == text[:text.find(stop)]
+    assert "".join(ch.new_text for ch in chunks) == final.text
 
 
 def test_invalid_requests_and_queue_full(hf_dir, model, base):
@@ -231,6 +247,59 @@ def test_failing_step_finishes_requests_with_error_and_engine_continues(base, re
     assert eng.stats()["pages_free"] == eng.stats()["pages_total"]
     monkeypatch.setattr(eng.runner, "run", real)
     assert eng.generate([prompts16()[1]], GREEDY)[0].token_ids == reference[1]
+
+
+def test_a_step_that_loses_the_donated_cache_rebuilds_it_and_recomputes(hf_dir, model, reference, monkeypatch):
+    eng = make_engine(hf_dir, model)
+    s = eng.settings
+    eng.runner.new_cache = lambda: KVCache.create(model.config, s.num_pages, s.page_size, fill_value=float("nan"))
+    eng.runner.kv_cache = eng.runner.new_cache()  # NaN-filled: a stale page poisons what reads it
+    cached = list(range(100, 150))  # its 3 full pages go into the prefix cache before the failure
+    cached_ref = eng.generate([cached], GREEDY)[0].token_ids
+    real_run, real_schedule = eng.runner.run, eng.scheduler.schedule
+    seen = {}
+
+    def schedule():
+        # The failing step leaves one running, partly computed request out (as a full token
+        # budget does): it is not failed with the step, so it must be recomputed.
+        scheds = real_schedule()
+        decodes = [sch for sch in scheds[0].seqs if sch.start > 0]
+        if "failed" not in seen and len(decodes) >= 2:
+            scheds[0].seqs.remove(decodes[-1])
+            seen["failed"] = {sch.req.request_id for sch in scheds[0].seqs}, decodes[-1].req.request_id
+        return scheds
+
+    def run(batch):
+        if seen.get("failed") and "raised" not in seen:
+            seen["raised"] = True
+            for p in eng.runner.kv_cache.pages:
+                p.delete()  # donated, as a failing device step leaves it
+            raise RuntimeError("injected after donation")
+        return real_run(batch)
+
+    monkeypatch.setattr(eng.scheduler, "schedule", schedule)
+    monkeypatch.setattr(eng.runner, "run", run)
+    rids = [eng.add_request(p, GREEDY) for p in prompts16()]
+    done = {}
+    for _ in range(1000):
+        if not eng.has_unfinished():
+            break
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o.completion
+    failed, left_out = seen["failed"]
+    for rid, ref in zip(rids, reference):
+        c = done[rid]
+        if rid in failed:
+            assert c.finish_reason == "error" and "injected" in c.error
+        else:
+            assert c.token_ids == ref, rid
+    assert left_out not in failed and done[left_out].token_ids == reference[rids.index(left_out)]
+    assert eng.num_cache_resets == 1
+    assert eng.stats()["pages_free"] == eng.stats()["pages_total"]
+    # The prefix cache was emptied with the cache: no stale hit on the lost pages.
+    again = eng.generate([cached], GREEDY)[0]
+    assert again.token_ids == cached_ref and again.cached_tokens == 0
 
 
 def test_logprobs_and_threaded_add(base):
