@@ -7,7 +7,9 @@ output adds to the prompt's text: the concatenated pieces equal
 (tests/test_detokenizer_priming.py). Usually that is `decode(prompt)` itself; when the
 prompt ends in a broken character that the output completes, the completed character is
 streamed. Without the prompt, SentencePiece/Metaspace decoders drop the first output
-token's leading space.
+token's leading space. One known exception: Llama 2's ByteFallback decoder turns a whole
+run of byte tokens into U+FFFDs when the run is invalid UTF-8, rewriting text already
+streamed; no streaming detokenizer can follow that.
 """
 
 from __future__ import annotations
