@@ -130,7 +130,8 @@ class Engine:
         except (TypeError, ValueError):
             raise InvalidRequest("prompt", "must be a string or a list of token ids") from None
 
-    def _check_request(self, prompt, params: SamplingParams | None, priority: int) -> tuple[list[int], SamplingParams]:
+    def _check_request(self, prompt, params: SamplingParams | None,
+                       priority: int) -> tuple[list[int], SamplingParams]:
         """Everything about one request that can be checked without the queues: (ids, params)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -413,6 +414,7 @@ class Engine:
                 "bucket_shapes": list(self.shapes),
                 "num_steps": self.num_steps,
                 "num_errors": self.num_errors,
+                "num_cache_resets": self.num_cache_resets,
                 "compiled_programs": Runner.cache_size(),
             }
 

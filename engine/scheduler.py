@@ -13,8 +13,9 @@ Each step every running request's `num_computed` catches up to its `num_tokens` 
 When pages run out for a running request, the lowest-priority (latest) running request
 is preempted: its pages are freed and it goes back to waiting with num_computed = 0,
 to be recomputed (prefix-cache hits make that cheap). A step that preempted admits no
-waiting request, so a victim is never re-admitted (and recomputed) in the same step. Nothing ever crashes for lack of
-pages; a request that cannot fit even alone finishes with "length".
+waiting request, so a victim is never re-admitted (and recomputed) in the same step.
+Nothing ever crashes for lack of pages; a request that cannot fit even alone finishes
+with "length".
 """
 
 from __future__ import annotations

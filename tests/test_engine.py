@@ -249,10 +249,12 @@ def test_failing_step_finishes_requests_with_error_and_engine_continues(base, re
     assert eng.generate([prompts16()[1]], GREEDY)[0].token_ids == reference[1]
 
 
-def test_a_step_that_loses_the_donated_cache_rebuilds_it_and_recomputes(hf_dir, model, reference, monkeypatch):
+def test_a_step_that_loses_the_donated_cache_rebuilds_it_and_recomputes(hf_dir, model, reference,
+                                                                        monkeypatch):
     eng = make_engine(hf_dir, model)
     s = eng.settings
-    eng.runner.new_cache = lambda: KVCache.create(model.config, s.num_pages, s.page_size, fill_value=float("nan"))
+    eng.runner.new_cache = lambda: KVCache.create(model.config, s.num_pages, s.page_size,
+                                                  fill_value=float("nan"))
     eng.runner.kv_cache = eng.runner.new_cache()  # NaN-filled: a stale page poisons what reads it
     cached = list(range(100, 150))  # its 3 full pages go into the prefix cache before the failure
     cached_ref = eng.generate([cached], GREEDY)[0].token_ids
@@ -295,7 +297,7 @@ def test_a_step_that_loses_the_donated_cache_rebuilds_it_and_recomputes(hf_dir, 
         else:
             assert c.token_ids == ref, rid
     assert left_out not in failed and done[left_out].token_ids == reference[rids.index(left_out)]
-    assert eng.num_cache_resets == 1
+    assert eng.stats()["num_cache_resets"] == 1
     assert eng.stats()["pages_free"] == eng.stats()["pages_total"]
     # The prefix cache was emptied with the cache: no stale hit on the lost pages.
     again = eng.generate([cached], GREEDY)[0]

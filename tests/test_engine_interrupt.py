@@ -190,7 +190,10 @@ def test_outbox_survives_an_exception_in_schedule(model, monkeypatch):
     rid = eng.add_request([1, 2, 3], GREEDY)
     eng.step()
     assert eng.abort(rid)  # its "abort" output waits in the outbox for the next step
-    monkeypatch.setattr(eng.scheduler, "schedule", lambda: (_ for _ in ()).throw(RuntimeError("scheduler bug")))
+    def broken_schedule():
+        raise RuntimeError("scheduler bug")
+
+    monkeypatch.setattr(eng.scheduler, "schedule", broken_schedule)
     with pytest.raises(RuntimeError, match="scheduler bug"):
         eng.step()
     monkeypatch.undo()
