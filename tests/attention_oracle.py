@@ -12,9 +12,58 @@ import dataclasses
 import numpy as np
 
 
+@dataclasses.dataclass(frozen=True)
+class CastOrder:
+    """Where an impl rounds to its operand dtype (bf16); everything else is f32 math.
+
+    The oracle mirrors these roundings in float64 so that, with the impl's own cast order,
+    what is left between the two is f32 accumulation noise, far below one bf16 ulp.
+    """
+    q_prescale: float | None = None  # q * this in f32, then rounded; None: q as given
+    round_scores: bool = False  # QK^T scores rounded (a matmul without an f32 result type)
+    round_p: bool = False  # probabilities rounded before the PV matmul
+    round_out: bool = True  # output rounded to the input dtype
+    # Online softmax: P is rounded against the running max of the KV blocks seen so far,
+    # blocks of block_kv keys from position 0 (an int, or one per sequence); None: one block.
+    block_kv: int | tuple[int, ...] | None = None
+
+
+def round_to(x, dtype):
+    """x rounded to dtype (via f32, as a kernel's f32 -> bf16 cast), back in float64."""
+    return np.asarray(x, np.float32).astype(dtype).astype(np.float64)
+
+
+def _softmax_v(sc,  # [Hkv, G, K] natural-log units, K visible keys
+               v,  # [K, Hkv, D]
+               first_key: int, block_kv, round_p, dtype):
+    """softmax(sc) @ v the way a blocked online softmax rounds P (see CastOrder)."""
+    hkv, g, k = sc.shape
+    acc = np.zeros((hkv, g, v.shape[-1]))
+    m = np.full((hkv, g, 1), -np.inf)
+    l = np.zeros((hkv, g, 1))
+    bk = block_kv or k + first_key
+    edges = range(first_key // bk * bk, first_key + k, bk)
+    for e in edges:
+        lo, hi = max(e - first_key, 0), min(e + bk - first_key, k)
+        s = sc[..., lo:hi]
+        m_new = np.maximum(m, s.max(axis=-1, keepdims=True))
+        alpha = np.exp(m - m_new)
+        p = np.exp(s - m_new)
+        l = alpha * l + p.sum(axis=-1, keepdims=True)
+        p = round_to(p, dtype) if round_p else p
+        acc = alpha * acc + np.einsum("hgk,khd->hgd", p, v[lo:hi])
+        m = m_new
+    return acc / l
+
+
 def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
-           sliding_window=None, soft_cap=None):
-    """Returns (out[T, Hq, D] float64, live[T] bool). Rows not live are left at 0."""
+           sliding_window=None, soft_cap=None, cast=None):
+    """Returns (out[T, Hq, D] float64, live[T] bool). Rows not live are left at 0.
+
+    cast=None: exact attention of the given inputs. A CastOrder: the same, rounded where
+    an impl rounds (to q's dtype), so bf16 impls can be held to a tight tolerance.
+    """
+    dtype = np.asarray(q).dtype
     q = np.asarray(q, np.float64)
     pages = np.asarray(kv_pages, np.float64)
     kv_lens, page_indices = np.asarray(kv_lens), np.asarray(page_indices)
@@ -25,24 +74,39 @@ def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
     g = hq // hkv
     out = np.zeros((t, hq, d))
     live = np.zeros(t, bool)
+    score_scale = sm_scale
+    if cast is not None and cast.q_prescale is not None:
+        q = round_to(np.float32(q) * np.float32(cast.q_prescale), dtype)
+        score_scale = sm_scale / cast.q_prescale
+    block_kv = cast.block_kv if cast is not None else None
     for s in range(n):
         kv_len = int(kv_lens[s])
         q_len = int(cu[s + 1] - cu[s])
         npg = -(-kv_len // page_size)
         kv = pages[page_indices[s, :npg]].reshape(npg * page_size, combined, d)[:kv_len]
         k, v = kv[:, 0::2], kv[:, 1::2]  # [K, Hkv, D]
+        bk = block_kv[s] if isinstance(block_kv, tuple) else block_kv
         for i in range(q_len):
             row = int(cu[s]) + i
             live[row] = True
             pos = kv_len - q_len + i
             lo = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
             qr = q[row].reshape(hkv, g, d)
-            sc = np.einsum("khd,hgd->hgk", k[lo:pos + 1], qr) * sm_scale
+            sc = np.einsum("khd,hgd->hgk", k[lo:pos + 1], qr)
+            if cast is not None and cast.round_scores:
+                sc = round_to(sc, dtype)
+            sc = sc * score_scale
             if soft_cap is not None:
                 sc = soft_cap * np.tanh(sc / soft_cap)
-            p = np.exp(sc - sc.max(axis=-1, keepdims=True))
-            p /= p.sum(axis=-1, keepdims=True)
-            out[row] = np.einsum("hgk,khd->hgd", p, v[lo:pos + 1]).reshape(hq, d)
+            if cast is None:
+                p = np.exp(sc - sc.max(axis=-1, keepdims=True))
+                p /= p.sum(axis=-1, keepdims=True)
+                o = np.einsum("hgk,khd->hgd", p, v[lo:pos + 1])
+            else:
+                o = _softmax_v(sc, v[lo:pos + 1], lo, bk, cast.round_p, dtype)
+            out[row] = o.reshape(hq, d)
+    if cast is not None and cast.round_out:
+        out = round_to(out, dtype)
     return out, live
 
 
