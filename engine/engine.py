@@ -95,6 +95,7 @@ class Engine:
         self._lock = threading.RLock()
         self._outbox: list[RequestOutput] = []  # reported by the next step()
         self._stepper: int | None = None  # id of the thread inside step() or warmup()
+        self._owner: int | None = None  # a serving loop's thread, which alone may step (own_stepping)
         self._arrivals = itertools.count()
         self._ids = itertools.count()
         self._seeds = random.Random(s.seed)
@@ -214,6 +215,10 @@ class Engine:
         claim behind, and the next step on that thread clears it."""
         me = threading.get_ident()
         with self._lock:
+            if self._owner is not None and self._owner != me:
+                raise RuntimeError(
+                    f"this engine is stepped by a serving loop (thread ident {self._owner}): submit work "
+                    "through it, or build a second Engine for direct generate()/stream() calls")
             owner = self._stepper
             if owner is not None and owner != me:
                 raise RuntimeError(
@@ -225,6 +230,20 @@ class Engine:
             yield
         finally:
             self._stepper = None
+
+    @contextlib.contextmanager
+    def own_stepping(self):
+        """While inside, only the calling thread may step (a serving loop): another thread's
+        step()/generate()/stream() is refused even between two of the owner's steps."""
+        with self._lock:
+            if self._owner is not None:
+                raise RuntimeError(f"this engine is already owned by thread ident {self._owner}")
+            self._owner = threading.get_ident()
+        try:
+            yield self
+        finally:
+            with self._lock:
+                self._owner = None
 
     def step(self) -> list[RequestOutput]:
         with self._one_stepper():
@@ -415,6 +434,7 @@ class Engine:
                 "num_steps": self.num_steps,
                 "num_errors": self.num_errors,
                 "num_cache_resets": self.num_cache_resets,
+                "attention_impl": self.runner.attention_impl,  # what serves, after the warm-up check
                 "compiled_programs": Runner.cache_size(),
             }
 

@@ -225,6 +225,15 @@ class EngineLoop:
 
     def _run(self, warmup: bool) -> None:
         try:
+            with self.engine.own_stepping():  # no other thread steps the engine while we serve
+                self._serve(warmup)
+        except RuntimeError as e:  # the engine is already owned by another loop
+            log.error("%s", e)
+            self.error = e
+            self.state = FAILED
+
+    def _serve(self, warmup: bool) -> None:
+        try:
             if warmup and not self.engine.warmed_up:
                 start = time.monotonic()
                 self.engine.warmup()

@@ -242,3 +242,36 @@ def test_a_second_thread_cannot_step_while_one_does(model, reference, monkeypatc
                 done[o.request_id] = o.completion
     assert done[rid].token_ids == reference[0][0]
     assert_clean(eng)
+
+
+def test_an_owning_serving_thread_excludes_others_between_its_steps(model, reference):
+    """A serving loop owns the engine for its whole life: another thread's generate() is
+    refused even while the owner sits between two steps, and the owner still steps."""
+    eng = make_engine(model)
+    owned, done = threading.Event(), threading.Event()
+    result = {}
+
+    def owner():
+        with eng.own_stepping():
+            owned.set()
+            assert done.wait(timeout=60)
+            result["tokens"] = eng.generate([prompts8()[0]], GREEDY)[0].token_ids
+
+    t = threading.Thread(target=owner)
+    t.start()
+    try:
+        assert owned.wait(timeout=30)
+        for call in (lambda: eng.step(), lambda: eng.generate([[1, 2, 3]], GREEDY),
+                     lambda: next(eng.stream([1, 2, 3], GREEDY))):
+            with pytest.raises(RuntimeError, match="stepped by a serving loop"):
+                call()
+        with pytest.raises(RuntimeError, match="already owned"):
+            with eng.own_stepping():
+                pass
+        assert not eng.requests
+    finally:
+        done.set()
+        t.join(timeout=120)
+    assert result["tokens"] == reference[0][0]
+    assert eng.generate([prompts8()[0]], GREEDY)[0].token_ids == reference[0][0]  # released on exit
+    assert_clean(eng)
