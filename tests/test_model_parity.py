@@ -21,6 +21,10 @@ def ours_last_logits(model, config, tokens):
     return np.asarray(logits, np.float64)
 
 
+# bf16: measured over 3 archs x lengths 1/7/64/300 x 3 seeds, ours vs HF bf16 is 0.006..0.0176
+# (HF bf16 vs HF float64 on the same bf16 weights: 0.0056..0.0158). This does NOT pin the cast
+# order: multiplying the RMSNorm weight in f32 before the cast moved it only within that range.
+# Cast order is pinned per kernel in test_attention_oracle.py (check_cast_order).
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 2e-2)])
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
 def test_logits_match_hf(hf_dirs, arch, dtype, tol):
