@@ -51,7 +51,7 @@ def build_tokenizer(config: Config):
     return load_tokenizer(config.model, config.model_path)
 
 
-def validate_prompt(token_ids: list[int], vocab_size: int, max_model_len: int, max_tokens: int = 0) -> None:
+def validate_prompt(token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
     """Rejects what would otherwise fail deep inside a jitted step or be silently cut."""
     if not token_ids:
         raise InvalidRequest("prompt", "is empty")

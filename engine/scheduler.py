@@ -245,6 +245,7 @@ class Scheduler:
             if n > budget or not self.bm.can_allocate(need, hits):
                 break
             self.waiting.pop(0)
+            self.bm.queries += len(req.page_hashes)  # counted like the chunked path: hits never exceed queries
             seqs.append(self._admit(req, hits, need, computed, n, now))
             budget -= n
         return SchedulerOutput(seqs, [], []) if seqs else None

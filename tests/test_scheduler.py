@@ -226,3 +226,17 @@ def test_a_preempted_request_is_not_readmitted_in_the_same_step():
     assert sched.num_preemptions > 0 and recomputed > 0
     assert sched.bm.num_free == sched.bm.num_usable
     print(f"steps={steps} preemptions={sched.num_preemptions} recomputed={recomputed}")
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_prefix_cache_hits_never_exceed_queries(chunked):
+    """Both admission paths count the pages they look up, so hits <= queries in metrics."""
+    sched = Scheduler(settings(chunked_prefill=chunked, max_num_batched_tokens=32))
+    prompt = [random.randrange(300) for _ in range(12)]
+    for _ in range(3):
+        req = mk(0, max_tokens=1, tokens=list(prompt))
+        sched.add(req)
+        while req.status != Status.FINISHED:
+            fake_step(sched, sched.schedule())
+    assert sched.bm.queries == 3 * ((len(prompt) - 1) // 4)  # full pages before the last token, per admission
+    assert 0 < sched.bm.hits <= sched.bm.queries
