@@ -6,6 +6,7 @@ import dataclasses
 import importlib.util
 import os
 import re
+import sys
 import tomllib
 
 import jax.numpy as jnp
@@ -38,9 +39,11 @@ def tiny_model_config() -> ModelConfig:
         return ModelConfig.from_dict(tomllib.load(f)["model"])
 
 
-def load_train_script():
-    spec = importlib.util.spec_from_file_location("tiny_train", os.path.join(TINY_DIR, "train.py"))
+def load_script(name: str):
+    """configs/tiny/<name>.py as a module (the folder is package data, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"tiny_{name}", os.path.join(TINY_DIR, name + ".py"))
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
@@ -72,7 +75,7 @@ def test_transformers_loads_it_with_the_same_logits(trained):
     import torch
     import transformers
 
-    train = load_train_script()
+    train = load_script("train")
     hf = transformers.LlamaForCausalLM.from_pretrained(TINY_DIR, dtype=torch.float32,
                                                        attn_implementation="eager").eval()
     ids = snippet_ids()
@@ -83,7 +86,7 @@ def test_transformers_loads_it_with_the_same_logits(trained):
 
 
 def test_training_forward_matches_the_paged_forward(trained):
-    train = load_train_script()
+    train = load_script("train")
     ids = snippet_ids()
     params = nnx.to_pure_dict(nnx.split(trained)[1])
     ours = np.asarray(train.train_forward(params, jnp.asarray(ids[None]), trained.config))[0]
@@ -122,9 +125,7 @@ def test_trained_tiny_writes_english_words_random_init_does_not():
 
 
 def test_prepare_data_strips_the_markdown():
-    spec = importlib.util.spec_from_file_location("tiny_prepare", os.path.join(TINY_DIR, "prepare_data.py"))
-    prepare = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(prepare)
+    prepare = load_script("prepare_data")
     markdown = ("# Hamlet\n\n## ACT I\n\n_Enter BERNARDO and FRANCISCO, two\nSentinels_\n\n"
                 "**BERNARDO**  \nWho's there?  \nNay, answer me.\n\n\n\n"
                 "**CORNELIUS & VOLTIMAND**  \n_\\[Aside]_ In that, and all things.\n")
