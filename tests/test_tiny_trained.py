@@ -104,10 +104,8 @@ def reads_like_english(texts: list[str]) -> bool:
     return len(joined) > 0 and plain >= 0.9 * len(joined) and len(set(english_words(joined))) >= 6
 
 
-def generations(model_path: str | None) -> list[str]:
-    config = load_config("tiny_random", ENGINE)
-    if model_path:  # keep the preset's [model] (byte tokenizer); take the weights from model_path
-        config = dataclasses.replace(config, model_path=model_path)
+def generations(preset: str) -> list[str]:
+    config = load_config(preset, ENGINE)
     params = [SamplingParams(max_tokens=48),
               SamplingParams(max_tokens=48, temperature=0.7, seed=1),
               SamplingParams(max_tokens=48),
@@ -118,8 +116,9 @@ def generations(model_path: str | None) -> list[str]:
 
 
 def test_trained_tiny_writes_english_words_random_init_does_not():
-    trained_texts = generations(TINY_DIR)
-    random_texts = generations(None)
+    assert os.path.samefile(load_config("tiny").model_path, TINY_DIR)  # the preset ships these weights
+    trained_texts = generations("tiny")
+    random_texts = generations("tiny_random")
     assert reads_like_english(trained_texts), trained_texts
     assert not reads_like_english(random_texts), random_texts  # the check has teeth
 
