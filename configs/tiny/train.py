@@ -40,7 +40,7 @@ HELD_OUT_FRACTION = 0.05  # the last 5% of every play is never trained on
 
 @dataclasses.dataclass(frozen=True)
 class Hyper:
-    steps: int = 1000
+    steps: int = 2000
     batch: int = 16
     seq_len: int = 128  # tokens per sample, BOS included
     peak_lr: float = 3e-3
