@@ -1,0 +1,90 @@
+"""The Pallas kernels lower for the hardware they target, checked from this CPU machine.
+
+`jax.export` with `platforms=["tpu"]` runs the real Mosaic TPU lowering of pallas_tpu,
+and `platforms=["cuda"]` the real Triton lowering of pallas_gpu, without the hardware.
+Lowering is not compiling (Mosaic's and Triton's final compiles happen on the device),
+but a kernel that fails here would fail on every TPU/GPU: this catches it first.
+Cases: every preset's (head_dim, dtype, page_size, query group) at the engine's
+prefill- and decode-sized buckets.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import export
+
+from jaxfill.engine.batch import bucket_shapes
+from jaxfill.engine.config import load_config, preset_names
+from jaxfill.pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
+from jaxfill.pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention_tpu
+
+TRITON_CALL = "__gpu$xla.gpu.triton"
+
+
+def _preset_shapes() -> dict[tuple, str]:
+    """(head_dim, dtype, page_size, Hq, Hkv) -> the first preset with it; Hq/Hkv cut to
+    one KV head's group (the kernels grid over KV heads, so more heads lower the same)."""
+    shapes = {}
+    for name in preset_names():
+        c = load_config(name)
+        m, e = c.model, c.engine
+        group = m.num_heads // m.num_kv_heads
+        shapes.setdefault((m.head_dim, m.dtype, e.page_size, group, 1), name)
+    return shapes
+
+
+def _buckets(name: str) -> list[tuple[int, int]]:
+    """The engine's smallest (decode-sized) and largest (prefill-sized) step buckets."""
+    shapes = sorted(bucket_shapes(load_config(name).engine))
+    return sorted({shapes[0], shapes[-1]})
+
+
+CASES = [(name, key, t, s) for key, name in sorted(_preset_shapes().items(), key=lambda kv: kv[1])
+         for t, s in _buckets(name)]
+
+
+def _args(key, num_tokens: int, num_seqs: int, max_pages: int = 64, num_pages: int = 128):
+    head_dim, dtype, page_size, hq, hkv = key
+    dt = jnp.dtype(dtype)
+    return (jax.ShapeDtypeStruct((num_tokens, hq, head_dim), dt),  # q [T, Hq, D]
+            jax.ShapeDtypeStruct((num_pages, page_size, 2 * hkv, head_dim), dt),  # kv_pages
+            jax.ShapeDtypeStruct((num_seqs,), jnp.int32),  # kv_lens [S]
+            jax.ShapeDtypeStruct((num_seqs, max_pages), jnp.int32),  # page_indices [S, P]
+            jax.ShapeDtypeStruct((num_seqs + 1,), jnp.int32),  # cu_q_lens [S+1]
+            jax.ShapeDtypeStruct((1,), jnp.int32))  # num_seqs [1]
+
+
+def _ids(case) -> str:
+    name, key, t, s = case
+    return f"{name}-D{key[0]}-{key[1]}-T{t}xS{s}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_ids(c) for c in CASES])
+def test_pallas_tpu_lowers_with_mosaic(case):
+    _, key, t, s = case
+    fn = functools.partial(ragged_paged_attention_tpu, sm_scale=key[0] ** -0.5, interpret=False)
+    exp = export.export(jax.jit(fn), platforms=["tpu"])(*_args(key, t, s))
+    text = exp.mlir_module()
+    assert "tpu_custom_call" in text, "no Mosaic kernel in the lowered module"
+    assert exp.out_avals[0].shape == (t, key[3], key[0])
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_ids(c) for c in CASES])
+def test_pallas_gpu_lowers_with_triton(case):
+    _, key, t, s = case
+    fn = functools.partial(ragged_paged_attention_gpu, sm_scale=key[0] ** -0.5, interpret=False)
+    checks = [export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
+    exp = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*_args(key, t, s))
+    assert TRITON_CALL in exp.mlir_module(), "no Triton kernel in the lowered module"
+    assert exp.out_avals[0].shape == (t, key[3], key[0])
+
+
+def test_the_cases_cover_every_preset_shape():
+    """A new preset with a new head shape or dtype is lowered too, not silently skipped."""
+    covered = {key for _, key, _, _ in CASES}
+    assert covered == set(_preset_shapes())
+    assert {k[1] for k in covered} >= {"float32", "bfloat16"} and {k[0] for k in covered} >= {32, 64, 128}
