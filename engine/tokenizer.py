@@ -76,6 +76,8 @@ class HFTokenizer:
         from tokenizers import Tokenizer
 
         self.tok = Tokenizer.from_file(path)
+        # transformers' `split_special_tokens`: "<s>" typed in a prompt stays text.
+        self.tok.encode_special_tokens = _tokenizer_config(path).get("split_special_tokens", False)
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         self.bos_token_id = bos_token_id
         self.eos_token_ids = tuple(eos_token_ids)
@@ -139,6 +141,17 @@ class HFDetokenizer:
         emitted = self._new_text()
         self.prefix_offset = self.read_offset = self.next_prefix_offset = len(self.ids)
         return emitted
+
+
+def _tokenizer_config(tokenizer_json: str) -> dict:
+    """The tokenizer_config.json beside a tokenizer.json, or {}."""
+    import json
+
+    path = os.path.join(os.path.dirname(tokenizer_json), "tokenizer_config.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
 
 
 def _common_prefix_len(a: str, b: str) -> int:
