@@ -26,14 +26,15 @@ TRITON_CALL = "__gpu$xla.gpu.triton"
 
 
 def _preset_shapes() -> dict[tuple, str]:
-    """(head_dim, dtype, page_size, Hq, Hkv) -> the first preset with it; Hq/Hkv cut to
-    one KV head's group (the kernels grid over KV heads, so more heads lower the same)."""
+    """(head_dim, dtype, page_size, Hq, Hkv, sliding_window) -> the first preset with it;
+    Hq/Hkv cut to one KV head's group (the kernels grid over KV heads, so more heads lower
+    the same)."""
     shapes = {}
     for name in preset_names():
         c = load_config(name)
         m, e = c.model, c.engine
         group = m.num_heads // m.num_kv_heads
-        shapes.setdefault((m.head_dim, m.dtype, e.page_size, group, 1), name)
+        shapes.setdefault((m.head_dim, m.dtype, e.page_size, group, 1, m.sliding_window), name)
     return shapes
 
 
@@ -48,7 +49,7 @@ CASES = [(name, key, t, s) for key, name in sorted(_preset_shapes().items(), key
 
 
 def _args(key, num_tokens: int, num_seqs: int, max_pages: int = 64, num_pages: int = 128):
-    head_dim, dtype, page_size, hq, hkv = key
+    head_dim, dtype, page_size, hq, hkv, _ = key
     dt = jnp.dtype(dtype)
     return (jax.ShapeDtypeStruct((num_tokens, hq, head_dim), dt),  # q [T, Hq, D]
             jax.ShapeDtypeStruct((num_pages, page_size, 2 * hkv, head_dim), dt),  # kv_pages
@@ -60,13 +61,15 @@ def _args(key, num_tokens: int, num_seqs: int, max_pages: int = 64, num_pages: i
 
 def _ids(case) -> str:
     name, key, t, s = case
-    return f"{name}-D{key[0]}-{key[1]}-T{t}xS{s}"
+    window = f"-W{key[5]}" if key[5] else ""
+    return f"{name}-D{key[0]}-{key[1]}-G{key[3]}{window}-T{t}xS{s}"
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_ids(c) for c in CASES])
 def test_pallas_tpu_lowers_with_mosaic(case):
     _, key, t, s = case
-    fn = functools.partial(ragged_paged_attention_tpu, sm_scale=key[0] ** -0.5, interpret=False)
+    fn = functools.partial(ragged_paged_attention_tpu, sm_scale=key[0] ** -0.5, sliding_window=key[5],
+                           interpret=False)
     exp = export.export(jax.jit(fn), platforms=["tpu"])(*_args(key, t, s))
     text = exp.mlir_module()
     assert "tpu_custom_call" in text, "no Mosaic kernel in the lowered module"
@@ -76,7 +79,8 @@ def test_pallas_tpu_lowers_with_mosaic(case):
 @pytest.mark.parametrize("case", CASES, ids=[_ids(c) for c in CASES])
 def test_pallas_gpu_lowers_with_triton(case):
     _, key, t, s = case
-    fn = functools.partial(ragged_paged_attention_gpu, sm_scale=key[0] ** -0.5, interpret=False)
+    fn = functools.partial(ragged_paged_attention_gpu, sm_scale=key[0] ** -0.5, sliding_window=key[5],
+                           interpret=False)
     checks = [export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
     exp = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*_args(key, t, s))
     assert TRITON_CALL in exp.mlir_module(), "no Triton kernel in the lowered module"
