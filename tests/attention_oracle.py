@@ -3,6 +3,11 @@
 The oracle shares no code with any impl (not even `reference.py`): it walks sequences
 and rows one by one in float64, reading K/V only at positions < kv_len, so garbage in
 unused page slots cannot influence it.
+
+Quantized pages (int8 / float8_e4m3fn with per token-head f32 `kv_scales`): the oracle
+reads exactly what a kernel computes with, `stored * scale` rounded to f32 and then to
+q's dtype, and does the rest in float64. `make_batch(kv_dtype=...)` quantizes its random
+K/V in NumPy (absmax / QMAX scales, no project code), garbage in unused pages AND scales.
 """
 
 from __future__ import annotations
@@ -56,8 +61,16 @@ def _softmax_v(sc,  # [Hkv, G, K] natural-log units, K visible keys
     return acc / l
 
 
+def dequantized(kv_pages, kv_scales, dtype):
+    """Pages as a kernel sees them, in float64 (see the module docstring)."""
+    if kv_scales is None:
+        return np.asarray(kv_pages, np.float64)
+    stored = np.asarray(kv_pages).astype(np.float64)
+    return round_to(stored * np.asarray(kv_scales, np.float64)[..., None], dtype)
+
+
 def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
-           sliding_window=None, soft_cap=None, cast=None):
+           sliding_window=None, soft_cap=None, cast=None, kv_scales=None):
     """Returns (out[T, Hq, D] float64, live[T] bool). Rows not live are left at 0.
 
     cast=None: exact attention of the given inputs. A CastOrder: the same, rounded where
@@ -65,7 +78,7 @@ def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
     """
     dtype = np.asarray(q).dtype
     q = np.asarray(q, np.float64)
-    pages = np.asarray(kv_pages, np.float64)
+    pages = dequantized(kv_pages, kv_scales, dtype)
     kv_lens, page_indices = np.asarray(kv_lens), np.asarray(page_indices)
     cu, n = np.asarray(cu_q_lens), int(np.asarray(num_seqs)[0])
     t, hq, d = q.shape
@@ -118,15 +131,31 @@ class Batch:
     page_indices: np.ndarray  # [S, P] int32
     cu_q_lens: np.ndarray  # [S + 1] int32
     num_seqs: np.ndarray  # [1] int32
+    kv_scales: np.ndarray | None = None  # [num_pages, page_size, 2 * Hkv] f32 (int8/fp8 pages)
 
     def args(self):
         return (self.q, self.kv_pages, self.kv_lens, self.page_indices, self.cu_q_lens,
                 self.num_seqs)
 
 
+QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
+
+
+def quantize_np(x,  # [..., D] float
+                kv_dtype: str):  # -> stored [..., D], scale [...] f32
+    import ml_dtypes
+
+    absmax = np.abs(x).max(axis=-1).astype(np.float32)
+    scale = np.where(absmax > 0, absmax / np.float32(QMAX[kv_dtype]), 1).astype(np.float32)
+    y = np.clip(x / scale[..., None], -QMAX[kv_dtype], QMAX[kv_dtype])
+    if kv_dtype == "int8":
+        return np.round(y).astype(np.int8), scale
+    return y.astype(ml_dtypes.float8_e4m3fn), scale
+
+
 def make_batch(seqs, *, num_q_heads, num_kv_heads, head_dim, page_size, dtype=np.float32,
                num_tokens=None, num_slots=None, max_pages=None, num_pages=None, seed=0,
-               garbage=np.nan):
+               garbage=np.nan, kv_dtype=None):
     """seqs: list of (q_len, kv_len) with kv_len >= q_len >= 0.
 
     Pages are a random permutation; every page slot no sequence owns, every position at or
@@ -167,8 +196,20 @@ def make_batch(seqs, *, num_q_heads, num_kv_heads, head_dim, page_size, dtype=np
     kv_lens = np.zeros(num_slots, np.int32)
     kv_lens[:n] = [kl for _, kl in seqs]
     kv_lens[n:] = 7  # padding sequences: nonsense lengths the kernel must ignore
-    q, pages = q.astype(dtype), pages.astype(dtype)
-    return Batch(q, pages, kv_lens, page_indices, cu, np.asarray([n], np.int32))
+    q = q.astype(dtype)
+    scales = None
+    if kv_dtype is None:
+        pages = pages.astype(dtype)
+    else:  # quantize what sequences own; garbage stays garbage (int8 has no NaN: random)
+        owned = ~np.isnan(pages).all(axis=-1)  # [num_pages, page_size, 2 * Hkv]
+        stored, scales = quantize_np(np.nan_to_num(pages), kv_dtype)
+        if kv_dtype == "int8":
+            junk = rng.integers(-128, 128, stored.shape).astype(np.int8)
+        else:
+            junk = np.full(stored.shape, np.nan, np.float32).astype(stored.dtype)
+        pages = np.where(owned[..., None], stored, junk)
+        scales = np.where(owned, scales, np.float32(garbage))
+    return Batch(q, pages, kv_lens, page_indices, cu, np.asarray([n], np.int32), scales)
 
 
 def rel_err(out, ref, live):

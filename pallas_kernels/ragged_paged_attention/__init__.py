@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 
 import jax
+import jax.numpy as jnp
 
 # impl name -> (module, function). Modules import lazily so a backend's toolchain is
 # only needed when that backend is asked for.
@@ -28,8 +29,15 @@ def resolve_impl(impl: str) -> str:
     return impl
 
 
-def validate(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs):
+def validate(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales=None):
     """Static shape checks at trace time, so mistakes fail here, not deep inside XLA."""
+    quantized = jnp.dtype(kv_pages.dtype) in (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
+    if quantized != (kv_scales is not None):
+        raise ValueError(f"kv_scales must be given exactly when kv_pages are int8/float8_e4m3fn: "
+                         f"pages {kv_pages.dtype}, scales {None if kv_scales is None else kv_scales.shape}")
+    if kv_scales is not None and kv_scales.shape != kv_pages.shape[:3]:
+        raise ValueError(f"kv_scales must be [num_pages, page_size, 2*Hkv] = {kv_pages.shape[:3]}, "
+                         f"got {kv_scales.shape}")
     if q.ndim != 3:
         raise ValueError(f"q must be [T, Hq, D], got shape {q.shape}")
     if kv_pages.ndim != 4 or kv_pages.shape[2] % 2:
@@ -60,9 +68,12 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     impl: str = "auto",
+    kv_scales: jax.Array | None = None,  # [num_pages, page_size, 2 * Hkv] f32 for int8/fp8 pages
 ) -> jax.Array:  # [T, Hq, D]
-    validate(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    """Quantized pages (see kv_quant.py) are dequantized block by block inside the kernel."""
+    validate(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales)
     module, fn = IMPLS[resolve_impl(impl)]
     kernel = getattr(importlib.import_module(module), fn)
     return kernel(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                  sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+                  sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                  kv_scales=kv_scales)

@@ -15,7 +15,9 @@ through the page table, online softmax in f32 (exp2 with log2(e) folded into q),
 masked store of only the rows that belong to the item's sequence (a query block that
 straddles two sequences is written by two programs, disjoint rows). K and V are two
 BlockSpec views of the same page array (combined head 2h and 2h+1), so nothing is copied.
-K/V past kv_len are zeroed with `where`: unused pages may hold NaN.
+K/V past kv_len are zeroed with `where`: unused pages may hold NaN. Quantized pages
+(int8 / fp8) come with two more views, of the scales at combined head 2h and 2h + 1
+(`[num_pages, page_size]` each); each gathered KV block is dequantized in registers.
 """
 
 from __future__ import annotations
@@ -44,8 +46,10 @@ def _kernel(kv_lens_ref, pidx_ref, cu_ref, item_block_ref, item_seq_ref, num_ite
             q_ref,  # [Gp, T_pad, D] (KV head h)
             k_ref,  # [num_pages, page_size, D] (combined head 2h)
             v_ref,  # [num_pages, page_size, D] (combined head 2h + 1)
-            o_ref,  # [Gp, T_pad, D]
-            *, block_q, block_kv, pages_per_block, pages_per_seq, sliding_window, soft_cap):
+            *refs,  # [ks_ref, vs_ref [num_pages, page_size] f32 if quantized], o_ref [Gp, T_pad, D]
+            block_q, block_kv, pages_per_block, pages_per_seq, sliding_window, soft_cap,
+            quantized):
+    ks_ref, vs_ref, o_ref = refs if quantized else (None, None, *refs)
     i = pl.program_id(1)
     group, _, head_dim = q_ref.shape
     rows = group * block_q
@@ -66,6 +70,9 @@ def _kernel(kv_lens_ref, pidx_ref, cu_ref, item_block_ref, item_seq_ref, num_ite
             ids = pidx_ref[pl.ds(s * pages_per_seq + j * pages_per_block, pages_per_block)]
             k = k_ref[ids].reshape(block_kv, head_dim)
             v = v_ref[ids].reshape(block_kv, head_dim)
+            if quantized:
+                k = (k.astype(jnp.float32) * ks_ref[ids].reshape(block_kv, 1)).astype(q.dtype)
+                v = (v.astype(jnp.float32) * vs_ref[ids].reshape(block_kv, 1)).astype(q.dtype)
             key_pos = j * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
             in_len = key_pos < kv_len
             k = jnp.where(in_len[:, None], k, jnp.zeros((), k.dtype))
@@ -115,6 +122,7 @@ def ragged_paged_attention_gpu(
     interpret: bool | None = None,  # None: interpret unless running on a GPU
     num_warps: int | None = None,
     num_stages: int | None = None,
+    kv_scales: jax.Array | None = None,  # [num_pages, page_size, 2 * Hkv] f32 (int8/fp8 pages)
 ) -> jax.Array:  # [T, Hq, D]
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, combined, _ = kv_pages.shape
@@ -155,9 +163,14 @@ def ragged_paged_attention_gpu(
         pl.BlockSpec((num_pages, page_size, None, head_dim),
                      lambda h, i: (0, 0, 2 * h + 1, 0)),
     ]
+    operands = [*meta, qs, kv_pages, kv_pages]
+    if kv_scales is not None:
+        in_specs += [pl.BlockSpec((num_pages, page_size, None), lambda h, i: (0, 0, 2 * h)),
+                     pl.BlockSpec((num_pages, page_size, None), lambda h, i: (0, 0, 2 * h + 1))]
+        operands += [kv_scales, kv_scales]
     kernel = functools.partial(
         _kernel, block_q=bq, block_kv=bk, pages_per_block=ppb, pages_per_seq=pages_per_seq,
-        sliding_window=sliding_window, soft_cap=soft_cap)
+        sliding_window=sliding_window, soft_cap=soft_cap, quantized=kv_scales is not None)
     compiler_params = None
     if not interpret:
         warps = num_warps or (4 if gp * bq * head_dim <= 64 * 128 else 8)
@@ -171,7 +184,7 @@ def ragged_paged_attention_gpu(
         compiler_params=compiler_params,
         interpret=interpret,
         name="ragged_paged_attention_gpu",
-    )(*meta, qs, kv_pages, kv_pages)
+    )(*operands)
     out = out[:, :group].transpose(2, 0, 1, 3).reshape(t_pad, num_q_heads, head_dim)
     out = out[:num_tokens]
     # Rows no item owns (padding tokens) were never stored.

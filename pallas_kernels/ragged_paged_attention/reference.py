@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxfill.pallas_kernels.kv_cache import split_kv
+from jaxfill.pallas_kernels.kv_quant import dequantize
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: no inf - inf = NaN
 
@@ -42,6 +43,7 @@ def ragged_paged_attention_reference(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    kv_scales: jax.Array | None = None,  # [num_pages, page_size, 2 * Hkv] f32 (int8/fp8 pages)
 ) -> jax.Array:  # [T, Hq, D]
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, combined, _ = kv_pages.shape
@@ -54,7 +56,8 @@ def ragged_paged_attention_reference(
 
     def one_sequence(s, out):
         kv = kv_pages[page_indices[s]].reshape(max_kv, combined, head_dim)
-        k, v = split_kv(kv.astype(jnp.float32))  # [K, Hkv, D]
+        scale = None if kv_scales is None else kv_scales[page_indices[s]].reshape(max_kv, combined)
+        k, v = split_kv(dequantize(kv, scale, jnp.float32))  # [K, Hkv, D]
         in_len = key_pos < kv_lens[s]
         # Unused page slots may hold anything (NaN in tests): zero them before any math.
         k = jnp.where(in_len[:, None, None], k, 0.0)

@@ -20,6 +20,10 @@ last real one, so they touch no new block and compute nothing.
 
 Blocks holding only padding tokens are never visited; the wrapper zeroes those rows.
 
+Quantized pages (int8 / fp8): each page's scales `[page_size, 2*Hkv]` (contiguous) ride
+in the same double buffer with their own DMA; head h's K and V scale columns are picked
+with a one-hot sum (no dynamic lane index) and the block is dequantized in VMEM.
+
 Off TPU the kernel runs under the TPU interpreter with race detection on.
 """
 
@@ -56,11 +60,16 @@ def _kernel(kv_lens_ref, pidx_ref, cu_ref, num_seqs_ref, item_block_ref, item_se
             num_items_ref,  # scalar prefetch (SMEM)
             q_ref,  # [G, bq, D] block
             kv_hbm,  # [num_pages, page_size, 2*Hkv, D] in HBM
-            o_ref,  # [G, bq, D] block
-            k_buf, v_buf,  # [2, ppb, page_size, D] VMEM
-            sems,  # DMA semaphores [2 (k/v), 2 (slot)]
-            *, block_q, block_kv, pages_per_block, pages_per_seq, sliding_window, soft_cap):
+            *refs,  # [scales_hbm [num_pages, page_size, 2*Hkv] f32 if quantized], o_ref
+                    # [G, bq, D], k_buf, v_buf [2, ppb, page_size, D] VMEM, [s_buf
+                    # [2, ppb, page_size, 2*Hkv] f32], sems DMA [2 or 3 (k/v/scales), 2 (slot)]
+            block_q, block_kv, pages_per_block, pages_per_seq, sliding_window, soft_cap,
+            quantized):
     del num_seqs_ref  # folded into cu (sanitized) and the item table
+    if quantized:
+        scales_hbm, o_ref, k_buf, v_buf, s_buf, sems = refs
+    else:
+        (o_ref, k_buf, v_buf, sems), scales_hbm, s_buf = refs, None, None
     h = pl.program_id(0)
     i = pl.program_id(1)
     group, bq, head_dim = q_ref.shape
@@ -81,6 +90,9 @@ def _kernel(kv_lens_ref, pidx_ref, cu_ref, num_seqs_ref, item_block_ref, item_se
                                              k_buf.at[slot, p], sems.at[0, slot]))
             out.append(pltpu.make_async_copy(kv_hbm.at[page, :, 2 * h + 1, :],
                                              v_buf.at[slot, p], sems.at[1, slot]))
+            if quantized:
+                out.append(pltpu.make_async_copy(scales_hbm.at[page], s_buf.at[slot, p],
+                                                 sems.at[2, slot]))
         return out
 
     @pl.when(i < num_items_ref[0])
@@ -110,6 +122,13 @@ def _kernel(kv_lens_ref, pidx_ref, cu_ref, num_seqs_ref, item_block_ref, item_se
                 c.wait()
             k = k_buf[slot].reshape(block_kv, head_dim)
             v = v_buf[slot].reshape(block_kv, head_dim)
+            if quantized:
+                sc_all = s_buf[slot].reshape(block_kv, s_buf.shape[-1])  # [bk, 2*Hkv]
+                col = lax.broadcasted_iota(jnp.int32, sc_all.shape, 1)
+                k_scale = jnp.sum(jnp.where(col == 2 * h, sc_all, 0.0), axis=1, keepdims=True)
+                v_scale = jnp.sum(jnp.where(col == 2 * h + 1, sc_all, 0.0), axis=1, keepdims=True)
+                k = (k.astype(jnp.float32) * k_scale).astype(q.dtype)
+                v = (v.astype(jnp.float32) * v_scale).astype(q.dtype)
             key_col = j * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0)
             k = jnp.where(key_col < kv_len, k, jnp.zeros((), k.dtype))
             v = jnp.where(key_col < kv_len, v, jnp.zeros((), v.dtype))
@@ -155,6 +174,7 @@ def ragged_paged_attention_tpu(
     block_q: int | None = None,
     block_kv: int | None = None,
     interpret=None,  # None: auto (interpreter off TPU); False; or InterpretParams
+    kv_scales: jax.Array | None = None,  # [num_pages, page_size, 2 * Hkv] f32 (int8/fp8 pages)
 ) -> jax.Array:  # [T, Hq, D]
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, combined, _ = kv_pages.shape
@@ -190,26 +210,30 @@ def ragged_paged_attention_tpu(
     block = pl.BlockSpec((None, group, bq, head_dim), q_map)
     kernel = functools.partial(
         _kernel, block_q=bq, block_kv=bk, pages_per_block=ppb, pages_per_seq=pages_per_seq,
-        sliding_window=sliding_window, soft_cap=soft_cap)
+        sliding_window=sliding_window, soft_cap=soft_cap, quantized=kv_scales is not None)
+    kv_buf = pltpu.VMEM((2, ppb, page_size, head_dim), kv_pages.dtype)
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    if kv_scales is None:
+        in_specs, scratch, operands = [block, hbm], [kv_buf, kv_buf], (qs, kv_pages)
+    else:
+        in_specs = [block, hbm, hbm]
+        scratch = [kv_buf, kv_buf, pltpu.VMEM((2, ppb, page_size, combined), kv_scales.dtype)]
+        operands = (qs, kv_pages, kv_scales)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=7,
             grid=(num_kv_heads, num_blocks + num_slots),
-            in_specs=[block, pl.BlockSpec(memory_space=pl.ANY)],
+            in_specs=in_specs,
             out_specs=block,
-            scratch_shapes=[
-                pltpu.VMEM((2, ppb, page_size, head_dim), kv_pages.dtype),
-                pltpu.VMEM((2, ppb, page_size, head_dim), kv_pages.dtype),
-                pltpu.SemaphoreType.DMA((2, 2)),
-            ],
+            scratch_shapes=[*scratch, pltpu.SemaphoreType.DMA((len(scratch), 2))],
         ),
         out_shape=jax.ShapeDtypeStruct(qs.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=interpret,
         name="ragged_paged_attention_tpu",
     )(kv_lens, pidx, cu, num_seqs.astype(jnp.int32), item_block, item_seq,
-      num_items.reshape(1), qs, kv_pages)
+      num_items.reshape(1), *operands)
     out = out.transpose(2, 0, 1, 3).reshape(t_pad, num_q_heads, head_dim)[:num_tokens]
     # Blocks holding only padding tokens are never visited: their HBM rows are undefined.
     live = jnp.arange(num_tokens, dtype=jnp.int32) < cu[num_seqs[0]]

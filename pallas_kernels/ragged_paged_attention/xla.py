@@ -24,6 +24,8 @@ so a decode row never costs a whole block_q-row query block. Softmax runs in bas
 q) with a polynomial exp2 that XLA CPU vectorizes well. K/V of masked blocks are zeroed
 with `where` beyond kv_len, so NaN in unused page slots never reaches an output; rows of
 an item that belong to another sequence, and padding rows, are dropped with `where`.
+Quantized pages (int8 / fp8 with `kv_scales`) are dequantized per KV block as it is
+loaded, to the compute dtype; the cache is never dequantized as a whole.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxfill.pallas_kernels.kv_quant import dequantize
 from jaxfill.pallas_kernels.ragged_paged_attention.block_sizes import (kv_block, xla_block_sizes,
                                                                xla_parallel_loops)
 
@@ -139,6 +142,7 @@ def exp2(x):
 # --------------------------------------------------------------------------- kernel
 def _attend(qs,  # [num_blocks, Hkv', R, D] scaled q; R = (q heads per KV head) * bq
             kv_pages,  # [num_pages, page_size, 2 * Hkv', D]
+            kv_scales,  # [num_pages, page_size, 2 * Hkv'] f32, or None (unquantized pages)
             pidx,  # [S, P'] int32 page table padded to whole KV blocks
             cu, kv_lens, item_block, item_seq, num_items,
             seq_skip,  # [S] bool: sequences another path serves (their items do nothing)
@@ -152,6 +156,8 @@ def _attend(qs,  # [num_blocks, Hkv', R, D] scaled q; R = (q heads per KV head) 
     def load_kv(s, j):
         ids = lax.dynamic_slice_in_dim(pidx[s], j * ppb, ppb)
         kv = kv_pages[ids].reshape(bk, combined, head_dim)
+        if kv_scales is not None:
+            kv = dequantize(kv, kv_scales[ids].reshape(bk, combined), cdt)
         k = kv[:, 0::2, :].transpose(1, 0, 2)  # [Hkv', bk, D]
         v = kv[:, 1::2, :].transpose(1, 0, 2)
         if sum_pad:  # ones columns: P @ [V | 1] also yields the row sums of P
@@ -221,7 +227,7 @@ def _attend(qs,  # [num_blocks, Hkv', R, D] scaled q; R = (q heads per KV head) 
 
 
 def _attend_short(qs,  # [T, Hq, D] scaled q (log2 units unless soft_cap)
-                  kv_pages, pidx, cu, kv_lens, num_seqs,
+                  kv_pages, kv_scales, pidx, cu, kv_lens, num_seqs,
                   seq_mask,  # [S] bool: the sequences this path serves (each <= q_max new tokens)
                   *, q_max, bk, ppb, sliding_window, soft_cap, exp2_fn):
     """Sequence-batched path for sequences with <= q_max new tokens (decode, speculative
@@ -258,6 +264,8 @@ def _attend_short(qs,  # [T, Hq, D] scaled q (log2 units unless soft_cap)
         m, l, acc = carry
         ids = lax.dynamic_slice_in_dim(pidx, j * ppb, ppb, axis=1)  # [S, ppb]
         kv = kv_pages[ids].reshape(num_slots, bk, 2 * num_kv_heads, head_dim)
+        if kv_scales is not None:
+            kv = dequantize(kv, kv_scales[ids].reshape(num_slots, bk, 2 * num_kv_heads), cdt)
         key_pos = j * bk + key_iota
         in_len = key_pos[None, :] < kv_len[:, None]  # [S, bk]
         kv = jnp.where(in_len[:, :, None, None], kv, jnp.zeros((), kv.dtype))
@@ -308,6 +316,7 @@ def ragged_paged_attention_xla(
     sum_pad: int = 0,
     par: int | None = None,
     short_q: int = 1,  # sequences with <= short_q new tokens take the sequence-batched path
+    kv_scales: jax.Array | None = None,  # [num_pages, page_size, 2 * Hkv] f32 (int8/fp8 pages)
 ) -> jax.Array:  # [T, Hq, D]
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, combined, _ = kv_pages.shape
@@ -341,7 +350,7 @@ def ragged_paged_attention_xla(
     q_lens = jnp.where(live, cu[1:] - cu[:-1], 0)  # [S]
 
     def by_items(q_scaled, seq_skip=jnp.zeros((num_slots,), jnp.bool_)):
-        return _by_items(q_scaled, kv_pages, pidx, cu, kv_lens, item_block, item_seq,
+        return _by_items(q_scaled, kv_pages, kv_scales, pidx, cu, kv_lens, item_block, item_seq,
                          num_items, seq_skip, bq=bq, bk=bk, ppb=ppb, par=par,
                          sliding_window=sliding_window, soft_cap=soft_cap, exp2_fn=exp2_fn,
                          sum_pad=sum_pad)
@@ -356,7 +365,7 @@ def ragged_paged_attention_xla(
     is_short = q_lens <= q_max  # [S]
 
     def short(q_scaled, seq_mask=jnp.ones((num_slots,), jnp.bool_)):
-        return _attend_short(q_scaled, kv_pages, pidx_short, cu, kv_lens, num_seqs, seq_mask,
+        return _attend_short(q_scaled, kv_pages, kv_scales, pidx_short, cu, kv_lens, num_seqs, seq_mask,
                              q_max=q_max, bk=bk_short, ppb=ppb_short,
                              sliding_window=sliding_window, soft_cap=soft_cap,
                              exp2_fn=exp2_fn)
@@ -372,7 +381,7 @@ def ragged_paged_attention_xla(
     return out.astype(q.dtype)
 
 
-def _by_items(q_scaled, kv_pages, pidx, cu, kv_lens, item_block, item_seq, num_items, seq_skip, *,
+def _by_items(q_scaled, kv_pages, kv_scales, pidx, cu, kv_lens, item_block, item_seq, num_items, seq_skip, *,
               bq, bk, ppb, par, sliding_window, soft_cap, exp2_fn, sum_pad):
     """The item path: returns out [T, Hq, D] f32."""
     num_tokens, num_q_heads, head_dim = q_scaled.shape
@@ -394,6 +403,8 @@ def _by_items(q_scaled, kv_pages, pidx, cu, kv_lens, item_block, item_seq, num_i
     for h0, nh, g0, ng in splits:
         o = _attend(qs[:, h0:h0 + nh, g0:g0 + ng].reshape(num_blocks, nh, ng * bq, head_dim),
                     kv_pages[:, :, 2 * h0:2 * (h0 + nh)] if nh < num_kv_heads else kv_pages,
+                    kv_scales[:, :, 2 * h0:2 * (h0 + nh)]
+                    if kv_scales is not None and nh < num_kv_heads else kv_scales,
                     pidx, cu, kv_lens, item_block, item_seq, num_items, seq_skip, bq=bq, bk=bk, ppb=ppb,
                     sliding_window=sliding_window, soft_cap=soft_cap, exp2_fn=exp2_fn,
                     sum_pad=sum_pad)

@@ -1,0 +1,110 @@
+"""Quantized KV cache (engine.kv_cache_dtype = int8 / float8_e4m3fn).
+
+Kernels: every impl on int8 and fp8 pages equals the quantization-aware float64 oracle
+(attention_oracle.dequantized: stored * scale as the kernel sees it), with garbage in
+unused pages and NaN in unused scales. Write: write_kv_quantized stores what the oracle's
+NumPy quantizer would, scales beside the values at the same slot.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attention_oracle import make_batch, oracle, quantize_np, rel_err
+from jaxfill.pallas_kernels import ragged_paged_attention
+from jaxfill.pallas_kernels.kv_quant import init_kv_scales, write_kv_quantized
+
+KV_DTYPES = ["int8", "float8_e4m3fn"]
+IMPLS = ["reference", "xla", "pallas_tpu", "pallas_gpu"]
+TOL = 1e-5  # f32 compute: the same as unquantized pages against the exact oracle
+
+# (seqs, num_q_heads, num_kv_heads, head_dim, page_size, sliding_window, soft_cap, T, S)
+CASES = {
+    "mixed": ([(1, 9), (7, 20), (0, 0), (6, 13), (1, 1)], 4, 2, 64, 4, None, None, 16, 6),
+    "window_cap": ([(5, 17), (1, 12)], 8, 2, 64, 4, 6, 20.0, 8, 3),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_impl_matches_quantized_oracle(impl, kv_dtype, case):
+    seqs, hq, hkv, d, ps, window, cap, t, s = CASES[case]
+    if impl in ("pallas_tpu", "pallas_gpu") and case != "mixed":
+        pytest.skip("interpreted Pallas: one case keeps the suite fast")
+    batch = make_batch(seqs, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=ps,
+                       num_tokens=t, num_slots=s, seed=3, kv_dtype=kv_dtype)
+    assert np.isnan(batch.kv_scales).any(), "unused scales must be NaN"
+    kw = dict(sm_scale=d ** -0.5, sliding_window=window, soft_cap=cap)
+    ref, live = oracle(*batch.args(), **kw, kv_scales=batch.kv_scales)
+    args = [jnp.asarray(a) for a in batch.args()]
+    out = np.asarray(ragged_paged_attention(*args, **kw, impl=impl,
+                                            kv_scales=jnp.asarray(batch.kv_scales)))
+    assert np.isfinite(out).all(), "NaN from an unused page or scale reached an output"
+    assert rel_err(out, ref, live) <= TOL
+    # The quantization is real: the oracle of the unquantized K/V is measurably elsewhere.
+    raw = make_batch(seqs, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=ps,
+                     num_tokens=t, num_slots=s, seed=3)
+    exact, _ = oracle(*raw.args(), **kw)
+    assert rel_err(out, exact, live) > 100 * TOL
+
+
+def test_scales_must_come_with_quantized_pages():
+    batch = make_batch([(2, 5)], num_q_heads=2, num_kv_heads=1, head_dim=8, page_size=4,
+                       kv_dtype="int8")
+    args = [jnp.asarray(a) for a in batch.args()]
+    with pytest.raises(ValueError, match="kv_scales must be given"):
+        ragged_paged_attention(*args, sm_scale=1.0)
+    with pytest.raises(ValueError, match="kv_scales must be"):
+        ragged_paged_attention(*args, sm_scale=1.0, kv_scales=jnp.ones((2, 4, 2)))
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_write_kv_quantized_stores_values_and_scales_at_the_slot(kv_dtype):
+    num_pages, page_size, hkv, d = 5, 4, 2, 16
+    dtype = {"int8": jnp.int8, "float8_e4m3fn": jnp.float8_e4m3fn}[kv_dtype]
+    pages = jnp.zeros((num_pages, page_size, 2 * hkv, d), dtype)
+    scales = init_kv_scales(num_pages, page_size, hkv, fill_value=float("nan"))
+    rng = np.random.default_rng(0)
+    k = (3 * rng.standard_normal((6, hkv, d))).astype(np.float32)
+    v = rng.standard_normal((6, hkv, d)).astype(np.float32)
+    k[2] = 0.0  # a zero token-head: scale 1, values 0
+    slots = np.array([5, 9, 0, -1, 19, 12], np.int32)
+    fn = jax.jit(write_kv_quantized, donate_argnums=(0, 1))
+    out, out_scales = fn(pages, scales, jnp.asarray(k), jnp.asarray(v), jnp.asarray(slots))
+    out = np.asarray(out.astype(jnp.float32))
+    out_scales = np.asarray(out_scales)
+    written = np.zeros((num_pages, page_size), bool)
+    for t, slot in enumerate(slots):
+        if slot < 0:
+            continue
+        page, off = divmod(int(slot), page_size)
+        written[page, off] = True
+        for x, idx in ((k[t], slice(0, None, 2)), (v[t], slice(1, None, 2))):
+            want, want_scale = quantize_np(x, kv_dtype)
+            # XLA may divide by QMAX as a multiply by 1/QMAX: one ulp, then at most one step.
+            np.testing.assert_allclose(out_scales[page, off, idx], want_scale, rtol=3e-7)
+            np.testing.assert_allclose(out[page, off, idx], want.astype(np.float32),
+                                       rtol=2 ** -3, atol=1.0 if kv_dtype == "int8" else 0)
+            # Round trip: half an int8 step; e4m3 (3-bit mantissa): 2**-4 relative, and half
+            # its smallest subnormal step (2**-9) near zero.
+            sc = out_scales[page, off, idx][:, None]
+            rt = out[page, off, idx] * sc
+            bound = 0.5 * sc if kv_dtype == "int8" else 2 ** -4 * np.abs(x) + 2 ** -10 * sc
+            assert np.all(np.abs(rt - x) <= bound * (1 + 1e-6))
+    assert np.isnan(out_scales[~written]).all()
+    assert (out[~written] == 0).all()
+    np.testing.assert_array_equal(out_scales[0, 0, 0::2], 1.0)  # the zero K row
+
+
+def test_write_kv_quantized_rejects_bad_input():
+    pages = jnp.zeros((2, 4, 4, 8), jnp.int8)
+    with pytest.raises(ValueError, match="scales"):
+        write_kv_quantized(pages, jnp.ones((2, 4, 2)), jnp.ones((1, 2, 8)), jnp.ones((1, 2, 8)),
+                           jnp.zeros(1, jnp.int32))
+    with pytest.raises(ValueError, match="int8 or float8"):
+        write_kv_quantized(pages.astype(jnp.float32), jnp.ones((2, 4, 4)), jnp.ones((1, 2, 8)),
+                           jnp.ones((1, 2, 8)), jnp.zeros(1, jnp.int32))
