@@ -11,6 +11,11 @@ least shareable ones) are evicted before its head pages.
 
 A full page's hash chains its parent's hash, its tokens and the request's cache_salt,
 so equal hashes mean equal whole prefixes (and equal salts).
+
+`listener` (None by default) hears the prefix cache change, on the stepping thread:
+("stored", hash, parent hash or None, tokens) when a page becomes findable,
+("removed", hash) when allocation evicts it, ("cleared",) on a reset. It must only
+record (the serving loop queues the events and publishes them after the step).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
-from typing import Sequence
+from typing import Callable, Sequence
 
 NULL_PAGE = 0
 
@@ -57,6 +62,7 @@ class BlockManager:
         self.free_queue: OrderedDict[int, None] = OrderedDict((p, None) for p in range(1, num_pages))
         self.hits = 0  # pages served from the prefix cache
         self.queries = 0  # pages looked up
+        self.listener: Callable[..., None] | None = None  # prefix-cache events (see the module doc)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -108,6 +114,8 @@ class BlockManager:
             if h is not None:
                 if self.cached.get(h) == page:
                     del self.cached[h]
+                    if self.listener is not None:
+                        self.listener("removed", h)
                 self.page_hash[page] = None
             self.ref_counts[page] = 1
             out.append(page)
@@ -123,19 +131,25 @@ class BlockManager:
             if self.ref_counts[p] == 0:
                 self.free_queue[p] = None
 
-    def register(self, page: int, h: bytes) -> None:
-        """Marks a full, computed page as holding the prefix with hash h."""
+    def register(self, page: int, h: bytes, parent: bytes | None = None,
+                 tokens: Callable[[], Sequence[int]] | None = None) -> None:
+        """Marks a full, computed page as holding the prefix with hash h. parent and tokens
+        (called only when a listener hears the store) describe it to the listener."""
         if not self.enable_prefix_caching or self.page_hash[page] is not None:
             return
         if h in self.cached:  # the same prefix was computed twice: keep the first copy
             return
         self.cached[h] = page
         self.page_hash[page] = h
+        if self.listener is not None:
+            self.listener("stored", h, parent, list(tokens()) if tokens is not None else [])
 
     def reset_prefix_cache(self) -> None:
         for h, p in list(self.cached.items()):
             self.page_hash[p] = None
         self.cached.clear()
+        if self.listener is not None:
+            self.listener("cleared")
 
     def check(self) -> None:
         """Invariants (tests): every page is exactly one of free / referenced."""

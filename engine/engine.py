@@ -33,6 +33,7 @@ broadcasts; `close()` on process 0 releases them:
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import random
 import sys
@@ -49,6 +50,7 @@ from jaxfill.engine.request import (Completion, InvalidRequest, QueueFull, Reque
 from jaxfill.engine.output import append_token
 from jaxfill.engine.replicas import ReplicaScheduler
 from jaxfill.engine.runner import Runner
+from jaxfill.models.quant import param_bytes
 
 
 class _IdsOnlyTokenizer:
@@ -435,8 +437,16 @@ class Engine:
                 "num_errors": self.num_errors,
                 "num_cache_resets": self.num_cache_resets,
                 "attention_impl": self.runner.attention_impl,  # what serves, after the warm-up check
+                "weight_bytes": param_bytes(self.runner.state),  # all params, global shapes
                 "compiled_programs": Runner.cache_size(),
             }
+
+    def set_kv_event_listener(self, listener) -> None:
+        """listener(replica, *event) hears every data replica's prefix-cache events
+        (engine/block_manager.py) on the stepping thread; None removes it."""
+        with self._lock:
+            for i, sch in enumerate(self.scheduler.replicas):
+                sch.bm.listener = None if listener is None else functools.partial(listener, i)
 
     # ------------------------------------------------------------------ multi-process
     @property

@@ -140,8 +140,10 @@ class Scheduler:
         if not self.bm.enable_prefix_caching:
             return
         hashes = self._hashes(req, req.num_computed)
-        for page, h in zip(req.pages, hashes):
-            self.bm.register(page, h)
+        ps = self.page_size
+        for i, (page, h) in enumerate(zip(req.pages, hashes)):
+            self.bm.register(page, h, parent=hashes[i - 1] if i else None,
+                             tokens=lambda i=i: [req.token(j) for j in range(i * ps, (i + 1) * ps)])
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:

@@ -24,6 +24,12 @@ the engine-thread `time.monotonic()` when the step returned:
     ("aborted", None, t)           aborted by `abort(notify=True)` (an Abort RPC, or shutdown)
     ("error", Exception, t)        add_request refused it (InvalidRequest), or the step
                                    failed as a whole
+
+Prefix-cache events (engine/block_manager.py's listener) are only recorded on the engine
+thread; they ride the same `call_soon_threadsafe` as the step's outputs and reach each
+`subscribe_kv()` queue as numbered batches
+`(sequence, wall time, replica, events, first event id)`, so a
+slow subscriber never holds up a step.
 """
 
 from __future__ import annotations
@@ -56,6 +62,10 @@ class StepFailed(RuntimeError):
     """engine.step() raised; every request in flight at that moment fails with it."""
 
 
+KV_HISTORY_BATCHES = 1024  # KV event batches kept for subscribers resuming from a sequence number
+KV_SUBSCRIBER_MAX_BACKLOG = 4096  # batches a subscriber may fall behind before it is dropped
+
+
 class RequestStream:
     """The asyncio side of one request: its queue and the timestamps metrics need."""
 
@@ -67,6 +77,7 @@ class RequestStream:
         self.first_token_t: float | None = None
         self.last_token_t: float | None = None
         self.num_tokens = 0
+        self.cached_tokens = 0  # prompt tokens served from the prefix cache (set at admission)
         self.done = False
         self.gone: str | None = None  # why the handler stopped listening ("cancelled", "deadline")
 
@@ -95,11 +106,17 @@ class EngineLoop:
         self._ready_callbacks: list[Callable[[], Any]] = []
         self.steps = 0
         self.warmup_s = 0.0
+        self._kv_pending: list = []  # engine thread: (replica, event) since the last post
+        self._kv_subscribers: set[asyncio.Queue] = set()  # event-loop side
+        self._kv_history: collections.deque = collections.deque(maxlen=KV_HISTORY_BATCHES)
+        self.kv_sequence = 0  # the last KV event batch's number (event-loop side)
+        self._kv_events_published = 0  # events are numbered from 1 across batches
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, loop: asyncio.AbstractEventLoop, warmup: bool = True,
               on_ready: Callable[[], Any] | None = None) -> None:
         self._loop = loop
+        self.engine.set_kv_event_listener(self._on_kv_event)
         if on_ready:
             self._ready_callbacks.append(on_ready)
         self._thread = threading.Thread(target=self._run, args=(warmup,), name="jaxfill-engine", daemon=True)
@@ -169,10 +186,42 @@ class EngineLoop:
             self.abort(rid, notify=True)
         return len(ids)
 
-    def _dispatch(self, items: list, stats: dict | None) -> None:
-        """Event-loop side of one step: route outputs to their streams."""
+    def subscribe_kv(self, start_sequence: int = 0) -> asyncio.Queue:
+        """A queue of KV event batches from now on (and, for start_sequence > 0, the kept
+        batches numbered from it). A None item means the subscriber fell too far behind."""
+        q: asyncio.Queue = asyncio.Queue()
+        if start_sequence > 0:
+            for batch in self._kv_history:
+                if batch[0] >= start_sequence:
+                    q.put_nowait(batch)
+        self._kv_subscribers.add(q)
+        return q
+
+    def unsubscribe_kv(self, q: asyncio.Queue) -> None:
+        self._kv_subscribers.discard(q)
+
+    def _publish_kv(self, events: list) -> None:
+        by_replica: dict[int, list] = {}
+        for replica, event in events:
+            by_replica.setdefault(replica, []).append(event)
+        for replica, evs in sorted(by_replica.items()):
+            self.kv_sequence += 1
+            batch = (self.kv_sequence, time.time(), replica, evs, self._kv_events_published + 1)
+            self._kv_events_published += len(evs)
+            self._kv_history.append(batch)
+            for q in list(self._kv_subscribers):
+                if q.qsize() >= KV_SUBSCRIBER_MAX_BACKLOG:
+                    self._kv_subscribers.discard(q)
+                    q.put_nowait(None)
+                else:
+                    q.put_nowait(batch)
+
+    def _dispatch(self, items: list, stats: dict | None, kv_events: list | None = None) -> None:
+        """Event-loop side of one step: route outputs to their streams, KV events to subscribers."""
         if stats is not None:
             self._stats = stats
+        if kv_events:
+            self._publish_kv(kv_events)
         for kind, stream, payload, t in items:
             if stream.done:
                 continue
@@ -216,10 +265,15 @@ class EngineLoop:
             e2e_s=t - stream.arrival)
 
     # ------------------------------------------------------------- engine thread
+    def _on_kv_event(self, replica: int, *event) -> None:
+        """The block managers' listener: records only (engine thread, inside the step)."""
+        self._kv_pending.append((replica, event))
+
     def _post(self, items: list, stats: dict | None = None) -> None:
-        if items or stats is not None:
+        kv_events, self._kv_pending = self._kv_pending, []
+        if items or stats is not None or kv_events:
             try:
-                self._loop.call_soon_threadsafe(self._dispatch, items, stats)
+                self._loop.call_soon_threadsafe(self._dispatch, items, stats, kv_events)
             except RuntimeError:  # event loop closed: shutting down
                 pass
 
@@ -336,6 +390,11 @@ class EngineLoop:
             if stream is None:
                 continue  # the "abort" output of a request already reported as aborted
             gen_tokens += len(out.new_token_ids)
+            req = self.engine.requests.get(out.request_id)
+            cached = req.cached_tokens if req is not None else (out.completion.cached_tokens
+                                                                if out.completion is not None else None)
+            if cached:
+                stream.cached_tokens = cached
             if out.finished:
                 del self._in_engine[out.request_id]
             items.append(("output", stream, out, now))

@@ -1,6 +1,8 @@
-"""gRPC server: jaxfill.v1.Generation, the JetStream Orchestrator shim, health, reflection.
+"""gRPC server: jaxfill.v1.Generation, the JetStream Orchestrator shim, vLLM's
+vllm.grpc.engine.VllmEngine (what the smg gateway routes to), health, reflection.
 
-One adapter module per protocol (generation_service.py, jetstream_service.py) over one
+One adapter module per protocol (generation_service.py, jetstream_service.py,
+vllm_service.py) over one
 validation layer (request_core.py) and one engine loop (engine_loop.py). Everything here
 runs on one asyncio event loop (grpc.aio); the Engine runs on the EngineLoop's thread.
 Status codes:
@@ -26,6 +28,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc
 
 from jaxfill.serving.engine_loop import SERVING, EngineLoop
 from jaxfill.serving.generation_service import GenerationServicer
@@ -36,6 +39,7 @@ from jaxfill.serving.proto.jaxfill.v1 import generation_pb2_grpc as pb_grpc
 from jaxfill.serving.proto.jetstream.core.proto import jetstream_pb2 as js
 from jaxfill.serving.proto.jetstream.core.proto import jetstream_pb2_grpc as js_grpc
 from jaxfill.serving.request_core import RequestCore
+from jaxfill.serving.vllm_service import VLLM_SERVICE, VllmEngineServicer
 
 log = logging.getLogger("jaxfill.serving")
 
@@ -86,7 +90,8 @@ class Server:
 
     def __init__(self, engine, host: str = "127.0.0.1", port: int = 0, metrics_port: int | None = None,
                  metrics_host: str | None = None, api_key: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None, max_message_bytes: int = 16 << 20, warmup: bool = True):
+                 tls_key: str | None = None, max_message_bytes: int = 16 << 20, warmup: bool = True,
+                 served_model_name: str | None = None):
         self.engine = engine
         self.host, self.port = host, port
         self.metrics_port, self.metrics_host = metrics_port, metrics_host or host
@@ -98,6 +103,7 @@ class Server:
         self.loop = EngineLoop(engine, self.metrics)
         self.health = HealthServicer()
         self.core = RequestCore(engine, self.loop)
+        self.vllm = VllmEngineServicer(self.core, served_model_name)
         self.server: grpc.aio.Server | None = None
         self.metrics_http = None
         self.ready = asyncio.Event()
@@ -111,9 +117,11 @@ class Server:
         self.server = grpc.aio.server(options=options, interceptors=interceptors)
         pb_grpc.add_GenerationServicer_to_server(GenerationServicer(self.core), self.server)
         js_grpc.add_OrchestratorServicer_to_server(OrchestratorServicer(self.core), self.server)
+        vllm_grpc.add_VllmEngineServicer_to_server(self.vllm, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
-            (GENERATION_SERVICE, ORCHESTRATOR_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), self.server)
+            (GENERATION_SERVICE, ORCHESTRATOR_SERVICE, VLLM_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME),
+            self.server)
         for name in ("", GENERATION_SERVICE, ORCHESTRATOR_SERVICE):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         address = f"{self.host}:{self.port}"

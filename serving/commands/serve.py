@@ -1,4 +1,4 @@
-"""`jaxfill serve`: the gRPC server (Generation + JetStream shim + health + reflection)."""
+"""`jaxfill serve`: the gRPC server (Generation + JetStream shim + VllmEngine + health + reflection)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import sys
 import time
 
 COMMAND = ("serve",)
-HELP = "serve the model over gRPC (jaxfill.v1.Generation, JetStream Orchestrator, health, reflection)"
+HELP = ("serve the model over gRPC (jaxfill.v1.Generation, JetStream Orchestrator, vLLM's VllmEngine for the "
+        "smg gateway, health, reflection)")
 
 
 def add_arguments(p) -> None:
@@ -18,6 +19,9 @@ def add_arguments(p) -> None:
     common_model_args(p, multi_process=True)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=50051, help="gRPC port (0 = pick a free one)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name the vLLM protocol reports (default: the model directory's basename, "
+                        "else the config name)")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (off by default)")
     p.add_argument("--api-key", default=None, help="require `authorization: Bearer KEY` on every RPC but health")
     p.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key: serve TLS)")
@@ -63,7 +67,8 @@ async def _serve(args, engine, log) -> int:
 
     server = Server(engine, host=args.host, port=args.port, metrics_port=args.metrics_port, api_key=args.api_key,
                     tls_cert=args.tls_cert, tls_key=args.tls_key,
-                    max_message_bytes=int(args.max_message_mb * (1 << 20)), warmup=not args.no_warmup)
+                    max_message_bytes=int(args.max_message_mb * (1 << 20)), warmup=not args.no_warmup,
+                    served_model_name=args.served_model_name)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

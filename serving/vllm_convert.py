@@ -1,0 +1,147 @@
+"""vllm.grpc.engine messages <-> jaxfill's SamplingParams, outputs and prefix-cache events.
+
+Pure translation for serving/vllm_service.py. A field we cannot honour is refused
+(BadField -> INVALID_ARGUMENT naming it) when it holds anything but its proto default or
+the value the smg gateway fills in for every request (n = 1,
+spaces_between_special_tokens = true, ...), so the gateway's requests pass and a
+request that really asks for something we lack never runs without it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import struct
+import zipfile
+
+from smg_grpc_proto.generated import common_pb2 as cpb
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+
+from jaxfill.engine.request import SamplingParams
+from jaxfill.serving.request_core import BadField
+
+# vLLM's default when a request leaves temperature unset (OpenAI's too): sampling, not greedy.
+DEFAULT_TEMPERATURE = 1.0
+SP = "sampling_params."
+# Request fields (GenerateRequest) we have no engine support for.
+UNSUPPORTED_REQUEST_FIELDS = ("kv_transfer_params", "mm_inputs", "media_refs", "kv_transfer_params_json",
+                              "data_parallel_rank")
+# Files the gateway needs to build the tokenizer (GetTokenizer zips those present).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json", "config.json", "chat_template.jinja")
+TOKENIZER_CHUNK_BYTES = 1 << 20
+
+
+def check_request_fields(request: vpb.GenerateRequest) -> None:
+    for name in UNSUPPORTED_REQUEST_FIELDS:
+        if request.HasField(name):
+            raise BadField(name, "is not supported by jaxfill (no disaggregated prefill, multimodal "
+                                 "inputs or data-parallel rank pinning over this protocol)")
+    if len(request.extra_mm_inputs):
+        raise BadField("extra_mm_inputs", "multimodal inputs are not supported by jaxfill")
+
+
+def sampling_from_proto(s: vpb.SamplingParams, room: int, vocab_size: int) -> SamplingParams:
+    """room: tokens left after the prompt, the bound of an unset max_tokens."""
+    constraint = s.WhichOneof("constraint")
+    if constraint is not None:
+        raise BadField(SP + constraint, "structured output constraints are not supported by jaxfill")
+    if s.n > 1:
+        raise BadField(SP + "n", f"only one sample per request is supported, got {s.n}")
+    if len(s.logit_bias):
+        raise BadField(SP + "logit_bias", "is not supported by jaxfill")
+    if s.HasField("prompt_logprobs"):
+        raise BadField(SP + "prompt_logprobs", "is not supported by jaxfill")
+    if s.HasField("truncate_prompt_tokens"):
+        raise BadField(SP + "truncate_prompt_tokens", "is not supported: jaxfill refuses an over-long "
+                                                      "prompt rather than cutting it")
+    if s.min_tokens:
+        raise BadField(SP + "min_tokens", f"is not supported by jaxfill, got {s.min_tokens}")
+    if s.HasField("logprobs") and s.logprobs < 0:
+        raise BadField(SP + "logprobs", f"-1 (every token) is not supported; ask for 0 to 20, got {s.logprobs}")
+    if s.HasField("seed") and s.seed < 0:
+        raise BadField(SP + "seed", f"must be non-negative, got {s.seed}")
+    bad_stop = [t for t in s.stop_token_ids if t >= vocab_size]
+    if bad_stop:
+        raise BadField(SP + "stop_token_ids", f"token id {bad_stop[0]} is outside the vocabulary [0, {vocab_size})")
+    # skip_special_tokens, spaces_between_special_tokens and include_stop_str_in_output shape
+    # only text, and this protocol returns token ids (the gateway detokenizes): any value is
+    # honoured. A stop string ends the request the same way either way.
+    return SamplingParams(
+        max_tokens=s.max_tokens if s.HasField("max_tokens") else room,
+        temperature=s.temperature if s.HasField("temperature") else DEFAULT_TEMPERATURE,
+        top_k=s.top_k, top_p=s.top_p if s.top_p > 0 else 1.0, min_p=s.min_p,
+        seed=s.seed if s.HasField("seed") else None, stop=tuple(s.stop),
+        stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
+        repetition_penalty=s.repetition_penalty if s.repetition_penalty > 0 else 1.0,
+        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        logprobs=s.logprobs if s.HasField("logprobs") else None)
+
+
+def logprobs_to_proto(entries) -> vpb.OutputLogProbs:
+    """RequestOutput / Completion logprob entries ({token_id, logprob, top: [(id, lp)]})."""
+    out = vpb.OutputLogProbs()
+    for e in entries or ():
+        out.token_ids.append(int(e["token_id"]))
+        out.token_logprobs.append(float(e["logprob"]))
+        top = e.get("top") or ()
+        out.top_logprobs.append(vpb.TopLogProbs(token_ids=[int(t) for t, _ in top],
+                                                values=[float(v) for _, v in top]))
+    return out
+
+
+def set_matched_stop(msg: vpb.GenerateComplete, completion, params: SamplingParams, tokenizer) -> None:
+    """Which stop ended a "stop" request: a stop token id, or the stop string found where
+    the emitted text ends (EOS leaves it unset, as vLLM does)."""
+    if completion is None or completion.finish_reason != "stop" or not completion.token_ids:
+        return
+    last = completion.token_ids[-1]
+    if last in params.stop_token_ids:
+        msg.matched_token_id = last
+        return
+    if params.stop:
+        rest = tokenizer.decode(completion.token_ids)[len(completion.text):]
+        for s in params.stop:
+            if rest.startswith(s):
+                msg.matched_stop_str = s
+                return
+
+
+def hash_to_int64(h: bytes | None) -> int | None:
+    """Our 16-byte page hash -> the proto's int64 block hash (its first 8 bytes, signed)."""
+    return None if h is None else struct.unpack("<q", h[:8])[0]
+
+
+def kv_batch_to_proto(batch, page_size: int) -> cpb.KvEventBatch:
+    """(sequence, wall time, replica, events, first event id) from EngineLoop.subscribe_kv."""
+    seq, t, replica, events, first_event_id = batch
+    out = cpb.KvEventBatch(sequence_number=seq, timestamp=t, dp_rank=replica)
+    for i, ev in enumerate(events):
+        e = out.events.add(event_id=first_event_id + i)
+        if ev[0] == "stored":
+            _, h, parent, tokens = ev
+            e.stored.blocks.add(block_hash=hash_to_int64(h), token_ids=tokens, block_size=page_size)
+            if parent is not None:
+                e.stored.parent_block_hash = hash_to_int64(parent)
+            e.stored.tier = cpb.KV_CACHE_TIER_DEVICE
+            e.stored.locality = cpb.KV_CACHE_LOCALITY_LOCAL
+        elif ev[0] == "removed":
+            e.removed.block_hashes.append(hash_to_int64(ev[1]))
+            e.removed.tier = cpb.KV_CACHE_TIER_DEVICE
+            e.removed.locality = cpb.KV_CACHE_LOCALITY_LOCAL
+        else:
+            e.cleared.SetInParent()
+    return out
+
+
+def tokenizer_zip(directory: str) -> tuple[bytes, str]:
+    """The tokenizer files of `directory` as one zip, and its sha256 (GetTokenizer)."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+        for name in TOKENIZER_FILES:
+            path = os.path.join(directory, name)
+            if os.path.isfile(path):
+                z.write(path, name)
+    data = buf.getvalue()
+    return data, hashlib.sha256(data).hexdigest()

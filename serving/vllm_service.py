@@ -1,0 +1,202 @@
+"""vllm.grpc.engine.VllmEngine (stubs from the smg-grpc-proto package) over RequestCore.
+
+What the smg gateway speaks to its workers: it tokenizes (with the HF tokenizer files
+GetModelInfo points it at), sends token ids, reads token ids back and detokenizes itself.
+Field translation lives in vllm_convert.py; engine behaviour is the engine's.
+Embed, FlushCache and the profiler RPCs are left UNIMPLEMENTED.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import uuid
+from datetime import datetime, timezone
+from importlib import resources
+
+import grpc
+from smg_grpc_proto.generated import common_pb2 as cpb
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
+
+from jaxfill.engine.tokenizer import ByteTokenizer
+from jaxfill.serving import vllm_convert as conv
+from jaxfill.serving.engine_loop import DRAINING, SERVING
+from jaxfill.serving.request_core import BadField, RequestCore
+
+VLLM_SERVICE = vpb.DESCRIPTOR.services_by_name["VllmEngine"].full_name  # vllm.grpc.engine.VllmEngine
+MAX_REQUEST_ID_LEN = 256
+SERVER_TYPE = "vllm-grpc"  # the protocol, as GetServerInfoResponse documents the field
+
+
+def tokenizer_dir(config, tokenizer) -> str:
+    """A directory holding HF tokenizer files for this model, or "": the checkpoint's
+    (`--model DIR` or a preset's checkpoint) when it has a tokenizer.json, else, for the byte
+    tokenizer, configs/tiny/ (its tokenizer.json encodes bytes the same way)."""
+    if config.model_path and os.path.isfile(os.path.join(config.model_path, "tokenizer.json")):
+        return os.path.abspath(config.model_path)
+    if isinstance(tokenizer, ByteTokenizer):
+        path = str(resources.files("jaxfill.configs").joinpath("tiny"))
+        if os.path.isfile(os.path.join(path, "tokenizer.json")):
+            return path
+    return ""
+
+
+def served_name(config) -> str:
+    """The default --served-model-name: the model directory's basename, else the config name."""
+    return os.path.basename(os.path.normpath(config.model_path)) if config.model_path else config.name
+
+
+class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
+    def __init__(self, core: RequestCore, served_model_name: str | None = None):
+        self.core = core
+        cfg = core.engine.config
+        self.config = cfg
+        self.served_model_name = served_model_name or served_name(cfg)
+        self.tokenizer_dir = tokenizer_dir(cfg, core.tokenizer)
+        self.started_wall = time.time()
+        self.last_receive = 0.0
+
+    # ------------------------------------------------------------------ Generate
+    async def _parse(self, request: vpb.GenerateRequest):
+        core = self.core
+        rid = request.request_id or uuid.uuid4().hex
+        if len(rid) > MAX_REQUEST_ID_LEN:
+            raise BadField("request_id", f"longer than {MAX_REQUEST_ID_LEN} characters")
+        conv.check_request_fields(request)
+        which = request.WhichOneof("input")
+        if which is None:
+            raise BadField("input", "set either tokenized.input_ids or text")
+        if which == "text":
+            if not request.text:
+                raise BadField("text", "is empty")
+            ids = await core.encode(request.text)
+            field = "text"
+        else:
+            ids = list(request.tokenized.input_ids)
+            field = "tokenized.input_ids"
+        core.check_prompt(ids, field)
+        params = conv.sampling_from_proto(request.sampling_params, core.max_model_len - len(ids), core.vocab_size)
+        core.check_params(params, conv.SP)
+        core.check_fits(len(ids), params.max_tokens, conv.SP + "max_tokens")
+        return rid, ids, params
+
+    async def Generate(self, request: vpb.GenerateRequest, context):
+        arrival = time.monotonic()
+        self.last_receive = time.time()
+        core = self.core
+        await core.check_available(context)
+        try:
+            rid, ids, params = await self._parse(request)
+        except BadField as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        output_ids: list[int] = []
+        logprobs: list = []
+        async with contextlib.aclosing(core.run(context, ids, params, rid, 0, arrival)) as events:
+            async for kind, out, stream, _t in events:
+                if kind == "aborted":
+                    yield vpb.GenerateResponse(complete=self._complete(stream, "abort", output_ids, logprobs,
+                                                                       None, params))
+                    return
+                output_ids += out.new_token_ids
+                if out.logprobs and params.logprobs is not None:
+                    logprobs += out.logprobs
+                if request.stream and out.new_token_ids:
+                    chunk = vpb.GenerateStreamChunk(
+                        token_ids=out.new_token_ids, prompt_tokens=len(ids), completion_tokens=len(output_ids),
+                        cached_tokens=stream.cached_tokens)
+                    if params.logprobs is not None:
+                        chunk.output_logprobs.CopyFrom(conv.logprobs_to_proto(out.logprobs))
+                    yield vpb.GenerateResponse(chunk=chunk)
+                if out.finished:
+                    c = out.completion
+                    yield vpb.GenerateResponse(complete=self._complete(
+                        stream, c.finish_reason if c else "stop", output_ids, logprobs, c, params,
+                        with_logprobs=not request.stream))
+
+    def _complete(self, stream, reason: str, output_ids, logprobs, completion, params,
+                  with_logprobs: bool = True) -> vpb.GenerateComplete:
+        """The final message; a streaming client already got the ids and logprobs in chunks,
+        but `output_ids` always carries them all (vLLM's servicer does the same)."""
+        msg = vpb.GenerateComplete(
+            output_ids=completion.token_ids if completion is not None else output_ids, finish_reason=reason,
+            prompt_tokens=stream.prompt_tokens, completion_tokens=len(output_ids),
+            cached_tokens=completion.cached_tokens if completion is not None else stream.cached_tokens)
+        if with_logprobs and params.logprobs is not None:
+            msg.output_logprobs.CopyFrom(conv.logprobs_to_proto(logprobs))
+        conv.set_matched_stop(msg, completion, params, self.core.tokenizer)
+        return msg
+
+    async def Abort(self, request: vpb.AbortRequest, context):
+        for rid in request.request_ids:
+            self.core.loop.abort(rid, notify=True)
+        return vpb.AbortResponse()
+
+    # ------------------------------------------------------------------ status
+    async def HealthCheck(self, request, context):
+        state = self.core.loop.state
+        if state == SERVING:
+            return vpb.HealthCheckResponse(healthy=True, message="serving")
+        return vpb.HealthCheckResponse(healthy=False, message=f"not serving: {state}")
+
+    async def GetModelInfo(self, request, context):
+        cfg, m = self.config, self.config.model
+        tok = self.core.tokenizer
+        eos = getattr(tok, "eos_token_ids", None) or m.eos_token_id or ()
+        bos = getattr(tok, "bos_token_id", None)
+        return vpb.GetModelInfoResponse(
+            model_path=self.tokenizer_dir or self.served_model_name, tokenizer_path=self.tokenizer_dir,
+            served_model_name=self.served_model_name, is_generation=True, supports_vision=False,
+            max_context_length=self.core.max_model_len, max_req_input_len=self.core.max_model_len - 1,
+            vocab_size=self.core.vocab_size, model_type="llama" if "Llama" in m.architecture else m.architecture,
+            architectures=[m.architecture], eos_token_ids=list(eos),
+            bos_token_id=-1 if bos is None else bos, pad_token_id=-1)
+
+    async def GetServerInfo(self, request, context):
+        cfg = self.config
+        return vpb.GetServerInfoResponse(
+            active_requests=self.core.loop.num_active, is_paused=self.core.loop.state == DRAINING,
+            last_receive_timestamp=self.last_receive, uptime_seconds=time.time() - self.started_wall,
+            server_type=SERVER_TYPE, data_parallel_size=cfg.mesh.data, kv_cache_dtype="auto",
+            block_size=cfg.engine.page_size, model_dtype=str(cfg.model.dtype),
+            max_num_seqs=cfg.engine.max_num_seqs * cfg.mesh.data)
+
+    async def GetLoads(self, request: vpb.GetLoadsRequest, context):
+        s = self.core.loop.stats()
+        page_size = int(s.get("page_size", self.config.engine.page_size))
+        total, free = int(s.get("pages_total", 0)), int(s.get("pages_free", 0))
+        queries = int(s.get("prefix_cache_queries", 0))
+        running, waiting = int(s.get("num_running", 0)), int(s.get("num_waiting", 0))
+        waiting += max(self.core.loop.num_active - running - waiting, 0)  # admitted, not yet in the engine
+        load = vpb.SchedulerLoad(
+            dp_rank=0, num_running_reqs=running, num_waiting_reqs=waiting, num_total_reqs=running + waiting,
+            num_used_tokens=(total - free) * page_size, max_total_num_tokens=total * page_size,
+            token_usage=(total - free) / total if total else 0.0,
+            cache_hit_rate=int(s.get("prefix_cache_hits", 0)) / queries if queries else 0.0,
+            max_running_requests=self.core.loop.batch_slots)
+        return vpb.GetLoadsResponse(timestamp=datetime.now(timezone.utc).isoformat(), version="jaxfill",
+                                    dp_rank_count=1, loads=[load])
+
+    async def GetTokenizer(self, request, context):
+        if not self.tokenizer_dir:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "this model has no HF tokenizer files to send")
+        data, digest = conv.tokenizer_zip(self.tokenizer_dir)
+        step = conv.TOKENIZER_CHUNK_BYTES
+        for i in range(0, len(data), step):
+            last = i + step >= len(data)
+            yield cpb.GetTokenizerChunk(data=data[i:i + step], sha256=digest if last else "")
+
+    async def SubscribeKvEvents(self, request: cpb.SubscribeKvEventsRequest, context):
+        loop = self.core.loop
+        q = loop.subscribe_kv(request.start_sequence_number)
+        page_size = self.config.engine.page_size
+        try:
+            while True:
+                batch = await q.get()
+                if batch is None:
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                        "KV event subscriber fell too far behind; resubscribe")
+                yield conv.kv_batch_to_proto(batch, page_size)
+        finally:
+            loop.unsubscribe_kv(q)
