@@ -82,8 +82,30 @@ def prefill_flops(model: ModelConfig, num_tokens: int, context: int = 0) -> int:
     return matmul_flops(model, num_tokens) + attention_flops(model, num_tokens, context)
 
 
+def projection_scales(model: ModelConfig) -> int:
+    """f32 scales of one layer's int8 projections: one per output channel of q, k, v, o,
+    gate, up, down (models/quant.py)."""
+    e, d = model.hidden_size, model.head_dim
+    return (model.num_heads + 2 * model.num_kv_heads) * d + e + 2 * model.intermediate_size + e
+
+
 def weight_bytes(model: ModelConfig) -> int:
-    return model.num_params() * dtype_bytes(model)
+    """Every param's bytes as allocated: with weight_dtype int8 the projections take one
+    byte per weight plus 4 per output channel; embedding, LM head, norms and biases keep
+    the model dtype."""
+    total = model.num_params() * dtype_bytes(model)
+    if model.weight_dtype == "auto":
+        return total
+    proj = model.num_layers * layer_matmul_params(model)
+    return total - proj * dtype_bytes(model) + proj + 4 * model.num_layers * projection_scales(model)
+
+
+def kv_projection_bytes(model: ModelConfig) -> int:
+    """Bytes of one layer's k and v weights (with their scales when int8)."""
+    n = 2 * model.hidden_size * model.num_kv_heads * model.head_dim
+    if model.weight_dtype == "auto":
+        return n * dtype_bytes(model)
+    return n + 4 * 2 * model.num_kv_heads * model.head_dim
 
 
 def weights_read_bytes(model: ModelConfig, num_tokens: int) -> int:
@@ -165,8 +187,9 @@ def device_costs(model: ModelConfig, mesh: MeshSettings, hw: Hardware, num_token
     flops += attention_flops(model, num_tokens, context) / (tp * sp)
     # Bytes: this rank's weights once, plus the K/V heads it stores for every token (pages
     # are replicated over 'sequence').
-    w = weights_read_bytes(model, num_tokens) - L * kv_proj * b
-    w_dev = w / tp + L * kv_proj * b * (1 if r > 1 else 1 / tp)
+    kv_w = L * kv_projection_bytes(model)
+    w = weights_read_bytes(model, num_tokens) - kv_w
+    w_dev = w / tp + kv_w * (1 if r > 1 else 1 / tp)
     kv_dev = num_tokens * kv_bytes_per_token(model, model.num_kv_heads * r) / tp
     nbytes = w_dev + kv_dev
     # Collectives (ring): all-reduce moves 2 (n-1)/n of the buffer, all-gather (n-1)/n of
@@ -207,8 +230,7 @@ def plan_prefill(config: Config, hw: Hardware, prompt_len: int) -> dict:
     per_request = pages * engine.page_size * per_token
     # Memory left after this device's weights; the cache holds Hkv * r heads split over tp.
     cost = device_costs(model, mesh, hw, prompt_len)
-    b, kv_proj = dtype_bytes(model), 2 * model.hidden_size * model.num_kv_heads * model.head_dim
-    kv_w = model.num_layers * kv_proj * b  # k/v weights: replicated when r > 1
+    kv_w = model.num_layers * kv_projection_bytes(model)  # k/v weights: replicated when r > 1
     weights_dev = (weight_bytes(model) - kv_w) / tp + kv_w * (1 if r > 1 else 1 / tp)
     hbm = hw.hbm_bytes / (mesh.size if hw.shared_by_mesh else 1)
     free = hbm - weights_dev

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from jaxfill.models.config import ModelConfig
 from jaxfill.models.llama import Llama
+from jaxfill.models.quant import QUANTIZED_INPUT_AXES, QuantizedSlices, is_quantized, quantize, scale_path
 
 SAFETENSORS_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -208,8 +209,33 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
         raise CheckpointError(f"checkpoint {model_dir} is missing {len(missing)} tensors, e.g. {missing[:3]}")
     target = np.dtype(config.jnp_dtype)
     for spec, stored in tqdm(todo, desc="loading weights", unit="tensor", disable=not progress):
-        tensor = TensorSlices(stored, spec.stored_shape, spec.perm, target)
-        params[spec.param_path].set_value(place(spec.param_path, tensor))
+        path = spec.param_path
+        if is_quantized(path, config.weight_dtype):  # int8 from the f32 values, slice by slice
+            tensor = QuantizedSlices(TensorSlices(stored, spec.stored_shape, spec.perm, np.dtype(np.float32)),
+                                     QUANTIZED_INPUT_AXES[path[-1]])
+            params[path].set_value(place(path, tensor))
+            params[scale_path(path)].set_value(place(scale_path(path), tensor.scales))
+        else:
+            params[path].set_value(place(path, TensorSlices(stored, spec.stored_shape, spec.perm, target)))
+    return nnx.merge(graphdef, state)
+
+
+def quantize_model(model: Llama, weight_dtype: str = "int8") -> Llama:
+    """The same model with its projections quantized (models/quant.py), as loading a
+    checkpoint with model.weight_dtype = weight_dtype would give."""
+    if model.config.weight_dtype != "auto":
+        raise ValueError(f"model is already {model.config.weight_dtype}; quantize the float model")
+    config = dataclasses.replace(model.config, weight_dtype=weight_dtype)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Llama(config, nnx.Rngs(0),
+                                                             attention_impl=model.attention_impl)))
+    params = dict(nnx.to_flat_state(state))
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        if is_quantized(path, weight_dtype):
+            q, scale = quantize(np.asarray(var[...], np.float32), QUANTIZED_INPUT_AXES[path[-1]])
+            params[path].set_value(jnp.asarray(q))
+            params[scale_path(path)].set_value(jnp.asarray(scale))
+        else:
+            params[path].set_value(var[...])
     return nnx.merge(graphdef, state)
 
 

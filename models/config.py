@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+WEIGHT_DTYPES = ("auto", "int8")  # auto: projections stored in `dtype`; int8: see models/quant.py
 
 
 class ConfigError(ValueError):
@@ -40,6 +41,7 @@ class ModelConfig:
     attention_bias: bool = False  # q/k/v bias (Qwen2)
     tie_word_embeddings: bool = False
     dtype: str = "float32"  # parameter and activation dtype
+    weight_dtype: str = "auto"  # projection weights: "auto" (= dtype) or "int8" (w8a16, per-channel f32 scales)
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     tokenizer: str = "byte"  # "byte" or "hf" (tokenizer.json beside the weights)
@@ -52,6 +54,8 @@ class ModelConfig:
             )
         if self.dtype not in DTYPES:
             raise ConfigError(f"model.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise ConfigError(f"model.weight_dtype must be one of {list(WEIGHT_DTYPES)}, got {self.weight_dtype!r}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
             if int(getattr(self, name)) <= 0:

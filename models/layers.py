@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxfill.models.quant import qeinsum, quantize
 from jaxfill.models.sharding import constrain, vocab_parallel_embed
 
 
@@ -25,6 +26,19 @@ def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dtype,
     else:
         value = (scale * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
     return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+def projection(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dtype, num_in: int,
+               weight_dtype: str = "auto") -> tuple[nnx.Param, nnx.Param | None]:
+    """A projection weight [in..., out...] and its per-output-channel scales (None unless
+    weight_dtype is "int8"). int8 quantizes the very values the float model would have, so
+    a random-init int8 model is the float one quantized (models/quant.py)."""
+    w = param(rngs, shape, axes, dtype)
+    if weight_dtype == "auto":
+        return w, None
+    q, scale = quantize(w[...], num_in)
+    return (nnx.Param(q, out_sharding=axes, eager_sharding=False),
+            nnx.Param(scale, out_sharding=axes[num_in:], eager_sharding=False))
 
 
 class RMSNorm(nnx.Module):
@@ -71,16 +85,20 @@ def apply_rope(x: jax.Array,  # [T, H, D]
 
 
 class GatedMLP(nnx.Module):
-    def __init__(self, hidden: int, intermediate: int, dtype, rngs: nnx.Rngs):
-        self.gate = param(rngs, (hidden, intermediate), ("embed", "mlp"), dtype)
-        self.up = param(rngs, (hidden, intermediate), ("embed", "mlp"), dtype)
-        self.down = param(rngs, (intermediate, hidden), ("mlp", "embed"), dtype)
+    def __init__(self, hidden: int, intermediate: int, dtype, rngs: nnx.Rngs, weight_dtype: str = "auto"):
+        wd = weight_dtype
+        self.gate, self.gate_scale = projection(rngs, (hidden, intermediate), ("embed", "mlp"), dtype, 1, wd)
+        self.up, self.up_scale = projection(rngs, (hidden, intermediate), ("embed", "mlp"), dtype, 1, wd)
+        self.down, self.down_scale = projection(rngs, (intermediate, hidden), ("mlp", "embed"), dtype, 1, wd)
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [T, E] -> [T, E]
         with jax.named_scope("mlp"):
-            h = jax.nn.silu(x @ self.gate[...]) * (x @ self.up[...])
+            h = (jax.nn.silu(qeinsum("te,ei->ti", x, self.gate[...], self.gate_scale))
+                 * qeinsum("te,ei->ti", x, self.up[...], self.up_scale))
             h = constrain(h, ("tokens", "act_mlp"))
-            return constrain(h @ self.down[...], ("tokens", "act_embed"))  # all-reduce over tensor
+            out = qeinsum("ti,ie->te", h, self.down[...], self.down_scale)
+            return constrain(out, ("tokens", "act_embed"))  # all-reduce over tensor
+
 
 
 class Embed(nnx.Module):

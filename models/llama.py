@@ -25,7 +25,7 @@ class DecoderLayer(nnx.Module):
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt, rngs)
         self.attn = Attention(config, rngs)
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt, rngs)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dt, rngs)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dt, rngs, config.weight_dtype)
 
     def __call__(self, x, positions, pages, meta, impl):
         h, pages = self.attn(self.attn_norm(x), positions, pages, meta, impl)

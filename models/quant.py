@@ -1,0 +1,150 @@
+"""Symmetric per-output-channel int8 weights (w8a16).
+
+A projection weight W [in..., out...] is stored as int8 Q with one f32 scale per output
+channel: scale = max|W| over the input axes * f32(1/127), Q = round(W * (1/scale)), so
+|W - Q * scale| <= scale / 2 per element, plus f32 rounding (tests/test_weight_quant.py
+states the exact bound). The matmul
+runs in the compute dtype on Q cast inside the jitted program, and the scale multiplies
+the result: (x @ Q) * scale == x @ (Q * scale), with no dequantized copy of W kept.
+
+Only the seven projections (q, k, v, o, gate, up, down) are quantized. The embedding,
+the LM head, norms and biases stay in the model dtype, as vLLM does by default: the
+head's errors go straight into the logits, and a gather reads only a few rows anyway.
+
+Scales are per output channel, so a slice of columns (what tensor parallelism gives
+q/k/v/gate/up) quantizes on its own. A slice of rows (o, down under tensor parallelism)
+does not: its scales need every row, and `QuantizedSlices` finds them by streaming the
+rest of the tensor in bounded chunks, so loading still holds about one slice at a time.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+QMAX = 127
+# projection param name -> how many leading axes are input axes (the rest are outputs)
+QUANTIZED_INPUT_AXES = {"q": 1, "k": 1, "v": 1, "o": 2, "gate": 1, "up": 1, "down": 1}
+SCALE_SUFFIX = "_scale"
+CHUNK_ELEMENTS = 1 << 22  # rows streamed at a time when a slice's scales need the whole column
+
+
+def is_quantized(path: tuple, weight_dtype: str) -> bool:
+    """Whether the param at `path` (e.g. ("layers", 0, "attn", "q")) is stored as int8."""
+    return weight_dtype == "int8" and bool(path) and path[-1] in QUANTIZED_INPUT_AXES
+
+
+def scale_path(path: tuple) -> tuple:
+    return tuple(path[:-1]) + (path[-1] + SCALE_SUFFIX,)
+
+
+def scales_from_amax(amax):  # [out...] f32 -> [out...] f32
+    # A product, not amax / 127: XLA rewrites division by a constant into this product,
+    # and numpy (loading) and XLA (random init under jit) must give the same bits.
+    return (amax * np.float32(1 / QMAX)).astype(np.float32)
+
+
+def quantize_with(w,  # [in..., out...] float
+                  scale,  # [out...] f32
+                  ):  # [in..., out...] int8
+    """Q = round(W * (1 / scale)) (half to even); channels of zeros give 0. The reciprocal
+    is explicit because XLA turns a division by a broadcast into it: written this way
+    numpy and XLA give the same bits."""
+    xp = jnp if isinstance(w, jax.Array) or isinstance(scale, jax.Array) else np
+    inv = np.float32(1) / xp.where(scale > 0, scale, np.float32(1))
+    return xp.clip(xp.rint(w.astype(np.float32) * inv), -QMAX, QMAX).astype(np.int8)
+
+
+def quantize(w,  # [in..., out...] float, numpy or jax
+             num_in: int,
+             ):  # (int8 [in..., out...], f32 [out...])
+    xp = jnp if isinstance(w, jax.Array) else np
+    amax = xp.max(xp.abs(w.astype(np.float32)), axis=tuple(range(num_in)))
+    scale = scales_from_amax(amax)
+    return quantize_with(w, scale), scale
+
+
+def dequantize(q,  # [in..., out...] int8
+               scale,  # [out...] f32
+               dtype=np.float32):  # [in..., out...]
+    return (q.astype(np.float32) * scale).astype(dtype)
+
+
+def qeinsum(eq: str, x: jax.Array, w: jax.Array, scale) -> jax.Array:
+    """einsum(eq, x, w) for a plain or int8 weight. int8: w is cast to x's dtype inside the
+    jitted program and the per-output-channel scale multiplies the result (in f32, one
+    rounding back to x's dtype). Output channels must be the result's trailing axes."""
+    if scale is None:  # scale: None, or the [out...] f32 scales (an array or an nnx.Param)
+        return jnp.einsum(eq, x, w)
+    y = jnp.einsum(eq, x, w.astype(x.dtype))
+    return (y * scale[...]).astype(x.dtype)
+
+
+def param_bytes(state) -> int:
+    """Bytes of every array in a params pytree (global shapes, not per device)."""
+    return int(sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(state)
+                   if hasattr(leaf, "dtype")))
+
+
+def _full(index: tuple, shape: tuple) -> tuple:
+    """index (slices, possibly fewer than dims) -> (start, stop) per dim."""
+    index = tuple(index) + (slice(None),) * (len(shape) - len(tuple(index)))
+    out = []
+    for s, dim in zip(index, shape):
+        start, stop, step = s.indices(dim)
+        if step != 1:
+            raise ValueError(f"slice {s} must have step 1")
+        out.append((start, max(start, stop)))
+    return tuple(out)
+
+
+class QuantizedSlices:
+    """An int8 view of a float checkpoint tensor read one box at a time (the interface
+    of models.checkpoint.TensorSlices: `shape`, `read(index)`), plus `scales`, the same
+    for its scales. Scales of a box of columns are cached, so the weight's slice and its
+    scale's slice (sharded alike) cost one computation."""
+
+    def __init__(self, tensor, num_in: int):
+        self.tensor = tensor  # float reader: shape, read(index) -> np.ndarray
+        self.num_in = num_in
+        self.shape = tuple(tensor.shape)
+        self._scales: dict[tuple, np.ndarray] = {}
+
+    def _column_scales(self, out_box: tuple) -> np.ndarray:  # [out box] f32
+        if out_box not in self._scales:
+            n, in_shape = self.num_in, self.shape[:self.num_in]
+            per_row = int(np.prod(in_shape[1:], dtype=np.int64)) * int(np.prod([b - a for a, b in out_box]))
+            step = max(1, CHUNK_ELEMENTS // max(per_row, 1))
+            amax = None
+            for lo in range(0, in_shape[0], step):
+                rows = (slice(lo, min(lo + step, in_shape[0])),) + (slice(None),) * (n - 1)
+                part = self.tensor.read(rows + tuple(slice(a, b) for a, b in out_box))
+                m = np.max(np.abs(part.astype(np.float32)), axis=tuple(range(n)))
+                amax = m if amax is None else np.maximum(amax, m)
+            self._scales[out_box] = scales_from_amax(amax)
+        return self._scales[out_box]
+
+    def read(self, index: tuple = ()) -> np.ndarray:  # the int8 box
+        box = _full(index, self.shape)
+        n = self.num_in
+        values = self.tensor.read(tuple(slice(a, b) for a, b in box))
+        out_box = box[n:]
+        if out_box not in self._scales and all(a == 0 and b == d for (a, b), d in zip(box[:n], self.shape)):
+            # every input row is here: this box's own max is its columns' max
+            self._scales[out_box] = scales_from_amax(np.max(np.abs(values.astype(np.float32)),
+                                                            axis=tuple(range(n))))
+        return quantize_with(values, self._column_scales(out_box))
+
+    @property
+    def scales(self) -> "_ScaleSlices":
+        return _ScaleSlices(self)
+
+
+class _ScaleSlices:
+    def __init__(self, parent: QuantizedSlices):
+        self.parent = parent
+        self.shape = parent.shape[parent.num_in:]
+
+    def read(self, index: tuple = ()) -> np.ndarray:  # [out box] f32
+        return self.parent._column_scales(_full(index, self.shape)).copy()
