@@ -8,7 +8,8 @@ from flax import nnx
 
 from jaxfill.models.config import ModelConfig
 from jaxfill.models.kv_cache import AttentionMetadata
-from jaxfill.models.layers import apply_rope, param, rope_inv_freq
+from jaxfill.models.layers import apply_rope, param, projection, rope_inv_freq
+from jaxfill.models.quant import qeinsum
 from jaxfill.models.sharding import constrain, kv_heads_for, sharded_attention
 from jaxfill.pallas_kernels import ragged_paged_attention, write_kv
 
@@ -16,10 +17,11 @@ from jaxfill.pallas_kernels import ragged_paged_attention, write_kv
 class Attention(nnx.Module):
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         c, dt = config, config.jnp_dtype
-        self.q = param(rngs, (c.hidden_size, c.num_heads, c.head_dim), ("embed", "q_heads", "head_dim"), dt)
-        self.k = param(rngs, (c.hidden_size, c.num_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), dt)
-        self.v = param(rngs, (c.hidden_size, c.num_kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), dt)
-        self.o = param(rngs, (c.num_heads, c.head_dim, c.hidden_size), ("q_heads", "head_dim", "embed"), dt)
+        e, hq, hk, d, wd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.weight_dtype
+        self.q, self.q_scale = projection(rngs, (e, hq, d), ("embed", "q_heads", "head_dim"), dt, 1, wd)
+        self.k, self.k_scale = projection(rngs, (e, hk, d), ("embed", "kv_heads", "head_dim"), dt, 1, wd)
+        self.v, self.v_scale = projection(rngs, (e, hk, d), ("embed", "kv_heads", "head_dim"), dt, 1, wd)
+        self.o, self.o_scale = projection(rngs, (hq, d, e), ("q_heads", "head_dim", "embed"), dt, 2, wd)
         if c.attention_bias:
             self.q_bias = param(rngs, (c.num_heads, c.head_dim), ("q_heads", "head_dim"), dt)
             self.k_bias = param(rngs, (c.num_kv_heads, c.head_dim), ("kv_heads", "head_dim"), dt)
@@ -36,9 +38,9 @@ class Attention(nnx.Module):
                  meta: AttentionMetadata,
                  impl: str,
                  ) -> tuple[jax.Array, jax.Array]:  # [T, E], pages
-        q = jnp.einsum("te,ehd->thd", x, self.q[...])
-        k = jnp.einsum("te,ehd->thd", x, self.k[...])
-        v = jnp.einsum("te,ehd->thd", x, self.v[...])
+        q = qeinsum("te,ehd->thd", x, self.q[...], self.q_scale)
+        k = qeinsum("te,ehd->thd", x, self.k[...], self.k_scale)
+        v = qeinsum("te,ehd->thd", x, self.v[...], self.v_scale)
         if self.has_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
@@ -60,5 +62,5 @@ class Attention(nnx.Module):
             return out, pages
 
         out, pages = sharded_attention(attend, q, k, v, pages, meta)
-        out = jnp.einsum("thd,hde->te", out, self.o[...])  # all-reduce over tensor
+        out = qeinsum("thd,hde->te", out, self.o[...], self.o_scale)  # all-reduce over tensor
         return constrain(out, ("tokens", "act_embed")), pages
