@@ -192,7 +192,7 @@ def test_killed_worker_fails_over_then_rejoins_after_restart(cluster):
         for i in range(4):
             try:
                 r = cluster.client.completions.create(model=cluster.gateway.model, prompt=f"Thread {k} line {i}:",
-                                                      max_tokens=16, temperature=0)
+                                                      max_tokens=48, temperature=0)
                 results.append(r.usage.completion_tokens)
             except Exception as e:  # noqa: BLE001 - collected and asserted below
                 errors.append(repr(e))
@@ -200,12 +200,13 @@ def test_killed_worker_fails_over_then_rejoins_after_restart(cluster):
     threads = [threading.Thread(target=client_loop, args=(k,)) for k in range(4)]
     for t in threads:
         t.start()
-    wait_until(lambda: len(results) >= 2, 60, "the first answers")
+    wait_until(lambda: len(results) >= 2 and worker_load(victim.address).num_running_reqs > 0, 60,
+               "answers, and requests running on the victim", interval=0.02)
     victim.kill()  # mid-run: requests are in flight on it
     for t in threads:
         t.join(120)
     assert not errors, errors
-    assert len(results) == 16 and all(n == 16 for n in results), results
+    assert len(results) == 16 and all(n == 48 for n in results), results
 
     url = f"grpc://{victim.address}"
     port = victim.port
