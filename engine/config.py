@@ -18,6 +18,7 @@ from jaxfill.models.config import ConfigError, ModelConfig
 log = logging.getLogger("jaxfill.config")
 
 NOT_PRESETS = {"hardware"}  # configs/hardware.toml holds accelerator specs, not a [model]/[engine]/[mesh] preset
+KV_CACHE_DTYPES = ("auto", "int8", "float8_e4m3fn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +39,9 @@ class EngineSettings:
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority" (lower priority value runs first)
     penalty_window: int = 256  # tokens of history the repetition/presence/frequency penalties see
     chunked_prefill: bool = True  # False: baseline, whole prompts in prefill-only steps, decodes wait
+    # "auto": pages in the model's dtype; "int8" / "float8_e4m3fn": quantized pages with one
+    # f32 scale per (token, K or V head) beside them (pallas_kernels/kv_quant.py)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
         for name in ("page_size", "num_pages", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
@@ -49,6 +53,9 @@ class EngineSettings:
             raise ConfigError(f"engine.scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         if int(self.penalty_window) <= 0:
             raise ConfigError(f"engine.penalty_window must be positive, got {self.penalty_window}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"engine.kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                              f"got {self.kv_cache_dtype!r}")
 
     @property
     def max_pages_per_seq(self) -> int:

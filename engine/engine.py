@@ -438,6 +438,9 @@ class Engine:
                 "num_cache_resets": self.num_cache_resets,
                 "attention_impl": self.runner.attention_impl,  # what serves, after the warm-up check
                 "weight_bytes": param_bytes(self.runner.state),  # all params, global shapes
+                "kv_cache_dtype": self.settings.kv_cache_dtype,
+                "kv_cache_bytes": self.runner.kv_cache.nbytes(),  # values + scales, all shards
+                "kv_bytes_per_token": self.runner.kv_cache.bytes_per_token(),
                 "compiled_programs": Runner.cache_size(),
             }
 

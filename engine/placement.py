@@ -12,12 +12,14 @@ from typing import Any, Callable, Mapping
 
 import jax
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from jaxfill.models.checkpoint import TensorSlices
-from jaxfill.models.kv_cache import KVCache
+from jaxfill.models.kv_cache import KVCache, kv_storage_dtype
 from jaxfill.models.llama import Llama
-from jaxfill.models.sharding import DATA, kv_cache_heads, kv_cache_sharding, param_shardings, var_sharding
-from jaxfill.pallas_kernels import init_kv_pages
+from jaxfill.models.sharding import (DATA, KV_CACHE_AXES, kv_cache_heads, kv_cache_sharding, logical_spec,
+                                     param_shardings, var_sharding)
+from jaxfill.pallas_kernels import QuantizedPages, init_kv_pages, init_quantized_pages
 
 
 def abstract_state(config, attention_impl: str = "auto"):
@@ -66,11 +68,20 @@ def shard_placer(mesh: jax.sharding.Mesh, abstract: nnx.State,
 
 
 def create_kv_cache(config, mesh: jax.sharding.Mesh, num_pages: int, page_size: int,
-                    dtype=None, fill_value: float = 0.0) -> KVCache:
+                    dtype=None, fill_value: float = 0.0, kv_cache_dtype: str = "auto") -> KVCache:
     """A KVCache allocated in shards. `num_pages` is per data replica (as engine.num_pages);
-    the global page axis holds data * num_pages pages."""
-    dtype = dtype or config.jnp_dtype
+    the global page axis holds data * num_pages pages. Quantized scales
+    [pages, page_size, 2*H] are split exactly like the pages' first three axes."""
     heads, dp = kv_cache_heads(config, mesh), int(dict(mesh.shape).get(DATA, 1))
-    make = jax.jit(lambda: init_kv_pages(num_pages * dp, page_size, heads, config.head_dim, dtype, fill_value),
-                   out_shardings=kv_cache_sharding(mesh))
+    if kv_cache_dtype == "auto":
+        dtype = dtype or config.jnp_dtype
+        make = jax.jit(lambda: init_kv_pages(num_pages * dp, page_size, heads, config.head_dim, dtype,
+                                             fill_value),
+                       out_shardings=kv_cache_sharding(mesh))
+    else:
+        dtype = kv_storage_dtype(kv_cache_dtype, config.jnp_dtype)
+        scales = NamedSharding(mesh, logical_spec(KV_CACHE_AXES[:3], None, mesh))
+        make = jax.jit(lambda: init_quantized_pages(num_pages * dp, page_size, heads, config.head_dim,
+                                                    dtype, fill_value),
+                       out_shardings=QuantizedPages(kv_cache_sharding(mesh), scales))
     return KVCache(tuple(make() for _ in range(config.num_layers)))

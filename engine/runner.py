@@ -84,8 +84,10 @@ class Runner:
         if self.mesh is not None:
             from jaxfill.engine.placement import create_kv_cache
 
-            return create_kv_cache(c.model, self.mesh, c.engine.num_pages, c.engine.page_size)
-        return KVCache.create(c.model, c.engine.num_pages, c.engine.page_size)
+            return create_kv_cache(c.model, self.mesh, c.engine.num_pages, c.engine.page_size,
+                                   kv_cache_dtype=c.engine.kv_cache_dtype)
+        return KVCache.create(c.model, c.engine.num_pages, c.engine.page_size,
+                              kv_cache_dtype=c.engine.kv_cache_dtype)
 
     def dummy(self, shape: tuple[int, int]) -> StepBatch:
         """An all-padding batch of one bucket (warm-up, and what followers receive into)."""
@@ -115,7 +117,7 @@ class Runner:
         return HostOutput(np.asarray(tokens), np.asarray(lp), np.asarray(ids), np.asarray(lps))
 
     def cache_ok(self) -> bool:
-        return not any(p.is_deleted() for p in self.kv_cache.pages)
+        return not any(a.is_deleted() for a in self.kv_cache.arrays())
 
     def reset_cache(self) -> None:
         """After a failed step the donated cache may be gone: start from a fresh one

@@ -7,19 +7,45 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxfill.pallas_kernels import init_kv_pages
+from jaxfill.pallas_kernels import QUANT_DTYPES, init_kv_pages, init_quantized_pages
+
+
+def kv_storage_dtype(kv_cache_dtype: str, model_dtype):
+    """engine.kv_cache_dtype -> the pages' dtype ("auto": the model's compute dtype)."""
+    if kv_cache_dtype == "auto":
+        return jnp.dtype(model_dtype)
+    if kv_cache_dtype not in QUANT_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be auto, {', '.join(QUANT_DTYPES)}; got {kv_cache_dtype!r}")
+    return jnp.dtype(QUANT_DTYPES[kv_cache_dtype])
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_cache_dtype: str,
+                       model_dtype) -> int:
+    """Cache bytes one token costs over all layers: K and V values, plus one f32 scale per
+    (K or V, head) when quantized. The planner and KVCache.nbytes agree on this."""
+    dtype = kv_storage_dtype(kv_cache_dtype, model_dtype)
+    per_head = 2 * (head_dim * dtype.itemsize + (4 if kv_cache_dtype != "auto" else 0))
+    return num_layers * num_kv_heads * per_head
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """One page array per layer, each [num_pages, page_size, 2 * Hkv, D]."""
+    """One entry per layer: a page array [num_pages, page_size, 2 * Hkv, D], or, for an
+    int8 / fp8 cache, a QuantizedPages (values of that shape + f32 scales
+    [num_pages, page_size, 2 * Hkv]). Model code passes entries through untouched."""
 
-    pages: tuple[jax.Array, ...]
+    pages: tuple
 
     @classmethod
     def create(cls, config, num_pages: int, page_size: int, dtype=None,
-               fill_value: float = 0.0) -> "KVCache":
+               fill_value: float = 0.0, kv_cache_dtype: str = "auto") -> "KVCache":
+        if kv_cache_dtype != "auto":
+            dtype = kv_storage_dtype(kv_cache_dtype, config.jnp_dtype)
+            return cls(tuple(
+                init_quantized_pages(num_pages, page_size, config.num_kv_heads, config.head_dim,
+                                     dtype, fill_value)
+                for _ in range(config.num_layers)))
         dtype = dtype or config.jnp_dtype
         return cls(tuple(
             init_kv_pages(num_pages, page_size, config.num_kv_heads, config.head_dim, dtype, fill_value)
@@ -34,8 +60,22 @@ class KVCache:
     def page_size(self) -> int:
         return self.pages[0].shape[1]
 
+    @property
+    def dtype(self):
+        return self.pages[0].dtype
+
+    def arrays(self) -> list[jax.Array]:
+        """Every array the cache holds (values and scales)."""
+        return jax.tree.leaves(self.pages)
+
     def nbytes(self) -> int:
-        return sum(p.size * p.dtype.itemsize for p in self.pages)
+        """Bytes of all layers, scales included (global shapes, all shards together)."""
+        return sum(a.size * a.dtype.itemsize for a in self.arrays())
+
+    def bytes_per_token(self) -> int:
+        """nbytes per page slot: what one cached token costs (over every data replica's
+        pool and every KV head the layout holds, repeated heads included)."""
+        return self.nbytes() // (self.num_pages * self.page_size)
 
 
 @jax.tree_util.register_dataclass

@@ -256,7 +256,8 @@ def sharded_attention(attend: Callable, q: jax.Array, k: jax.Array, v: jax.Array
         return attend(q, k, v, pages, meta)
 
     tok = P(sp, tp, None)
-    page_spec = P(None, None, tp, None)
+    # per leaf: pages [N, ps, 2H, D] and, for a quantized layer, scales [N, ps, 2H]
+    page_spec = jax.tree.map(lambda a: P(None, None, tp, *([None] * (a.ndim - 3))), pages)
     return jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, page_spec, P()),
                          out_specs=(tok, page_spec), axis_names=set(axes), check_vma=False)(q, k, v, pages, meta)
 

@@ -14,12 +14,17 @@ index must really be distinct: padding tokens (many of them per step) each get t
 out-of-range index, `total + t`, which `mode="drop"` discards. Real slots are distinct by
 construction (the scheduler never gives two new tokens of one step the same slot:
 tests/test_write_slots.py checks build_batch's output).
+
+Quantized layers (`QuantizedPages`, see kv_quant.py) take the same write: each token-head
+is quantized and its scale scattered to the same slot of the scales array.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from jaxfill.pallas_kernels.kv_quant import QuantizedPages, is_quantized, quantize
 
 
 def init_kv_pages(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
@@ -46,11 +51,13 @@ def split_kv(kv: jax.Array,  # [..., 2 * Hkv, D]
     return kv[..., 0::2, :], kv[..., 1::2, :]
 
 
-def write_kv(pages: jax.Array,  # [num_pages, page_size, 2 * Hkv, D]
+def write_kv(pages,  # [num_pages, page_size, 2 * Hkv, D] array, or QuantizedPages
              k: jax.Array,  # [T, Hkv, D]
              v: jax.Array,  # [T, Hkv, D]
              slot_mapping: jax.Array,  # [T] int32, page * page_size + offset; < 0 skips
-             ) -> jax.Array:  # pages, same shape; donate the input to update in place
+             ):  # pages, same shape and type; donate the input to update in place
+    if isinstance(pages, QuantizedPages):
+        return QuantizedPages(*write_kv_quantized(pages.values, pages.scales, k, v, slot_mapping))
     num_pages, page_size, combined, head_dim = pages.shape
     if k.shape != v.shape or k.ndim != 3 or 2 * k.shape[1] != combined or k.shape[2] != head_dim:
         raise ValueError(
@@ -73,3 +80,31 @@ def scatter_indices(slot_mapping: jax.Array,  # [T] int32; < 0 for padding
     `unique_indices=True` requires; real slots pass through."""
     past_end = total + jnp.arange(slot_mapping.shape[0], dtype=slot_mapping.dtype)
     return jnp.where(slot_mapping < 0, past_end, slot_mapping)
+
+
+def write_kv_quantized(pages: jax.Array,  # [num_pages, page_size, 2 * Hkv, D] int8 / fp8
+                       scales: jax.Array,  # [num_pages, page_size, 2 * Hkv] f32
+                       k: jax.Array,  # [T, Hkv, D]
+                       v: jax.Array,  # [T, Hkv, D]
+                       slot_mapping: jax.Array,  # [T] int32; < 0 skips
+                       ) -> tuple[jax.Array, jax.Array]:  # pages, scales; donate both
+    """`write_kv` for quantized pages: quantizes each token-head and scatters values and
+    scales to the same slot (same unique, padding-past-the-end indices)."""
+    num_pages, page_size, combined, head_dim = pages.shape
+    if not is_quantized(pages.dtype):
+        raise ValueError(f"write_kv_quantized: pages must be int8 or float8_e4m3fn, got {pages.dtype}")
+    if scales.shape != pages.shape[:3]:
+        raise ValueError(f"write_kv_quantized: scales {scales.shape} must be {pages.shape[:3]}")
+    if k.shape != v.shape or k.ndim != 3 or 2 * k.shape[1] != combined or k.shape[2] != head_dim:
+        raise ValueError(f"write_kv_quantized: k {k.shape} and v {v.shape} must be "
+                         f"[T, {combined // 2}, {head_dim}] for pages {pages.shape}")
+    if slot_mapping.shape != (k.shape[0],):
+        raise ValueError(f"write_kv_quantized: slot_mapping {slot_mapping.shape} must be [{k.shape[0]}]")
+    total = num_pages * page_size
+    stored, scale = quantize(merge_kv(k, v), pages.dtype)  # [T, 2Hkv, D], [T, 2Hkv]
+    idx = scatter_indices(slot_mapping, total)
+    flat = pages.reshape(total, combined, head_dim)
+    flat = flat.at[idx].set(stored, mode="drop", unique_indices=True)
+    sflat = scales.reshape(total, combined)
+    sflat = sflat.at[idx].set(scale.astype(scales.dtype), mode="drop", unique_indices=True)
+    return flat.reshape(pages.shape), sflat.reshape(scales.shape)

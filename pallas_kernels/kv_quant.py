@@ -10,14 +10,18 @@ Quantization is symmetric per token-head absmax: `scale = absmax / QMAX` (QMAX 1
 int8, 448 for e4m3, its largest finite value), stored `round(x / scale)` (int8 rounds to
 nearest and clips to [-127, 127]; fp8 rounds by the cast). A zero row gets scale 1. A
 kernel sees `stored * scale` (f32), then casts to its compute dtype: `dequantize`.
+
+A quantized layer travels as one `QuantizedPages` pytree wherever an unquantized layer
+travels as one array: `write_kv` and `ragged_paged_attention` take either, so model code
+and the per-layer cache tuple are the same for every dtype.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
-
-from jaxfill.pallas_kernels.kv_cache import merge_kv, scatter_indices
 
 QUANT_DTYPES = {"int8": jnp.int8, "float8_e4m3fn": jnp.float8_e4m3fn}
 QMAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
@@ -62,29 +66,37 @@ def dequantize(stored: jax.Array,  # [..., D] int8 / fp8 (or float: passed throu
     return (stored.astype(jnp.float32) * scale[..., None].astype(jnp.float32)).astype(dtype)
 
 
-def write_kv_quantized(pages: jax.Array,  # [num_pages, page_size, 2 * Hkv, D] int8 / fp8
-                       scales: jax.Array,  # [num_pages, page_size, 2 * Hkv] f32
-                       k: jax.Array,  # [T, Hkv, D]
-                       v: jax.Array,  # [T, Hkv, D]
-                       slot_mapping: jax.Array,  # [T] int32; < 0 skips
-                       ) -> tuple[jax.Array, jax.Array]:  # pages, scales; donate both
-    """`write_kv` for quantized pages: quantizes each token-head and scatters values and
-    scales to the same slot (same unique, padding-past-the-end indices)."""
-    num_pages, page_size, combined, head_dim = pages.shape
-    if not is_quantized(pages.dtype):
-        raise ValueError(f"write_kv_quantized: pages must be int8 or float8_e4m3fn, got {pages.dtype}")
-    if scales.shape != pages.shape[:3]:
-        raise ValueError(f"write_kv_quantized: scales {scales.shape} must be {pages.shape[:3]}")
-    if k.shape != v.shape or k.ndim != 3 or 2 * k.shape[1] != combined or k.shape[2] != head_dim:
-        raise ValueError(f"write_kv_quantized: k {k.shape} and v {v.shape} must be "
-                         f"[T, {combined // 2}, {head_dim}] for pages {pages.shape}")
-    if slot_mapping.shape != (k.shape[0],):
-        raise ValueError(f"write_kv_quantized: slot_mapping {slot_mapping.shape} must be [{k.shape[0]}]")
-    total = num_pages * page_size
-    stored, scale = quantize(merge_kv(k, v), pages.dtype)  # [T, 2Hkv, D], [T, 2Hkv]
-    idx = scatter_indices(slot_mapping, total)
-    flat = pages.reshape(total, combined, head_dim)
-    flat = flat.at[idx].set(stored, mode="drop", unique_indices=True)
-    sflat = scales.reshape(total, combined)
-    sflat = sflat.at[idx].set(scale.astype(scales.dtype), mode="drop", unique_indices=True)
-    return flat.reshape(pages.shape), sflat.reshape(scales.shape)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedPages:
+    """One quantized layer: values and their scales, addressed by the same page ids."""
+
+    values: jax.Array  # [num_pages, page_size, 2 * Hkv, D] int8 / float8_e4m3fn
+    scales: jax.Array  # [num_pages, page_size, 2 * Hkv] f32
+
+    @property
+    def shape(self) -> tuple[int, ...]:  # the values' shape, as for an unquantized layer
+        return self.values.shape
+
+    @property
+    def dtype(self):
+        return self.values.dtype
+
+
+def init_quantized_pages(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+                         dtype, fill_value: float = 0.0) -> QuantizedPages:
+    """One quantized layer. A NaN fill leaves the values 0 (int8 has no NaN) and makes
+    the scales NaN, so any read of an unwritten slot still turns into NaN."""
+    if not is_quantized(dtype):
+        raise ValueError(f"quantized KV pages must be int8 or float8_e4m3fn, got {dtype}")
+    scales = init_kv_scales(num_pages, page_size, num_kv_heads,
+                            fill_value if fill_value != fill_value else 1.0)
+    values = jnp.zeros((num_pages, page_size, 2 * num_kv_heads, head_dim), dtype)
+    return QuantizedPages(values, scales)
+
+
+def as_arrays(pages) -> tuple[jax.Array, jax.Array | None]:
+    """(values, scales) of a quantized layer, (pages, None) of a plain one."""
+    if isinstance(pages, QuantizedPages):
+        return pages.values, pages.scales
+    return pages, None

@@ -15,7 +15,8 @@ import pytest
 
 from attention_oracle import make_batch, oracle, quantize_np, rel_err
 from jaxfill.pallas_kernels import ragged_paged_attention
-from jaxfill.pallas_kernels.kv_quant import init_kv_scales, write_kv_quantized
+from jaxfill.pallas_kernels.kv_cache import write_kv_quantized
+from jaxfill.pallas_kernels.kv_quant import init_kv_scales
 
 KV_DTYPES = ["int8", "float8_e4m3fn"]
 IMPLS = ["reference", "xla", "pallas_tpu", "pallas_gpu"]

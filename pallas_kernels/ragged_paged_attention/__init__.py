@@ -7,6 +7,8 @@ import importlib
 import jax
 import jax.numpy as jnp
 
+from jaxfill.pallas_kernels.kv_quant import QuantizedPages
+
 # impl name -> (module, function). Modules import lazily so a backend's toolchain is
 # only needed when that backend is asked for.
 IMPLS = {
@@ -58,7 +60,7 @@ def validate(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales=
 
 def ragged_paged_attention(
     q: jax.Array,  # [T, Hq, D]
-    kv_pages: jax.Array,  # [num_pages, page_size, 2 * Hkv, D]
+    kv_pages,  # [num_pages, page_size, 2 * Hkv, D] array, or QuantizedPages
     kv_lens: jax.Array,  # [S] int32: cached + new tokens per sequence
     page_indices: jax.Array,  # [S, P] int32
     cu_q_lens: jax.Array,  # [S+1] int32
@@ -70,7 +72,12 @@ def ragged_paged_attention(
     impl: str = "auto",
     kv_scales: jax.Array | None = None,  # [num_pages, page_size, 2 * Hkv] f32 for int8/fp8 pages
 ) -> jax.Array:  # [T, Hq, D]
-    """Quantized pages (see kv_quant.py) are dequantized block by block inside the kernel."""
+    """`kv_pages` may be a QuantizedPages (or int8/fp8 values with `kv_scales`): every
+    impl dequantizes block by block inside the kernel (kv_quant.py)."""
+    if isinstance(kv_pages, QuantizedPages):
+        if kv_scales is not None:
+            raise ValueError("QuantizedPages carry their own scales: do not pass kv_scales too")
+        kv_pages, kv_scales = kv_pages.values, kv_pages.scales
     validate(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales)
     module, fn = IMPLS[resolve_impl(impl)]
     kernel = getattr(importlib.import_module(module), fn)
