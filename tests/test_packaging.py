@@ -46,7 +46,8 @@ def test_wheel_holds_only_the_jaxfill_package(tmp_path):
                                                  wheel.name.split("-")[1] + ".dist-info"}
     for needed in ("jaxfill/__init__.py", "jaxfill/engine/engine.py", "jaxfill/configs/tiny_random.toml",
                    "jaxfill/configs/hardware.toml", "jaxfill/serving/proto/jaxfill/v1/generation.proto",
-                   "jaxfill/pallas_kernels/ragged_paged_attention/tpu.py"):
+                   "jaxfill/pallas_kernels/ragged_paged_attention/tpu.py", "jaxfill/configs/tiny/tokenizer.json",
+                   "jaxfill/configs/tiny/tokenizer_config.json"):
         assert needed in names, needed
     assert not any(n.startswith("jaxfill/tests/") or n.startswith("jaxfill/benchmarks/") for n in names)
 
