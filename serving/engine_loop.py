@@ -53,15 +53,6 @@ class StepFailed(RuntimeError):
     """engine.step() raised; every request in flight at that moment fails with it."""
 
 
-log = logging.getLogger("jaxfill.serving")
-
-WARMING, SERVING, DRAINING, STOPPED, FAILED = "warming", "serving", "draining", "stopped", "failed"
-
-
-class StepFailed(RuntimeError):
-    """engine.step() raised; every request in flight at that moment fails with it."""
-
-
 KV_HISTORY_BATCHES = 1024  # KV event batches kept for subscribers resuming from a sequence number
 KV_SUBSCRIBER_MAX_BACKLOG = 4096  # batches a subscriber may fall behind before it is dropped
 

@@ -27,7 +27,7 @@ from jaxfill.engine.request import SamplingParams
 from jaxfill.serving.server import ServerThread
 from jaxfill.serving.vllm_convert import DEFAULT_TEMPERATURE, sampling_from_proto
 from jaxfill.serving.vllm_service import served_name
-from serving_util import compile_cache_dir
+from serving_util import ServeProcess, compile_cache_dir
 
 OVERRIDES = {"engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64], "engine.num_pages": 64,
              "engine.max_model_len": 256}
@@ -218,7 +218,8 @@ def test_gateway_filled_defaults_are_accepted(served):
 def test_sampling_mapping_and_defaults():
     s = sampling_from_proto(vpb.SamplingParams(), room=100, vocab_size=320)
     assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.repetition_penalty, s.seed, s.logprobs) == \
-        (100, DEFAULT_TEMPERATURE, 1.0, 0, 1.0, None, None)
+        (100, 1.0, 1.0, 0, 1.0, None, None)  # vLLM's documented defaults
+    assert DEFAULT_TEMPERATURE == 1.0
     s = sampling_from_proto(vpb.SamplingParams(
         temperature=0.5, top_p=0.9, top_k=7, min_p=0.1, frequency_penalty=0.2, presence_penalty=0.3,
         repetition_penalty=1.1, max_tokens=9, stop=["ab"], stop_token_ids=[3], ignore_eos=True, logprobs=1,
@@ -277,6 +278,26 @@ def test_served_model_name_default():
     assert served_name(load_config("tiny_random")) == "tiny_random"
     cfg = dataclasses.replace(load_config("tiny_random"), model_path="/models/My-Model/")
     assert served_name(cfg) == "My-Model"
+
+
+def test_serve_cli_served_model_name_and_loopback_default(tmp_path_factory):
+    from jaxfill.serving.cli import build_parser
+
+    assert build_parser().parse_args(["serve"]).host == "127.0.0.1"
+    sets = [a for k, v in OVERRIDES.items() for a in ("--set", f"{k}={v}")]
+    proc = ServeProcess("--served-model-name", "cli-name", *sets, cache_dir=compile_cache_dir(tmp_path_factory))
+    try:
+        with grpc.insecure_channel(proc.address) as ch:
+            stub = vpb_grpc.VllmEngineStub(ch)
+            deadline = time.time() + 300
+            while not stub.HealthCheck(vpb.HealthCheckRequest(), timeout=10).healthy:
+                assert time.time() < deadline, proc.log()
+                time.sleep(0.2)
+            assert stub.GetModelInfo(vpb.GetModelInfoRequest(), timeout=10).served_model_name == "cli-name"
+            (r,) = _run(stub, _req(PROMPTS[2], "cli", max_tokens=3, ignore_eos=True))
+            assert r.complete.completion_tokens == 3
+    finally:
+        proc.kill()
 
 
 def test_kv_events_store_then_evict(served):
