@@ -132,9 +132,9 @@ class BlockManager:
                 self.free_queue[p] = None
 
     def register(self, page: int, h: bytes, parent: bytes | None = None,
-                 tokens: Callable[[], Sequence[int]] | None = None) -> None:
-        """Marks a full, computed page as holding the prefix with hash h. parent and tokens
-        (called only when a listener hears the store) describe it to the listener."""
+                 token_at: Callable[[int], int] | None = None, first: int = 0) -> None:
+        """Marks a full, computed page as holding the prefix with hash h. For a listener:
+        parent is the previous page's hash, token_at(first + j) the page's j-th token."""
         if not self.enable_prefix_caching or self.page_hash[page] is not None:
             return
         if h in self.cached:  # the same prefix was computed twice: keep the first copy
@@ -142,7 +142,8 @@ class BlockManager:
         self.cached[h] = page
         self.page_hash[page] = h
         if self.listener is not None:
-            self.listener("stored", h, parent, list(tokens()) if tokens is not None else [])
+            tokens = [token_at(first + j) for j in range(self.page_size)] if token_at is not None else []
+            self.listener("stored", h, parent, tokens)
 
     def reset_prefix_cache(self) -> None:
         for h, p in list(self.cached.items()):

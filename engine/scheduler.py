@@ -140,10 +140,9 @@ class Scheduler:
         if not self.bm.enable_prefix_caching:
             return
         hashes = self._hashes(req, req.num_computed)
-        ps = self.page_size
         for i, (page, h) in enumerate(zip(req.pages, hashes)):
-            self.bm.register(page, h, parent=hashes[i - 1] if i else None,
-                             tokens=lambda i=i: [req.token(j) for j in range(i * ps, (i + 1) * ps)])
+            self.bm.register(page, h, parent=hashes[i - 1] if i else None, token_at=req.token,
+                             first=i * self.page_size)
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
