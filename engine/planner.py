@@ -118,10 +118,19 @@ def weights_read_bytes(model: ModelConfig, num_tokens: int) -> int:
     return total - model.vocab_size * e * b + min(num_tokens, model.vocab_size) * e * b
 
 
-def kv_bytes_per_token(model: ModelConfig, kv_heads: int | None = None) -> int:
-    """K and V of every layer: 2 * layers * kv_heads * head_dim * bytes."""
+KV_SCALE_BYTES = 4  # one f32 scale per (token, K or V, head) in an int8 / fp8 cache
+
+
+def kv_bytes_per_token(model: ModelConfig, kv_heads: int | None = None,
+                       kv_cache_dtype: str = "auto") -> int:
+    """K and V of every layer: 2 * layers * kv_heads * head_dim * bytes ("auto": the model's
+    dtype); int8 / float8_e4m3fn: 1 byte per value plus 2 * layers * kv_heads f32 scales."""
     heads = model.num_kv_heads if kv_heads is None else kv_heads
-    return 2 * model.num_layers * heads * model.head_dim * dtype_bytes(model)
+    if kv_cache_dtype == "auto":
+        return 2 * model.num_layers * heads * model.head_dim * dtype_bytes(model)
+    if kv_cache_dtype not in ("int8", "float8_e4m3fn"):
+        raise ValueError(f"kv_cache_dtype must be auto, int8 or float8_e4m3fn, got {kv_cache_dtype!r}")
+    return 2 * model.num_layers * heads * (model.head_dim + KV_SCALE_BYTES)
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:
@@ -171,7 +180,7 @@ class DeviceCosts:
 
 
 def device_costs(model: ModelConfig, mesh: MeshSettings, hw: Hardware, num_tokens: int,
-                 context: int = 0) -> DeviceCosts:
+                 context: int = 0, kv_cache_dtype: str = "auto") -> DeviceCosts:
     """Per-device work of one prefill step of `num_tokens` new tokens after `context`
     cached ones under the mesh (no validation of the length)."""
     tp, sp = mesh.tensor, mesh.sequence
@@ -190,7 +199,7 @@ def device_costs(model: ModelConfig, mesh: MeshSettings, hw: Hardware, num_token
     kv_w = L * kv_projection_bytes(model)
     w = weights_read_bytes(model, num_tokens) - kv_w
     w_dev = w / tp + kv_w * (1 if r > 1 else 1 / tp)
-    kv_dev = num_tokens * kv_bytes_per_token(model, model.num_kv_heads * r) / tp
+    kv_dev = num_tokens * kv_bytes_per_token(model, model.num_kv_heads * r, kv_cache_dtype) / tp
     nbytes = w_dev + kv_dev
     # Collectives (ring): all-reduce moves 2 (n-1)/n of the buffer, all-gather (n-1)/n of
     # the gathered result.
@@ -225,16 +234,17 @@ def plan_prefill(config: Config, hw: Hardware, prompt_len: int) -> dict:
     check_prompt_len(prompt_len, engine)
     tp = mesh.tensor
     r = kv_repeat(model, tp)
-    per_token = kv_bytes_per_token(model)
+    per_token = kv_bytes_per_token(model, kv_cache_dtype=engine.kv_cache_dtype)
     pages = pages_for(prompt_len, engine.page_size)
     per_request = pages * engine.page_size * per_token
     # Memory left after this device's weights; the cache holds Hkv * r heads split over tp.
-    cost = device_costs(model, mesh, hw, prompt_len)
+    cost = device_costs(model, mesh, hw, prompt_len, kv_cache_dtype=engine.kv_cache_dtype)
     kv_w = model.num_layers * kv_projection_bytes(model)  # k/v weights: replicated when r > 1
     weights_dev = (weight_bytes(model) - kv_w) / tp + kv_w * (1 if r > 1 else 1 / tp)
     hbm = hw.hbm_bytes / (mesh.size if hw.shared_by_mesh else 1)
     free = hbm - weights_dev
-    per_request_dev = pages * engine.page_size * kv_bytes_per_token(model, model.num_kv_heads * r) / tp
+    per_request_dev = (pages * engine.page_size
+                       * kv_bytes_per_token(model, model.num_kv_heads * r, engine.kv_cache_dtype) / tp)
     fit = max(0, int(free // per_request_dev)) * mesh.data if free > 0 else 0
     t2 = ttft_floor(model, mesh, hw, 2 * prompt_len)
     mm = matmul_flops(model, prompt_len)
@@ -247,6 +257,7 @@ def plan_prefill(config: Config, hw: Hardware, prompt_len: int) -> dict:
         "weight_bytes": weight_bytes(model),
         "kv_bytes_written": prompt_len * per_token,
         "kv_bytes_per_token": per_token,
+        "kv_cache_dtype": engine.kv_cache_dtype,
         "kv_bytes_per_request": per_request,
         "kv_bytes_per_request_per_device": per_request_dev,  # Hkv * r heads / tensor
         "pages_per_request": pages,

@@ -109,3 +109,64 @@ def test_write_kv_quantized_rejects_bad_input():
     with pytest.raises(ValueError, match="int8 or float8"):
         write_kv_quantized(pages.astype(jnp.float32), jnp.ones((2, 4, 4)), jnp.ones((1, 2, 8)),
                            jnp.ones((1, 2, 8)), jnp.zeros(1, jnp.int32))
+
+
+# ----------------------------------------------------------------------- bytes
+def test_kv_bytes_per_token_agree_in_cache_planner_and_stats():
+    """int8 / fp8 = one byte per value + one f32 scale per (token, K or V, head): for
+    tiny_random (L layers, Hkv heads, D) 2*L*Hkv*(D + 4) vs 2*L*Hkv*D*itemsize, the same in
+    KVCache.nbytes, the planner and Engine.stats."""
+    from jaxfill.engine.config import load_config
+    from jaxfill.engine.engine import Engine
+    from jaxfill.engine.planner import kv_bytes_per_token
+    from jaxfill.models.kv_cache import KVCache
+
+    overrides = {"engine.max_num_batched_tokens": 16, "engine.token_buckets": [16],
+                 "engine.num_pages": 8, "engine.max_model_len": 64}
+    m = load_config("tiny_random", overrides).model
+    num_pages, page_size = 8, 16
+    got = {}
+    for kv_dtype in ["auto", *KV_DTYPES]:
+        cache = KVCache.create(m, num_pages, page_size, kv_cache_dtype=kv_dtype)
+        per_token = cache.nbytes() / (num_pages * page_size)
+        value_bytes = 1 if kv_dtype != "auto" else jnp.dtype(m.jnp_dtype).itemsize
+        scale_bytes = 4 if kv_dtype != "auto" else 0
+        assert per_token == 2 * m.num_layers * m.num_kv_heads * (m.head_dim * value_bytes + scale_bytes)
+        assert kv_bytes_per_token(m, kv_cache_dtype=kv_dtype) == per_token
+        got[kv_dtype] = per_token
+    assert got["int8"] == got["float8_e4m3fn"]
+    # Against a bf16 cache: exactly half the values, plus the scales.
+    bf16 = 2 * m.num_layers * m.num_kv_heads * m.head_dim * 2
+    assert got["int8"] == bf16 / 2 + 2 * m.num_layers * m.num_kv_heads * 4
+    eng = Engine.from_config("tiny_random", overrides={**overrides, "engine.kv_cache_dtype": "int8"},
+                             progress=False)
+    st = eng.stats()
+    assert st["kv_cache_dtype"] == "int8"
+    assert st["kv_bytes_per_token"] == got["int8"]
+    assert st["kv_cache_bytes"] == got["int8"] * 8 * 16
+
+
+def test_plan_reports_quantized_kv_and_twice_the_requests():
+    """llama3_8b on h100_sxm at 2048 tokens: int8 KV costs (128 + 4) / 256 of bf16 per token
+    and fits ~1.9x the requests."""
+    from jaxfill.engine.config import load_config
+    from jaxfill.engine.hardware import load_hardware
+    from jaxfill.engine.planner import plan_prefill
+
+    hw = load_hardware("h100_sxm")
+    rows = {d: plan_prefill(load_config("llama3_8b", {"engine.kv_cache_dtype": d}), hw, 2048)
+            for d in ("auto", "int8", "float8_e4m3fn")}
+    bf16, q8 = rows["auto"], rows["int8"]
+    assert bf16["kv_bytes_per_token"] == 2 * 32 * 8 * 128 * 2 == 131072
+    assert q8["kv_bytes_per_token"] == 2 * 32 * 8 * (128 + 4) == 67584
+    assert rows["float8_e4m3fn"]["kv_bytes_per_token"] == q8["kv_bytes_per_token"]
+    ratio = q8["max_concurrent_requests"] / bf16["max_concurrent_requests"]
+    assert 1.9 <= ratio <= 2 * 128 / 132 + 0.01, ratio
+
+
+def test_bad_kv_cache_dtype_is_refused():
+    from jaxfill.engine.config import load_config
+    from jaxfill.models.config import ConfigError
+
+    with pytest.raises(ConfigError, match="kv_cache_dtype"):
+        load_config("tiny_random", {"engine.kv_cache_dtype": "int4"})

@@ -98,8 +98,11 @@ def run(args) -> int:
     print(f"device  {hw.name}: {hw.description}; {_si(hw.peak_flops(m.dtype), 'FLOP/s')} {m.dtype}, "
           f"{_bytes(hw.hbm_bytes)} at {_si(hw.hbm_bytes_per_s, 'B/s')}, link {_si(hw.link_bytes_per_s, 'B/s')}")
     print(f"        source: {hw.source}")
-    print(f"KV      {first['kv_bytes_per_token']} bytes/token "
-          f"(2 x {m.num_layers} layers x {m.num_kv_heads} kv heads x {m.head_dim} x {m.jnp_dtype.dtype.itemsize} B), "
+    kv_dtype = config.engine.kv_cache_dtype
+    per_head = (f"{m.head_dim} x {m.jnp_dtype.dtype.itemsize} B" if kv_dtype == "auto"
+                else f"({m.head_dim} x 1 B + 4 B f32 scale)")
+    print(f"KV      {first['kv_bytes_per_token']} bytes/token, {kv_dtype if kv_dtype != 'auto' else m.dtype} "
+          f"(2 x {m.num_layers} layers x {m.num_kv_heads} kv heads x {per_head}), "
           f"page_size {config.engine.page_size}")
     print()
     print(format_table(rows, PLAN_COLUMNS))
