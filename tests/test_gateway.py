@@ -32,7 +32,8 @@ class Cluster:
         self.gateway = None
 
     def start(self):
-        self.workers = [start_worker(self.cache_dir) for _ in range(2)]
+        for _ in range(2):  # one at a time, so teardown kills the first if the second fails
+            self.workers.append(start_worker(self.cache_dir))
         self.gateway = SmgProcess([w.address for w in self.workers], "cache_aware", *SMG_FLAGS)
         self.client = openai.OpenAI(base_url=self.gateway.base_url, api_key="unused", max_retries=0, timeout=60)
 
@@ -191,7 +192,7 @@ def test_killed_worker_fails_over_then_rejoins_after_restart(cluster):
     def client_loop(k: int):
         for i in range(4):
             try:
-                r = cluster.client.completions.create(model=cluster.gateway.model, prompt=f"Thread {k} line {i}:",
+                r = cluster.client.completions.create(model=cluster.gateway.model, prompt=f"{uuid.uuid4().hex} {k}.{i}:",
                                                       max_tokens=48, temperature=0)
                 results.append(r.usage.completion_tokens)
             except Exception as e:  # noqa: BLE001 - collected and asserted below
