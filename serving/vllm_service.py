@@ -8,6 +8,7 @@ Embed, FlushCache and the profiler RPCs are left UNIMPLEMENTED.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import time
@@ -28,6 +29,9 @@ from jaxfill.serving.request_core import BadField, RequestCore
 VLLM_SERVICE = vpb.DESCRIPTOR.services_by_name["VllmEngine"].full_name  # vllm.grpc.engine.VllmEngine
 MAX_REQUEST_ID_LEN = 256
 SERVER_TYPE = "vllm-grpc"  # the protocol, as GetServerInfoResponse documents the field
+# smg gives SubscribeKvEvents 2 s to answer and takes a silent stream for a dead worker:
+# a load-only batch goes out at once and whenever the cache has been quiet this long.
+KV_HEARTBEAT_S = 0.5
 
 
 def tokenizer_dir(config, tokenizer) -> str:
@@ -162,18 +166,29 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             block_size=cfg.engine.page_size, model_dtype=str(cfg.model.dtype),
             max_num_seqs=cfg.engine.max_num_seqs * cfg.mesh.data)
 
-    async def GetLoads(self, request: vpb.GetLoadsRequest, context):
+    def _load(self) -> dict:
+        """The numbers GetLoads and the KV-event load records share."""
         s = self.core.loop.stats()
         page_size = int(s.get("page_size", self.config.engine.page_size))
         total, free = int(s.get("pages_total", 0)), int(s.get("pages_free", 0))
         queries = int(s.get("prefix_cache_queries", 0))
         running, waiting = int(s.get("num_running", 0)), int(s.get("num_waiting", 0))
         waiting += max(self.core.loop.num_active - running - waiting, 0)  # admitted, not yet in the engine
+        return dict(running=running, waiting=waiting, used_tokens=(total - free) * page_size,
+                    total_tokens=total * page_size, usage=(total - free) / total if total else 0.0,
+                    hit_rate=int(s.get("prefix_cache_hits", 0)) / queries if queries else 0.0)
+
+    def _engine_load(self, sample: int, load_only: bool) -> cpb.EngineLoad:
+        d = self._load()
+        return cpb.EngineLoad(running_requests=d["running"], waiting_requests=d["waiting"], token_usage=d["usage"],
+                              max_running_requests=self.core.loop.batch_slots, sample=sample, load_only=load_only)
+
+    async def GetLoads(self, request: vpb.GetLoadsRequest, context):
+        d = self._load()
         load = vpb.SchedulerLoad(
-            dp_rank=0, num_running_reqs=running, num_waiting_reqs=waiting, num_total_reqs=running + waiting,
-            num_used_tokens=(total - free) * page_size, max_total_num_tokens=total * page_size,
-            token_usage=(total - free) / total if total else 0.0,
-            cache_hit_rate=int(s.get("prefix_cache_hits", 0)) / queries if queries else 0.0,
+            dp_rank=0, num_running_reqs=d["running"], num_waiting_reqs=d["waiting"],
+            num_total_reqs=d["running"] + d["waiting"], num_used_tokens=d["used_tokens"],
+            max_total_num_tokens=d["total_tokens"], token_usage=d["usage"], cache_hit_rate=d["hit_rate"],
             max_running_requests=self.core.loop.batch_slots)
         return vpb.GetLoadsResponse(timestamp=datetime.now(timezone.utc).isoformat(), version="jaxfill",
                                     dp_rank_count=1, loads=[load])
@@ -188,15 +203,29 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             yield cpb.GetTokenizerChunk(data=data[i:i + step], sha256=digest if last else "")
 
     async def SubscribeKvEvents(self, request: cpb.SubscribeKvEventsRequest, context):
+        """Event batches as the prefix cache changes, each with the load record; a load-only
+        batch (repeating the last sequence sent) at once and as a heartbeat while quiet."""
         loop = self.core.loop
         q = loop.subscribe_kv(request.start_sequence_number)
         page_size = self.config.engine.page_size
+        last_seq, sample = 0, 0
         try:
+            yield cpb.KvEventBatch(sequence_number=0, timestamp=time.time(), load=self._engine_load(0, True))
             while True:
-                batch = await q.get()
+                try:
+                    batch = await asyncio.wait_for(q.get(), KV_HEARTBEAT_S)
+                except asyncio.TimeoutError:
+                    sample += 1
+                    yield cpb.KvEventBatch(sequence_number=last_seq, timestamp=time.time(),
+                                           load=self._engine_load(sample, True))
+                    continue
                 if batch is None:
                     await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                         "KV event subscriber fell too far behind; resubscribe")
-                yield conv.kv_batch_to_proto(batch, page_size)
+                sample += 1
+                msg = conv.kv_batch_to_proto(batch, page_size)
+                msg.load.CopyFrom(self._engine_load(sample, False))
+                last_seq = msg.sequence_number
+                yield msg
         finally:
             loop.unsubscribe_kv(q)

@@ -337,8 +337,21 @@ def test_kv_events_store_then_evict(served):
         time.sleep(0.05)
     call.cancel()
     assert mine <= {h for e in events("removed") for h in e.removed.block_hashes}
-    seqs = [b.sequence_number for b in batches]
+    seqs = [b.sequence_number for b in batches if not b.load.load_only]
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+    assert all(b.load.max_running_requests == 16 for b in batches)
+
+
+def test_kv_subscription_answers_before_any_cache_change(served):
+    """smg takes a KV-event stream that says nothing for 2 s for a dead worker: the first
+    message is a load-only record, sent before anything is stored."""
+    stub = served[2]
+    call = stub.SubscribeKvEvents(cpb.SubscribeKvEventsRequest(), timeout=30)
+    first, second = next(call), next(call)  # the record, then an idle heartbeat
+    call.cancel()
+    for b in (first, second):
+        assert b.load.load_only and not b.events and b.sequence_number == 0
+    assert (first.load.sample, second.load.sample) == (0, 1)
 
 
 def test_zz_unhealthy_while_draining(served):
