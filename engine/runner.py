@@ -149,7 +149,8 @@ class Runner:
         kv_heads = min(m.num_kv_heads, 2)  # per-head work; keeps the query group size
         error = check_impl(self.attention_impl, num_q_heads=kv_heads * (m.num_heads // m.num_kv_heads),
                            num_kv_heads=kv_heads, head_dim=m.head_dim, page_size=self.page_size,
-                           dtype=m.jnp_dtype, sliding_window=m.sliding_window)
+                           dtype=m.jnp_dtype, sliding_window=m.sliding_window,
+                           kv_cache_dtype=self.config.engine.kv_cache_dtype)
         if error is None:
             self.attention_check = f"{self.attention_impl} matches xla on a mixed batch"
             return

@@ -170,3 +170,20 @@ def test_bad_kv_cache_dtype_is_refused():
 
     with pytest.raises(ConfigError, match="kv_cache_dtype"):
         load_config("tiny_random", {"engine.kv_cache_dtype": "int4"})
+
+
+def scales_ignored(*args, kv_scales=None, **kw):  # reads int8 values as if the scale were 1
+    from jaxfill.pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
+
+    return ragged_paged_attention_xla(*args, kv_scales=jnp.ones_like(kv_scales), **kw)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_warmup_self_check_runs_the_quantized_path(kv_dtype, monkeypatch):
+    from jaxfill.pallas_kernels import IMPLS
+    from jaxfill.pallas_kernels.ragged_paged_attention.self_check import check_impl
+
+    monkeypatch.setitem(IMPLS, "scales_ignored", ("test_kv_quant", "scales_ignored"))
+    shape = dict(num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=8, kv_cache_dtype=kv_dtype)
+    assert check_impl("reference", **shape) is None
+    assert "relative error" in check_impl("scales_ignored", **shape)

@@ -4,7 +4,9 @@
 interpreter; the engine's warm-up calls `check_impl` before trusting it (and serves with
 `xla` if it fails: engine/runner.py). The batch is small but mixed, like an engine step:
 a fresh prefill, a chunk continuing a cached prefix, decodes, padding tokens and padding
-sequences, pages out of order, and every unused page slot NaN.
+sequences, pages out of order, and every unused page slot NaN. With an int8 / fp8 cache
+the pages are quantized first (unused slots: NaN scales), so the quantized path is what
+gets checked.
 """
 
 from __future__ import annotations
@@ -62,18 +64,25 @@ def tolerance(dtype) -> float:
 
 def check_impl(impl: str, *, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                dtype=jnp.float32, sliding_window: int | None = None, soft_cap: float | None = None,
-               seed: int = 0) -> str | None:
+               seed: int = 0, kv_cache_dtype: str = "auto") -> str | None:
     """None when `impl` lowers, runs and matches `xla` on the live rows; else why not (one
     line). Never raises for a failing impl: the caller decides what to fall back to."""
     from jaxfill.pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
-    args = _mixed_batch(num_q_heads, num_kv_heads, head_dim, page_size, dtype, seed)
+    args = list(map(jnp.asarray, _mixed_batch(num_q_heads, num_kv_heads, head_dim, page_size, dtype, seed)))
     live = int(args[4][int(args[5][0])])
+    scales = None
+    if kv_cache_dtype != "auto":
+        from jaxfill.pallas_kernels.kv_quant import QUANT_DTYPES, quantize
+
+        unused = jnp.isnan(args[1]).any(axis=-1)  # [N, page_size, 2*Hkv]
+        args[1], scales = quantize(jnp.nan_to_num(args[1]), QUANT_DTYPES[kv_cache_dtype])
+        scales = jnp.where(unused, jnp.nan, scales)
 
     def run(name):
         fn = jax.jit(functools.partial(ragged_paged_attention, sm_scale=head_dim ** -0.5,
                                        sliding_window=sliding_window, soft_cap=soft_cap, impl=name))
-        return np.asarray(fn(*map(jnp.asarray, args)), np.float32)[:live]
+        return np.asarray(fn(*args, kv_scales=scales), np.float32)[:live]
 
     want = run("xla")
     try:
