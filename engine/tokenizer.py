@@ -117,7 +117,10 @@ class HFDetokenizer:
         whole run into U+FFFDs.)"""
         for j in range(len(ids), 0, -1):
             for i in range(j):
-                if "\ufffd" not in self.tokenizer.decode(ids[i:j]):
+                text = self.tokenizer.decode(ids[i:j])
+                # Empty text (special tokens only) proves no boundary: bytes either side of
+                # a skipped special still join into one character.
+                if text and "\ufffd" not in text:
                     return i, j
         return 0, 0
 

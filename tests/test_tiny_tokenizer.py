@@ -5,7 +5,7 @@ import importlib.util
 import json
 import os
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
@@ -53,6 +53,7 @@ def test_hf_file_decodes_like_bytes(ids):
 
 @settings(max_examples=200, deadline=None)
 @given(TEXT, IDS, IDS)
+@example("", [194, 256], [128])  # a special between a lead byte and its continuation
 def test_tiny_preset_loader_matches_bytes_including_streaming(text, prompt, output):
     tok = load_tokenizer(load_config("tiny").model, TINY_DIR)
     assert isinstance(tok, HFTokenizer) and tok.vocab_size == BYTES.vocab_size
