@@ -2,6 +2,11 @@
 
 Padding tokens get slot -1 (write nothing) and position 0; padding sequences get
 kv_len 0, an empty q range (cu_q_lens repeats the total) and page 0 everywhere.
+
+Async scheduling: a decode whose input token was sampled by the step still in flight
+gets a placeholder token and, in `prev_src`, that token's row in the previous step's
+output; the jitted step takes it from there on the device (engine/step.py). `hist_src`
+does the same for the newest slot of the penalty history.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ class StepBatch:
     positions: jax.Array  # [T] i32
     meta: AttentionMetadata
     sampling: SamplingArrays
+    prev_src: jax.Array  # [T] i32: row of the previous step's tokens to take this token from, or -1
+    hist_src: jax.Array  # [S] i32: the same for hist[:, 0], or -1
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -104,18 +111,24 @@ def build_batch(out: SchedulerOutput, shape: tuple[int, int], page_size: int, ma
     freq = np.zeros(s_pad, np.float32)
     hist = np.full((s_pad, penalty_window), -1, np.int32)
     want_lp = np.zeros(s_pad, np.bool_)
+    prev_src = np.full(t_pad, -1, np.int32)
+    hist_src = np.full(s_pad, -1, np.int32)
 
     pos_t = 0
     for i, sch in enumerate(out.seqs):
         req, start, n = sch.req, sch.start, sch.num_new
         end = start + n
         npr = len(req.prompt_ids)
-        if start >= npr:
-            ids = req.output_ids[start - npr:end - npr]
-        else:
-            ids = req.prompt_ids[start:end] + (req.output_ids[:end - npr] if end > npr else [])
         sl = slice(pos_t, pos_t + n)
-        tokens[sl] = ids
+        if end > req.num_tokens:  # its input is the token still in flight
+            if n != 1 or start != req.num_tokens or req.pending_row < 0:
+                raise ValueError(f"{req.request_id}: only a one-token decode may take an in-flight token "
+                                 f"(start {start}, {n} tokens, {req.num_tokens} known)")
+            prev_src[pos_t] = req.pending_row
+        elif start >= npr:
+            tokens[sl] = req.output_ids[start - npr:end - npr]
+        else:
+            tokens[sl] = req.prompt_ids[start:end] + (req.output_ids[:end - npr] if end > npr else [])
         pos = np.arange(start, end, dtype=np.int32)
         positions[sl] = pos
         pages = np.asarray(req.pages, np.int32)
@@ -129,15 +142,19 @@ def build_batch(out: SchedulerOutput, shape: tuple[int, int], page_size: int, ma
             p = req.params
             temp[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
             seed_hi[i], seed_lo[i] = _split_seed(req.seed)
-            out_index[i] = len(req.output_ids)
+            out_index[i] = len(req.output_ids) + req.in_flight
             want_lp[i] = p.logprobs is not None
             if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
                 rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
-                outs = req.output_ids[-penalty_window:]
-                room = penalty_window - len(outs)
+                pend = 1 if req.in_flight else 0  # slot 0 takes the in-flight token on the device
+                keep = penalty_window - pend
+                outs = req.output_ids[max(0, len(req.output_ids) - keep):]
+                room = keep - len(outs)
                 prompt = req.prompt_ids[-room:] if room > 0 else []
                 h = np.asarray(list(outs) + [x + vocab_size for x in prompt], np.int32)
-                hist[i, :len(h)] = h
+                hist[i, pend:pend + len(h)] = h
+                if pend:
+                    hist_src[i] = req.pending_row
     num = len(out.seqs)
     cu[num + 1:] = pos_t
     meta = AttentionMetadata(cu_q_lens=cu, kv_lens=kv_lens, page_indices=page_indices,
@@ -147,7 +164,7 @@ def build_batch(out: SchedulerOutput, shape: tuple[int, int], page_size: int, ma
                               seed_hi=seed_hi, seed_lo=seed_lo, out_index=out_index,
                               repetition_penalty=rep, presence_penalty=pres, frequency_penalty=freq,
                               hist=hist, want_logprobs=want_lp)
-    return StepBatch(tokens, positions, meta, sampling)
+    return StepBatch(tokens, positions, meta, sampling, prev_src, hist_src)
 
 
 def dummy_batch(shape: tuple[int, int], max_pages: int, penalty_window: int) -> StepBatch:

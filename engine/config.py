@@ -42,6 +42,9 @@ class EngineSettings:
     # "auto": pages in the model's dtype; "int8" / "float8_e4m3fn": quantized pages with one
     # f32 scale per (token, K or V head) beside them (pallas_kernels/kv_quant.py)
     kv_cache_dtype: str = "auto"
+    # True: step N+1 is dispatched before step N's tokens reach the host; decodes take their
+    # input token on the device (engine/async_step.py). False: the synchronous baseline.
+    async_scheduling: bool = False
 
     def __post_init__(self):
         for name in ("page_size", "num_pages", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):

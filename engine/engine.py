@@ -47,6 +47,7 @@ from jaxfill.engine.config import Config, load_config
 from jaxfill.engine.loading import build_mesh, build_model, build_tokenizer, validate_prompt
 from jaxfill.engine.request import (Completion, InvalidRequest, QueueFull, Request, RequestOutput,
                             SamplingParams, Status)
+from jaxfill.engine.async_step import Launch, mark_in_flight, rewind
 from jaxfill.engine.output import append_token
 from jaxfill.engine.replicas import ReplicaScheduler
 from jaxfill.engine.runner import Runner
@@ -102,6 +103,7 @@ class Engine:
         self._ids = itertools.count()
         self._seeds = random.Random(s.seed)
         self.num_steps = 0
+        self._in_flight: Launch | None = None  # async scheduling: the step whose tokens are not yet taken
         self.num_errors = 0
         self.num_cache_resets = 0
         self.warmed_up = False
@@ -269,38 +271,107 @@ class Engine:
                 self._outbox[:0] = outputs
             raise
 
-    def _step_into(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        with self._lock:
-            outputs += self._outbox
-            self._outbox = []
-            self._recover_cache()
-            scheds = self.scheduler.schedule()  # one per data replica
-            for req in (r for sched in scheds for r in sched.finished):  # no room in the pool even alone
-                outputs.append(self._finish(req, "length"))
-            if not any(sched.seqs for sched in scheds):
-                return outputs
-            shape = pick_bucket(self.shapes, max(sc.num_tokens for sc in scheds), max(len(sc.seqs) for sc in scheds))
-            try:
-                batch = stack_batches([build_batch(sc, shape, self.settings.page_size, self.max_pages,
-                                                   self.vocab_size, self.settings.penalty_window) for sc in scheds])
-            except Exception as e:  # noqa: BLE001 - a bad request must not stop the engine
-                outputs += self._fail(scheds, e)
-                return outputs
+    def _plan(self, outputs: list[RequestOutput]) -> Launch | None:
+        """[lock] Schedules and builds the next step; None when nothing is to run."""
+        outputs += self._outbox
+        self._outbox = []
+        self._recover_cache()
+        scheds = self.scheduler.schedule()  # one per data replica
+        for req in (r for sched in scheds for r in sched.finished):  # no room in the pool even alone
+            outputs.append(self._finish(req, "length"))
+        if not any(sched.seqs for sched in scheds):
+            return None
+        shape = pick_bucket(self.shapes, max(sc.num_tokens for sc in scheds), max(len(sc.seqs) for sc in scheds))
         try:
-            host = self.runner.run(batch)
+            batch = stack_batches([build_batch(sc, shape, self.settings.page_size, self.max_pages,
+                                               self.vocab_size, self.settings.penalty_window) for sc in scheds])
+        except Exception as e:  # noqa: BLE001 - a bad request must not stop the engine
+            outputs += self._fail(scheds, e)
+            return None
+        return Launch(scheds, shape, batch)
+
+    def _step_into(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        if self.settings.async_scheduling:
+            return self._step_async(outputs)
+        with self._lock:
+            launch = self._plan(outputs)
+        if launch is None:
+            return outputs
+        try:
+            host = self.runner.run(launch.batch).get()
         except Exception as e:  # noqa: BLE001
             with self._lock:
-                outputs += self._fail(scheds, e)
+                outputs += self._fail(launch.scheds, e)
                 return outputs
         with self._lock:
             self.num_steps += 1
             now = time.perf_counter()
-            for replica, sched in enumerate(scheds):
-                for i, sch in enumerate(sched.seqs):
-                    out = self._advance(sch, host, replica * shape[1] + i, now)
-                    if out is not None:
-                        outputs.append(out)
+            for sch, row in launch.rows():
+                out = self._advance(sch, host, row, now)
+                if out is not None:
+                    outputs.append(out)
         return outputs
+
+    def _step_async(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Dispatches step N+1, then takes step N's tokens while N+1 runs: the host work of
+        one step hides behind the device work of the next (engine/async_step.py)."""
+        done = set()  # ids of step N's rows already taken
+        prev = launch = None
+        try:
+            with self._lock:
+                launch = self._plan(outputs)
+            if launch is not None:
+                try:
+                    launch.pending = self.runner.run(launch.batch)
+                except Exception as e:  # noqa: BLE001
+                    with self._lock:
+                        outputs += self._fail(launch.scheds, e)
+                    launch = None
+                else:
+                    with self._lock:
+                        mark_in_flight(launch)
+            prev, self._in_flight = self._in_flight, launch
+            if prev is not None:
+                self._take(prev, outputs, done)
+        except BaseException:
+            with self._lock:  # an interrupt: what was in flight is recomputed, never half-known
+                rewind([x for x in (self._in_flight, prev, launch) if x is not None], done)
+                self._in_flight = None
+            raise
+        return outputs
+
+    def _take(self, launch: Launch, outputs: list[RequestOutput], done: set) -> None:
+        """Step N's results reach the host: tokens, prefix-cache pages, stops."""
+        try:
+            host = launch.pending.get()
+        except Exception as e:  # noqa: BLE001
+            with self._lock:
+                outputs += self._fail(launch.scheds, e)
+                return
+        with self._lock:
+            self.num_steps += 1
+            now = time.perf_counter()
+            for sch, row in launch.rows():
+                out = self._advance_async(sch, host, row, now)
+                done.add(id(sch))
+                if out is not None:
+                    outputs.append(out)
+
+    def _advance_async(self, sch, host, row: int, now: float) -> RequestOutput | None:
+        """One row of step N, whose request may have been scheduled again since (N+1 is in
+        flight), preempted (its token still counts) or finished (nothing happens)."""
+        req = sch.req
+        if req.finished or self.requests.get(req.request_id) is not req:
+            return None  # aborted or stopped; an extra token computed for it is dropped here
+        try:
+            if req.status == Status.RUNNING:
+                self.scheduler.register_computed(req, sch.start + sch.num_new)
+            if sch.samples:
+                req.in_flight -= 1
+                return self._append(req, int(host.tokens[row]), host, row, now)
+        except Exception as e:  # noqa: BLE001
+            return self._finish(req, "error", error=f"{type(e).__name__}: {e}")
+        return None
 
     def _advance(self, sch, host, row: int, now: float) -> RequestOutput | None:
         """A scheduled chunk ran: move the request on, and take its token if it sampled."""

@@ -134,6 +134,8 @@ class Request:
         self.eos_token_ids = () if params.ignore_eos else tuple(eos_token_ids)
         self.output_ids: list[int] = []
         self.num_computed = 0
+        self.in_flight = 0  # tokens sampled on the device, not yet known here (async scheduling)
+        self.pending_row = -1  # async scheduling: the latest in-flight token's row in its step's output
         self.pages: list[int] = []  # page ids in its data replica's pool
         self.replica = 0  # the data replica that holds its pages (engine/replicas.py)
         self.page_hashes: list[bytes] = []

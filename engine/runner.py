@@ -46,6 +46,23 @@ class HostOutput:
     top_logprobs: np.ndarray  # [R * S, N]
 
 
+class PendingOutput:
+    """A dispatched step's sampled rows, still on the device (jax dispatch is asynchronous):
+    `get()` waits for them. Async scheduling dispatches the next step before calling it."""
+
+    def __init__(self, out):
+        self._out = out
+        self._host: HostOutput | None = None
+
+    def get(self) -> HostOutput:
+        if self._host is None:
+            o = self._out
+            tokens, lp, ids, lps = jax.device_get((o.tokens, o.logprob, o.top_ids, o.top_logprobs))
+            self._host = HostOutput(np.asarray(tokens), np.asarray(lp), np.asarray(ids), np.asarray(lps))
+            self._out = None
+        return self._host
+
+
 class Runner:
     def __init__(self, config, model, mesh=None, shapes=()):
         self.config = config
@@ -71,6 +88,7 @@ class Runner:
         self.num_pages = s.num_pages
         self.shapes = list(shapes)
         self.kv_cache = self.new_cache()
+        self.prev_tokens = self._no_prev_tokens()  # [R * max_num_seqs] the last step's tokens
         self.lockstep = None
         if jax.process_count() > 1:
             self.lockstep = Lockstep([self.dummy(shape) for shape in self.shapes])
@@ -89,6 +107,16 @@ class Runner:
         return KVCache.create(c.model, c.engine.num_pages, c.engine.page_size,
                               kv_cache_dtype=c.engine.kv_cache_dtype)
 
+    def _no_prev_tokens(self) -> jax.Array:
+        """The step's `prev_tokens` before any step ran, placed as the step returns it."""
+        n = self.num_replicas * self.config.engine.max_num_seqs
+        if self.mesh is None:
+            return jax.device_put(np.zeros(n, np.int32), jax.devices()[0])
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        zeros = np.zeros(n, np.int32)
+        return jax.make_array_from_callback((n,), NamedSharding(self.mesh, PartitionSpec()), lambda i: zeros[i])
+
     def dummy(self, shape: tuple[int, int]) -> StepBatch:
         """An all-padding batch of one bucket (warm-up, and what followers receive into)."""
         s = self.config.engine
@@ -104,17 +132,21 @@ class Runner:
         return jax.device_put(batch, self.batch_sharding)
 
     # ------------------------------------------------------------------ steps
-    def run(self, batch: StepBatch) -> HostOutput:
+    def run(self, batch: StepBatch) -> PendingOutput:
+        """Dispatches one step; returns before it finishes (`.get()` waits)."""
         if self.lockstep is not None:
             self.lockstep.send(RUN, batch)
-        return self._execute(batch)
+        return self._launch(batch)
 
-    def _execute(self, batch: StepBatch) -> HostOutput:
+    def _launch(self, batch: StepBatch) -> PendingOutput:
         dev = self.put(batch)
         with self._context():
-            out, self.kv_cache = self._step(self.graphdef, self.state, self.kv_cache, dev)
-        tokens, lp, ids, lps = jax.device_get((out.tokens, out.logprob, out.top_ids, out.top_logprobs))
-        return HostOutput(np.asarray(tokens), np.asarray(lp), np.asarray(ids), np.asarray(lps))
+            out, self.kv_cache, self.prev_tokens = self._step(self.graphdef, self.state, self.kv_cache, dev,
+                                                              self.prev_tokens)
+        return PendingOutput(out)
+
+    def _execute(self, batch: StepBatch) -> HostOutput:
+        return self._launch(batch).get()
 
     def cache_ok(self) -> bool:
         return not any(a.is_deleted() for a in self.kv_cache.arrays())
@@ -136,7 +168,7 @@ class Runner:
 
             it = tqdm(self.shapes, desc="compiling buckets", unit="bucket")
         for shape in it:
-            self.run(self.dummy(shape))
+            self.run(self.dummy(shape)).get()
 
     def check_attention_impl(self) -> None:
         """Leader: a non-xla impl must lower and match xla here, or xla serves instead."""

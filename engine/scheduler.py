@@ -33,10 +33,21 @@ class Scheduled:
     req: Request
     start: int  # num_computed when scheduled: first new token's position
     num_new: int
+    samples: bool = dataclasses.field(init=False)  # the chunk reaches the end: a token is drawn
 
-    @property
-    def samples(self) -> bool:
-        return self.start + self.num_new == self.req.num_tokens
+    def __post_init__(self):
+        # Fixed when scheduled: with async scheduling the request's counts move on before
+        # this step's results come back.
+        self.samples = self.start + self.num_new == total_tokens(self.req)
+
+
+def total_tokens(req: Request) -> int:
+    """Tokens the request holds, counting those sampled on the device but not yet known here."""
+    return req.num_tokens + req.in_flight
+
+
+def to_compute(req: Request) -> int:
+    return total_tokens(req) - req.num_computed
 
 
 @dataclasses.dataclass
@@ -135,11 +146,12 @@ class Scheduler:
             self._preempt(req)
         self.bm.reset_prefix_cache()
 
-    def register_computed(self, req: Request) -> None:
-        """Publishes the request's full, computed pages in the prefix cache."""
+    def register_computed(self, req: Request, upto: int | None = None) -> None:
+        """Publishes the request's full pages computed up to `upto` tokens (default: all
+        computed; async scheduling passes the step whose results arrived)."""
         if not self.bm.enable_prefix_caching:
             return
-        hashes = self._hashes(req, req.num_computed)
+        hashes = self._hashes(req, req.num_computed if upto is None else upto)
         for i, (page, h) in enumerate(zip(req.pages, hashes)):
             self.bm.register(page, h, parent=hashes[i - 1] if i else None, token_at=req.token,
                              first=i * self.page_size)
@@ -156,15 +168,15 @@ class Scheduler:
         finished: list[Request] = []
         now = time.perf_counter()
 
-        decodes = [r for r in self.running if r.remaining == 1]
-        prefills = [r for r in self.running if r.remaining > 1]
+        decodes = [r for r in self.running if to_compute(r) == 1 and not self._ends_in_flight(r)]
+        prefills = [r for r in self.running if to_compute(r) > 1]
         for req in decodes + prefills:
             if req.status != Status.RUNNING:
                 continue  # preempted by an earlier request of this loop
             if budget == 0 or len(seqs) >= self.max_seqs:
                 break
-            n = min(req.remaining, budget)
-            if self.chunk_cap and req.remaining > 1:
+            n = min(to_compute(req), budget)
+            if self.chunk_cap and to_compute(req) > 1:
                 n = min(n, self.chunk_cap)
             while not self._grow(req, req.num_computed + n):
                 victim = max(self.running, key=self._key)
@@ -195,10 +207,13 @@ class Scheduler:
             # Out of pages this step: admitting anyone now (the victim first of all, whose
             # pages were just freed) would only be preempted again next step.
             return SchedulerOutput(seqs, preempted, finished)
-        num_partial = sum(1 for s in seqs if s.num_new < s.req.remaining)
+        num_partial = sum(1 for s in seqs if s.num_new < to_compute(s.req))
         i = 0
         while i < len(self.waiting) and budget > 0 and len(seqs) < self.max_seqs:
             req = self.waiting[i]
+            if req.in_flight:
+                i += 1  # preempted with a token still on its way: admitted once it is known
+                continue
             hits = [] if req.pages else self.cached_prefix(req)
             computed = len(hits) * self.page_size
             remaining = req.num_tokens - computed
@@ -218,6 +233,12 @@ class Scheduler:
             if n < remaining:
                 num_partial += 1
         return SchedulerOutput(seqs, preempted, finished)
+
+    def _ends_in_flight(self, req: Request) -> bool:
+        """Async scheduling: the token in flight is its last (max_tokens / max_model_len),
+        so it needs no further compute."""
+        return req.in_flight > 0 and (len(req.output_ids) + req.in_flight >= req.params.max_tokens
+                                      or total_tokens(req) >= self.max_model_len)
 
     def _admit(self, req, hits: list[int], need: int, computed: int, n: int, now: float) -> Scheduled:
         """A waiting request starts running: cached pages shared, new pages allocated."""

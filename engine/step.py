@@ -8,13 +8,21 @@ Logits exist only for one row per sequence (`meta.logits_indices`).
 stacked [R, ...] with the forward mapped over the mesh's 'data' axis; each replica
 writes only its own slice of the page axis, and the sampled rows come back replicated
 so every process of a multi-host run can read all of them.
+
+Both take `prev_tokens`, the previous step's sampled tokens padded to R * max_num_seqs
+(one shape for every bucket, so no extra compiles), and return this step's: a decode
+whose input is still on the device (async scheduling) takes it from there by the row
+index in `batch.prev_src` (engine/batch.py). The synchronous engine passes prev_src = -1.
 """
 
 from __future__ import annotations
 
 import functools
 
+import dataclasses
+
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
@@ -24,18 +32,43 @@ from jaxfill.models.kv_cache import KVCache
 from jaxfill.models.sharding import data_parallel_forward
 
 
+def _replicated(x: jax.Array) -> jax.Array:
+    """Pins x replicated under a mesh, so the next step gets the sharding it compiled for."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, PartitionSpec())
+
+
+def take_in_flight(batch: StepBatch,
+                   prev_tokens: jax.Array,  # [P] i32
+                   ) -> StepBatch:
+    """Tokens (and the newest penalty-history slot) sampled by the previous step."""
+    tokens = jnp.where(batch.prev_src >= 0, prev_tokens[jnp.maximum(batch.prev_src, 0)], batch.tokens)
+    hist = batch.sampling.hist  # [..., S, H]
+    newest = jnp.where(batch.hist_src >= 0, prev_tokens[jnp.maximum(batch.hist_src, 0)], hist[..., 0])
+    sampling = dataclasses.replace(batch.sampling, hist=hist.at[..., 0].set(newest))
+    return dataclasses.replace(batch, tokens=tokens, sampling=sampling)
+
+
+def _pad_tokens(tokens: jax.Array,  # [n] i32
+                size: int) -> jax.Array:  # [size] i32
+    return _replicated(jnp.pad(tokens, (0, size - tokens.shape[0])))
+
+
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
 def step(graphdef: nnx.GraphDef,
          state: nnx.State,
          kv_cache: KVCache,
          batch: StepBatch,  # leaves [T] / [S, ...]
-         ) -> tuple[SampleOutput, KVCache]:  # [S] rows
+         prev_tokens: jax.Array,  # [P] i32, the previous step's tokens, padded
+         ) -> tuple[SampleOutput, KVCache, jax.Array]:  # [S] rows, cache, [P] tokens
     model = nnx.merge(graphdef, state)
+    batch = take_in_flight(batch, prev_tokens)
     with jax.named_scope("model"):
         logits, kv_cache = model(batch.tokens, batch.positions, kv_cache, batch.meta)  # [S, V]
     with jax.named_scope("sampler"):
         out = sample(logits, batch.sampling)
-    return out, kv_cache
+    return out, kv_cache, _pad_tokens(out.tokens, prev_tokens.shape[0])
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
@@ -43,8 +76,10 @@ def step_replicas(graphdef: nnx.GraphDef,
                   state: nnx.State,
                   kv_cache: KVCache,  # pages [R * num_pages, ...], split over 'data'
                   batch: StepBatch,  # every leaf stacked [R, ...], split over 'data'
-                  ) -> tuple[SampleOutput, KVCache]:  # [R * S] rows, replica-major
+                  prev_tokens: jax.Array,  # [P] i32, the previous step's tokens, padded, replicated
+                  ) -> tuple[SampleOutput, KVCache, jax.Array]:  # [R * S] rows, replica-major
     r, t = batch.tokens.shape
+    batch = take_in_flight(batch, prev_tokens)
     with jax.named_scope("model"):
         logits, kv_cache = data_parallel_forward(graphdef, state, batch.tokens.reshape(r * t),
                                                  batch.positions.reshape(r * t), kv_cache, batch.meta)
@@ -52,4 +87,4 @@ def step_replicas(graphdef: nnx.GraphDef,
         sampling = jax.tree.map(lambda x: x.reshape((r * x.shape[1],) + x.shape[2:]), batch.sampling)
         out = sample(logits, sampling)
     out = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, PartitionSpec()), out)
-    return out, kv_cache
+    return out, kv_cache, _pad_tokens(out.tokens, prev_tokens.shape[0])
