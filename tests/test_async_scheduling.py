@@ -161,26 +161,38 @@ def test_async_on_and_off_give_the_same_outputs(model, reference, pool):
 
 
 def test_a_request_stopped_by_a_token_never_emits_the_extra_computed_token(model, reference):
+    """r stops on a token: async computes one more decode for it and drops it. m ends at
+    max_tokens and t at max_model_len, known in advance: nothing extra is computed. b keeps
+    the engine stepping after r is done, so the dropped row is really taken."""
     ref = reference["s2"][2].token_ids
     k = stop_index(ref, 2)
-    params = seeded(2, stop_token_ids=(ref[k],))
-    scheduled = {}
+    long_prompt = prompts()[0] * 3
+    requests = [("r", prompts()[2], seeded(2, stop_token_ids=(ref[k],))),
+                ("m", prompts()[3], seeded(3, max_tokens=5)),
+                ("t", long_prompt[:250], seeded(0, max_tokens=50)),
+                ("b", prompts()[4], seeded(4, max_tokens=20))]
+    scheduled, got = {}, {}
     for async_on in (False, True):
         eng = make_engine(model, async_on)
         real = eng.scheduler.schedule
-        count = scheduled.setdefault(async_on, [0])
+        count = scheduled.setdefault(async_on, {rid: 0 for rid, _, _ in requests})
 
         def schedule(real=real, count=count):
             scheds = real()
-            count[0] += sum(sch.req.request_id == "r" for sc in scheds for sch in sc.seqs)
+            for sch in (sch for sc in scheds for sch in sc.seqs):
+                count[sch.req.request_id] += 1
             return scheds
 
         eng.scheduler.schedule = schedule
-        ids, text, c = drive(eng, [("r", prompts()[2], params)])["r"]
+        got[async_on] = drive(eng, requests)
+        ids, _, c = got[async_on]["r"]
         assert ids == c.token_ids == ref[:k + 1] and c.finish_reason == "stop"
+        assert got[async_on]["t"][2].finish_reason == "length" and len(got[async_on]["t"][0]) == 6
         assert_clean(eng)
-    # Prefill + k decodes; async also ran the decode after the stop token (computed, never emitted).
-    assert scheduled == {False: [k + 1], True: [k + 2]}
+    assert {rid: x[0] for rid, x in got[True].items()} == {rid: x[0] for rid, x in got[False].items()}
+    # r: prefill + k decodes; async also ran the decode after the stop token (computed, never emitted).
+    assert scheduled[False]["r"] == k + 1 and scheduled[True]["r"] == k + 2
+    assert scheduled[True]["m"] == scheduled[False]["m"] and scheduled[True]["t"] == scheduled[False]["t"]
 
 
 def test_many_requests_finishing_at_different_steps_match_the_plain_run(model, reference):
