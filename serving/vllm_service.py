@@ -162,7 +162,8 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         return vpb.GetServerInfoResponse(
             active_requests=self.core.loop.num_active, is_paused=self.core.loop.state == DRAINING,
             last_receive_timestamp=self.last_receive, uptime_seconds=time.time() - self.started_wall,
-            server_type=SERVER_TYPE, data_parallel_size=cfg.mesh.data, kv_cache_dtype="auto",
+            server_type=SERVER_TYPE, data_parallel_size=cfg.mesh.data,
+            kv_cache_dtype={"float8_e4m3fn": "fp8_e4m3"}.get(cfg.engine.kv_cache_dtype, cfg.engine.kv_cache_dtype),
             block_size=cfg.engine.page_size, model_dtype=str(cfg.model.dtype),
             max_num_seqs=cfg.engine.max_num_seqs * cfg.mesh.data)
 
