@@ -127,7 +127,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             max_model_len=core.max_model_len, vocab_size=core.vocab_size, page_size=cfg.engine.page_size,
             pages_total=int(stats.get("pages_total", 0)), pages_free=int(stats.get("pages_free", 0)),
             num_running=int(stats.get("num_running", 0)), num_waiting=int(stats.get("num_waiting", 0)),
-            max_waiting=core.loop.max_waiting, mesh=mesh)
+            max_waiting=core.loop.max_waiting, mesh=mesh, kv_cache_dtype=cfg.engine.kv_cache_dtype,
+            kv_bytes_per_token=int(stats.get("kv_bytes_per_token", 0)), weight_dtype=cfg.model.weight_dtype,
+            weight_bytes=int(stats.get("weight_bytes", 0)))
 
     async def Tokenize(self, request: pb.TokenizeRequest, context):
         add_bos = request.add_bos if request.HasField("add_bos") else True

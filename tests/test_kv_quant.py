@@ -146,6 +146,16 @@ def test_kv_bytes_per_token_agree_in_cache_planner_and_stats():
     st = eng.stats()
     assert st["kv_cache_dtype"] == "int8"
     assert st["kv_bytes_per_token"] == got["int8"]
+    # GetModelInfo tells a client the same bytes as the stats and the planner.
+    from jaxfill.engine.planner import weight_bytes
+    from jaxfill.serving.client import Client
+    from jaxfill.serving.server import ServerThread
+
+    with ServerThread(eng, host="127.0.0.1", port=0) as server:
+        assert server.wait_ready(600)
+        info = Client(server.address).model_info()
+    assert (info.kv_cache_dtype, info.kv_bytes_per_token) == ("int8", got["int8"])
+    assert info.weight_dtype == "auto" and info.weight_bytes == st["weight_bytes"] == weight_bytes(m)
     assert st["kv_cache_bytes"] == got["int8"] * 8 * 16
 
 

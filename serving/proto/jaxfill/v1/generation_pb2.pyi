@@ -149,7 +149,7 @@ class MeshInfo(_message.Message):
     def __init__(self, data: _Optional[int] = ..., tensor: _Optional[int] = ..., sequence: _Optional[int] = ..., num_devices: _Optional[int] = ..., platform: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "architecture", "max_model_len", "vocab_size", "page_size", "pages_total", "pages_free", "mesh", "num_running", "num_waiting", "max_waiting")
+    __slots__ = ("model_name", "architecture", "max_model_len", "vocab_size", "page_size", "pages_total", "pages_free", "mesh", "num_running", "num_waiting", "max_waiting", "kv_cache_dtype", "kv_bytes_per_token", "weight_dtype", "weight_bytes")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +161,10 @@ class ModelInfo(_message.Message):
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     MAX_WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     max_model_len: int
@@ -172,7 +176,11 @@ class ModelInfo(_message.Message):
     num_running: int
     num_waiting: int
     max_waiting: int
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., page_size: _Optional[int] = ..., pages_total: _Optional[int] = ..., pages_free: _Optional[int] = ..., mesh: _Optional[_Union[MeshInfo, _Mapping]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., max_waiting: _Optional[int] = ...) -> None: ...
+    kv_cache_dtype: str
+    kv_bytes_per_token: int
+    weight_dtype: str
+    weight_bytes: int
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., page_size: _Optional[int] = ..., pages_total: _Optional[int] = ..., pages_free: _Optional[int] = ..., mesh: _Optional[_Union[MeshInfo, _Mapping]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., max_waiting: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., weight_dtype: _Optional[str] = ..., weight_bytes: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "add_bos")
