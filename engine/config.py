@@ -44,7 +44,7 @@ class EngineSettings:
     kv_cache_dtype: str = "auto"
     # True: step N+1 is dispatched before step N's tokens reach the host; decodes take their
     # input token on the device (engine/async_step.py). False: the synchronous baseline.
-    async_scheduling: bool = False
+    async_scheduling: bool = True
 
     def __post_init__(self):
         for name in ("page_size", "num_pages", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
