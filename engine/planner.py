@@ -25,6 +25,12 @@ all-gathers the new K/V over it and every sequence rank keeps a full copy of the
 TTFT floor per device = max(FLOPs / peak, bytes / HBM bandwidth) + collective time, with
 ring collectives over `link_bytes_per_s`: two all-reduces of the [T/sp, E] activations
 per layer for 'tensor', one all-gather of the layer's new K/V for 'sequence'.
+
+Disaggregated prefill/decode: the prompt's K/V (every layer, the model's logical KV
+heads, in engine.kv_cache_dtype) crosses the link between the prefill and the decode
+pool once per request; at `link_gbps` Gbit/s that takes bytes / (link_gbps * 1e9 / 8)
+seconds on top of the TTFT floor. Disaggregation pays when that is small next to the
+TTFT floor and the decode steps the prefill would otherwise stall.
 """
 
 from __future__ import annotations
@@ -227,9 +233,28 @@ def ttft_floor(model: ModelConfig, mesh: MeshSettings, hw: Hardware, num_tokens:
                for start in range(0, num_tokens, chunk))
 
 
-def plan_prefill(config: Config, hw: Hardware, prompt_len: int) -> dict:
-    """Everything `jaxfill plan` reports for one prompt length (JSON-ready)."""
+def check_link_gbps(link_gbps: float | None) -> None:
+    if link_gbps is not None and not (link_gbps > 0 and math.isfinite(link_gbps)):
+        raise ValueError(f"--link-gbps must be a positive number of Gbit/s, got {link_gbps}")
+
+
+def kv_transfer_bytes(model: ModelConfig, prompt_len: int, kv_cache_dtype: str = "auto") -> int:
+    """K/V a prefill worker hands a decode worker for one prompt: every prompt token's
+    K and V in every layer (values and, when quantized, their scales)."""
+    return prompt_len * kv_bytes_per_token(model, kv_cache_dtype=kv_cache_dtype)
+
+
+def kv_transfer_seconds(nbytes: float, link_gbps: float) -> float:
+    """Time to move `nbytes` at `link_gbps` Gbit/s (no latency, no protocol overhead)."""
+    check_link_gbps(link_gbps)
+    return nbytes / (link_gbps * 1e9 / 8)
+
+
+def plan_prefill(config: Config, hw: Hardware, prompt_len: int, link_gbps: float | None = None) -> dict:
+    """Everything `jaxfill plan` reports for one prompt length (JSON-ready); with
+    `link_gbps`, also the prefill-to-decode KV transfer time over that link."""
     model, engine, mesh = config.model, config.engine, config.mesh
+    check_link_gbps(link_gbps)
     check_mesh(model, mesh)
     check_prompt_len(prompt_len, engine)
     tp = mesh.tensor
@@ -249,6 +274,12 @@ def plan_prefill(config: Config, hw: Hardware, prompt_len: int) -> dict:
     t2 = ttft_floor(model, mesh, hw, 2 * prompt_len)
     mm = matmul_flops(model, prompt_len)
     att = attention_flops(model, prompt_len)
+    moved = kv_transfer_bytes(model, prompt_len, engine.kv_cache_dtype)
+    transfer = {} if link_gbps is None else {
+        "link_gbps": link_gbps,
+        "kv_transfer_s": kv_transfer_seconds(moved, link_gbps),
+        "kv_transfer_over_ttft_floor": kv_transfer_seconds(moved, link_gbps) / cost.ttft_s,
+    }
     return {
         "prompt_len": prompt_len,
         "prefill_flops": mm + att,
@@ -275,14 +306,17 @@ def plan_prefill(config: Config, hw: Hardware, prompt_len: int) -> dict:
         "free_bytes_per_device": free,
         "max_concurrent_requests": fit,
         "decay_coefficient": t2 / cost.ttft_s,
+        "kv_transfer_bytes": moved,
+        **transfer,
     }
 
 
-def plan(config: Config, hw: Hardware, prompt_lens: list[int]) -> list[dict]:
+def plan(config: Config, hw: Hardware, prompt_lens: list[int], link_gbps: float | None = None) -> list[dict]:
     check_mesh(config.model, config.mesh)
+    check_link_gbps(link_gbps)
     for n in prompt_lens:
         check_prompt_len(n, config.engine)
-    return [plan_prefill(config, hw, n) for n in prompt_lens]
+    return [plan_prefill(config, hw, n, link_gbps) for n in prompt_lens]
 
 
 def default_prompt_lens(engine: EngineSettings) -> list[int]:

@@ -202,3 +202,40 @@ def test_plan_cli_bad_input(argv, message, capsys):
     argv = ["plan", "--config", "llama3_8b"] + argv if "--config" not in argv else ["plan"] + argv
     rc, out, err = run_cli(argv, capsys)
     assert rc == 2 and message in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("config_name", ["tiny_random", "llama3_8b"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "float8_e4m3fn"])
+def test_kv_transfer_bytes_and_time(config_name, kv_dtype):
+    """--link-gbps: the prompt's K/V as the engine allocates it (KVCache.nbytes, scales
+    included), moved at G Gbit/s = G * 1e9 / 8 bytes/s."""
+    cfg = load_config(config_name, {"engine.kv_cache_dtype": kv_dtype})
+    cache = jax.eval_shape(lambda: KVCache.create(cfg.model, 5, 16, kv_cache_dtype=kv_dtype))
+    per_slot = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(cache)) / (5 * 16)
+    hw = load_hardware("h100_sxm")
+    row = plan_prefill(cfg, hw, 1000, link_gbps=25.0)
+    assert row["kv_transfer_bytes"] == 1000 * per_slot  # every prompt token, not padded pages
+    assert row["kv_transfer_s"] == pytest.approx(1000 * per_slot / (25.0e9 / 8), rel=1e-12)
+    assert row["kv_transfer_over_ttft_floor"] == pytest.approx(row["kv_transfer_s"] / row["ttft_floor_s"])
+    assert "kv_transfer_s" not in plan_prefill(cfg, hw, 1000)  # no link, no time
+
+
+def test_kv_transfer_int8_moves_about_half_of_bf16():
+    hw = load_hardware("h100_sxm")
+    bf16, int8 = (plan_prefill(load_config("llama3_8b", {"engine.kv_cache_dtype": d}), hw, 4096, 100.0)
+                  for d in ("auto", "int8"))
+    assert bf16["kv_transfer_bytes"] == 4096 * 131072  # 128 KiB/token, published
+    assert int8["kv_transfer_s"] / bf16["kv_transfer_s"] == pytest.approx((128 + 4) / 256)
+
+
+def test_plan_cli_link_gbps(capsys):
+    rc, out, _ = run_cli(["plan", "--config", "llama3_8b", "--hardware", "h200", "--prompt-len", "2048",
+                          "--link-gbps", "400", "--json"], capsys)
+    assert rc == 0
+    row = json.loads(out)
+    assert row["link_gbps"] == 400 and row["kv_transfer_bytes"] == 2048 * 131072
+    assert row["kv_transfer_s"] == pytest.approx(2048 * 131072 / 50e9)
+    rc, out, _ = run_cli(["plan", "--config", "llama3_8b", "--prompt-len", "2048", "--link-gbps", "400"], capsys)
+    assert rc == 0 and "KV moved" in out and "5.37 ms" in out  # 256 MiB at 50 GB/s
+    rc, _, err = run_cli(["plan", "--config", "llama3_8b", "--link-gbps", "0"], capsys)
+    assert rc == 2 and "--link-gbps must be a positive" in err and "Traceback" not in err

@@ -19,6 +19,9 @@ def add_arguments(p) -> None:
     p.add_argument("--prompt-len", dest="prompt_lens", type=int, action="append", default=None,
                    metavar="N", help="prompt length in tokens (repeatable; default: 128, 512, 2048, ... "
                                      "below engine.max_model_len)")
+    p.add_argument("--link-gbps", type=float, default=None, metavar="G",
+                   help="prefill-to-decode link in Gbit/s: adds the KV bytes a disaggregated request "
+                        "moves and their transfer time (kv_transfer_bytes, kv_transfer_s)")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt length on stdout")
 
 
@@ -67,21 +70,29 @@ PLAN_COLUMNS = [
     ("TTFT(2N)/TTFT(N)", "decay_coefficient", lambda x: f"{x:.2f}"),
 ]
 
+TRANSFER_COLUMNS = [
+    ("KV moved", "kv_transfer_bytes", _bytes),
+    ("transfer", "kv_transfer_s", _seconds),
+    ("transfer/TTFT", "kv_transfer_over_ttft_floor", lambda x: f"{x:.2g}"),
+]
+
 
 def run(args) -> int:
     from jaxfill.engine.config import load_config
     from jaxfill.engine.hardware import load_hardware
-    from jaxfill.engine.planner import check_mesh, check_prompt_len, default_prompt_lens, model_matmul_shape, plan
+    from jaxfill.engine.planner import (check_link_gbps, check_mesh, check_prompt_len, default_prompt_lens,
+                                        model_matmul_shape, plan)
 
     config = load_config(args.config, overrides=args.overrides, model_path=args.model)
     check_mesh(config.model, config.mesh)
+    check_link_gbps(args.link_gbps)
     lens = args.prompt_lens or default_prompt_lens(config.engine)
     for n in lens:  # validate before measuring the CPU
         check_prompt_len(n, config.engine)
     if args.hardware.lower() == "cpu" and not args.json:
         print("measuring this CPU (XLA matmul + streaming bandwidth)...", file=sys.stderr, flush=True)
     hw = load_hardware(args.hardware, config.model.dtype, model_matmul_shape(config.model))
-    rows = plan(config, hw, lens)
+    rows = plan(config, hw, lens, args.link_gbps)
     mesh = config.mesh
     if args.json:
         for row in rows:
@@ -105,7 +116,11 @@ def run(args) -> int:
           f"(2 x {m.num_layers} layers x {m.num_kv_heads} kv heads x {per_head}), "
           f"page_size {config.engine.page_size}")
     print()
-    print(format_table(rows, PLAN_COLUMNS))
+    columns = PLAN_COLUMNS + (TRANSFER_COLUMNS if args.link_gbps is not None else [])
+    print(format_table(rows, columns))
     print("\nTTFT floor = max(FLOPs/peak, bytes/bandwidth) per device + collectives; "
           "fit = requests of this length whose KV fits beside the weights (x data replicas).")
+    if args.link_gbps is not None:
+        print(f"KV moved = the prompt's K/V, prefill pool to decode pool, once per request; "
+              f"transfer = KV moved / {args.link_gbps:g} Gbit/s (bandwidth only, no latency).")
     return 0
