@@ -1,6 +1,10 @@
 """One sampled token into a request's host state: ids, logprobs, text, stop conditions.
 
-Pure Python on the engine thread; the Engine turns the result into a RequestOutput.
+Two halves. `record_token` is what scheduling needs (ids, timings, EOS / stop ids /
+max_tokens / max_model_len) and always runs on the engine thread. `TextState.feed`
+(incremental detokenization and stop strings) and `format_logprob` only make what a
+client reads: `append_token` runs both inline; a serving loop can take the text half
+off the engine thread (Engine.defer_text, engine/text_stage.py).
 """
 
 from __future__ import annotations
@@ -8,44 +12,68 @@ from __future__ import annotations
 from jaxfill.engine.request import Request
 
 
-def append_token(req: Request, token: int, logprob: float, top_ids, top_logprobs,  # [N], [N]
-                 now: float, max_model_len: int) -> tuple[str, str | None, dict | None]:
-    """Records one token; returns (text safe to emit now, finish reason or None, logprob entry)."""
+def record_token(req: Request, token: int, now: float, max_model_len: int) -> str | None:
+    """Appends the id; returns the finish reason the ids alone decide, or None."""
     p = req.params
     req.output_ids.append(token)
     if req.first_token is None:
         req.first_token = now
     req.last_token = now
+    if token in req.eos_token_ids or token in p.stop_token_ids:
+        return "stop"
+    if len(req.output_ids) >= p.max_tokens or req.num_tokens >= max_model_len:
+        return "length"
+    return None
+
+
+def format_logprob(token: int, logprob: float, top_ids, top_logprobs,  # [N], [N]
+                   n: int) -> dict:
+    return {"token_id": token, "logprob": float(logprob),
+            "top": [(int(i), float(v)) for i, v in zip(top_ids[:n], top_logprobs[:n])]}
+
+
+def append_token(req: Request, token: int, logprob: float, top_ids, top_logprobs,  # [N], [N]
+                 now: float, max_model_len: int) -> tuple[str, str | None, dict | None]:
+    """Records one token; returns (text safe to emit now, finish reason or None, logprob entry)."""
+    reason = record_token(req, token, now, max_model_len)
     lp = None
     if req.logprobs is not None:
-        n = p.logprobs
-        lp = {"token_id": token, "logprob": float(logprob),
-              "top": [(int(i), float(v)) for i, v in zip(top_ids[:n], top_logprobs[:n])]}
+        lp = format_logprob(token, logprob, top_ids, top_logprobs, req.params.logprobs)
         req.logprobs.append(lp)
-    new_text = req.detok.feed([token])
-    reason = None
-    if token in req.eos_token_ids or token in p.stop_token_ids:
-        reason = "stop"
-    elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= max_model_len:
-        reason = "length"
-    if reason is not None:
-        new_text += req.detok.flush()
-    emitted, hit = apply_stop_strings(req, new_text, final=reason is not None)
+    emitted, hit = feed_text(req, req.params.stop, [token], final=reason is not None)
     return emitted, "stop" if hit else reason, lp
 
 
-def apply_stop_strings(req: Request, new_text: str, final: bool) -> tuple[str, bool]:
+def feed_text(state, stops: tuple[str, ...], ids: list[int], final: bool) -> tuple[str, bool]:
+    """Detokenizes ids into `state` (a Request or a TextState: .detok, .text, .pending_text);
+    returns (text safe to emit now, whether a stop string ended it)."""
+    new_text = state.detok.feed(ids)
+    if final:
+        new_text += state.detok.flush()
+    return apply_stop_strings(state, stops, new_text, final)
+
+
+class TextState:
+    """A request's text, kept apart from the engine's Request (deferred text)."""
+
+    def __init__(self, detok, stops: tuple[str, ...]):
+        self.detok = detok
+        self.stops = stops
+        self.text = ""  # emitted (never includes a stop string)
+        self.pending_text = ""  # held back: could be the start of a stop string
+
+
+def apply_stop_strings(state, stops: tuple[str, ...], new_text: str, final: bool) -> tuple[str, bool]:
     """Text safe to emit now, and whether a stop string ended the request. Text that could
     be the start of a stop string is held back until it cannot be."""
-    stops = req.params.stop
     if not stops:
-        req.text += new_text
+        state.text += new_text
         return new_text, False
-    buf = req.pending_text + new_text
+    buf = state.pending_text + new_text
     cut = min((i for i in (buf.find(s) for s in stops) if i >= 0), default=-1)
     if cut >= 0:
-        req.pending_text = ""
-        req.text += buf[:cut]
+        state.pending_text = ""
+        state.text += buf[:cut]
         return buf[:cut], True
     hold = 0
     if not final:
@@ -55,6 +83,6 @@ def apply_stop_strings(req: Request, new_text: str, final: bool) -> tuple[str, b
                     hold = max(hold, k)
                     break
     emit = buf[:len(buf) - hold]
-    req.pending_text = buf[len(buf) - hold:]
-    req.text += emit
+    state.pending_text = buf[len(buf) - hold:]
+    state.text += emit
     return emit, False
