@@ -26,6 +26,7 @@ MODEL = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=
 PROMPT = [(37 * i + 11) % 500 for i in range(37)]
 PROMPT2 = [(53 * i + 5) % 500 for i in range(21)]
 MAX_TOKENS = 10
+QUANT = {"engine.kv_cache_dtype": "int8", "model.weight_dtype": "int8"}  # quantized weights and KV
 
 
 def model_config():
@@ -96,7 +97,8 @@ def sharded_greedy(mesh) -> list[int]:
     return out
 
 
-def engine_run(settings, mesh_shape: tuple[int, int, int], prompts: list[list[int]]) -> dict:
+def engine_run(settings, mesh_shape: tuple[int, int, int], prompts: list[list[int]],
+               extra: dict | None = None) -> dict:
     """Engine on a (data, tensor, sequence) mesh over both processes: process 0 schedules
     and generates, process 1 follows its broadcast batches. Params come in already
     sharded (init_sharded), so no process ever builds the whole model on one device."""
@@ -117,6 +119,7 @@ def engine_run(settings, mesh_shape: tuple[int, int, int], prompts: list[list[in
         "engine.page_size": 8, "engine.num_pages": 64, "engine.max_model_len": 256,
         "engine.max_num_seqs": 1, "engine.max_num_batched_tokens": CHUNK,
         "engine.token_buckets": [CHUNK], "engine.seq_buckets": [1],
+        **(extra or {}),
     })
     config = load_config("tiny_random", overrides)
     mesh = make_mesh(MeshSettings(data=data, tensor=tensor, sequence=sequence))
@@ -140,6 +143,22 @@ def engine_run(settings, mesh_shape: tuple[int, int, int], prompts: list[list[in
                 "total": stats["pages_total"]}
 
 
+def quant_reference_tokens() -> list[int]:
+    """The int8-weights, int8-KV engine on one device in one process: what the
+    multi-process quantized run must reproduce."""
+    from jaxfill.engine.config import load_config
+    from jaxfill.engine.engine import Engine
+    from jaxfill.engine.request import SamplingParams
+
+    overrides = {f"model.{k}": v for k, v in MODEL.items()}
+    overrides.update({"engine.page_size": 8, "engine.num_pages": 64, "engine.max_model_len": 256,
+                      "engine.max_num_seqs": 1, "engine.max_num_batched_tokens": CHUNK,
+                      "engine.token_buckets": [CHUNK], "engine.seq_buckets": [1], **QUANT})
+    engine = Engine(load_config("tiny_random", overrides), progress=False)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    return list(engine.generate([PROMPT], params)[0].token_ids)
+
+
 def main():
     process_id, num_processes, port, out_path = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     from jaxfill.engine.config import MeshSettings
@@ -155,10 +174,11 @@ def main():
               "device_ids": sorted(d.id for d in jax.devices())}
     mesh = make_mesh(settings)
     result["model"] = sharded_greedy(mesh)
-    for name, shape, prompts in (("engine", (1, TENSOR, SEQUENCE), [PROMPT]),
-                                 ("engine_dp", (2, 2, 2), [PROMPT, PROMPT2])):
+    for name, shape, prompts, extra in (("engine", (1, TENSOR, SEQUENCE), [PROMPT], None),
+                                        ("engine_dp", (2, 2, 2), [PROMPT, PROMPT2], None),
+                                        ("engine_quant", (1, TENSOR, SEQUENCE), [PROMPT], QUANT)):
         try:
-            result[name] = engine_run(settings, shape, prompts)
+            result[name] = engine_run(settings, shape, prompts, extra)
         except Exception:  # noqa: BLE001 - reported, the test decides
             result[name] = {"error": traceback.format_exc()[-4000:]}
     with open(out_path, "w") as f:

@@ -72,5 +72,18 @@ def test_engine_leader_generates_and_follower_runs_every_step(runs, reference, n
     assert leader["free"] == leader["total"]
 
 
+def test_quantized_weights_and_kv_over_two_processes(runs):
+    """int8 weights + int8 KV, tensor 2 x sequence 4 over two processes = one device."""
+    from multihost_worker import quant_reference_tokens
+
+    leader, follower = runs[0]["engine_quant"], runs[1]["engine_quant"]
+    assert "error" not in leader, leader["error"]
+    assert "error" not in follower, follower["error"]
+    expected = quant_reference_tokens()
+    assert len(set(expected)) > 1
+    assert leader["tokens"] == [expected]
+    assert follower["steps_run"] == leader["steps_run"] > 0 and leader["free"] == leader["total"]
+
+
 def test_data_replicas_split_over_processes(runs):
     assert runs[0]["engine_dp"]["per_replica"] == [1, 1]
