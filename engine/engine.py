@@ -48,7 +48,7 @@ from jaxfill.engine.loading import build_mesh, build_model, build_tokenizer, val
 from jaxfill.engine.request import (Completion, InvalidRequest, QueueFull, Request, RequestOutput,
                             SamplingParams, Status)
 from jaxfill.engine.async_step import Launch, mark_in_flight, rewind
-from jaxfill.engine.output import append_token
+from jaxfill.engine.output import append_token, record_token
 from jaxfill.engine.replicas import ReplicaScheduler
 from jaxfill.engine.runner import Runner
 from jaxfill.models.quant import param_bytes
@@ -92,6 +92,8 @@ class Engine:
             model = build_model(config, mesh, progress=progress)
         self.shapes = bucket_shapes(s)
         self.runner = Runner(config, model, mesh, self.shapes)
+        self.config = config = self.runner.config  # engine.num_pages = 0 is resolved there
+        self.settings = s = config.engine
         self.scheduler = ReplicaScheduler(s, self.runner.num_replicas)  # one per mesh.data replica
         self.max_pages = s.max_pages_per_seq
         self.requests: dict[str, Request] = {}  # unfinished, by id
@@ -103,6 +105,9 @@ class Engine:
         self._ids = itertools.count()
         self._seeds = random.Random(s.seed)
         self.num_steps = 0
+        # True: step() leaves text and logprob formatting to the caller (a serving loop does
+        # them off this thread, serving/text_stage.py); outputs carry ids and raw_logprobs.
+        self.defer_text = False
         self._in_flight: Launch | None = None  # async scheduling: the step whose tokens are not yet taken
         self.num_errors = 0
         self.num_cache_resets = 0
@@ -173,7 +178,7 @@ class Engine:
             seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
             req = Request(request_id, ids, params, priority, next(self._arrivals), seed,
                           eos_token_ids=self.config.model.eos_token_id or ())
-            req.detok = self.tokenizer.detokenizer(ids)
+            req.detok = None if self.defer_text else self.tokenizer.detokenizer(ids)
             self.requests[request_id] = req
             self.scheduler.add(req)
         return request_id
@@ -407,6 +412,8 @@ class Engine:
 
     # ------------------------------------------------------------------ per token
     def _append(self, req: Request, token: int, host, row: int, now: float) -> RequestOutput | None:
+        if self.defer_text:
+            return self._append_ids(req, token, host, row, now)
         emitted, reason, lp = append_token(req, token, host.logprob[row], host.top_ids[row],
                                            host.top_logprobs[row], now, self.settings.max_model_len)
         if reason is not None:
@@ -415,6 +422,31 @@ class Engine:
             out.logprobs = [lp] if lp else None
             return out
         return RequestOutput(req.request_id, [token], emitted, logprobs=[lp] if lp else None)
+
+    def _append_ids(self, req: Request, token: int, host, row: int, now: float) -> RequestOutput:
+        """defer_text: ids, timings and the stops scheduling needs; text and logprob
+        formatting are the caller's (serving/text_stage.py)."""
+        reason = record_token(req, token, now, self.settings.max_model_len)
+        raw = None
+        if req.logprobs is not None:
+            n = req.params.logprobs
+            raw = [(float(host.logprob[row]), host.top_ids[row][:n].tolist(), host.top_logprobs[row][:n].tolist())]
+        out = RequestOutput(req.request_id, [], "") if reason is None else self._finish(req, reason)
+        out.new_token_ids = [token]
+        out.raw_logprobs = raw
+        return out
+
+    def stop_at(self, request_id: str, num_tokens: int) -> bool:
+        """defer_text: a stop string ended the request at its first num_tokens tokens (the
+        caller found it in the text); it finishes with "stop" now, pages freed, and its final
+        output comes with the next step()."""
+        with self._lock:
+            req = self.requests.get(request_id)
+            if req is None:
+                return False
+            del req.output_ids[num_tokens:]
+            self._outbox.append(self._finish(req, "stop"))
+            return True
 
     def _finish(self, req: Request, reason: str, text: str = "", error: str | None = None) -> RequestOutput:
         self.scheduler.remove(req)

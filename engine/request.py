@@ -105,6 +105,7 @@ class RequestOutput:
     finished: bool = False
     completion: Completion | None = None  # set when finished
     logprobs: list[dict[str, Any]] | None = None
+    raw_logprobs: list[tuple] | None = None  # Engine.defer_text: (logprob, top ids, top logprobs) per token
 
 
 class Status:
