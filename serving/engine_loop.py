@@ -25,6 +25,13 @@ the engine-thread `time.monotonic()` when the step returned:
     ("error", Exception, t)        add_request refused it (InvalidRequest), or the step
                                    failed as a whole
 
+Text is made on the event loop, not the engine thread: the loop sets `engine.defer_text`,
+so a step only records ids and the stops scheduling needs, and `_dispatch` runs each
+output through a TextStage (serving/text_stage.py: detokenization, stop strings, logprob
+formatting) in step order before it reaches the stream. A stop string found there goes
+back through the inbox as `engine.stop_at`, applied before the next step; tokens the
+engine computed past it meanwhile are dropped, never streamed.
+
 Prefix-cache events (engine/block_manager.py's listener) are only recorded on the engine
 thread; they ride the same `call_soon_threadsafe` as the step's outputs and reach each
 `subscribe_kv()` queue as numbered batches
@@ -43,6 +50,7 @@ import traceback
 from typing import Any, Callable
 
 from jaxfill.engine.request import InvalidRequest, QueueFull, RequestOutput, SamplingParams
+from jaxfill.serving.text_stage import TextStage
 
 log = logging.getLogger("jaxfill.serving")
 
@@ -95,6 +103,7 @@ class EngineLoop:
         if metrics is not None:
             metrics.update_stats(self._stats)  # the baseline engine counters are counted from
         self._ready_callbacks: list[Callable[[], Any]] = []
+        self._text = TextStage(engine.tokenizer)  # event-loop side only
         self.steps = 0
         self.warmup_s = 0.0
         self._kv_pending: list = []  # engine thread: (replica, event) since the last post
@@ -153,6 +162,10 @@ class EngineLoop:
                             f"{self.batch_slots} batch slots and {self.max_waiting} waiting places "
                             "(engine.max_num_seqs, engine.max_waiting); retry later")
         stream = RequestStream(request_id, len(prompt_ids), arrival or time.monotonic())
+        try:
+            self._text.start(request_id, prompt_ids, params)
+        except Exception:  # noqa: BLE001 - ids the tokenizer cannot prime on: add_request refuses them
+            pass
         self._streams[request_id] = stream
         self._inbox.append(("add", stream, prompt_ids, params, priority))
         self._wake.set()
@@ -218,6 +231,14 @@ class EngineLoop:
                 continue
             finished = True
             if kind == "output":
+                payload, stop_at = self._text.render(payload)
+                if payload is None:
+                    continue  # computed past a stop string: never streamed
+                if stop_at is not None:  # the engine finishes it before its next step
+                    self._inbox.append(("stop", stream, stop_at))
+                    self._wake.set()
+                if self.metrics is not None and payload.new_token_ids:
+                    self.metrics.generation_tokens.inc(len(payload.new_token_ids))
                 if payload.new_token_ids:
                     if stream.first_token_t is None:
                         stream.first_token_t = t
@@ -234,6 +255,7 @@ class EngineLoop:
     def _end(self, stream: RequestStream, kind: str, payload, t: float) -> None:
         """The one place an admitted request ends: frees its id and observes its metrics."""
         stream.done = True
+        self._text.drop(stream.request_id)
         if self._streams.get(stream.request_id) is stream:
             del self._streams[stream.request_id]
         if self.metrics is None:
@@ -271,7 +293,11 @@ class EngineLoop:
     def _run(self, warmup: bool) -> None:
         try:
             with self.engine.own_stepping():  # no other thread steps the engine while we serve
-                self._serve(warmup)
+                self.engine.defer_text = True  # text is made on the event loop (_dispatch)
+                try:
+                    self._serve(warmup)
+                finally:
+                    self.engine.defer_text = False
         except RuntimeError as e:  # the engine is already owned by another loop
             log.error("%s", e)
             self.error = e
@@ -329,6 +355,10 @@ class EngineLoop:
             if op[0] == "add":
                 self._backlog.append(op)
                 continue
+            if op[0] == "stop":  # a stop string ended it (found by the TextStage)
+                if self._in_engine.get(op[1].request_id) is op[1]:
+                    self.engine.stop_at(op[1].request_id, op[2])
+                continue
             stream = op[1]
             rid = stream.request_id
             if self._in_engine.get(rid) is stream:
@@ -375,12 +405,10 @@ class EngineLoop:
         now = time.monotonic()
         self.steps += 1
         items = []
-        gen_tokens = 0
         for out in outputs:
             stream = self._in_engine.get(out.request_id)
             if stream is None:
                 continue  # the "abort" output of a request already reported as aborted
-            gen_tokens += len(out.new_token_ids)
             req = self.engine.requests.get(out.request_id)
             cached = req.cached_tokens if req is not None else (out.completion.cached_tokens
                                                                 if out.completion is not None else None)
@@ -389,6 +417,4 @@ class EngineLoop:
             if out.finished:
                 del self._in_engine[out.request_id]
             items.append(("output", stream, out, now))
-        if self.metrics is not None and gen_tokens:
-            self.metrics.generation_tokens.inc(gen_tokens)
         return items
