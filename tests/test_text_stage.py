@@ -2,6 +2,8 @@
 inline path gives: the same streamed ids and text, stop strings never in the text, the
 same completions, with async scheduling on; every page comes back."""
 
+import time
+
 import pytest
 
 from jaxfill.serving.text_stage import TextStage
@@ -79,3 +81,45 @@ def test_deferred_text_gives_what_inline_text_gives(model, reference, pool, lag)
         assert_same_logprobs(c1.logprobs, c0.logprobs)
     assert inline["stop_str"][2].finish_reason == "stop" and inline["stop_str2"][2].finish_reason == "stop"
     assert s3[6:8] not in inline["stop_str2"][1]
+
+
+def test_stop_strings_over_grpc_match_engine_generate(tmp_path_factory):
+    """The serving loop renders text on the event loop while the engine thread steps on:
+    streams with stop strings (and stop ids, logprobs) equal the inline Engine.generate."""
+    import asyncio
+
+    from jaxfill.engine.config import load_config
+    from jaxfill.engine.engine import Engine
+    from jaxfill.engine.request import SamplingParams
+    from jaxfill.serving.client import AsyncClient
+    from jaxfill.serving.server import ServerThread
+    from serving_util import compile_cache_dir
+
+    compile_cache_dir(tmp_path_factory)
+    overrides = {"engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64], "engine.num_pages": 64,
+                 "engine.max_model_len": 256, "engine.max_num_seqs": 8}
+    engine = Engine(load_config("tiny_random", overrides), progress=False)
+    ps = prompts()
+    plain = [dict(max_tokens=14, temperature=1.0, seed=200 + i, ignore_eos=True) for i in range(len(ps))]
+    texts = [c.text for c in engine.generate(ps, [SamplingParams(**p) for p in plain])]
+    kws = [dict(p, stop=[t[4:6]], logprobs=1 if i % 2 else None) for i, (p, t) in enumerate(zip(plain, texts))]
+    reference = engine.generate(ps, [SamplingParams(**k) for k in kws])
+    assert sum(c.finish_reason == "stop" and len(c.token_ids) < 14 for c in reference) >= 5
+    with ServerThread(engine, host="127.0.0.1", port=0, metrics_port=0) as st:
+        assert st.wait_ready(600)
+
+        async def go():
+            async with AsyncClient(st.address) as c:
+                return await asyncio.gather(*[c.generate(p, timeout=120, request_id=f"s-{i}",
+                                                         **{k: v for k, v in kw.items() if v is not None})
+                                              for i, (p, kw) in enumerate(zip(ps, kws))])
+
+        results = asyncio.run(asyncio.wait_for(go(), 120))
+        for i, (got, want) in enumerate(zip(results, reference)):
+            assert got.token_ids == want.token_ids, i
+            assert got.text == want.text and kws[i]["stop"][0] not in got.text, i
+            assert got.finish_reason == want.finish_reason, i
+        deadline = time.time() + 10
+        while engine.stats()["pages_free"] != engine.stats()["pages_total"] and time.time() < deadline:
+            time.sleep(0.05)
+        assert engine.stats()["pages_free"] == engine.stats()["pages_total"]
