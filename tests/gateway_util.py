@@ -26,11 +26,11 @@ def smg_binary() -> str | None:
     return shutil.which("smg")
 
 
-def start_worker(cache_dir: str | None, *extra: str) -> ServeProcess:
+def start_worker(cache_dir: str | None, *extra: str, env: dict | None = None) -> ServeProcess:
     args = ["--config", "tiny", "--metrics-port", "0"]
     for s in WORKER_SETTINGS:
         args += ["--set", s]
-    worker = ServeProcess(*args, *extra, cache_dir=cache_dir)
+    worker = ServeProcess(*args, *extra, cache_dir=cache_dir, env=env)
     try:
         wait_until(lambda: worker_healthy(worker.address), 300, "the worker's warm-up", interval=0.2)
     except BaseException:
@@ -56,12 +56,17 @@ class SmgProcess:
     /v1/models lists the workers' model, so requests route."""
 
     def __init__(self, worker_addresses: list[str], policy: str = "round_robin", *extra: str,
-                 timeout: float = 60.0):
+                 timeout: float = 60.0, prefill: list[str] = (), decode: list[str] = ()):
+        """prefill / decode (instead of worker_addresses): `--pd-disaggregation` over those pools."""
         self.port, self.prometheus_port = free_port(), free_port()
+        if prefill or decode:
+            workers = ["--pd-disaggregation", *[a for p in prefill for a in ("--prefill", f"grpc://{p}")],
+                       *[a for d in decode for a in ("--decode", f"grpc://{d}")]]
+        else:
+            workers = ["--worker-urls", *[f"grpc://{a}" for a in worker_addresses]]
         cmd = [smg_binary() or "smg", "launch", "--host", "127.0.0.1", "--port", str(self.port),
                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.prometheus_port),
-               "--worker-urls", *[f"grpc://{a}" for a in worker_addresses], "--policy", policy,
-               "--log-level", "info", *extra]
+               *workers, "--policy", policy, "--log-level", "info", *extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
