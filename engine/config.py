@@ -24,7 +24,10 @@ KV_CACHE_DTYPES = ("auto", "int8", "float8_e4m3fn")
 @dataclasses.dataclass(frozen=True)
 class EngineSettings:
     page_size: int = 16
-    num_pages: int = 1024  # per data replica, including the reserved null page 0
+    # per data replica, including the reserved null page 0; 0: as many as fit in
+    # memory_utilization of the device's memory after weights and activations (engine/memory.py)
+    num_pages: int = 1024
+    memory_utilization: float = 0.9  # share of device memory (CPU: of RAM) num_pages = 0 may fill
     max_model_len: int = 4096
     max_num_seqs: int = 16  # sequences per step
     max_num_batched_tokens: int = 256  # token budget per step
@@ -45,17 +48,25 @@ class EngineSettings:
     # True: step N+1 is dispatched before step N's tokens reach the host; decodes take their
     # input token on the device (engine/async_step.py). False: the synchronous baseline.
     async_scheduling: bool = True
+    # Disaggregated prefill (engine/kv_transfer.py): how long a prefill worker holds a finished
+    # prompt's pages for the decode worker's pull, and how long a decode worker waits for it.
+    kv_transfer_timeout_s: float = 30.0
 
     def __post_init__(self):
-        for name in ("page_size", "num_pages", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("page_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
             if int(getattr(self, name)) <= 0:
                 raise ConfigError(f"engine.{name} must be positive, got {getattr(self, name)}")
-        if self.num_pages < 2:
-            raise ConfigError("engine.num_pages must be at least 2 (page 0 is the null page)")
+        if self.num_pages != 0 and self.num_pages < 2:
+            raise ConfigError("engine.num_pages must be at least 2 (page 0 is the null page), "
+                              f"or 0 to size the pool from memory; got {self.num_pages}")
+        if not 0 < float(self.memory_utilization) <= 1:
+            raise ConfigError(f"engine.memory_utilization must be in (0, 1], got {self.memory_utilization}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ConfigError(f"engine.scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         if int(self.penalty_window) <= 0:
             raise ConfigError(f"engine.penalty_window must be positive, got {self.penalty_window}")
+        if not float(self.kv_transfer_timeout_s) > 0:
+            raise ConfigError(f"engine.kv_transfer_timeout_s must be positive, got {self.kv_transfer_timeout_s}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"engine.kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                               f"got {self.kv_cache_dtype!r}")

@@ -327,3 +327,23 @@ def default_prompt_lens(engine: EngineSettings) -> list[int]:
 def model_matmul_shape(model: ModelConfig, tokens: int = 2048) -> tuple[int, int, int]:
     """The matmul `--hardware cpu` times: the MLP up-projection of a `tokens` chunk."""
     return (tokens, model.hidden_size, model.intermediate_size)
+
+
+def kv_pool_pages(config: Config, hw: Hardware, activation_bytes: float = 0) -> dict:
+    """What `engine.num_pages = 0` gives on `hw` (engine/memory.py, the same formula): pages
+    per data replica and the tokens they hold, from this device's memory after its weights
+    and `activation_bytes` (the engine measures them as the compiled step's temp buffers)."""
+    from jaxfill.engine.memory import pool_pages
+
+    model, engine, mesh = config.model, config.engine, config.mesh
+    check_mesh(model, mesh)
+    r = kv_repeat(model, mesh.tensor)
+    kv_w = model.num_layers * kv_projection_bytes(model)
+    weights_dev = (weight_bytes(model) - kv_w) / mesh.tensor + kv_w * (1 if r > 1 else 1 / mesh.tensor)
+    heads_dev = model.num_kv_heads * r // mesh.tensor
+    page_bytes = engine.page_size * kv_bytes_per_token(model, heads_dev, engine.kv_cache_dtype)
+    capacity = hw.hbm_bytes / (mesh.size if hw.shared_by_mesh else 1)
+    pages = pool_pages(capacity, weights_dev, activation_bytes, page_bytes, engine.memory_utilization)
+    return {"kv_pool_pages": pages, "kv_pool_tokens": max(0, pages - 1) * engine.page_size,
+            "kv_page_bytes_per_device": page_bytes, "memory_utilization": engine.memory_utilization,
+            "activation_bytes": activation_bytes}

@@ -85,10 +85,13 @@ class Runner:
         self.attention_impl = resolve_impl(model.attention_impl)  # the impl that serves
         self.attention_check = "not checked yet (warmup checks it)"
         self.page_size = s.page_size
-        self.num_pages = s.num_pages
         self.shapes = list(shapes)
-        self.kv_cache = self.new_cache()
         self.prev_tokens = self._no_prev_tokens()  # [R * max_num_seqs] the last step's tokens
+        self.pool = None  # engine.memory.PoolSize when engine.num_pages = 0 sized the pool
+        if s.num_pages == 0:
+            self._size_pool()
+        self.num_pages = self.config.engine.num_pages
+        self.kv_cache = self.new_cache()
         self.lockstep = None
         if jax.process_count() > 1:
             self.lockstep = Lockstep([self.dummy(shape) for shape in self.shapes])
@@ -97,15 +100,28 @@ class Runner:
     def is_leader(self) -> bool:
         return self.lockstep is None or self.lockstep.is_leader
 
-    def new_cache(self) -> KVCache:
+    def new_cache(self, num_pages: int | None = None) -> KVCache:
         c = self.config
+        num_pages = num_pages or c.engine.num_pages
         if self.mesh is not None:
             from jaxfill.engine.placement import create_kv_cache
 
-            return create_kv_cache(c.model, self.mesh, c.engine.num_pages, c.engine.page_size,
+            return create_kv_cache(c.model, self.mesh, num_pages, c.engine.page_size,
                                    kv_cache_dtype=c.engine.kv_cache_dtype)
-        return KVCache.create(c.model, c.engine.num_pages, c.engine.page_size,
-                              kv_cache_dtype=c.engine.kv_cache_dtype)
+        return KVCache.create(c.model, num_pages, c.engine.page_size, kv_cache_dtype=c.engine.kv_cache_dtype)
+
+    def _size_pool(self) -> None:
+        """engine.num_pages = 0: as many pages as fit (engine/memory.py); self.config then
+        carries the number, which the engine's scheduler and checks read."""
+        from jaxfill.engine.memory import size_pool
+
+        probe_pages = 2
+        probe = self.new_cache(probe_pages)
+        self.pool = size_pool(self, probe, probe_pages)
+        del probe
+        engine = dataclasses.replace(self.config.engine, num_pages=self.pool.num_pages)
+        self.config = dataclasses.replace(self.config, engine=engine)
+        log.info("%s", self.pool.describe())
 
     def _no_prev_tokens(self) -> jax.Array:
         """The step's `prev_tokens` before any step ran, placed as the step returns it."""

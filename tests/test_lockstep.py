@@ -83,7 +83,7 @@ def test_malformed_message_is_refused():
 def test_decode_message_sized_by_content_not_largest_bucket():
     """llama3_1_8b's settings (no model built): page_indices [64, 8192] alone is 2 MiB.
     A 64-sequence decode at 1.5k context must be one FIRST_WORDS broadcast."""
-    s = load_config("llama3_1_8b").engine
+    s = load_config("llama3_1_8b", {"engine.num_pages": 8192}).engine  # the preset's 0 sizes from memory
     templates = [dummy_batch(shape, s.max_pages_per_seq, s.penalty_window) for shape in bucket_shapes(s)]
     b = dummy_batch((64, 64), s.max_pages_per_seq, s.penalty_window)
     ctx = 1500

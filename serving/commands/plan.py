@@ -22,6 +22,9 @@ def add_arguments(p) -> None:
     p.add_argument("--link-gbps", type=float, default=None, metavar="G",
                    help="prefill-to-decode link in Gbit/s: adds the KV bytes a disaggregated request "
                         "moves and their transfer time (kv_transfer_bytes, kv_transfer_s)")
+    p.add_argument("--activation-bytes", type=int, default=0, metavar="B",
+                   help="per-device activation peak the KV pool leaves free (engine.num_pages=0 "
+                        "measures it at start-up as the compiled step's temp bytes; default 0)")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt length on stdout")
 
 
@@ -81,7 +84,7 @@ def run(args) -> int:
     from jaxfill.engine.config import load_config
     from jaxfill.engine.hardware import load_hardware
     from jaxfill.engine.planner import (check_link_gbps, check_mesh, check_prompt_len, default_prompt_lens,
-                                        model_matmul_shape, plan)
+                                        kv_pool_pages, model_matmul_shape, plan)
 
     config = load_config(args.config, overrides=args.overrides, model_path=args.model)
     check_mesh(config.model, config.mesh)
@@ -93,12 +96,13 @@ def run(args) -> int:
         print("measuring this CPU (XLA matmul + streaming bandwidth)...", file=sys.stderr, flush=True)
     hw = load_hardware(args.hardware, config.model.dtype, model_matmul_shape(config.model))
     rows = plan(config, hw, lens, args.link_gbps)
+    pool = kv_pool_pages(config, hw, args.activation_bytes)  # what engine.num_pages=0 would allocate
     mesh = config.mesh
     if args.json:
         for row in rows:
             print(json.dumps({"config": config.name, "hardware": hw.name, "dtype": config.model.dtype,
                               "mesh": {"data": mesh.data, "tensor": mesh.tensor, "sequence": mesh.sequence},
-                              **row}), flush=True)
+                              **row, **pool}), flush=True)
         return 0
     m = config.model
     first = rows[0]
@@ -115,6 +119,9 @@ def run(args) -> int:
     print(f"KV      {first['kv_bytes_per_token']} bytes/token, {kv_dtype if kv_dtype != 'auto' else m.dtype} "
           f"(2 x {m.num_layers} layers x {m.num_kv_heads} kv heads x {per_head}), "
           f"page_size {config.engine.page_size}")
+    print(f"pool    engine.num_pages=0: {pool['kv_pool_pages']} pages = {pool['kv_pool_tokens']} tokens per "
+          f"replica at memory_utilization {pool['memory_utilization']:g}, activations "
+          f"{_bytes(pool['activation_bytes'])} (engine/memory.py)")
     print()
     columns = PLAN_COLUMNS + (TRANSFER_COLUMNS if args.link_gbps is not None else [])
     print(format_table(rows, columns))

@@ -46,6 +46,8 @@ def _log_startup(log, engine, args, load_s: float) -> None:
     e = cfg.engine
     log.info("engine: %d pages x %d tokens, max_model_len %d, max_num_seqs %d, token budget %d, max_waiting %d",
              e.num_pages, e.page_size, e.max_model_len, e.max_num_seqs, e.max_num_batched_tokens, e.max_waiting)
+    if engine.runner.pool is not None:  # engine.num_pages = 0: how the pool was sized
+        log.info("%s", engine.runner.pool.describe())
     import jax
 
     devs = jax.devices()

@@ -1,0 +1,142 @@
+"""`engine.num_pages = 0`: the KV pool sized from the memory a device has left.
+
+Per device, after the weights are placed:
+
+    num_pages = floor((capacity * memory_utilization - in_use - activation_peak) / page_bytes)
+
+* capacity, in_use: GPU/TPU: `device.memory_stats()` `bytes_limit` and `bytes_in_use`
+  (the weights and anything else already resident). CPU has no memory_stats: capacity =
+  MemAvailable (/proc/meminfo) / (this process's mesh devices) + in_use, in_use = this
+  device's param bytes; i.e. its share of the RAM free now plus what its weights already
+  take, so the same utilization means the same thing as on an accelerator.
+* activation_peak: `temp_size_in_bytes` of the largest bucket's compiled step (XLA's
+  memory_analysis), compiled with a 2-page cache before the pool exists: the cache is
+  donated and updated in place, so its size does not enter the temp buffers.
+* page_bytes: one page of every layer as this device stores it: the heads it holds
+  (Hkv, repeated up to mesh.tensor, split over tensor) in engine.kv_cache_dtype, scales
+  included. The page axis holds one pool per data replica split over 'data', and every
+  sequence rank keeps a full copy, so the result is the pool of one replica.
+
+The smallest device decides (the cache has one shape), and in a multi-process run the
+smallest process. `jaxfill plan` calls `pool_pages` with its arithmetic inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+import numpy as np
+
+log = logging.getLogger("jaxfill.memory")
+
+MEMINFO = "/proc/meminfo"
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolSize:
+    """How the pool was sized (per device) and what fits: the log line and GetModelInfo."""
+
+    num_pages: int  # per data replica, null page 0 included
+    page_size: int
+    page_bytes: int  # one page, every layer, on one device
+    capacity_bytes: int
+    in_use_bytes: int
+    activation_bytes: int
+    utilization: float
+    source: str  # where capacity came from
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the pool holds (the null page holds none)."""
+        return (self.num_pages - 1) * self.page_size
+
+    def describe(self) -> str:
+        mib = lambda n: f"{n / (1 << 20):.1f} MiB"  # noqa: E731
+        return (f"KV pool: {self.num_pages} pages x {self.page_size} = {self.tokens} tokens per replica "
+                f"({self.page_bytes} B/page/device) from {self.source}: {mib(self.capacity_bytes)} x "
+                f"{self.utilization:g} - in use {mib(self.in_use_bytes)} - activations {mib(self.activation_bytes)}")
+
+
+def pool_pages(capacity_bytes: float, in_use_bytes: float, activation_bytes: float, page_bytes: int,
+               utilization: float) -> int:
+    """The formula, shared by the engine and the planner (may be < 2: callers check)."""
+    if page_bytes <= 0:
+        raise ValueError(f"page_bytes must be positive, got {page_bytes}")
+    usable = capacity_bytes * utilization - in_use_bytes - activation_bytes
+    return max(0, int(usable // page_bytes))
+
+
+def host_memory_available() -> int:
+    """MemAvailable from /proc/meminfo, bytes (what Linux can give without swapping)."""
+    try:
+        with open(MEMINFO) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError as e:
+        raise RuntimeError(f"engine.num_pages=0 on CPU reads {MEMINFO}: {e}; set engine.num_pages") from None
+    raise RuntimeError(f"no MemAvailable in {MEMINFO}; set engine.num_pages")
+
+
+def shard_bytes(tree, device) -> int:
+    """Bytes of `tree`'s arrays that live on `device`."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        for shard in getattr(leaf, "addressable_shards", ()):
+            if shard.device == device:
+                total += shard.data.nbytes
+    return total
+
+
+def device_memory(device, params, sharing: int) -> tuple[int, int, str]:
+    """(capacity, in_use, source) of one device, read now; on CPU `sharing` devices of this
+    process split the host's RAM."""
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"]), int(stats["bytes_in_use"]), f"{device.platform} memory_stats"
+    in_use = shard_bytes(params, device)
+    return host_memory_available() // sharing + in_use, in_use, f"MemAvailable / {sharing} device(s) + params"
+
+
+def size_pool(runner, probe_cache, probe_pages: int) -> PoolSize:
+    """Sizes the pool for `runner` (params placed, no cache yet). `probe_cache` is a real
+    cache of `probe_pages` pages per replica laid out as the pool will be: its shard on
+    each device gives page_bytes, and the largest bucket compiled against it gives the
+    activation peak."""
+    s = runner.config.engine
+    devices = [d for d in runner.mesh.devices.flat if d.process_index == jax.process_index()] \
+        if runner.mesh is not None else [jax.local_devices()[0]]
+    page_bytes = max(shard_bytes(probe_cache, d) for d in devices) // probe_pages
+    activation = activation_peak(runner, probe_cache)
+    best = None
+    for d in devices:
+        capacity, in_use, source = device_memory(d, runner.state, len(devices))
+        pages = pool_pages(capacity, in_use, activation, page_bytes, s.memory_utilization)
+        if best is None or pages < best.num_pages:
+            best = PoolSize(pages, s.page_size, page_bytes, capacity, in_use, activation,
+                            s.memory_utilization, source)
+    pages = best.num_pages
+    if jax.process_count() > 1:  # one cache shape across processes: the smallest decides
+        from jax.experimental import multihost_utils
+
+        pages = int(np.min(multihost_utils.process_allgather(np.asarray([pages], np.int64))))
+        best = dataclasses.replace(best, num_pages=pages)
+    if pages < 2:
+        raise ValueError(f"engine.num_pages=0: no room for a KV pool ({best.describe()}); lower the weights "
+                         "(mesh.tensor, model.weight_dtype), raise engine.memory_utilization or set engine.num_pages")
+    if pages - 1 < s.max_pages_per_seq:
+        log.warning("%s: fewer than one engine.max_model_len=%d sequence needs", best.describe(), s.max_model_len)
+    return best
+
+
+def activation_peak(runner, probe_cache) -> int:
+    """XLA's temp buffer bytes for the largest bucket's step (per device)."""
+    shape = max(runner.shapes)
+    batch = runner.put(runner.dummy(shape))
+    with runner._context():
+        compiled = runner._step.lower(runner.graphdef, runner.state, probe_cache, batch,
+                                      runner.prev_tokens).compile()
+    stats = compiled.memory_analysis()
+    return int(stats.temp_size_in_bytes) if stats is not None else 0
