@@ -112,6 +112,7 @@ class Engine:
         self.num_errors = 0
         self.num_cache_resets = 0
         self.warmed_up = False
+        self.kv_handoff = None  # disaggregated prefill (engine/kv_handoff.py): enable_kv_transfer()
         if warmup and self.is_leader:  # followers compile as they follow the leader's warm-up
             self.warmup(progress)
 
@@ -280,6 +281,8 @@ class Engine:
         """[lock] Schedules and builds the next step; None when nothing is to run."""
         outputs += self._outbox
         self._outbox = []
+        if self.kv_handoff is not None:
+            self.kv_handoff.expire()
         self._recover_cache()
         scheds = self.scheduler.schedule()  # one per data replica
         for req in (r for sched in scheds for r in sched.finished):  # no room in the pool even alone
@@ -449,6 +452,8 @@ class Engine:
             return True
 
     def _finish(self, req: Request, reason: str, text: str = "", error: str | None = None) -> RequestOutput:
+        if self.kv_handoff is not None:  # a held prefill keeps its pages for the decode side's pull
+            self.kv_handoff.take_on_finish(req, reason)
         self.scheduler.remove(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
@@ -553,6 +558,44 @@ class Engine:
         with self._lock:
             for i, sch in enumerate(self.scheduler.replicas):
                 sch.bm.listener = None if listener is None else functools.partial(listener, i)
+
+    # ------------------------------------------------------------------ disaggregation
+    def enable_kv_transfer(self, host: str = "127.0.0.1"):
+        """Starts this engine's transfer server (engine/kv_handoff.py); idempotent."""
+        from jaxfill.engine.kv_handoff import KVHandoff
+
+        with self._lock:
+            if self.kv_handoff is None:
+                self.kv_handoff = KVHandoff(self, host)
+            return self.kv_handoff
+
+    def hold_pages(self, request_id: str) -> None:
+        """Prefill side: when this request finishes, its prompt's pages are kept and offered;
+        `take_kv_offer` then gives what the decode side needs."""
+        with self._lock:
+            self.enable_kv_transfer().hold.add(request_id)
+
+    def take_kv_offer(self, request_id: str) -> dict | None:
+        with self._lock:
+            return None if self.kv_handoff is None else self.kv_handoff.offers.pop(request_id, None)
+
+    def release_held(self, transfer_id: int) -> bool:
+        """Prefill side: the decode side has pulled (or given up): free the held pages."""
+        with self._lock:
+            return self.kv_handoff is not None and self.kv_handoff.release(int(transfer_id))
+
+    def expire_held(self) -> int:
+        """Frees held pages older than engine.kv_transfer_timeout_s; returns how many offers."""
+        with self._lock:
+            return 0 if self.kv_handoff is None else self.kv_handoff.expire()
+
+    def add_prefilled_request(self, prompt, params: SamplingParams | None, request_id: str, arrays: list,
+                              num_tokens: int, cached_tokens: int = 0, priority: int = 0) -> str:
+        """Decode side, stepping thread: admits a request whose first num_tokens prompt rows
+        were pulled into `arrays` (KVHandoff.pull); it continues from its last prompt token."""
+        self._leader_only("add_prefilled_request")
+        return self.enable_kv_transfer().admit(self._encode(prompt), params, request_id, arrays, num_tokens,
+                                               cached_tokens, priority)
 
     # ------------------------------------------------------------------ multi-process
     @property

@@ -1,0 +1,183 @@
+"""A request's prompt KV moved between two engines by JAX's transfer server.
+
+Why tokens, not pages: the two sides may differ in page size, page ids and tensor
+parallelism, so what travels is token-major and mesh-free:
+
+    values [L, T, 2 * Hkv, D]   (cache dtype; K of head h at 2h, V at 2h + 1, as in the pages)
+    scales [L, T, 2 * Hkv]      f32, only for an int8 / fp8 cache
+
+T is the prompt's token count rounded up to a power-of-two number of the sender's
+pages (few distinct shapes, so few compiles); rows past the real count are junk and
+the receiver drops them. Hkv is the model's KV heads: when the sender's cache repeats
+each head r times (Hkv < tensor, models/sharding.py) only every r-th head is sent, and
+the receiver repeats them to its own r. The sender gathers onto one device before
+offering (`jax.device_put`), so the receiver pulls plain single-device arrays and its
+own jitted scatter reshards them into its cache: tensor=2 -> tensor=1 and back work
+the same way.
+
+`jax.experimental.transfer` (jax 0.10.2) measured facts this relies on: `await_pull`
+returns nothing and never says when a pull happened; `pull` returns at once with
+arrays that become ready when the bytes arrive, and a pull of an id nobody offers
+never becomes ready (its own `timeout` did not fire on CPU), so `wait_ready` polls
+`is_ready()` against our own deadline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+import time
+import uuid as uuidlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxfill.pallas_kernels import QuantizedPages
+
+
+class TransferFailed(RuntimeError):
+    """A pull did not arrive in time, or its layout does not fit this engine."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """What both sides must agree on to read each other's rows (checked on import)."""
+
+    num_layers: int
+    num_kv_heads: int  # the model's, not the cache's repeated count
+    head_dim: int
+    dtype: str  # the values' dtype (the cache dtype: f32 / bf16 / int8 / float8_e4m3fn)
+    quantized: bool
+
+    @classmethod
+    def of(cls, config, cache) -> "Layout":
+        leaf = cache.pages[0]
+        values = leaf.values if isinstance(leaf, QuantizedPages) else leaf
+        m = config.model
+        return cls(m.num_layers, m.num_kv_heads, m.head_dim, str(values.dtype), isinstance(leaf, QuantizedPages))
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def padded_tokens(num_tokens: int, page_size: int) -> int:
+    """Rows sent for num_tokens: a power-of-two count of the sender's pages."""
+    pages = max(1, -(-num_tokens // page_size))
+    return (1 << (pages - 1).bit_length()) * page_size
+
+
+def _repeat_of(leaf_values, num_kv_heads: int) -> int:
+    return leaf_values.shape[2] // (2 * num_kv_heads)
+
+
+@functools.partial(jax.jit, static_argnames=("num_kv_heads",))
+def gather_tokens(pages: tuple,  # L x ([N, P, 2*Hc, D] array or QuantizedPages)
+                  page_ids: jax.Array,  # [T // P] int32, the request's pages (padded with 0)
+                  num_kv_heads: int):
+    """-> values [L, T, 2*Hkv, D], scales [L, T, 2*Hkv] or None: the request's rows."""
+    def rows(a):  # [N, P, 2*Hc, ...] -> [T, 2*Hkv, ...]
+        a = a[page_ids]
+        a = a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:])
+        r = a.shape[1] // (2 * num_kv_heads)
+        if r > 1:  # keep one copy of each repeated head
+            a = a.reshape((a.shape[0], num_kv_heads, r, 2) + a.shape[2:])[:, :, 0]
+            a = a.reshape((a.shape[0], 2 * num_kv_heads) + a.shape[3:])
+        return a
+
+    if isinstance(pages[0], QuantizedPages):
+        return (jnp.stack([rows(p.values) for p in pages]), jnp.stack([rows(p.scales) for p in pages]))
+    return jnp.stack([rows(p) for p in pages]), None
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def scatter_tokens(pages: tuple,  # L x ([N, P, 2*Hc, D] array or QuantizedPages), donated
+                   values: jax.Array,  # [L, T, 2*Hkv, D]
+                   scales: jax.Array | None,  # [L, T, 2*Hkv] or None
+                   slots: jax.Array):  # [T] int32, page * P + offset; -1 = drop the row
+    """Writes the rows into this engine's pages (its page size, ids and head repeat)."""
+    def put(a, rows):  # a [N, P, 2*Hc, ...], rows [T, 2*Hkv, ...]
+        n, p = a.shape[:2]
+        hkv2 = rows.shape[1]
+        r = a.shape[2] // hkv2
+        if r > 1:  # repeat each head r times in a row, K/V pairs kept together
+            rows = rows.reshape((rows.shape[0], hkv2 // 2, 1, 2) + rows.shape[2:])
+            rows = jnp.broadcast_to(rows, rows.shape[:2] + (r,) + rows.shape[3:])
+            rows = rows.reshape((rows.shape[0], a.shape[2]) + rows.shape[4:])
+        flat = a.reshape((n * p,) + a.shape[2:])
+        t = jnp.arange(slots.shape[0])
+        idx = jnp.where(slots >= 0, slots, n * p + t)  # unique, out of range: dropped
+        flat = flat.at[idx].set(rows.astype(a.dtype), mode="drop", unique_indices=True)
+        return flat.reshape(a.shape)
+
+    out = []
+    for i, leaf in enumerate(pages):
+        if isinstance(leaf, QuantizedPages):
+            out.append(QuantizedPages(put(leaf.values, values[i]), put(leaf.scales, scales[i])))
+        else:
+            out.append(put(leaf, values[i]))
+    return tuple(out)
+
+
+def slots_for(pages: list[int], num_tokens: int, total: int, page_size: int) -> np.ndarray:
+    """[total] int32: row t < num_tokens goes to pages[t // P] * P + t % P, the rest -1."""
+    slots = np.full(total, -1, np.int32)
+    t = np.arange(num_tokens)
+    slots[:num_tokens] = np.asarray(pages, np.int32)[t // page_size] * page_size + t % page_size
+    return slots
+
+
+def export_rows(cache, page_ids: list[int], num_tokens: int, page_size: int, num_kv_heads: int):
+    """The request's first num_tokens rows as single-device arrays: (values, scales or None)."""
+    total = padded_tokens(num_tokens, page_size)
+    ids = np.zeros(total // page_size, np.int32)  # null page for the padding rows
+    ids[:len(page_ids)] = page_ids[:len(ids)]
+    values, scales = gather_tokens(cache.pages, jnp.asarray(ids), num_kv_heads)
+    dev = jax.local_devices()[0]
+    values = jax.device_put(values, dev)
+    scales = None if scales is None else jax.device_put(scales, dev)
+    return values, scales
+
+
+def import_rows(cache, values, scales, pages: list[int], num_tokens: int, page_size: int):
+    """A new cache with the rows written into `pages` (the old one is donated)."""
+    slots = slots_for(pages, num_tokens, values.shape[1], page_size)
+    return type(cache)(scatter_tokens(cache.pages, values, scales, jnp.asarray(slots)))
+
+
+def wait_ready(arrays, deadline: float, poll_s: float = 0.002) -> bool:
+    """Polls until every array has arrived or time.monotonic() passes deadline."""
+    while not all(a.is_ready() for a in arrays):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+    return True
+
+
+class TransferAgent:
+    """This process's transfer server: offers rows under fresh ids, pulls others' rows."""
+
+    def __init__(self, host: str = "127.0.0.1"):
+        from jax.experimental import transfer
+
+        client = jax.local_devices()[0].client
+        self.server = transfer.start_transfer_server(client, f"{host}:0", [f"{host}:0"])
+        self.address = self.server.address()
+        self._conns: dict[str, object] = {}
+        self._lock = threading.Lock()
+
+    def offer(self, arrays: list) -> int:
+        """Offers arrays for one pull; returns the transfer id (a 63-bit int)."""
+        tid = uuidlib.uuid4().int >> 65
+        self.server.await_pull(tid, list(arrays))
+        return tid
+
+    def pull(self, address: str, tid: int, specs: list[tuple[tuple[int, ...], str]]) -> list:
+        """Starts pulling; the arrays become ready when the bytes arrive (see wait_ready)."""
+        with self._lock:
+            conn = self._conns.get(address)
+            if conn is None:
+                conn = self._conns[address] = self.server.connect(address)
+        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        return conn.pull(tid, [jax.ShapeDtypeStruct(tuple(s), jnp.dtype(d), sharding=sharding) for s, d in specs])

@@ -1,0 +1,208 @@
+"""Disaggregated prefill at the engine level: a prompt's KV moved between two Engines by
+JAX's transfer server (engine/kv_transfer.py, engine/kv_handoff.py).
+
+The prefill engine (page_size 16) and the decode engine (page_size 8) differ in page size
+and page ids; unused pages are NaN-filled so a row written to the wrong slot, or a
+missing one, shows. The decode side must give exactly the tokens (and logprobs) of the
+decode engine doing the whole request itself.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from jaxfill.engine import kv_transfer as kvt
+from jaxfill.engine.engine import Engine
+from jaxfill.engine.request import SamplingParams
+from jaxfill.models.kv_cache import KVCache
+from jaxfill.pallas_kernels import QuantizedPages
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = {"engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64], "engine.num_pages": 64,
+        "engine.max_model_len": 256, "engine.max_num_seqs": 4}
+PROMPT = [(7 * i + 3) % 250 for i in range(45)]  # 44 rows sent: 2.75 prefill pages, 5.5 decode pages
+PREFILL_ONLY = SamplingParams(max_tokens=1, ignore_eos=True)
+
+
+def make(page_size: int, **extra) -> Engine:
+    e = Engine.from_config("tiny_random", overrides={**BASE, "engine.page_size": page_size, **extra}, progress=False)
+    s = e.settings
+    e.runner.kv_cache = KVCache.create(e.config.model, s.num_pages, page_size, fill_value=float("nan"),
+                                       kv_cache_dtype=s.kv_cache_dtype)
+    return e
+
+
+def prefill(engine: Engine, prompt=PROMPT) -> dict:
+    rid = engine.add_request(prompt, PREFILL_ONLY)
+    engine.hold_pages(rid)
+    while engine.has_unfinished():
+        engine.step()
+    info = engine.take_kv_offer(rid)
+    assert info is not None
+    return info
+
+
+def pull_and_admit(decode: Engine, info: dict, prompt, params, rid="d0") -> str:
+    arrays, n = decode.enable_kv_transfer().pull(info, list(prompt))
+    assert kvt.wait_ready(arrays, time.monotonic() + 30)
+    return decode.add_prefilled_request(prompt, params, rid, arrays, n, info["cached_tokens"])
+
+
+def run_one(engine: Engine, rid: str):
+    done = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                done = out.completion
+    return done
+
+
+def rows(engine: Engine, pages, n):
+    """[L, n, 2*Hkv, D] values (and scales) of the first n tokens held in `pages`."""
+    ps = engine.settings.page_size
+    out = []
+    for leaf in engine.runner.kv_cache.pages:
+        parts = (leaf.values, leaf.scales) if isinstance(leaf, QuantizedPages) else (leaf,)
+        out.append([np.asarray(p)[np.asarray(pages)].reshape((-1,) + p.shape[2:])[:n] for p in parts])
+    return out
+
+
+def assert_same_logprobs(got, want):
+    """Same ids; values to 1e-5: the reference computes the last prompt token inside its
+    prompt chunk, the decode side in a one-token step (another bucket: ~1e-7 apart in f32)."""
+    if want is None:
+        assert got is None
+        return
+    assert [(e["token_id"], [t for t, _ in e["top"]]) for e in got] == \
+        [(e["token_id"], [t for t, _ in e["top"]]) for e in want]
+    flat = lambda lps: [e["logprob"] for e in lps] + [v for e in lps for _, v in e["top"]]  # noqa: E731
+    np.testing.assert_allclose(flat(got), flat(want), rtol=0, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    return make(16, **{"engine.kv_transfer_timeout_s": 60}), make(8)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_rows_arrive_bit_for_bit(kv_dtype):
+    extra = {"engine.kv_cache_dtype": kv_dtype}
+    src, dst = make(16, **extra), make(8, **extra)
+    info = prefill(src)
+    held = next(iter(src.kv_handoff.held.values()))
+    want = rows(src, held.pages, 44)
+    arrays, n = dst.enable_kv_transfer().pull(info, PROMPT)
+    assert n == 44 and kvt.wait_ready(arrays, time.monotonic() + 30)
+    dst.add_prefilled_request(PROMPT, SamplingParams(max_tokens=1), "x", arrays, n)
+    req = dst.requests["x"]
+    got = rows(dst, req.pages, 44)
+    for w, g in zip(want, got):
+        for a, b in zip(w, g):
+            assert not np.isnan(a.astype(np.float32)).any()
+            np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+    # Nothing else was written: every other page of the decode pool is still NaN.
+    others = [p for p in range(1, dst.settings.num_pages) if p not in req.pages]
+    leaf = dst.runner.kv_cache.pages[0]
+    probe = np.asarray(leaf.scales if isinstance(leaf, QuantizedPages) else leaf)[others]
+    assert np.isnan(probe).all()
+    # The 45th token's slot (the one the decode side computes itself) is untouched too.
+    last = np.asarray(leaf.scales if isinstance(leaf, QuantizedPages) else leaf)[req.pages[44 // 8], 44 % 8]
+    assert np.isnan(last).all()
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=12),
+                                    SamplingParams(max_tokens=12, temperature=0.9, seed=11, logprobs=2)],
+                         ids=["greedy", "seeded"])
+def test_decode_continues_like_one_engine(engines, params):
+    src, dst = engines
+    want = dst.generate([PROMPT], params)[0]
+    total = src.stats()["pages_total"]
+    info = prefill(src)
+    assert src.stats()["pages_free"] == total - 3  # 45 tokens in 16-token pages, kept for the pull
+    rid = pull_and_admit(dst, info, PROMPT, params)
+    got = run_one(dst, rid)
+    assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason
+    assert_same_logprobs(got.logprobs, want.logprobs)
+    assert src.release_held(info["transfer_id"]) and not src.release_held(info["transfer_id"])
+    assert src.stats()["pages_free"] == total
+    assert dst.stats()["pages_free"] == dst.stats()["pages_total"]
+    src.scheduler.replicas[0].bm.check()
+    dst.scheduler.replicas[0].bm.check()
+
+
+def test_unpulled_pages_free_after_timeout():
+    src = make(16, **{"engine.kv_transfer_timeout_s": 0.3})
+    total = src.stats()["pages_total"]
+    info = prefill(src)
+    assert src.stats()["pages_free"] == total - 3
+    assert src.expire_held() == 0  # not yet
+    time.sleep(0.35)
+    assert src.expire_held() == 1
+    assert src.stats()["pages_free"] == total
+    assert not src.release_held(info["transfer_id"])
+    # A pull of an offer nobody makes any more never arrives: the deadline says so.
+    dst = src  # any transfer server will do
+    arrays, _ = dst.kv_handoff.pull({**info, "transfer_id": 12345}, PROMPT)
+    assert not kvt.wait_ready(arrays, time.monotonic() + 0.3)
+
+
+def test_offer_for_another_prompt_is_refused(engines):
+    src, dst = engines
+    info = prefill(src)
+    try:
+        with pytest.raises(kvt.TransferFailed, match="different prompt"):
+            dst.enable_kv_transfer().pull(info, PROMPT[:-2] + [1, 2])
+        with pytest.raises(kvt.TransferFailed, match="tokens"):
+            dst.enable_kv_transfer().pull(info, PROMPT + [5])
+    finally:
+        src.release_held(info["transfer_id"])
+
+
+PREFILL_SCRIPT = r"""
+import json, sys
+from jaxfill.engine.engine import Engine
+from jaxfill.engine.request import SamplingParams
+overrides, prompt = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+e = Engine.from_config("tiny_random", overrides=overrides, progress=False)
+rid = e.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+e.hold_pages(rid)
+while e.has_unfinished():
+    e.step()
+total = e.stats()["pages_total"]
+print(json.dumps({"info": e.take_kv_offer(rid), "free": e.stats()["pages_free"], "total": total}), flush=True)
+sys.stdin.readline()  # the decode side has pulled
+tid = next(iter(e.kv_handoff.held))
+print(json.dumps({"released": e.release_held(tid), "free": e.stats()["pages_free"]}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("tensor", [2])
+def test_prefill_in_another_process_on_another_mesh(engines, tensor):
+    """Prefill in a subprocess on tensor=2 (two fake CPU devices), decode here on one."""
+    _, dst = engines
+    params = SamplingParams(max_tokens=10, temperature=0.7, seed=3)
+    want = dst.generate([PROMPT], params)[0]
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={tensor}")
+    over = {**BASE, "engine.page_size": 16, "mesh.tensor": tensor}
+    proc = subprocess.Popen([sys.executable, "-c", PREFILL_SCRIPT, json.dumps(over), json.dumps(PROMPT)],
+                            cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        first = json.loads(proc.stdout.readline())
+        assert first["free"] == first["total"] - 3
+        rid = pull_and_admit(dst, first["info"], PROMPT, params, rid="xproc")
+        proc.stdin.write("pulled\n")
+        proc.stdin.flush()
+        second = json.loads(proc.stdout.readline())
+        assert second["released"] and second["free"] == first["total"]
+    finally:
+        proc.stdin.close()
+        proc.wait(60)
+    got = run_one(dst, rid)
+    assert got.token_ids == want.token_ids
+    assert dst.stats()["pages_free"] == dst.stats()["pages_total"]
