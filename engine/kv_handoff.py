@@ -132,7 +132,7 @@ class KVHandoff:
             seed = params.seed if params.seed is not None else e._seeds.getrandbits(63)
             req = Request(request_id, ids, params, priority, next(e._arrivals), seed,
                           eos_token_ids=e.config.model.eos_token_id or ())
-            req.detok = e.tokenizer.detokenizer(ids)
+            req.detok = None if getattr(e, "defer_text", False) else e.tokenizer.detokenizer(ids)
             req.pages = pages
             req.num_computed = num_tokens
             req.cached_tokens = cached_tokens

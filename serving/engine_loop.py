@@ -103,6 +103,9 @@ class EngineLoop:
         if metrics is not None:
             metrics.update_stats(self._stats)  # the baseline engine counters are counted from
         self._ready_callbacks: list[Callable[[], Any]] = []
+        # request id -> admit(engine, ids, params, id, priority), used instead of add_request
+        # (disaggregated prefill: hold the pages, or admit pulled KV; serving/disagg.py)
+        self.admit_hooks: dict[str, Callable] = {}
         self._text = TextStage(engine.tokenizer)  # event-loop side only
         self.steps = 0
         self.warmup_s = 0.0
@@ -183,6 +186,11 @@ class EngineLoop:
         self._inbox.append(("abort", stream))
         self._wake.set()
         return True
+
+    def call_on_engine(self, fn: Callable[[], Any]) -> None:
+        """Runs fn() on the engine thread before the next step (the stats are published after)."""
+        self._inbox.append(("call", fn))
+        self._wake.set()
 
     def abort_all(self) -> int:
         ids = [rid for rid, s in self._streams.items() if not s.gone]
@@ -355,6 +363,9 @@ class EngineLoop:
             if op[0] == "add":
                 self._backlog.append(op)
                 continue
+            if op[0] == "call":  # call_on_engine (serving/disagg.py: release or expire held KV pages)
+                self._quietly(op[1])
+                continue
             if op[0] == "stop":  # a stop string ended it (found by the TextStage)
                 if self._in_engine.get(op[1].request_id) is op[1]:
                     self.engine.stop_at(op[1].request_id, op[2])
@@ -373,7 +384,11 @@ class EngineLoop:
         while self._backlog:
             _, stream, prompt_ids, params, priority = self._backlog[0]
             try:
-                self.engine.add_request(prompt_ids, params, request_id=stream.request_id, priority=priority)
+                admit = self.admit_hooks.pop(stream.request_id, None)  # serving/disagg.py
+                if admit is not None:
+                    admit(self.engine, prompt_ids, params, stream.request_id, priority)
+                else:
+                    self.engine.add_request(prompt_ids, params, request_id=stream.request_id, priority=priority)
                 self._in_engine[stream.request_id] = stream
             except QueueFull:
                 break  # the engine's waiting queue is full: the rest goes in as steps empty it

@@ -25,8 +25,8 @@ from jaxfill.serving.request_core import BadField
 DEFAULT_TEMPERATURE = 1.0
 SP = "sampling_params."
 # Request fields (GenerateRequest) we have no engine support for.
-UNSUPPORTED_REQUEST_FIELDS = ("kv_transfer_params", "mm_inputs", "media_refs", "kv_transfer_params_json",
-                              "data_parallel_rank")
+# (kv_transfer_params[_json]: serving/disagg.py reads and checks them.)
+UNSUPPORTED_REQUEST_FIELDS = ("mm_inputs", "media_refs", "data_parallel_rank")
 # Files the gateway needs to build the tokenizer (GetTokenizer zips those present).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "config.json", "chat_template.jinja")
@@ -36,8 +36,8 @@ TOKENIZER_CHUNK_BYTES = 1 << 20
 def check_request_fields(request: vpb.GenerateRequest) -> None:
     for name in UNSUPPORTED_REQUEST_FIELDS:
         if request.HasField(name):
-            raise BadField(name, "is not supported by jaxfill (no disaggregated prefill, multimodal "
-                                 "inputs or data-parallel rank pinning over this protocol)")
+            raise BadField(name, "is not supported by jaxfill (no multimodal inputs or data-parallel "
+                                 "rank pinning over this protocol)")
     if len(request.extra_mm_inputs):
         raise BadField("extra_mm_inputs", "multimodal inputs are not supported by jaxfill")
 

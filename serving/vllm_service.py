@@ -23,6 +23,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from jaxfill.engine.tokenizer import ByteTokenizer
 from jaxfill.serving import vllm_convert as conv
+from jaxfill.serving.disagg import Disagg
 from jaxfill.serving.engine_loop import DRAINING, SERVING
 from jaxfill.serving.request_core import BadField, RequestCore
 
@@ -61,6 +62,8 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         self.tokenizer_dir = tokenizer_dir(cfg, core.tokenizer)
         self.started_wall = time.time()
         self.last_receive = 0.0
+        # --role prefill|decode|both (serving/disagg.py); serve.py replaces this default
+        self.disagg = Disagg(core.engine, core.loop, "both")
 
     # ------------------------------------------------------------------ Generate
     async def _parse(self, request: vpb.GenerateRequest):
@@ -93,8 +96,22 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         await core.check_available(context)
         try:
             rid, ids, params = await self._parse(request)
+            kv = self.disagg.parse(request)
         except BadField as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        remote_decode = bool(kv and kv.get("do_remote_decode"))
+        try:
+            if remote_decode:
+                self.disagg.hold(rid)
+            elif kv and kv.get("do_remote_prefill"):
+                await self.disagg.pull(rid, ids, kv, context)
+            async for msg in self._generate(request, context, rid, ids, params, arrival, remote_decode):
+                yield msg
+        finally:
+            self.disagg.forget(rid)
+
+    async def _generate(self, request, context, rid, ids, params, arrival, remote_decode: bool):
+        core = self.core
         output_ids: list[int] = []
         logprobs: list = []
         async with contextlib.aclosing(core.run(context, ids, params, rid, 0, arrival)) as events:
@@ -115,9 +132,11 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                     yield vpb.GenerateResponse(chunk=chunk)
                 if out.finished:
                     c = out.completion
-                    yield vpb.GenerateResponse(complete=self._complete(
-                        stream, c.finish_reason if c else "stop", output_ids, logprobs, c, params,
-                        with_logprobs=not request.stream))
+                    complete = self._complete(stream, c.finish_reason if c else "stop", output_ids, logprobs, c,
+                                              params, with_logprobs=not request.stream)
+                    if remote_decode:  # what the gateway relays to the decode worker
+                        complete.kv_transfer_params_json = self.disagg.offer_json(rid)
+                    yield vpb.GenerateResponse(complete=complete)
 
     def _complete(self, stream, reason: str, output_ids, logprobs, completion, params,
                   with_logprobs: bool = True) -> vpb.GenerateComplete:
@@ -133,7 +152,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         return msg
 
     async def Abort(self, request: vpb.AbortRequest, context):
-        for rid in request.request_ids:
+        for rid in self.disagg.take_releases(request.request_ids):  # "kvx-release:<id>": a decode side pulled
             self.core.loop.abort(rid, notify=True)
         return vpb.AbortResponse()
 
@@ -162,7 +181,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         return vpb.GetServerInfoResponse(
             active_requests=self.core.loop.num_active, is_paused=self.core.loop.state == DRAINING,
             last_receive_timestamp=self.last_receive, uptime_seconds=time.time() - self.started_wall,
-            server_type=SERVER_TYPE, data_parallel_size=cfg.mesh.data,
+            server_type=SERVER_TYPE, data_parallel_size=cfg.mesh.data, **self.disagg.server_info(),
             kv_cache_dtype={"float8_e4m3fn": "fp8_e4m3"}.get(cfg.engine.kv_cache_dtype, cfg.engine.kv_cache_dtype),
             block_size=cfg.engine.page_size, model_dtype=str(cfg.model.dtype),
             max_num_seqs=cfg.engine.max_num_seqs * cfg.mesh.data)

@@ -189,7 +189,7 @@ def test_unsupported_sampling_field_is_refused_by_name(served, field, kw):
 
 @pytest.mark.parametrize("field,extra", [
     ("mm_inputs", dict(mm_inputs=vpb.MultimodalInputs(mm_hashes=["x"]))),
-    ("kv_transfer_params_json", dict(kv_transfer_params_json="{}")),
+    ("kv_transfer_params_json", dict(kv_transfer_params_json="[]")),  # must be a JSON object
     ("data_parallel_rank", dict(data_parallel_rank=0)),
     ("media_refs", dict(media_refs=vpb.MediaRefs())),
 ])

@@ -33,6 +33,14 @@ def add_arguments(p) -> None:
     p.add_argument("--gil-switch-interval-ms", type=float, default=0.5,
                    help="sys.setswitchinterval: how long the engine thread may hold the GIL while the "
                         "gRPC event loop waits to stream tokens (Python's default is 5 ms)")
+    p.add_argument("--role", choices=("prefill", "decode", "both"), default="both",
+                   help="disaggregated serving behind `smg launch --pd-disaggregation`: a prefill worker keeps "
+                        "each prompt's KV pages for a decode worker to pull (JAX transfer server); both = "
+                        "an ordinary worker (default)")
+    p.add_argument("--kv-host", default=None,
+                   help="address this worker's KV transfer server binds and advertises, and decode workers "
+                        "reach its gRPC port at for releases (default: --host, or 127.0.0.1 when --host is "
+                        "a wildcard)")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -71,11 +79,18 @@ async def _serve(args, engine, log) -> int:
                     tls_cert=args.tls_cert, tls_key=args.tls_key,
                     max_message_bytes=int(args.max_message_mb * (1 << 20)), warmup=not args.no_warmup,
                     served_model_name=args.served_model_name)
+    from jaxfill.serving.disagg import Disagg
+
+    kv_host = args.kv_host or (args.host if args.host not in ("0.0.0.0", "::", "") else "127.0.0.1")
+    server.vllm.disagg = Disagg(engine, server.loop, args.role, kv_host)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     port = await server.start()
+    server.vllm.disagg.grpc_address = f"{kv_host}:{port}"
+    if args.role != "both":
+        log.info("role %s: KV transfer server at %s", args.role, engine.kv_handoff.agent.address)
     scheme = "grpcs" if args.tls_cert else "grpc"
     log.info("listening on %s://%s:%d (health NOT_SERVING until warm-up ends)%s", scheme, args.host, port,
              "; auth: API key" if args.api_key else "")

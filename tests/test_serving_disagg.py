@@ -1,0 +1,128 @@
+"""Two `jaxfill serve` processes, --role prefill and --role decode, driven with the vLLM stubs
+the way smg's PD router drives them (serving/disagg.py): the prefill leg with max_tokens=1,
+ignore_eos, not streaming and {"do_remote_decode": true}; the decode leg with the original
+request and the returned JSON merged with {"do_remote_prefill": true}. A `both` worker
+(the same config) is the reference."""
+
+import json
+import time
+
+import grpc
+import pytest
+from serving_util import ServeProcess, compile_cache_dir
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
+
+OVERRIDES = {"engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64], "engine.num_pages": 64,
+             "engine.max_model_len": 256, "engine.max_num_seqs": 4}
+PROMPTS = [[(i * 31 + j * 17) % 256 for j in range(n)] for i, n in enumerate([1, 5, 17, 40, 100])]
+NIXL_PREFILL = '{"do_remote_decode":true,"do_remote_prefill":false}'
+
+
+def _sets(**extra):
+    return [a for k, v in {**OVERRIDES, **extra}.items() for a in ("--set", f"{k}={v}")]
+
+
+def _stub(proc):
+    ch = grpc.insecure_channel(proc.address)
+    stub = vpb_grpc.VllmEngineStub(ch)
+    deadline = time.time() + 300
+    while not stub.HealthCheck(vpb.HealthCheckRequest(), timeout=10).healthy:
+        assert time.time() < deadline, proc.log()
+        time.sleep(0.2)
+    return stub
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory):
+    cache = compile_cache_dir(tmp_path_factory)
+    procs = {
+        "prefill": ServeProcess("--role", "prefill", *_sets(**{"engine.kv_transfer_timeout_s": 2}), cache_dir=cache),
+        "decode": ServeProcess("--role", "decode", *_sets(**{"engine.page_size": 8, "engine.kv_transfer_timeout_s": 3}),
+                                cache_dir=cache),
+        "both": ServeProcess(*_sets(**{"engine.page_size": 8}), cache_dir=cache),
+    }
+    try:
+        yield {k: (p, _stub(p)) for k, p in procs.items()}
+    finally:
+        for p in procs.values():
+            p.kill()
+
+
+def _req(ids, rid, stream=False, kv=None, **sp):
+    sp.setdefault("temperature", 0.0)
+    req = vpb.GenerateRequest(request_id=rid, tokenized=vpb.TokenizedInput(input_ids=ids),
+                              sampling_params=vpb.SamplingParams(**sp), stream=stream)
+    if kv is not None:
+        req.kv_transfer_params_json = kv
+    return req
+
+
+def _prefill_leg(stub, ids, rid, **sp):
+    sp = {**sp, "max_tokens": 1, "ignore_eos": True}
+    (resp,) = list(stub.Generate(_req(ids, rid, kv=NIXL_PREFILL, **sp), timeout=60))
+    params = json.loads(resp.complete.kv_transfer_params_json)
+    params["do_remote_prefill"] = True  # smg merges it in
+    return json.dumps(params)
+
+
+def _pages(stub):
+    load = stub.GetLoads(vpb.GetLoadsRequest(), timeout=10).loads[0]
+    return load.num_used_tokens
+
+
+def _wait_free(stub, timeout=10.0):
+    deadline = time.time() + timeout
+    while _pages(stub) != 0:
+        assert time.time() < deadline, f"{_pages(stub)} tokens' pages still used"
+        time.sleep(0.05)
+
+
+def test_server_info_names_roles(workers):
+    infos = {k: s.GetServerInfo(vpb.GetServerInfoRequest(), timeout=10) for k, (_, s) in workers.items()}
+    assert (infos["prefill"].kv_connector, infos["prefill"].kv_role) == ("NixlConnector", "kv_producer")
+    assert (infos["decode"].kv_connector, infos["decode"].kv_role) == ("NixlConnector", "kv_consumer")
+    assert infos["both"].kv_connector == ""
+
+
+@pytest.mark.parametrize("i,sp,stream", [
+    (3, dict(max_tokens=8), False),
+    (4, dict(max_tokens=8, temperature=0.8, seed=5, logprobs=1), True),
+    (0, dict(max_tokens=4), False),  # a one-token prompt: nothing to move
+    (2, dict(max_tokens=6, temperature=1.0, seed=9), True),
+], ids=["greedy", "seeded-stream", "one-token", "seeded-17"])
+def test_pd_tokens_equal_one_worker(workers, i, sp, stream):
+    (_, pre), (_, dec), (_, both) = workers["prefill"], workers["decode"], workers["both"]
+    ids = PROMPTS[i]
+    want = list(both.Generate(_req(ids, f"ref{i}", stream=stream, **sp), timeout=60))[-1].complete
+    kv = _prefill_leg(pre, ids, f"pd{i}", **sp)
+    out = list(dec.Generate(_req(ids, f"pd{i}", stream=stream, kv=kv, **sp), timeout=60))
+    got = out[-1].complete
+    assert list(got.output_ids) == list(want.output_ids)
+    assert (got.finish_reason, got.prompt_tokens, got.completion_tokens) == \
+        (want.finish_reason, want.prompt_tokens, want.completion_tokens)
+    if stream:
+        assert [t for r in out[:-1] for t in r.chunk.token_ids] == list(want.output_ids)
+    _wait_free(dec)
+    _wait_free(pre)  # released by the decode side at once, not by the 2 s timeout
+
+
+def test_pull_that_never_comes_frees_after_timeout(workers):
+    (_, pre), (_, dec) = workers["prefill"], workers["decode"]
+    kv = _prefill_leg(pre, PROMPTS[4], "orphan")
+    assert _pages(pre) > 0  # held for a decode leg that never comes
+    _wait_free(pre, timeout=6.0)  # engine.kv_transfer_timeout_s = 2
+    # The decode leg arriving now finds nothing to pull: a clear status, nothing held.
+    with pytest.raises(grpc.RpcError) as e:
+        list(dec.Generate(_req(PROMPTS[4], "orphan", kv=kv, max_tokens=4), timeout=60))
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "timed out" in e.value.details()
+    assert _pages(dec) == 0
+
+
+def test_wrong_role_and_bad_params_are_refused(workers):
+    (_, pre), (_, dec) = workers["prefill"], workers["decode"]
+    for stub, kv in [(dec, NIXL_PREFILL), (pre, '{"do_remote_prefill": true}'), (dec, "not json")]:
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(_req(PROMPTS[2], "bad", kv=kv, max_tokens=2), timeout=60))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.details().startswith("kv_transfer_params_json:"), e.value.details()
