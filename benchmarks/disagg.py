@@ -9,13 +9,13 @@
 
 Every route is driven through the real `smg` gateway with the openai client (streaming,
 ignore_eos, greedy), so the gateway hop is common to all four. One workload: Poisson
-arrivals, 80% short prompts (some opening with one of three shared 256-token prefixes),
-20% long ones. Per route: TTFT / ITL p50 and p99, request and output-token throughput, and
+arrivals, 75% short prompts (16-128 tokens, 40% of them opening with one of three shared
+~250-token prefixes, 32-64 output tokens), 25% long ones (2k-3.5k tokens, 16 output tokens). Per route: TTFT / ITL p50 and p99, request and output-token throughput, and
 goodput (requests per second meeting both SLOs: TTFT <= --slo-ttft-ms and mean ITL <=
 --slo-itl-ms). For (c), KV bytes moved per request by the planner's formula
 (prompt tokens x kv_bytes_per_token, engine/planner.py) unless the workers report it.
 
-    python benchmarks/disagg.py [--requests 60] [--rate 3] [--routes a,b,c,d]
+    python benchmarks/disagg.py [--requests 80] [--rate 8] [--long-fraction 0.25] [--routes a,b,c,d]
 
 Writes benchmarks/results/disagg.json and disagg.png.
 """
@@ -37,10 +37,10 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 from gateway_util import SmgProcess, kill_all, start_worker  # noqa: E402
 from serving_util import scrape  # noqa: E402
 
-COMMON = ["engine.max_model_len=2304", "engine.num_pages=1024", "engine.max_num_seqs=16"]
+COMMON = ["engine.max_model_len=4096", "engine.num_pages=2048", "engine.max_num_seqs=16"]
 CHUNKED = ["engine.chunked_prefill=true", "engine.max_num_batched_tokens=256", "engine.token_buckets=[16, 64, 256]"]
-WHOLE = ["engine.chunked_prefill=false", "engine.max_num_batched_tokens=2048",
-         "engine.token_buckets=[16, 64, 256, 1024, 2048]"]
+WHOLE = ["engine.chunked_prefill=false", "engine.max_num_batched_tokens=4096",
+         "engine.token_buckets=[16, 64, 256, 1024, 4096]"]
 # smg's prefill leg must answer within --worker-wedge-secs (default 3 s): too short on 2 loaded cores.
 SMG_FLAGS = ["--worker-wedge-secs", "60"]
 
@@ -49,7 +49,7 @@ def settings(*groups) -> list[str]:
     return [a for g in groups for s in g for a in ("--set", s)]
 
 
-def workload(n: int, rate: float, seed: int = 0) -> list[dict]:
+def workload(n: int, rate: float, long_fraction: float = 0.25, seed: int = 0) -> list[dict]:
     """Arrival time, prompt text and output length per request (byte-level tiny tokenizer:
     one ASCII character is about one token)."""
     rng = np.random.default_rng(seed)
@@ -59,8 +59,8 @@ def workload(n: int, rate: float, seed: int = 0) -> list[dict]:
     t, out = 0.0, []
     for i in range(n):
         t += rng.exponential(1.0 / rate)
-        if rng.random() < 0.2:
-            kind, prompt, max_tokens = "long", text(int(rng.integers(1024, 2048))), 16
+        if rng.random() < long_fraction:
+            kind, prompt, max_tokens = "long", text(int(rng.integers(2048, 3584))), 16
         else:
             kind, max_tokens = "short", int(rng.integers(32, 65))
             body = text(int(rng.integers(16, 128)))
@@ -169,8 +169,8 @@ def route(name: str, cache_dir: str, reqs: list[dict], args) -> dict:
         elif name == "b_chunked":
             gw = SmgProcess([worker(*settings(COMMON, CHUNKED)).address], "round_robin", *SMG_FLAGS)
         elif name == "c_disaggregated":
-            p = worker("--role", "prefill", *settings(COMMON, CHUNKED, ["engine.max_num_batched_tokens=2048",
-                                                                        "engine.token_buckets=[16, 256, 2048]"]))
+            p = worker("--role", "prefill", *settings(COMMON, CHUNKED, ["engine.max_num_batched_tokens=4096",
+                                                                        "engine.token_buckets=[16, 256, 4096]"]))
             d = worker("--role", "decode", *settings(COMMON, CHUNKED))
             gw = SmgProcess([], "round_robin", *SMG_FLAGS, prefill=[p.address], decode=[d.address])
         elif name == "d_two_chunked":
@@ -179,7 +179,7 @@ def route(name: str, cache_dir: str, reqs: list[dict], args) -> dict:
         else:
             raise ValueError(f"unknown route {name!r}")
         procs.append(gw)
-        drive(gw, workload(4, 100.0, seed=99))  # warm the connections and first-request paths
+        drive(gw, workload(4, 100.0, 0.5, seed=99))  # warm the connections and first-request paths
         hits_before = prefix_cache_hits(procs[:-1])
         results, elapsed = drive(gw, reqs)
         out = {"route": name, **summarize(results, elapsed, args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3),
@@ -221,17 +221,18 @@ def plot(runs: list[dict], path: str):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--requests", type=int, default=60)
-    p.add_argument("--rate", type=float, default=5.0, help="mean arrivals per second (Poisson)")
+    p.add_argument("--requests", type=int, default=80)
+    p.add_argument("--rate", type=float, default=8.0, help="mean arrivals per second (Poisson)")
+    p.add_argument("--long-fraction", type=float, default=0.25, help="share of 2k-3.5k-token prompts")
     p.add_argument("--routes", default="a,b,c,d")
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
-    p.add_argument("--slo-itl-ms", type=float, default=50.0)
+    p.add_argument("--slo-itl-ms", type=float, default=25.0)
     p.add_argument("--cache-dir", default="/tmp/jaxfill_disagg_bench_cache", help="XLA compile cache")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "disagg.json"))
     args = p.parse_args()
     names = {"a": "a_prefill_first", "b": "b_chunked", "c": "c_disaggregated", "d": "d_two_chunked"}
     wanted = [names[k.strip()] for k in args.routes.split(",")]
-    reqs = workload(args.requests, args.rate)
+    reqs = workload(args.requests, args.rate, args.long_fraction)
     runs, skipped = [], {}
     for name in wanted:
         if name == "c_disaggregated" and not roles_supported():
