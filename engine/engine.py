@@ -3,8 +3,13 @@
     engine.step():
       scheduler.schedule()             pages, prefix hits, token budget, preemption
       -> batch.build_batch()           numpy, padded to a warm-up-compiled bucket
-      -> runner.run()                  device_put -> step.step (jit, cache donated) -> host
-      -> _process()                    append tokens, logprobs, detokenize, stops, finish
+      -> runner.run()                  device_put -> step.step (jit, cache donated), returns at once
+      -> _advance()                    .get() the tokens: append, logprobs, detokenize, stops, finish
+
+engine.async_scheduling (the default) reorders it: plan and dispatch step N+1, then take
+step N's tokens while N+1 runs; decodes whose input is still on the device read it there
+(engine/async_step.py). defer_text = True (a serving loop) leaves detokenization, stop
+strings and logprob formatting to the caller (serving/text_stage.py, Engine.stop_at).
 
 One thread steps: a step() (or generate / stream) while another thread is inside step()
 raises RuntimeError at once, since two steppers would compute one chunk twice and race on
