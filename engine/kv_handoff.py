@@ -67,7 +67,7 @@ class KVHandoff:
             values, scales = kvt.export_rows(e.runner.kv_cache, req.pages, n, e.settings.page_size,
                                              layout.num_kv_heads)
             arrays = [values] + ([] if scales is None else [scales])
-            tid = self.agent.offer(arrays)
+            tid = self.agent.offer(arrays, self.timeout_s)
             info["transfer_id"] = tid
             info["arrays"] = [[list(a.shape), str(a.dtype)] for a in arrays]
             self.held[tid] = Held(req.request_id, req.pages, time.monotonic() + self.timeout_s)

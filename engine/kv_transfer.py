@@ -15,16 +15,18 @@ offering (`jax.device_put`), so the receiver pulls plain single-device arrays an
 own jitted scatter reshards them into its cache: tensor=2 -> tensor=1 and back work
 the same way.
 
-`jax.experimental.transfer` (jax 0.10.2) measured facts this relies on: `await_pull`
-returns nothing and never says when a pull happened; `pull` returns at once with
-arrays that become ready when the bytes arrive, and a pull of an id nobody offers
-never becomes ready (its own `timeout` did not fire on CPU), so `wait_ready` polls
-`is_ready()` against our own deadline.
+`jax.experimental.transfer` (jax 0.10.2, CPU) as measured: `await_pull` returns
+nothing and never says when a pull happened (so the decode side says so, serving/
+disagg.py); with `timeout` (a datetime) a later pull of that id is not served; `pull`
+returns at once with arrays that become ready when the bytes arrive, and a pull of an
+id nobody offers never becomes ready (its own `timeout` did not fire), so `wait_ready`
+polls `is_ready()` against our own deadline.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 import threading
 import time
@@ -167,10 +169,12 @@ class TransferAgent:
         self._conns: dict[str, object] = {}
         self._lock = threading.Lock()
 
-    def offer(self, arrays: list) -> int:
-        """Offers arrays for one pull; returns the transfer id (a 63-bit int)."""
+    def offer(self, arrays: list, timeout_s: float) -> int:
+        """Offers arrays for one pull within timeout_s (the server drops them after: a late
+        pull never arrives); returns the transfer id (a 63-bit int)."""
         tid = uuidlib.uuid4().int >> 65
-        self.server.await_pull(tid, list(arrays))
+        until = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
+        self.server.await_pull(tid, list(arrays), timeout=until)
         return tid
 
     def pull(self, address: str, tid: int, specs: list[tuple[tuple[int, ...], str]]) -> list:

@@ -37,7 +37,7 @@ def _stub(proc):
 def workers(tmp_path_factory):
     cache = compile_cache_dir(tmp_path_factory)
     procs = {
-        "prefill": ServeProcess("--role", "prefill", *_sets(**{"engine.kv_transfer_timeout_s": 2}), cache_dir=cache),
+        "prefill": ServeProcess("--role", "prefill", *_sets(**{"engine.kv_transfer_timeout_s": 5}), cache_dir=cache),
         "decode": ServeProcess("--role", "decode", *_sets(**{"engine.page_size": 8, "engine.kv_transfer_timeout_s": 3}),
                                 cache_dir=cache),
         "both": ServeProcess(*_sets(**{"engine.page_size": 8}), cache_dir=cache),
@@ -104,14 +104,14 @@ def test_pd_tokens_equal_one_worker(workers, i, sp, stream):
     if stream:
         assert [t for r in out[:-1] for t in r.chunk.token_ids] == list(want.output_ids)
     _wait_free(dec)
-    _wait_free(pre)  # released by the decode side at once, not by the 2 s timeout
+    _wait_free(pre, timeout=1.5)  # released by the decode side at once, not by the 5 s timeout
 
 
 def test_pull_that_never_comes_frees_after_timeout(workers):
     (_, pre), (_, dec) = workers["prefill"], workers["decode"]
     kv = _prefill_leg(pre, PROMPTS[4], "orphan")
     assert _pages(pre) > 0  # held for a decode leg that never comes
-    _wait_free(pre, timeout=6.0)  # engine.kv_transfer_timeout_s = 2
+    _wait_free(pre, timeout=10.0)  # engine.kv_transfer_timeout_s = 5
     # The decode leg arriving now finds nothing to pull: a clear status, nothing held.
     with pytest.raises(grpc.RpcError) as e:
         list(dec.Generate(_req(PROMPTS[4], "orphan", kv=kv, max_tokens=4), timeout=60))
