@@ -116,6 +116,9 @@ class Disagg:
             except (KeyError, TypeError, ValueError) as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"kv_transfer_params_json: malformed jaxfill offer ({e!r})")
+            except Exception as e:  # noqa: BLE001 - e.g. the prefill worker's transfer server is gone
+                await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                    f"KV pull from {info.get('transfer_address')} failed: {e}")
             deadline = time.monotonic() + self.timeout_s
             while not all(a.is_ready() for a in arrays):
                 if time.monotonic() >= deadline:
