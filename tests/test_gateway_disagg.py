@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import threading
 
+import grpc
 import pytest
 
 from gateway_util import SmgProcess, kill_all, smg_binary, start_worker, wait_until, worker_load
@@ -96,6 +97,14 @@ def counter(worker, name: str, **labels) -> float:
                if n == name and all(dict(ls).get(k) == want for k, want in labels.items()))
 
 
+def server_info(worker):
+    from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+    from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
+
+    with grpc.insecure_channel(worker.address) as channel:
+        return vpb_grpc.VllmEngineStub(channel).GetServerInfo(vpb.GetServerInfoRequest(), timeout=10)
+
+
 def assert_kv_relayed(gateway):
     """smg took the NIXL-style relay (prefill tagged, its kv_transfer_params passed to decode)
     and never fell back to recomputing the prompt on the decode worker."""
@@ -159,7 +168,10 @@ def test_gateway_sees_one_prefill_and_one_decode_worker(cluster):
     workers = {w["url"]: w for w in cluster.pd.get("/workers")["workers"]}
     assert workers[f"grpc://{cluster.prefill.address}"]["worker_type"] == "prefill"
     assert workers[f"grpc://{cluster.decode.address}"]["worker_type"] == "decode"
-    assert_kv_relayed(cluster.pd)
+    # What makes smg take its NIXL-style relay (any other kv_connector: no KV handed over).
+    roles = {w: server_info(w) for w in (cluster.prefill, cluster.decode, cluster.both)}
+    assert [(i.kv_connector, i.kv_role) for i in roles.values()] == \
+        [("NixlConnector", "kv_producer"), ("NixlConnector", "kv_consumer"), ("", "")]  # both: plain worker
 
 
 def test_twenty_mixed_requests_match_one_both_worker(cluster, expected):
