@@ -76,7 +76,8 @@ def test_no_bare_imports_of_the_folders(path):
 def test_every_runtime_dependency_is_imported_by_the_library():
     deps = tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))["project"]["dependencies"]
     import_name = {"orbax-checkpoint": "orbax", "grpcio": "grpc", "grpcio-health-checking": "grpc_health",
-                   "grpcio-reflection": "grpc_reflection", "protobuf": "google"}
+                   "grpcio-reflection": "grpc_reflection", "protobuf": "google",
+                   "smg-grpc-proto": "smg_grpc_proto"}
     used = set().union(*(_imported_top_levels(p) for p in LIBRARY))
     for dep in deps:
         name = dep.split(">")[0].split("=")[0].split("<")[0].strip()
