@@ -217,10 +217,12 @@ def route(name: str, cache_dir: str, reqs: list[dict], args) -> dict:
             raise ValueError(f"unknown route {name!r}")
         procs.append(gw)
         drive(gw, workload(4, 100.0, 0.5, seed=99))  # warm the connections and first-request paths
+        load_before = os.getloadavg()[0]  # other processes on the same cores skew every number
         hits_before = prefix_cache_hits(procs[:-1])
         results, elapsed = drive(gw, reqs)
         out = {"route": name, **summarize(results, elapsed, args.slo_ttft_ms / 1e3, args.slo_itl_ms / 1e3),
-               "prefix_cache_hit_tokens": prefix_cache_hits(procs[:-1]) - hits_before}
+               "prefix_cache_hit_tokens": prefix_cache_hits(procs[:-1]) - hits_before,
+               "loadavg_1min": [load_before, os.getloadavg()[0]]}
         if name == "c_disaggregated":
             log = "".join(gw.lines)
             out["kv_relayed"] = "no kv_connector detected" not in log and "no kv_transfer_params" not in log
