@@ -240,7 +240,9 @@ def check_link_gbps(link_gbps: float | None) -> None:
 
 def kv_transfer_bytes(model: ModelConfig, prompt_len: int, kv_cache_dtype: str = "auto") -> int:
     """K/V a prefill worker hands a decode worker for one prompt: every prompt token's
-    K and V in every layer (values and, when quantized, their scales)."""
+    K and V in every layer (values and, when quantized, their scales). jaxfill's own
+    handoff sends len(prompt) - 1 rows padded to a power-of-two number of pages
+    (engine/kv_transfer.py), so its wire bytes are up to 2x this."""
     return prompt_len * kv_bytes_per_token(model, kv_cache_dtype=kv_cache_dtype)
 
 
