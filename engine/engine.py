@@ -56,30 +56,9 @@ from jaxfill.engine.async_step import Launch, mark_in_flight, rewind
 from jaxfill.engine.output import append_token, record_token
 from jaxfill.engine.replicas import ReplicaScheduler
 from jaxfill.engine.runner import Runner
+from jaxfill.engine.stepping import StepGuard
+from jaxfill.engine.tokenizer import IdsOnlyTokenizer
 from jaxfill.models.quant import param_bytes
-
-
-class _IdsOnlyTokenizer:
-    """Stands in when a checkpoint has no tokenizer.json: token-id prompts only, no text."""
-
-    def __init__(self, reason: str):
-        self.reason = reason
-        self.vocab_size = None
-
-    def encode(self, text, add_bos=True):
-        raise InvalidRequest("prompt", f"text prompts need a tokenizer ({self.reason}); pass token ids")
-
-    def decode(self, ids):
-        return ""
-
-    def detokenizer(self, prompt_ids=()):
-        return self
-
-    def feed(self, ids):
-        return ""
-
-    def flush(self):
-        return ""
 
 
 class Engine:
@@ -91,7 +70,7 @@ class Engine:
         try:
             self.tokenizer = build_tokenizer(config)
         except ValueError as e:
-            self.tokenizer = _IdsOnlyTokenizer(str(e))
+            self.tokenizer = IdsOnlyTokenizer(str(e))
         mesh = build_mesh(config)
         if model is None:
             model = build_model(config, mesh, progress=progress)
@@ -104,8 +83,7 @@ class Engine:
         self.requests: dict[str, Request] = {}  # unfinished, by id
         self._lock = threading.RLock()
         self._outbox: list[RequestOutput] = []  # reported by the next step()
-        self._stepper: int | None = None  # id of the thread inside step() or warmup()
-        self._owner: int | None = None  # a serving loop's thread, which alone may step (own_stepping)
+        self._guard = StepGuard(self._lock)  # one thread steps (engine/stepping.py)
         self._arrivals = itertools.count()
         self._ids = itertools.count()
         self._seeds = random.Random(s.seed)
@@ -132,7 +110,7 @@ class Engine:
         if progress:
             print(f"jaxfill: compiling {describe_buckets(self.shapes)}", file=sys.stderr, flush=True)
         start = time.perf_counter()
-        with self._one_stepper():
+        with self._guard.claim():
             self.runner.warmup(progress)
         self.warmup_s = time.perf_counter() - start
         self.warmed_up = True
@@ -224,44 +202,14 @@ class Engine:
 
     # ------------------------------------------------------------------ step
     @contextlib.contextmanager
-    def _one_stepper(self):
-        """Refuses a second thread while one is inside step() or warmup(). The same thread is
-        let in: only an interrupt landing between the claim and the `try` can leave the
-        claim behind, and the next step on that thread clears it."""
-        me = threading.get_ident()
-        with self._lock:
-            if self._owner is not None and self._owner != me:
-                raise RuntimeError(
-                    f"this engine is stepped by a serving loop (thread ident {self._owner}): submit work "
-                    "through it, or build a second Engine for direct generate()/stream() calls")
-            owner = self._stepper
-            if owner is not None and owner != me:
-                raise RuntimeError(
-                    f"Engine.step() is already running in another thread (ident {owner}): one thread "
-                    "steps an engine (a serving loop, or one generate()/stream() at a time). From other "
-                    "threads, add_request() / abort() and let the stepping thread run them.")
-            self._stepper = me
-        try:
-            yield
-        finally:
-            self._stepper = None
-
-    @contextlib.contextmanager
     def own_stepping(self):
         """While inside, only the calling thread may step (a serving loop): another thread's
         step()/generate()/stream() is refused even between two of the owner's steps."""
-        with self._lock:
-            if self._owner is not None:
-                raise RuntimeError(f"this engine is already owned by thread ident {self._owner}")
-            self._owner = threading.get_ident()
-        try:
+        with self._guard.own():
             yield self
-        finally:
-            with self._lock:
-                self._owner = None
 
     def step(self) -> list[RequestOutput]:
-        with self._one_stepper():
+        with self._guard.claim():
             return self._step()
 
     def _recover_cache(self) -> None:
@@ -473,7 +421,7 @@ class Engine:
         """Adds one request and steps the engine until it finishes, yielding its chunks.
         Outputs of other requests go back to the outbox for whoever steps next. If the
         stream is closed early or raises, its request is aborted and its outputs dropped."""
-        self._refuse_second_stepper()
+        self._guard.refuse_others()
         rid = self.add_request(prompt, params, request_id, priority)
         done = False
         try:
@@ -508,7 +456,7 @@ class Engine:
                 checked.append(self._check_request(prompt, p, priority))
             except InvalidRequest as e:
                 raise InvalidRequest(e.field, f"prompt {i}: {str(e).removeprefix(e.field + ': ')}") from None
-        self._refuse_second_stepper()
+        self._guard.refuse_others()
         rids: list[str] = []
         results: dict[str, Completion] = {}
         try:
@@ -533,11 +481,6 @@ class Engine:
         except BaseException:
             self._discard(rids)
             raise
-
-    def _refuse_second_stepper(self) -> None:
-        """generate / stream fail before adding anything while another thread steps."""
-        with self._one_stepper():
-            pass
 
     def stats(self) -> dict:
         with self._lock:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import codecs
 import os
 
+from jaxfill.engine.request import InvalidRequest
+
 # Prompt tokens a detokenizer keeps as decoding context: enough to hold a character split
 # over up to 4 byte tokens plus the token before it.
 PROMPT_CONTEXT = 8
@@ -144,6 +146,29 @@ class HFDetokenizer:
         emitted = self._new_text()
         self.prefix_offset = self.read_offset = self.next_prefix_offset = len(self.ids)
         return emitted
+
+
+class IdsOnlyTokenizer:
+    """Stands in when a checkpoint has no tokenizer.json: token-id prompts only, no text."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+        self.vocab_size = None
+
+    def encode(self, text, add_bos=True):
+        raise InvalidRequest("prompt", f"text prompts need a tokenizer ({self.reason}); pass token ids")
+
+    def decode(self, ids):
+        return ""
+
+    def detokenizer(self, prompt_ids=()):
+        return self
+
+    def feed(self, ids):
+        return ""
+
+    def flush(self):
+        return ""
 
 
 def _tokenizer_config(tokenizer_json: str) -> dict:
