@@ -50,18 +50,7 @@ def _weights_bench():
 QW = _weights_bench()
 
 
-def all_logits(forward_fn, model, tokens: np.ndarray, kv: str) -> np.ndarray:  # [T] -> [T, V]
-    from jaxfill.models.kv_cache import KVCache, single_sequence_metadata
-
-    n = len(tokens)
-    pages = list(range(1, -(-n // PAGE) + 1))
-    cache = KVCache.create(model.config, len(pages) + 2, PAGE, fill_value=float("nan"), kv_cache_dtype=kv)
-    meta = dataclasses.replace(single_sequence_metadata(n, 0, pages, PAGE),
-                               logits_indices=jnp.arange(n, dtype=jnp.int32))
-    graphdef, state = nnx.split(model)
-    logits, _ = forward_fn(graphdef, state, jnp.asarray(tokens, jnp.int32), jnp.arange(n, dtype=jnp.int32),
-                           cache, meta)
-    return np.asarray(logits, np.float64)
+all_logits = QW.all_logits  # one definition: benchmarks/quant_weights.py
 
 
 def perplexity(forward_fn) -> dict:

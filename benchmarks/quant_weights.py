@@ -45,12 +45,13 @@ def load_train_module():
     return module
 
 
-def all_logits(forward_fn, model, tokens: np.ndarray) -> np.ndarray:  # [T] -> [T, V]
+def all_logits(forward_fn, model, tokens: np.ndarray, kv: str = "auto") -> np.ndarray:  # [T] -> [T, V]
+    """Logits at every position of one prompt, on a NaN-filled cache of dtype `kv`."""
     from jaxfill.models.kv_cache import KVCache, single_sequence_metadata
 
     n = len(tokens)
     pages = list(range(1, -(-n // PAGE) + 1))
-    cache = KVCache.create(model.config, len(pages) + 2, PAGE, fill_value=float("nan"))
+    cache = KVCache.create(model.config, len(pages) + 2, PAGE, fill_value=float("nan"), kv_cache_dtype=kv)
     meta = dataclasses.replace(single_sequence_metadata(n, 0, pages, PAGE),
                                logits_indices=jnp.arange(n, dtype=jnp.int32))
     graphdef, state = nnx.split(model)
