@@ -17,7 +17,6 @@ Every process is killed at the end, even on failure."""
 
 from __future__ import annotations
 
-import argparse
 import threading
 
 import grpc
@@ -26,20 +25,9 @@ import pytest
 from gateway_util import SmgProcess, kill_all, smg_binary, start_worker, wait_until, worker_load
 from serving_util import compile_cache_dir, scrape
 
-openai = pytest.importorskip("openai")
+import openai  # the test extra installs it, and smg: missing is a failure, never a skip
 
-
-def roles_supported() -> bool:
-    """True once `jaxfill serve` takes --role (the worker side of issue 13)."""
-    from jaxfill.serving.commands import serve
-
-    p = argparse.ArgumentParser()
-    serve.add_arguments(p)
-    return any("--role" in a.option_strings for a in p._actions)
-
-
-pytestmark = [pytest.mark.skipif(smg_binary() is None, reason="the smg gateway is not installed (test extra)"),
-              pytest.mark.skipif(not roles_supported(), reason="jaxfill serve has no --role yet (issue 13)")]
+assert smg_binary(), "the smg gateway binary is not on PATH: pip install -e '.[test]'"
 
 SMG_FLAGS = ["--worker-wedge-secs", "30", "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
              "--health-success-threshold", "1", "--retry-max-retries", "2", "--retry-initial-backoff-ms", "200",
