@@ -57,12 +57,7 @@ def perplexity(forward_fn) -> dict:
     from jaxfill.engine.config import load_config
     from jaxfill.models.checkpoint import load_hf_params
 
-    train = QW.load_train_module()
-    _, held = train.load_corpus()
-    seq = 128
-    starts = train.line_starts(held, seq)
-    picks = starts[np.linspace(0, len(starts) - 1, 64).astype(int)]
-    batch = train.make_batch(held, picks, seq)  # [64, 129]: BOS + 128 bytes
+    batch = QW.held_out_batch()  # [64, 129]: BOS + 128 bytes
     cfg = load_config("tiny")
     modes = [("auto", kv) for kv in KV_MODES] + [("int8", "int8")]
     out = {}

@@ -66,16 +66,20 @@ def nll(logits: np.ndarray, targets: np.ndarray) -> float:  # mean nats over row
     return float(np.mean(logz - logits[np.arange(len(targets)), targets]))
 
 
+def held_out_batch(seq: int = 128, rows: int = 64) -> np.ndarray:  # [rows, seq + 1]: BOS + seq bytes
+    """Windows of the trained tiny model's held-out text, picked as configs/tiny/train.py evaluates."""
+    train = load_train_module()
+    _, held = train.load_corpus()
+    starts = train.line_starts(held, seq)
+    picks = starts[np.linspace(0, len(starts) - 1, rows).astype(int)]
+    return train.make_batch(held, picks, seq)
+
+
 def perplexity(forward_fn) -> dict:
     from jaxfill.engine.config import load_config
     from jaxfill.models.checkpoint import load_hf_params
 
-    train = load_train_module()
-    _, held = train.load_corpus()
-    seq = 128
-    starts = train.line_starts(held, seq)
-    picks = starts[np.linspace(0, len(starts) - 1, 64).astype(int)]
-    batch = train.make_batch(held, picks, seq)  # [64, 129]: BOS + 128 bytes
+    batch = held_out_batch()
     cfg = load_config("tiny")
     out = {}
     for wd in ("auto", "int8"):
