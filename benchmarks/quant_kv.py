@@ -106,7 +106,6 @@ def top1_agreement(forward_fn, positions: int) -> dict:
 def memory() -> dict:
     from jaxfill.engine.config import load_config
     from jaxfill.engine.hardware import load_hardware
-    from jaxfill.models.kv_cache import KVCache
 
     out = {}
     for hw_name, tensor in (("h100_sxm", 1), ("tpu_v5e", 4), ("tpu_v5e", 8)):

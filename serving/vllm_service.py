@@ -164,7 +164,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         return vpb.HealthCheckResponse(healthy=False, message=f"not serving: {state}")
 
     async def GetModelInfo(self, request, context):
-        cfg, m = self.config, self.config.model
+        m = self.config.model
         tok = self.core.tokenizer
         eos = getattr(tok, "eos_token_ids", None) or m.eos_token_id or ()
         bos = getattr(tok, "bos_token_id", None)

@@ -4,7 +4,6 @@ for tests and benchmarks/gateway.py: start, wait until it routes, read worker st
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import threading

@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 
-import jax
 import numpy as np
 import pytest
 
@@ -65,7 +64,6 @@ def run_one(engine: Engine, rid: str):
 
 def rows(engine: Engine, pages, n):
     """[L, n, 2*Hkv, D] values (and scales) of the first n tokens held in `pages`."""
-    ps = engine.settings.page_size
     out = []
     for leaf in engine.runner.kv_cache.pages:
         parts = (leaf.values, leaf.scales) if isinstance(leaf, QuantizedPages) else (leaf,)

@@ -326,7 +326,7 @@ def _worker():  # noqa: C901 - one script, many checks
     def load_placement():
         import tempfile
 
-        from jaxfill.models.checkpoint import load_hf_params, save_params  # noqa: F401
+        from jaxfill.models.checkpoint import load_hf_params
         big = ModelConfig(vocab_size=128256, hidden_size=128, intermediate_size=256, num_layers=1,
                           num_heads=8, num_kv_heads=2, head_dim=16, seed=5)
         mesh = mesh_of(1, 8, 1)
