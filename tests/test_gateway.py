@@ -189,9 +189,12 @@ def test_client_disconnect_mid_stream_aborts_on_the_worker_and_frees_its_pages(c
 def test_killed_worker_fails_over_then_rejoins_after_restart(cluster):
     victim = cluster.workers[1]
     results, errors = [], []
+    stop = threading.Event()
 
     def client_loop(k: int):
-        for i in range(4):
+        i = 0
+        while not stop.is_set():  # keep requests in flight until well after the kill
+            i += 1
             try:
                 r = cluster.client.completions.create(model=cluster.gateway.model, prompt=f"{uuid.uuid4().hex} {k}.{i}:",
                                                       max_tokens=48, temperature=0)
@@ -202,13 +205,18 @@ def test_killed_worker_fails_over_then_rejoins_after_restart(cluster):
     threads = [threading.Thread(target=client_loop, args=(k,)) for k in range(4)]
     for t in threads:
         t.start()
-    wait_until(lambda: len(results) >= 2 and worker_load(victim.address).num_running_reqs > 0, 60,
-               "answers, and requests running on the victim", interval=0.02)
-    victim.kill()  # mid-run: requests are in flight on it
-    for t in threads:
-        t.join(120)
+    try:
+        wait_until(lambda: worker_load(victim.address).num_running_reqs > 0, 120,
+                   "requests running on the victim", interval=0.005)
+        victim.kill()  # mid-run: requests are in flight on it
+        done_at_kill = len(results)
+        wait_until(lambda: len(results) >= done_at_kill + 8 or errors, 120, "requests after the kill")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
     assert not errors, errors
-    assert len(results) == 16 and all(n == 48 for n in results), results
+    assert len(results) >= 8 and all(n == 48 for n in results), results
 
     url = f"grpc://{victim.address}"
     port = victim.port
