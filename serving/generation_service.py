@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-import uuid
 
 import grpc
 
@@ -14,12 +13,8 @@ from jaxfill.serving.request_core import BadField, RequestCore
 from jaxfill.serving.proto.jaxfill.v1 import generation_pb2 as pb
 from jaxfill.serving.proto.jaxfill.v1 import generation_pb2_grpc as pb_grpc
 
-MAX_REQUEST_ID_LEN = 256
 MAX_CACHE_SALT_LEN = 1024
 DEFAULT_MAX_TOKENS = 16  # when sampling.max_tokens is unset (and the prompt leaves room for it)
-
-# Engine-side field names -> where they sit in the request message.
-_PROMPT_FIELD = {"text": "text", "token_ids": "token_ids.ids"}
 
 
 def sampling_from_proto(s: pb.SamplingParams, room: int) -> SamplingParams:
@@ -62,19 +57,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def _parse(self, request: pb.GenerateRequest) -> tuple[str, list[int], SamplingParams]:
         core = self.core
-        rid = request.request_id or uuid.uuid4().hex
-        if len(rid) > MAX_REQUEST_ID_LEN:
-            raise BadField("request_id", f"longer than {MAX_REQUEST_ID_LEN} characters")
-        which = request.WhichOneof("input")
-        if which is None:
-            raise BadField("input", "set either text or token_ids")
-        if which == "text":
-            if not request.text:
-                raise BadField("text", "is empty")
-            ids = await core.encode(request.text)
-        else:
-            ids = list(request.token_ids.ids)
-        core.check_prompt(ids, _PROMPT_FIELD[which])
+        rid = core.request_id(request.request_id)
+        ids = await core.prompt(request.WhichOneof("input"), request.text, request.token_ids.ids,
+                                "token_ids.ids", "text or token_ids")
         params = sampling_from_proto(request.sampling, core.max_model_len - len(ids))
         if len(request.cache_salt) > MAX_CACHE_SALT_LEN:
             raise BadField("cache_salt", f"longer than {MAX_CACHE_SALT_LEN} characters")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 
 import grpc
 
@@ -19,6 +20,7 @@ from jaxfill.serving.engine_loop import DRAINING, FAILED, SERVING, STOPPED, WARM
 from jaxfill.serving.proto.jaxfill.v1 import generation_pb2 as pb
 
 MAX_STOP_STRINGS = 16
+MAX_REQUEST_ID_LEN = 256
 # The client's deadline runs out a network hop before ours (grpc-timeout is counted from
 # when each side saw the call), so a cancel this close to our deadline is the deadline.
 DEADLINE_SLACK_S = 0.25
@@ -65,6 +67,26 @@ class RequestCore:
         if len(text) > OFFLOAD_TEXT_CHARS:
             return await asyncio.get_running_loop().run_in_executor(None, self.tokenizer.encode, text, add_bos)
         return self.tokenizer.encode(text, add_bos)
+
+    @staticmethod
+    def request_id(rid: str) -> str:
+        """The client's id, or a fresh one when it sent none."""
+        if len(rid) > MAX_REQUEST_ID_LEN:
+            raise BadField("request_id", f"longer than {MAX_REQUEST_ID_LEN} characters")
+        return rid or uuid.uuid4().hex
+
+    async def prompt(self, which: str | None, text: str, ids, ids_field: str, choices: str) -> list[int]:
+        """The prompt of a message whose `input` oneof is text or token ids, validated.
+        which: the oneof's set field (None: neither); choices: how the message names them."""
+        if which is None:
+            raise BadField("input", f"set either {choices}")
+        if which == "text":
+            if not text:
+                raise BadField("text", "is empty")
+            ids, ids_field = await self.encode(text), "text"
+        ids = list(ids)
+        self.check_prompt(ids, ids_field)
+        return ids
 
     def check_prompt(self, ids: list[int], field: str) -> None:
         try:

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import os
 import time
-import uuid
 from datetime import datetime, timezone
 from importlib import resources
 
@@ -28,7 +27,6 @@ from jaxfill.serving.engine_loop import DRAINING, SERVING
 from jaxfill.serving.request_core import BadField, RequestCore
 
 VLLM_SERVICE = vpb.DESCRIPTOR.services_by_name["VllmEngine"].full_name  # vllm.grpc.engine.VllmEngine
-MAX_REQUEST_ID_LEN = 256
 SERVER_TYPE = "vllm-grpc"  # the protocol, as GetServerInfoResponse documents the field
 # smg gives SubscribeKvEvents 2 s to answer and takes a silent stream for a dead worker:
 # a load-only batch goes out at once and whenever the cache has been quiet this long.
@@ -68,22 +66,10 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
     # ------------------------------------------------------------------ Generate
     async def _parse(self, request: vpb.GenerateRequest):
         core = self.core
-        rid = request.request_id or uuid.uuid4().hex
-        if len(rid) > MAX_REQUEST_ID_LEN:
-            raise BadField("request_id", f"longer than {MAX_REQUEST_ID_LEN} characters")
+        rid = core.request_id(request.request_id)
         conv.check_request_fields(request)
-        which = request.WhichOneof("input")
-        if which is None:
-            raise BadField("input", "set either tokenized.input_ids or text")
-        if which == "text":
-            if not request.text:
-                raise BadField("text", "is empty")
-            ids = await core.encode(request.text)
-            field = "text"
-        else:
-            ids = list(request.tokenized.input_ids)
-            field = "tokenized.input_ids"
-        core.check_prompt(ids, field)
+        ids = await core.prompt(request.WhichOneof("input"), request.text, request.tokenized.input_ids,
+                                "tokenized.input_ids", "tokenized.input_ids or text")
         params = conv.sampling_from_proto(request.sampling_params, core.max_model_len - len(ids), core.vocab_size)
         core.check_params(params, conv.SP)
         core.check_fits(len(ids), params.max_tokens, conv.SP + "max_tokens")
