@@ -10,8 +10,9 @@ an engine doing both would.
 
 Decode side: `admit` allocates pages for the pulled rows, scatters them into its own
 pool (engine/kv_transfer.py) and starts the request running with those tokens counted
-as computed. Everything here runs under the engine lock; admit and export on the
-stepping thread, since both touch the donated KV cache.
+as computed. Offers, releases and admissions run under the engine lock, and export and
+admit on the stepping thread, since both touch the donated KV cache; `pull` only starts
+the transfer (off the lock) and never touches the cache.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class KVHandoff:
         self.offers: dict[str, dict] = {}  # request id -> what the decode side needs
         self.num_released = 0
         self.num_expired = 0
+        # The cache's layout never changes: computed once, compared with every offer.
+        self.layout = kvt.Layout.of(engine.config, engine.runner.kv_cache)
 
     # ------------------------------------------------------------------ prefill side
     def take_on_finish(self, req: Request, reason: str) -> None:
@@ -59,7 +62,7 @@ class KVHandoff:
         if reason not in ("stop", "length") or req.num_computed < n:
             return
         e = self.engine
-        layout = kvt.Layout.of(e.config, e.runner.kv_cache)
+        layout = self.layout
         info = {"num_tokens": n, "prompt_digest": prompt_digest(req.prompt_ids[:n]),
                 "cached_tokens": int(req.cached_tokens or 0), "layout": layout.to_json(),
                 "transfer_address": self.agent.address}
@@ -79,6 +82,7 @@ class KVHandoff:
         held = self.held.pop(tid, None)
         if held is None:
             return False
+        self.offers.pop(held.request_id, None)  # nobody will take it any more
         self.engine.scheduler.replicas[0].bm.free(held.pages)
         self.num_released += 1
         return True
@@ -101,7 +105,7 @@ class KVHandoff:
             raise kvt.TransferFailed(f"the offer holds {n} tokens; this prompt needs {len(prompt_ids) - 1}")
         if info.get("prompt_digest") != prompt_digest(prompt_ids[:n]):
             raise kvt.TransferFailed("the offered KV belongs to a different prompt (digest mismatch)")
-        mine = kvt.Layout.of(self.engine.config, self.engine.runner.kv_cache).to_json()
+        mine = self.layout.to_json()
         if info.get("layout") != mine:
             raise kvt.TransferFailed(f"KV layout {info.get('layout')} does not match this engine's {mine}")
         if n == 0:
@@ -121,14 +125,22 @@ class KVHandoff:
             if request_id in e.requests:
                 raise InvalidRequest("request_id", f"{request_id!r} is already in flight")
             sched = e.scheduler.replicas[0]
+            if len(sched.running) >= sched.max_seqs:
+                raise QueueFull(f"{len(sched.running)} requests running (engine.max_num_seqs)")
+            if num_tokens and arrays[0].shape[1] < num_tokens:
+                raise kvt.TransferFailed(f"the pulled rows hold {arrays[0].shape[1]} tokens, not {num_tokens}")
             need = sched.bm.pages_for(num_tokens)
             if not sched.bm.can_allocate(need):
                 raise QueueFull(f"{need} pages for a prefilled prompt; {sched.bm.num_free} free")
             pages = sched.bm.allocate(need)
             if num_tokens:
                 values, scales = arrays[0], (arrays[1] if len(arrays) > 1 else None)
-                e.runner.kv_cache = kvt.import_rows(e.runner.kv_cache, values, scales, pages, num_tokens,
-                                                    e.settings.page_size)
+                try:
+                    e.runner.kv_cache = kvt.import_rows(e.runner.kv_cache, values, scales, pages, num_tokens,
+                                                        e.settings.page_size)
+                except BaseException:
+                    sched.bm.free(pages)
+                    raise
             seed = params.seed if params.seed is not None else e._seeds.getrandbits(63)
             req = Request(request_id, ids, params, priority, next(e._arrivals), seed,
                           eos_token_ids=e.config.model.eos_token_id or ())

@@ -50,6 +50,9 @@ class Disagg:
             raise ValueError(f"--role must be one of {', '.join(ROLES)}, got {role!r}")
         if role != "both" and engine.config.mesh.data != 1:
             raise ValueError("--role prefill/decode needs mesh.data = 1 (one page pool)")
+        if role != "both" and engine.config.mesh.num_processes > 1:
+            # Export and import run on process 0 alone; followers would replay steps without them.
+            raise ValueError("--role prefill/decode runs in one process (no --num-processes)")
         self.engine, self.loop, self.role, self.host = engine, loop, role, host
         self.grpc_address: str | None = None
         self.timeout_s = float(engine.settings.kv_transfer_timeout_s)
@@ -86,6 +89,8 @@ class Disagg:
 
     def hold(self, rid: str) -> None:
         """Prefill: the request's pages outlive its finish (admit hook of the engine loop)."""
+        self.engine.enable_kv_transfer(self.host)  # here, bound to --kv-host, not on the stepping thread
+
         def admit(engine, ids, params, request_id, priority):
             engine.add_request(ids, params, request_id=request_id, priority=priority)
             engine.hold_pages(request_id)

@@ -384,19 +384,20 @@ class EngineLoop:
         while self._backlog:
             _, stream, prompt_ids, params, priority = self._backlog[0]
             try:
-                admit = self.admit_hooks.pop(stream.request_id, None)  # serving/disagg.py
+                admit = self.admit_hooks.get(stream.request_id)  # serving/disagg.py
                 if admit is not None:
                     admit(self.engine, prompt_ids, params, stream.request_id, priority)
                 else:
                     self.engine.add_request(prompt_ids, params, request_id=stream.request_id, priority=priority)
                 self._in_engine[stream.request_id] = stream
             except QueueFull:
-                break  # the engine's waiting queue is full: the rest goes in as steps empty it
+                break  # the engine is full: the rest (hooks kept) goes in as steps empty it
             except InvalidRequest as e:
                 items.append(("error", stream, e, time.monotonic()))
             except Exception as e:  # noqa: BLE001 - one bad request must not stop the loop
                 log.error("add_request(%s) failed:\n%s", stream.request_id, traceback.format_exc())
                 items.append(("error", stream, StepFailed(f"add_request failed: {e}"), time.monotonic()))
+            self.admit_hooks.pop(stream.request_id, None)
             self._backlog.popleft()
         return items
 

@@ -18,7 +18,7 @@ import pytest
 
 from jaxfill.engine import kv_transfer as kvt
 from jaxfill.engine.engine import Engine
-from jaxfill.engine.request import SamplingParams
+from jaxfill.engine.request import QueueFull, SamplingParams
 from jaxfill.models.kv_cache import KVCache
 from jaxfill.pallas_kernels import QuantizedPages
 
@@ -166,7 +166,7 @@ def test_offer_for_another_prompt_is_refused(engines):
 PREFILL_SCRIPT = r"""
 import json, sys
 from jaxfill.engine.engine import Engine
-from jaxfill.engine.request import SamplingParams
+from jaxfill.engine.request import QueueFull, SamplingParams
 overrides, prompt = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 e = Engine.from_config("tiny_random", overrides=overrides, progress=False)
 rid = e.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
@@ -205,3 +205,38 @@ def test_prefill_in_another_process_on_another_mesh(engines, tensor):
     got = run_one(dst, rid)
     assert got.token_ids == want.token_ids
     assert dst.stats()["pages_free"] == dst.stats()["pages_total"]
+
+
+def test_admission_respects_the_batch_and_never_leaks_pages(engines):
+    """A prefilled request counts against max_num_seqs (QueueFull, so the serving loop
+    retries it with its hook), and rows too short for their prompt free what was taken."""
+    src, _ = engines
+    dst = make(8, **{"engine.max_num_seqs": 1})
+    info = prefill(src)
+    try:
+        arrays, n = dst.enable_kv_transfer().pull(info, PROMPT)
+        assert kvt.wait_ready(arrays, time.monotonic() + 30)
+        free = dst.stats()["pages_free"]
+        blocker = dst.add_request([5, 6, 7], SamplingParams(max_tokens=4))
+        dst.step()  # the blocker runs: the only batch slot is taken
+        with pytest.raises(QueueFull, match="max_num_seqs"):
+            dst.add_prefilled_request(PROMPT, PREFILL_ONLY, "full", arrays, n, 0)
+        run_one(dst, blocker)
+        extra = arrays[0].shape[1] - n + 1  # one token more than the (padded) rows hold
+        with pytest.raises(kvt.TransferFailed, match="hold"):
+            dst.add_prefilled_request(PROMPT + [1] * extra, PREFILL_ONLY, "short", arrays, n + extra, 0)
+        assert dst.stats()["pages_free"] == free and not dst.requests
+    finally:
+        src.release_held(info["transfer_id"])
+
+
+def test_an_expired_offer_leaves_no_entry_behind():
+    src = make(16, **{"engine.kv_transfer_timeout_s": 0.1})
+    prefill(src)  # takes its offer
+    rid = src.add_request(PROMPT, PREFILL_ONLY)  # a second one whose offer nobody takes
+    src.hold_pages(rid)
+    while src.has_unfinished():
+        src.step()
+    time.sleep(0.15)
+    assert src.expire_held() == 1
+    assert src.take_kv_offer(rid) is None and not src.kv_handoff.offers
