@@ -27,7 +27,7 @@ class EngineSettings:
     # per data replica, including the reserved null page 0; 0: as many as fit in
     # memory_utilization of the device's memory after weights and activations (engine/memory.py)
     num_pages: int = 1024
-    memory_utilization: float = 0.9  # share of device memory (CPU: of RAM) num_pages = 0 may fill
+    memory_utilization: float = 0.9  # share of the allocator's limit (CPU: of RAM) num_pages = 0 may fill
     max_model_len: int = 4096
     max_num_seqs: int = 16  # sequences per step
     max_num_batched_tokens: int = 256  # token budget per step
@@ -203,7 +203,8 @@ def load_config(config: str = "tiny", overrides: Mapping[str, Any] | list[str] |
 
 def _fit_max_model_len(values: dict[str, Any], explicit: bool, model: ModelConfig) -> dict[str, Any]:
     """A preset's max_model_len is a default: it shrinks to what the model supports, so a
-    checkpoint with a shorter context still loads. A value the user set stays binding."""
+    checkpoint with a shorter context still loads (values in a TOML file count as preset
+    defaults). A value set as an override (`--set`, `overrides=`) stays binding."""
     wanted = int(values.get("max_model_len", EngineSettings.max_model_len))
     limit = model.max_position_embeddings
     if wanted <= limit:

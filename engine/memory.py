@@ -5,7 +5,10 @@ Per device, after the weights are placed:
     num_pages = floor((capacity * memory_utilization - in_use - activation_peak) / page_bytes)
 
 * capacity, in_use: GPU/TPU: `device.memory_stats()` `bytes_limit` and `bytes_in_use`
-  (the weights and anything else already resident). CPU has no memory_stats: capacity =
+  (the weights and anything else already resident). `bytes_limit` is the XLA allocator's
+  limit, not the HBM size: on GPU, by default 75% of it (XLA_PYTHON_CLIENT_MEM_FRACTION),
+  so the planner's `kv_pool_pages`, which starts from the hardware table's HBM, is an
+  upper bound there (not checked on a GPU). CPU has no memory_stats: capacity =
   MemAvailable (/proc/meminfo) / (this process's mesh devices) + in_use, in_use = this
   device's param bytes; i.e. its share of the RAM free now plus what its weights already
   take, so the same utilization means the same thing as on an accelerator.

@@ -41,6 +41,7 @@ import math
 from jaxfill.engine.config import Config, EngineSettings, MeshSettings
 from jaxfill.engine.hardware import Hardware
 from jaxfill.models.config import ModelConfig
+from jaxfill.models.kv_cache import kv_bytes_per_token as cache_bytes_per_token
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -124,19 +125,12 @@ def weights_read_bytes(model: ModelConfig, num_tokens: int) -> int:
     return total - model.vocab_size * e * b + min(num_tokens, model.vocab_size) * e * b
 
 
-KV_SCALE_BYTES = 4  # one f32 scale per (token, K or V, head) in an int8 / fp8 cache
-
-
 def kv_bytes_per_token(model: ModelConfig, kv_heads: int | None = None,
                        kv_cache_dtype: str = "auto") -> int:
-    """K and V of every layer: 2 * layers * kv_heads * head_dim * bytes ("auto": the model's
-    dtype); int8 / float8_e4m3fn: 1 byte per value plus 2 * layers * kv_heads f32 scales."""
+    """K and V of every layer (int8 / fp8: plus their f32 scales), as the cache allocates
+    them: the one formula lives beside KVCache (models/kv_cache.py)."""
     heads = model.num_kv_heads if kv_heads is None else kv_heads
-    if kv_cache_dtype == "auto":
-        return 2 * model.num_layers * heads * model.head_dim * dtype_bytes(model)
-    if kv_cache_dtype not in ("int8", "float8_e4m3fn"):
-        raise ValueError(f"kv_cache_dtype must be auto, int8 or float8_e4m3fn, got {kv_cache_dtype!r}")
-    return 2 * model.num_layers * heads * (model.head_dim + KV_SCALE_BYTES)
+    return cache_bytes_per_token(model.num_layers, heads, model.head_dim, kv_cache_dtype, model.jnp_dtype)
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:

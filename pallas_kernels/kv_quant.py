@@ -93,10 +93,3 @@ def init_quantized_pages(num_pages: int, page_size: int, num_kv_heads: int, head
                             fill_value if fill_value != fill_value else 1.0)
     values = jnp.zeros((num_pages, page_size, 2 * num_kv_heads, head_dim), dtype)
     return QuantizedPages(values, scales)
-
-
-def as_arrays(pages) -> tuple[jax.Array, jax.Array | None]:
-    """(values, scales) of a quantized layer, (pages, None) of a plain one."""
-    if isinstance(pages, QuantizedPages):
-        return pages.values, pages.scales
-    return pages, None

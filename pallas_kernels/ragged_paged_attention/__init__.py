@@ -5,9 +5,8 @@ from __future__ import annotations
 import importlib
 
 import jax
-import jax.numpy as jnp
 
-from jaxfill.pallas_kernels.kv_quant import QuantizedPages
+from jaxfill.pallas_kernels.kv_quant import QuantizedPages, is_quantized
 
 # impl name -> (module, function). Modules import lazily so a backend's toolchain is
 # only needed when that backend is asked for.
@@ -33,7 +32,7 @@ def resolve_impl(impl: str) -> str:
 
 def validate(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales=None):
     """Static shape checks at trace time, so mistakes fail here, not deep inside XLA."""
-    quantized = jnp.dtype(kv_pages.dtype) in (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
+    quantized = is_quantized(kv_pages.dtype)
     if quantized != (kv_scales is not None):
         raise ValueError(f"kv_scales must be given exactly when kv_pages are int8/float8_e4m3fn: "
                          f"pages {kv_pages.dtype}, scales {None if kv_scales is None else kv_scales.shape}")
