@@ -325,8 +325,8 @@ class Engine:
         if req.finished or self.requests.get(req.request_id) is not req:
             return None  # aborted or stopped; an extra token computed for it is dropped here
         try:
-            if req.status == Status.RUNNING:
-                self.scheduler.register_computed(req, sch.start + sch.num_new)
+            if req.status == Status.RUNNING:  # (re-admitted since: not beyond what it has computed)
+                self.scheduler.register_computed(req, min(sch.start + sch.num_new, req.num_computed), sch.start)
             if sch.samples:
                 req.in_flight -= 1
                 return self._append(req, int(host.tokens[row]), host, row, now)
@@ -341,7 +341,7 @@ class Engine:
             return None  # aborted while the step ran
         try:
             req.num_computed = sch.start + sch.num_new
-            self.scheduler.register_computed(req)
+            self.scheduler.register_computed(req, start=sch.start)
             if sch.samples:
                 return self._append(req, int(host.tokens[row]), host, row, now)
         except Exception as e:  # noqa: BLE001

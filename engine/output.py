@@ -1,10 +1,10 @@
 """One sampled token into a request's host state: ids, logprobs, text, stop conditions.
 
 Two halves. `record_token` is what scheduling needs (ids, timings, EOS / stop ids /
-max_tokens / max_model_len) and always runs on the engine thread. `TextState.feed`
+max_tokens / max_model_len) and always runs on the engine thread. `feed_text`
 (incremental detokenization and stop strings) and `format_logprob` only make what a
 client reads: `append_token` runs both inline; a serving loop can take the text half
-off the engine thread (Engine.defer_text, engine/text_stage.py).
+off the engine thread (Engine.defer_text, serving/text_stage.py).
 """
 
 from __future__ import annotations

@@ -52,8 +52,8 @@ class ReplicaScheduler:
     def remove(self, req: Request) -> None:
         self.replicas[req.replica].remove(req)
 
-    def register_computed(self, req: Request, upto: int | None = None) -> None:
-        self.replicas[req.replica].register_computed(req, upto)
+    def register_computed(self, req: Request, upto: int | None = None, start: int = 0) -> None:
+        self.replicas[req.replica].register_computed(req, upto, start)
 
     def schedule(self) -> list[SchedulerOutput]:
         """One SchedulerOutput per replica (empty ones included: they still take a row block)."""

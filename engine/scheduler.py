@@ -146,14 +146,16 @@ class Scheduler:
             self._preempt(req)
         self.bm.reset_prefix_cache()
 
-    def register_computed(self, req: Request, upto: int | None = None) -> None:
+    def register_computed(self, req: Request, upto: int | None = None, start: int = 0) -> None:
         """Publishes the request's full pages computed up to `upto` tokens (default: all
-        computed; async scheduling passes the step whose results arrived)."""
+        computed; async scheduling passes the step whose results arrived). Pages ending
+        before `start` (the chunk's first token) were published when they were computed or
+        hit, so a step only walks its own chunk's pages, not the whole context."""
         if not self.bm.enable_prefix_caching:
             return
         hashes = self._hashes(req, req.num_computed if upto is None else upto)
-        for i, (page, h) in enumerate(zip(req.pages, hashes)):
-            self.bm.register(page, h, parent=hashes[i - 1] if i else None, token_at=req.token,
+        for i in range(start // self.page_size, min(len(req.pages), len(hashes))):
+            self.bm.register(req.pages[i], hashes[i], parent=hashes[i - 1] if i else None, token_at=req.token,
                              first=i * self.page_size)
 
     # ------------------------------------------------------------------ schedule
