@@ -232,7 +232,8 @@ def test_admission_respects_the_batch_and_never_leaks_pages(engines):
 
 def test_an_expired_offer_leaves_no_entry_behind():
     src = make(16, **{"engine.kv_transfer_timeout_s": 0.1})
-    prefill(src)  # takes its offer
+    taken = prefill(src)  # takes its offer; its pull is then done
+    assert src.release_held(taken["transfer_id"])
     rid = src.add_request(PROMPT, PREFILL_ONLY)  # a second one whose offer nobody takes
     src.hold_pages(rid)
     while src.has_unfinished():
