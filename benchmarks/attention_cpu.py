@@ -1,6 +1,6 @@
 """Causal prefill attention on CPU: jaxfill's impl="xla" vs torch SDPA(is_causal=True).
 
-    python benchmarks/attention_cpu.py [--seq 2048 8192] [--rounds 3] [--repeats 5]
+    python benchmarks/attention_cpu.py [--seq 2048 8192] [--rounds 3] [--repeats 5] [--devices 1 2]
 
 Shape: one sequence, 8 q heads / 2 KV heads / head_dim 64, f32 (the DESIGN.md bench
 shape). jaxfill reads K/V from a paged cache (page_size 16, pages in shuffled order);
@@ -8,6 +8,9 @@ torch gets contiguous [1, H, S, D] tensors (its best case). Each framework runs 
 subprocess (no shared thread pools), and the pair is run `--rounds` times alternating,
 so slow phases of a shared machine hit both; each process reports the median of
 `--repeats` timed calls after warm-up, and the table shows the median over rounds.
+`--devices N` runs jaxfill on N XLA CPU devices (--xla_force_host_platform_device_count)
+with the heads split over them by `shard_map`, the layout the engine uses with
+mesh.tensor = N; 1 is the plain single-device call.
 Writes benchmarks/results/attention_cpu.json.
 """
 
@@ -58,10 +61,11 @@ def worker_torch(seq: int, repeats: int) -> dict:
     return {"times_s": times, "threads": torch.get_num_threads(), "version": torch.__version__}
 
 
-def worker_jax(seq: int, repeats: int, impl: str) -> dict:
+def worker_jax(seq: int, repeats: int, impl: str, devices: int) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     sys.path.insert(0, ROOT)
     from jaxfill.pallas_kernels import ragged_paged_attention
@@ -73,19 +77,28 @@ def worker_jax(seq: int, repeats: int, impl: str) -> dict:
     page_indices = jnp.asarray(rng.permutation(num_pages)[None].astype(np.int32))
     meta = (jnp.asarray([seq], jnp.int32), page_indices, jnp.asarray([0, seq], jnp.int32),
             jnp.asarray([1], jnp.int32))
-    fn = jax.jit(lambda q, pages, *m: ragged_paged_attention(
-        q, pages, *m, sm_scale=D ** -0.5, impl=impl))
+    attend = lambda q, pages, *m: ragged_paged_attention(q, pages, *m, sm_scale=D ** -0.5, impl=impl)
+    if devices > 1:  # heads split over the devices, as models/sharding.sharded_attention does
+        mesh = Mesh(np.array(jax.devices()[:devices]), ("tensor",))
+        head_spec, page_spec = P(None, "tensor", None), P(None, None, "tensor", None)
+        attend = jax.shard_map(attend, mesh=mesh, in_specs=(head_spec, page_spec) + (P(),) * 4,
+                               out_specs=head_spec, check_vma=False)
+        q = jax.device_put(q, NamedSharding(mesh, head_spec))
+        pages = jax.device_put(pages, NamedSharding(mesh, page_spec))
+        meta = tuple(jax.device_put(m, NamedSharding(mesh, P())) for m in meta)
+    fn = jax.jit(attend)
     times = time_calls(lambda: fn(q, pages, *meta).block_until_ready(), repeats)
     return {"times_s": times, "devices": len(jax.devices()), "version": jax.__version__,
             "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
 
-def run_worker(framework: str, seq: int, repeats: int, impl: str) -> dict:
+def run_worker(framework: str, seq: int, repeats: int, impl: str, devices: int = 1) -> dict:
     env = dict(os.environ)
     if framework == "jax":
-        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + JAX_XLA_FLAGS).strip()
+        flags = f"{JAX_XLA_FLAGS} --xla_force_host_platform_device_count={devices}"
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + flags).strip()
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", framework, "--seq",
-           str(seq), "--repeats", str(repeats), "--impl", impl]
+           str(seq), "--repeats", str(repeats), "--impl", impl, "--devices", str(devices)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -95,42 +108,49 @@ def main():
     ap.add_argument("--seq", type=int, nargs="+", default=[2048, 8192])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--impl", default="xla")
+    ap.add_argument("--impl", default="auto", help="comma-separated impls to time")
+    ap.add_argument("--devices", type=int, nargs="+", default=[1, os.cpu_count()],
+                    help="XLA CPU device counts to time jaxfill on (heads split over them)")
     ap.add_argument("--worker", choices=["jax", "torch"])
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args()
     if args.worker:
-        res = (worker_jax(args.seq[0], args.repeats, args.impl) if args.worker == "jax"
+        res = (worker_jax(args.seq[0], args.repeats, args.impl, args.devices[0]) if args.worker == "jax"
                else worker_torch(args.seq[0], args.repeats))
         print(json.dumps(res))
         return
 
     rows = []
     load_before = os.getloadavg()
+    impls = args.impl.split(",")
+    variants = [(impl, n) for impl in impls for n in args.devices]
     for seq in args.seq:
         repeats = args.repeats if seq <= 4096 else max(3, args.repeats // 2)
-        per = {"jax": [], "torch": []}
+        per = {v: [] for v in variants + ["torch"]}
         meta = {}
-        for _ in range(args.rounds):
-            for fw in ("torch", "jax"):
-                r = run_worker(fw, seq, repeats, args.impl)
-                per[fw].append(statistics.median(r["times_s"]))
-                meta[fw] = {k: v for k, v in r.items() if k != "times_s"}
-        jax_ms = statistics.median(per["jax"]) * 1e3
+        for _ in range(args.rounds):  # alternate: torch, then each jaxfill variant
+            for v in ["torch"] + variants:
+                r = (run_worker("torch", seq, repeats, "") if v == "torch"
+                     else run_worker("jax", seq, repeats, v[0], v[1]))
+                per[v].append(statistics.median(r["times_s"]))
+                meta[str(v)] = {k: x for k, x in r.items() if k != "times_s"}
         torch_ms = statistics.median(per["torch"]) * 1e3
-        rows.append({
-            "seq": seq, "jax_ms": round(jax_ms, 2), "torch_ms": round(torch_ms, 2),
-            "ratio_jax_over_torch": round(jax_ms / torch_ms, 3),
-            "jax_gflops": round(flops(seq) / jax_ms / 1e6, 1),
-            "torch_gflops": round(flops(seq) / torch_ms / 1e6, 1),
-            "jax_round_medians_ms": [round(t * 1e3, 2) for t in per["jax"]],
-            "torch_round_medians_ms": [round(t * 1e3, 2) for t in per["torch"]],
-            "meta": meta,
-        })
+        for impl, n in variants:
+            jax_ms = statistics.median(per[(impl, n)]) * 1e3
+            rows.append({
+                "seq": seq, "impl": impl, "devices": n, "jax_ms": round(jax_ms, 2),
+                "torch_ms": round(torch_ms, 2),
+                "ratio_jax_over_torch": round(jax_ms / torch_ms, 3),
+                "jax_gflops": round(flops(seq) / jax_ms / 1e6, 1),
+                "torch_gflops": round(flops(seq) / torch_ms / 1e6, 1),
+                "jax_round_medians_ms": [round(t * 1e3, 2) for t in per[(impl, n)]],
+                "torch_round_medians_ms": [round(t * 1e3, 2) for t in per["torch"]],
+                "meta": {"torch": meta["torch"], "jax": meta[str((impl, n))]},
+            })
     result = {
         "benchmark": "causal prefill attention, 1 sequence, Hq=8 Hkv=2 D=64 f32",
-        "jax_impl": args.impl, "page_size": PAGE, "rounds": args.rounds,
-        "repeats": args.repeats, "machine": {
+        "jax_impls": impls, "devices": args.devices, "page_size": PAGE, "rounds": args.rounds,
+        "repeats": args.repeats, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": {
             "cpu_count": os.cpu_count(), "platform": platform.platform(),
             "processor": platform.processor() or platform.machine(),
             "loadavg_before": [round(x, 2) for x in load_before],
@@ -140,10 +160,10 @@ def main():
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
-    print(f"| seq | jax {args.impl} (ms) | torch SDPA (ms) | jax / torch | jax GFLOP/s | torch GFLOP/s |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("| seq | jaxfill impl | XLA devices | jaxfill ms | torch SDPA ms | jaxfill / torch | jaxfill GFLOP/s | torch GFLOP/s |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['seq']} | {r['jax_ms']:.1f} | {r['torch_ms']:.1f} | "
+        print(f"| {r['seq']} | {r['impl']} | {r['devices']} | {r['jax_ms']:.1f} | {r['torch_ms']:.1f} | "
               f"{r['ratio_jax_over_torch']:.2f} | {r['jax_gflops']:.0f} | {r['torch_gflops']:.0f} |")
     print(f"load average before/after: {result['machine']['loadavg_before']} / "
           f"{result['machine']['loadavg_after']}; wrote {os.path.relpath(args.out, ROOT)}")

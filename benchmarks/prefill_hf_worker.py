@@ -4,7 +4,7 @@
     python benchmarks/prefill_hf_worker.py time DIR --lengths 128 512 --repeats 3 --threads 2
 
 `time` prints one JSON object: per length the seconds of each timed prefill
-(`model(input_ids, logits_to_keep=1)` under inference_mode, f32, sdpa attention, KV cache
+(`model(input_ids, logits_to_keep=1)` under inference_mode, --dtype (f32 default), sdpa attention, KV cache
 on as in a real prefill) after one warm-up run.
 """
 
@@ -31,17 +31,18 @@ def save(directory: str, seed: int = 0) -> None:
     model.save_pretrained(directory, safe_serialization=True)
 
 
-def time_prefill(directory: str, lengths: list[int], repeats: int, warmup: int, threads: int, seed: int) -> dict:
+def time_prefill(directory: str, lengths: list[int], repeats: int, warmup: int, threads: int, seed: int,
+                 dtype: str = "float32") -> dict:
     import numpy as np
     import torch
     import transformers as tf
 
     torch.set_num_threads(threads)
-    model = tf.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
+    model = tf.AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype),
                                                     attn_implementation="sdpa").eval()
     prompt = np.random.default_rng(seed).integers(0, model.config.vocab_size, size=max(lengths))
     out = {"framework": "transformers", "torch": torch.__version__, "transformers": tf.__version__,
-           "threads": torch.get_num_threads(), "attn_implementation": model.config._attn_implementation,
+           "threads": torch.get_num_threads(), "dtype": dtype, "attn_implementation": model.config._attn_implementation,
            "lengths": {}}
     for n in lengths:
         ids = torch.as_tensor(prompt[:n], dtype=torch.long)[None]
@@ -67,12 +68,13 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = p.parse_args()
     if args.mode == "save":
         save(args.directory, args.seed)
     else:
         print(json.dumps(time_prefill(args.directory, args.lengths, args.repeats, args.warmup, args.threads,
-                                      args.seed)))
+                                      args.seed, args.dtype)))
 
 
 if __name__ == "__main__":

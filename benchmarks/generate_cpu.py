@@ -1,0 +1,172 @@
+"""Prefill through `Engine.generate` vs the bare jitted forward vs transformers, on CPU.
+
+    python benchmarks/generate_cpu.py [--lengths 128 512 2048 8192] [--devices 1 2]
+        [--dtypes float32 bfloat16] [--rounds 2] [--repeats 3]
+
+One prompt, `SamplingParams(max_tokens=1)`: the time of `Engine.generate` is the TTFT a
+user sees (scheduling, batch building, device transfer, the jitted step with its
+sampler, detokenizing). Next to it, in the same process and on the same engine (same
+params, same KV cache, same mesh), the bare `models.forward.forward` on the same prompt:
+the difference is the engine's overhead. `--devices N` starts jaxfill with N XLA CPU
+devices (--xla_force_host_platform_device_count) and mesh.tensor = N, the heads split
+over them. transformers runs `benchmarks/prefill_hf_worker.py` (sdpa, logits_to_keep=1,
+--threads threads) on the same random-init bench-shape checkpoint. Every configuration
+runs in its own process, rounds alternate the order, and the tables quote medians and
+ratios of this one run. Writes benchmarks/results/generate_cpu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HF_WORKER = os.path.join(ROOT, "benchmarks", "prefill_hf_worker.py")
+RESULTS = os.path.join(ROOT, "benchmarks", "results", "generate_cpu.json")
+PAGE = 16
+
+
+def worker_jax(model_dir: str, lengths: list[int], repeats: int, devices: int, dtype: str) -> dict:
+    """Times Engine.generate and the bare forward per length, one engine per length (one
+    token bucket = the prompt, so neither side pays for padding)."""
+    import jax
+    import numpy as np
+
+    from jaxfill.engine.engine import Engine
+    from jaxfill.engine.request import SamplingParams
+    from jaxfill.models.forward import forward
+    from jaxfill.models.kv_cache import single_sequence_metadata
+
+    prompt_all = np.random.default_rng(0).integers(0, 32000, size=max(lengths)).tolist()
+    out = {"devices": len(jax.devices()), "jax": jax.__version__, "dtype": dtype, "lengths": {}}
+    for n in lengths:
+        overrides = {"engine.max_num_batched_tokens": n, "engine.token_buckets": [n],
+                     "engine.max_num_seqs": 1, "engine.seq_buckets": [1],
+                     "engine.num_pages": n // PAGE + 8, "engine.max_model_len": n + PAGE,
+                     "mesh.tensor": devices, "model.dtype": dtype}
+        engine = Engine.from_config("bench", model_path=model_dir, overrides=overrides, progress=False)
+        prompt = prompt_all[:n]
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        runner = engine.runner
+        meta = single_sequence_metadata(n, 0, list(range(1, n // PAGE + 2)), PAGE)
+        tokens, positions = np.asarray(prompt, np.int32), np.arange(n, dtype=np.int32)
+
+        def bare():
+            with runner._context():
+                logits, runner.kv_cache = forward(runner.graphdef, runner.state, tokens, positions,
+                                                  runner.kv_cache, meta)
+            return np.asarray(logits)
+
+        def through_engine():
+            (c,) = engine.generate([prompt], params)
+            assert len(c.token_ids) == 1, c
+            return c
+
+        gen_t, bare_t = [], []
+        for i in range(repeats + 1):  # first of each: warm-up (compiles the bare forward)
+            for kind, fn, ts in (("engine", through_engine, gen_t), ("bare", bare, bare_t)):
+                t0 = time.perf_counter()
+                fn()
+                dt = time.perf_counter() - t0
+                if i:
+                    ts.append(dt)
+        out["lengths"][str(n)] = {"generate_s": gen_t, "bare_forward_s": bare_t,
+                                  "attention_impl": engine.stats()["attention_impl"]}
+        print(f"jax devices={devices} {dtype} len={n}: generate "
+              + " ".join(f"{t * 1e3:.0f}" for t in gen_t) + " ms; bare "
+              + " ".join(f"{t * 1e3:.0f}" for t in bare_t) + " ms", file=sys.stderr, flush=True)
+        engine.close()
+    return out
+
+
+def run(cmd: list[str], env=None) -> dict:
+    print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, env=env)
+    if proc.returncode:
+        raise SystemExit(f"command failed ({proc.returncode}): {' '.join(cmd)}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def jax_run(model_dir, lengths, repeats, devices, dtype) -> dict:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}").strip()
+    return run([sys.executable, os.path.abspath(__file__), "--worker", model_dir, "--lengths",
+                *map(str, lengths), "--repeats", str(repeats), "--devices", str(devices),
+                "--dtypes", dtype], env)
+
+
+def hf_run(model_dir, lengths, repeats, threads, dtype) -> dict:
+    return run([sys.executable, HF_WORKER, "time", model_dir, "--lengths", *map(str, lengths),
+                "--repeats", str(repeats), "--threads", str(threads), "--dtype", dtype])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048, 8192])
+    p.add_argument("--devices", type=int, nargs="+", default=[1, os.cpu_count()])
+    p.add_argument("--dtypes", nargs="+", default=["float32"])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--out", default=RESULTS)
+    p.add_argument("--worker", metavar="MODEL_DIR", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        print(json.dumps(worker_jax(args.worker, args.lengths, args.repeats, args.devices[0], args.dtypes[0])))
+        return
+
+    load_start, t0 = os.getloadavg(), time.time()
+    variants = [("hf", 0, d) for d in args.dtypes] + [("jax", n, d) for d in args.dtypes for n in args.devices]
+    runs = {v: [] for v in variants}
+    with tempfile.TemporaryDirectory() as work:
+        model_dir = os.path.join(work, "bench_hf")
+        subprocess.run([sys.executable, HF_WORKER, "save", model_dir], check=True, cwd=ROOT)
+        for i in range(args.rounds):
+            for v in (variants if i % 2 == 0 else variants[::-1]):
+                who, n, dtype = v
+                runs[v].append(hf_run(model_dir, args.lengths, args.repeats, args.threads, dtype) if who == "hf"
+                               else jax_run(model_dir, args.lengths, args.repeats, n, dtype))
+            print(f"round {i + 1}/{args.rounds} done, {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
+
+    med = statistics.median
+    rows = []
+    for dtype in args.dtypes:
+        for n in args.lengths:
+            hf = med([t for r in runs[("hf", 0, dtype)] for t in r["lengths"][str(n)]])
+            for dev in args.devices:
+                rs = [r["lengths"][str(n)] for r in runs[("jax", dev, dtype)]]
+                gen = med([t for r in rs for t in r["generate_s"]])
+                bare = med([t for r in rs for t in r["bare_forward_s"]])
+                rows.append({"dtype": dtype, "prompt_len": n, "devices": dev, "hf_ttft_s": hf,
+                             "generate_ttft_s": gen, "bare_forward_s": bare,
+                             "generate_over_hf_speed": hf / gen, "bare_over_hf_speed": hf / bare,
+                             "generate_overhead": gen / bare - 1, "hf_tok_s": n / hf, "generate_tok_s": n / gen,
+                             "attention_impl": rs[0]["attention_impl"]})
+    result = {"date": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
+              "load_average_start": load_start, "load_average_end": os.getloadavg(),
+              "rounds": args.rounds, "repeats": args.repeats, "threads_hf": args.threads,
+              "rows": rows, "raw": {f"{w}/{n}/{d}": r for (w, n, d), r in runs.items()},
+              "wall_s": time.time() - t0}
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print("| dtype | tokens | XLA devices | transformers TTFT | Engine.generate TTFT | bare forward | "
+          "generate speed / HF | bare / HF | engine overhead |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['dtype']} | {r['prompt_len']} | {r['devices']} | {r['hf_ttft_s'] * 1e3:.0f} ms | "
+              f"{r['generate_ttft_s'] * 1e3:.0f} ms | {r['bare_forward_s'] * 1e3:.0f} ms | "
+              f"{r['generate_over_hf_speed']:.2f}x | {r['bare_over_hf_speed']:.2f}x | {r['generate_overhead'] * 100:+.1f}% |")
+    print(f"load average {load_start[0]:.1f} -> {os.getloadavg()[0]:.1f}; wrote {os.path.relpath(args.out, ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
