@@ -81,18 +81,23 @@ class MeshSettings:
     data: int = 1
     tensor: int = 1
     sequence: int = 1
+    stage: int = 1  # pipeline stages: layers split into this many contiguous groups
+    microbatches: int = 4  # per step and stage group, when stage > 1 (see ARCHITECTURE.md)
     coordinator: str = ""  # "host:port" for multi-process runs; "" = single process
     num_processes: int = 1
     process_id: int = 0
 
     def __post_init__(self):
-        for name in ("data", "tensor", "sequence", "num_processes"):
+        for name in ("data", "tensor", "sequence", "stage", "microbatches", "num_processes"):
             if int(getattr(self, name)) <= 0:
                 raise ConfigError(f"mesh.{name} must be positive, got {getattr(self, name)}")
+        if self.stage > 1 and self.sequence > 1:
+            raise ConfigError("mesh.stage > 1 with mesh.sequence > 1 is not supported: pipeline stages "
+                              "compose with mesh.tensor and mesh.data")
 
     @property
     def size(self) -> int:
-        return self.data * self.tensor * self.sequence
+        return self.stage * self.data * self.tensor * self.sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +203,8 @@ def load_config(config: str = "tiny", overrides: Mapping[str, Any] | list[str] |
     engine_values = _fit_max_model_len(engine_values, "max_model_len" in extra.get("engine", {}), model)
     engine = _build(EngineSettings, engine_values)
     mesh = _build(MeshSettings, {**data.get("mesh", {}), **extra.get("mesh", {})})
+    if model.num_layers % mesh.stage:
+        raise ConfigError(f"mesh.stage={mesh.stage} must divide the model's {model.num_layers} layers")
     return Config(name=name, model=model, engine=engine, mesh=mesh, model_path=model_path)
 
 

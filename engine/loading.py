@@ -26,15 +26,18 @@ def build_mesh(config: Config):
 
 def build_model(config: Config, mesh=None, progress: bool = True) -> Llama:
     """Params go straight into their shards when a mesh is given: never whole on one
-    device, and each process reads only its own devices' slices of a checkpoint."""
+    device, and each process reads only its own devices' slices of a checkpoint. With
+    mesh.stage > 1 the model comes in the pipelined layout (models/pipeline.py)."""
     impl = config.engine.attention_impl
+    stages, microbatches = config.mesh.stage, config.mesh.microbatches
     if mesh is not None:
         from flax import nnx
 
         from jaxfill.engine import placement
 
         if not config.model_path:
-            return nnx.merge(*placement.init_sharded(config.model, mesh, impl))
+            return nnx.merge(*placement.init_sharded(config.model, mesh, impl, stages=stages,
+                                                     microbatches=microbatches))
         _, abstract = placement.abstract_state(config.model, impl)
         place = placement.shard_placer(mesh, abstract)
     else:
@@ -42,8 +45,9 @@ def build_model(config: Config, mesh=None, progress: bool = True) -> Llama:
     if config.model_path:
         from jaxfill.models.checkpoint import default_place, load_hf_params
 
-        return load_hf_params(config.model_path, config.model, attention_impl=impl,
-                              place=place or default_place, progress=progress)
+        model = load_hf_params(config.model_path, config.model, attention_impl=impl,
+                               place=place or default_place, progress=progress)
+        return model if stages == 1 else placement.stage_sharded(model, mesh, stages, microbatches)
     return Llama(config.model, attention_impl=impl)
 
 

@@ -11,36 +11,53 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding
 
 from jaxfill.models.checkpoint import TensorSlices
 from jaxfill.models.kv_cache import KVCache, kv_storage_dtype
 from jaxfill.models.llama import Llama
-from jaxfill.models.sharding import (DATA, KV_CACHE_AXES, kv_cache_heads, kv_cache_sharding, logical_spec,
-                                     param_shardings, var_sharding)
+from jaxfill.models.sharding import (DATA, KV_CACHE_AXES, kv_cache_heads, kv_cache_sharding, param_shardings,
+                                     var_sharding)
 from jaxfill.pallas_kernels import QuantizedPages, init_kv_pages, init_quantized_pages
 
 
-def abstract_state(config, attention_impl: str = "auto"):
+def abstract_state(config, attention_impl: str = "auto", stages: int = 1, microbatches: int = 1):
     """(graphdef, abstract state) of a Llama, without allocating anything."""
-    model = nnx.eval_shape(lambda: Llama(config, nnx.Rngs(0), attention_impl=attention_impl))
+    model = nnx.eval_shape(lambda: Llama(config, nnx.Rngs(0), attention_impl=attention_impl,
+                                         stages=stages, microbatches=microbatches))
     return nnx.split(model)
 
 
 def init_sharded(config, mesh: jax.sharding.Mesh, attention_impl: str = "auto",
-                 rules: Mapping[str, Any] | None = None):
+                 rules: Mapping[str, Any] | None = None, stages: int = 1, microbatches: int = 1):
     """Random init straight into shards (jit with out_shardings): (graphdef, state).
     Bitwise the same values as `Llama(config)` (threefry is partitionable)."""
-    graphdef, abstract = abstract_state(config, attention_impl)
+    graphdef, abstract = abstract_state(config, attention_impl, stages, microbatches)
     shardings = param_shardings(abstract, mesh, rules)
 
     def init():
-        return nnx.split(Llama(config, nnx.Rngs(config.seed), attention_impl=attention_impl))[1]
+        return nnx.split(Llama(config, nnx.Rngs(config.seed), attention_impl=attention_impl,
+                               stages=stages, microbatches=microbatches))[1]
 
     with jax.set_mesh(mesh):
         state = jax.jit(init, out_shardings=shardings)()
     return graphdef, state
+
+
+def stage_sharded(model: Llama, mesh: jax.sharding.Mesh, stages: int, microbatches: int,
+                  rules: Mapping[str, Any] | None = None) -> Llama:
+    """A loaded model regrouped into pipeline stages, each stage's layers on its devices.
+    The plain model's layers are freed after; while loading they are replicated over
+    'stage' (a stage-aware checkpoint reader would avoid that peak)."""
+    graphdef, state = nnx.split(model)
+    staged_graphdef, abstract = nnx.split(nnx.eval_shape(lambda: nnx.merge(graphdef, state).staged(
+        stages, microbatches)))
+    shardings = param_shardings(abstract, mesh, rules)
+    with jax.set_mesh(mesh):
+        staged = jax.jit(lambda st: nnx.split(nnx.merge(graphdef, st).staged(stages, microbatches))[1],
+                         out_shardings=shardings)(state)
+    return nnx.merge(staged_graphdef, staged)
 
 
 def shard_placer(mesh: jax.sharding.Mesh, abstract: nnx.State,
@@ -68,20 +85,26 @@ def shard_placer(mesh: jax.sharding.Mesh, abstract: nnx.State,
 
 
 def create_kv_cache(config, mesh: jax.sharding.Mesh, num_pages: int, page_size: int,
-                    dtype=None, fill_value: float = 0.0, kv_cache_dtype: str = "auto") -> KVCache:
+                    dtype=None, fill_value: float = 0.0, kv_cache_dtype: str = "auto",
+                    stages: int = 1) -> KVCache:
     """A KVCache allocated in shards. `num_pages` is per data replica (as engine.num_pages);
     the global page axis holds data * num_pages pages. Quantized scales
-    [pages, page_size, 2*H] are split exactly like the pages' first three axes."""
+    [pages, page_size, 2*H] are split exactly like the pages' first three axes. With
+    `stages` > 1 each entry is [stages, ...] (models/pipeline.py), split over 'stage'."""
     heads, dp = kv_cache_heads(config, mesh), int(dict(mesh.shape).get(DATA, 1))
+    staged = stages > 1
     if kv_cache_dtype == "auto":
         dtype = dtype or config.jnp_dtype
-        make = jax.jit(lambda: init_kv_pages(num_pages * dp, page_size, heads, config.head_dim, dtype,
-                                             fill_value),
-                       out_shardings=kv_cache_sharding(mesh))
+        layer = lambda: init_kv_pages(num_pages * dp, page_size, heads, config.head_dim, dtype,  # noqa: E731
+                                      fill_value)
+        out_shardings = kv_cache_sharding(mesh, staged=staged)
     else:
         dtype = kv_storage_dtype(kv_cache_dtype, config.jnp_dtype)
-        scales = NamedSharding(mesh, logical_spec(KV_CACHE_AXES[:3], None, mesh))
-        make = jax.jit(lambda: init_quantized_pages(num_pages * dp, page_size, heads, config.head_dim,
-                                                    dtype, fill_value),
-                       out_shardings=QuantizedPages(kv_cache_sharding(mesh), scales))
-    return KVCache(tuple(make() for _ in range(config.num_layers)))
+        layer = lambda: init_quantized_pages(num_pages * dp, page_size, heads, config.head_dim,  # noqa: E731
+                                             dtype, fill_value)
+        out_shardings = QuantizedPages(kv_cache_sharding(mesh, staged=staged),
+                                       kv_cache_sharding(mesh, staged=staged, axes=KV_CACHE_AXES[:3]))
+    entry = layer if not staged else (lambda: jax.tree.map(lambda *a: jnp.stack(a),
+                                                           *[layer() for _ in range(stages)]))
+    make = jax.jit(entry, out_shardings=out_shardings)
+    return KVCache(tuple(make() for _ in range(config.num_layers // stages)), stages)

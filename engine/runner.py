@@ -69,6 +69,7 @@ class Runner:
         s = config.engine
         self.mesh = mesh  # engine.loading.build_mesh; None = one device
         self.num_replicas = int(mesh.shape.get("data", 1)) if mesh is not None else 1
+        self.stages = model.stages  # > 1: the pipelined layout (models/pipeline.py)
         self.graphdef, state = nnx.split(model)
         if self.mesh is not None:
             from jax.sharding import NamedSharding, PartitionSpec
@@ -107,8 +108,9 @@ class Runner:
             from jaxfill.engine.placement import create_kv_cache
 
             return create_kv_cache(c.model, self.mesh, num_pages, c.engine.page_size,
-                                   kv_cache_dtype=c.engine.kv_cache_dtype)
-        return KVCache.create(c.model, num_pages, c.engine.page_size, kv_cache_dtype=c.engine.kv_cache_dtype)
+                                   kv_cache_dtype=c.engine.kv_cache_dtype, stages=self.stages)
+        return KVCache.create(c.model, num_pages, c.engine.page_size, kv_cache_dtype=c.engine.kv_cache_dtype,
+                              stages=self.stages)
 
     def _size_pool(self) -> None:
         """engine.num_pages = 0: as many pages as fit (engine/memory.py); self.config then

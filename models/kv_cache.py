@@ -33,32 +33,44 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_cac
 class KVCache:
     """One entry per layer: a page array [num_pages, page_size, 2 * Hkv, D], or, for an
     int8 / fp8 cache, a QuantizedPages (values of that shape + f32 scales
-    [num_pages, page_size, 2 * Hkv]). Model code passes entries through untouched."""
+    [num_pages, page_size, 2 * Hkv]). Model code passes entries through untouched.
+
+    A pipelined model's cache (`stages` = p > 1, models/pipeline.py) has L / p entries,
+    each with a leading [p] axis: entry j, row s is layer s * (L / p) + j."""
 
     pages: tuple
+    stages: int = dataclasses.field(default=1, metadata=dict(static=True))
 
     @classmethod
     def create(cls, config, num_pages: int, page_size: int, dtype=None,
-               fill_value: float = 0.0, kv_cache_dtype: str = "auto") -> "KVCache":
+               fill_value: float = 0.0, kv_cache_dtype: str = "auto", stages: int = 1) -> "KVCache":
+        if config.num_layers % stages:
+            raise ValueError(f"{config.num_layers} layers do not split into {stages} equal stages")
         if kv_cache_dtype != "auto":
             dtype = kv_storage_dtype(kv_cache_dtype, config.jnp_dtype)
-            return cls(tuple(
-                init_quantized_pages(num_pages, page_size, config.num_kv_heads, config.head_dim,
-                                     dtype, fill_value)
-                for _ in range(config.num_layers)))
-        dtype = dtype or config.jnp_dtype
-        return cls(tuple(
-            init_kv_pages(num_pages, page_size, config.num_kv_heads, config.head_dim, dtype, fill_value)
-            for _ in range(config.num_layers)
-        ))
+            layer = lambda: init_quantized_pages(num_pages, page_size, config.num_kv_heads,  # noqa: E731
+                                                 config.head_dim, dtype, fill_value)
+        else:
+            dtype = dtype or config.jnp_dtype
+            layer = lambda: init_kv_pages(num_pages, page_size, config.num_kv_heads,  # noqa: E731
+                                          config.head_dim, dtype, fill_value)
+        if stages == 1:
+            return cls(tuple(layer() for _ in range(config.num_layers)))
+        entry = lambda: jax.tree.map(lambda *a: jnp.stack(a), *[layer() for _ in range(stages)])  # noqa: E731
+        return cls(tuple(entry() for _ in range(config.num_layers // stages)), stages)
+
+    @property
+    def _values_shape(self) -> tuple[int, ...]:  # one layer's [num_pages, page_size, 2H, D]
+        shape = self.pages[0].shape
+        return shape[1:] if self.stages > 1 else shape
 
     @property
     def num_pages(self) -> int:
-        return self.pages[0].shape[0]
+        return self._values_shape[0]
 
     @property
     def page_size(self) -> int:
-        return self.pages[0].shape[1]
+        return self._values_shape[1]
 
     @property
     def dtype(self):

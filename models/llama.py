@@ -4,6 +4,9 @@
 
 The cache goes in and comes out; logits come only for `meta.logits_indices`, one row per
 sequence, because computing [T, vocab] for a long prompt would cost more than a layer.
+
+`stages` > 1 builds the pipelined layout (models/pipeline.py): the same weights as the
+plain model (the same init draws), regrouped into L / stages modules stacked per stage.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from jaxfill.models.attention import Attention
 from jaxfill.models.config import ModelConfig
 from jaxfill.models.kv_cache import AttentionMetadata, KVCache
 from jaxfill.models.layers import Embed, GatedMLP, RMSNorm, param
+from jaxfill.models.pipeline import pipeline_layers, stack_layers
 from jaxfill.models.sharding import constrain
 
 
@@ -35,16 +39,28 @@ class DecoderLayer(nnx.Module):
 
 class Llama(nnx.Module):
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs | None = None,
-                 attention_impl: str = "auto"):
+                 attention_impl: str = "auto", stages: int = 1, microbatches: int = 1):
         rngs = rngs or nnx.Rngs(config.seed)
         dt = config.jnp_dtype
         self.config = config
         self.attention_impl = attention_impl
+        self.stages, self.microbatches = stages, microbatches
         self.embed = Embed(config.vocab_size, config.hidden_size, dt, rngs)
-        self.layers = nnx.List([DecoderLayer(config, rngs) for _ in range(config.num_layers)])
+        layers = [DecoderLayer(config, rngs) for _ in range(config.num_layers)]
+        self.layers = nnx.List(stack_layers(layers, stages) if stages > 1 else layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt, rngs)
         if not config.tie_word_embeddings:
             self.lm_head = param(rngs, (config.hidden_size, config.vocab_size), ("embed", "vocab"), dt)
+
+    def staged(self, stages: int, microbatches: int) -> "Llama":
+        """This model's weights in the pipelined layout (a loaded checkpoint, say)."""
+        if self.stages != 1:
+            raise ValueError(f"the model is already split into {self.stages} stages")
+        graphdef, state = nnx.split(self)
+        model = nnx.merge(graphdef, state)  # a copy to regroup; self keeps its layers
+        model.layers = nnx.List(stack_layers(list(model.layers), stages))
+        model.stages, model.microbatches = stages, microbatches
+        return model
 
     def __call__(self,
                  tokens: jax.Array,  # [T] int32
@@ -52,16 +68,22 @@ class Llama(nnx.Module):
                  kv_cache: KVCache,
                  meta: AttentionMetadata,
                  ) -> tuple[jax.Array, KVCache]:  # logits [S, vocab] float32
+        if kv_cache.stages != self.stages:
+            raise ValueError(f"the cache is laid out for {kv_cache.stages} stage(s), the model for {self.stages}")
         x = self.embed(tokens)
-        new_pages = []
-        for i, (layer, pages) in enumerate(zip(self.layers, kv_cache.pages)):
-            with jax.named_scope(f"layer_{i}"):
-                x, pages = layer(x, positions, pages, meta, self.attention_impl)
-            new_pages.append(pages)
-        x = constrain(jnp.take(x, meta.logits_indices, axis=0), ("seqs", "act_embed"))
-        x = self.norm(x)  # [S, E]
+        if self.stages > 1:
+            x, new_pages = pipeline_layers(self.layers, x, positions, kv_cache.pages, meta,
+                                           self.attention_impl, self.microbatches)
+        else:
+            new_pages = []
+            for i, (layer, pages) in enumerate(zip(self.layers, kv_cache.pages)):
+                with jax.named_scope(f"layer_{i}"):
+                    x, pages = layer(x, positions, pages, meta, self.attention_impl)
+                new_pages.append(pages)
+            x = jnp.take(x, meta.logits_indices, axis=0)
+        x = self.norm(constrain(x, ("seqs", "act_embed")))  # [S, E]
         if self.config.tie_word_embeddings:
             logits = self.embed.attend(x)
         else:
             logits = constrain(x @ self.lm_head[...], ("seqs", "act_vocab"))  # vocab-parallel
-        return logits.astype(jnp.float32), KVCache(tuple(new_pages))
+        return logits.astype(jnp.float32), KVCache(tuple(new_pages), kv_cache.stages)

@@ -26,6 +26,9 @@ are AxisType.Auto, see engine/mesh.py) and the same model code runs:
   With GQA the gathered K/V are Hq/Hkv times smaller than Q; a ring would move the
   same bytes and only buys overlap, which XLA CPU does not give, and a ring would still
   have to leave a full copy in the pages for decode.
+* pipeline parallel over 'stage' (models/pipeline.py): layer params stacked [stage, ...]
+  and cache entries [stage, pages, ...] split over 'stage', so a stage holds only its
+  layers; the embedding and LM head split their vocab over 'stage' as well as 'tensor'.
 * data parallel over 'data': `data_parallel_forward` maps the whole forward over 'data'
   with shard_map; each replica gets its own tokens, metadata and page pool (pages axis 0
   is split over 'data'; page ids in a replica's metadata are local to its pool).
@@ -45,13 +48,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-DATA, TENSOR, SEQUENCE = "data", "tensor", "sequence"
-MESH_AXES = (DATA, TENSOR, SEQUENCE)
+STAGE, DATA, TENSOR, SEQUENCE = "stage", "data", "tensor", "sequence"
+MESH_AXES = (STAGE, DATA, TENSOR, SEQUENCE)
 
 # logical name -> mesh axis (or tuple of axes, or None = replicated)
 RULES: dict[str, Any] = {
     # params
-    "vocab": TENSOR,
+    "stage": STAGE,  # the leading axis of a pipelined model's stacked layer params
+    "vocab": (TENSOR, STAGE),  # embedding and LM head: split over stages too
     "embed": None,
     "q_heads": TENSOR,
     "kv_heads": TENSOR,  # dropped (replicated) when Hkv is not a multiple of tensor
@@ -66,7 +70,8 @@ RULES: dict[str, Any] = {
     "act_mlp": TENSOR,
     "act_vocab": TENSOR,
     "seqs": None,
-    # one layer's KV pages [num_pages, page_size, 2*Hkv, D]
+    # one layer's KV pages [num_pages, page_size, 2*Hkv, D] ([stage, ...] when pipelined)
+    "cache_stage": STAGE,
     "cache_pages": DATA,
     "cache_slots": None,
     "cache_heads": TENSOR,
@@ -75,7 +80,7 @@ RULES: dict[str, Any] = {
 KV_CACHE_AXES = ("cache_pages", "cache_slots", "cache_heads", "cache_head_dim")
 
 
-def _axis_size(mesh, axis) -> int:
+def mesh_axis_size(mesh, axis) -> int:
     if mesh is None or axis is None:
         return 1
     names = axis if isinstance(axis, tuple) else (axis,)
@@ -99,7 +104,7 @@ def logical_spec(axes: Sequence[str | None], rules: Mapping[str, Any] | None = N
                           if a not in used and a not in exclude
                           and (mesh is None or a in mesh.axis_names))
             axis = (names[0] if len(names) == 1 else names) if names else None
-        if axis is not None and mesh is not None and shape is not None and shape[i] % _axis_size(mesh, axis):
+        if axis is not None and mesh is not None and shape is not None and shape[i] % mesh_axis_size(mesh, axis):
             axis = None
         if axis is not None:
             used.update(axis if isinstance(axis, tuple) else (axis,))
@@ -111,7 +116,7 @@ def _is_var(x) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def _var_axes(var: nnx.Variable) -> tuple:
+def var_axes(var: nnx.Variable) -> tuple:
     meta = var.get_metadata()
     axes = meta.get("out_sharding") or meta.get("sharding_names") or meta.get("sharding")
     if axes is None:
@@ -122,7 +127,7 @@ def _var_axes(var: nnx.Variable) -> tuple:
 def var_sharding(var: nnx.Variable, mesh: jax.sharding.Mesh,
                  rules: Mapping[str, Any] | None = None) -> NamedSharding:
     """The NamedSharding of one param (abstract or concrete) from its logical axis names."""
-    return NamedSharding(mesh, logical_spec(_var_axes(var), rules, mesh, var.shape))
+    return NamedSharding(mesh, logical_spec(var_axes(var), rules, mesh, var.shape))
 
 
 def param_shardings(state: nnx.State, mesh: jax.sharding.Mesh,
@@ -140,7 +145,7 @@ def shard_params(state: nnx.State, mesh: jax.sharding.Mesh,
 # ----------------------------------------------------------------------------- KV cache
 def kv_repeat(num_kv_heads: int, mesh) -> int:
     """How many times each KV head is repeated so the cache splits evenly over 'tensor'."""
-    tp = _axis_size(mesh, TENSOR) if mesh is not None and TENSOR in mesh.axis_names else 1
+    tp = mesh_axis_size(mesh, TENSOR) if mesh is not None and TENSOR in mesh.axis_names else 1
     if num_kv_heads % tp == 0:
         return 1
     if tp % num_kv_heads == 0:
@@ -153,14 +158,17 @@ def kv_cache_heads(config, mesh) -> int:
     return config.num_kv_heads * kv_repeat(config.num_kv_heads, mesh)
 
 
-def kv_cache_sharding(mesh: jax.sharding.Mesh, rules: Mapping[str, Any] | None = None) -> NamedSharding:
+def kv_cache_sharding(mesh: jax.sharding.Mesh, rules: Mapping[str, Any] | None = None,
+                      staged: bool = False, axes: Sequence[str] = KV_CACHE_AXES) -> NamedSharding:
     """One layer's pages [num_pages, page_size, 2*H, D]: pages split over 'data' (one pool
-    per replica), heads over 'tensor' (K/V pairs stay together), replicated over 'sequence'."""
-    return NamedSharding(mesh, logical_spec(KV_CACHE_AXES, rules, mesh))
+    per replica), heads over 'tensor' (K/V pairs stay together), replicated over 'sequence'.
+    A pipelined model's entry has a leading [stage] axis, split over 'stage'. `axes`: the
+    leading ones only, for a quantized layer's scales [num_pages, page_size, 2*H]."""
+    return NamedSharding(mesh, logical_spec((("cache_stage",) if staged else ()) + tuple(axes), rules, mesh))
 
 
 # ------------------------------------------------------------------ model-side helpers
-def _context_mesh():
+def context_mesh():
     mesh = jax.sharding.get_abstract_mesh()
     return None if mesh is None or mesh.empty else mesh
 
@@ -171,7 +179,7 @@ def _manual(mesh) -> frozenset:
 
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     """with_sharding_constraint by logical names; a no-op without a mesh in context."""
-    mesh = _context_mesh()
+    mesh = context_mesh()
     if mesh is None:
         return x
     spec = logical_spec(axes, RULES, mesh, x.shape, exclude=_manual(mesh))
@@ -190,29 +198,34 @@ def kv_heads_for(pages_heads: int, num_kv_heads: int) -> int:
 
 def _free_axes(mesh, *names):
     manual = _manual(mesh)
-    return tuple(n for n in names if n in mesh.axis_names and n not in manual and _axis_size(mesh, n) > 1)
+    return tuple(n for n in names if n in mesh.axis_names and n not in manual and mesh_axis_size(mesh, n) > 1)
 
 
 def vocab_parallel_embed(table: jax.Array,  # [V, E] logical ('vocab', 'embed')
                          tokens: jax.Array,  # [T] int32
                          ) -> jax.Array:  # [T, E]
-    """Row lookup in a vocab-sharded table: each tensor rank looks up the ids in its vocab
-    slice (others give 0) and one all-reduce sums them. Without a mesh: jnp.take."""
-    mesh = _context_mesh()
-    axes = () if mesh is None else _free_axes(mesh, TENSOR, SEQUENCE)
-    if mesh is None or TENSOR not in axes or table.shape[0] % _axis_size(mesh, TENSOR):
+    """Row lookup in a vocab-sharded table: each rank looks up the ids in its vocab slice
+    (others give 0) and one all-reduce sums them. The vocab splits over 'tensor' and, for a
+    pipelined model, 'stage' too. Without a mesh: jnp.take."""
+    mesh = context_mesh()
+    spec = () if mesh is None else logical_spec(("vocab", "embed"), RULES, mesh, table.shape,
+                                                exclude=_manual(mesh))[0]
+    vocab = tuple(a for a in ((spec,) if isinstance(spec, str) else spec or ()) if mesh_axis_size(mesh, a) > 1)
+    if not vocab:
         return constrain(jnp.take(table, tokens, axis=0), ("tokens", "act_embed"))
-    tok_axis = SEQUENCE if SEQUENCE in axes and tokens.shape[0] % _axis_size(mesh, SEQUENCE) == 0 else None
+    tok_axis = SEQUENCE if (_free_axes(mesh, SEQUENCE)
+                            and tokens.shape[0] % mesh_axis_size(mesh, SEQUENCE) == 0) else None
 
-    def local(tab, tok):  # tab [V/tp, E], tok [T/sp]
+    def local(tab, tok):  # tab [V / vocab shards, E], tok [T/sp]
         vl = tab.shape[0]
-        ids = tok - jax.lax.axis_index(TENSOR) * vl
+        ids = tok - jax.lax.axis_index(vocab) * vl
         ok = (ids >= 0) & (ids < vl)
         rows = jnp.take(tab, jnp.where(ok, ids, 0), axis=0)
-        return jax.lax.psum(jnp.where(ok[:, None], rows, jnp.zeros_like(rows)), TENSOR)
+        return jax.lax.psum(jnp.where(ok[:, None], rows, jnp.zeros_like(rows)), vocab)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(TENSOR, None), P(tok_axis)),
-                         out_specs=P(tok_axis, None), axis_names=set(axes), check_vma=False)(table, tokens)
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(vocab, None), P(tok_axis)), out_specs=P(tok_axis, None),
+                         axis_names=set(vocab) | ({tok_axis} if tok_axis else set()),
+                         check_vma=False)(table, tokens)
 
 
 def _local_metadata(meta, lo: jax.Array, n: int):
@@ -236,16 +249,16 @@ def sharded_attention(attend: Callable, q: jax.Array, k: jax.Array, v: jax.Array
     all-gathered so every rank writes the whole chunk into its replica of the pages, and
     each rank gets metadata re-cut to its own rows. Without a mesh: attend(...) as is.
     """
-    mesh = _context_mesh()
+    mesh = context_mesh()
     axes = () if mesh is None else _free_axes(mesh, TENSOR, SEQUENCE)
     if not axes:
         return attend(q, k, v, pages, meta)
     tp = TENSOR if TENSOR in axes else None
     sp = SEQUENCE if SEQUENCE in axes else None
-    if tp and (q.shape[1] % _axis_size(mesh, tp) or k.shape[1] % _axis_size(mesh, tp)):
-        raise ValueError(f"heads q={q.shape[1]} k={k.shape[1]} must split over tensor={_axis_size(mesh, tp)}")
-    if sp and q.shape[0] % _axis_size(mesh, sp):
-        raise ValueError(f"{q.shape[0]} tokens must split over sequence={_axis_size(mesh, sp)}; pad the batch")
+    if tp and (q.shape[1] % mesh_axis_size(mesh, tp) or k.shape[1] % mesh_axis_size(mesh, tp)):
+        raise ValueError(f"heads q={q.shape[1]} k={k.shape[1]} must split over tensor={mesh_axis_size(mesh, tp)}")
+    if sp and q.shape[0] % mesh_axis_size(mesh, sp):
+        raise ValueError(f"{q.shape[0]} tokens must split over sequence={mesh_axis_size(mesh, sp)}; pad the batch")
 
     def local(q, k, v, pages, meta):
         if sp:
@@ -277,7 +290,7 @@ def data_parallel_forward(graphdef: nnx.GraphDef, state: nnx.State,
     sequence parallelism work inside each replica unchanged. No collective crosses
     'data'. Without 'data' in the context mesh it is the plain forward of replica 0.
     """
-    mesh = _context_mesh()
+    mesh = context_mesh()
     if mesh is None or DATA not in _free_axes(mesh, DATA):
         if tokens.shape[0] != meta.slot_mapping.shape[-1]:
             raise ValueError("no 'data' axis > 1 in the context mesh: pass one replica's batch")
@@ -287,7 +300,8 @@ def data_parallel_forward(graphdef: nnx.GraphDef, state: nnx.State,
         meta = jax.tree.map(lambda x: x[0], meta)
         return nnx.merge(graphdef, state)(tokens, positions, kv_cache, meta)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(DATA), P(DATA), P(DATA), P(DATA)),
-                         out_specs=(P(DATA), P(DATA)), axis_names={DATA},
+    cache = P(None, DATA) if kv_cache.stages > 1 else P(DATA)  # the page axis
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(DATA), P(DATA), cache, P(DATA)),
+                         out_specs=(P(DATA), cache), axis_names={DATA},
                          check_vma=False)(state, tokens, positions, kv_cache, meta)
 

@@ -1,0 +1,144 @@
+"""Pipeline parallelism over the mesh's 'stage' axis.
+
+Layout. A model of L layers on p stages holds K = L / p layer modules whose params have a
+leading [p] axis (layer s*K + j sits at [s] of module j) split over 'stage', and its KV
+cache entry j is likewise [p, pages, page_size, 2H, D]. So stage s holds exactly layers
+[s*K, (s+1)*K) and their pages (`stack_layers`, `KVCache.create(stages=p)`).
+
+Schedule. GPipe fill-drain inside one step, in one jitted program: the step's T flat
+tokens are cut into m microbatches of T/m rows. At tick t (0 .. m+p-2) stage s runs its K
+layers on microbatch t - s (nothing useful in its p-1 fill and drain ticks) and hands the
+result to stage s+1 with a collective permute. Each microbatch's attention metadata is
+re-cut to its rows (queries clipped, each sequence's kv_len shortened by its rows in later
+microbatches), and the earlier microbatches wrote their K/V into this stage's pages at
+earlier ticks, so every query sees exactly the keys it sees unpipelined: the tokens equal
+the single-device model's. Decode rows are flat tokens like any other, so a decode step
+pipelines across its sequences the same way. Idle share per stage: (p-1)/(m+p-1).
+
+Only the rows whose logits are sampled leave the last stage (one psum of [S, E]); the
+embedding runs before the pipeline and the final norm and LM head after it, on params
+split over 'stage' by vocab (models/sharding.py), so no device holds them whole either.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jaxfill.models.sharding import STAGE, context_mesh, mesh_axis_size, var_axes
+
+
+def stack_layers(layers: list, stages: int) -> list:
+    """L layer modules -> K = L / stages modules with every param stacked [stages, ...]
+    (module j holds layers j, K + j, 2K + j, ...); logical axes gain a leading 'stage'."""
+    if len(layers) % stages:
+        raise ValueError(f"{len(layers)} layers do not split into {stages} equal stages")
+    k = len(layers) // stages
+    out = []
+    for j in range(k):
+        graphdef, first = nnx.split(layers[j])
+        group = [nnx.split(layers[s * k + j])[1] for s in range(stages)]
+
+        def stack(*vs):
+            return nnx.Param(jnp.stack([v[...] for v in vs]), out_sharding=("stage",) + var_axes(vs[0]),
+                             eager_sharding=False)
+
+        state = jax.tree.map(stack, *group, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        out.append(nnx.merge(graphdef, state))
+    return out
+
+
+def microbatch_count(num_tokens: int, wanted: int) -> int:
+    """The largest count <= wanted that divides the step's tokens (buckets are powers of two)."""
+    m = max(1, min(wanted, num_tokens))
+    while num_tokens % m:
+        m -= 1
+    return m
+
+
+def microbatch_metadata(meta,  # AttentionMetadata of the whole step
+                        lo: jax.Array,  # [] i32, first row of the microbatch
+                        n: int,  # rows per microbatch
+                        valid: jax.Array,  # [] bool, False in fill/drain ticks
+                        ):
+    """Metadata of rows [lo, lo + n): queries clipped to them, each sequence's kv_len cut by
+    its queries after them, their slots only (all -1, writing nothing, when not valid)."""
+    cu = meta.cu_q_lens
+    local_cu = jnp.where(valid, jnp.clip(cu - lo, 0, n), 0).astype(jnp.int32)
+    kv_lens = (meta.kv_lens - jnp.maximum(cu[1:] - (lo + n), 0)).astype(jnp.int32)
+    slots = jax.lax.dynamic_slice_in_dim(meta.slot_mapping, lo, n)
+    return dataclasses.replace(meta, cu_q_lens=local_cu, kv_lens=kv_lens,
+                               slot_mapping=jnp.where(valid, slots, -1).astype(jnp.int32))
+
+
+def _run_layers(layers, x, positions, pages, meta, impl):
+    new = []
+    for layer, layer_pages in zip(layers, pages):
+        x, layer_pages = layer(x, positions, layer_pages, meta, impl)
+        new.append(layer_pages)
+    return x, tuple(new)
+
+
+def pipeline_layers(layers,  # nnx.List of K layers, params [p, ...]
+                    x: jax.Array,  # [T, E] embedded tokens
+                    positions: jax.Array,  # [T] i32
+                    pages: tuple,  # K entries [p, N, page_size, 2H, D] (or QuantizedPages)
+                    meta,  # AttentionMetadata
+                    impl: str,
+                    microbatches: int,
+                    ) -> tuple[jax.Array, tuple]:  # rows [S, E] at meta.logits_indices, pages
+    """The K-layer groups of all stages, pipelined over 'stage' when the context mesh has
+    it, else run one stage after another (same numbers, one device)."""
+    mesh = context_mesh()
+    p = jax.tree.leaves(pages)[0].shape[0]
+    if mesh is None or mesh_axis_size(mesh, STAGE) != p:
+        return _sequential(layers, x, positions, pages, meta, impl, p)
+    graphdef, state = nnx.split(layers)
+    t = x.shape[0]
+    m = microbatch_count(t, microbatches)
+    n = t // m
+
+    def local(state, x, positions, pages, meta):  # one stage: params [1, ...], pages [1, ...]
+        s = jax.lax.axis_index(STAGE)
+        mine = nnx.merge(graphdef, jax.tree.map(lambda a: a[0], state))
+        pages = jax.tree.map(lambda a: a[0], pages)
+
+        def tick(i, carry):
+            h, out, pages = carry  # h [n, E]: what the previous stage handed over
+            mb = i - s
+            valid = (mb >= 0) & (mb < m)
+            lo = jnp.clip(mb, 0, m - 1) * n
+            inp = jnp.where(s == 0, jax.lax.dynamic_slice_in_dim(x, lo, n), h)
+            y, pages = _run_layers(mine, inp, jax.lax.dynamic_slice_in_dim(positions, lo, n), pages,
+                                   microbatch_metadata(meta, lo, n, valid), impl)
+            done = valid & (s == p - 1)
+            out = jax.lax.dynamic_update_slice_in_dim(
+                out, jnp.where(done, y, jax.lax.dynamic_slice_in_dim(out, lo, n)), lo, 0)
+            h = jax.lax.ppermute(y, STAGE, [(a, a + 1) for a in range(p - 1)])
+            return h, out, pages
+
+        carry = (jnp.zeros((n,) + x.shape[1:], x.dtype), jnp.zeros_like(x), pages)
+        _, out, pages = jax.lax.fori_loop(0, m + p - 1, tick, carry)
+        rows = jax.lax.psum(jnp.take(out, meta.logits_indices, axis=0), STAGE)  # last stage's
+        return rows, jax.tree.map(lambda a: a[None], pages)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(STAGE), P(), P(), P(STAGE), P()),
+                         out_specs=(P(), P(STAGE)), axis_names={STAGE},
+                         check_vma=False)(state, x, positions, pages, meta)
+
+
+def _sequential(layers, x, positions, pages, meta, impl, p):
+    """Stage after stage on whatever devices hold them (no 'stage' axis in context)."""
+    graphdef, state = nnx.split(layers)
+    out_pages = [[] for _ in pages]
+    for s in range(p):
+        mine = nnx.merge(graphdef, jax.tree.map(lambda a: a[s], state))
+        x, stage_pages = _run_layers(mine, x, positions, jax.tree.map(lambda a: a[s], pages), meta, impl)
+        for j, pg in enumerate(stage_pages):
+            out_pages[j].append(pg)
+    stacked = tuple(jax.tree.map(lambda *a: jnp.stack(a), *entry) for entry in out_pages)
+    return jnp.take(x, meta.logits_indices, axis=0), stacked
