@@ -21,10 +21,13 @@ KV heads split too, or are repeated up to 'tensor' when there are fewer (then ev
 computes the small k/v projections in full). 'sequence' splits the tokens; each layer
 all-gathers the new K/V over it and every sequence rank keeps a full copy of the pages.
 'data' holds independent replicas: it multiplies capacity, not single-request speed.
+'stage' (pipeline) gives each device L / stage layers and their KV pages, and splits the
+vocab tables with 'tensor'; what a device holds is engine/planner_layout.py's.
 
 TTFT floor per device = max(FLOPs / peak, bytes / HBM bandwidth) + collective time, with
 ring collectives over `link_bytes_per_s`: two all-reduces of the [T/sp, E] activations
-per layer for 'tensor', one all-gather of the layer's new K/V for 'sequence'.
+per layer for 'tensor', one all-gather of the layer's new K/V for 'sequence'. With
+stages, `device_costs` says how the GPipe ticks and stage hand-overs enter it.
 
 Disaggregated prefill/decode: the prompt's K/V (every layer, the model's logical KV
 heads, in engine.kv_cache_dtype) crosses the link between the prefill and the decode
@@ -41,16 +44,14 @@ import math
 from jaxfill.engine.config import Config, EngineSettings, MeshSettings
 from jaxfill.engine.hardware import Hardware
 from jaxfill.models.config import ModelConfig
+from jaxfill.engine.planner_layout import (bubble_fraction, check_mesh, dtype_bytes,
+                                           kv_bytes_per_token_per_device, kv_repeat, layer_bytes_per_device,
+                                           pipeline_microbatches, vocab_param_bytes, vocab_split,
+                                           weight_bytes_per_device)
 from jaxfill.models.kv_cache import kv_bytes_per_token as cache_bytes_per_token
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 # ----------------------------------------------------------------------------- shapes
-def dtype_bytes(model: ModelConfig) -> int:
-    return DTYPE_BYTES[model.dtype]
-
-
 def layer_matmul_params(model: ModelConfig) -> int:
     """Weights one token multiplies through in one decoder layer."""
     e, d = model.hidden_size, model.head_dim
@@ -107,22 +108,15 @@ def weight_bytes(model: ModelConfig) -> int:
     return total - proj * dtype_bytes(model) + proj + 4 * model.num_layers * projection_scales(model)
 
 
-def kv_projection_bytes(model: ModelConfig) -> int:
-    """Bytes of one layer's k and v weights (with their scales when int8)."""
-    n = 2 * model.hidden_size * model.num_kv_heads * model.head_dim
-    if model.weight_dtype == "auto":
-        return n * dtype_bytes(model)
-    return n + 4 * 2 * model.num_kv_heads * model.head_dim
-
-
-def weights_read_bytes(model: ModelConfig, num_tokens: int) -> int:
-    """Weight bytes a prefill reads: all of them, except that an untied embedding table is
-    only gathered (the rows of the prompt's tokens, at most the whole table)."""
-    total = weight_bytes(model)
-    if model.tie_word_embeddings:
-        return total
+def end_bytes_read_per_device(model: ModelConfig, mesh: MeshSettings, num_tokens: int) -> float:
+    """Bytes outside the decoder layers one step reads on one device: its share of the LM
+    head and the final norm; of an untied embedding table only the prompt's rows (a
+    gather, at most the whole table)."""
     e, b = model.hidden_size, dtype_bytes(model)
-    return total - model.vocab_size * e * b + min(num_tokens, model.vocab_size) * e * b
+    tables = vocab_param_bytes(model)
+    if not model.tie_word_embeddings:
+        tables += (min(num_tokens, model.vocab_size) - model.vocab_size) * e * b
+    return tables / vocab_split(model, mesh) + e * b
 
 
 def kv_bytes_per_token(model: ModelConfig, kv_heads: int | None = None,
@@ -138,25 +132,6 @@ def pages_for(num_tokens: int, page_size: int) -> int:
 
 
 # ----------------------------------------------------------------------------- mesh
-def kv_repeat(model: ModelConfig, tensor: int) -> int:
-    """Copies of each KV head so the cache splits evenly over 'tensor' (as models/sharding.py)."""
-    if model.num_kv_heads % tensor == 0:
-        return 1
-    if tensor % model.num_kv_heads == 0:
-        return tensor // model.num_kv_heads
-    raise ValueError(f"mesh.tensor={tensor} does not divide model.num_kv_heads={model.num_kv_heads} "
-                     "(nor is it a multiple of it)")
-
-
-def check_mesh(model: ModelConfig, mesh: MeshSettings) -> None:
-    tp = mesh.tensor
-    if model.num_heads % tp:
-        raise ValueError(f"mesh.tensor={tp} does not divide model.num_heads={model.num_heads}")
-    kv_repeat(model, tp)
-    if model.intermediate_size % tp:
-        raise ValueError(f"mesh.tensor={tp} does not divide model.intermediate_size={model.intermediate_size}")
-
-
 def check_prompt_len(prompt_len: int, engine: EngineSettings) -> None:
     if prompt_len <= 0:
         raise ValueError(f"prompt length must be positive, got {prompt_len}")
@@ -169,52 +144,85 @@ def check_prompt_len(prompt_len: int, engine: EngineSettings) -> None:
 class DeviceCosts:
     flops: float
     bytes: float
-    collective_bytes: float  # bytes one device sends over its links
+    collective_bytes: float  # bytes one device sends over its links for 'tensor' / 'sequence'
     compute_s: float
     memory_s: float
     collective_s: float
+    microbatches: int = 1  # the step's tokens cut into this many (pipeline only)
+    stages: int = 1
+    stage_transfer_s: float = 0.0  # p - 1 hand-overs of one microbatch's [T/m, E]
 
     @property
     def ttft_s(self) -> float:
-        return max(self.compute_s, self.memory_s) + self.collective_s
+        return max(self.compute_s, self.memory_s) + self.collective_s + self.stage_transfer_s
+
+    @property
+    def bubble_fraction(self) -> float:
+        return bubble_fraction(self.stages, self.microbatches)
+
+
+def layer_work(model: ModelConfig, mesh: MeshSettings, num_tokens: float, attention: float, layers: int,
+               kv_cache_dtype: str = "auto") -> tuple[float, float, float]:
+    """(FLOPs, bytes, collective bytes) on one device of `num_tokens` new tokens through
+    `layers` decoder layers; `attention` is their QK^T + PV FLOPs over the whole model."""
+    tp, sp = mesh.tensor, mesh.sequence
+    e, L = model.hidden_size, model.num_layers
+    kv_proj = 2 * e * model.num_kv_heads * model.head_dim  # k and v weights of one layer
+    # Matmuls split over tensor x sequence, except the k/v projections when KV heads are
+    # repeated (r > 1): every tensor rank computes them in full.
+    replicated_kv = kv_repeat(model, tp) > 1
+    per_layer = (layer_matmul_params(model) - kv_proj) / tp + (kv_proj if replicated_kv else kv_proj / tp)
+    tokens_dev = num_tokens / sp
+    flops = 2 * tokens_dev * layers * per_layer + attention * layers / L / (tp * sp)
+    # This rank's layer weights once, plus the K/V heads it stores for every token (pages
+    # are replicated over 'sequence').
+    kv = num_tokens * kv_bytes_per_token_per_device(model, mesh, kv_cache_dtype) * layers * mesh.stage / L
+    nbytes = layer_bytes_per_device(model, mesh, layers) + kv
+    # Ring collectives: all-reduce moves 2 (n-1)/n of the buffer, all-gather (n-1)/n of the
+    # gathered result.
+    coll = 0.0
+    if tp > 1:
+        coll += layers * 2 * (2 * (tp - 1) / tp) * tokens_dev * e * dtype_bytes(model)
+    if sp > 1:
+        coll += (sp - 1) / sp * kv
+    return flops, nbytes, coll
 
 
 def device_costs(model: ModelConfig, mesh: MeshSettings, hw: Hardware, num_tokens: int,
                  context: int = 0, kv_cache_dtype: str = "auto") -> DeviceCosts:
     """Per-device work of one prefill step of `num_tokens` new tokens after `context`
-    cached ones under the mesh (no validation of the length)."""
-    tp, sp = mesh.tensor, mesh.sequence
-    r = kv_repeat(model, tp)
-    b = dtype_bytes(model)
-    e, d, L = model.hidden_size, model.head_dim, model.num_layers
-    kv_proj = 2 * e * model.num_kv_heads * d  # k and v weights of one layer
-    # Matmuls: everything splits over tensor x sequence except the k/v projections when KV
-    # heads are replicated (r > 1): every tensor rank computes them in full.
-    tokens_dev = num_tokens / sp
-    per_layer = (layer_matmul_params(model) - kv_proj) / tp + (kv_proj if r > 1 else kv_proj / tp)
-    flops = 2 * tokens_dev * L * per_layer + 2 * e * model.vocab_size / tp
-    flops += attention_flops(model, num_tokens, context) / (tp * sp)
-    # Bytes: this rank's weights once, plus the K/V heads it stores for every token (pages
-    # are replicated over 'sequence').
-    kv_w = L * kv_projection_bytes(model)
-    w = weights_read_bytes(model, num_tokens) - kv_w
-    w_dev = w / tp + kv_w * (1 if r > 1 else 1 / tp)
-    kv_dev = num_tokens * kv_bytes_per_token(model, model.num_kv_heads * r, kv_cache_dtype) / tp
-    nbytes = w_dev + kv_dev
-    # Collectives (ring): all-reduce moves 2 (n-1)/n of the buffer, all-gather (n-1)/n of
-    # the gathered result.
-    coll = 0.0
-    if tp > 1:
-        coll += L * 2 * (2 * (tp - 1) / tp) * tokens_dev * e * b
-    if sp > 1:
-        coll += (sp - 1) / sp * kv_dev
+    cached ones under the mesh (no validation of the length).
+
+    Pipeline (p = mesh.stage > 1, models/pipeline.py): the step is m microbatches of T/m
+    tokens and m + p - 1 ticks; in every tick each stage runs its L/p layers on one
+    microbatch (fill and drain ticks compute too, on rows that are thrown away), so a
+    single prompt still passes through all p stages one after another and
+    floor = (m + p - 1) x (one stage's time for one microbatch, its tensor all-reduces
+    included) + (p - 1) hand-overs of one microbatch's [T/m, E] over the link: the last
+    microbatch crosses every boundary after its stage finished it, the other hand-overs
+    can hide behind the next microbatch's compute. Compute and memory are summed over the
+    ticks before the max (a floor: each tick's max would be at least that), plus the
+    embedding and LM head, which run once, outside the pipeline, on vocab shards."""
+    p = mesh.stage
+    m = pipeline_microbatches(mesh, num_tokens)
+    ticks = m + p - 1
+    e, b = model.hidden_size, dtype_bytes(model)
+    attention = attention_flops(model, num_tokens, context)
+    layers = model.num_layers // p
+    flops, tick_bytes, coll = layer_work(model, mesh, num_tokens / m, attention / m, layers, kv_cache_dtype)
+    kv_written = tick_bytes - layer_bytes_per_device(model, mesh, layers)  # only valid ticks write K/V
+    flops = ticks * flops + 2 * e * model.vocab_size / vocab_split(model, mesh)
+    nbytes = ticks * (tick_bytes - kv_written) + m * kv_written + end_bytes_read_per_device(model, mesh, num_tokens)
+    coll *= ticks
     peak = hw.peak_flops(model.dtype)
     bw, link = hw.hbm_bytes_per_s, hw.link_bytes_per_s
     if hw.shared_by_mesh:  # fake CPU devices share one machine
         peak, bw, link = peak / mesh.size, bw / mesh.size, link / mesh.size
-    coll_s = coll / link if coll and link > 0 else (math.inf if coll else 0.0)
-    return DeviceCosts(flops=flops, bytes=nbytes, collective_bytes=coll,
-                       compute_s=flops / peak, memory_s=nbytes / bw, collective_s=coll_s)
+    handover = (p - 1) * num_tokens / m * e * b
+    coll_s, stage_s = (x / link if x and link > 0 else (math.inf if x else 0.0) for x in (coll, handover))
+    return DeviceCosts(flops=flops, bytes=nbytes, collective_bytes=coll, compute_s=flops / peak,
+                       memory_s=nbytes / bw, collective_s=coll_s, microbatches=m, stages=p,
+                       stage_transfer_s=stage_s)
 
 
 def ttft_floor(model: ModelConfig, mesh: MeshSettings, hw: Hardware, num_tokens: int,
@@ -253,19 +261,17 @@ def plan_prefill(config: Config, hw: Hardware, prompt_len: int, link_gbps: float
     check_link_gbps(link_gbps)
     check_mesh(model, mesh)
     check_prompt_len(prompt_len, engine)
-    tp = mesh.tensor
-    r = kv_repeat(model, tp)
     per_token = kv_bytes_per_token(model, kv_cache_dtype=engine.kv_cache_dtype)
     pages = pages_for(prompt_len, engine.page_size)
     per_request = pages * engine.page_size * per_token
-    # Memory left after this device's weights; the cache holds Hkv * r heads split over tp.
     cost = device_costs(model, mesh, hw, prompt_len, kv_cache_dtype=engine.kv_cache_dtype)
-    kv_w = model.num_layers * kv_projection_bytes(model)  # k/v weights: replicated when r > 1
-    weights_dev = (weight_bytes(model) - kv_w) / tp + kv_w * (1 if r > 1 else 1 / tp)
+    # Memory left after this device's weights; the cache holds its stage's layers of the
+    # Hkv * r heads split over tensor.
+    weights_dev = weight_bytes_per_device(model, mesh)
     hbm = hw.hbm_bytes / (mesh.size if hw.shared_by_mesh else 1)
     free = hbm - weights_dev
-    per_request_dev = (pages * engine.page_size
-                       * kv_bytes_per_token(model, model.num_kv_heads * r, engine.kv_cache_dtype) / tp)
+    per_token_dev = kv_bytes_per_token_per_device(model, mesh, engine.kv_cache_dtype)
+    per_request_dev = pages * engine.page_size * per_token_dev
     fit = max(0, int(free // per_request_dev)) * mesh.data if free > 0 else 0
     t2 = ttft_floor(model, mesh, hw, 2 * prompt_len)
     mm = matmul_flops(model, prompt_len)
@@ -286,7 +292,8 @@ def plan_prefill(config: Config, hw: Hardware, prompt_len: int, link_gbps: float
         "kv_bytes_per_token": per_token,
         "kv_cache_dtype": engine.kv_cache_dtype,
         "kv_bytes_per_request": per_request,
-        "kv_bytes_per_request_per_device": per_request_dev,  # Hkv * r heads / tensor
+        "kv_bytes_per_token_per_device": per_token_dev,  # L / stage layers, Hkv * r heads / tensor
+        "kv_bytes_per_request_per_device": per_request_dev,
         "pages_per_request": pages,
         "page_size": engine.page_size,
         "flops_per_device": cost.flops,
@@ -304,7 +311,26 @@ def plan_prefill(config: Config, hw: Hardware, prompt_len: int, link_gbps: float
         "decay_coefficient": t2 / cost.ttft_s,
         "kv_transfer_bytes": moved,
         **transfer,
+        **communication_per_token(model, mesh),
+        "stages": mesh.stage,
+        "microbatches": cost.microbatches,
+        "bubble_fraction": cost.bubble_fraction,
+        "stage_transfer_s": cost.stage_transfer_s,
     }
+
+
+def communication_per_token(model: ModelConfig, mesh: MeshSettings) -> dict:
+    """Activation bytes per prompt token on the wire. Pipeline: one [E] row crosses each
+    of the p - 1 stage boundaries (a device of every stage but the last sends it; the
+    program also hands over rows in fill/drain ticks, which are thrown away). Tensor: two
+    ring all-reduces of [E] per layer, 2 (tp - 1) / tp of each sent by every device, over
+    its stage's L / p layers."""
+    e, b, tp = model.hidden_size, dtype_bytes(model), mesh.tensor
+    boundary = e * b if mesh.stage > 1 else 0
+    return {"stage_boundary_bytes_per_token": boundary,
+            "stage_boundary_bytes_per_token_total": (mesh.stage - 1) * boundary,
+            "tensor_allreduce_bytes_per_token_per_device":
+                model.num_layers // mesh.stage * 2 * (2 * (tp - 1) / tp) * e * b}
 
 
 def plan(config: Config, hw: Hardware, prompt_lens: list[int], link_gbps: float | None = None) -> list[dict]:
@@ -333,11 +359,8 @@ def kv_pool_pages(config: Config, hw: Hardware, activation_bytes: float = 0) -> 
 
     model, engine, mesh = config.model, config.engine, config.mesh
     check_mesh(model, mesh)
-    r = kv_repeat(model, mesh.tensor)
-    kv_w = model.num_layers * kv_projection_bytes(model)
-    weights_dev = (weight_bytes(model) - kv_w) / mesh.tensor + kv_w * (1 if r > 1 else 1 / mesh.tensor)
-    heads_dev = model.num_kv_heads * r // mesh.tensor
-    page_bytes = engine.page_size * kv_bytes_per_token(model, heads_dev, engine.kv_cache_dtype)
+    weights_dev = weight_bytes_per_device(model, mesh)
+    page_bytes = engine.page_size * kv_bytes_per_token_per_device(model, mesh, engine.kv_cache_dtype)
     capacity = hw.hbm_bytes / (mesh.size if hw.shared_by_mesh else 1)
     pages = pool_pages(capacity, weights_dev, activation_bytes, page_bytes, engine.memory_utilization)
     return {"kv_pool_pages": pages, "kv_pool_tokens": max(0, pages - 1) * engine.page_size,
