@@ -101,3 +101,39 @@ def test_two_processes_as_two_stages_match_one_device(tmp_path, reference, axis)
             assert_one_stage_per_process(layout, k, sizes)
             with pytest.raises(AssertionError):  # the check tells the stages apart
                 assert_one_stage_per_process(layout, 1 - k, sizes)
+
+
+def test_serve_two_processes_as_two_stages_answers_grpc(tmp_path_factory, reference):
+    """`jaxfill serve --num-processes 2 --set mesh.stage=2` (x tensor 2): process 0 serves
+    gRPC and leads, process 1 follows; Generate returns the one-device tokens."""
+    from jaxfill.serving.client import Client
+    from pipeline_multihost_worker import ENGINE, MAX_TOKENS, ROUNDS
+
+    cache = compile_cache_dir(tmp_path_factory)
+    port = free_port()
+    settings = {**ENGINE, "mesh.stage": 2, "mesh.tensor": 2}
+    sets = [x for k, v in settings.items() for x in ("--set", f"{k}={v}")]
+
+    def args(process_id: int) -> list[str]:
+        return [*sets, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(process_id),
+                "--grace-period", "30"]
+
+    follower = ServeProcess(*args(1), cache_dir=cache, env=ENV, listens=False)
+    leader = None
+    try:
+        leader = ServeProcess(*args(0), cache_dir=cache, env=ENV, timeout=TIMEOUT_S)
+        with Client(leader.address) as client:
+            deadline = time.time() + TIMEOUT_S
+            while client.health() != 1:  # SERVING once process 0 led both through warm-up
+                assert leader.proc.poll() is None and follower.proc.poll() is None, leader.log() + follower.log()
+                assert time.time() < deadline, leader.log()
+                time.sleep(0.1)
+            results = [client.generate(p, timeout=300, max_tokens=MAX_TOKENS, temperature=0.0,
+                                       ignore_eos=True) for prompts in ROUNDS for p in prompts]
+        assert [r.token_ids for r in results] == reference
+        assert results[2].complete.cached_tokens >= 16  # round 2 hit round 1's pages
+        assert "following process 0" in follower.log() and "listening" not in follower.log()
+    finally:
+        for proc in (leader, follower):
+            if proc is not None:
+                proc.kill()
