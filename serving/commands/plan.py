@@ -73,6 +73,12 @@ PLAN_COLUMNS = [
     ("TTFT(2N)/TTFT(N)", "decay_coefficient", lambda x: f"{x:.2f}"),
 ]
 
+STAGE_COLUMNS = [
+    ("microbatches", "microbatches", str),
+    ("bubble", "bubble_fraction", lambda x: f"{x:.2g}"),
+    ("stage xfer", "stage_transfer_s", _seconds),
+]
+
 TRANSFER_COLUMNS = [
     ("KV moved", "kv_transfer_bytes", _bytes),
     ("transfer", "kv_transfer_s", _seconds),
@@ -101,15 +107,22 @@ def run(args) -> int:
     if args.json:
         for row in rows:
             print(json.dumps({"config": config.name, "hardware": hw.name, "dtype": config.model.dtype,
-                              "mesh": {"data": mesh.data, "tensor": mesh.tensor, "sequence": mesh.sequence},
+                              "mesh": {"data": mesh.data, "tensor": mesh.tensor, "sequence": mesh.sequence,
+                                       "stage": mesh.stage, "microbatches": mesh.microbatches},
                               **row, **pool}), flush=True)
         return 0
     m = config.model
     first = rows[0]
     print(f"model   {config.name}: {_si(m.num_params())}params, {m.dtype}, {m.num_layers} layers, "
           f"{m.num_heads} q / {m.num_kv_heads} kv heads x {m.head_dim}; weights {_bytes(first['weight_bytes'])}")
-    print(f"mesh    data={mesh.data} tensor={mesh.tensor} sequence={mesh.sequence} "
-          f"({mesh.size} devices); weights per device {_bytes(first['weight_bytes_per_device'])}")
+    print(f"mesh    data={mesh.data} tensor={mesh.tensor} sequence={mesh.sequence} stage={mesh.stage} "
+          f"({mesh.size} devices); weights per device {_bytes(first['weight_bytes_per_device'])}, "
+          f"KV per device {first['kv_bytes_per_token_per_device']} bytes/token")
+    if mesh.stage > 1:
+        print(f"stages  {mesh.stage} x {m.num_layers // mesh.stage} layers, up to {mesh.microbatches} microbatches: "
+              f"{first['stage_boundary_bytes_per_token']} bytes/token cross each of {mesh.stage - 1} "
+              f"boundaries vs {first['tensor_allreduce_bytes_per_token_per_device']:.0f} bytes/token/device "
+              "of tensor all-reduces")
     print(f"device  {hw.name}: {hw.description}; {_si(hw.peak_flops(m.dtype), 'FLOP/s')} {m.dtype}, "
           f"{_bytes(hw.hbm_bytes)} at {_si(hw.hbm_bytes_per_s, 'B/s')}, link {_si(hw.link_bytes_per_s, 'B/s')}")
     print(f"        source: {hw.source}")
@@ -123,10 +136,15 @@ def run(args) -> int:
           f"replica at memory_utilization {pool['memory_utilization']:g}, activations "
           f"{_bytes(pool['activation_bytes'])} (engine/memory.py)")
     print()
-    columns = PLAN_COLUMNS + (TRANSFER_COLUMNS if args.link_gbps is not None else [])
+    columns = (PLAN_COLUMNS + (STAGE_COLUMNS if mesh.stage > 1 else [])
+               + (TRANSFER_COLUMNS if args.link_gbps is not None else []))
     print(format_table(rows, columns))
     print("\nTTFT floor = max(FLOPs/peak, bytes/bandwidth) per device + collectives; "
           "fit = requests of this length whose KV fits beside the weights (x data replicas).")
+    if mesh.stage > 1:
+        print("With stages: (microbatches + stages - 1) ticks of one stage's work on one microbatch, "
+              "+ stage xfer = (stages - 1) hand-overs of one microbatch's activations; bubble = idle "
+              "share per stage.")
     if args.link_gbps is not None:
         print(f"KV moved = the prompt's K/V, prefill pool to decode pool, once per request; "
               f"transfer = KV moved / {args.link_gbps:g} Gbit/s (bandwidth only, no latency).")
