@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxfill.models.sharding import STAGE, context_mesh, mesh_axis_size, var_axes
+from jaxfill.models.sharding import STAGE, context_mesh, mesh_axis_size, rows_metadata, var_axes
 
 
 def stack_layers(layers: list, stages: int) -> list:
@@ -65,13 +65,11 @@ def microbatch_metadata(meta,  # AttentionMetadata of the whole step
                         n: int,  # rows per microbatch
                         valid: jax.Array,  # [] bool, False in fill/drain ticks
                         ):
-    """Metadata of rows [lo, lo + n): queries clipped to them, each sequence's kv_len cut by
-    its queries after them, their slots only (all -1, writing nothing, when not valid)."""
-    cu = meta.cu_q_lens
-    local_cu = jnp.where(valid, jnp.clip(cu - lo, 0, n), 0).astype(jnp.int32)
-    kv_lens = (meta.kv_lens - jnp.maximum(cu[1:] - (lo + n), 0)).astype(jnp.int32)
+    """models.sharding.rows_metadata, with the rows' own slots (all -1, writing nothing,
+    when not valid) and no queries when not valid."""
+    meta = rows_metadata(meta, lo, n)
     slots = jax.lax.dynamic_slice_in_dim(meta.slot_mapping, lo, n)
-    return dataclasses.replace(meta, cu_q_lens=local_cu, kv_lens=kv_lens,
+    return dataclasses.replace(meta, cu_q_lens=jnp.where(valid, meta.cu_q_lens, 0),
                                slot_mapping=jnp.where(valid, slots, -1).astype(jnp.int32))
 
 

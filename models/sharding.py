@@ -228,11 +228,13 @@ def vocab_parallel_embed(table: jax.Array,  # [V, E] logical ('vocab', 'embed')
                          check_vma=False)(table, tokens)
 
 
-def _local_metadata(meta, lo: jax.Array, n: int):
-    """Metadata for query rows [lo, lo + n) of the flat batch; slot_mapping stays global."""
+def rows_metadata(meta, lo: jax.Array, n: int):
+    """Metadata for query rows [lo, lo + n) of the flat batch: each sequence's queries
+    clipped to them and its kv_len cut by its queries after them (so a row still sees
+    exactly the keys up to itself); slot_mapping stays global."""
     cu = meta.cu_q_lens
     local_cu = jnp.clip(cu - lo, 0, n).astype(jnp.int32)
-    cut = jnp.maximum(cu[1:] - (lo + n), 0)  # queries of sequence s after this chunk
+    cut = jnp.maximum(cu[1:] - jnp.maximum(cu[:-1], lo + n), 0)  # queries of sequence s after the rows
     kv_lens = (meta.kv_lens - cut).astype(jnp.int32)
     return type(meta)(cu_q_lens=local_cu, kv_lens=kv_lens, page_indices=meta.page_indices,
                       num_seqs=meta.num_seqs, slot_mapping=meta.slot_mapping,
@@ -265,7 +267,7 @@ def sharded_attention(attend: Callable, q: jax.Array, k: jax.Array, v: jax.Array
             n = q.shape[0]
             k = jax.lax.all_gather(k, sp, axis=0, tiled=True)
             v = jax.lax.all_gather(v, sp, axis=0, tiled=True)
-            meta = _local_metadata(meta, jax.lax.axis_index(sp) * n, n)
+            meta = rows_metadata(meta, jax.lax.axis_index(sp) * n, n)
         return attend(q, k, v, pages, meta)
 
     tok = P(sp, tp, None)
