@@ -112,7 +112,7 @@ def test_serve_two_processes_as_two_stages_answers_grpc(tmp_path_factory, refere
     cache = compile_cache_dir(tmp_path_factory)
     port = free_port()
     settings = {**ENGINE, "mesh.stage": 2, "mesh.tensor": 2}
-    sets = [x for k, v in settings.items() for x in ("--set", f"{k}={v}")]
+    sets = [x for k, v in settings.items() for x in ("--set", f"{k}={json.dumps(v)}")]  # TOML literals
 
     def args(process_id: int) -> list[str]:
         return [*sets, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(process_id),
