@@ -43,11 +43,11 @@ import math
 
 from jaxfill.engine.config import Config, EngineSettings, MeshSettings
 from jaxfill.engine.hardware import Hardware
-from jaxfill.models.config import ModelConfig
 from jaxfill.engine.planner_layout import (bubble_fraction, check_mesh, dtype_bytes,
                                            kv_bytes_per_token_per_device, kv_repeat, layer_bytes_per_device,
                                            pipeline_microbatches, vocab_param_bytes, vocab_split,
                                            weight_bytes_per_device)
+from jaxfill.models.config import ModelConfig
 from jaxfill.models.kv_cache import kv_bytes_per_token as cache_bytes_per_token
 
 
