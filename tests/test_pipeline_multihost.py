@@ -95,7 +95,7 @@ def test_two_processes_as_two_stages_match_one_device(tmp_path, reference, axis)
         assert r["mesh_stage_of_local"] == [k, k]
         assert any(leaf["spec"][:1] == [["stage"]] for leaf in r["params"].values())  # stacked layers
         assert any(["tensor", "stage"] in leaf["spec"] for leaf in r["params"].values())  # vocab split
-        assert len(r["kv"]) == 2  # tiny_random: 4 layers / 2 stages, one [stage, ...] entry per layer pair
+        assert len(r["kv"]) == 2  # tiny_random: K = 4 layers / 2 stages entries, each [stage, ...]
         sizes = {"stage": 2, "tensor": 1, "data": 1, "sequence": 1, axis: 2}
         for layout in (r["params"], r["kv"]):
             assert_one_stage_per_process(layout, k, sizes)
