@@ -149,6 +149,96 @@ def bubble(tokens: int, repeats: int, stages: int, microbatch_counts: list[int])
     return rows
 
 
+def stage_profile(trace_path: str, stages: int, microbatches: int) -> list[dict]:
+    """Per device (= stage) from an XLA:CPU trace (jax.profiler; events carry
+    device_ordinal): the run's window, time waiting in collective rendezvous, and the
+    compute between consecutive ppermutes, i.e. per tick (rendezvous waits taken out; tick 0
+    also holds the embedding, and the all-gather + copy before the loop, reported apart).
+    Ticks where t - s is outside [0, m) compute masked rows: 'fill_drain_us'."""
+    import gzip
+
+    events = [e for e in json.load(gzip.open(trace_path))["traceEvents"] if e.get("ph") == "X"]
+    threads: dict[tuple, set] = {}
+    for e in events:
+        d = (e.get("args") or {}).get("device_ordinal")
+        if d is not None:
+            threads.setdefault((e["pid"], e["tid"]), set()).add(int(d))
+    name = lambda e: e["name"].split(".")[0]  # noqa: E731
+    rows = []
+    for thread, devs in threads.items():
+        mine = sorted((e for e in events if (e["pid"], e["tid"]) == thread and name(e) != "ThunkExecutor::Execute"
+                       and not e["name"].startswith("Threadpool")), key=lambda e: e["ts"])
+        permutes = [e for e in mine if name(e) == "ppermute"]
+        if not permutes:
+            continue  # the client thread that launches the program
+        if len(devs) != 1:
+            raise RuntimeError(f"one thread ran devices {devs}: cannot attribute its time to a stage")
+        s = devs.pop()
+        waits = [e for e in mine if name(e) == "Rendezvous"]
+        start, end = mine[0]["ts"], max(e["ts"] + e["dur"] for e in mine)
+        ticks, prev = [], start
+        for pe in permutes:
+            waited = sum(w["dur"] for w in waits if prev <= w["ts"] < pe["ts"])
+            ticks.append(pe["ts"] - prev - waited)
+            prev = pe["ts"] + pe["dur"]
+        # before the loop: the LM head weight all-gathered over 'stage' and its layout copy
+        gathers = [e for e in mine if e["ts"] < permutes[0]["ts"] and name(e) == "all-gather"]
+        pre_loop = sum(e["dur"] for e in mine if e["ts"] < permutes[0]["ts"] and name(e) in ("all-gather",
+                                                                                              "wrapped_copy"))
+        pre_loop -= sum(w["dur"] for w in waits for g in gathers if g["ts"] <= w["ts"] < g["ts"] + g["dur"])
+        ticks[0] -= pre_loop
+        top0 = {}
+        for e in mine:
+            if e["ts"] < permutes[0]["ts"] and name(e) not in ("Rendezvous", "ppermute"):
+                top0[name(e)] = top0.get(name(e), 0) + e["dur"]
+        useful = sum(c for t, c in enumerate(ticks) if 0 <= t - s < microbatches)
+        window = end - start
+        rows.append({"stage": s, "window_us": window, "rendezvous_wait_us": sum(w["dur"] for w in waits),
+                     "pre_loop_gather_copy_us": pre_loop,
+                     "tick0_top_events_us": dict(sorted(top0.items(), key=lambda kv: -kv[1])[:6]),
+                     "tick_compute_us": ticks, "useful_us": useful, "fill_drain_us": sum(ticks) - useful,
+                     "predicted_bubble": (stages - 1) / (microbatches + stages - 1),
+                     "bubble_profile": 1 - useful / window})
+    return sorted(rows, key=lambda r: r["stage"])
+
+
+def profile(tokens: int, stages: int, microbatches: int) -> dict:
+    """One pipelined prefill traced with jax.profiler; per-stage busy time from the trace."""
+    import glob
+    import tempfile
+
+    import jax
+
+    from jaxfill.engine.config import MeshSettings, load_config
+    from jaxfill.engine.mesh import make_mesh
+    from jaxfill.engine.placement import abstract_state, create_kv_cache, init_sharded
+    from jaxfill.models.forward import forward
+
+    config = load_config(BENCH)
+    cfg, page_size = config.model, config.engine.page_size
+    mesh = make_mesh(MeshSettings(stage=stages))
+    _, state = init_sharded(cfg, mesh, stages=stages)
+    graphdef, _ = abstract_state(cfg, stages=stages, microbatches=microbatches)
+    tok, pos, meta = _prefill(cfg, page_size, tokens, 0)
+    cache = create_kv_cache(cfg, mesh, tokens // page_size + 2, page_size, fill_value=float("nan"), stages=stages)
+    logdir = tempfile.mkdtemp(prefix="pipeline_trace_")
+    with jax.set_mesh(mesh):
+        compiled = forward.lower(graphdef, state, tok, pos, cache, meta).compile()
+        for traced in (False, True):  # warm-up, then the traced run
+            if traced:
+                jax.profiler.start_trace(logdir)
+            start = time.perf_counter()
+            logits, cache = compiled(state, tok, pos, cache, meta)
+            logits.block_until_ready()
+            wall = time.perf_counter() - start
+        jax.profiler.stop_trace()
+    trace = glob.glob(os.path.join(logdir, "**", "*.trace.json.gz"), recursive=True)[0]
+    result = {"stages": stages, "microbatches": microbatches, "tokens": tokens, "wall_s_traced": wall,
+              "loadavg_1min": os.getloadavg()[0], "per_stage": stage_profile(trace, stages, microbatches)}
+    print(json.dumps(result), file=sys.stderr, flush=True)
+    return result
+
+
 def single_device_wall(tokens: int, repeats: int) -> dict:
     """The unpipelined model on one device: the wall a perfect p-stage pipeline divides by p."""
     from jaxfill.engine.config import load_config
@@ -170,7 +260,6 @@ def _abstract_bytes(cfg, stages: int, num_pages: int, page_size: int) -> dict:
     """Device 0's weight and KV bytes of `cfg` on `stages` stages, from shard shapes only."""
     import jax
     import numpy as np
-    from flax import nnx
 
     from jaxfill.engine.config import MeshSettings
     from jaxfill.engine.mesh import make_mesh
@@ -180,10 +269,8 @@ def _abstract_bytes(cfg, stages: int, num_pages: int, page_size: int) -> dict:
     mesh = make_mesh(MeshSettings(stage=stages), devices=jax.devices()[:stages])
     _, abstract = abstract_state(cfg, stages=stages)
     shardings = param_shardings(abstract, mesh)
-    leaves = jax.tree.leaves(abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    shards = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    weights = sum(int(np.prod(s[...].shard_shape(v.shape))) * np.dtype(v.dtype).itemsize
-                  for v, s in zip(leaves, shards))
+    leaves, shards = jax.tree.leaves(abstract), jax.tree.leaves(shardings)  # ShapeDtypeStruct, NamedSharding
+    weights = sum(int(np.prod(s.shard_shape(v.shape))) * np.dtype(v.dtype).itemsize for v, s in zip(leaves, shards))
     entry = ((stages,) if stages > 1 else ()) + (num_pages, page_size, 2 * kv_cache_heads(cfg, mesh), cfg.head_dim)
     kv_sharding = kv_cache_sharding(mesh, staged=stages > 1)
     kv = (cfg.num_layers // stages) * int(np.prod(kv_sharding.shard_shape(entry))) * np.dtype(cfg.jnp_dtype).itemsize
@@ -305,6 +392,8 @@ def _child(args) -> None:
         result = bubble(args.tokens, args.repeats, args.stages, [int(m) for m in args.microbatches.split(",")])
     elif args.child == "single":
         result = single_device_wall(args.tokens, args.repeats)
+    elif args.child == "profile":
+        result = profile(args.tokens, args.stages, int(args.microbatches))
     elif args.child == "bytes":
         result = per_device_bytes(args.num_pages)
     else:
@@ -352,9 +441,9 @@ def main():
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--num-pages", type=int, default=512)
-    ap.add_argument("--only", default="bubble,bytes,hlo")
+    ap.add_argument("--only", default="bubble,profile,bytes,hlo")
     ap.add_argument("--out", default=os.path.join(RESULTS, "pipeline.json"))
-    ap.add_argument("--child", choices=("bubble", "single", "bytes", "hlo"), help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=("bubble", "single", "profile", "bytes", "hlo"), help=argparse.SUPPRESS)
     ap.add_argument("--stages", type=int, default=2, help=argparse.SUPPRESS)
     ap.add_argument("--microbatches", default="4", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -363,29 +452,38 @@ def main():
     import jax
 
     common = ["--tokens", str(args.tokens), "--repeats", str(args.repeats), "--num-pages", str(args.num_pages)]
-    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "jax": jax.__version__, "cores": os.cpu_count(), "model": "configs/bench.toml",
-              "xla_flags": "--xla_cpu_multi_thread_eigen=false (one thread per fake device)",
-              "loadavg_before": os.getloadavg()}
+    result = {}
+    if os.path.exists(args.out):  # keep the sections not rerun
+        with open(args.out) as f:
+            result = json.load(f)
+    result.update({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   "jax": jax.__version__, "cores": os.cpu_count(), "model": "configs/bench.toml",
+                   "xla_flags": "--xla_cpu_multi_thread_eigen=false (one thread per fake device)"})
+
+    def save(section, value):
+        result[section] = value
+        result.setdefault("loadavg", {})[section] = os.getloadavg()
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"{section} -> {args.out}", flush=True)
     only = args.only.split(",")
     if "bubble" in only:
-        result["single_device"] = _spawn(1, "--child", "single", *common)
-        print(json.dumps(result["single_device"]), flush=True)
+        save("single_device", _spawn(1, "--child", "single", *common))
         rows = []
         for p, devices, ms in BUBBLE_RUNS:
             for m in ms:  # a fresh process per configuration
                 rows += _spawn(devices, "--child", "bubble", "--stages", str(p), "--microbatches", str(m), *common)
                 print(json.dumps(rows[-1]), flush=True)
-        result["bubble"] = rows
-        plot(rows, os.path.join(RESULTS, "pipeline_bubble.png"))
+        save("bubble", rows)
+    if "bubble" in result:
+        plot(result["bubble"], os.path.join(RESULTS, "pipeline_bubble.png"))
+    if "profile" in only:
+        save("profile", [_spawn(p, "--child", "profile", "--stages", str(p), "--microbatches", str(m), *common)
+                         for p, m in ((2, 4), (2, 8), (4, 4))])
     if "bytes" in only:
-        result["per_device_bytes"] = _spawn(8, "--child", "bytes", *common)
+        save("per_device_bytes", _spawn(8, "--child", "bytes", *common))
     if "hlo" in only:
-        result["boundary_vs_tensor"] = _spawn(2, "--child", "hlo", *common)
-    result["loadavg_after"] = os.getloadavg()
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {args.out}")
+        save("boundary_vs_tensor", _spawn(2, "--child", "hlo", *common))
 
 
 if __name__ == "__main__":
