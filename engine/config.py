@@ -174,6 +174,9 @@ def _build(cls, values: dict[str, Any]):
     if unknown:
         raise ConfigError(f"unknown keys for {cls.__name__}: {sorted(unknown)}")
     values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+    for f in dataclasses.fields(cls):  # "False" left as a string would count as true
+        if f.name in values and f.type in ("bool", bool) and not isinstance(values[f.name], bool):
+            raise ConfigError(f"{cls.__name__}.{f.name} must be true or false, got {values[f.name]!r}")
     try:
         return cls(**values)
     except TypeError as e:

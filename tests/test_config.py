@@ -136,3 +136,10 @@ def test_presets_are_read_from_the_installed_package():
         assert load_config("tiny_random").name == "tiny_random"
     finally:
         os.chdir(cwd)
+
+
+def test_a_bool_setting_refuses_anything_but_true_or_false():
+    # Python's spelling "False" is not TOML: it used to stay the string "False", i.e. true.
+    with pytest.raises(ConfigError, match="enable_prefix_caching must be true or false"):
+        load_config("tiny_random", ["engine.enable_prefix_caching=False"])
+    assert load_config("tiny_random", ["engine.enable_prefix_caching=false"]).engine.enable_prefix_caching is False

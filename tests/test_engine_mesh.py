@@ -51,7 +51,7 @@ def single():
 
 def test_sharded_engine_equals_one_device(single):
     sharded = run({"mesh.tensor": 2, "mesh.sequence": 4}, 8)
-    assert sharded["mesh"] == {"data": 1, "tensor": 2, "sequence": 4}
+    assert sharded["mesh"] == {"stage": 1, "data": 1, "tensor": 2, "sequence": 4}
     assert sharded["embed_rows_per_device"] * 2 == sharded["vocab"]  # vocab split over tensor=2
     assert sharded["tokens"] == single["tokens"]
     assert sharded["free"] == sharded["total"]
@@ -61,7 +61,7 @@ def test_sharded_engine_equals_one_device(single):
 def test_data_replicas_equal_one_device(single, mesh, devices):
     d, t, s = mesh
     r = run({"mesh.data": d, "mesh.tensor": t, "mesh.sequence": s}, devices)
-    assert r["mesh"] == {"data": d, "tensor": t, "sequence": s}
+    assert r["mesh"] == {"stage": 1, "data": d, "tensor": t, "sequence": s}
     assert r["tokens"] == single["tokens"]
     assert abs(r["logprob"] - single["logprob"]) < 1e-4
     # Each replica has its own pool of engine.num_pages pages, on its own devices.
