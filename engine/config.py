@@ -48,6 +48,9 @@ class EngineSettings:
     # True: step N+1 is dispatched before step N's tokens reach the host; decodes take their
     # input token on the device (engine/async_step.py). False: the synchronous baseline.
     async_scheduling: bool = True
+    # True: the layers run as one lax.scan over stacked params and a stacked cache, so a
+    # bucket compiles in about the same time for 4 or 80 layers (models/pipeline.py).
+    scan_layers: bool = False
     # Disaggregated prefill (engine/kv_transfer.py): how long a prefill worker holds a finished
     # prompt's pages for the decode worker's pull, and how long a decode worker waits for it.
     kv_transfer_timeout_s: float = 30.0
@@ -208,6 +211,9 @@ def load_config(config: str = "tiny", overrides: Mapping[str, Any] | list[str] |
     mesh = _build(MeshSettings, {**data.get("mesh", {}), **extra.get("mesh", {})})
     if model.num_layers % mesh.stage:
         raise ConfigError(f"mesh.stage={mesh.stage} must divide the model's {model.num_layers} layers")
+    if engine.scan_layers and mesh.stage > 1:
+        raise ConfigError("engine.scan_layers stacks all layers on every device; with mesh.stage > 1 "
+                          "each stage runs its own layers: choose one")
     return Config(name=name, model=model, engine=engine, mesh=mesh, model_path=model_path)
 
 

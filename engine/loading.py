@@ -27,9 +27,12 @@ def build_mesh(config: Config):
 def build_model(config: Config, mesh=None, progress: bool = True) -> Llama:
     """Params go straight into their shards when a mesh is given: never whole on one
     device, and each process reads only its own devices' slices of a checkpoint. With
-    mesh.stage > 1 the model comes in the pipelined layout (models/pipeline.py)."""
+    mesh.stage > 1 (or engine.scan_layers) the model comes in the stacked layout of
+    models/pipeline.py."""
     impl = config.engine.attention_impl
     stages, microbatches = config.mesh.stage, config.mesh.microbatches
+    if config.engine.scan_layers:  # every layer its own "stage", run one after another by a scan
+        stages = config.model.num_layers
     if mesh is not None:
         from flax import nnx
 
@@ -47,8 +50,11 @@ def build_model(config: Config, mesh=None, progress: bool = True) -> Llama:
 
         model = load_hf_params(config.model_path, config.model, attention_impl=impl,
                                place=place or default_place, progress=progress)
-        return model if stages == 1 else placement.stage_sharded(model, mesh, stages, microbatches)
-    return Llama(config.model, attention_impl=impl)
+        if stages == 1:
+            return model
+        return model.staged(stages, microbatches) if mesh is None else placement.stage_sharded(
+            model, mesh, stages, microbatches)
+    return Llama(config.model, attention_impl=impl, stages=stages, microbatches=microbatches)
 
 
 def build_tokenizer(config: Config):

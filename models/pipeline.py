@@ -90,7 +90,7 @@ def pipeline_layers(layers,  # nnx.List of K layers, params [p, ...]
                     microbatches: int,
                     ) -> tuple[jax.Array, tuple]:  # rows [S, E] at meta.logits_indices, pages
     """The K-layer groups of all stages, pipelined over 'stage' when the context mesh has
-    it, else run one stage after another (same numbers, one device)."""
+    it, else run one stage after another (same numbers)."""
     mesh = context_mesh()
     p = jax.tree.leaves(pages)[0].shape[0]
     if mesh is None or mesh_axis_size(mesh, STAGE) != p:
@@ -130,13 +130,19 @@ def pipeline_layers(layers,  # nnx.List of K layers, params [p, ...]
 
 
 def _sequential(layers, x, positions, pages, meta, impl, p):
-    """Stage after stage on whatever devices hold them (no 'stage' axis in context)."""
+    """Stage after stage on whatever devices hold them (no 'stage' axis in context), as one
+    lax.scan over the stacked rows: the program holds one stage's layers whatever p is, so
+    with p = L (engine.scan_layers) compile time stops growing with depth. The pages ride
+    in the carry and each row is written back in place."""
     graphdef, state = nnx.split(layers)
-    out_pages = [[] for _ in pages]
-    for s in range(p):
-        mine = nnx.merge(graphdef, jax.tree.map(lambda a: a[s], state))
-        x, stage_pages = _run_layers(mine, x, positions, jax.tree.map(lambda a: a[s], pages), meta, impl)
-        for j, pg in enumerate(stage_pages):
-            out_pages[j].append(pg)
-    stacked = tuple(jax.tree.map(lambda *a: jnp.stack(a), *entry) for entry in out_pages)
-    return jnp.take(x, meta.logits_indices, axis=0), stacked
+
+    def body(carry, xs):
+        x, pages = carry
+        s, row = xs
+        take = lambda a: jax.lax.dynamic_index_in_dim(a, s, keepdims=False)  # noqa: E731
+        x, mine = _run_layers(nnx.merge(graphdef, row), x, positions, jax.tree.map(take, pages), meta, impl)
+        pages = jax.tree.map(lambda a, r: jax.lax.dynamic_update_index_in_dim(a, r, s, 0), pages, mine)
+        return (x, pages), None
+
+    (x, pages), _ = jax.lax.scan(body, (x, tuple(pages)), (jnp.arange(p), state))
+    return jnp.take(x, meta.logits_indices, axis=0), pages
