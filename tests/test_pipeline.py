@@ -105,10 +105,11 @@ def test_four_devices_four_stages_and_stage_with_tensor_and_data(single):
     _check_stage_local(with_data, 2)
 
 
-def test_microbatch_counts_do_not_change_tokens(single):
+def test_microbatch_counts_and_scanned_layers_do_not_change_tokens(single):
     # 1: no overlap; 3: not a divisor of the buckets, cut to 2; 16: one token per microbatch
-    # in the 16-token decode bucket.
-    for r in run([{"mesh.stage": 2, "mesh.microbatches": m} for m in (1, 3, 16)], 2):
+    # in the 16-token decode bucket. Last: engine.scan_layers under tensor parallelism.
+    configs = [{"mesh.stage": 2, "mesh.microbatches": m} for m in (1, 3, 16)]
+    for r in run(configs + [{"engine.scan_layers": True, "mesh.tensor": 2}], 2):
         _check_same(r, single)
 
 
