@@ -1,158 +1,167 @@
-"""Cold start: compile time of one step's forward, layers unrolled (the model today) vs one
-`jax.lax.scan` over stacked layer params and a stacked KV cache, for tiny, bench and a
-32-layer llama3_8b-shaped model. Abstract weights and cache (ShapeDtypeStructs): nothing
-is allocated, so the 8B shape compiles on a laptop. The persistent compile cache is off
-and every compile is of a fresh jit, so each number is a real XLA compile.
+"""Cold start: compile time of the engine's real step program, layers unrolled vs
+`engine.scan_layers` (one lax.scan over params and a cache stacked [L, ...]).
 
-The scan variant lives here only (a layout the engine does not use: every kernel and the
-KV transfer take per-layer page arrays); on tiny_random it is first checked to give the
-unrolled model's logits and cache on real weights, so the timing is of the same program.
+Two measurements, both with the persistent compile cache off:
 
-    python benchmarks/compile_time.py [--tokens 256] [--seqs 16] [--out benchmarks/results/compile_time.json]
+* per bucket: `jax.jit(engine.step.step.__wrapped__)` lowered and compiled after
+  `jax.clear_caches()`, for `Llama(m, stages=1)` vs `Llama(m, stages=L)`, on abstract
+  state (`nnx.eval_shape`), an abstract cache (`jax.eval_shape(KVCache.create)`), an
+  abstract `dummy_batch` and abstract prev_tokens: nothing is allocated, so the 8B and
+  80-layer shapes compile on a laptop. Every compile is checked to be a real XLA backend
+  compile (JAX's backend-compile event fires exactly once for it).
+* whole warm-up: `Engine(load_config(preset, {"engine.scan_layers": ...}))` then
+  `engine.warmup()` (every bucket of the preset, compiled and run once).
+
+    python benchmarks/compile_time.py [--only tiny,bench,llama3_8b,llama3_8b_80] [--no-warmup]
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import datetime
 import json
 import os
 import platform
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from jaxfill.engine.batch import dummy_batch
 from jaxfill.engine.config import load_config
+from jaxfill.engine.step import step
 from jaxfill.models.kv_cache import KVCache
-from jaxfill.models.llama import DecoderLayer, Llama
-from jaxfill.models.sharding import constrain
+from jaxfill.models.llama import Llama
 
-SHAPES = [("tiny", "tiny_random", {}), ("bench", "bench", {}), ("llama3_8b", "llama3_8b", {})]
+# (name, preset, overrides): num_pages is the preset's, or 1024 where the preset sizes the pool
+SHAPES = [("tiny", "tiny_random", {}),
+          ("bench", "bench", {}),
+          ("llama3_8b", "llama3_8b", {"engine.num_pages": 1024}),
+          ("llama3_8b_80", "llama3_8b", {"engine.num_pages": 1024, "model.num_layers": 80})]
+WARMUP_PRESETS = ["tiny_random", "bench"]
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_backend_compiles: list[float] = []
 
 
-def unrolled(graphdef, state, tokens, positions, kv_cache, meta):
-    return nnx.merge(graphdef, state)(tokens, positions, kv_cache, meta)
-
-
-def scanned(head_gd, head_state, layer_gd, layers,  # layers: every layer's params stacked [L, ...]
-            tokens,  # [T] i32
-            positions,  # [T] i32
-            pages,  # [L, N, page_size, 2 * Hkv, D]
-            meta):
-    """Llama.__call__ with one scan over (layer params, layer pages)."""
-    head = nnx.merge(head_gd, head_state)
-
-    def body(x, xs):
-        layer_state, layer_pages = xs
-        x, layer_pages = nnx.merge(layer_gd, layer_state)(x, positions, layer_pages, meta, head.attention_impl)
-        return x, layer_pages
-
-    x, pages = jax.lax.scan(body, head.embed(tokens), (layers, pages))
-    x = head.norm(constrain(jnp.take(x, meta.logits_indices, axis=0), ("seqs", "act_embed")))
-    logits = head.embed.attend(x) if head.config.tie_word_embeddings else x @ head.lm_head[...]
-    return logits.astype(jnp.float32), pages
+def _on_event(event: str, secs: float, **_) -> None:
+    if event == BACKEND_COMPILE_EVENT:
+        _backend_compiles.append(secs)
 
 
 def _abstract(tree):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), tree)
 
 
-def _stack(trees):
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+def step_args(config, stages: int, bucket: tuple[int, int]) -> tuple:
+    """(graphdef, state, kv_cache, batch, prev_tokens), everything but graphdef abstract."""
+    m, e = config.model, config.engine
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Llama(m, nnx.Rngs(0), stages=stages)))
+    cache = jax.eval_shape(lambda: KVCache.create(m, e.num_pages, e.page_size, stages=stages))
+    batch = _abstract(dummy_batch(bucket, e.max_pages_per_seq, e.penalty_window))
+    prev_tokens = jax.ShapeDtypeStruct((e.max_num_seqs,), np.int32)
+    return graphdef, state, cache, batch, prev_tokens
 
 
-def programs(config, tokens: int, seqs: int, num_pages: int = 64):
-    """(unrolled args, scanned args) as ShapeDtypeStructs for one (tokens, seqs) bucket."""
-    e = config.engine
-    m = config.model
-    batch = dummy_batch((tokens, seqs), e.max_pages_per_seq, e.penalty_window)
-    inputs = _abstract((batch.tokens, batch.positions)) + (_abstract(batch.meta),)
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Llama(m, nnx.Rngs(0))))
-    cache = jax.eval_shape(lambda: KVCache.create(m, num_pages, e.page_size))
-    head_gd, head_state = nnx.split(nnx.eval_shape(lambda: Llama(dataclasses.replace(m, num_layers=1),
-                                                                  nnx.Rngs(0))))
-    layer_gd, layer_state = nnx.split(nnx.eval_shape(lambda: DecoderLayer(m, nnx.Rngs(0))))
-    L = m.num_layers
-    layers = jax.tree.map(lambda x: jax.ShapeDtypeStruct((L,) + x.shape, x.dtype), layer_state)
-    page = cache.pages[0]
-    pages = jax.ShapeDtypeStruct((L,) + page.shape, page.dtype)
-    tok, pos, meta = inputs
-    return ((graphdef, state, tok, pos, cache, meta),
-            (head_gd, head_state, layer_gd, layers, tok, pos, pages, meta))
+def _nbytes(tree) -> int:
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
-def compile_seconds(fn, static: tuple[int, ...], donate: int, args) -> dict:
-    jitted = jax.jit(fn, static_argnums=static, donate_argnums=donate)  # a fresh jit: no cache
+def compile_step(args: tuple) -> dict:
+    """One real compile of the engine's step on `args`: a fresh jit after clearing every
+    in-memory cache; asserts XLA's backend compile ran exactly once."""
+    jax.clear_caches()
+    jitted = jax.jit(step.__wrapped__, static_argnums=0, donate_argnums=2)
+    n = len(_backend_compiles)
     t0 = time.perf_counter()
     lowered = jitted.lower(*args)
     t1 = time.perf_counter()
     compiled = lowered.compile()
     t2 = time.perf_counter()
+    if len(_backend_compiles) != n + 1:
+        raise RuntimeError(f"expected one backend compile, saw {len(_backend_compiles) - n}")
     mem = compiled.memory_analysis()
     return {"lower_s": t1 - t0, "compile_s": t2 - t1, "total_s": t2 - t0,
-            "temp_bytes": int(mem.temp_size_in_bytes) if mem is not None else None}
+            "backend_compile_s": _backend_compiles[-1],
+            "temp_bytes": int(mem.temp_size_in_bytes) if mem is not None else None,
+            "argument_bytes": int(mem.argument_size_in_bytes) if mem is not None else None,
+            "cache_bytes": _nbytes(args[2]), "param_bytes": _nbytes(args[1])}
 
 
-def check_same_program() -> float:
-    """Max |logits diff| scan vs unrolled on tiny_random's real weights (pages NaN-filled
-    outside the written slots); also asserts the caches agree where written."""
-    from jaxfill.models.kv_cache import single_sequence_metadata
+def per_bucket_rows(names: list[str], buckets: list[tuple[int, int]]):
+    for name, preset, extra in SHAPES:
+        if names and name not in names:
+            continue
+        config = load_config(preset, extra)
+        layers = config.model.num_layers
+        for bucket in buckets:
+            for variant, stages in (("unrolled", 1), ("scan", layers)):
+                row = {"model": name, "layers": layers, "dtype": config.model.dtype, "variant": variant,
+                       "bucket": list(bucket), "num_pages": config.engine.num_pages,
+                       **compile_step(step_args(config, stages, bucket)), "loadavg": os.getloadavg()}
+                yield row
 
-    config = load_config("tiny_random")
-    m = config.model
-    model = Llama(m, nnx.Rngs(m.seed))
-    graphdef, state = nnx.split(model)
-    ids = np.arange(1, 21, dtype=np.int32)
-    meta = single_sequence_metadata(20, 0, [1, 2], 16, pad_to=32)
-    tokens, positions = jnp.asarray(np.pad(ids, (0, 12))), jnp.arange(32, dtype=jnp.int32)
-    cache = KVCache.create(m, 4, 16, fill_value=float("nan"))
-    want, want_cache = jax.jit(unrolled, static_argnums=0)(graphdef, state, tokens, positions, cache, meta)
-    head_gd, head_state = nnx.split(Llama(dataclasses.replace(m, num_layers=1), nnx.Rngs(m.seed)))
-    head_state = nnx.State({**dict(head_state), "embed": state["embed"], "norm": state["norm"]})
-    if "lm_head" in state:
-        head_state["lm_head"] = state["lm_head"]
-    layer_gd = nnx.split(model.layers[0])[0]
-    layers = _stack([nnx.split(layer)[1] for layer in model.layers])
-    got, got_pages = jax.jit(scanned, static_argnums=(0, 2))(head_gd, head_state, layer_gd, layers, tokens,
-                                                             positions, jnp.stack(cache.pages), meta)
-    for i, p in enumerate(want_cache.pages):
-        np.testing.assert_array_equal(np.asarray(got_pages[i][1:3]), np.asarray(p[1:3]))
-    diff = float(jnp.max(jnp.abs(got - want)))
-    assert diff < 1e-4, diff
-    return diff
+
+def warmup_row(preset: str, scan: bool) -> dict:
+    """Engine construction, then the whole warm-up, persistent cache off and nothing in memory."""
+    from jaxfill.engine.engine import Engine
+
+    jax.clear_caches()
+    config = load_config(preset, {"engine.scan_layers": scan})
+    t0 = time.perf_counter()
+    engine = Engine(config, progress=False, warmup=False)
+    t1 = time.perf_counter()
+    n = len(_backend_compiles)
+    engine.warmup(progress=False)
+    t2 = time.perf_counter()
+    row = {"preset": preset, "layers": config.model.num_layers, "variant": "scan" if scan else "unrolled",
+           "buckets": [list(s) for s in engine.shapes], "construct_s": t1 - t0, "warmup_s": t2 - t1,
+           "warmup_backend_compiles": len(_backend_compiles) - n,
+           "warmup_backend_compile_s": sum(_backend_compiles[n:]), "loadavg": os.getloadavg()}
+    engine.close()
+    return row
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokens", type=int, default=256)
-    p.add_argument("--seqs", type=int, default=16)
-    p.add_argument("--only", default="", help="comma-separated subset of tiny,bench,llama3_8b")
+    p.add_argument("--buckets", default="16x16,256x16", help="tokens x seqs, comma-separated")
+    p.add_argument("--only", default="", help="comma-separated subset of " + ",".join(s[0] for s in SHAPES))
+    p.add_argument("--no-per-bucket", action="store_true")
+    p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--out", default="benchmarks/results/compile_time.json")
     args = p.parse_args()
     jax.config.update("jax_enable_compilation_cache", False)
-    diff = check_same_program()
-    print(f"scan == unrolled on tiny_random: max |logits diff| {diff:.2e}", flush=True)
-    rows = []
-    for name, preset, extra in SHAPES:
-        if args.only and name not in args.only.split(","):
-            continue
-        config = load_config(preset, {"engine.num_pages": 64, **extra})
-        unrolled_args, scanned_args = programs(config, args.tokens, args.seqs)
-        for variant, fn, static, donate, a in (("unrolled", unrolled, (0,), 4, unrolled_args),
-                                               ("scan", scanned, (0, 2), 6, scanned_args)):
-            r = {"model": name, "layers": config.model.num_layers, "dtype": config.model.dtype,
-                 "variant": variant, "bucket": [args.tokens, args.seqs], **compile_seconds(fn, static, donate, a)}
-            rows.append(r)
-            print(json.dumps(r), flush=True)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"jax": jax.__version__, "backend": jax.default_backend(), "cpu": platform.processor() or
-                   platform.machine(), "cores": os.cpu_count(), "scan_vs_unrolled_max_logit_diff": diff,
-                   "rows": rows}, f, indent=1)
+    jax.monitoring.register_event_duration_secs_listener(_on_event)
+    buckets = [tuple(int(v) for v in b.split("x")) for b in args.buckets.split(",")]
+    names = [n for n in args.only.split(",") if n]
+    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "jax": jax.__version__, "backend": jax.default_backend(),
+              "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+              "loadavg_start": os.getloadavg(), "per_bucket": [], "warmup": []}
+
+    def save() -> None:
+        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+    if not args.no_per_bucket:
+        for row in per_bucket_rows(names, buckets):
+            result["per_bucket"].append(row)
+            print(f"{row['model']:>13} L={row['layers']:<3} {row['variant']:>8} {row['bucket']}: "
+                  f"lower {row['lower_s']:.1f} s, compile {row['compile_s']:.1f} s, "
+                  f"temp {row['temp_bytes'] / 2**20:.1f} MiB (cache {row['cache_bytes'] / 2**20:.1f} MiB), "
+                  f"load {row['loadavg'][0]:.1f}", flush=True)
+            save()
+    if not args.no_warmup:
+        for preset in WARMUP_PRESETS:
+            for scan in (False, True):
+                row = warmup_row(preset, scan)
+                result["warmup"].append(row)
+                print(f"warm-up {preset} {row['variant']}: construct {row['construct_s']:.1f} s, "
+                      f"{row['warmup_backend_compiles']} compiles, warm-up {row['warmup_s']:.1f} s", flush=True)
+                save()
+    result["loadavg_end"] = os.getloadavg()
+    save()
 
 
 if __name__ == "__main__":
