@@ -252,31 +252,11 @@ class Engine:
         return Launch(scheds, shape, batch)
 
     def _step_into(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        if self.settings.async_scheduling:
-            return self._step_async(outputs)
-        with self._lock:
-            launch = self._plan(outputs)
-        if launch is None:
-            return outputs
-        try:
-            host = self.runner.run(launch.batch).get()
-        except Exception as e:  # noqa: BLE001
-            with self._lock:
-                outputs += self._fail(launch.scheds, e)
-                return outputs
-        with self._lock:
-            self.num_steps += 1
-            now = time.perf_counter()
-            for sch, row in launch.rows():
-                out = self._advance(sch, host, row, now)
-                if out is not None:
-                    outputs.append(out)
-        return outputs
-
-    def _step_async(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """Dispatches step N+1, then takes step N's tokens while N+1 runs: the host work of
-        one step hides behind the device work of the next (engine/async_step.py)."""
-        done = set()  # ids of step N's rows already taken
+        """Dispatches step N+1, then takes step N's tokens while N+1 runs, so the host work
+        of one step hides behind the device work of the next (engine/async_step.py). With
+        async_scheduling off, the step just dispatched is taken at once: the same code,
+        one step at a time."""
+        done = set()  # ids of taken rows
         prev = launch = None
         try:
             with self._lock:
@@ -291,7 +271,10 @@ class Engine:
                 else:
                     with self._lock:
                         mark_in_flight(launch)
-            prev, self._in_flight = self._in_flight, launch
+            if self.settings.async_scheduling:
+                prev, self._in_flight = self._in_flight, launch
+            else:
+                prev, launch = launch, None
             if prev is not None:
                 self._take(prev, outputs, done)
         except BaseException:
@@ -313,12 +296,12 @@ class Engine:
             self.num_steps += 1
             now = time.perf_counter()
             for sch, row in launch.rows():
-                out = self._advance_async(sch, host, row, now)
+                out = self._advance(sch, host, row, now)
                 done.add(id(sch))
                 if out is not None:
                     outputs.append(out)
 
-    def _advance_async(self, sch, host, row: int, now: float) -> RequestOutput | None:
+    def _advance(self, sch, host, row: int, now: float) -> RequestOutput | None:
         """One row of step N, whose request may have been scheduled again since (N+1 is in
         flight), preempted (its token still counts) or finished (nothing happens)."""
         req = sch.req
@@ -332,26 +315,6 @@ class Engine:
                 return self._append(req, int(host.tokens[row]), host, row, now)
         except Exception as e:  # noqa: BLE001
             return self._finish(req, "error", error=f"{type(e).__name__}: {e}")
-        return None
-
-    def _advance(self, sch, host, row: int, now: float) -> RequestOutput | None:
-        """A scheduled chunk ran: move the request on, and take its token if it sampled."""
-        req = sch.req
-        if req.status != Status.RUNNING or self.requests.get(req.request_id) is not req:
-            return None  # aborted while the step ran
-        try:
-            req.num_computed = sch.start + sch.num_new
-            self.scheduler.register_computed(req, start=sch.start)
-            if sch.samples:
-                return self._append(req, int(host.tokens[row]), host, row, now)
-        except Exception as e:  # noqa: BLE001
-            return self._finish(req, "error", error=f"{type(e).__name__}: {e}")
-        except BaseException:  # interrupted (KeyboardInterrupt)
-            if req.num_tokens == sch.start + sch.num_new:
-                # Sampled, but the token was not taken: with nothing left to compute the
-                # request would never be scheduled again. Run the chunk again instead.
-                req.num_computed = sch.start
-            raise
         return None
 
     def _fail(self, scheds, exc: Exception) -> list[RequestOutput]:

@@ -35,8 +35,9 @@ def nan_cache(eng: Engine) -> KVCache:
     return KVCache.create(eng.config.model, s.num_pages, s.page_size, fill_value=float("nan"))
 
 
-def make_engine(model) -> Engine:
-    eng = Engine(load_config("tiny_random", OVERRIDES), progress=False, model=model)
+def make_engine(model, async_scheduling: bool = True) -> Engine:
+    config = load_config("tiny_random", {**OVERRIDES, "engine.async_scheduling": async_scheduling})
+    eng = Engine(config, progress=False, model=model)
     eng.runner.new_cache = lambda: nan_cache(eng)  # rebuilt caches are NaN-filled too
     eng.runner.kv_cache = nan_cache(eng)
     return eng
@@ -128,10 +129,11 @@ POINTS = ["schedule", "build_batch", "run_before_donation", "run_donated_not_sto
           "advance", "advance_bystander", "detokenize"]
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
 @pytest.mark.parametrize("point", POINTS)
-def test_interrupt_at_each_point_of_a_step(model, reference, monkeypatch, point):
+def test_interrupt_at_each_point_of_a_step(model, reference, monkeypatch, point, async_scheduling):
     ref, ref_bystander = reference
-    eng = make_engine(model)
+    eng = make_engine(model, async_scheduling)
     by = eng.add_request(BYSTANDER, GREEDY)
     inject(eng, monkeypatch, point, by)
     with pytest.raises(KeyboardInterrupt):
