@@ -1,6 +1,7 @@
 """Pipeline parallelism (issue 16): bubbles, per-device bytes, boundary bytes vs tensor parallelism.
 
-    python benchmarks/pipeline.py [--tokens 1024] [--repeats 3] [--only bubble,bytes,hlo]
+    python benchmarks/pipeline.py [--tokens 1024] [--repeats 3] [--only bubble,profile,bytes,hlo]
+    python benchmarks/pipeline.py --tables      # markdown tables of results/pipeline.json
 
 Three measurements on configs/bench.toml's model (8 layers, hidden 512, f32), each run in
 a fresh subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=N set before jax
@@ -19,13 +20,18 @@ starts, and --xla_cpu_multi_thread_eigen=false so that one fake device is one th
   bubble_cpu = 1 - devices * busy_cpu / cpu uses CPU seconds (all threads) instead of
   wall: the share of the pipeline's compute that is not useful work, which other load
   on a shared machine barely moves (wall time it moves a lot: loadavg is recorded).
+* profile: one traced prefill (jax.profiler) for p=2 (m=4, 8) and p=4 (m=4); per stage,
+  the busy time of its ops between consecutive ppermutes (one tick each), rendezvous waits
+  taken out, split into useful ticks, fill/drain ticks, and the LM head's all-gather and
+  copy before the loop; bubble_profile = 1 - useful / window.
 * bytes: per-device weight and KV bytes vs stage count: device 0's shards of the real
   arrays for bench.toml, and shard shapes of the abstract llama3_8b.toml model (nothing
   allocated) for the 8B-shaped numbers.
 * hlo: the forward compiled for stage=2 and for tensor=2 on the same model and tokens;
   collective-permute vs all-reduce bytes per token from the HLO (benchmarks/hlo_collectives.py;
   ops inside the pipeline's tick loop are multiplied by its m + p - 1 trips), next to the
-  analytic per-token link bytes.
+  analytic per-token link bytes; plus a what-if compile with the LM head's output split
+  over 'stage' (models/sharding.py RULES["act_vocab"] patched in this process only).
 """
 
 from __future__ import annotations
