@@ -155,75 +155,13 @@ def bubble(tokens: int, repeats: int, stages: int, microbatch_counts: list[int])
     return rows
 
 
-def _outermost_events(events: list[dict]) -> list[dict]:
-    """Per thread, the outermost XLA op events (executor/threadpool regions see-through),
-    each with 'wait': the rendezvous time nested inside it (a collective waiting for peers)."""
-    by_thread: dict[tuple, list] = {}
-    for e in events:
-        if not e["name"].startswith(("ThunkExecutor::Execute", "Threadpool")):
-            by_thread.setdefault((e["pid"], e["tid"]), []).append(e)
-    out = []
-    for evs in by_thread.values():
-        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
-        top = None
-        for e in evs:
-            if top is not None and e["ts"] < top["ts"] + top["dur"]:  # nested in top
-                if e["name"].startswith("Rendezvous"):
-                    top["wait"] += e["dur"]
-                continue
-            top = dict(e, wait=0.0)
-            out.append(top)
-    return out
-
-
-def stage_profile(trace_path: str, stages: int, microbatches: int) -> list[dict]:
-    """Per device (= stage) from an XLA:CPU trace (jax.profiler; op events carry
-    device_ordinal; one thread may run several devices' ops in turn): busy time of its
-    ops between consecutive ppermutes, i.e. per tick (rendezvous waits taken out; tick 0
-    also holds the embedding, and the all-gather + copy before the loop, reported apart).
-    Ticks where t - s is outside [0, m) compute masked rows: 'fill_drain_us'."""
-    import gzip
-
-    events = [e for e in json.load(gzip.open(trace_path))["traceEvents"] if e.get("ph") == "X"]
-    name = lambda e: e["name"].split(".")[0]  # noqa: E731
-    per_device: dict[int, list] = {}
-    for e in _outermost_events(events):
-        d = (e.get("args") or {}).get("device_ordinal")
-        if d is not None:
-            per_device.setdefault(int(d), []).append(e)
-    rows = []
-    for s, mine in sorted(per_device.items()):
-        mine.sort(key=lambda e: e["ts"])
-        permutes = [i for i, e in enumerate(mine) if name(e) == "ppermute"]
-        if not permutes:
-            continue
-        ticks, lo = [], 0
-        for i in permutes:
-            ticks.append(sum(e["dur"] - e["wait"] for e in mine[lo:i]))
-            lo = i + 1
-        pre_loop = sum(e["dur"] - e["wait"] for e in mine[:permutes[0]] if name(e) in ("all-gather", "wrapped_copy"))
-        ticks[0] -= pre_loop
-        top0: dict[str, float] = {}
-        for e in mine[:permutes[0]]:
-            top0[name(e)] = top0.get(name(e), 0) + e["dur"] - e["wait"]
-        useful = sum(c for t, c in enumerate(ticks) if 0 <= t - s < microbatches)
-        window = mine[-1]["ts"] + mine[-1]["dur"] - mine[0]["ts"]
-        busy = sum(e["dur"] - e["wait"] for e in mine)
-        rows.append({"stage": s, "window_us": window, "busy_us": busy,
-                     "rendezvous_wait_us": sum(e["wait"] for e in mine), "pre_loop_gather_copy_us": pre_loop,
-                     "tick0_top_events_us": dict(sorted(top0.items(), key=lambda kv: -kv[1])[:6]),
-                     "tick_compute_us": ticks, "useful_us": useful, "fill_drain_us": sum(ticks) - useful,
-                     "predicted_bubble": (stages - 1) / (microbatches + stages - 1),
-                     "bubble_profile": 1 - useful / window})
-    return rows
-
-
 def profile(tokens: int, stages: int, microbatches: int) -> dict:
     """One pipelined prefill traced with jax.profiler; per-stage busy time from the trace."""
     import glob
     import tempfile
 
     import jax
+    from pipeline_trace import stage_profile
 
     from jaxfill.engine.config import MeshSettings, load_config
     from jaxfill.engine.mesh import make_mesh
@@ -429,79 +367,6 @@ def _spawn(devices: int, *extra: str) -> object:
     return json.loads(line[len("RESULT "):])
 
 
-def plot(rows: list[dict], path: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot (pip install matplotlib)", file=sys.stderr)
-        return
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for (p, d), color in zip(sorted({(r["stages"], r["devices"]) for r in rows}), "bgrm"):
-        mine = sorted((r for r in rows if (r["stages"], r["devices"]) == (p, d)), key=lambda r: r["microbatches"])
-        ms = [r["microbatches"] for r in mine]
-        ax.plot(ms, [r["bubble_core_normalised"] for r in mine], "o-", color=color, label=f"p={p}, {d} dev: wall")
-        ax.plot(ms, [r["bubble_cpu"] for r in mine], "s:", color=color, label=f"p={p}, {d} dev: CPU time")
-        ax.plot(ms, [r["predicted_bubble"] for r in mine], "--", color=color, alpha=0.4)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("microbatches m")
-    ax.set_ylabel("bubble fraction (dashed: (p-1)/(m+p-1))")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
-def tables(result: dict) -> str:
-    """Markdown tables of a result file (for benchmarks/RESULTS.md)."""
-    out = []
-    if "bubble" in result:
-        out += ["| p | fake devices | m | predicted (p-1)/(m+p-1) | bubble, CPU time | bubble, wall "
-                "(core-normalised) | wall s | 1-device model wall s | loadavg |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        single = result.get("single_device", {}).get("wall_s", float("nan"))
-        for r in result["bubble"]:
-            out.append(f"| {r['stages']} | {r['devices']} | {r['microbatches']} | {r['predicted_bubble']:.2f} "
-                       f"| {r['bubble_cpu']:.2f} | {r['bubble_core_normalised']:.2f} | {r['wall_s']:.2f} "
-                       f"| {single:.2f} | {r['loadavg_1min']:.1f} |")
-    for prof in result.get("profile", []):
-        out += ["", f"p={prof['stages']}, m={prof['microbatches']} (traced wall {prof['wall_s_traced']:.2f} s, "
-                f"loadavg {prof['loadavg_1min']:.1f}):", "",
-                "| stage | window ms | busy ms | useful ms | fill/drain ms | all-gather+copy before loop ms "
-                "| rendezvous wait ms | bubble (1 - useful/window) | predicted |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for r in prof["per_stage"]:
-            out.append(f"| {r['stage']} | {r['window_us'] / 1e3:.0f} | {r['busy_us'] / 1e3:.0f} | {r['useful_us'] / 1e3:.0f} "
-                       f"| {r['fill_drain_us'] / 1e3:.0f} | {r['pre_loop_gather_copy_us'] / 1e3:.0f} "
-                       f"| {r['rendezvous_wait_us'] / 1e3:.0f} | {r['bubble_profile']:.2f} | {r['predicted_bubble']:.2f} |")
-    if "per_device_bytes" in result:
-        b = result["per_device_bytes"]
-        out += ["", "| stages | bench weights MB (arrays) | bench KV MB (arrays) | bench weights MB (shard shapes) "
-                "| llama3_8b weights GB | llama3_8b KV GB |", "|---:|---:|---:|---:|---:|---:|"]
-        for a, s, big in zip(b["bench_arrays"], b["bench_abstract"], b["llama3_8b_abstract"]):
-            out.append(f"| {a['stages']} | {a['weight_bytes_device0'] / 1e6:.1f} | {a['kv_bytes_device0'] / 1e6:.2f} "
-                       f"| {s['weight_bytes_device0'] / 1e6:.1f} | {big['weight_bytes_device0'] / 1e9:.2f} "
-                       f"| {big['kv_bytes_device0'] / 1e9:.3f} |")
-    if "boundary_vs_tensor" in result:
-        h = result["boundary_vs_tensor"]
-        out += ["", "| layout (2 devices) | collective | count in HLO | in tick loop | result | bytes/token executed |",
-                "|---|---|---:|---|---|---:|"]
-        for name in ("stage2", "tensor2", "stage2_logits_split_over_stage"):
-            seen = {}
-            for op in h[name]["ops"]:
-                key = (op["op"], op["in_loop"], op["result"])
-                seen[key] = seen.get(key, 0) + 1
-            for (op, loop, shape), n in seen.items():
-                trips = h["microbatches"] + 1 if loop else 1
-                per = n * next(o["bytes"] for o in h[name]["ops"] if o["result"] == shape and o["op"] == op)
-                out.append(f"| {name} | {op} | {n} | {'x' + str(trips) if loop else ''} | {shape} "
-                           f"| {per * trips / h['tokens']:.0f} |")
-        out += ["", "| model | dtype | pipeline boundary B/token | tensor=2 ring all-reduce B/token (per device) | ratio |",
-                "|---|---|---:|---:|---:|"]
-        for name, a in h["analytic"].items():
-            pb, tp = a["pipeline_boundary_bytes_per_token"], a["tensor2_allreduce_bytes_per_token"]
-            out.append(f"| {name} | {a['dtype']} | {pb} | {tp:.0f} | {tp / pb:.0f} |")
-    return "\n".join(out)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=1024)
@@ -516,6 +381,8 @@ def main():
     args = ap.parse_args()
     if args.child:
         return _child(args)
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from pipeline_report import plot, tables
     if args.tables:
         with open(args.out) as f:
             return print(tables(json.load(f)))
