@@ -25,7 +25,8 @@ def tables(result: dict) -> str:
             out.append(f"| {r['stage']} | {r['window_us'] / 1e3:.0f} | {r['busy_us'] / 1e3:.0f} "
                        f"| {r['useful_us'] / 1e3:.0f} "
                        f"| {r['fill_drain_us'] / 1e3:.0f} | {r['pre_loop_gather_copy_us'] / 1e3:.0f} "
-                       f"| {r['rendezvous_wait_us'] / 1e3:.0f} | {r['bubble_profile']:.2f} | {r['predicted_bubble']:.2f} |")
+                       f"| {r['rendezvous_wait_us'] / 1e3:.0f} | {r['bubble_profile']:.2f} "
+                       f"| {r['predicted_bubble']:.2f} |")
     if "per_device_bytes" in result:
         b = result["per_device_bytes"]
         out += ["", "| stages | bench weights MB (arrays) | bench KV MB (arrays) | bench weights MB (shard shapes) "
