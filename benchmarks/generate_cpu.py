@@ -44,7 +44,7 @@ def worker_jax(model_dir: str, lengths: list[int], repeats: int, devices: int, d
     from jaxfill.models.forward import forward
     from jaxfill.models.kv_cache import single_sequence_metadata
 
-    prompt_all = np.random.default_rng(0).integers(0, 32000, size=max(lengths)).tolist()
+    rng = np.random.default_rng(0)
     out = {"devices": len(jax.devices()), "jax": jax.__version__, "dtype": dtype, "lengths": {}}
     for n in lengths:
         overrides = {"engine.max_num_batched_tokens": n, "engine.token_buckets": [n],
@@ -52,33 +52,33 @@ def worker_jax(model_dir: str, lengths: list[int], repeats: int, devices: int, d
                      "engine.num_pages": n // PAGE + 8, "engine.max_model_len": n + PAGE,
                      "mesh.tensor": devices, "model.dtype": dtype}
         engine = Engine.from_config("bench", model_path=model_dir, overrides=overrides, progress=False)
-        prompt = prompt_all[:n]
         params = SamplingParams(max_tokens=1, temperature=0.0)
         runner = engine.runner
         meta = single_sequence_metadata(n, 0, list(range(1, n // PAGE + 2)), PAGE)
-        tokens, positions = np.asarray(prompt, np.int32), np.arange(n, dtype=np.int32)
+        positions = np.arange(n, dtype=np.int32)
 
         def bare():
+            tokens = rng.integers(0, 32000, size=n).astype(np.int32)
             with runner._context():
                 logits, runner.kv_cache = forward(runner.graphdef, runner.state, tokens, positions,
                                                   runner.kv_cache, meta)
             return np.asarray(logits)
 
-        def through_engine():
-            (c,) = engine.generate([prompt], params)
+        def through_engine():  # a fresh prompt each call: no prefix-cache hit from the last one
+            (c,) = engine.generate([rng.integers(0, 32000, size=n).tolist()], params)
             assert len(c.token_ids) == 1, c
             return c
 
-        gen_t, bare_t = [], []
+        gen_t, bare_t, gen_cpu, bare_cpu = [], [], [], []
         for i in range(repeats + 1):  # first of each: warm-up (compiles the bare forward)
-            for kind, fn, ts in (("engine", through_engine, gen_t), ("bare", bare, bare_t)):
-                t0 = time.perf_counter()
+            for fn, ts, cpu in ((through_engine, gen_t, gen_cpu), (bare, bare_t, bare_cpu)):
+                t0, c0 = time.perf_counter(), time.process_time()
                 fn()
-                dt = time.perf_counter() - t0
                 if i:
-                    ts.append(dt)
-        out["lengths"][str(n)] = {"generate_s": gen_t, "bare_forward_s": bare_t,
-                                  "attention_impl": engine.stats()["attention_impl"]}
+                    ts.append(time.perf_counter() - t0)
+                    cpu.append(time.process_time() - c0)
+        out["lengths"][str(n)] = {"generate_s": gen_t, "bare_forward_s": bare_t, "generate_cpu_s": gen_cpu,
+                                  "bare_forward_cpu_s": bare_cpu, "attention_impl": engine.stats()["attention_impl"]}
         print(f"jax devices={devices} {dtype} len={n}: generate "
               + " ".join(f"{t * 1e3:.0f}" for t in gen_t) + " ms; bare "
               + " ".join(f"{t * 1e3:.0f}" for t in bare_t) + " ms", file=sys.stderr, flush=True)
@@ -94,16 +94,16 @@ def run(cmd: list[str], env=None) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def jax_run(model_dir, lengths, repeats, devices, dtype) -> dict:
+def jax_run(model_dir, lengths, repeats, devices, dtype, pin) -> dict:
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}").strip()
-    return run([sys.executable, os.path.abspath(__file__), "--worker", model_dir, "--lengths",
+    return run(pin + [sys.executable, os.path.abspath(__file__), "--worker", model_dir, "--lengths",
                 *map(str, lengths), "--repeats", str(repeats), "--devices", str(devices),
                 "--dtypes", dtype], env)
 
 
-def hf_run(model_dir, lengths, repeats, threads, dtype) -> dict:
-    return run([sys.executable, HF_WORKER, "time", model_dir, "--lengths", *map(str, lengths),
+def hf_run(model_dir, lengths, repeats, threads, dtype, pin) -> dict:
+    return run(pin + [sys.executable, HF_WORKER, "time", model_dir, "--lengths", *map(str, lengths),
                 "--repeats", str(repeats), "--threads", str(threads), "--dtype", dtype])
 
 
@@ -115,6 +115,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--pin", type=int, metavar="CORE", default=None,
+                   help="per-core efficiency instead: every process pinned to CORE (taskset), HF 1 thread, "
+                        "jaxfill 1 device; compares process CPU time, which other jobs on the machine "
+                        "disturb far less than wall time")
     p.add_argument("--out", default=RESULTS)
     p.add_argument("--worker", metavar="MODEL_DIR", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -122,6 +126,9 @@ def main() -> None:
         print(json.dumps(worker_jax(args.worker, args.lengths, args.repeats, args.devices[0], args.dtypes[0])))
         return
 
+    pin = [] if args.pin is None else ["taskset", "-c", str(args.pin)]
+    if pin:
+        args.threads, args.devices = 1, [1]
     load_start, t0 = os.getloadavg(), time.time()
     variants = [("hf", 0, d) for d in args.dtypes] + [("jax", n, d) for d in args.dtypes for n in args.devices]
     runs = {v: [] for v in variants}
@@ -131,19 +138,20 @@ def main() -> None:
         for i in range(args.rounds):
             for v in (variants if i % 2 == 0 else variants[::-1]):
                 who, n, dtype = v
-                runs[v].append(hf_run(model_dir, args.lengths, args.repeats, args.threads, dtype) if who == "hf"
-                               else jax_run(model_dir, args.lengths, args.repeats, n, dtype))
+                runs[v].append(hf_run(model_dir, args.lengths, args.repeats, args.threads, dtype, pin) if who == "hf"
+                               else jax_run(model_dir, args.lengths, args.repeats, n, dtype, pin))
             print(f"round {i + 1}/{args.rounds} done, {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
 
     med = statistics.median
     rows = []
     for dtype in args.dtypes:
         for n in args.lengths:
-            hf = med([t for r in runs[("hf", 0, dtype)] for t in r["lengths"][str(n)]])
+            hf_key = "cpu_times" if pin else "lengths"  # pinned: CPU seconds, else wall seconds
+            hf = med([t for r in runs[("hf", 0, dtype)] for t in r[hf_key][str(n)]])
             for dev in args.devices:
                 rs = [r["lengths"][str(n)] for r in runs[("jax", dev, dtype)]]
-                gen = med([t for r in rs for t in r["generate_s"]])
-                bare = med([t for r in rs for t in r["bare_forward_s"]])
+                gen = med([t for r in rs for t in r["generate_cpu_s" if pin else "generate_s"]])
+                bare = med([t for r in rs for t in r["bare_forward_cpu_s" if pin else "bare_forward_s"]])
                 rows.append({"dtype": dtype, "prompt_len": n, "devices": dev, "hf_ttft_s": hf,
                              "generate_ttft_s": gen, "bare_forward_s": bare,
                              "generate_over_hf_speed": hf / gen, "bare_over_hf_speed": hf / bare,
@@ -153,11 +161,13 @@ def main() -> None:
               "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
               "load_average_start": load_start, "load_average_end": os.getloadavg(),
               "rounds": args.rounds, "repeats": args.repeats, "threads_hf": args.threads,
+              "measure": "process CPU time, one pinned core" if pin else "wall time",
               "rows": rows, "raw": {f"{w}/{n}/{d}": r for (w, n, d), r in runs.items()},
               "wall_s": time.time() - t0}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
+    print(f"{result['measure']}:")
     print("| dtype | tokens | XLA devices | transformers TTFT | Engine.generate TTFT | bare forward | "
           "generate speed / HF | bare / HF | engine overhead |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")

@@ -3,7 +3,8 @@
     python benchmarks/prefill_hf_worker.py save DIR          # random-init bench-shape checkpoint
     python benchmarks/prefill_hf_worker.py time DIR --lengths 128 512 --repeats 3 --threads 2
 
-`time` prints one JSON object: per length the seconds of each timed prefill
+`time` prints one JSON object: per length the wall seconds (`lengths`) and process CPU
+seconds (`cpu_times`) of each timed prefill
 (`model(input_ids, logits_to_keep=1)` under inference_mode, --dtype (f32 default), sdpa attention, KV cache
 on as in a real prefill) after one warm-up run.
 """
@@ -43,19 +44,21 @@ def time_prefill(directory: str, lengths: list[int], repeats: int, warmup: int, 
     prompt = np.random.default_rng(seed).integers(0, model.config.vocab_size, size=max(lengths))
     out = {"framework": "transformers", "torch": torch.__version__, "transformers": tf.__version__,
            "threads": torch.get_num_threads(), "dtype": dtype, "attn_implementation": model.config._attn_implementation,
-           "lengths": {}}
+           "lengths": {}, "cpu_times": {}}
     for n in lengths:
         ids = torch.as_tensor(prompt[:n], dtype=torch.long)[None]
-        times = []
+        times, cpu_times = [], []
         with torch.inference_mode():
             for i in range(warmup + repeats):
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.process_time()
                 logits = model(input_ids=ids, logits_to_keep=1).logits
                 assert logits.shape[1] == 1
                 if i >= warmup:
                     times.append(time.perf_counter() - start)
+                    cpu_times.append(time.process_time() - cpu_start)
         print(f"hf len={n}: " + " ".join(f"{t * 1e3:.0f}" for t in times) + " ms", file=sys.stderr, flush=True)
         out["lengths"][str(n)] = times
+        out["cpu_times"][str(n)] = cpu_times
     return out
 
 
