@@ -68,7 +68,7 @@ RULES: dict[str, Any] = {
     "act_heads": TENSOR,
     "act_kv_heads": TENSOR,
     "act_mlp": TENSOR,
-    "act_vocab": TENSOR,
+    "act_vocab": (TENSOR, STAGE),  # logits split like the LM head: never gather the head
     "seqs": None,
     # one layer's KV pages [num_pages, page_size, 2*Hkv, D] ([stage, ...] when pipelined)
     "cache_stage": STAGE,

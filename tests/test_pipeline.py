@@ -49,6 +49,14 @@ for overrides in json.loads(sys.argv[1]):
         for leaf in jax.tree.leaves(engine.runner.state["layers"]) + engine.runner.kv_cache.arrays():
             rows += [(stage_of[s.device.id], s.index[0].start, s.index[0].stop, s.data.shape[0])
                      for s in leaf.addressable_shards]
+        runner = engine.runner  # no step may gather the embedding / LM head whole onto a device
+        batch = runner.put(runner.dummy(runner.shapes[-1]))
+        with runner._context():
+            hlo = runner._step.lower(runner.graphdef, runner.state, runner.kv_cache, batch,
+                                     runner.prev_tokens).compile().as_text()
+        vocab, hidden = engine.config.model.vocab_size, engine.config.model.hidden_size
+        r["head_gathers"] = [line for line in hlo.splitlines() if "all-gather" in line
+                             and (f"[{hidden},{vocab}]" in line or f"[{vocab},{hidden}]" in line)]
         emb = engine.runner.state["embed"]["embedding"][...]
         r.update(stage_rows=rows, mesh=dict(mesh.shape), embed_rows=emb.addressable_shards[0].data.shape[0],
                  vocab=emb.shape[0], layer_modules=len(engine.runner.state["layers"]),
@@ -87,6 +95,7 @@ def _check_stage_local(r, stages, tensor=1):
     # each device's shard of every layer param and cache entry is exactly its stage's row
     assert r["stage_rows"] and all((s, s + 1, 1) == (start, stop, n) for s, start, stop, n in r["stage_rows"])
     assert r["embed_rows"] * stages * tensor == r["vocab"]  # embedding split over stage x tensor
+    assert r["head_gathers"] == []  # logits stay vocab-split: the head is never gathered
 
 
 def test_two_stages_equal_one_device(single):
