@@ -38,13 +38,15 @@ def flops(seq: int) -> float:
 
 
 def time_calls(fn, repeats: int) -> list[float]:
+    """Wall seconds per call; process CPU seconds when pinned (PIN_CLOCK=cpu)."""
+    clock = time.process_time if os.environ.get("PIN_CLOCK") == "cpu" else time.perf_counter
     fn()
     fn()
     out = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        out.append(time.perf_counter() - t0)
+        out.append(clock() - t0)
     return out
 
 
@@ -55,6 +57,8 @@ def worker_torch(seq: int, repeats: int) -> dict:
     q = torch.randn(1, HQ, seq, D, generator=g)
     k = torch.randn(1, HKV, seq, D, generator=g)
     v = torch.randn(1, HKV, seq, D, generator=g)
+    if os.environ.get("PIN_CLOCK") == "cpu":
+        torch.set_num_threads(1)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     with torch.inference_mode():
         times = time_calls(lambda: sdpa(q, k, v, is_causal=True, enable_gqa=True), repeats)
@@ -92,13 +96,17 @@ def worker_jax(seq: int, repeats: int, impl: str, devices: int) -> dict:
             "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
 
-def run_worker(framework: str, seq: int, repeats: int, impl: str, devices: int = 1) -> dict:
+def run_worker(framework: str, seq: int, repeats: int, impl: str, devices: int = 1, pin=None) -> dict:
     env = dict(os.environ)
+    if pin is not None:
+        env["PIN_CLOCK"] = "cpu"
     if framework == "jax":
         flags = f"{JAX_XLA_FLAGS} --xla_force_host_platform_device_count={devices}"
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + flags).strip()
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", framework, "--seq",
            str(seq), "--repeats", str(repeats), "--impl", impl, "--devices", str(devices)]
+    if pin is not None:
+        cmd = ["taskset", "-c", str(pin)] + cmd
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -111,6 +119,9 @@ def main():
     ap.add_argument("--impl", default="auto", help="comma-separated impls to time")
     ap.add_argument("--devices", type=int, nargs="+", default=[1, os.cpu_count()],
                     help="XLA CPU device counts to time jaxfill on (heads split over them)")
+    ap.add_argument("--pin", type=int, metavar="CORE", default=None,
+                    help="per-core efficiency instead: every process on CORE (taskset), torch 1 thread, "
+                         "jaxfill 1 device, process CPU time (disturbed far less by other jobs than wall time)")
     ap.add_argument("--worker", choices=["jax", "torch"])
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args()
@@ -120,6 +131,8 @@ def main():
         print(json.dumps(res))
         return
 
+    if args.pin is not None:
+        args.devices = [1]
     rows = []
     load_before = os.getloadavg()
     impls = args.impl.split(",")
@@ -130,8 +143,8 @@ def main():
         meta = {}
         for _ in range(args.rounds):  # alternate: torch, then each jaxfill variant
             for v in ["torch"] + variants:
-                r = (run_worker("torch", seq, repeats, "") if v == "torch"
-                     else run_worker("jax", seq, repeats, v[0], v[1]))
+                r = (run_worker("torch", seq, repeats, "", pin=args.pin) if v == "torch"
+                     else run_worker("jax", seq, repeats, v[0], v[1], pin=args.pin))
                 per[v].append(statistics.median(r["times_s"]))
                 meta[str(v)] = {k: x for k, x in r.items() if k != "times_s"}
         torch_ms = statistics.median(per["torch"]) * 1e3
@@ -150,7 +163,8 @@ def main():
     result = {
         "benchmark": "causal prefill attention, 1 sequence, Hq=8 Hkv=2 D=64 f32",
         "jax_impls": impls, "devices": args.devices, "page_size": PAGE, "rounds": args.rounds,
-        "repeats": args.repeats, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": {
+        "repeats": args.repeats,
+        "measure": "process CPU time, one pinned core" if args.pin is not None else "wall time", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": {
             "cpu_count": os.cpu_count(), "platform": platform.platform(),
             "processor": platform.processor() or platform.machine(),
             "loadavg_before": [round(x, 2) for x in load_before],
@@ -160,6 +174,7 @@ def main():
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
+    print(f"{result['measure']}:")
     print("| seq | jaxfill impl | XLA devices | jaxfill ms | torch SDPA ms | jaxfill / torch | jaxfill GFLOP/s | torch GFLOP/s |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
