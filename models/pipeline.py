@@ -132,17 +132,22 @@ def pipeline_layers(layers,  # nnx.List of K layers, params [p, ...]
 def _sequential(layers, x, positions, pages, meta, impl, p):
     """Stage after stage on whatever devices hold them (no 'stage' axis in context), as one
     lax.scan over the stacked rows: the program holds one stage's layers whatever p is, so
-    with p = L (engine.scan_layers) compile time stops growing with depth. The pages ride
-    in the carry and each row is written back in place."""
+    with p = L (engine.scan_layers) compile time stops growing with depth. The carry sees
+    each entry [p, N, ...] as one pool [p * N, ...] (a free reshape) and row s addresses
+    its own pages in it by ids shifted by s * N, so no row of the cache is ever copied."""
     graphdef, state = nnx.split(layers)
+    n, page_size = jax.tree.leaves(pages)[0].shape[1:3]
+    pool = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), tuple(pages))  # [p * N, page_size, ...]
 
     def body(carry, xs):
-        x, pages = carry
+        x, pool = carry
         s, row = xs
-        take = lambda a: jax.lax.dynamic_index_in_dim(a, s, keepdims=False)  # noqa: E731
-        x, mine = _run_layers(nnx.merge(graphdef, row), x, positions, jax.tree.map(take, pages), meta, impl)
-        pages = jax.tree.map(lambda a, r: jax.lax.dynamic_update_index_in_dim(a, r, s, 0), pages, mine)
-        return (x, pages), None
+        shifted = dataclasses.replace(
+            meta, page_indices=meta.page_indices + s * n,
+            slot_mapping=jnp.where(meta.slot_mapping >= 0, meta.slot_mapping + s * n * page_size, -1))
+        x, pool = _run_layers(nnx.merge(graphdef, row), x, positions, pool, shifted, impl)
+        return (x, pool), None
 
-    (x, pages), _ = jax.lax.scan(body, (x, tuple(pages)), (jnp.arange(p), state))
-    return jnp.take(x, meta.logits_indices, axis=0), pages
+    (x, pool), _ = jax.lax.scan(body, (x, pool), (jnp.arange(p), state))
+    return jnp.take(x, meta.logits_indices, axis=0), jax.tree.map(lambda a, old: a.reshape(old.shape), pool,
+                                                                  tuple(pages))

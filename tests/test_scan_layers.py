@@ -78,3 +78,23 @@ def test_staged_cache_reports_one_layer_shape():
     plain = KVCache.create(config, 6, 8)
     assert (cache.num_pages, cache.page_size, cache.nbytes()) == (plain.num_pages, plain.page_size, plain.nbytes())
     assert np.asarray(cache.pages[0]).shape == (4, 6, 8, 2 * config.num_kv_heads, config.head_dim)
+
+
+def _step_temp_bytes(stages: int, num_pages: int) -> tuple[int, int]:
+    """(compiled temp bytes of the 16x4 step, cache bytes) for tiny_random, nothing allocated."""
+    config = load_config("tiny_random", BASE)
+    m = config.model
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Llama(m, nnx.Rngs(0), stages=stages)))
+    cache = jax.eval_shape(lambda: KVCache.create(m, num_pages, config.engine.page_size, stages=stages))
+    batch = dummy_batch((16, 4), config.engine.max_pages_per_seq, config.engine.penalty_window)
+    prev = jax.ShapeDtypeStruct((config.engine.max_num_seqs,), jnp.int32)
+    compiled = step.lower(graphdef, state, cache, batch, prev).compile()
+    return compiled.memory_analysis().temp_size_in_bytes, sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(cache))
+
+
+def test_the_scan_updates_the_cache_in_place():
+    # Taking a layer's pages out of the scan carry and writing them back would cost one
+    # layer's pages of temp memory (and two copies of the cache per step in time).
+    unrolled, cache_bytes = _step_temp_bytes(1, 1024)
+    scanned, _ = _step_temp_bytes(4, 1024)
+    assert scanned < unrolled + cache_bytes / 4 / 4, (scanned, unrolled, cache_bytes)
