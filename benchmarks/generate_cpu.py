@@ -86,6 +86,10 @@ def worker_jax(model_dir: str, lengths: list[int], repeats: int, devices: int, d
     return out
 
 
+def fmt_ms(seconds) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.0f} ms"
+
+
 def run(cmd: list[str], env=None) -> dict:
     print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, env=env)
@@ -107,6 +111,49 @@ def hf_run(model_dir, lengths, repeats, threads, dtype, pin) -> dict:
                 "--repeats", str(repeats), "--threads", str(threads), "--dtype", dtype])
 
 
+def summarize(runs, dtypes, lengths, devices, pin) -> list[dict]:
+    """Medians over all timed calls of all rounds (CPU seconds when pinned, else wall)."""
+    med = statistics.median
+    rows = []
+    for dtype in dtypes:
+        for n in lengths:
+            hf_key = "cpu_times" if pin else "lengths"  # pinned: CPU seconds, else wall seconds
+            hf = med([t for r in runs[("hf", 0, dtype)] for t in r[hf_key][str(n)]])
+            for dev in devices:
+                rs = [r["lengths"][str(n)] for r in runs[("jax", dev, dtype)]]
+                gen = med([t for r in rs for t in r["generate_cpu_s" if pin else "generate_s"]])
+                bare = med([t for r in rs for t in r["bare_forward_cpu_s" if pin else "bare_forward_s"]])
+                rows.append({"dtype": dtype, "prompt_len": n, "devices": dev, "hf_ttft_s": hf,
+                             "generate_ttft_s": gen, "bare_forward_s": bare,
+                             "generate_over_hf_speed": hf / gen, "bare_over_hf_speed": hf / bare,
+                             "generate_overhead": gen / bare - 1, "hf_tok_s": n / hf, "generate_tok_s": n / gen,
+                             "attention_impl": rs[0]["attention_impl"]})
+    return rows
+
+
+def two_core_rows(runs, dtypes, lengths, devices, min_ratio: float = 1.8) -> list[dict]:
+    """Medians over only the calls that had both cores: CPU time / wall >= min_ratio.
+
+    On a shared 2-core machine a process often gets one core; then jaxfill's wall time is
+    its one-core time and HF's 2 OpenMP threads spin-wait (2-7x slower). Calls that got
+    two cores are the ones that answer "how do the two compare on 2 cores"."""
+    med = statistics.median
+    out = []
+    for dtype in dtypes:
+        for n in lengths:
+            hf = [w for r in runs[("hf", 0, dtype)] for w, c in zip(r["lengths"][str(n)], r["cpu_times"][str(n)])
+                  if c / w >= min_ratio]
+            row = {"dtype": dtype, "prompt_len": n, "hf_s": med(hf) if hf else None, "hf_calls": len(hf)}
+            for dev in devices:
+                rs = [r["lengths"][str(n)] for r in runs[("jax", dev, dtype)]]
+                js = [w for r in rs for w, c in zip(r["bare_forward_s"], r["bare_forward_cpu_s"]) if c / w >= min_ratio]
+                js += [w for r in rs for w, c in zip(r["generate_s"], r["generate_cpu_s"]) if c / w >= min_ratio]
+                row[f"jax_{dev}dev_s"] = med(js) if js else None
+                row[f"jax_{dev}dev_calls"] = len(js)
+            out.append(row)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048, 8192])
@@ -121,7 +168,19 @@ def main() -> None:
                         "disturb far less than wall time")
     p.add_argument("--out", default=RESULTS)
     p.add_argument("--worker", metavar="MODEL_DIR", help=argparse.SUPPRESS)
+    p.add_argument("--two-core", metavar="JSON", help="print the two-core table of a finished run's JSON")
     args = p.parse_args()
+    if args.two_core:
+        with open(args.two_core) as f:
+            done = json.load(f)
+        runs = {(w, int(n), d): r for w, n, d in (k.split("/") for k in done["raw"]) for r in [done["raw"][f"{w}/{n}/{d}"]]}
+        dtypes = sorted({d for _, _, d in runs})
+        lengths = sorted({int(n) for r in done["raw"].values() for n in r[0]["lengths"]})
+        devices = sorted({n for w, n, _ in runs if w == "jax"})
+        for r in two_core_rows(runs, dtypes, lengths, devices):
+            print(f"{r['dtype']} {r['prompt_len']}: HF {fmt_ms(r['hf_s'])} (n={r['hf_calls']}); " + "; ".join(
+                f"jaxfill {d} dev {fmt_ms(r[f'jax_{d}dev_s'])} (n={r[f'jax_{d}dev_calls']})" for d in devices))
+        return
     if args.worker:
         print(json.dumps(worker_jax(args.worker, args.lengths, args.repeats, args.devices[0], args.dtypes[0])))
         return
@@ -142,27 +201,14 @@ def main() -> None:
                                else jax_run(model_dir, args.lengths, args.repeats, n, dtype, pin))
             print(f"round {i + 1}/{args.rounds} done, {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
 
-    med = statistics.median
-    rows = []
-    for dtype in args.dtypes:
-        for n in args.lengths:
-            hf_key = "cpu_times" if pin else "lengths"  # pinned: CPU seconds, else wall seconds
-            hf = med([t for r in runs[("hf", 0, dtype)] for t in r[hf_key][str(n)]])
-            for dev in args.devices:
-                rs = [r["lengths"][str(n)] for r in runs[("jax", dev, dtype)]]
-                gen = med([t for r in rs for t in r["generate_cpu_s" if pin else "generate_s"]])
-                bare = med([t for r in rs for t in r["bare_forward_cpu_s" if pin else "bare_forward_s"]])
-                rows.append({"dtype": dtype, "prompt_len": n, "devices": dev, "hf_ttft_s": hf,
-                             "generate_ttft_s": gen, "bare_forward_s": bare,
-                             "generate_over_hf_speed": hf / gen, "bare_over_hf_speed": hf / bare,
-                             "generate_overhead": gen / bare - 1, "hf_tok_s": n / hf, "generate_tok_s": n / gen,
-                             "attention_impl": rs[0]["attention_impl"]})
+    rows = summarize(runs, args.dtypes, args.lengths, args.devices, pin)
+    two_core = two_core_rows(runs, args.dtypes, args.lengths, args.devices) if not pin else []
     result = {"date": time.strftime("%Y-%m-%d %H:%M:%S"),
               "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
               "load_average_start": load_start, "load_average_end": os.getloadavg(),
               "rounds": args.rounds, "repeats": args.repeats, "threads_hf": args.threads,
               "measure": "process CPU time, one pinned core" if pin else "wall time",
-              "rows": rows, "raw": {f"{w}/{n}/{d}": r for (w, n, d), r in runs.items()},
+              "rows": rows, "two_core_rows": two_core, "raw": {f"{w}/{n}/{d}": r for (w, n, d), r in runs.items()},
               "wall_s": time.time() - t0}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
@@ -175,6 +221,12 @@ def main() -> None:
         print(f"| {r['dtype']} | {r['prompt_len']} | {r['devices']} | {r['hf_ttft_s'] * 1e3:.0f} ms | "
               f"{r['generate_ttft_s'] * 1e3:.0f} ms | {r['bare_forward_s'] * 1e3:.0f} ms | "
               f"{r['generate_over_hf_speed']:.2f}x | {r['bare_over_hf_speed']:.2f}x | {r['generate_overhead'] * 100:+.1f}% |")
+    if two_core:
+        print("wall time of the calls that had both cores (CPU / wall >= 1.8; jaxfill: generate and bare "
+              "forward together; n = calls):")
+        for r in two_core:
+            print(f"  {r['dtype']} {r['prompt_len']}: HF {fmt_ms(r['hf_s'])} (n={r['hf_calls']}); " + "; ".join(
+                f"jaxfill {d} dev {fmt_ms(r[f'jax_{d}dev_s'])} (n={r[f'jax_{d}dev_calls']})" for d in args.devices))
     print(f"load average {load_start[0]:.1f} -> {os.getloadavg()[0]:.1f}; wrote {os.path.relpath(args.out, ROOT)}")
 
 
