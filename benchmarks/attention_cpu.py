@@ -1,6 +1,7 @@
-"""Causal prefill attention on CPU: jaxfill's impl="xla" vs torch SDPA(is_causal=True).
+"""Causal prefill attention on CPU: jaxfill (impl "auto" = xla on CPU) vs torch SDPA(is_causal=True).
 
     python benchmarks/attention_cpu.py [--seq 2048 8192] [--rounds 3] [--repeats 5] [--devices 1 2]
+    python benchmarks/attention_cpu.py --pin 1      # per core: one pinned core, CPU time
 
 Shape: one sequence, 8 q heads / 2 KV heads / head_dim 64, f32 (the DESIGN.md bench
 shape). jaxfill reads K/V from a paged cache (page_size 16, pages in shuffled order);
@@ -10,8 +11,9 @@ so slow phases of a shared machine hit both; each process reports the median of
 `--repeats` timed calls after warm-up, and the table shows the median over rounds.
 `--devices N` runs jaxfill on N XLA CPU devices (--xla_force_host_platform_device_count)
 with the heads split over them by `shard_map`, the layout the engine uses with
-mesh.tensor = N; 1 is the plain single-device call.
-Writes benchmarks/results/attention_cpu.json.
+mesh.tensor = N; 1 is the plain single-device call. `--pin CORE` compares per-core
+efficiency: every process on CORE, torch 1 thread, process CPU time.
+Writes benchmarks/results/attention_cpu.json (or --out).
 """
 
 from __future__ import annotations
