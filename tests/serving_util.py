@@ -31,6 +31,28 @@ def compile_cache_dir(tmp_path_factory) -> str:
     return _CACHE_DIR[0]
 
 
+def run_process_pair(argv, outs: list, env: dict, timeout_s: float, what: str) -> list[dict]:
+    """Starts `argv(i)` for processes 0 and 1 of one jax.distributed group together, waits
+    for both and returns the JSON each wrote to outs[i]; a hang or a failed process fails
+    the test with its log."""
+    import json
+
+    import pytest
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    procs = [subprocess.Popen(argv(i), env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for i in range(2)]
+    try:
+        logs = [p.communicate(timeout=timeout_s)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail(f"{what} did not finish in {timeout_s}s")
+    for i, p in enumerate(procs):
+        assert p.returncode == 0, f"process {i} exited with {p.returncode}:\n{logs[i][-6000:]}"
+    return [json.loads(o.read_text()) for o in outs]
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (coordinators, servers)."""
     with socket.socket() as s:

@@ -6,13 +6,11 @@ one data replica per process. Global device ids are not contiguous across proces
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 
 import pytest
-from serving_util import free_port
+from serving_util import free_port, run_process_pair
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "multihost_worker.py")
@@ -26,19 +24,8 @@ def runs(tmp_path_factory):
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     port = free_port()
     outs = [tmp / f"out{i}.json" for i in range(2)]
-    procs = [subprocess.Popen([sys.executable, WORKER, str(i), "2", str(port), str(outs[i])], env=env, cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=TIMEOUT_S)[0])
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        pytest.fail(f"multi-host workers did not finish in {TIMEOUT_S}s")
-    for i, p in enumerate(procs):
-        assert p.returncode == 0, f"process {i} exited with {p.returncode}:\n{logs[i][-6000:]}"
-    return [json.loads(o.read_text()) for o in outs]
+    return run_process_pair(lambda i: [sys.executable, WORKER, str(i), "2", str(port), str(outs[i])], outs, env,
+                            TIMEOUT_S, "multi-host workers")
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 
 import pytest
-from serving_util import ServeProcess, compile_cache_dir, free_port
+from serving_util import ServeProcess, compile_cache_dir, free_port, run_process_pair
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "pipeline_multihost_worker.py")
@@ -26,18 +25,8 @@ def run_workers(tmp_path, axis: str) -> list[dict]:
     env = dict(os.environ, **ENV, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     port = free_port()
     outs = [tmp_path / f"out{i}.json" for i in range(2)]
-    procs = [subprocess.Popen([sys.executable, WORKER, str(i), str(port), axis, str(outs[i])], env=env,
-                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
-    try:
-        logs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        pytest.fail(f"pipeline workers did not finish in {TIMEOUT_S}s")
-    for i, p in enumerate(procs):
-        assert p.returncode == 0, f"process {i} exited with {p.returncode}:\n{logs[i][-6000:]}"
-    results = [json.loads(o.read_text()) for o in outs]
+    results = run_process_pair(lambda i: [sys.executable, WORKER, str(i), str(port), axis, str(outs[i])], outs,
+                               env, TIMEOUT_S, "pipeline workers")
     for i, r in enumerate(results):
         assert "error" not in r, f"process {i}:\n{r['error']}"
     return results
