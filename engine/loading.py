@@ -41,19 +41,15 @@ def build_model(config: Config, mesh=None, progress: bool = True) -> Llama:
         if not config.model_path:
             return nnx.merge(*placement.init_sharded(config.model, mesh, impl, stages=stages,
                                                      microbatches=microbatches))
-        _, abstract = placement.abstract_state(config.model, impl)
+        _, abstract = placement.abstract_state(config.model, impl, stages, microbatches)
         place = placement.shard_placer(mesh, abstract)
     else:
         place = None
     if config.model_path:
         from jaxfill.models.checkpoint import default_place, load_hf_params
 
-        model = load_hf_params(config.model_path, config.model, attention_impl=impl,
-                               place=place or default_place, progress=progress)
-        if stages == 1:
-            return model
-        return model.staged(stages, microbatches) if mesh is None else placement.stage_sharded(
-            model, mesh, stages, microbatches)
+        return load_hf_params(config.model_path, config.model, attention_impl=impl, place=place or default_place,
+                              progress=progress, stages=stages, microbatches=microbatches)
     return Llama(config.model, attention_impl=impl, stages=stages, microbatches=microbatches)
 
 

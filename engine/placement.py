@@ -45,21 +45,6 @@ def init_sharded(config, mesh: jax.sharding.Mesh, attention_impl: str = "auto",
     return graphdef, state
 
 
-def stage_sharded(model: Llama, mesh: jax.sharding.Mesh, stages: int, microbatches: int,
-                  rules: Mapping[str, Any] | None = None) -> Llama:
-    """A loaded model regrouped into pipeline stages, each stage's layers on its devices.
-    The plain model's layers are freed after; while loading they are replicated over
-    'stage' (a stage-aware checkpoint reader would avoid that peak)."""
-    graphdef, state = nnx.split(model)
-    staged_graphdef, abstract = nnx.split(nnx.eval_shape(lambda: nnx.merge(graphdef, state).staged(
-        stages, microbatches)))
-    shardings = param_shardings(abstract, mesh, rules)
-    with jax.set_mesh(mesh):
-        staged = jax.jit(lambda st: nnx.split(nnx.merge(graphdef, st).staged(stages, microbatches))[1],
-                         out_shardings=shardings)(state)
-    return nnx.merge(staged_graphdef, staged)
-
-
 def shard_placer(mesh: jax.sharding.Mesh, abstract: nnx.State,
                  rules: Mapping[str, Any] | None = None) -> Callable[[tuple, TensorSlices], jax.Array]:
     """`place(path, tensor)` for models.checkpoint.load_hf_params.

@@ -95,6 +95,21 @@ class TensorSlices:
         return out
 
 
+class StackedSlices:
+    """Several tensors of one shape seen as one stacked [n, ...] param (the layers of a
+    pipelined model, models/pipeline.py), read one box at a time: a box reads only the
+    rows (layers) it covers, each through its own reader (TensorSlices or an int8 view)."""
+
+    def __init__(self, parts: list):
+        self.parts = parts
+        self.shape = (len(parts),) + tuple(parts[0].shape)
+
+    def read(self, index: tuple = ()) -> np.ndarray:
+        index = tuple(index) or (slice(None),)
+        start, stop, _ = index[0].indices(len(self.parts))
+        return np.stack([self.parts[i].read(index[1:]) for i in range(start, stop)])
+
+
 def safetensors_files(model_dir: str) -> list[str]:
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.exists(index):
@@ -176,12 +191,15 @@ def default_place(path: tuple, tensor: TensorSlices) -> jax.Array:
 
 def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "auto",
                    place: Callable[[tuple, TensorSlices], jax.Array] = default_place,
-                   progress: bool = True) -> Llama:
+                   progress: bool = True, stages: int = 1, microbatches: int = 1) -> Llama:
     """Builds a Llama whose params come from a Hugging Face safetensors checkpoint.
 
     Every header is checked (names, shapes) before any tensor data is read, so a wrong
-    checkpoint fails fast and whole."""
-    model = nnx.eval_shape(lambda: Llama(config, nnx.Rngs(0), attention_impl=attention_impl))
+    checkpoint fails fast and whole. With `stages` > 1 the params go straight into the
+    stacked layout of models/pipeline.py: `place` gets each stacked param as one
+    StackedSlices, so a device reads only its own stage's layers."""
+    model = nnx.eval_shape(lambda: Llama(config, nnx.Rngs(0), attention_impl=attention_impl, stages=stages,
+                                         microbatches=microbatches))
     graphdef, state = nnx.split(model)
     params = {path: var for path, var in nnx.to_flat_state(state)}
     table = hf_to_param(config)
@@ -208,15 +226,24 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
         missing = sorted(table)
         raise CheckpointError(f"checkpoint {model_dir} is missing {len(missing)} tensors, e.g. {missing[:3]}")
     target = np.dtype(config.jnp_dtype)
-    for spec, stored in tqdm(todo, desc="loading weights", unit="tensor", disable=not progress):
+    readers: dict[tuple, object] = {}  # param path -> reader (a list of stage rows while stacking)
+    for spec, stored in todo:
         path = spec.param_path
         if is_quantized(path, config.weight_dtype):  # int8 from the f32 values, slice by slice
             tensor = QuantizedSlices(TensorSlices(stored, spec.stored_shape, spec.perm, np.dtype(np.float32)),
                                      QUANTIZED_INPUT_AXES[path[-1]])
-            params[path].set_value(place(path, tensor))
-            params[scale_path(path)].set_value(place(scale_path(path), tensor.scales))
+            pairs = [(path, tensor), (scale_path(path), tensor.scales)]
         else:
-            params[path].set_value(place(path, TensorSlices(stored, spec.stored_shape, spec.perm, target)))
+            pairs = [(path, TensorSlices(stored, spec.stored_shape, spec.perm, target))]
+        for p, reader in pairs:
+            if stages > 1 and p[0] == "layers":  # layer n is row n // K of module n % K
+                k = config.num_layers // stages
+                rows = readers.setdefault(("layers", p[1] % k) + p[2:], [None] * stages)
+                rows[p[1] // k] = reader
+            else:
+                readers[p] = reader
+    for path, reader in tqdm(readers.items(), desc="loading weights", unit="tensor", disable=not progress):
+        params[path].set_value(place(path, StackedSlices(reader) if isinstance(reader, list) else reader))
     return nnx.merge(graphdef, state)
 
 

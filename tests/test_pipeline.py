@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 from jaxfill.engine.config import load_config
+from jaxfill.models.checkpoint import StackedSlices
 from jaxfill.models.config import ConfigError
 from jaxfill.models.forward import forward
 from jaxfill.models.kv_cache import KVCache, single_sequence_metadata
@@ -35,7 +36,7 @@ params = [SamplingParams(max_tokens=8), SamplingParams(max_tokens=8, temperature
           SamplingParams(max_tokens=5, logprobs=2), SamplingParams(max_tokens=12, temperature=0.7, top_k=5, seed=9)]
 results = []
 for overrides in json.loads(sys.argv[1]):
-    engine = Engine.from_config("tiny_random", overrides=overrides, progress=False)
+    engine = Engine.from_config(sys.argv[2], overrides=overrides, progress=False)
     out = engine.generate(prompts, params)
     again = engine.generate([shared + "third"], SamplingParams(max_tokens=6))  # prefix-cache hit
     r = {"tokens": [c.token_ids for c in out + again], "logprob": out[2].logprobs[0]["logprob"],
@@ -66,9 +67,9 @@ print(json.dumps(results))
 """
 
 
-def run(configs, devices):
+def run(configs, devices, preset="tiny_random"):
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-    out = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps([{**BASE, **c} for c in configs])],
+    out = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps([{**BASE, **c} for c in configs]), preset],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -120,6 +121,38 @@ def test_microbatch_counts_and_scanned_layers_do_not_change_tokens(single):
     configs = [{"mesh.stage": 2, "mesh.microbatches": m} for m in (1, 3, 16)]
     for r in run(configs + [{"engine.scan_layers": True, "mesh.tensor": 2}], 2):
         _check_same(r, single)
+
+
+def test_a_checkpoint_loads_straight_into_its_stages():
+    """The trained tiny checkpoint (HF safetensors): each stage's devices read only their
+    layers (StackedSlices), int8 weights quantized per layer as unstaged loading does."""
+    single, single_int8 = run([{}, {"model.weight_dtype": "int8"}], 1, preset="tiny")
+    staged, staged_int8 = run([{"mesh.stage": 2}, {"mesh.stage": 2, "model.weight_dtype": "int8"}], 2,
+                              preset="tiny")
+    _check_same(staged, single)
+    _check_same(staged_int8, single_int8)
+    _check_stage_local(staged, 2)
+
+
+def test_stacked_slices_read_only_the_rows_asked_for():
+    reads = []
+
+    class Part:
+        shape = (3, 2)
+
+        def __init__(self, i):
+            self.i = i
+
+        def read(self, index=()):
+            reads.append((self.i, tuple(index)))
+            return np.full(self.shape, float(self.i))[tuple(index)]
+
+    stacked = StackedSlices([Part(i) for i in range(4)])
+    assert stacked.shape == (4, 3, 2)
+    box = stacked.read((slice(2, 3), slice(1, 3), slice(0, 2)))
+    assert box.shape == (1, 2, 2) and np.all(box == 2.0)
+    assert [i for i, _ in reads] == [2]  # only layer 2 was read
+    assert np.array_equal(stacked.read()[:, 0, 0], np.arange(4.0))
 
 
 def test_staged_model_without_a_mesh_equals_the_plain_model():

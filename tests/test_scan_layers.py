@@ -98,3 +98,16 @@ def test_the_scan_updates_the_cache_in_place():
     unrolled, cache_bytes = _step_temp_bytes(1, 1024)
     scanned, _ = _step_temp_bytes(4, 1024)
     assert scanned < unrolled + cache_bytes / 4 / 4, (scanned, unrolled, cache_bytes)
+
+
+@pytest.mark.parametrize("weights", ["auto", "int8"])
+def test_a_checkpoint_loads_straight_into_the_scanned_layout(weights):
+    """The trained tiny checkpoint through models.checkpoint.StackedSlices (no mesh)."""
+    def tokens(scan):
+        engine = Engine.from_config("tiny", overrides={**BASE, "engine.scan_layers": scan,
+                                                       "model.weight_dtype": weights}, progress=False)
+        return [c.token_ids for c in engine.generate(PROMPTS, PARAMS)], engine
+
+    want, _ = tokens(False)
+    got, engine = tokens(True)
+    assert got == want and engine.runner.stages == 4
