@@ -13,7 +13,8 @@ each head r times (Hkv < tensor, models/sharding.py) only every r-th head is sen
 the receiver repeats them to its own r. The sender gathers onto one device before
 offering (`jax.device_put`), so the receiver pulls plain single-device arrays and its
 own jitted scatter reshards them into its cache: tensor=2 -> tensor=1 and back work
-the same way.
+the same way, and so do the stacked layouts (mesh.stage, engine.scan_layers): rows
+travel in layer order whatever either side's layout.
 
 `jax.experimental.transfer` (jax 0.10.2, CPU) as measured: `await_pull` returns
 nothing and never says when a pull happened (so the decode side says so, serving/
@@ -54,7 +55,7 @@ class Layout:
     quantized: bool
 
     @classmethod
-    def of(cls, config, cache) -> "Layout":
+    def of(cls, config, cache) -> "Layout":  # either layout: both send [L, T, ...] rows
         leaf = cache.pages[0]
         values = leaf.values if isinstance(leaf, QuantizedPages) else leaf
         m = config.model
@@ -74,52 +75,79 @@ def _repeat_of(leaf_values, num_kv_heads: int) -> int:
     return leaf_values.shape[2] // (2 * num_kv_heads)
 
 
-@functools.partial(jax.jit, static_argnames=("num_kv_heads",))
-def gather_tokens(pages: tuple,  # L x ([N, P, 2*Hc, D] array or QuantizedPages)
+def _entries(pages: tuple, stages: int) -> list:
+    """The cache's entries, each with a leading stage axis ([p, N, P, ...]; p = 1 for the
+    per-layer layout): layer s * K + j is row s of entry j (models/pipeline.py). Inside a
+    jit, so the added axis is a free reshape."""
+    if stages > 1:
+        return list(pages)
+    return [jax.tree.map(lambda a: a[None], leaf) for leaf in pages]
+
+
+def _values_scales(entry):
+    return (entry.values, entry.scales) if isinstance(entry, QuantizedPages) else (entry, None)
+
+
+@functools.partial(jax.jit, static_argnames=("num_kv_heads", "stages"))
+def gather_tokens(pages: tuple,  # KVCache.pages: per layer [N, P, 2*Hc, D] or stacked [p, N, ...]
                   page_ids: jax.Array,  # [T // P] int32, the request's pages (padded with 0)
-                  num_kv_heads: int):
+                  num_kv_heads: int,
+                  stages: int = 1):
     """-> values [L, T, 2*Hkv, D], scales [L, T, 2*Hkv] or None: the request's rows."""
-    def rows(a):  # [N, P, 2*Hc, ...] -> [T, 2*Hkv, ...]
-        a = a[page_ids]
-        a = a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:])
-        r = a.shape[1] // (2 * num_kv_heads)
+    def rows(a):  # [p, N, P, 2*Hc, ...] -> [p, T, 2*Hkv, ...]
+        a = a[:, page_ids]
+        a = a.reshape((a.shape[0], a.shape[1] * a.shape[2]) + a.shape[3:])
+        r = a.shape[2] // (2 * num_kv_heads)
         if r > 1:  # keep one copy of each repeated head
-            a = a.reshape((a.shape[0], num_kv_heads, r, 2) + a.shape[2:])[:, :, 0]
-            a = a.reshape((a.shape[0], 2 * num_kv_heads) + a.shape[3:])
+            a = a.reshape(a.shape[:2] + (num_kv_heads, r, 2) + a.shape[3:])[:, :, :, 0]
+            a = a.reshape(a.shape[:2] + (2 * num_kv_heads,) + a.shape[4:])
         return a
 
-    if isinstance(pages[0], QuantizedPages):
-        return (jnp.stack([rows(p.values) for p in pages]), jnp.stack([rows(p.scales) for p in pages]))
-    return jnp.stack([rows(p) for p in pages]), None
+    def layers(parts):  # K x [p, T, ...] -> [p * K, T, ...] in layer order
+        x = jnp.stack(parts, axis=1)
+        return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
+
+    entries = _entries(pages, stages)
+    values = layers([rows(_values_scales(e)[0]) for e in entries])
+    if not isinstance(entries[0], QuantizedPages):
+        return values, None
+    return values, layers([rows(e.scales) for e in entries])
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def scatter_tokens(pages: tuple,  # L x ([N, P, 2*Hc, D] array or QuantizedPages), donated
+@functools.partial(jax.jit, donate_argnums=(0,), static_argnames=("stages",))
+def scatter_tokens(pages: tuple,  # KVCache.pages (donated): per layer [N, P, 2*Hc, D] or [p, N, ...]
                    values: jax.Array,  # [L, T, 2*Hkv, D]
                    scales: jax.Array | None,  # [L, T, 2*Hkv] or None
-                   slots: jax.Array):  # [T] int32, page * P + offset; -1 = drop the row
-    """Writes the rows into this engine's pages (its page size, ids and head repeat)."""
-    def put(a, rows):  # a [N, P, 2*Hc, ...], rows [T, 2*Hkv, ...]
-        n, p = a.shape[:2]
-        hkv2 = rows.shape[1]
-        r = a.shape[2] // hkv2
+                   slots: jax.Array,  # [T] int32, page * P + offset; -1 = drop the row
+                   stages: int = 1):
+    """Writes the rows into this engine's pages (its page size, ids, head repeat, layout)."""
+    def put(a, rows):  # a [p, N, P, 2*Hc, ...], rows [p, T, 2*Hkv, ...]
+        p, n, size = a.shape[:3]
+        hkv2 = rows.shape[2]
+        r = a.shape[3] // hkv2
         if r > 1:  # repeat each head r times in a row, K/V pairs kept together
-            rows = rows.reshape((rows.shape[0], hkv2 // 2, 1, 2) + rows.shape[2:])
-            rows = jnp.broadcast_to(rows, rows.shape[:2] + (r,) + rows.shape[3:])
-            rows = rows.reshape((rows.shape[0], a.shape[2]) + rows.shape[4:])
-        flat = a.reshape((n * p,) + a.shape[2:])
-        t = jnp.arange(slots.shape[0])
-        idx = jnp.where(slots >= 0, slots, n * p + t)  # unique, out of range: dropped
-        flat = flat.at[idx].set(rows.astype(a.dtype), mode="drop", unique_indices=True)
+            rows = rows.reshape(rows.shape[:2] + (hkv2 // 2, 1, 2) + rows.shape[3:])
+            rows = jnp.broadcast_to(rows, rows.shape[:3] + (r,) + rows.shape[4:])
+            rows = rows.reshape(rows.shape[:2] + (a.shape[3],) + rows.shape[5:])
+        t = slots.shape[0]
+        flat = a.reshape((p * n * size,) + a.shape[3:])
+        row = jnp.arange(p)[:, None]
+        idx = jnp.where(slots >= 0, row * n * size + slots, p * n * size + row * t + jnp.arange(t))  # [p, T]
+        flat = flat.at[idx.reshape(-1)].set(rows.reshape((p * t,) + rows.shape[2:]).astype(a.dtype),
+                                            mode="drop", unique_indices=True)
         return flat.reshape(a.shape)
 
+    entries = _entries(pages, stages)
+    k = len(entries)
     out = []
-    for i, leaf in enumerate(pages):
-        if isinstance(leaf, QuantizedPages):
-            out.append(QuantizedPages(put(leaf.values, values[i]), put(leaf.scales, scales[i])))
+    for j, entry in enumerate(entries):
+        p = _values_scales(entry)[0].shape[0]
+        mine = lambda x: x.reshape((p, k) + x.shape[1:])[:, j]  # noqa: E731  layers s*K + j
+        if isinstance(entry, QuantizedPages):
+            out.append(QuantizedPages(put(entry.values, mine(values)), put(entry.scales, mine(scales))))
         else:
-            out.append(put(leaf, values[i]))
-    return tuple(out)
+            out.append(put(entry, mine(values)))
+    return tuple(out) if stages > 1 else tuple(jax.tree.map(lambda a: a[0], e) for e in out)
 
 
 def slots_for(pages: list[int], num_tokens: int, total: int, page_size: int) -> np.ndarray:
@@ -135,7 +163,7 @@ def export_rows(cache, page_ids: list[int], num_tokens: int, page_size: int, num
     total = padded_tokens(num_tokens, page_size)
     ids = np.zeros(total // page_size, np.int32)  # null page for the padding rows
     ids[:len(page_ids)] = page_ids[:len(ids)]
-    values, scales = gather_tokens(cache.pages, jnp.asarray(ids), num_kv_heads)
+    values, scales = gather_tokens(cache.pages, jnp.asarray(ids), num_kv_heads=num_kv_heads, stages=cache.stages)
     dev = jax.local_devices()[0]
     values = jax.device_put(values, dev)
     scales = None if scales is None else jax.device_put(scales, dev)
@@ -145,7 +173,8 @@ def export_rows(cache, page_ids: list[int], num_tokens: int, page_size: int, num
 def import_rows(cache, values, scales, pages: list[int], num_tokens: int, page_size: int):
     """A new cache with the rows written into `pages` (the old one is donated)."""
     slots = slots_for(pages, num_tokens, values.shape[1], page_size)
-    return type(cache)(scatter_tokens(cache.pages, values, scales, jnp.asarray(slots)))
+    pages = scatter_tokens(cache.pages, values, scales, jnp.asarray(slots), stages=cache.stages)
+    return type(cache)(pages, cache.stages)
 
 
 def wait_ready(arrays, deadline: float, poll_s: float = 0.002) -> bool:

@@ -50,9 +50,6 @@ class Disagg:
             raise ValueError(f"--role must be one of {', '.join(ROLES)}, got {role!r}")
         if role != "both" and engine.config.mesh.data != 1:
             raise ValueError("--role prefill/decode needs mesh.data = 1 (one page pool)")
-        if role != "both" and engine.runner.stages > 1:
-            raise ValueError("--role prefill/decode moves KV per layer in the plain layout: mesh.stage = 1 "
-                             "and engine.scan_layers = false")
         if role != "both" and engine.config.mesh.num_processes > 1:
             # Export and import run on process 0 alone; followers would replay steps without them.
             raise ValueError("--role prefill/decode runs in one process (no --num-processes)")

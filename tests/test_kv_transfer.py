@@ -13,6 +13,8 @@ import subprocess
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -33,7 +35,7 @@ def make(page_size: int, **extra) -> Engine:
     e = Engine.from_config("tiny_random", overrides={**BASE, "engine.page_size": page_size, **extra}, progress=False)
     s = e.settings
     e.runner.kv_cache = KVCache.create(e.config.model, s.num_pages, page_size, fill_value=float("nan"),
-                                       kv_cache_dtype=s.kv_cache_dtype)
+                                       kv_cache_dtype=s.kv_cache_dtype, stages=e.runner.stages)
     return e
 
 
@@ -62,10 +64,18 @@ def run_one(engine: Engine, rid: str):
     return done
 
 
+def layers(cache: KVCache) -> list:
+    """Per-layer page arrays in layer order, whatever the layout (layer s*K + j is row s of
+    entry j of a stacked cache)."""
+    if cache.stages == 1:
+        return list(cache.pages)
+    return [jax.tree.map(lambda a: a[s], entry) for s in range(cache.stages) for entry in cache.pages]
+
+
 def rows(engine: Engine, pages, n):
     """[L, n, 2*Hkv, D] values (and scales) of the first n tokens held in `pages`."""
     out = []
-    for leaf in engine.runner.kv_cache.pages:
+    for leaf in layers(engine.runner.kv_cache):
         parts = (leaf.values, leaf.scales) if isinstance(leaf, QuantizedPages) else (leaf,)
         out.append([np.asarray(p)[np.asarray(pages)].reshape((-1,) + p.shape[2:])[:n] for p in parts])
     return out
@@ -88,10 +98,13 @@ def engines():
     return make(16, **{"engine.kv_transfer_timeout_s": 60}), make(8)
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
-def test_rows_arrive_bit_for_bit(kv_dtype):
+@pytest.mark.parametrize("kv_dtype,scan", [("auto", (False, False)), ("int8", (False, False)),
+                                           ("auto", (True, False)), ("int8", (False, True))],
+                         ids=["auto", "int8", "stacked_to_plain", "plain_to_stacked_int8"])
+def test_rows_arrive_bit_for_bit(kv_dtype, scan):
     extra = {"engine.kv_cache_dtype": kv_dtype}
-    src, dst = make(16, **extra), make(8, **extra)
+    src = make(16, **extra, **{"engine.scan_layers": scan[0]})
+    dst = make(8, **extra, **{"engine.scan_layers": scan[1]})
     info = prefill(src)
     held = next(iter(src.kv_handoff.held.values()))
     want = rows(src, held.pages, 44)
@@ -106,7 +119,7 @@ def test_rows_arrive_bit_for_bit(kv_dtype):
             np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
     # Nothing else was written: every other page of the decode pool is still NaN.
     others = [p for p in range(1, dst.settings.num_pages) if p not in req.pages]
-    leaf = dst.runner.kv_cache.pages[0]
+    leaf = layers(dst.runner.kv_cache)[-1]
     probe = np.asarray(leaf.scales if isinstance(leaf, QuantizedPages) else leaf)[others]
     assert np.isnan(probe).all()
     # The 45th token's slot (the one the decode side computes itself) is untouched too.
@@ -241,3 +254,33 @@ def test_an_expired_offer_leaves_no_entry_behind():
     time.sleep(0.15)
     assert src.expire_held() == 1
     assert src.take_kv_offer(rid) is None and not src.kv_handoff.offers
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_stacked_and_per_layer_caches_move_the_same_rows(kv_dtype):
+    """2 stages x 2 entries (layer s*2 + j is row s of entry j): export from either layout
+    gives the same [L, T, ...] rows, and an import writes each layer's rows where that
+    layer reads them."""
+    from jaxfill.engine.config import load_config
+
+    m = load_config("tiny_random").model
+    rng = np.random.default_rng(0)
+    plain = KVCache.create(m, 6, 4, fill_value=float("nan"), kv_cache_dtype=kv_dtype)
+    values = rng.standard_normal((m.num_layers, 8, 2 * m.num_kv_heads, m.head_dim)).astype(np.float32)
+    if kv_dtype == "auto":
+        scales = None
+    else:
+        values = np.clip(np.round(values * 40), -127, 127).astype(np.int8)
+        scales = rng.uniform(0.5, 2.0, values.shape[:3]).astype(np.float32)
+    plain = kvt.import_rows(plain, jnp.asarray(values), None if scales is None else jnp.asarray(scales),
+                            [3, 1], 7, 4)
+    stacked = kvt.import_rows(KVCache.create(m, 6, 4, fill_value=float("nan"), kv_cache_dtype=kv_dtype, stages=2),
+                              jnp.asarray(values), None if scales is None else jnp.asarray(scales), [3, 1], 7, 4)
+    for a, b in zip(layers(plain), layers(stacked)):  # layer by layer, NaN where nothing was written
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+    got = [kvt.export_rows(c, [3, 1], 7, 4, m.num_kv_heads) for c in (plain, stacked)]
+    for (v, s) in got:
+        np.testing.assert_array_equal(np.asarray(v)[:, :7], values[:, :7])
+        if scales is not None:
+            np.testing.assert_array_equal(np.asarray(s)[:, :7], scales[:, :7])
