@@ -40,7 +40,7 @@ def stack_layers(layers: list, stages: int) -> list:
     k = len(layers) // stages
     out = []
     for j in range(k):
-        graphdef, first = nnx.split(layers[j])
+        graphdef = nnx.split(layers[j])[0]
         group = [nnx.split(layers[s * k + j])[1] for s in range(stages)]
 
         def stack(*vs):
