@@ -7,8 +7,8 @@ cache entry j is likewise [p, pages, page_size, 2H, D]. So stage s holds exactly
 
 Schedule. GPipe fill-drain inside one step, in one jitted program: the step's T flat
 tokens are cut into m microbatches of T/m rows. At tick t (0 .. m+p-2) stage s runs its K
-layers on microbatch t - s (nothing useful in its p-1 fill and drain ticks) and hands the
-result to stage s+1 with a collective permute. Each microbatch's attention metadata is
+layers on microbatch t - s (in its p-1 fill and drain ticks it skips them, `lax.cond`) and
+hands the result to stage s+1 with a collective permute. Each microbatch's attention metadata is
 re-cut to its rows (queries clipped, each sequence's kv_len shortened by its rows in later
 microbatches), and the earlier microbatches wrote their K/V into this stage's pages at
 earlier ticks, so every query sees exactly the keys it sees unpipelined: the tokens equal
@@ -111,8 +111,11 @@ def pipeline_layers(layers,  # nnx.List of K layers, params [p, ...]
             valid = (mb >= 0) & (mb < m)
             lo = jnp.clip(mb, 0, m - 1) * n
             inp = jnp.where(s == 0, jax.lax.dynamic_slice_in_dim(x, lo, n), h)
-            y, pages = _run_layers(mine, inp, jax.lax.dynamic_slice_in_dim(positions, lo, n), pages,
-                                   microbatch_metadata(meta, lo, n, valid), impl)
+            pos, mb_meta = jax.lax.dynamic_slice_in_dim(positions, lo, n), microbatch_metadata(meta, lo, n, valid)
+            # fill/drain ticks skip the layers: a stage's devices share `valid`, so any
+            # collective inside (tensor parallelism) is skipped by all its members alike
+            y, pages = jax.lax.cond(valid, lambda: _run_layers(mine, inp, pos, pages, mb_meta, impl),
+                                    lambda: (inp, pages))
             done = valid & (s == p - 1)
             out = jax.lax.dynamic_update_slice_in_dim(
                 out, jnp.where(done, y, jax.lax.dynamic_slice_in_dim(out, lo, n)), lo, 0)

@@ -34,6 +34,33 @@ shared = "The same long opening every request shares, long enough to fill whole 
 prompts = [shared + "first", "abc" * 40, shared + "second one", "Hi"]
 params = [SamplingParams(max_tokens=8), SamplingParams(max_tokens=8, temperature=0.9, seed=3),
           SamplingParams(max_tokens=5, logprobs=2), SamplingParams(max_tokens=12, temperature=0.7, top_k=5, seed=9)]
+def subjaxprs(eqn):
+    for v in eqn.params.values():
+        for sub in (v if isinstance(v, (tuple, list)) else [v]):
+            sub = getattr(sub, "jaxpr", sub)
+            if hasattr(sub, "eqns"):
+                yield sub
+
+def dots(jaxpr, in_cond, acc):
+    for eqn in jaxpr.eqns:
+        acc[in_cond] += eqn.primitive.name == "dot_general"
+        for sub in subjaxprs(eqn):
+            dots(sub, in_cond or eqn.primitive.name == "cond", acc)
+    return acc
+
+def has(jaxpr, name):
+    return any(e.primitive.name == name or any(has(s, name) for s in subjaxprs(e)) for e in jaxpr.eqns)
+
+def tick_dots(jaxpr):  # [outside a cond, inside one] in the loop that ppermutes
+    for eqn in jaxpr.eqns:
+        for sub in subjaxprs(eqn):
+            if eqn.primitive.name in ("while", "scan") and has(sub, "ppermute"):
+                return dots(sub, False, [0, 0])
+            found = tick_dots(sub)
+            if found:
+                return found
+    return None
+
 results = []
 for overrides in json.loads(sys.argv[1]):
     engine = Engine.from_config(sys.argv[2], overrides=overrides, progress=False)
@@ -58,6 +85,10 @@ for overrides in json.loads(sys.argv[1]):
         vocab, hidden = engine.config.model.vocab_size, engine.config.model.hidden_size
         r["head_gathers"] = [line for line in hlo.splitlines() if "all-gather" in line
                              and (f"[{hidden},{vocab}]" in line or f"[{vocab},{hidden}]" in line)]
+        with runner._context():  # where the tick loop's matmuls are: all inside its cond
+            jaxpr = jax.make_jaxpr(runner._step, static_argnums=0)(runner.graphdef, runner.state, runner.kv_cache,
+                                                                   batch, runner.prev_tokens)
+        r["tick_dots"] = tick_dots(jaxpr.jaxpr)
         emb = engine.runner.state["embed"]["embedding"][...]
         r.update(stage_rows=rows, mesh=dict(mesh.shape), embed_rows=emb.addressable_shards[0].data.shape[0],
                  vocab=emb.shape[0], layer_modules=len(engine.runner.state["layers"]),
@@ -97,6 +128,8 @@ def _check_stage_local(r, stages, tensor=1):
     assert r["stage_rows"] and all((s, s + 1, 1) == (start, stop, n) for s, start, stop, n in r["stage_rows"])
     assert r["embed_rows"] * stages * tensor == r["vocab"]  # embedding split over stage x tensor
     assert r["head_gathers"] == []  # logits stay vocab-split: the head is never gathered
+    outside, inside = r["tick_dots"]  # fill/drain ticks skip the layers: every matmul sits in the cond
+    assert outside == 0 and inside > 0, r["tick_dots"]
 
 
 def test_two_stages_equal_one_device(single):
