@@ -11,11 +11,10 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from jaxfill.models.checkpoint import TensorSlices
-from jaxfill.models.kv_cache import KVCache, kv_storage_dtype
+from jaxfill.models.kv_cache import KVCache, cache_entry, kv_storage_dtype
 from jaxfill.models.llama import Llama
 from jaxfill.models.sharding import (DATA, KV_CACHE_AXES, kv_cache_heads, kv_cache_sharding, param_shardings,
                                      var_sharding)
@@ -89,7 +88,5 @@ def create_kv_cache(config, mesh: jax.sharding.Mesh, num_pages: int, page_size: 
                                              dtype, fill_value)
         out_shardings = QuantizedPages(kv_cache_sharding(mesh, staged=staged),
                                        kv_cache_sharding(mesh, staged=staged, axes=KV_CACHE_AXES[:3]))
-    entry = layer if not staged else (lambda: jax.tree.map(lambda *a: jnp.stack(a),
-                                                           *[layer() for _ in range(stages)]))
-    make = jax.jit(entry, out_shardings=out_shardings)
+    make = jax.jit(lambda: cache_entry(layer, stages), out_shardings=out_shardings)
     return KVCache(tuple(make() for _ in range(config.num_layers // stages)), stages)

@@ -22,6 +22,7 @@ from jaxfill.engine.config import MeshSettings
 from jaxfill.models.config import ModelConfig
 from jaxfill.models.kv_cache import kv_bytes_per_token as cache_bytes_per_token
 from jaxfill.models.pipeline import microbatch_count
+from jaxfill.models.sharding import head_repeat
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -31,13 +32,8 @@ def dtype_bytes(model: ModelConfig) -> int:
 
 
 def kv_repeat(model: ModelConfig, tensor: int) -> int:
-    """Copies of each KV head so the cache splits evenly over 'tensor' (as models/sharding.py)."""
-    if model.num_kv_heads % tensor == 0:
-        return 1
-    if tensor % model.num_kv_heads == 0:
-        return tensor // model.num_kv_heads
-    raise ValueError(f"mesh.tensor={tensor} does not divide model.num_kv_heads={model.num_kv_heads} "
-                     "(nor is it a multiple of it)")
+    """Copies of each KV head so the cache splits evenly over 'tensor' (models/sharding.py's rule)."""
+    return head_repeat(model.num_kv_heads, tensor)
 
 
 def check_mesh(model: ModelConfig, mesh: MeshSettings) -> None:

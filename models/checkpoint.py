@@ -227,6 +227,7 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
         raise CheckpointError(f"checkpoint {model_dir} is missing {len(missing)} tensors, e.g. {missing[:3]}")
     target = np.dtype(config.jnp_dtype)
     readers: dict[tuple, object] = {}  # param path -> reader (a list of stage rows while stacking)
+    per_stage = config.num_layers // stages
     for spec, stored in todo:
         path = spec.param_path
         if is_quantized(path, config.weight_dtype):  # int8 from the f32 values, slice by slice
@@ -237,9 +238,8 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
             pairs = [(path, TensorSlices(stored, spec.stored_shape, spec.perm, target))]
         for p, reader in pairs:
             if stages > 1 and p[0] == "layers":  # layer n is row n // K of module n % K
-                k = config.num_layers // stages
-                rows = readers.setdefault(("layers", p[1] % k) + p[2:], [None] * stages)
-                rows[p[1] // k] = reader
+                rows = readers.setdefault(("layers", p[1] % per_stage) + p[2:], [None] * stages)
+                rows[p[1] // per_stage] = reader
             else:
                 readers[p] = reader
     for path, reader in tqdm(readers.items(), desc="loading weights", unit="tensor", disable=not progress):

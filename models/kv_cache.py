@@ -28,6 +28,14 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_cac
     return num_layers * num_kv_heads * per_head
 
 
+def cache_entry(layer, stages: int):
+    """One cache entry from `layer()` (one layer's fresh pages): as is, or for a stacked
+    layout (stages > 1) broadcast to [stages, ...] (every row starts with the same fill)."""
+    if stages == 1:
+        return layer()
+    return jax.tree.map(lambda a: jnp.broadcast_to(a[None], (stages,) + a.shape), layer())
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
@@ -54,10 +62,7 @@ class KVCache:
             dtype = dtype or config.jnp_dtype
             layer = lambda: init_kv_pages(num_pages, page_size, config.num_kv_heads,  # noqa: E731
                                           config.head_dim, dtype, fill_value)
-        if stages == 1:
-            return cls(tuple(layer() for _ in range(config.num_layers)))
-        entry = lambda: jax.tree.map(lambda *a: jnp.stack(a), *[layer() for _ in range(stages)])  # noqa: E731
-        return cls(tuple(entry() for _ in range(config.num_layers // stages)), stages)
+        return cls(tuple(cache_entry(layer, stages) for _ in range(config.num_layers // stages)), stages)
 
     @property
     def _values_shape(self) -> tuple[int, ...]:  # one layer's [num_pages, page_size, 2H, D]

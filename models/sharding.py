@@ -143,14 +143,20 @@ def shard_params(state: nnx.State, mesh: jax.sharding.Mesh,
 
 
 # ----------------------------------------------------------------------------- KV cache
-def kv_repeat(num_kv_heads: int, mesh) -> int:
-    """How many times each KV head is repeated so the cache splits evenly over 'tensor'."""
-    tp = mesh_axis_size(mesh, TENSOR) if mesh is not None and TENSOR in mesh.axis_names else 1
-    if num_kv_heads % tp == 0:
+def head_repeat(num_kv_heads: int, tensor: int) -> int:
+    """How many times each KV head is repeated so the cache splits evenly over `tensor`
+    ranks (the planner uses the same rule without a mesh)."""
+    if num_kv_heads % tensor == 0:
         return 1
-    if tp % num_kv_heads == 0:
-        return tp // num_kv_heads
-    raise ValueError(f"num_kv_heads ({num_kv_heads}) and mesh.tensor ({tp}) must divide one another")
+    if tensor % num_kv_heads == 0:
+        return tensor // num_kv_heads
+    raise ValueError(f"mesh.tensor={tensor} and model.num_kv_heads={num_kv_heads} must divide one another")
+
+
+def kv_repeat(num_kv_heads: int, mesh) -> int:
+    """head_repeat for the mesh's 'tensor' axis (1 without one)."""
+    tp = mesh_axis_size(mesh, TENSOR) if mesh is not None and TENSOR in mesh.axis_names else 1
+    return head_repeat(num_kv_heads, tp)
 
 
 def kv_cache_heads(config, mesh) -> int:
