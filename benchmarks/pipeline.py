@@ -11,15 +11,15 @@ starts, and --xla_cpu_multi_thread_eigen=false so that one fake device is one th
   p = 2, 4 stages and m microbatches, wall time (median of repeats). The useful work of a
   stage ("busy") is timed apart: the same K = L/p layers on one device, run over the same
   m chunks of T/m tokens (chunk i attends to the (i+1)*T/m keys it sees in the pipeline).
-  bubble_measured = 1 - busy / wall, next to the GPipe prediction (p-1)/(m+p-1). The
-  fill/drain ticks are not idle in this implementation: every stage runs its layers on
-  masked rows then (see models/pipeline.py), so the bubble is wasted compute, not sleep,
-  and a profile would show every stage busy; hence busy is the useful work timed alone.
+  bubble_measured = 1 - busy / wall, next to the GPipe prediction (p-1)/(m+p-1). Busy is
+  the useful work timed alone (run 1 was taken while fill/drain ticks still ran the
+  layers on masked rows; models/pipeline.py now skips them with lax.cond).
   With more fake devices than cores the stages cannot all run at once; the core-normalised
   figure 1 - p * busy / (min(p, cores) * wall) is the idle share of the physical cores.
   bubble_cpu = 1 - devices * busy_cpu / cpu uses CPU seconds (all threads) instead of
   wall: the share of the pipeline's compute that is not useful work, which other load
-  on a shared machine barely moves (wall time it moves a lot: loadavg is recorded).
+  on a shared machine barely moves (wall time it moves a lot: loadavg is recorded). With
+  skipped ticks costing no CPU it no longer measures the schedule (RESULTS.md, run 2).
 * profile: one traced prefill (jax.profiler) for p=2 (m=4, 8) and p=4 (m=4); per stage,
   the busy time of its ops between consecutive ppermutes (one tick each), rendezvous waits
   taken out, split into useful ticks, fill/drain ticks, and the LM head's all-gather and

@@ -36,7 +36,8 @@ def stage_profile(trace_path: str, stages: int, microbatches: int) -> list[dict]
     device_ordinal; one thread may run several devices' ops in turn): busy time of its
     ops between consecutive ppermutes, i.e. per tick (rendezvous waits taken out; tick 0
     also holds the embedding, and the all-gather + copy before the loop, reported apart).
-    Ticks where t - s is outside [0, m) compute masked rows: 'fill_drain_us'."""
+    Ticks where t - s is outside [0, m) are fill/drain ticks: 'fill_drain_us' (the
+    layers are skipped there; what remains is the tick's own bookkeeping and waits)."""
     import gzip
 
     events = [e for e in json.load(gzip.open(trace_path))["traceEvents"] if e.get("ph") == "X"]
