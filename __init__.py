@@ -6,7 +6,8 @@ package root and holds the public API.
 """
 
 from jaxfill.engine.config import load_config
+from jaxfill.engine.cpu_devices import use_cpu_cores
 from jaxfill.engine.engine import Engine
 from jaxfill.engine.request import SamplingParams
 
-__all__ = ["Engine", "SamplingParams", "load_config"]
+__all__ = ["Engine", "SamplingParams", "load_config", "use_cpu_cores"]

@@ -89,6 +89,9 @@ class MeshSettings:
     coordinator: str = ""  # "host:port" for multi-process runs; "" = single process
     num_processes: int = 1
     process_id: int = 0
+    # With every axis above at 1 on a single-process CPU host: split the heads over the
+    # XLA CPU devices (one per core by default) as mesh.tensor = t (engine/cpu_devices.py).
+    cpu_split: bool = True
 
     def __post_init__(self):
         for name in ("data", "tensor", "sequence", "stage", "microbatches", "num_processes"):

@@ -49,7 +49,9 @@ from typing import Iterator
 
 from jaxfill.engine.batch import bucket_shapes, build_batch, describe_buckets, pick_bucket, stack_batches
 from jaxfill.engine.config import Config, load_config
+from jaxfill.engine.cpu_devices import use_cpu_cores
 from jaxfill.engine.loading import build_mesh, build_model, build_tokenizer, validate_prompt
+from jaxfill.engine.mesh import with_mesh_shape
 from jaxfill.engine.request import (Completion, InvalidRequest, QueueFull, Request, RequestOutput,
                             SamplingParams, Status)
 from jaxfill.engine.async_step import Launch, mark_in_flight, rewind
@@ -63,6 +65,7 @@ from jaxfill.models.quant import param_bytes
 
 class Engine:
     def __init__(self, config: Config, progress: bool = True, warmup: bool = True, model=None):
+        use_cpu_cores(config.mesh)  # first: one XLA CPU device per core, before jax starts
         self.config = config
         s = config.engine
         self.settings = s
@@ -72,6 +75,7 @@ class Engine:
         except ValueError as e:
             self.tokenizer = IdsOnlyTokenizer(str(e))
         mesh = build_mesh(config)
+        self.config = config = with_mesh_shape(config, mesh)  # a CPU split's mesh.tensor
         if model is None:
             model = build_model(config, mesh, progress=progress)
         self.shapes = bucket_shapes(s)

@@ -12,15 +12,18 @@ from jaxfill.models.llama import Llama
 
 def build_mesh(config: Config):
     """Joins the multi-process runtime if configured, then builds the mesh (None: one device).
+    A one-device [mesh] on a CPU host may become mesh.tensor = t over t CPU devices
+    (engine/cpu_devices.py); engine.mesh.with_mesh_shape puts its sizes in the config.
 
     Runs before any other device query, as jax.distributed requires."""
+    from jaxfill.engine.cpu_devices import cpu_split_mesh
     from jaxfill.engine.mesh import initialize_distributed, make_mesh
 
     initialize_distributed(config.mesh)
     import jax
 
     if config.mesh.size == 1 and jax.process_count() == 1:
-        return None
+        return cpu_split_mesh(config.model, config.mesh)
     return make_mesh(config.mesh)
 
 

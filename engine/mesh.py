@@ -10,6 +10,7 @@ a sharded contracting dim spell out its out_sharding).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -43,15 +44,15 @@ def initialize_distributed(settings) -> bool:
                                    num_processes=settings.num_processes,
                                    process_id=settings.process_id)
         return True
-    if settings.num_processes > 1 and not settings.coordinator and not _cluster_env():
+    if settings.num_processes > 1 and not settings.coordinator and not cluster_env():
         raise ConfigError("mesh.num_processes > 1 needs mesh.coordinator (host:port) outside a TPU pod/cluster")
-    if _cluster_env():
+    if cluster_env():
         jax.distributed.initialize()
         return True
     return False
 
 
-def _cluster_env() -> bool:
+def cluster_env() -> bool:
     env = os.environ
     hosts = env.get("TPU_WORKER_HOSTNAMES", "")
     return bool(("," in hosts) or env.get("MEGASCALE_COORDINATOR_ADDRESS")
@@ -91,9 +92,19 @@ def make_mesh(settings, devices=None):
             f"mesh stage={shape[0]} x data={shape[1]} x tensor={shape[2]} x sequence={shape[3]} = "
             f"{int(np.prod(shape))} devices, but {len(devices)} {'/'.join(kinds)} device(s) are visible across "
             f"{jax.process_count()} process(es); set mesh.* so the product is {len(devices)}"
-            + (" (on CPU, fake more with XLA_FLAGS=--xla_force_host_platform_device_count=N)"
+            + (" (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N sets the device count; "
+               "with every mesh.* at 1 the engine splits the heads over the CPU devices itself)"
                if kinds == ["cpu"] else ""))
     types = (AxisType.Auto,) * len(AXES)
     if devices[0].platform == "tpu" and jax.process_count() == 1:
         return jax.make_mesh(shape, AXES, axis_types=types, devices=devices)
     return jax.sharding.Mesh(np.array(devices, dtype=object).reshape(shape), AXES, axis_types=types)
+
+
+def with_mesh_shape(config, mesh):
+    """`config` whose mesh.* sizes are `mesh`'s (None: one device, as configured), so that
+    what reads config.mesh (logs, GetModelInfo, the planner) sees the CPU split's tensor."""
+    if mesh is None:
+        return config
+    sizes = {axis: int(size) for axis, size in dict(mesh.shape).items()}
+    return dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, **sizes))

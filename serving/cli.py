@@ -64,9 +64,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _use_cpu_cores(args) -> None:
+    """One XLA CPU device per core (engine/cpu_devices.py) before the command touches jax,
+    unless the [mesh] (config file and --set) says otherwise; an unreadable config is left
+    for the command to report."""
+    from jaxfill.engine.config import MeshSettings, parse_overrides, read_preset
+    from jaxfill.engine.cpu_devices import use_cpu_cores
+
+    try:
+        mesh = {**read_preset(args.config)[1].get("mesh", {}), **parse_overrides(args.overrides).get("mesh", {})}
+        settings = MeshSettings(**mesh)
+    except (ValueError, TypeError):
+        return
+    use_cpu_cores(settings)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if hasattr(args, "compile_cache"):  # every command that builds a model
+        _use_cpu_cores(args)
         from jaxfill.engine.compile_cache import enable_compile_cache
 
         args.compile_cache = enable_compile_cache(args.compile_cache)

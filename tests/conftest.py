@@ -12,6 +12,14 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(_ROOT, ".jax_cac
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
+# In-process tests run on exactly one CPU device, whatever the core count (the Engine
+# would otherwise ask for one per core, engine/cpu_devices.py). A jax config, not an
+# environment variable: subprocess tests choose their own devices (XLA_FLAGS, or the
+# Engine's default) and must not inherit this. It takes precedence over XLA_FLAGS.
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 1)
+
 
 @pytest.fixture(scope="session")
 def hf_dirs(tmp_path_factory):
