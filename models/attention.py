@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxfill.models.config import ModelConfig
-from jaxfill.models.kv_cache import AttentionMetadata
+from jaxfill.models.kv_cache import AttentionMetadata, sampled_rows_metadata
 from jaxfill.models.layers import apply_rope, param, projection, rope_inv_freq
 from jaxfill.models.quant import qeinsum
 from jaxfill.models.sharding import constrain, kv_heads_for, sharded_attention
@@ -37,14 +37,21 @@ class Attention(nnx.Module):
                  pages: jax.Array,  # [num_pages, page_size, 2 * Hkv, D]
                  meta: AttentionMetadata,
                  impl: str,
-                 ) -> tuple[jax.Array, jax.Array]:  # [T, E], pages
-        q = qeinsum("te,ehd->thd", x, self.q[...], self.q_scale)
+                 sampled_only: bool = False,
+                 ) -> tuple[jax.Array, jax.Array]:  # [T, E] ([S, E] if sampled_only), pages
+        """K/V of every row go into the pages. With `sampled_only` queries (and the output)
+        exist only for each sequence's sampled row, `meta.logits_indices`: in the last
+        layer no other row feeds anything, so its queries would be wasted work."""
         k = qeinsum("te,ehd->thd", x, self.k[...], self.k_scale)
         v = qeinsum("te,ehd->thd", x, self.v[...], self.v_scale)
+        q_pos = positions
+        if sampled_only:
+            x, q_pos = jnp.take(x, meta.logits_indices, axis=0), jnp.take(positions, meta.logits_indices)
+        q = qeinsum("te,ehd->thd", x, self.q[...], self.q_scale)
         if self.has_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        q, k = apply_rope(q, q_pos, inv_freq), apply_rope(k, positions, inv_freq)
         # A cache laid out for more KV heads than the model has (tensor parallel with
         # Hkv < tensor, see models/sharding.py) holds each head repeated r times in a row.
         r = kv_heads_for(pages.shape[2], k.shape[1])
@@ -53,6 +60,7 @@ class Attention(nnx.Module):
         q = constrain(q, ("tokens", "act_heads", None))
         k = constrain(k, ("tokens", "act_kv_heads", None))
         v = constrain(v, ("tokens", "act_kv_heads", None))
+        q_meta = sampled_rows_metadata(meta) if sampled_only else meta
 
         def attend(q, k, v, pages, meta):  # per-device view under a mesh
             pages = write_kv(pages, k, v, meta.slot_mapping)
@@ -61,6 +69,6 @@ class Attention(nnx.Module):
                 sm_scale=self.sm_scale, sliding_window=self.sliding_window, impl=impl)
             return out, pages
 
-        out, pages = sharded_attention(attend, q, k, v, pages, meta)
+        out, pages = sharded_attention(attend, q, k, v, pages, q_meta)
         out = qeinsum("thd,hde->te", out, self.o[...], self.o_scale)  # all-reduce over tensor
         return constrain(out, ("tokens", "act_embed")), pages

@@ -105,7 +105,15 @@ class AttentionMetadata:
     page_indices: jax.Array  # [S, P] int32, pages of each sequence in order
     num_seqs: jax.Array  # [1] int32, live sequences (the rest are padding)
     slot_mapping: jax.Array  # [T] int32, page * page_size + offset; -1 for padding tokens
-    logits_indices: jax.Array  # [S] int32, the token row whose logits each sequence samples
+    logits_indices: jax.Array  # [S] int32, the row whose logits each sequence samples: its last new token
+
+
+def sampled_rows_metadata(meta: AttentionMetadata) -> AttentionMetadata:
+    """The same batch seen by one query row per sequence, its sampled row (the last new
+    token, `logits_indices`), attending its whole context: what the last layer needs."""
+    s = meta.kv_lens.shape[0]
+    cu = jnp.minimum(jnp.arange(s + 1, dtype=jnp.int32), meta.num_seqs[0])
+    return dataclasses.replace(meta, cu_q_lens=cu, logits_indices=jnp.arange(s, dtype=jnp.int32))
 
 
 def single_sequence_metadata(num_tokens: int, start: int, pages: list[int], page_size: int,

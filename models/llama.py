@@ -20,7 +20,7 @@ from jaxfill.models.config import ModelConfig
 from jaxfill.models.kv_cache import AttentionMetadata, KVCache
 from jaxfill.models.layers import Embed, GatedMLP, RMSNorm, param
 from jaxfill.models.pipeline import pipeline_layers, stack_layers
-from jaxfill.models.sharding import constrain
+from jaxfill.models.sharding import constrain, rows_split_over_sequence
 
 
 class DecoderLayer(nnx.Module):
@@ -31,8 +31,10 @@ class DecoderLayer(nnx.Module):
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt, rngs)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dt, rngs, config.weight_dtype)
 
-    def __call__(self, x, positions, pages, meta, impl):
-        h, pages = self.attn(self.attn_norm(x), positions, pages, meta, impl)
+    def __call__(self, x, positions, pages, meta, impl, sampled_only: bool = False):
+        h, pages = self.attn(self.attn_norm(x), positions, pages, meta, impl, sampled_only)
+        if sampled_only:  # only the sampled rows go on (see Attention)
+            x = jnp.take(x, meta.logits_indices, axis=0)
         x = x + h
         return x + self.mlp(self.mlp_norm(x)), pages
 
@@ -75,12 +77,18 @@ class Llama(nnx.Module):
             x, new_pages = pipeline_layers(self.layers, x, positions, kv_cache.pages, meta,
                                            self.attention_impl, self.microbatches)
         else:
+            # The last layer's rows other than the sampled ones feed nothing (their K/V
+            # come from the layer's input), so it runs only those, unless the rows are
+            # split over 'sequence'.
+            prune = not rows_split_over_sequence()
+            last = len(self.layers) - 1
             new_pages = []
             for i, (layer, pages) in enumerate(zip(self.layers, kv_cache.pages)):
                 with jax.named_scope(f"layer_{i}"):
-                    x, pages = layer(x, positions, pages, meta, self.attention_impl)
+                    x, pages = layer(x, positions, pages, meta, self.attention_impl, prune and i == last)
                 new_pages.append(pages)
-            x = jnp.take(x, meta.logits_indices, axis=0)
+            if not prune:
+                x = jnp.take(x, meta.logits_indices, axis=0)
         x = self.norm(constrain(x, ("seqs", "act_embed")))  # [S, E]
         if self.config.tie_word_embeddings:
             logits = self.embed.attend(x)

@@ -194,6 +194,12 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, spec)
 
 
+def rows_split_over_sequence() -> bool:
+    """True when the context mesh splits the flat token rows over 'sequence'."""
+    mesh = context_mesh()
+    return mesh is not None and bool(_free_axes(mesh, SEQUENCE))
+
+
 def kv_heads_for(pages_heads: int, num_kv_heads: int) -> int:
     """Repeat factor the cache layout implies (pages hold 2 * Hkv * r heads)."""
     r, rem = divmod(pages_heads // 2, num_kv_heads)
