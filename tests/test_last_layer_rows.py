@@ -3,7 +3,6 @@ batch (a prompt continuing after cached tokens, a fresh prompt, a decode, paddin
 a padding slot) its logits and every written KV page equal those of the full last layer,
 and it costs measurably fewer FLOPs."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
