@@ -1,6 +1,6 @@
 """Prefill through `Engine.generate` vs the bare jitted forward vs transformers, on CPU.
 
-    python benchmarks/generate_cpu.py [--lengths 128 512 2048 8192] [--devices 1 2]
+    python benchmarks/generate_cpu.py [--lengths 128 512 2048 8192] [--devices 0 1 2]
         [--dtypes float32 bfloat16] [--rounds 2] [--repeats 3]
 
 One prompt, `SamplingParams(max_tokens=1)`: the time of `Engine.generate` is the TTFT a
@@ -9,7 +9,11 @@ sampler, detokenizing). Next to it, in the same process and on the same engine (
 params, same KV cache, same mesh), the bare `models.forward.forward` on the same prompt:
 the difference is the engine's overhead. `--devices N` starts jaxfill with N XLA CPU
 devices (--xla_force_host_platform_device_count) and mesh.tensor = N, the heads split
-over them. transformers runs `benchmarks/prefill_hf_worker.py` (sdpa, logits_to_keep=1,
+over them; `--devices 0` is the engine's own CPU default (no flag, no mesh setting: one
+XLA CPU device per core and the heads split over them, engine/cpu_devices.py). Each
+length gets its own engine whose one token bucket is the prompt, so neither side pays for
+padding (with the default buckets 16, 64, 256, 1024, 2048 a 128-token prompt would run
+in the 256 bucket). transformers runs `benchmarks/prefill_hf_worker.py` (sdpa, logits_to_keep=1,
 --threads threads) on the same random-init bench-shape checkpoint. Every configuration
 runs in its own process, rounds alternate the order, and the tables quote medians and
 ratios of this one run. Writes benchmarks/results/generate_cpu.json.
@@ -45,12 +49,14 @@ def worker_jax(model_dir: str, lengths: list[int], repeats: int, devices: int, d
     from jaxfill.models.kv_cache import single_sequence_metadata
 
     rng = np.random.default_rng(0)
-    out = {"devices": len(jax.devices()), "jax": jax.__version__, "dtype": dtype, "lengths": {}}
+    out = {"jax": jax.__version__, "dtype": dtype, "lengths": {}}  # no device query before the Engine
     for n in lengths:
         overrides = {"engine.max_num_batched_tokens": n, "engine.token_buckets": [n],
                      "engine.max_num_seqs": 1, "engine.seq_buckets": [1],
                      "engine.num_pages": n // PAGE + 8, "engine.max_model_len": n + PAGE,
-                     "mesh.tensor": devices, "model.dtype": dtype}
+                     "model.dtype": dtype}
+        if devices:  # else the engine's CPU default
+            overrides["mesh.tensor"] = devices
         engine = Engine.from_config("bench", model_path=model_dir, overrides=overrides, progress=False)
         params = SamplingParams(max_tokens=1, temperature=0.0)
         runner = engine.runner
@@ -77,6 +83,7 @@ def worker_jax(model_dir: str, lengths: list[int], repeats: int, devices: int, d
                 if i:
                     ts.append(time.perf_counter() - t0)
                     cpu.append(time.process_time() - c0)
+        out["devices"], out["mesh_tensor"] = len(jax.devices()), engine.config.mesh.tensor
         out["lengths"][str(n)] = {"generate_s": gen_t, "bare_forward_s": bare_t, "generate_cpu_s": gen_cpu,
                                   "bare_forward_cpu_s": bare_cpu, "attention_impl": engine.stats()["attention_impl"]}
         print(f"jax devices={devices} {dtype} len={n}: generate "
@@ -100,7 +107,8 @@ def run(cmd: list[str], env=None) -> dict:
 
 def jax_run(model_dir, lengths, repeats, devices, dtype, pin) -> dict:
     env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}").strip()
+    if devices:  # 0: the engine's CPU default chooses
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}").strip()
     return run(pin + [sys.executable, os.path.abspath(__file__), "--worker", model_dir, "--lengths",
                 *map(str, lengths), "--repeats", str(repeats), "--devices", str(devices),
                 "--dtypes", dtype], env)
@@ -127,7 +135,8 @@ def summarize(runs, dtypes, lengths, devices, pin) -> list[dict]:
                              "generate_ttft_s": gen, "bare_forward_s": bare,
                              "generate_over_hf_speed": hf / gen, "bare_over_hf_speed": hf / bare,
                              "generate_overhead": gen / bare - 1, "hf_tok_s": n / hf, "generate_tok_s": n / gen,
-                             "attention_impl": rs[0]["attention_impl"]})
+                             "attention_impl": rs[0]["attention_impl"],
+                             "mesh_tensor": runs[("jax", dev, dtype)][0].get("mesh_tensor")})
     return rows
 
 
@@ -157,7 +166,8 @@ def two_core_rows(runs, dtypes, lengths, devices, min_ratio: float = 1.8) -> lis
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048, 8192])
-    p.add_argument("--devices", type=int, nargs="+", default=[1, os.cpu_count()])
+    p.add_argument("--devices", type=int, nargs="+", default=[0, 1],
+                   help="XLA CPU devices per jaxfill run (mesh.tensor = N); 0: the engine's CPU default")
     p.add_argument("--dtypes", nargs="+", default=["float32"])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--rounds", type=int, default=2)
@@ -187,7 +197,7 @@ def main() -> None:
 
     pin = [] if args.pin is None else ["taskset", "-c", str(args.pin)]
     if pin:
-        args.threads, args.devices = 1, [1]
+        args.threads, args.devices = 1, [1]  # the default would see the one pinned core too
     load_start, t0 = os.getloadavg(), time.time()
     variants = [("hf", 0, d) for d in args.dtypes] + [("jax", n, d) for d in args.dtypes for n in args.devices]
     runs = {v: [] for v in variants}
@@ -218,7 +228,8 @@ def main() -> None:
           "generate speed / HF | bare / HF | engine overhead |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['dtype']} | {r['prompt_len']} | {r['devices']} | {r['hf_ttft_s'] * 1e3:.0f} ms | "
+        dev = f"default: {r['mesh_tensor']}" if r["devices"] == 0 else r["devices"]
+        print(f"| {r['dtype']} | {r['prompt_len']} | {dev} | {r['hf_ttft_s'] * 1e3:.0f} ms | "
               f"{r['generate_ttft_s'] * 1e3:.0f} ms | {r['bare_forward_s'] * 1e3:.0f} ms | "
               f"{r['generate_over_hf_speed']:.2f}x | {r['bare_over_hf_speed']:.2f}x | {r['generate_overhead'] * 100:+.1f}% |")
     if two_core:
