@@ -66,6 +66,23 @@ def xla_parallel_loops(backend: str, num_kv_heads: int, group: int) -> int:
     return 1
 
 
+def xla_diagonal_splits(block_q: int, block_kv: int, page_size: int, itemsize: int,
+                        target: int = 4) -> int:
+    """Row chunks the XLA impl cuts the causal-diagonal step into (see xla._attend).
+
+    Only with block_q == block_kv (the diagonal is then one triangle) and f32 operands:
+    with bf16 P is rounded per KV window, and the chunks' windows differ from whole
+    blocks, so the cast order in tests/attention_cast_orders.py would no longer hold.
+    Each chunk must keep >= 64 rows and whole pages per window; else 1 (no split).
+    """
+    if block_q != block_kv or itemsize < 4:
+        return 1
+    n = target
+    while n > 1 and (block_q % n or block_q // n < 64 or block_kv % (n * page_size)):
+        n //= 2
+    return n
+
+
 def xla_block_sizes(num_tokens: int, num_seq_slots: int, group: int, head_dim: int,
                     itemsize: int, page_size: int) -> BlockSizes:
     """Static choice from static shapes.

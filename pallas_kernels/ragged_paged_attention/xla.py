@@ -9,7 +9,9 @@ before the sliding window) is ever computed, not just masked:
 
     [kv_lo, a)    masked   (window edge: some keys too old for some rows)
     [a, c)        unmasked (every row of the item sees every key: no mask, no NaN guard)
-    [c, kv_hi)    masked   (causal diagonal, and the partial last page)
+    [c, kv_hi)    masked   (causal diagonal, and the partial last page; f32 with
+                           block_q == block_kv: per row chunk, so most of the tile
+                           above the diagonal is skipped too, see _attend)
 
 The G query heads of one KV head are stacked into one [G*block_q, D] operand, so each
 step is a batched matmul over KV heads. (`par` > 1 splits the heads into independent
@@ -38,8 +40,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxfill.pallas_kernels.kv_quant import dequantize
-from jaxfill.pallas_kernels.ragged_paged_attention.block_sizes import (kv_block, xla_block_sizes,
-                                                               xla_parallel_loops)
+from jaxfill.pallas_kernels.ragged_paged_attention.block_sizes import (
+    kv_block, xla_block_sizes, xla_diagonal_splits, xla_parallel_loops)
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 LOG2E = math.log2(math.e)
@@ -118,23 +120,22 @@ def item_bounds(b, s, cu, kv_lens, block_q: int, block_kv: int, sliding_window):
 
 # --------------------------------------------------------------------------- math
 def exp2(x):
-    """2**x for x <= 0 in f32: Cody-Waite split + degree-6 polynomial, ~2 ulp.
+    """2**x for x <= 0 in f32: round-to-nearest split + degree-6 polynomial, ~1 ulp.
 
     XLA CPU's generic exp goes through extra range handling; this one vectorizes to a
-    few FMAs. Inputs below -126 flush to 0.
+    round, a convert and six FMAs. Inputs below -126 flush to 2**-126.
     """
     x = jnp.maximum(x, -126.0)
-    n = jnp.floor(x + 0.5)
+    n = lax.round(x, lax.RoundingMethod.TO_NEAREST_EVEN)
     f = x - n  # [-0.5, 0.5]
-    # Taylor-ish minimax coefficients of 2**f on [-0.5, 0.5].
-    p = jnp.float32(1.5252733804059840e-5)
-    p = p * f + jnp.float32(1.5403530393381610e-4)
-    p = p * f + jnp.float32(1.3333558146428443e-3)
-    p = p * f + jnp.float32(9.6181291076284772e-3)
-    p = p * f + jnp.float32(5.5504108664821580e-2)
-    p = p * f + jnp.float32(2.4022650695910071e-1)
-    p = p * f + jnp.float32(6.9314718055994531e-1)
-    p = p * f + jnp.float32(1.0)
+    # Near-minimax (relative error) fit of 2**f on [-0.5, 0.5]: 1.9e-9 before rounding.
+    p = jnp.float32(1.5345811606834423e-4)
+    p = p * f + jnp.float32(1.3399931216301808e-3)
+    p = p * f + jnp.float32(9.6184889585933350e-3)
+    p = p * f + jnp.float32(5.5503287769744364e-2)
+    p = p * f + jnp.float32(2.4022646890620264e-1)
+    p = p * f + jnp.float32(6.9314720573726190e-1)
+    p = p * f + jnp.float32(1.0000000005541690)
     scale = lax.bitcast_convert_type((n.astype(jnp.int32) + 127) << 23, jnp.float32)
     return p * scale
 
@@ -143,25 +144,36 @@ def exp2(x):
 def _attend(qs,  # [num_blocks, Hkv', R, D] scaled q; R = (q heads per KV head) * bq
             kv_pages,  # [num_pages, page_size, 2 * Hkv', D]
             kv_scales,  # [num_pages, page_size, 2 * Hkv'] f32, or None (unquantized pages)
-            pidx,  # [S, P'] int32 page table padded to whole KV blocks
+            pidx,  # [S, P'] int32 page table padded to whole KV blocks, plus one block
             cu, kv_lens, item_block, item_seq, num_items,
             seq_skip,  # [S] bool: sequences another path serves (their items do nothing)
-            *, bq, bk, ppb, sliding_window, soft_cap, exp2_fn, sum_pad):
-    """One independent loop over all items for a subset of heads: out [num_blocks, Hkv', R, D]."""
+            *, bq, bk, ppb, sliding_window, soft_cap, exp2_fn, sum_pad, diag_splits):
+    """One independent loop over all items for a subset of heads: out [num_blocks, Hkv', R, D].
+
+    The masked tail [c, kv_hi) (causal diagonal) runs per row chunk: the item's rows are
+    cut into `diag_splits` chunks of bq / diag_splits rows (in each of the G stacked
+    heads), and chunk i walks keys from c * bk in windows of (i + 1) * bk / diag_splits
+    keys, up to its own last row's position. With bq == bk and an aligned diagonal
+    that is one window per chunk, (n + 1) / 2n of the full tile instead of all of it.
+    """
     num_blocks, num_kv_heads, rows, head_dim = qs.shape
     combined = 2 * num_kv_heads
+    group = rows // bq
+    page_size = kv_pages.shape[1]
     cdt = qs.dtype
-    row_in_block = jnp.tile(jnp.arange(bq, dtype=jnp.int32), rows // bq)  # [R], g-major
+    row_in_block = jnp.tile(jnp.arange(bq, dtype=jnp.int32), group)  # [R], g-major
+    nsub = diag_splits
+    bq_sub = bq // nsub
 
-    def load_kv(s, j):
-        ids = lax.dynamic_slice_in_dim(pidx[s], j * ppb, ppb)
-        kv = kv_pages[ids].reshape(bk, combined, head_dim)
+    def load_kv(s, page0, npages):
+        ids = lax.dynamic_slice_in_dim(pidx[s], page0, npages)
+        kv = kv_pages[ids].reshape(npages * page_size, combined, head_dim)
         if kv_scales is not None:
-            kv = dequantize(kv, kv_scales[ids].reshape(bk, combined), cdt)
-        k = kv[:, 0::2, :].transpose(1, 0, 2)  # [Hkv', bk, D]
+            kv = dequantize(kv, kv_scales[ids].reshape(npages * page_size, combined), cdt)
+        k = kv[:, 0::2, :].transpose(1, 0, 2)  # [Hkv', keys, D]
         v = kv[:, 1::2, :].transpose(1, 0, 2)
         if sum_pad:  # ones columns: P @ [V | 1] also yields the row sums of P
-            v = jnp.concatenate([v, jnp.ones((num_kv_heads, bk, sum_pad), v.dtype)], axis=-1)
+            v = jnp.concatenate([v, jnp.ones(v.shape[:2] + (sum_pad,), v.dtype)], axis=-1)
         return k, v
 
     def scores_of(qb, k):
@@ -180,6 +192,26 @@ def _attend(qs,  # [num_blocks, Hkv', R, D] scaled q; R = (q heads per KV head) 
         pv = jnp.einsum("hrk,hkd->hrd", p.astype(cdt), v, preferred_element_type=jnp.float32)
         return m_new, l, alpha[..., None] * acc + pv
 
+    def masked_update(carry, s, qb, row_pos, key0, nkeys, key_end):
+        """One masked step over keys [key0, key0 + nkeys); keys >= key_end are zeroed."""
+        k, v = load_kv(s, key0 // page_size, nkeys // page_size)
+        key_pos = key0 + jnp.arange(nkeys, dtype=jnp.int32)
+        in_len = (key_pos < key_end)[None, :, None]
+        k = jnp.where(in_len, k, jnp.zeros((), k.dtype))
+        v = jnp.where(in_len, v, jnp.zeros((), v.dtype))
+        sc = scores_of(qb, k)
+        vis = (key_pos[None, :] <= row_pos[:, None]) & (key_pos[None, :] < key_end)
+        if sliding_window is not None:
+            vis &= key_pos[None, :] > row_pos[:, None] - sliding_window
+        sc = jnp.where(vis[None], sc, MASK_VALUE)
+        return update(carry, sc, v)
+
+    def rows_of(x, chunk, axis):  # chunk `chunk`'s rows of x, whose R rows are at `axis`
+        shape = x.shape
+        y = x.reshape(shape[:axis] + (group, nsub, bq_sub) + shape[axis + 1:])
+        y = lax.index_in_dim(y, chunk, axis + 1, keepdims=False)
+        return y.reshape(shape[:axis] + (group * bq_sub,) + shape[axis + 1:])
+
     def one_item(i, out):
         b, s = item_block[i], item_seq[i]
         ib = item_bounds(b, s, cu, kv_lens, bq, bk, sliding_window)
@@ -189,23 +221,12 @@ def _attend(qs,  # [num_blocks, Hkv', R, D] scaled q; R = (q heads per KV head) 
         qb = qs[b]  # [Hkv', R, D]
         row_tok = ib["r0"] + row_in_block  # flat token of each row
         row_pos = ib["ctx"] + row_tok - ib["q_start"]  # [R]
-        key_iota = jnp.arange(bk, dtype=jnp.int32)
 
         def masked_step(j, carry):
-            k, v = load_kv(s, j)
-            key_pos = j * bk + key_iota
-            in_len = (key_pos < ib["kv_len"])[None, :, None]
-            k = jnp.where(in_len, k, jnp.zeros((), k.dtype))
-            v = jnp.where(in_len, v, jnp.zeros((), v.dtype))
-            sc = scores_of(qb, k)
-            vis = (key_pos[None, :] <= row_pos[:, None]) & (key_pos[None, :] < ib["kv_len"])
-            if sliding_window is not None:
-                vis &= key_pos[None, :] > row_pos[:, None] - sliding_window
-            sc = jnp.where(vis[None], sc, MASK_VALUE)
-            return update(carry, sc, v)
+            return masked_update(carry, s, qb, row_pos, j * bk, bk, ib["kv_len"])
 
         def full_step(j, carry):
-            k, v = load_kv(s, j)
+            k, v = load_kv(s, j * ppb, ppb)
             return update(carry, scores_of(qb, k), v)
 
         carry = (jnp.full((num_kv_heads, rows), MASK_VALUE, jnp.float32),
@@ -213,11 +234,26 @@ def _attend(qs,  # [num_blocks, Hkv', R, D] scaled q; R = (q heads per KV head) 
                  jnp.zeros((num_kv_heads, rows, head_dim + sum_pad), jnp.float32))
         carry = lax.fori_loop(ib["kv_lo"], ib["a"], masked_step, carry)
         carry = lax.fori_loop(ib["a"], ib["c"], full_step, carry)
-        carry = lax.fori_loop(ib["c"], ib["kv_hi"], masked_step, carry)
-        _, l, acc = carry
-        if sum_pad:
-            l, acc = acc[..., head_dim], acc[..., :head_dim]
-        o = acc / jnp.where(l > 0, l, 1.0)[..., None]
+        tail0 = ib["c"] * bk
+        tail_len = (ib["kv_hi"] - ib["c"]) * bk
+        outs = []
+        for chunk in range(nsub):  # static: each chunk has its own window width
+            width = (chunk + 1) * (bk // nsub)
+            c_hi = jnp.minimum(ib["r0"] + (chunk + 1) * bq_sub, ib["hi"])
+            key_end = jnp.minimum(ib["ctx"] + c_hi - ib["q_start"], ib["kv_len"])
+            need = jnp.clip(key_end - tail0, 0, tail_len)
+            steps = lax.div(need + width - 1, jnp.int32(width))
+            q_c, pos_c = rows_of(qb, chunk, 1), rows_of(row_pos, chunk, 0)
+            c_carry = tuple(rows_of(x, chunk, 1) for x in carry)
+            c_carry = lax.fori_loop(
+                0, steps, lambda j, cc: masked_update(cc, s, q_c, pos_c, tail0 + j * width, width,
+                                                      key_end), c_carry)
+            _, l, acc = c_carry
+            if sum_pad:
+                l, acc = acc[..., head_dim], acc[..., :head_dim]
+            outs.append(acc / jnp.where(l > 0, l, 1.0)[..., None])
+        o = jnp.stack([x.reshape(num_kv_heads, group, bq_sub, head_dim) for x in outs], axis=2)
+        o = o.reshape(num_kv_heads, rows, head_dim)
         mine = (row_tok >= ib["lo"]) & (row_tok < ib["hi"]) & ~skip
         o = jnp.where(mine[None, :, None], o, out[b])
         return out.at[b].set(o)
@@ -298,7 +334,7 @@ def _attend_short(qs,  # [T, Hq, D] scaled q (log2 units unless soft_cap)
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap",
                                              "block_q", "block_kv", "fast_exp", "sum_pad",
-                                             "par", "short_q"))
+                                             "par", "short_q", "diag_splits"))
 def ragged_paged_attention_xla(
     q: jax.Array,  # [T, Hq, D]
     kv_pages: jax.Array,  # [num_pages, page_size, 2 * Hkv, D]
@@ -316,6 +352,7 @@ def ragged_paged_attention_xla(
     sum_pad: int = 0,
     par: int | None = None,
     short_q: int = 1,  # sequences with <= short_q new tokens take the sequence-batched path
+    diag_splits: int | None = None,  # row chunks of the causal diagonal; None: block_sizes' rule
     kv_scales: jax.Array | None = None,  # [num_pages, page_size, 2 * Hkv] f32 (int8/fp8 pages)
 ) -> jax.Array:  # [T, Hq, D]
     num_tokens, num_q_heads, head_dim = q.shape
@@ -329,6 +366,11 @@ def ragged_paged_attention_xla(
     if bk % page_size:
         raise ValueError(f"block_kv {bk} must be a multiple of page_size {page_size}")
     ppb = bk // page_size
+    if diag_splits is None:
+        diag_splits = xla_diagonal_splits(bq, bk, page_size, q.dtype.itemsize)
+    if bq % diag_splits or bk % (diag_splits * page_size):
+        raise ValueError(f"diag_splits {diag_splits} must divide block_q {bq} and block_kv {bk} "
+                         f"into whole pages of {page_size}")
     num_blocks = -(-num_tokens // bq)
     num_kv_blocks = -(-max_pages // ppb)
     cdt = q.dtype  # matmul operand dtype; accumulation is always f32
@@ -336,7 +378,8 @@ def ragged_paged_attention_xla(
     cu = sanitize_cu_q_lens(cu_q_lens.astype(jnp.int32), num_seqs)
     kv_lens = kv_lens.astype(jnp.int32)
     pidx = jnp.clip(page_indices.astype(jnp.int32), 0, num_pages - 1)
-    pidx = jnp.pad(pidx, ((0, 0), (0, num_kv_blocks * ppb - max_pages)))
+    # One block past the last: a diagonal window may overrun the last block (zeroed keys).
+    pidx = jnp.pad(pidx, ((0, 0), (0, (num_kv_blocks + 1) * ppb - max_pages)))
     item_block, item_seq, num_items = work_items(cu, num_seqs, num_blocks, bq)
 
     # q scaled so scores come out in log2 units (soft cap: scaled after the tanh).
@@ -353,7 +396,7 @@ def ragged_paged_attention_xla(
         return _by_items(q_scaled, kv_pages, kv_scales, pidx, cu, kv_lens, item_block, item_seq,
                          num_items, seq_skip, bq=bq, bk=bk, ppb=ppb, par=par,
                          sliding_window=sliding_window, soft_cap=soft_cap, exp2_fn=exp2_fn,
-                         sum_pad=sum_pad)
+                         sum_pad=sum_pad, diag_splits=diag_splits)
 
     q_max = min(short_q, num_tokens)
     if q_max <= 0 or num_tokens <= q_max:
@@ -382,7 +425,7 @@ def ragged_paged_attention_xla(
 
 
 def _by_items(q_scaled, kv_pages, kv_scales, pidx, cu, kv_lens, item_block, item_seq, num_items, seq_skip, *,
-              bq, bk, ppb, par, sliding_window, soft_cap, exp2_fn, sum_pad):
+              bq, bk, ppb, par, sliding_window, soft_cap, exp2_fn, sum_pad, diag_splits):
     """The item path: returns out [T, Hq, D] f32."""
     num_tokens, num_q_heads, head_dim = q_scaled.shape
     num_kv_heads = kv_pages.shape[2] // 2
@@ -407,7 +450,7 @@ def _by_items(q_scaled, kv_pages, kv_scales, pidx, cu, kv_lens, item_block, item
                     if kv_scales is not None and nh < num_kv_heads else kv_scales,
                     pidx, cu, kv_lens, item_block, item_seq, num_items, seq_skip, bq=bq, bk=bk, ppb=ppb,
                     sliding_window=sliding_window, soft_cap=soft_cap, exp2_fn=exp2_fn,
-                    sum_pad=sum_pad)
+                    sum_pad=sum_pad, diag_splits=diag_splits)
         outs.append(o.reshape(num_blocks, nh, ng, bq, head_dim))
     out = outs[0] if len(outs) == 1 else jnp.concatenate(
         outs, axis=1 if splits[0][3] == group else 2)
