@@ -171,8 +171,15 @@ def export_rows(cache, page_ids: list[int], num_tokens: int, page_size: int, num
 
 
 def import_rows(cache, values, scales, pages: list[int], num_tokens: int, page_size: int):
-    """A new cache with the rows written into `pages` (the old one is donated)."""
+    """A new cache with the rows written into `pages` (the old one is donated). The pulled
+    rows sit on one device; a cache split over several (mesh.tensor > 1) gets them
+    replicated onto its devices first, since jit refuses arguments committed elsewhere."""
     slots = slots_for(pages, num_tokens, values.shape[1], page_size)
+    sharding = jax.tree.leaves(cache.pages)[0].sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+        values = jax.device_put(values, replicated)
+        scales = None if scales is None else jax.device_put(scales, replicated)
     pages = scatter_tokens(cache.pages, values, scales, jnp.asarray(slots), stages=cache.stages)
     return type(cache)(pages, cache.stages)
 
