@@ -13,9 +13,10 @@ t CPU devices, t the most the model's heads split over (`cpu_split_mesh`).
     jaxfill.use_cpu_cores()   # in a notebook: right after `import jax`, before any jnp call
 
 On a GPU/TPU host this changes only the CPU backend's device count: jax's default
-backend is the registered platform with the highest priority (jax/_src/xla_bridge.py
-`backends()`: cpu registers with priority 0, tpu 300, GPU plugins above 0), and the
-number of devices a backend has plays no part in that choice.
+backend is the initialised platform with the highest registration priority (jax 0.10.2,
+jax/_src/xla_bridge.py `backends()`: cpu registers with priority 0, tpu 300, PJRT plugins
+such as GPU 400 unless they say otherwise), and the number of devices a backend has
+plays no part in that choice (read from the code; no accelerator host was tried).
 """
 
 from __future__ import annotations
@@ -120,8 +121,8 @@ def cpu_split_mesh(model, settings):
         return None
     t = split_tensor(model, settings, n)
     if t == 1:
-        log.info("CPU: one of %d XLA CPU devices: model.num_heads=%d does not split over 2 or more",
-                 n, model.num_heads)
+        log.info("CPU: one of %d XLA CPU devices: the model's heads (%d, %d KV) or MLP (%d) do not "
+                 "split over 2 or more", n, model.num_heads, model.num_kv_heads, model.intermediate_size)
         return None
     where = (f"{t} XLA CPU devices, one per core" if t == n == cores
              else f"{t} of {n} XLA CPU devices ({cores} cores)")

@@ -129,3 +129,17 @@ def test_importing_jaxfill_starts_no_backend():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("overrides,devices,want", [
+    ({}, 3, 2),  # 4 heads: 3 devices -> 2
+    ({}, 8, 4),  # never more than the heads
+    ({"model.intermediate_size": 342}, 4, 2),  # 342 % 4 != 0: the planner's check says 2
+    ({"model.num_heads": 3, "model.num_kv_heads": 3, "model.intermediate_size": 345}, 2, 1),  # no split
+])
+def test_split_tensor_uses_the_planners_mesh_check(overrides, devices, want):
+    from jaxfill.engine.config import load_config
+    from jaxfill.engine.cpu_devices import split_tensor
+
+    config = load_config("tiny_random", overrides)
+    assert split_tensor(config.model, config.mesh, devices) == want
