@@ -141,14 +141,17 @@ def exp2(x):
 
 
 # --------------------------------------------------------------------------- kernel
-def _attend(qs,  # [num_blocks, Hkv', R, D] scaled q; R = (q heads per KV head) * bq
+def _attend(q,  # [T_pad, Hkv', G', D] unscaled q, T_pad a multiple of bq; R = G' * bq
             kv_pages,  # [num_pages, page_size, 2 * Hkv', D]
             kv_scales,  # [num_pages, page_size, 2 * Hkv'] f32, or None (unquantized pages)
             pidx,  # [S, P'] int32 page table padded to whole KV blocks, plus one block
             cu, kv_lens, item_block, item_seq, num_items,
             seq_skip,  # [S] bool: sequences another path serves (their items do nothing)
-            *, bq, bk, ppb, sliding_window, soft_cap, exp2_fn, sum_pad, diag_splits):
-    """One independent loop over all items for a subset of heads: out [num_blocks, Hkv', R, D].
+            *, q_scale, bq, bk, ppb, sliding_window, soft_cap, exp2_fn, sum_pad, diag_splits):
+    """One independent loop over all items for a subset of heads: out [T_pad, Hkv', G', D] f32.
+
+    Each item scales and stacks its own query block and writes its rows straight into
+    token layout, so no [T, Hq, D]-sized pass runs before or after the loop.
 
     The masked tail [c, kv_hi) (causal diagonal) runs per row chunk: the item's rows are
     cut into `diag_splits` chunks of bq / diag_splits rows (in each of the G stacked
@@ -156,11 +159,11 @@ def _attend(qs,  # [num_blocks, Hkv', R, D] scaled q; R = (q heads per KV head) 
     keys, up to its own last row's position. With bq == bk and an aligned diagonal
     that is one window per chunk, (n + 1) / 2n of the full tile instead of all of it.
     """
-    num_blocks, num_kv_heads, rows, head_dim = qs.shape
+    t_pad, num_kv_heads, group, head_dim = q.shape
+    rows = group * bq
     combined = 2 * num_kv_heads
-    group = rows // bq
     page_size = kv_pages.shape[1]
-    cdt = qs.dtype
+    cdt = q.dtype
     row_in_block = jnp.tile(jnp.arange(bq, dtype=jnp.int32), group)  # [R], g-major
     nsub = diag_splits
     bq_sub = bq // nsub
@@ -218,7 +221,9 @@ def _attend(qs,  # [num_blocks, Hkv', R, D] scaled q; R = (q heads per KV head) 
         skip = seq_skip[s]
         for edge in ("a", "c", "kv_hi"):  # a skipped item runs no KV block at all
             ib[edge] = jnp.where(skip, ib["kv_lo"], ib[edge])
-        qb = qs[b]  # [Hkv', R, D]
+        qb = lax.dynamic_slice_in_dim(q, b * bq, bq)  # [bq, Hkv', G', D]
+        qb = (qb.astype(jnp.float32) * q_scale).astype(cdt)
+        qb = qb.transpose(1, 2, 0, 3).reshape(num_kv_heads, rows, head_dim)  # [Hkv', R, D]
         row_tok = ib["r0"] + row_in_block  # flat token of each row
         row_pos = ib["ctx"] + row_tok - ib["q_start"]  # [R]
 
@@ -253,12 +258,13 @@ def _attend(qs,  # [num_blocks, Hkv', R, D] scaled q; R = (q heads per KV head) 
                 l, acc = acc[..., head_dim], acc[..., :head_dim]
             outs.append(acc / jnp.where(l > 0, l, 1.0)[..., None])
         o = jnp.stack([x.reshape(num_kv_heads, group, bq_sub, head_dim) for x in outs], axis=2)
-        o = o.reshape(num_kv_heads, rows, head_dim)
-        mine = (row_tok >= ib["lo"]) & (row_tok < ib["hi"]) & ~skip
-        o = jnp.where(mine[None, :, None], o, out[b])
-        return out.at[b].set(o)
+        o = o.reshape(num_kv_heads, group, bq, head_dim).transpose(2, 0, 1, 3)  # [bq, Hkv', G', D]
+        tok = ib["r0"] + jnp.arange(bq, dtype=jnp.int32)
+        mine = (tok >= ib["lo"]) & (tok < ib["hi"]) & ~skip
+        o = jnp.where(mine[:, None, None, None], o, lax.dynamic_slice_in_dim(out, b * bq, bq))
+        return lax.dynamic_update_slice_in_dim(out, o, b * bq, 0)
 
-    out = jnp.zeros((num_blocks, num_kv_heads, rows, head_dim), jnp.float32)
+    out = jnp.zeros((t_pad, num_kv_heads, group, head_dim), jnp.float32)
     return lax.fori_loop(0, num_items, one_item, out)
 
 
@@ -384,7 +390,6 @@ def ragged_paged_attention_xla(
 
     # q scaled so scores come out in log2 units (soft cap: scaled after the tanh).
     q_scale = sm_scale if soft_cap is not None else sm_scale * LOG2E
-    q_scaled = (q.astype(jnp.float32) * q_scale).astype(cdt)
     exp2_fn = exp2 if fast_exp else jnp.exp2
     if par is None:
         par = xla_parallel_loops(jax.default_backend(), num_kv_heads, group)
@@ -392,48 +397,52 @@ def ragged_paged_attention_xla(
     live = jnp.arange(num_slots, dtype=jnp.int32) < num_seqs[0]
     q_lens = jnp.where(live, cu[1:] - cu[:-1], 0)  # [S]
 
-    def by_items(q_scaled, seq_skip=jnp.zeros((num_slots,), jnp.bool_)):
-        return _by_items(q_scaled, kv_pages, kv_scales, pidx, cu, kv_lens, item_block, item_seq,
-                         num_items, seq_skip, bq=bq, bk=bk, ppb=ppb, par=par,
+    def by_items(q, seq_skip=jnp.zeros((num_slots,), jnp.bool_)):
+        return _by_items(q, kv_pages, kv_scales, pidx, cu, kv_lens, item_block, item_seq,
+                         num_items, seq_skip, q_scale=q_scale, bq=bq, bk=bk, ppb=ppb, par=par,
                          sliding_window=sliding_window, soft_cap=soft_cap, exp2_fn=exp2_fn,
                          sum_pad=sum_pad, diag_splits=diag_splits)
 
     q_max = min(short_q, num_tokens)
     if q_max <= 0 or num_tokens <= q_max:
-        return by_items(q_scaled).astype(q.dtype)
+        return by_items(q).astype(q.dtype)
     bk_short = kv_block(page_size, 128)
     ppb_short = bk_short // page_size
     pidx_short = jnp.pad(pidx, ((0, 0), (0, -pidx.shape[1] % ppb_short)))
 
     is_short = q_lens <= q_max  # [S]
 
-    def short(q_scaled, seq_mask=jnp.ones((num_slots,), jnp.bool_)):
+    def short(q, seq_mask=jnp.ones((num_slots,), jnp.bool_)):
+        q_scaled = (q.astype(jnp.float32) * q_scale).astype(cdt)
         return _attend_short(q_scaled, kv_pages, kv_scales, pidx_short, cu, kv_lens, num_seqs, seq_mask,
                              q_max=q_max, bk=bk_short, ppb=ppb_short,
                              sliding_window=sliding_window, soft_cap=soft_cap,
                              exp2_fn=exp2_fn)
 
-    def mixed(q_scaled):
+    def mixed(q):
         """Prefill chunks by items, decodes batched: a decode row alone in its item would
         cost a whole block_q-row query block."""
         row_seq = jnp.searchsorted(cu[1:], jnp.arange(num_tokens, dtype=jnp.int32), side="right")
         short_row = is_short[jnp.minimum(row_seq, num_slots - 1)]  # [T]
-        return jnp.where(short_row[:, None, None], short(q_scaled, is_short), by_items(q_scaled, is_short))
+        return jnp.where(short_row[:, None, None], short(q, is_short), by_items(q, is_short))
 
-    out = lax.cond(jnp.all(is_short), short, mixed, q_scaled)
+    # All short: the batched path alone; none short (a prefill): the items alone, so a
+    # prefill pays for neither the batched path's [T, Hq, D] output nor the merge.
+    branch = jnp.where(jnp.all(is_short), 0, jnp.where(jnp.any(is_short), 1, 2))
+    out = lax.switch(branch, [short, mixed, by_items], q)
     return out.astype(q.dtype)
 
 
-def _by_items(q_scaled, kv_pages, kv_scales, pidx, cu, kv_lens, item_block, item_seq, num_items, seq_skip, *,
-              bq, bk, ppb, par, sliding_window, soft_cap, exp2_fn, sum_pad, diag_splits):
-    """The item path: returns out [T, Hq, D] f32."""
-    num_tokens, num_q_heads, head_dim = q_scaled.shape
+def _by_items(q, kv_pages, kv_scales, pidx, cu, kv_lens, item_block, item_seq, num_items, seq_skip, *,
+              q_scale, bq, bk, ppb, par, sliding_window, soft_cap, exp2_fn, sum_pad, diag_splits):
+    """The item path: q [T, Hq, D] unscaled; returns out [T, Hq, D] f32."""
+    num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = kv_pages.shape[2] // 2
     group = num_q_heads // num_kv_heads
-    num_blocks = -(-num_tokens // bq)
-    t_pad = num_blocks * bq
-    qs = jnp.pad(q_scaled, ((0, t_pad - num_tokens), (0, 0), (0, 0)))
-    qs = qs.reshape(num_blocks, bq, num_kv_heads, group, head_dim).transpose(0, 2, 3, 1, 4)
+    t_pad = -(-num_tokens // bq) * bq
+    if t_pad != num_tokens:
+        q = jnp.pad(q, ((0, t_pad - num_tokens), (0, 0), (0, 0)))
+    q = q.reshape(t_pad, num_kv_heads, group, head_dim)
 
     # `par` independent loops, split over KV heads, else over the q heads of a KV head.
     if par > 1 and num_kv_heads % par == 0:
@@ -444,14 +453,14 @@ def _by_items(q_scaled, kv_pages, kv_scales, pidx, cu, kv_lens, item_block, item
         splits = [(0, num_kv_heads, 0, group)]
     outs = []
     for h0, nh, g0, ng in splits:
-        o = _attend(qs[:, h0:h0 + nh, g0:g0 + ng].reshape(num_blocks, nh, ng * bq, head_dim),
-                    kv_pages[:, :, 2 * h0:2 * (h0 + nh)] if nh < num_kv_heads else kv_pages,
-                    kv_scales[:, :, 2 * h0:2 * (h0 + nh)]
-                    if kv_scales is not None and nh < num_kv_heads else kv_scales,
-                    pidx, cu, kv_lens, item_block, item_seq, num_items, seq_skip, bq=bq, bk=bk, ppb=ppb,
-                    sliding_window=sliding_window, soft_cap=soft_cap, exp2_fn=exp2_fn,
-                    sum_pad=sum_pad, diag_splits=diag_splits)
-        outs.append(o.reshape(num_blocks, nh, ng, bq, head_dim))
+        outs.append(_attend(
+            q if len(splits) == 1 else q[:, h0:h0 + nh, g0:g0 + ng],
+            kv_pages[:, :, 2 * h0:2 * (h0 + nh)] if nh < num_kv_heads else kv_pages,
+            kv_scales[:, :, 2 * h0:2 * (h0 + nh)]
+            if kv_scales is not None and nh < num_kv_heads else kv_scales,
+            pidx, cu, kv_lens, item_block, item_seq, num_items, seq_skip, q_scale=q_scale,
+            bq=bq, bk=bk, ppb=ppb, sliding_window=sliding_window, soft_cap=soft_cap,
+            exp2_fn=exp2_fn, sum_pad=sum_pad, diag_splits=diag_splits))
     out = outs[0] if len(outs) == 1 else jnp.concatenate(
         outs, axis=1 if splits[0][3] == group else 2)
-    return out.transpose(0, 3, 1, 2, 4).reshape(t_pad, num_q_heads, head_dim)[:num_tokens]
+    return out.reshape(t_pad, num_q_heads, head_dim)[:num_tokens]
