@@ -120,10 +120,12 @@ def item_bounds(b, s, cu, kv_lens, block_q: int, block_kv: int, sliding_window):
 
 # --------------------------------------------------------------------------- math
 def exp2(x):
-    """2**x for x <= 0 in f32: round-to-nearest split + degree-6 polynomial, ~1 ulp.
+    """2**x for x <= 0 in f32: round-to-nearest split + degree-6 polynomial.
 
     XLA CPU's generic exp goes through extra range handling; this one vectorizes to a
-    round, a convert and six FMAs. Inputs below -126 flush to 2**-126.
+    round, a convert and six FMAs (relative error <= 1e-7 on [-125, 0], tested). Inputs
+    below -126 give 2**-126. Do not write the round as (x + 1.5 * 2**23) - 1.5 * 2**23:
+    XLA folds that to x.
     """
     x = jnp.maximum(x, -126.0)
     n = lax.round(x, lax.RoundingMethod.TO_NEAREST_EVEN)
