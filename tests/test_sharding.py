@@ -77,8 +77,10 @@ def test_tensor4_all_reduces_per_layer(results):
     # the vocab-parallel embedding lookup. No all-gather of weights or activations.
     assert r["all_reduce"] == 2 * r["layers"] + 1, r
     assert r["all_gather"] == 0, r
-    # Each all-reduce carries one [T, E] activation (f32): 16 x 128 x 4 bytes here.
-    assert r["ops"]["all-reduce_bytes"] == r["all_reduce"] * 16 * 128 * 4, r
+    # Each all-reduce carries one [T, E] activation (f32, 16 x 128 here), except the last
+    # layer's two, which carry only the sampled rows [S, E] (models/llama.py).
+    rows = (r["all_reduce"] - 2) * 16 + 2 * r["slots"]
+    assert r["ops"]["all-reduce_bytes"] == rows * 128 * 4, r
 
 
 def test_sequence4_cuts_per_device_flops(results):
@@ -122,7 +124,7 @@ def _worker():  # noqa: C901 - one script, many checks
     from hlo_collectives import collective_ops
     from jaxfill.engine import placement
     from jaxfill.engine.mesh import make_mesh
-    from jaxfill.models import sharding
+    from jaxfill.models import llama, sharding
     from jaxfill.models.config import ModelConfig
     from jaxfill.models.forward import forward, forward_data_parallel
     from jaxfill.models.kv_cache import AttentionMetadata, KVCache, single_sequence_metadata
@@ -265,7 +267,7 @@ def _worker():  # noqa: C901 - one script, many checks
                 if name == "t4s1":
                     record("kv_layout", lambda: kv_layout(cache))
                     ops = collective_ops(compiled.as_text())
-                    out["hlo/t4"] = {"layers": cfg.num_layers, "all_reduce": ops["all-reduce"],
+                    out["hlo/t4"] = {"layers": cfg.num_layers, "slots": n_slots, "all_reduce": ops["all-reduce"],
                                      "all_gather": ops["all-gather"], "ops": ops}
             return out[f"generate/{name}"]
         record(f"generate/{name}", gen)
@@ -309,6 +311,9 @@ def _worker():  # noqa: C901 - one script, many checks
         tokens = jnp.zeros(n, jnp.int32)
         positions = jnp.arange(n, dtype=jnp.int32)
         res = {}
+        # The baseline is every row of every layer on one device, as the split runs them
+        # (one device alone runs only the sampled row of the last layer).
+        llama.rows_split_over_sequence = lambda: True
         for s in (1, 4):
             mesh = mesh_of(1, 1, s)
             graphdef, state = placement.abstract_state(cfg)
