@@ -9,6 +9,9 @@ Counting conventions (tests/test_planner.py checks them against XLA's cost analy
 * matmul FLOPs = 2 * tokens * (q, k, v, o, gate, up, down weights) per layer, plus the
   LM head for the ONE row whose logits are computed (the forward never computes
   [T, vocab]). The embedding is a gather: no FLOPs.
+* last layer: with one stage and no 'sequence' split the engine runs the last layer's
+  q/o projections, attention and MLP on the sampled row only (models/llama.py); its K/V
+  projections still see every token. `sampled_last_layer=True` counts that.
 * attention FLOPs = QK^T and PV over the causal lower triangle, diagonal included:
   4 * layers * q_heads * head_dim * (visible key count summed over the new tokens),
   with visible keys min(position + 1, sliding_window).
@@ -59,10 +62,22 @@ def layer_matmul_params(model: ModelConfig) -> int:
     return e * q + 2 * e * kv + q * e + 3 * e * model.intermediate_size
 
 
-def matmul_flops(model: ModelConfig, num_tokens: int, logit_rows: int = 1) -> int:
-    """Projection and MLP matmuls for `num_tokens`, LM head for `logit_rows` rows."""
-    return (2 * num_tokens * model.num_layers * layer_matmul_params(model)
-            + 2 * logit_rows * model.hidden_size * model.vocab_size)
+def kv_projection_params(model: ModelConfig) -> int:
+    """The k and v weights of one layer."""
+    return 2 * model.hidden_size * model.num_kv_heads * model.head_dim
+
+
+def matmul_flops(model: ModelConfig, num_tokens: int, logit_rows: int = 1, sampled_last_layer: bool = False) -> int:
+    """Projection and MLP matmuls for `num_tokens`, LM head for `logit_rows` rows;
+    `sampled_last_layer`: the last layer's k/v over every token, the rest over one row."""
+    full = 2 * num_tokens * model.num_layers * layer_matmul_params(model)
+    head = 2 * logit_rows * model.hidden_size * model.vocab_size
+    return full + head - (last_layer_matmul_saving(model, num_tokens) if sampled_last_layer else 0)
+
+
+def last_layer_matmul_saving(model: ModelConfig, num_tokens: int) -> int:
+    """Matmul FLOPs the sampled-row last layer skips: q/o/MLP on all but one row."""
+    return 2 * (num_tokens - 1) * (layer_matmul_params(model) - kv_projection_params(model))
 
 
 def visible_pairs(num_tokens: int, context: int = 0, sliding_window: int | None = None) -> int:
@@ -77,17 +92,29 @@ def visible_pairs(num_tokens: int, context: int = 0, sliding_window: int | None 
 
 
 def attention_flops(model: ModelConfig, num_tokens: int, context: int = 0, causal: bool = True,
-                    kv_len: int | None = None) -> int:
+                    kv_len: int | None = None, sampled_last_layer: bool = False) -> int:
     """QK^T + PV FLOPs. causal: over the lower triangle (what a prefill needs);
-    causal=False: full [num_tokens, kv_len] score matrices (what a dense impl computes)."""
-    per_pair = 4 * model.num_layers * model.num_heads * model.head_dim
+    causal=False: full [num_tokens, kv_len] score matrices (what a dense impl computes).
+    `sampled_last_layer`: the last layer has one query row, the last token's."""
+    per_pair = 4 * model.num_heads * model.head_dim
+    layers = model.num_layers - (1 if sampled_last_layer else 0)
     if causal:
-        return per_pair * visible_pairs(num_tokens, context, model.sliding_window)
-    return per_pair * num_tokens * (kv_len if kv_len is not None else context + num_tokens)
+        pairs = visible_pairs(num_tokens, context, model.sliding_window)
+        last = visible_pairs(1, context + num_tokens - 1, model.sliding_window)
+    else:
+        keys = kv_len if kv_len is not None else context + num_tokens
+        pairs, last = num_tokens * keys, keys
+    return per_pair * (layers * pairs + (last if sampled_last_layer else 0))
 
 
-def prefill_flops(model: ModelConfig, num_tokens: int, context: int = 0) -> int:
-    return matmul_flops(model, num_tokens) + attention_flops(model, num_tokens, context)
+def prunes_last_layer(mesh: MeshSettings) -> bool:
+    """Whether the engine runs the last layer on the sampled rows only (models/llama.py)."""
+    return mesh.stage == 1 and mesh.sequence == 1
+
+
+def prefill_flops(model: ModelConfig, num_tokens: int, context: int = 0, sampled_last_layer: bool = True) -> int:
+    return (matmul_flops(model, num_tokens, sampled_last_layer=sampled_last_layer)
+            + attention_flops(model, num_tokens, context, sampled_last_layer=sampled_last_layer))
 
 
 def projection_scales(model: ModelConfig) -> int:
@@ -214,6 +241,11 @@ def device_costs(model: ModelConfig, mesh: MeshSettings, hw: Hardware, num_token
     flops = ticks * flops + 2 * e * model.vocab_size / vocab_split(model, mesh)
     nbytes = ticks * (tick_bytes - kv_written) + m * kv_written + end_bytes_read_per_device(model, mesh, num_tokens)
     coll *= ticks
+    if prunes_last_layer(mesh):  # the last layer's q/o/MLP/attention and all-reduces on one row
+        skipped = attention - attention_flops(model, num_tokens, context, sampled_last_layer=True)
+        flops -= (last_layer_matmul_saving(model, num_tokens) + skipped) / mesh.tensor
+        if mesh.tensor > 1:
+            coll -= 2 * (2 * (mesh.tensor - 1) / mesh.tensor) * (num_tokens - 1) * e * b
     peak = hw.peak_flops(model.dtype)
     bw, link = hw.hbm_bytes_per_s, hw.link_bytes_per_s
     if hw.shared_by_mesh:  # fake CPU devices share one machine
@@ -274,8 +306,9 @@ def plan_prefill(config: Config, hw: Hardware, prompt_len: int, link_gbps: float
     per_request_dev = pages * engine.page_size * per_token_dev
     fit = max(0, int(free // per_request_dev)) * mesh.data if free > 0 else 0
     t2 = ttft_floor(model, mesh, hw, 2 * prompt_len)
-    mm = matmul_flops(model, prompt_len)
-    att = attention_flops(model, prompt_len)
+    pruned = prunes_last_layer(mesh)
+    mm = matmul_flops(model, prompt_len, sampled_last_layer=pruned)
+    att = attention_flops(model, prompt_len, sampled_last_layer=pruned)
     moved = kv_transfer_bytes(model, prompt_len, engine.kv_cache_dtype)
     transfer = {} if link_gbps is None else {
         "link_gbps": link_gbps,

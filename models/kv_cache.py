@@ -106,6 +106,7 @@ class AttentionMetadata:
     num_seqs: jax.Array  # [1] int32, live sequences (the rest are padding)
     slot_mapping: jax.Array  # [T] int32, page * page_size + offset; -1 for padding tokens
     logits_indices: jax.Array  # [S] int32, the row whose logits each sequence samples: its last new token
+    # (any [R] rows may be asked for, e.g. every row for evaluation; then the last layer runs on all rows)
 
 
 def sampled_rows_metadata(meta: AttentionMetadata) -> AttentionMetadata:

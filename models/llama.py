@@ -79,8 +79,10 @@ class Llama(nnx.Module):
         else:
             # The last layer's rows other than the sampled ones feed nothing (their K/V
             # come from the layer's input), so it runs only those, unless the rows are
-            # split over 'sequence'.
-            prune = not rows_split_over_sequence()
+            # split over 'sequence' or the caller asks for more rows than one per
+            # sequence (every-row logits, as training and evaluation read them).
+            one_row_per_seq = meta.logits_indices.shape[0] == meta.kv_lens.shape[0]
+            prune = one_row_per_seq and not rows_split_over_sequence()
             last = len(self.layers) - 1
             new_pages = []
             for i, (layer, pages) in enumerate(zip(self.layers, kv_cache.pages)):

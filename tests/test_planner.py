@@ -31,7 +31,7 @@ from flax import nnx
 
 from jaxfill.engine.config import load_config
 from jaxfill.engine.hardware import Hardware, load_hardware
-from jaxfill.engine.planner import (attention_flops, kv_bytes_per_token, matmul_flops, plan, plan_prefill,
+from jaxfill.engine.planner import (attention_flops, kv_bytes_per_token, matmul_flops, plan, plan_prefill, prefill_flops,
                             ttft_floor, visible_pairs)
 from jaxfill.models.kv_cache import KVCache, single_sequence_metadata
 from jaxfill.models.llama import Llama
@@ -67,12 +67,13 @@ def compiled_flops(config_name: str, num_tokens: int, impl: str, monkeypatch) ->
 def test_flops_match_xla_cost_analysis(config_name, num_tokens, monkeypatch):
     cfg = load_config(config_name).model
     stub, _ = compiled_flops(config_name, num_tokens, "planner_test_stub", monkeypatch)
-    planned = matmul_flops(cfg, num_tokens)
+    # One device, no 'sequence' split: the last layer runs the sampled row only.
+    planned = matmul_flops(cfg, num_tokens, sampled_last_layer=True)
     assert abs(stub - planned) / planned < 0.05, (stub, planned)
     assert stub >= planned  # XLA adds elementwise work on top, never less matmul
     ref, kv_len = compiled_flops(config_name, num_tokens, "reference", monkeypatch)
-    full = attention_flops(cfg, num_tokens, causal=False, kv_len=kv_len)
-    scores = cfg.num_layers * cfg.num_heads * num_tokens * kv_len
+    full = attention_flops(cfg, num_tokens, causal=False, kv_len=kv_len, sampled_last_layer=True)
+    scores = cfg.num_heads * ((cfg.num_layers - 1) * num_tokens + 1) * kv_len
     # Exactly the two matmuls, plus at most 8 elementwise FLOPs per score (scale, mask,
     # max, subtract, sum, divide; exp is a transcendental, counted apart by XLA).
     assert full <= ref - stub <= full + 8 * scores, (ref - stub, full, scores)
@@ -80,7 +81,8 @@ def test_flops_match_xla_cost_analysis(config_name, num_tokens, monkeypatch):
         assert abs((ref - stub) - full) / full < 0.05, (ref - stub, full)
     # The causal count is what a prefill needs: just over half of the full square.
     causal = attention_flops(cfg, num_tokens)
-    assert causal == full * (num_tokens + 1) // (2 * kv_len)
+    square = attention_flops(cfg, num_tokens, causal=False, kv_len=kv_len)
+    assert causal == square * (num_tokens + 1) // (2 * kv_len)
 
 
 def test_visible_pairs_brute_force():
@@ -140,8 +142,10 @@ def test_tensor_and_sequence_parallel():
     assert tp8["ttft_floor_s"] == pytest.approx(tp8["compute_s"] + tp8["collective_s"])
     assert tp8["collective_s"] == pytest.approx(tp8["collective_bytes_per_device"] / 450e9)
     assert tp8["max_concurrent_requests"] > 0
-    # Two all-reduces of [T, E] per layer, ring: 2 (n-1)/n of the buffer each.
-    assert tp8["collective_bytes_per_device"] == pytest.approx(80 * 2 * 2 * 7 / 8 * 4096 * 8192 * 2)
+    # Two all-reduces of [T, E] per layer, ring: 2 (n-1)/n of the buffer each; the last
+    # layer's carry only the sampled row, [1, E].
+    rows = 79 * 4096 + 1
+    assert tp8["collective_bytes_per_device"] == pytest.approx(2 * 2 * 7 / 8 * rows * 8192 * 2)
     # tensor=16 with 8 KV heads: heads repeated twice, each rank stores one.
     tp16 = plan_prefill(load_config("llama3_70b", {"mesh.tensor": 16}), H100, 4096)
     assert tp16["kv_bytes_per_request"] == one["kv_bytes_per_request"]  # the model's logical K/V
@@ -149,7 +153,10 @@ def test_tensor_and_sequence_parallel():
     assert tp8["kv_bytes_per_request_per_device"] == one["kv_bytes_per_request"] / 8
     sp2 = plan_prefill(load_config("llama3_70b", {"mesh.tensor": 8, "mesh.sequence": 2}), H100, 4096)
     assert sp2["collective_s"] > tp8["collective_s"] / 2  # + the K/V all-gather
-    assert sp2["flops_per_device"] == pytest.approx(tp8["flops_per_device"] / 2, rel=0.01)
+    # 'sequence' keeps every row of the last layer (no sampled-row pruning).
+    m70 = load_config("llama3_70b").model
+    assert tp8["flops_per_device"] == pytest.approx(prefill_flops(m70, 4096) / 8, rel=1e-3)
+    assert sp2["flops_per_device"] == pytest.approx(prefill_flops(m70, 4096, sampled_last_layer=False) / 16, rel=1e-3)
     dp2 = plan_prefill(load_config("llama3_70b", {"mesh.tensor": 8, "mesh.data": 2}), H100, 4096)
     assert dp2["max_concurrent_requests"] == 2 * tp8["max_concurrent_requests"]
     assert dp2["ttft_floor_s"] == tp8["ttft_floor_s"]
