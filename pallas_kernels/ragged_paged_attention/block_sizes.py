@@ -42,6 +42,10 @@ def kv_block(page_size: int, target: int) -> int:
 # score tile; a shared, noisy machine: see RESULTS.md).
 # key: (head_dim, itemsize) -> (max rows of the stacked [G*block_q, D] operand, block_kv)
 MIN_PREFILL_BLOCK_Q = 256
+# block_kv never exceeds max(block_q, this): a short prompt's keys fit one block, and with
+# block_q == block_kv the diagonal splits into row chunks. 128-token prefill, one core:
+# 0.47 ms (128 x 128) vs 0.88 ms (128 x 256); torch SDPA 0.47 ms (RESULTS.md, issue 17).
+MIN_BLOCK_KV = 128
 _XLA_TABLE = {
     (64, 4): (1024, 256),
     (128, 4): (512, 128),
@@ -102,7 +106,7 @@ def xla_block_sizes(num_tokens: int, num_seq_slots: int, group: int, head_dim: i
     floor = min(MIN_PREFILL_BLOCK_Q, num_tokens)
     bq = min(max_bq, max(8, _pow2_at_least(max(avg, floor))))
     bq = min(bq, max(8, _pow2_at_least(num_tokens)))
-    return BlockSizes(block_q=bq, block_kv=kv_block(page_size, kv_target))
+    return BlockSizes(block_q=bq, block_kv=kv_block(page_size, min(kv_target, max(MIN_BLOCK_KV, bq))))
 
 
 # ---------------------------------------------------------------------------------------
