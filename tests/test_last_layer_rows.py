@@ -111,3 +111,35 @@ def test_last_layer_costs_fewer_flops(model_and_config, monkeypatch):
     layer_matmuls = 2 * 64 * e * (2 * hq * d + 2 * hk * d + 3 * i)
     kept = 2 * 64 * e * 2 * hk * d
     assert full - pruned >= 0.9 * (layer_matmuls - kept), (full, pruned)
+
+
+def test_every_row_logits_run_the_full_last_layer(model_and_config, monkeypatch):
+    """Asking for more logit rows than sequences (training / evaluation read every row)
+    keeps the whole last layer: every row's logits equal the unpruned model's, and the
+    last row's equal the pruned one-row forward's."""
+    import dataclasses
+
+    from jaxfill.models.kv_cache import single_sequence_metadata
+
+    model, config = model_and_config
+    graphdef, state = nnx.split(model)
+    n = 40
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, config.vocab_size, n), jnp.int32)
+    positions = jnp.arange(n, dtype=jnp.int32)
+    one_row = single_sequence_metadata(n, 0, [1, 2, 3], PAGE)
+    every_row = dataclasses.replace(one_row, logits_indices=jnp.arange(n, dtype=jnp.int32))
+
+    def logits(meta):
+        cache = KVCache.create(config, num_pages=4, page_size=PAGE, fill_value=float("nan"))
+        return np.asarray(forward(graphdef, state, tokens, positions, cache, meta)[0])
+
+    forward.clear_cache()
+    last, rows = logits(one_row), logits(every_row)
+    full_last_layer(monkeypatch)
+    forward.clear_cache()  # the flag is read while tracing
+    ref_rows = logits(every_row)
+    forward.clear_cache()
+    assert rows.shape == (n, config.vocab_size) and np.isfinite(rows).all()
+    np.testing.assert_allclose(rows, ref_rows, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(rows[-1:], last, rtol=1e-5, atol=1e-5)
+    assert np.abs(rows[0] - rows[-1]).max() > 1e-3  # rows differ: not one row broadcast

@@ -23,13 +23,15 @@ def ours_last_logits(model, config, tokens):
     return np.asarray(logits, np.float64)
 
 
-# bf16 vs HF bf16, relative L2 error of the last logits. Measured (3 archs x lengths 1/7/64/300
-# x 2-3 prompt seeds): 0.006..0.0176; HF bf16 vs HF float64 on the same bf16 weights is
-# 0.0056..0.0158, so this is the bf16 noise floor, not slack. It catches gross cast-order
-# errors (test_bf16_tolerance_rejects_rope_angles_in_bf16) but NOT single rounding sites:
-# multiplying the RMSNorm weight in f32 before the cast gave 0.0067..0.0166, RMS statistics
-# in bf16 0.0067..0.0231. Rounding sites are pinned per kernel in test_attention_oracle.py.
-BF16_TOL = 2e-2
+# bf16 is judged against the float64 truth, not against HF's bf16: two bf16 runs that each
+# sit ~0.015 (relative L2 of the last logits) from the truth can differ by 0.02+ from each
+# other, and which way each rounding falls depends on the CPU's kernels. The reference is HF
+# in float64 on the same bf16-rounded weights; our bf16 must be no further from it than
+# 1.25x HF's own bf16. Measured (3 archs x lengths 1/7/64/300): ours 0.006..0.014, HF
+# 0.0065..0.016, ratio 0.78..1.07. A wrong cast order fails it by far
+# (test_bf16_tolerance_rejects_rope_angles_in_bf16); single rounding sites are pinned per
+# kernel in test_attention_oracle.py.
+BF16_RATIO = 1.25
 PROMPT_LENGTHS = (1, 7, 64, 300)
 
 
@@ -48,9 +50,14 @@ def rel_l2(ours, ref):
     return float(np.linalg.norm(ours - ref) / np.linalg.norm(ref))
 
 
-@pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", BF16_TOL)])
+def hf_bf16_and_truth(hf_dir):
+    """HF in bf16, and HF in float64 on the same bf16-rounded weights (the truth bf16 aims at)."""
+    return load_hf(hf_dir, torch.bfloat16), load_hf(hf_dir, torch.bfloat16).to(torch.float64)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
-def test_logits_match_hf(hf_dirs, arch, dtype, tol):
+def test_logits_match_hf(hf_dirs, arch, dtype):
     config = dataclasses.replace(ModelConfig.from_hf(hf_dirs[arch]), dtype=dtype)
     if arch == "mistral":
         assert config.sliding_window == 24  # shorter than the 64- and 300-token prompts
@@ -59,10 +66,18 @@ def test_logits_match_hf(hf_dirs, arch, dtype, tol):
     if arch == "llama":
         assert dict(config.rope_scaling)["rope_type"] == "llama3" and config.num_kv_heads < config.num_heads
     model = load_hf_params(hf_dirs[arch], config, progress=False)
-    hf = load_hf(hf_dirs[arch], torch.float32 if dtype == "float32" else torch.bfloat16)
+    if dtype == "float32":
+        hf = load_hf(hf_dirs[arch])
+        for length, tokens in prompts(config.vocab_size):
+            err = rel_l2(ours_last_logits(model, config, tokens), hf_last_logits(hf, tokens))
+            assert err <= 1e-5, (arch, length, err)
+        return
+    hf, truth = hf_bf16_and_truth(hf_dirs[arch])
     for length, tokens in prompts(config.vocab_size):
-        err = rel_l2(ours_last_logits(model, config, tokens), hf_last_logits(hf, tokens))
-        assert err <= tol, (arch, dtype, length, err)
+        want = hf_last_logits(truth, tokens)
+        ours = rel_l2(ours_last_logits(model, config, tokens), want)
+        theirs = rel_l2(hf_last_logits(hf, tokens), want)
+        assert ours <= BF16_RATIO * theirs, (arch, length, ours, theirs)
 
 
 def rope_angles_in_bf16(x,  # [T, H, D]
@@ -79,22 +94,24 @@ def rope_angles_in_bf16(x,  # [T, H, D]
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
 def test_bf16_tolerance_rejects_rope_angles_in_bf16(hf_dirs, arch, monkeypatch):
-    """Negative control: BF16_TOL is tight enough that a wrong cast order in RoPE fails it
-    by > 3x on the 300-token prompt (measured 0.07..0.27)."""
+    """Negative control: BF16_RATIO is tight enough that a wrong cast order in RoPE fails it
+    by > 3x on the 300-token prompt (measured 9x..20x HF's own bf16 error)."""
     config = dataclasses.replace(ModelConfig.from_hf(hf_dirs[arch]), dtype="bfloat16")
-    hf = load_hf(hf_dirs[arch], torch.bfloat16)
+    hf, truth = hf_bf16_and_truth(hf_dirs[arch])
     length, tokens = prompts(config.vocab_size)[-1]
+    want = hf_last_logits(truth, tokens)
     # The forward jit is keyed by the model's graphdef, which a patched function does not
     # change: clear the trace cache on the way in and out so no other test sees this trace.
     monkeypatch.setattr(attention, "apply_rope", rope_angles_in_bf16)
     jax.clear_caches()
     try:
         model = load_hf_params(hf_dirs[arch], config, progress=False)
-        err = rel_l2(ours_last_logits(model, config, tokens), hf_last_logits(hf, tokens))
+        ours = rel_l2(ours_last_logits(model, config, tokens), want)
     finally:
         monkeypatch.undo()
         jax.clear_caches()
-    assert err > 3 * BF16_TOL, (arch, length, err)
+    theirs = rel_l2(hf_last_logits(hf, tokens), want)
+    assert ours > 3 * BF16_RATIO * theirs, (arch, length, ours, theirs)
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
