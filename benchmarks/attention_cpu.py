@@ -67,14 +67,11 @@ def worker_torch(seq: int, repeats: int) -> dict:
     return {"times_s": times, "threads": torch.get_num_threads(), "version": torch.__version__}
 
 
-def worker_jax(seq: int, repeats: int, impl: str, devices: int) -> dict:
-    import jax
+def paged_inputs(seq: int):
+    """q [seq, HQ, D], pages [seq / PAGE, PAGE, 2 * HKV, D] in shuffled order, and the
+    metadata (kv_lens, page_indices, cu_q_lens, num_seqs) of one causal prefill."""
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
-    sys.path.insert(0, ROOT)
-    from jaxfill.pallas_kernels import ragged_paged_attention
 
     rng = np.random.default_rng(0)
     num_pages = seq // PAGE
@@ -83,6 +80,18 @@ def worker_jax(seq: int, repeats: int, impl: str, devices: int) -> dict:
     page_indices = jnp.asarray(rng.permutation(num_pages)[None].astype(np.int32))
     meta = (jnp.asarray([seq], jnp.int32), page_indices, jnp.asarray([0, seq], jnp.int32),
             jnp.asarray([1], jnp.int32))
+    return q, pages, meta
+
+
+def worker_jax(seq: int, repeats: int, impl: str, devices: int) -> dict:
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    sys.path.insert(0, ROOT)
+    from jaxfill.pallas_kernels import ragged_paged_attention
+
+    q, pages, meta = paged_inputs(seq)
     attend = lambda q, pages, *m: ragged_paged_attention(q, pages, *m, sm_scale=D ** -0.5, impl=impl)
     if devices > 1:  # heads split over the devices, as models/sharding.sharded_attention does
         mesh = Mesh(np.array(jax.devices()[:devices]), ("tensor",))
