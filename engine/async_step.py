@@ -12,16 +12,14 @@ stopped on one of them may already have one more token computed in N+1: that row
 dropped when N+1 is taken (the request is finished by then), and its pages were freed
 with the request.
 
-An interrupt between dispatch and take leaves tokens the host will never see: `rewind`
-sends every request of the lost steps back to recompute from what the host knows.
+The request-state half lives in the scheduler (engine/scheduler/transitions.py):
+`on_dispatch` when a step leaves, `update_from_output` per row when it comes back, and
+`rewind` when an interrupt between the two leaves tokens the host will never see.
 """
 
 from __future__ import annotations
 
 import dataclasses
-
-from jaxfill.engine.request import Status
-
 
 @dataclasses.dataclass
 class Launch:
@@ -36,26 +34,5 @@ class Launch:
             for i, sch in enumerate(sched.seqs):
                 yield sch, replica * self.shape[1] + i
 
-
-def mark_in_flight(launch: Launch) -> None:
-    """[engine lock] The step was dispatched: its requests advance optimistically."""
-    for sch, row in launch.rows():
-        req = sch.req
-        if req.status != Status.RUNNING:
-            continue
-        req.num_computed = sch.start + sch.num_new
-        if sch.samples:
-            req.in_flight += 1
-            req.pending_row = row
-
-
-def rewind(launches: list[Launch], done: set) -> None:
-    """[engine lock] These steps' results are lost (rows whose id is in `done` were taken):
-    their requests recompute from the tokens the host knows."""
-    for launch in launches:
-        for sch, _ in launch.rows():
-            req = sch.req
-            req.in_flight = 0
-            req.pending_row = -1
-            if id(sch) not in done and req.status == Status.RUNNING:
-                req.num_computed = min(req.num_computed, sch.start)
+    def scheduled(self):
+        return [sch for sched in self.scheds for sch in sched.seqs]

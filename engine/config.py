@@ -54,6 +54,9 @@ class EngineSettings:
     # Disaggregated prefill (engine/kv_transfer.py): how long a prefill worker holds a finished
     # prompt's pages for the decode worker's pull, and how long a decode worker waits for it.
     kv_transfer_timeout_s: float = 30.0
+    # What fresh KV pages hold before anything writes them (a new or rebuilt cache). Tests
+    # set nan: a step that reads a page nobody wrote then poisons its logits.
+    kv_fill_value: float = 0.0
 
     def __post_init__(self):
         for name in ("page_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):

@@ -8,11 +8,13 @@ token is never sent: the decode side computes it as a one-token chunk, which dra
 first output token with the request's own seed, output index and logprobs, exactly as
 an engine doing both would.
 
-Decode side: `admit` allocates pages for the pulled rows, scatters them into its own
-pool (engine/kv_transfer.py) and starts the request running with those tokens counted
-as computed. Offers, releases and admissions run under the engine lock, and export and
-admit on the stepping thread, since both touch the donated KV cache; `pull` only starts
-the transfer (off the lock) and never touches the cache.
+Decode side: `import_pulled` reserves pages for the pulled rows and scatters them into
+its own pool; the engine then has the scheduler admit the request with those tokens
+counted as computed (Engine.add_prefilled_request). Offers, releases and imports run
+under the engine lock, and export and import on the stepping thread, since both touch
+the donated KV cache; `pull` only starts the transfer (off the lock) and never touches
+the cache. Pages move only through the scheduler (reserve_prefilled, free_pages, and
+finish(keep_pages=True) for a held prefill).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import struct
 import time
 
 from jaxfill.engine import kv_transfer as kvt
-from jaxfill.engine.request import InvalidRequest, QueueFull, Request, Status
+from jaxfill.engine.request import Request
 
 
 def prompt_digest(ids) -> str:
@@ -39,43 +41,46 @@ class Held:
 
 
 class KVHandoff:
-    def __init__(self, engine, host: str = "127.0.0.1"):
-        self.engine = engine
+    def __init__(self, timeout_s: float, config, runner, scheduler, host: str = "127.0.0.1"):
+        self.runner = runner
+        self.scheduler = scheduler  # engine/scheduler/replicas.py: pages come and go through it
+        self.page_size = config.engine.page_size
         self.agent = kvt.TransferAgent(host)
-        self.timeout_s = float(engine.settings.kv_transfer_timeout_s)
+        self.timeout_s = float(timeout_s)
         self.hold: set[str] = set()  # request ids whose pages outlive their finish
         self.held: dict[int, Held] = {}  # transfer id -> pages kept for the pull
         self.offers: dict[str, dict] = {}  # request id -> what the decode side needs
         self.num_released = 0
         self.num_expired = 0
         # The cache's layout never changes: computed once, compared with every offer.
-        self.layout = kvt.Layout.of(engine.config, engine.runner.kv_cache)
+        self.layout = kvt.Layout.of(config, runner.kv_cache)
 
     # ------------------------------------------------------------------ prefill side
-    def take_on_finish(self, req: Request, reason: str) -> None:
-        """[lock, stepping thread] Called as a held request finishes: keeps its pages and
-        offers its rows, or (aborted, failed) lets them be freed as usual."""
+    def take_on_finish(self, req: Request, reason: str) -> bool:
+        """[lock, stepping thread] Called as a request finishes, before the scheduler frees
+        its pages: a held one that computed its prompt has its rows offered and True says
+        the pages stay allocated (kept here until released); otherwise False."""
         if req.request_id not in self.hold:
-            return
+            return False
         self.hold.discard(req.request_id)
         n = len(req.prompt_ids) - 1
         if reason not in ("stop", "length") or req.num_computed < n:
-            return
-        e = self.engine
+            return False
         layout = self.layout
         info = {"num_tokens": n, "prompt_digest": prompt_digest(req.prompt_ids[:n]),
                 "cached_tokens": int(req.cached_tokens or 0), "layout": layout.to_json(),
                 "transfer_address": self.agent.address}
-        if n > 0:
-            values, scales = kvt.export_rows(e.runner.kv_cache, req.pages, n, e.settings.page_size,
-                                             layout.num_kv_heads)
-            arrays = [values] + ([] if scales is None else [scales])
-            tid = self.agent.offer(arrays, self.timeout_s)
-            info["transfer_id"] = tid
-            info["arrays"] = [[list(a.shape), str(a.dtype)] for a in arrays]
-            self.held[tid] = Held(req.request_id, req.pages, time.monotonic() + self.timeout_s)
-            req.pages = []  # kept: the scheduler's remove() frees nothing
+        if n == 0:
+            self.offers[req.request_id] = info
+            return False
+        values, scales = self.runner.export_rows(req.pages, n, layout.num_kv_heads)
+        arrays = [values] + ([] if scales is None else [scales])
+        tid = self.agent.offer(arrays, self.timeout_s)
+        info["transfer_id"] = tid
+        info["arrays"] = [[list(a.shape), str(a.dtype)] for a in arrays]
+        self.held[tid] = Held(req.request_id, list(req.pages), time.monotonic() + self.timeout_s)
         self.offers[req.request_id] = info
+        return True
 
     def release(self, tid: int) -> bool:
         """[lock] The pull is done (or given up): the pages go back to the pool."""
@@ -83,7 +88,7 @@ class KVHandoff:
         if held is None:
             return False
         self.offers.pop(held.request_id, None)  # nobody will take it any more
-        self.engine.scheduler.replicas[0].bm.free(held.pages)
+        self.scheduler.free_pages(held.pages)
         self.num_released += 1
         return True
 
@@ -113,45 +118,17 @@ class KVHandoff:
         specs = [(tuple(s), d) for s, d in info["arrays"]]
         return self.agent.pull(info["transfer_address"], int(info["transfer_id"]), specs), n
 
-    def admit(self, prompt_ids: list[int], params, request_id: str, arrays: list, num_tokens: int,
-              cached_tokens: int = 0, priority: int = 0) -> str:
-        """[stepping thread] A request whose first num_tokens rows are in `arrays` (ready):
-        pages allocated, rows scattered in, and it runs on from its last prompt token."""
-        e = self.engine
-        if e.runner.num_replicas != 1:
-            raise InvalidRequest("kv_transfer_params", "prefilled requests need mesh.data = 1")
-        ids, params = e._check_request(prompt_ids, params, priority)
-        with e._lock:
-            if request_id in e.requests:
-                raise InvalidRequest("request_id", f"{request_id!r} is already in flight")
-            sched = e.scheduler.replicas[0]
-            if len(sched.running) >= sched.max_seqs:
-                raise QueueFull(f"{len(sched.running)} requests running (engine.max_num_seqs)")
-            if num_tokens and arrays[0].shape[1] < num_tokens:
-                raise kvt.TransferFailed(f"the pulled rows hold {arrays[0].shape[1]} tokens, not {num_tokens}")
-            need = sched.bm.pages_for(num_tokens)
-            if not sched.bm.can_allocate(need):
-                raise QueueFull(f"{need} pages for a prefilled prompt; {sched.bm.num_free} free")
-            pages = sched.bm.allocate(need)
-            if num_tokens:
-                values, scales = arrays[0], (arrays[1] if len(arrays) > 1 else None)
-                try:
-                    e.runner.kv_cache = kvt.import_rows(e.runner.kv_cache, values, scales, pages, num_tokens,
-                                                        e.settings.page_size)
-                except BaseException:
-                    sched.bm.free(pages)
-                    raise
-            seed = params.seed if params.seed is not None else e._seeds.getrandbits(63)
-            req = Request(request_id, ids, params, priority, next(e._arrivals), seed,
-                          eos_token_ids=e.config.model.eos_token_id or ())
-            req.detok = None if getattr(e, "defer_text", False) else e.tokenizer.detokenizer(ids)
-            req.pages = pages
-            req.num_computed = num_tokens
-            req.cached_tokens = cached_tokens
-            req.first_scheduled = time.perf_counter()
-            req.status = Status.RUNNING
-            e.requests[request_id] = req
-            sched.running.append(req)
-            sched.register_computed(req)
-            e.scheduler.num_added[0] += 1
-        return request_id
+    def import_pulled(self, arrays: list, num_tokens: int) -> list[int]:
+        """[lock, stepping thread] Pages reserved for the pulled rows (ready arrays), the
+        rows scattered in; returns the pages, which the scheduler then admits with."""
+        if num_tokens and arrays[0].shape[1] < num_tokens:
+            raise kvt.TransferFailed(f"the pulled rows hold {arrays[0].shape[1]} tokens, not {num_tokens}")
+        pages = self.scheduler.reserve_prefilled(num_tokens)
+        if num_tokens:
+            values, scales = arrays[0], (arrays[1] if len(arrays) > 1 else None)
+            try:
+                self.runner.import_rows(values, scales, pages, num_tokens)
+            except BaseException:
+                self.scheduler.free_pages(pages)
+                raise
+        return pages

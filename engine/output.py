@@ -1,29 +1,15 @@
-"""One sampled token into a request's host state: ids, logprobs, text, stop conditions.
+"""A sampled token's text: incremental detokenization, stop strings, logprob entries.
 
-Two halves. `record_token` is what scheduling needs (ids, timings, EOS / stop ids /
-max_tokens / max_model_len) and always runs on the engine thread. `feed_text`
-(incremental detokenization and stop strings) and `format_logprob` only make what a
-client reads: `append_token` runs both inline; a serving loop can take the text half
-off the engine thread (Engine.defer_text, serving/text_stage.py).
+The ids half of a token (output_ids, timings, EOS / stop ids / max_tokens /
+max_model_len) is the scheduler's (engine/scheduler/transitions.py) and always runs on
+the engine thread. This half only makes what a client reads: `emit_text` runs it inline;
+a serving loop takes it off the engine thread (Engine(defer_text=True),
+serving/text_stage.py).
 """
 
 from __future__ import annotations
 
 from jaxfill.engine.request import Request
-
-
-def record_token(req: Request, token: int, now: float, max_model_len: int) -> str | None:
-    """Appends the id; returns the finish reason the ids alone decide, or None."""
-    p = req.params
-    req.output_ids.append(token)
-    if req.first_token is None:
-        req.first_token = now
-    req.last_token = now
-    if token in req.eos_token_ids or token in p.stop_token_ids:
-        return "stop"
-    if len(req.output_ids) >= p.max_tokens or req.num_tokens >= max_model_len:
-        return "length"
-    return None
 
 
 def format_logprob(token: int, logprob: float, top_ids, top_logprobs,  # [N], [N]
@@ -32,10 +18,11 @@ def format_logprob(token: int, logprob: float, top_ids, top_logprobs,  # [N], [N
             "top": [(int(i), float(v)) for i, v in zip(top_ids[:n], top_logprobs[:n])]}
 
 
-def append_token(req: Request, token: int, logprob: float, top_ids, top_logprobs,  # [N], [N]
-                 now: float, max_model_len: int) -> tuple[str, str | None, dict | None]:
-    """Records one token; returns (text safe to emit now, finish reason or None, logprob entry)."""
-    reason = record_token(req, token, now, max_model_len)
+def emit_text(req: Request, sampled, logprob: float, top_ids, top_logprobs,  # [N], [N]
+              ) -> tuple[str, str | None, dict | None]:
+    """The client's half of a recorded token (scheduler.update_from_output made `sampled`):
+    (text safe to emit now, finish reason or None, logprob entry)."""
+    token, reason = sampled.token, sampled.reason
     lp = None
     if req.logprobs is not None:
         lp = format_logprob(token, logprob, top_ids, top_logprobs, req.params.logprobs)

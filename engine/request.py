@@ -106,6 +106,7 @@ class RequestOutput:
     completion: Completion | None = None  # set when finished
     logprobs: list[dict[str, Any]] | None = None
     raw_logprobs: list[tuple] | None = None  # Engine.defer_text: (logprob, top ids, top logprobs) per token
+    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache (once admitted)
 
 
 class Status:
@@ -138,7 +139,7 @@ class Request:
         self.in_flight = 0  # tokens sampled on the device, not yet known here (async scheduling)
         self.pending_row = -1  # async scheduling: the latest in-flight token's row in its step's output
         self.pages: list[int] = []  # page ids in its data replica's pool
-        self.replica = 0  # the data replica that holds its pages (engine/replicas.py)
+        self.replica = 0  # the data replica that holds its pages (engine/scheduler/replicas.py)
         self.page_hashes: list[bytes] = []
         self.status = Status.WAITING
         self.finish_reason: str | None = None

@@ -104,13 +104,17 @@ class Runner:
     def new_cache(self, num_pages: int | None = None) -> KVCache:
         c = self.config
         num_pages = num_pages or c.engine.num_pages
+        fill = float(c.engine.kv_fill_value)
         if self.mesh is not None:
             from jaxfill.engine.placement import create_kv_cache
 
-            return create_kv_cache(c.model, self.mesh, num_pages, c.engine.page_size,
+            return create_kv_cache(c.model, self.mesh, num_pages, c.engine.page_size, fill_value=fill,
                                    kv_cache_dtype=c.engine.kv_cache_dtype, stages=self.stages)
-        return KVCache.create(c.model, num_pages, c.engine.page_size, kv_cache_dtype=c.engine.kv_cache_dtype,
-                              stages=self.stages)
+        cache = KVCache.create(c.model, num_pages, c.engine.page_size, fill_value=fill,
+                               kv_cache_dtype=c.engine.kv_cache_dtype, stages=self.stages)
+        # Committed, as the step returns it: an uncommitted first cache compiles the first
+        # warm-up bucket a second time once the step's committed output comes back.
+        return jax.device_put(cache, jax.devices()[0])
 
     def _size_pool(self) -> None:
         """engine.num_pages = 0: as many pages as fit (engine/memory.py); self.config then
@@ -165,6 +169,19 @@ class Runner:
 
     def _execute(self, batch: StepBatch) -> HostOutput:
         return self._launch(batch).get()
+
+    def export_rows(self, pages: list[int], num_tokens: int, num_kv_heads: int):
+        """A request's first num_tokens K/V rows as one-device arrays (values, scales or
+        None) for a disaggregated pull (engine/kv_transfer.py)."""
+        from jaxfill.engine import kv_transfer as kvt
+
+        return kvt.export_rows(self.kv_cache, pages, num_tokens, self.page_size, num_kv_heads)
+
+    def import_rows(self, values, scales, pages: list[int], num_tokens: int) -> None:
+        """Pulled rows scattered into `pages` of the cache (which is donated and replaced)."""
+        from jaxfill.engine import kv_transfer as kvt
+
+        self.kv_cache = kvt.import_rows(self.kv_cache, values, scales, pages, num_tokens, self.page_size)
 
     def cache_ok(self) -> bool:
         return not any(a.is_deleted() for a in self.kv_cache.arrays())

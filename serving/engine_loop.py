@@ -25,8 +25,8 @@ the engine-thread `time.monotonic()` when the step returned:
     ("error", Exception, t)        add_request refused it (InvalidRequest), or the step
                                    failed as a whole
 
-Text is made on the event loop, not the engine thread: the loop sets `engine.defer_text`,
-so a step only records ids and the stops scheduling needs, and `_dispatch` runs each
+Text is made on the event loop, not the engine thread: the loop owns the engine's
+stepping with `own_stepping(defer_text=True)`, so a step only records ids and the stops scheduling needs, and `_dispatch` runs each
 output through a TextStage (serving/text_stage.py: detokenization, stop strings, logprob
 formatting) in step order before it reaches the stream. A stop string found there goes
 back through the inbox as `engine.stop_at`, applied before the next step; tokens the
@@ -300,12 +300,9 @@ class EngineLoop:
 
     def _run(self, warmup: bool) -> None:
         try:
-            with self.engine.own_stepping():  # no other thread steps the engine while we serve
-                self.engine.defer_text = True  # text is made on the event loop (_dispatch)
-                try:
-                    self._serve(warmup)
-                finally:
-                    self.engine.defer_text = False
+            # No other thread steps the engine while we serve, and text is made on the event loop.
+            with self.engine.own_stepping(defer_text=True):
+                self._serve(warmup)
         except RuntimeError as e:  # the engine is already owned by another loop
             log.error("%s", e)
             self.error = e
@@ -425,9 +422,7 @@ class EngineLoop:
             stream = self._in_engine.get(out.request_id)
             if stream is None:
                 continue  # the "abort" output of a request already reported as aborted
-            req = self.engine.requests.get(out.request_id)
-            cached = req.cached_tokens if req is not None else (out.completion.cached_tokens
-                                                                if out.completion is not None else None)
+            cached = out.num_cached_tokens if out.completion is None else out.completion.cached_tokens
             if cached:
                 stream.cached_tokens = cached
             if out.finished:

@@ -6,14 +6,12 @@ page comes back; a request stopped by a token never shows the extra token comput
 Unused KV pages are NaN-filled, so a step that reads a page nobody wrote poisons its logits.
 """
 
-import jax
 import numpy as np
 import pytest
 
 from jaxfill.engine.config import load_config
 from jaxfill.engine.engine import Engine
 from jaxfill.engine.request import SamplingParams
-from jaxfill.models.kv_cache import KVCache
 
 OVERRIDES = {"engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64], "engine.num_pages": 64,
              "engine.max_model_len": 256, "engine.max_num_seqs": 8}
@@ -27,19 +25,10 @@ def model():
     return build_model(load_config("tiny_random", OVERRIDES), progress=False)
 
 
-def make_engine(model, async_on: bool, **extra) -> Engine:
-    cfg = load_config("tiny_random", {**OVERRIDES, **extra, "engine.async_scheduling": async_on})
-    eng = Engine(cfg, progress=False, model=model, warmup=False)
-    s = eng.settings
-
-    def nan_cache():
-        cache = KVCache.create(eng.config.model, s.num_pages, s.page_size, fill_value=float("nan"))
-        return jax.device_put(cache, jax.devices()[0])  # committed, as the step returns it
-
-    eng.runner.new_cache = nan_cache
-    eng.runner.kv_cache = nan_cache()
-    eng.warmup(progress=False)  # compiles for the cache it will run with
-    return eng
+def make_engine(model, async_on: bool, defer_text: bool = False, **extra) -> Engine:
+    cfg = load_config("tiny_random", {**OVERRIDES, **extra, "engine.async_scheduling": async_on,
+                                      "engine.kv_fill_value": float("nan")})  # unwritten pages poison logits
+    return Engine(cfg, progress=False, model=model, defer_text=defer_text)
 
 
 def prompts():

@@ -251,11 +251,7 @@ def test_failing_step_finishes_requests_with_error_and_engine_continues(base, re
 
 def test_a_step_that_loses_the_donated_cache_rebuilds_it_and_recomputes(hf_dir, model, reference,
                                                                         monkeypatch):
-    eng = make_engine(hf_dir, model)
-    s = eng.settings
-    eng.runner.new_cache = lambda: KVCache.create(model.config, s.num_pages, s.page_size,
-                                                  fill_value=float("nan"))
-    eng.runner.kv_cache = eng.runner.new_cache()  # NaN-filled: a stale page poisons what reads it
+    eng = make_engine(hf_dir, model, kv_fill_value=float("nan"))  # a stale page poisons what reads it
     cached = list(range(100, 150))  # its 3 full pages go into the prefix cache before the failure
     cached_ref = eng.generate([cached], GREEDY)[0].token_ids
     real_run, real_schedule = eng.runner.run, eng.scheduler.schedule

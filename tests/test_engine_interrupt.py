@@ -16,7 +16,6 @@ import jaxfill.engine.engine as engine_module
 from jaxfill.engine.config import load_config
 from jaxfill.engine.engine import Engine
 from jaxfill.engine.request import InvalidRequest, SamplingParams
-from jaxfill.models.kv_cache import KVCache
 
 OVERRIDES = {"engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64], "engine.num_pages": 64,
              "engine.max_model_len": 256, "engine.max_num_seqs": 8}
@@ -30,17 +29,10 @@ def model():
     return build_model(load_config("tiny_random", OVERRIDES), progress=False)
 
 
-def nan_cache(eng: Engine) -> KVCache:
-    s = eng.settings
-    return KVCache.create(eng.config.model, s.num_pages, s.page_size, fill_value=float("nan"))
-
-
 def make_engine(model, async_scheduling: bool = True) -> Engine:
-    config = load_config("tiny_random", {**OVERRIDES, "engine.async_scheduling": async_scheduling})
-    eng = Engine(config, progress=False, model=model)
-    eng.runner.new_cache = lambda: nan_cache(eng)  # rebuilt caches are NaN-filled too
-    eng.runner.kv_cache = nan_cache(eng)
-    return eng
+    config = load_config("tiny_random", {**OVERRIDES, "engine.async_scheduling": async_scheduling,
+                                         "engine.kv_fill_value": float("nan")})  # rebuilt caches too
+    return Engine(config, progress=False, model=model)
 
 
 def prompts8():
@@ -101,17 +93,18 @@ def inject(eng, monkeypatch, point: str, bystander: str) -> None:
         monkeypatch.setattr(r, "run", interrupt_on_call(3, r.run, before=lambda batch: delete_cache(eng)))
     elif point == "run_after_store":  # the step ran and stored its cache; its results are lost
         monkeypatch.setattr(r, "run", interrupt_on_call(3, r.run, before=r.run))
-    elif point == "advance":  # on the 4th token taken: some outputs of this step already made
-        monkeypatch.setattr(engine_module, "append_token", interrupt_on_call(4, engine_module.append_token))
+    elif point == "advance":  # on the 4th row taken: some outputs of this step already made
+        real = eng.scheduler.update_from_output
+        monkeypatch.setattr(eng.scheduler, "update_from_output", interrupt_on_call(4, real))
     elif point == "advance_bystander":  # on the bystander's own token, taken in its first step
-        real_append = engine_module.append_token
+        real = eng.scheduler.update_from_output
 
-        def append_token(req, *a, **kw):
-            if req.request_id == bystander and not req.output_ids:
+        def update_from_output(sch, *a, **kw):
+            if sch.req.request_id == bystander and sch.samples and not sch.req.output_ids:
                 raise KeyboardInterrupt
-            return real_append(req, *a, **kw)
+            return real(sch, *a, **kw)
 
-        monkeypatch.setattr(engine_module, "append_token", append_token)
+        monkeypatch.setattr(eng.scheduler, "update_from_output", update_from_output)
     elif point == "detokenize":
         real_detok = eng.tokenizer.detokenizer
 

@@ -30,12 +30,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def make_engine(kv_dtype, **overrides):
-    eng = Engine.from_config("tiny_random", overrides={**BASE, "engine.kv_cache_dtype": kv_dtype,
-                                                       **overrides}, progress=False)
-    s = eng.settings
-    eng.runner.kv_cache = KVCache.create(eng.runner.config.model, s.num_pages, s.page_size,
-                                         fill_value=float("nan"), kv_cache_dtype=kv_dtype)
-    return eng
+    return Engine.from_config("tiny_random", overrides={**BASE, "engine.kv_cache_dtype": kv_dtype,
+                                                        "engine.kv_fill_value": float("nan"), **overrides},
+                              progress=False)
 
 
 def logprobs(completions):

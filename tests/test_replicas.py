@@ -1,9 +1,9 @@
-"""Data replicas on the host (engine/replicas.py), no model: placement by prefix hit then
+"""Data replicas on the host (engine/scheduler/replicas.py), no model: placement by prefix hit then
 load, a request's pages stay in its replica's pool, budgets are per replica."""
 
 import random
 
-from jaxfill.engine.replicas import ReplicaScheduler
+from jaxfill.engine.scheduler import ReplicaScheduler
 from test_scheduler import fake_step, mk, settings
 
 
@@ -37,7 +37,7 @@ def test_a_cached_prefix_pulls_the_request_to_its_replica():
     gone, busy = mk(10), mk(10)
     rs.add(gone)
     rs.add(busy)
-    rs.remove(gone)
+    rs.finish(gone, "abort")
     assert (gone.replica, busy.replica) == (0, 1)  # replica 1 is now the busier one ...
     again = mk(0, tokens=shared + [3, 4])
     rs.add(again)  # ... but replica 1 has the 24-token prefix cached (6 pages)

@@ -25,18 +25,15 @@ def settings(**kw):
 
 
 def fake_step(sched: Scheduler, out, token=7):
-    """What the engine does after a step, minus the model: advance, register, sample."""
+    """A step without a model, through the scheduler's real transitions: dispatch, then
+    every row's output (each sampling row draws `token`); returns the requests it finished."""
+    sched.on_dispatch(out)
     done = []
     for s in out.seqs:
-        r = s.req
-        r.num_computed = s.start + s.num_new
-        sched.register_computed(r)
-        if s.samples:
-            r.output_ids.append(token)
-            if len(r.output_ids) >= r.params.max_tokens:
-                sched.remove(r)
-                r.status = Status.FINISHED
-                done.append(r)
+        sampled = sched.update_from_output(s, token, now=0.0)
+        if sampled is not None and sampled.reason is not None:
+            sched.finish(s.req, sampled.reason)
+            done.append(s.req)
     return done
 
 
@@ -192,8 +189,7 @@ def test_thousand_random_requests_free_every_page(caching):
                     aborted_prefill += 1
                 elif r.status == Status.RUNNING and r.output_ids:
                     aborted_decode += 1
-                sched.remove(r)
-                r.status = Status.FINISHED
+                sched.finish(r, "abort")
                 live.remove(r)
         sched.bm.check()
     assert aborted_prefill > 5 and aborted_decode > 5

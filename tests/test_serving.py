@@ -409,12 +409,12 @@ def test_queue_full_is_resource_exhausted(served):
 
 def test_failed_step_is_internal_and_others_go_on(served):
     st, engine, *_ = served
-    real_append = engine._append
+    real_update = engine.scheduler.update_from_output
 
-    def failing_append(req, *args, **kw):
-        if req.request_id.startswith("boom"):
+    def failing_update(sch, *args, **kw):
+        if sch.req.request_id.startswith("boom") and sch.samples:
             raise RuntimeError("injected failure in this request's step")
-        return real_append(req, *args, **kw)
+        return real_update(sch, *args, **kw)
 
     async def go():
         async with AsyncClient(st.address) as c:
@@ -427,12 +427,12 @@ def test_failed_step_is_internal_and_others_go_on(served):
                     return e
             return await asyncio.gather(*[one(i) for i in range(8)])
 
-    engine._append = failing_append
+    engine.scheduler.update_from_output = failing_update
     got = {}
     try:
         d = _deltas(st, lambda: got.update(results=_arun(go())))
     finally:
-        del engine._append
+        del engine.scheduler.update_from_output
     results = got["results"]
     assert d["jaxfill_request_success_total{error}"] == 1 and d["jaxfill_request_success_total{length}"] == 7
     err = results[3]

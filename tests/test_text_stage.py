@@ -15,7 +15,7 @@ def drive_deferred(eng, requests, abort_after: dict[str, int] = {}, lag: int = 0
     """drive(), with the engine's text left to a TextStage fed in output order, `lag`
     step() calls late (a serving event loop renders while the engine thread steps on, so
     the engine may send tokens past a stop string before it hears of it)."""
-    eng.defer_text = True
+    assert eng.defer_text
     stage = TextStage(eng.tokenizer)
     streamed = {rid: ([], []) for rid, _, _ in requests}
     done = {}
@@ -65,7 +65,7 @@ def test_deferred_text_gives_what_inline_text_gives(model, reference, pool, lag)
         ("stop_str_then_length", prompts()[3], seeded(3, stop=(s3[5:7],), max_tokens=hit + 1)),
     ]
     inline = drive(inline_eng, requests, abort_after={"aborted": 3})
-    eng = make_engine(model, True, **extra)
+    eng = make_engine(model, True, defer_text=True, **extra)
     deferred, dropped = drive_deferred(eng, requests, abort_after={"aborted": 3}, lag=lag)
     assert (dropped > 0) == (lag > 0)  # with lag, tokens past a stop string came and were dropped
     assert_clean(eng)

@@ -26,6 +26,7 @@ import time
 
 from jaxfill.engine.block_manager import BlockManager, prefix_hashes
 from jaxfill.engine.request import Request, Status
+from jaxfill.engine.scheduler.transitions import RequestTransitions
 
 
 @dataclasses.dataclass
@@ -54,14 +55,16 @@ def to_compute(req: Request) -> int:
 class SchedulerOutput:
     seqs: list[Scheduled]
     preempted: list[Request]
-    finished: list[Request]  # finished by the scheduler (no room even alone)
+    finished: list[Request]  # finished here with "length": no room even alone
 
     @property
     def num_tokens(self) -> int:
         return sum(s.num_new for s in self.seqs)
 
 
-class Scheduler:
+class Scheduler(RequestTransitions):
+    """One data replica's queues and page pool; transitions.py changes its requests' progress."""
+
     def __init__(self, settings, block_manager: BlockManager | None = None):
         s = settings
         self.page_size = s.page_size
@@ -86,14 +89,6 @@ class Scheduler:
         req.status = Status.WAITING
         keys = [self._key(r) for r in self.waiting]
         self.waiting.insert(bisect.bisect_right(keys, self._key(req)), req)
-
-    def remove(self, req: Request) -> None:
-        """Takes a request out of the queues and frees its pages (abort, error, finish)."""
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
-        self._release(req)
 
     def _release(self, req: Request) -> None:
         self.bm.free(req.pages)
@@ -184,9 +179,7 @@ class Scheduler:
                 victim = max(self.running, key=self._key)
                 if victim is req and len(self.running) == 1:
                     # Cannot fit even alone: the pool is too small for this sequence.
-                    self.running.remove(req)
-                    self._release(req)
-                    req.finish_reason = "length"
+                    self.finish(req, "length")
                     finished.append(req)
                     req = None
                     break

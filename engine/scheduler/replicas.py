@@ -1,4 +1,5 @@
-"""Data parallelism on the host: one Scheduler (and page pool) per 'data' replica.
+"""Data parallelism on the host: one Scheduler (and page pool) per 'data' replica, and the
+one registry of unfinished requests.
 
 A request lives on one replica from admission to finish: its pages are ids in that
 replica's pool, and preemption sends it back to that replica's own waiting queue. A new
@@ -12,8 +13,11 @@ With one replica this is a thin wrapper around one Scheduler.
 
 from __future__ import annotations
 
-from jaxfill.engine.request import Request
-from jaxfill.engine.scheduler import Scheduler, SchedulerOutput
+from typing import Iterable
+
+from jaxfill.engine.request import InvalidRequest, Request
+from jaxfill.engine.scheduler.batching import Scheduler, SchedulerOutput
+from jaxfill.engine.scheduler.transitions import Sampled
 
 
 class ReplicaScheduler:
@@ -22,6 +26,7 @@ class ReplicaScheduler:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
         self.replicas = [Scheduler(settings) for _ in range(num_replicas)]
         self.num_added = [0] * num_replicas  # new requests placed on each replica
+        self.requests: dict[str, Request] = {}  # unfinished, by id: read it, never write it
 
     @property
     def num_replicas(self) -> int:
@@ -38,7 +43,13 @@ class ReplicaScheduler:
     def num_waiting(self) -> int:
         return sum(len(s.waiting) for s in self.replicas)
 
+    def _register(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise InvalidRequest("request_id", f"{req.request_id!r} is already in flight")
+        self.requests[req.request_id] = req
+
     def add(self, req: Request) -> None:
+        self._register(req)
         req.replica = self._place(req) if len(self.replicas) > 1 else 0
         self.replicas[req.replica].add(req)
         self.num_added[req.replica] += 1
@@ -49,20 +60,50 @@ class ReplicaScheduler:
             return -len(s.cached_prefix(req)), len(s.waiting) + len(s.running), i
         return min(range(len(self.replicas)), key=score)
 
-    def remove(self, req: Request) -> None:
-        self.replicas[req.replica].remove(req)
-
-    def register_computed(self, req: Request, upto: int | None = None, start: int = 0) -> None:
-        self.replicas[req.replica].register_computed(req, upto, start)
-
     def schedule(self) -> list[SchedulerOutput]:
         """One SchedulerOutput per replica (empty ones included: they still take a row block)."""
-        return [s.schedule() for s in self.replicas]
+        outs = [s.schedule() for s in self.replicas]
+        for req in (r for out in outs for r in out.finished):
+            self.requests.pop(req.request_id, None)
+        return outs
 
     def recompute_all(self) -> None:
         """The KV cache was lost: every running request goes back to waiting, to be recomputed."""
         for s in self.replicas:
             s.recompute_all()
+
+    # ------------------------------------------------------------------ transitions
+    def on_dispatch(self, outs: list[SchedulerOutput], rows_per_replica: int) -> None:
+        for i, out in enumerate(outs):
+            self.replicas[i].on_dispatch(out, first_row=i * rows_per_replica)
+
+    def update_from_output(self, sch, token: int, now: float) -> Sampled | None:
+        return self.replicas[sch.req.replica].update_from_output(sch, token, now)
+
+    def rewind(self, scheduled: Iterable, done: set[int]) -> None:
+        self.replicas[0].rewind(scheduled, done)  # touches only the requests
+
+    def finish(self, req: Request, reason: str, error: str | None = None, keep_pages: bool = False,
+               num_output_tokens: int | None = None) -> None:
+        self.replicas[req.replica].finish(req, reason, error, keep_pages, num_output_tokens)
+        self.requests.pop(req.request_id, None)
+
+    def reserve_prefilled(self, num_tokens: int) -> list[int]:
+        return self.replicas[0].reserve_prefilled(num_tokens)
+
+    def free_pages(self, pages: list[int], replica: int = 0) -> None:
+        self.replicas[replica].free_pages(pages)
+
+    def admit_prefilled(self, req: Request, pages: list[int], num_tokens: int, cached_tokens: int) -> None:
+        """Replica 0 (disaggregation needs mesh.data = 1); pages from reserve_prefilled."""
+        self._register(req)
+        self.replicas[0].admit_prefilled(req, pages, num_tokens, cached_tokens)
+        self.num_added[0] += 1
+
+    def set_listener(self, listener) -> None:
+        """listener(replica, *event) hears each replica's prefix-cache events; None removes it."""
+        for i, s in enumerate(self.replicas):
+            s.bm.listener = None if listener is None else (lambda *ev, _i=i: listener(_i, *ev))
 
     def stats(self) -> dict:
         bms = [s.bm for s in self.replicas]

@@ -1,0 +1,104 @@
+"""Engine conveniences over add_request / step: generate, stream, stats.
+
+A mixin of Engine (engine/engine.py): these call only its public methods, its lock and
+its outbox, and change no request state themselves.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from jaxfill.engine.request import Completion, InvalidRequest, QueueFull, RequestOutput, SamplingParams
+from jaxfill.models.quant import param_bytes
+
+
+class Conveniences:
+    def stream(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+               priority: int = 0) -> Iterator[RequestOutput]:
+        """Adds one request and steps the engine until it finishes, yielding its chunks.
+        Outputs of other requests go back to the outbox for whoever steps next. If the
+        stream is closed early or raises, its request is aborted and its outputs dropped."""
+        self._guard.refuse_others()
+        rid = self.add_request(prompt, params, request_id, priority)
+        done = False
+        try:
+            while not done:
+                outs = self.step()
+                others = [o for o in outs if o.request_id != rid]
+                if others:
+                    with self._lock:
+                        self._outbox.extend(others)
+                for out in (o for o in outs if o.request_id == rid):
+                    done = done or out.finished
+                    yield out
+        finally:
+            if not done:
+                self._discard([rid])
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 priority: int = 0) -> list[Completion]:
+        """Runs the prompts to completion. Every prompt is checked before any is added; on
+        any exception (KeyboardInterrupt included) its requests are aborted and their
+        outputs dropped, then the exception propagates."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        if isinstance(params, (list, tuple)):
+            if len(params) != len(prompts):
+                raise InvalidRequest("params", f"{len(params)} SamplingParams for {len(prompts)} prompts")
+            plist = list(params)
+        else:
+            plist = [params or SamplingParams()] * len(prompts)
+        checked = []
+        for i, (prompt, p) in enumerate(zip(prompts, plist)):
+            try:
+                checked.append(self.factory.check(prompt, p, priority))
+            except InvalidRequest as e:
+                raise InvalidRequest(e.field, f"prompt {i}: {str(e).removeprefix(e.field + ': ')}") from None
+        self._guard.refuse_others()
+        rids: list[str] = []
+        results: dict[str, Completion] = {}
+        try:
+            while len(rids) < len(checked) or len(results) < len(checked):
+                while len(rids) < len(checked):
+                    ids, p = checked[len(rids)]
+                    try:
+                        rids.append(self.add_request(ids, p, priority=priority))
+                    except QueueFull:
+                        break
+                mine = set(rids)
+                others = []
+                for out in self.step():
+                    if out.request_id not in mine:
+                        others.append(out)
+                    elif out.finished:
+                        results[out.request_id] = out.completion
+                if others:
+                    with self._lock:
+                        self._outbox.extend(others)
+            return [results[r] for r in rids]
+        except BaseException:
+            self._discard(rids)
+            raise
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {
+                **self.scheduler.stats(),
+                "page_size": self.settings.page_size,
+                "buckets": len(self.shapes),
+                "bucket_shapes": list(self.shapes),
+                "num_steps": self.num_steps,
+                "num_errors": self.num_errors,
+                "num_cache_resets": self.num_cache_resets,
+                "attention_impl": self.runner.attention_impl,  # what serves, after the warm-up check
+                "weight_bytes": param_bytes(self.runner.state),  # all params, global shapes
+                "kv_cache_dtype": self.settings.kv_cache_dtype,
+                "kv_cache_bytes": self.runner.kv_cache.nbytes(),  # values + scales, all shards
+                "kv_bytes_per_token": self.runner.kv_cache.bytes_per_token(),
+                "compiled_programs": self.runner.cache_size(),
+            }
+
+    def set_kv_event_listener(self, listener) -> None:
+        """listener(replica, *event) hears every data replica's prefix-cache events
+        (engine/block_manager.py) on the stepping thread; None removes it."""
+        with self._lock:
+            self.scheduler.set_listener(listener)

@@ -1,0 +1,69 @@
+"""The one request factory: checks a request, names it and draws its seed.
+
+A request is checked outside the engine lock (tokenizing a long prompt must not hold up
+the stepping thread) and built under it, right before the scheduler takes it (add, or
+admit_prefilled), so a refused request consumes no id and no seed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+from jaxfill.engine.loading import validate_prompt
+from jaxfill.engine.request import InvalidRequest, Request, SamplingParams
+
+
+class RequestFactory:
+    def __init__(self, config, tokenizer, unfinished: dict):
+        self.settings = config.engine
+        self.vocab_size = config.model.vocab_size
+        self.eos_token_ids = config.model.eos_token_id or ()
+        self.tokenizer = tokenizer
+        self.unfinished = unfinished  # the scheduler's registry of unfinished requests (read only)
+        self._arrivals = itertools.count()
+        self._ids = itertools.count()
+        self._seeds = random.Random(self.settings.seed)
+
+    def check(self, prompt, params: SamplingParams | None = None, priority: int = 0) -> tuple[list[int], SamplingParams]:
+        """Everything about one request that needs no queue: (prompt ids, params)."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequest("params", f"must be SamplingParams, got {type(params).__name__}")
+        params.validate(self.vocab_size)
+        ids = self._encode(prompt)
+        s = self.settings
+        validate_prompt(ids, self.vocab_size, s.max_model_len)
+        need = -(-(len(ids) + 1) // s.page_size)
+        if need > s.num_pages - 1:
+            raise InvalidRequest("prompt", f"needs {need} KV pages; the pool has {s.num_pages - 1} "
+                                 f"(engine.num_pages x engine.page_size)")
+        if not isinstance(priority, int):
+            raise InvalidRequest("priority", f"must be an integer, got {priority!r}")
+        return ids, params
+
+    def _encode(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        try:
+            return [int(t) for t in prompt]
+        except (TypeError, ValueError):
+            raise InvalidRequest("prompt", "must be a string or a list of token ids") from None
+
+    def new(self, ids: list[int], params: SamplingParams, request_id: str | None = None, priority: int = 0,
+            with_text: bool = True) -> Request:
+        """[engine lock] ids and params from check(); refuses an id in flight. with_text=False
+        (Engine.defer_text): no detokenizer, the caller makes the text."""
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+            while request_id in self.unfinished:
+                request_id = f"req-{next(self._ids)}"
+        elif not isinstance(request_id, str) or not request_id:
+            raise InvalidRequest("request_id", "must be a non-empty string")
+        if request_id in self.unfinished:
+            raise InvalidRequest("request_id", f"{request_id!r} is already in flight")
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        req = Request(request_id, ids, params, priority, next(self._arrivals), seed,
+                      eos_token_ids=self.eos_token_ids)
+        req.detok = self.tokenizer.detokenizer(ids) if with_text else None
+        return req

@@ -1,0 +1,132 @@
+"""Every change to a request's progress after scheduling, in one place.
+
+    schedule()            admits, allocates, preempts            (batching.py)
+    on_dispatch()         the step left for the device: num_computed covers the chunk,
+                          a sampling chunk leaves one token in flight
+    update_from_output()  one row of a finished step: pages published, the token recorded,
+                          the stop the ids decide (EOS, stop ids, max_tokens, max_model_len)
+    rewind()              an interrupt lost steps: recompute from what the host knows
+    finish()              stop / length / abort / error: out of the queues, pages freed
+                          (or kept for a disaggregated pull), status FINISHED
+    admit_prefilled()     a request whose prompt K/V arrived from another engine
+
+Nothing outside engine/scheduler/ assigns a request's num_computed, in_flight,
+pending_row, output_ids, pages, page_hashes, status, finish_reason or cached_tokens
+(tests/test_state_ownership.py walks the code to prove it). Text (detokenization, stop
+strings, logprob formatting) is not progress: engine/output.py makes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Iterable
+
+from jaxfill.engine.request import QueueFull, Request, Status
+
+
+@dataclasses.dataclass
+class Sampled:
+    """A token a step drew for a request, now recorded in its output_ids."""
+
+    token: int
+    reason: str | None  # the finish reason the ids alone decide, or None
+
+
+class RequestTransitions:
+    """Mixin of Scheduler (batching.py): reads its queues, block manager and limits."""
+
+    def on_dispatch(self, out, first_row: int = 0) -> None:
+        """The step holding `out` (a SchedulerOutput) was dispatched: its requests advance as
+        if it had finished, so the next step can be scheduled before its tokens are known
+        (async scheduling; engine/async_step.py). `first_row` is the replica's first row."""
+        for i, sch in enumerate(out.seqs):
+            req = sch.req
+            if req.status != Status.RUNNING:
+                continue
+            req.num_computed = sch.start + sch.num_new
+            if sch.samples:
+                req.in_flight += 1
+                req.pending_row = first_row + i
+
+    def update_from_output(self, sch, token: int, now: float) -> Sampled | None:
+        """One row of a step whose results reached the host. The request may have been
+        scheduled again since (its next step is in flight), preempted (the token still
+        counts) or finished (the row is dropped: None)."""
+        req = sch.req
+        if req.finished:
+            return None  # aborted or stopped; a token computed past the stop is dropped here
+        if req.status == Status.RUNNING:  # re-admitted since: not beyond what it has computed
+            self.register_computed(req, min(sch.start + sch.num_new, req.num_computed), sch.start)
+        if not sch.samples:
+            return None
+        req.in_flight -= 1
+        return Sampled(token, self._record_token(req, token, now))
+
+    def _record_token(self, req: Request, token: int, now: float) -> str | None:
+        p = req.params
+        req.output_ids.append(token)
+        if req.first_token is None:
+            req.first_token = now
+        req.last_token = now
+        if token in req.eos_token_ids or token in p.stop_token_ids:
+            return "stop"
+        if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def rewind(self, scheduled: Iterable, done: set[int]) -> None:
+        """These Scheduled rows' results are lost (those whose id() is in `done` were
+        taken): their requests recompute from the tokens the host knows."""
+        for sch in scheduled:
+            req = sch.req
+            req.in_flight = 0
+            req.pending_row = -1
+            if id(sch) not in done and req.status == Status.RUNNING:
+                req.num_computed = min(req.num_computed, sch.start)
+
+    def finish(self, req: Request, reason: str, error: str | None = None, keep_pages: bool = False,
+               num_output_tokens: int | None = None) -> None:
+        """Ends the request: out of the queues, pages freed, unless `keep_pages` (a held
+        prefill: whoever read req.pages before now owns them). `num_output_tokens` cuts
+        output_ids first (a stop string found in the text after that many tokens)."""
+        if num_output_tokens is not None:
+            del req.output_ids[num_output_tokens:]
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        if keep_pages:
+            req.pages = []
+        else:
+            self._release(req)
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        req.error = error
+        req.finished_at = time.perf_counter()
+
+    # ------------------------------------------------------------------ disaggregation
+    def reserve_prefilled(self, num_tokens: int) -> list[int]:
+        """Pages for a prefilled prompt's rows, before they are scattered in; QueueFull
+        when the batch or the pool has no room."""
+        if len(self.running) >= self.max_seqs:
+            raise QueueFull(f"{len(self.running)} requests running (engine.max_num_seqs)")
+        need = self.bm.pages_for(num_tokens)
+        if not self.bm.can_allocate(need):
+            raise QueueFull(f"{need} pages for a prefilled prompt; {self.bm.num_free} free")
+        return self.bm.allocate(need)
+
+    def free_pages(self, pages: list[int]) -> None:
+        """Pages held outside any request (reserved, or kept for a pull) go back."""
+        self.bm.free(pages)
+
+    def admit_prefilled(self, req: Request, pages: list[int], num_tokens: int, cached_tokens: int) -> None:
+        """The request runs on from its last prompt token; its first num_tokens rows are
+        already in `pages` (reserve_prefilled)."""
+        req.pages = pages
+        req.num_computed = num_tokens
+        req.cached_tokens = cached_tokens
+        req.first_scheduled = time.perf_counter()
+        req.status = Status.RUNNING
+        self.running.append(req)
+        self.register_computed(req)
