@@ -68,9 +68,9 @@ class Engine(Conveniences, DisaggregationFacade):
                  defer_text: bool = False):
         use_cpu_cores(config.mesh)  # first: one XLA CPU device per core, before jax starts
         try:
-            self.tokenizer = build_tokenizer(config)
+            tokenizer = build_tokenizer(config)
         except ValueError as e:
-            self.tokenizer = IdsOnlyTokenizer(str(e))
+            tokenizer = IdsOnlyTokenizer(str(e))
         mesh = build_mesh(config)
         config = with_mesh_shape(config, mesh)  # a CPU split's mesh.tensor
         if model is None:
@@ -88,7 +88,7 @@ class Engine(Conveniences, DisaggregationFacade):
         self._lock = threading.RLock()
         self._outbox: list[RequestOutput] = []  # reported by the next step()
         self._guard = StepGuard(self._lock)  # one thread steps (engine/stepping.py)
-        self.factory = RequestFactory(config, self.tokenizer, self.scheduler.requests)
+        self.factory = RequestFactory(config, tokenizer, self.scheduler.requests)
         self._in_flight: Launch | None = None  # async scheduling: the step whose tokens are not yet taken
         self.num_steps = 0
         self.num_errors = 0
@@ -102,6 +102,15 @@ class Engine(Conveniences, DisaggregationFacade):
     def from_config(cls, config="tiny", model_path=None, overrides=None, progress: bool = True,
                     defer_text: bool = False) -> "Engine":
         return cls(load_config(config, overrides, model_path), progress=progress, defer_text=defer_text)
+
+    @property
+    def tokenizer(self):
+        """Encodes string prompts and detokenizes outputs (the request factory's)."""
+        return self.factory.tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer) -> None:
+        self.factory.tokenizer = tokenizer
 
     @property
     def requests(self) -> dict[str, Request]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from jaxfill.engine.config import Config
+from jaxfill.engine.execution_plan import ExecutionPlan
 from jaxfill.engine.request import InvalidRequest
 from jaxfill.engine.tokenizer import load_tokenizer
 from jaxfill.models.llama import Llama
@@ -33,9 +34,8 @@ def build_model(config: Config, mesh=None, progress: bool = True) -> Llama:
     mesh.stage > 1 (or engine.scan_layers) the model comes in the stacked layout of
     models/pipeline.py."""
     impl = config.engine.attention_impl
-    stages, microbatches = config.mesh.stage, config.mesh.microbatches
-    if config.engine.scan_layers:  # every layer its own "stage", run one after another by a scan
-        stages = config.model.num_layers
+    plan = ExecutionPlan.of_config(config)
+    stages, microbatches = plan.layer_groups, plan.microbatches
     if mesh is not None:
         from flax import nnx
 

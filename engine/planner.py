@@ -45,6 +45,7 @@ import dataclasses
 import math
 
 from jaxfill.engine.config import Config, EngineSettings, MeshSettings
+from jaxfill.engine.execution_plan import ExecutionPlan
 from jaxfill.engine.hardware import Hardware
 from jaxfill.engine.planner_layout import (bubble_fraction, check_mesh, dtype_bytes,
                                            kv_bytes_per_token_per_device, kv_repeat, layer_bytes_per_device,
@@ -107,9 +108,9 @@ def attention_flops(model: ModelConfig, num_tokens: int, context: int = 0, causa
     return per_pair * (layers * pairs + (last if sampled_last_layer else 0))
 
 
-def prunes_last_layer(mesh: MeshSettings) -> bool:
-    """Whether the engine runs the last layer on the sampled rows only (models/llama.py)."""
-    return mesh.stage == 1 and mesh.sequence == 1
+def prunes_last_layer(model: ModelConfig, mesh: MeshSettings, scan_layers: bool = False) -> bool:
+    """Whether the engine runs the last layer on the sampled rows only (engine/execution_plan.py)."""
+    return ExecutionPlan.of(model.num_layers, mesh, scan_layers).prunes_last_layer
 
 
 def prefill_flops(model: ModelConfig, num_tokens: int, context: int = 0, sampled_last_layer: bool = True) -> int:
@@ -216,7 +217,7 @@ def layer_work(model: ModelConfig, mesh: MeshSettings, num_tokens: float, attent
 
 
 def device_costs(model: ModelConfig, mesh: MeshSettings, hw: Hardware, num_tokens: int,
-                 context: int = 0, kv_cache_dtype: str = "auto") -> DeviceCosts:
+                 context: int = 0, kv_cache_dtype: str = "auto", scan_layers: bool = False) -> DeviceCosts:
     """Per-device work of one prefill step of `num_tokens` new tokens after `context`
     cached ones under the mesh (no validation of the length).
 
@@ -241,7 +242,7 @@ def device_costs(model: ModelConfig, mesh: MeshSettings, hw: Hardware, num_token
     flops = ticks * flops + 2 * e * model.vocab_size / vocab_split(model, mesh)
     nbytes = ticks * (tick_bytes - kv_written) + m * kv_written + end_bytes_read_per_device(model, mesh, num_tokens)
     coll *= ticks
-    if prunes_last_layer(mesh):  # the last layer's q/o/MLP/attention and all-reduces on one row
+    if prunes_last_layer(model, mesh, scan_layers):  # the last layer's q/o/MLP/attention and all-reduces on one row
         skipped = attention - attention_flops(model, num_tokens, context, sampled_last_layer=True)
         flops -= (last_layer_matmul_saving(model, num_tokens) + skipped) / mesh.tensor
         if mesh.tensor > 1:
@@ -258,12 +259,12 @@ def device_costs(model: ModelConfig, mesh: MeshSettings, hw: Hardware, num_token
 
 
 def ttft_floor(model: ModelConfig, mesh: MeshSettings, hw: Hardware, num_tokens: int,
-               chunk: int | None = None) -> float:
+               chunk: int | None = None, scan_layers: bool = False) -> float:
     """Floor for a whole prompt; with `chunk`, the sum over chunked prefill steps (each
     step re-reads the weights and attends to the chunks before it)."""
     if not chunk or chunk >= num_tokens:
-        return device_costs(model, mesh, hw, num_tokens).ttft_s
-    return sum(device_costs(model, mesh, hw, min(chunk, num_tokens - start), start).ttft_s
+        return device_costs(model, mesh, hw, num_tokens, scan_layers=scan_layers).ttft_s
+    return sum(device_costs(model, mesh, hw, min(chunk, num_tokens - start), start, scan_layers=scan_layers).ttft_s
                for start in range(0, num_tokens, chunk))
 
 
@@ -296,7 +297,8 @@ def plan_prefill(config: Config, hw: Hardware, prompt_len: int, link_gbps: float
     per_token = kv_bytes_per_token(model, kv_cache_dtype=engine.kv_cache_dtype)
     pages = pages_for(prompt_len, engine.page_size)
     per_request = pages * engine.page_size * per_token
-    cost = device_costs(model, mesh, hw, prompt_len, kv_cache_dtype=engine.kv_cache_dtype)
+    cost = device_costs(model, mesh, hw, prompt_len, kv_cache_dtype=engine.kv_cache_dtype,
+                        scan_layers=engine.scan_layers)
     # Memory left after this device's weights; the cache holds its stage's layers of the
     # Hkv * r heads split over tensor.
     weights_dev = weight_bytes_per_device(model, mesh)
@@ -305,8 +307,8 @@ def plan_prefill(config: Config, hw: Hardware, prompt_len: int, link_gbps: float
     per_token_dev = kv_bytes_per_token_per_device(model, mesh, engine.kv_cache_dtype)
     per_request_dev = pages * engine.page_size * per_token_dev
     fit = max(0, int(free // per_request_dev)) * mesh.data if free > 0 else 0
-    t2 = ttft_floor(model, mesh, hw, 2 * prompt_len)
-    pruned = prunes_last_layer(mesh)
+    t2 = ttft_floor(model, mesh, hw, 2 * prompt_len, scan_layers=engine.scan_layers)
+    pruned = prunes_last_layer(model, mesh, engine.scan_layers)
     mm = matmul_flops(model, prompt_len, sampled_last_layer=pruned)
     att = attention_flops(model, prompt_len, sampled_last_layer=pruned)
     moved = kv_transfer_bytes(model, prompt_len, engine.kv_cache_dtype)

@@ -39,6 +39,13 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.mlp_norm(x)), pages
 
 
+def prunes_last_layer(layer_groups: int, rows_split: bool) -> bool:
+    """The one rule for running the last layer on the sampled rows only: the unrolled
+    layout (scan and pipeline stages stack the last layer with the others) and rows not
+    split over 'sequence'. The planner counts FLOPs with the same rule."""
+    return layer_groups == 1 and not rows_split
+
+
 class Llama(nnx.Module):
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs | None = None,
                  attention_impl: str = "auto", stages: int = 1, microbatches: int = 1):
@@ -82,7 +89,7 @@ class Llama(nnx.Module):
             # split over 'sequence' or the caller asks for more rows than one per
             # sequence (every-row logits, as training and evaluation read them).
             one_row_per_seq = meta.logits_indices.shape[0] == meta.kv_lens.shape[0]
-            prune = one_row_per_seq and not rows_split_over_sequence()
+            prune = one_row_per_seq and prunes_last_layer(self.stages, rows_split_over_sequence())
             last = len(self.layers) - 1
             new_pages = []
             for i, (layer, pages) in enumerate(zip(self.layers, kv_cache.pages)):
