@@ -32,37 +32,23 @@ formatting) in step order before it reaches the stream. A stop string found ther
 back through the inbox as `engine.stop_at`, applied before the next step; tokens the
 engine computed past it meanwhile are dropped, never streamed.
 
-Prefix-cache events (engine/block_manager.py's listener) are only recorded on the engine
-thread; they ride the same `call_soon_threadsafe` as the step's outputs and reach each
-`subscribe_kv()` queue as numbered batches
-`(sequence, wall time, replica, events, first event id)`, so a
-slow subscriber never holds up a step.
+The engine-thread half (inbox, backlog, steps) is serving/engine_thread.py; prefix-cache
+events go through serving/kv_events.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import logging
 import threading
 import time
-import traceback
 from typing import Any, Callable
 
-from jaxfill.engine.request import InvalidRequest, QueueFull, RequestOutput, SamplingParams
+from jaxfill.engine.request import InvalidRequest, QueueFull, SamplingParams
+from jaxfill.serving.engine_thread import (DRAINING, FAILED, SERVING, STOPPED, WARMING, Abort, Add, Call,  # noqa: F401
+                                           EngineThread, StopAt)
+from jaxfill.serving.kv_events import KVEventBus
 from jaxfill.serving.text_stage import TextStage
-
-log = logging.getLogger("jaxfill.serving")
-
-WARMING, SERVING, DRAINING, STOPPED, FAILED = "warming", "serving", "draining", "stopped", "failed"
-
-
-class StepFailed(RuntimeError):
-    """engine.step() raised; every request in flight at that moment fails with it."""
-
-
-KV_HISTORY_BATCHES = 1024  # KV event batches kept for subscribers resuming from a sequence number
-KV_SUBSCRIBER_MAX_BACKLOG = 4096  # batches a subscriber may fall behind before it is dropped
 
 
 class RequestStream:
@@ -81,7 +67,7 @@ class RequestStream:
         self.gone: str | None = None  # why the handler stopped listening ("cancelled", "deadline")
 
 
-class EngineLoop:
+class EngineLoop(EngineThread):
     def __init__(self, engine, metrics=None, idle_wait_s: float = 0.5):
         self.engine = engine
         self.metrics = metrics
@@ -109,17 +95,13 @@ class EngineLoop:
         self._text = TextStage(engine.tokenizer)  # event-loop side only
         self.steps = 0
         self.warmup_s = 0.0
-        self._kv_pending: list = []  # engine thread: (replica, event) since the last post
-        self._kv_subscribers: set[asyncio.Queue] = set()  # event-loop side
-        self._kv_history: collections.deque = collections.deque(maxlen=KV_HISTORY_BATCHES)
-        self.kv_sequence = 0  # the last KV event batch's number (event-loop side)
-        self._kv_events_published = 0  # events are numbered from 1 across batches
+        self.kv_events = KVEventBus()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, loop: asyncio.AbstractEventLoop, warmup: bool = True,
               on_ready: Callable[[], Any] | None = None) -> None:
         self._loop = loop
-        self.engine.set_kv_event_listener(self._on_kv_event)
+        self.engine.set_kv_event_listener(self.kv_events.record)
         if on_ready:
             self._ready_callbacks.append(on_ready)
         self._thread = threading.Thread(target=self._run, args=(warmup,), name="jaxfill-engine", daemon=True)
@@ -170,7 +152,7 @@ class EngineLoop:
         except Exception:  # noqa: BLE001 - ids the tokenizer cannot prime on: add_request refuses them
             pass
         self._streams[request_id] = stream
-        self._inbox.append(("add", stream, prompt_ids, params, priority))
+        self._inbox.append(Add(stream, prompt_ids, params, priority))
         self._wake.set()
         return stream
 
@@ -183,13 +165,13 @@ class EngineLoop:
             return False
         if not notify:
             stream.gone = reason
-        self._inbox.append(("abort", stream))
+        self._inbox.append(Abort(stream))
         self._wake.set()
         return True
 
     def call_on_engine(self, fn: Callable[[], Any]) -> None:
         """Runs fn() on the engine thread before the next step (the stats are published after)."""
-        self._inbox.append(("call", fn))
+        self._inbox.append(Call(fn))
         self._wake.set()
 
     def abort_all(self) -> int:
@@ -199,41 +181,17 @@ class EngineLoop:
         return len(ids)
 
     def subscribe_kv(self, start_sequence: int = 0) -> asyncio.Queue:
-        """A queue of KV event batches from now on (and, for start_sequence > 0, the kept
-        batches numbered from it). A None item means the subscriber fell too far behind."""
-        q: asyncio.Queue = asyncio.Queue()
-        if start_sequence > 0:
-            for batch in self._kv_history:
-                if batch[0] >= start_sequence:
-                    q.put_nowait(batch)
-        self._kv_subscribers.add(q)
-        return q
+        return self.kv_events.subscribe(start_sequence)
 
     def unsubscribe_kv(self, q: asyncio.Queue) -> None:
-        self._kv_subscribers.discard(q)
-
-    def _publish_kv(self, events: list) -> None:
-        by_replica: dict[int, list] = {}
-        for replica, event in events:
-            by_replica.setdefault(replica, []).append(event)
-        for replica, evs in sorted(by_replica.items()):
-            self.kv_sequence += 1
-            batch = (self.kv_sequence, time.time(), replica, evs, self._kv_events_published + 1)
-            self._kv_events_published += len(evs)
-            self._kv_history.append(batch)
-            for q in list(self._kv_subscribers):
-                if q.qsize() >= KV_SUBSCRIBER_MAX_BACKLOG:
-                    self._kv_subscribers.discard(q)
-                    q.put_nowait(None)
-                else:
-                    q.put_nowait(batch)
+        self.kv_events.unsubscribe(q)
 
     def _dispatch(self, items: list, stats: dict | None, kv_events: list | None = None) -> None:
         """Event-loop side of one step: route outputs to their streams, KV events to subscribers."""
         if stats is not None:
             self._stats = stats
         if kv_events:
-            self._publish_kv(kv_events)
+            self.kv_events.publish(kv_events)
         for kind, stream, payload, t in items:
             if stream.done:
                 continue
@@ -243,7 +201,7 @@ class EngineLoop:
                 if payload is None:
                     continue  # computed past a stop string: never streamed
                 if stop_at is not None:  # the engine finishes it before its next step
-                    self._inbox.append(("stop", stream, stop_at))
+                    self._inbox.append(StopAt(stream, stop_at))
                     self._wake.set()
                 if self.metrics is not None and payload.new_token_ids:
                     self.metrics.generation_tokens.inc(len(payload.new_token_ids))
@@ -284,148 +242,3 @@ class EngineLoop:
             reason=reason, prompt_tokens=stream.prompt_tokens, completion_tokens=stream.num_tokens,
             ttft_s=ttft, tpot_s=tpot, queue_s=m.get("queue_s"), prefill_s=m.get("prefill_s"),
             e2e_s=t - stream.arrival)
-
-    # ------------------------------------------------------------- engine thread
-    def _on_kv_event(self, replica: int, *event) -> None:
-        """The block managers' listener: records only (engine thread, inside the step)."""
-        self._kv_pending.append((replica, event))
-
-    def _post(self, items: list, stats: dict | None = None) -> None:
-        kv_events, self._kv_pending = self._kv_pending, []
-        if items or stats is not None or kv_events:
-            try:
-                self._loop.call_soon_threadsafe(self._dispatch, items, stats, kv_events)
-            except RuntimeError:  # event loop closed: shutting down
-                pass
-
-    def _run(self, warmup: bool) -> None:
-        try:
-            # No other thread steps the engine while we serve, and text is made on the event loop.
-            with self.engine.own_stepping(defer_text=True):
-                self._serve(warmup)
-        except RuntimeError as e:  # the engine is already owned by another loop
-            log.error("%s", e)
-            self.error = e
-            self.state = FAILED
-
-    def _serve(self, warmup: bool) -> None:
-        try:
-            if warmup and not self.engine.warmed_up:
-                start = time.monotonic()
-                self.engine.warmup()
-                self.warmup_s = time.monotonic() - start
-            if self.state == WARMING:
-                self.state = SERVING
-            for cb in self._ready_callbacks:
-                self._loop.call_soon_threadsafe(cb)
-        except BaseException as e:  # noqa: BLE001 - reported through health / logs
-            log.error("warm-up failed:\n%s", traceback.format_exc())
-            self.error = e
-            self.state = FAILED
-            self._quietly(self.engine.close)
-            return
-        while not self._stop.is_set():
-            had_ops = bool(self._inbox)
-            items = self._drain_inbox()
-            if self.engine.has_unfinished():
-                items += self._step()
-                self._post(items, self._snapshot())
-            else:
-                if had_ops:  # aborts free pages without a step: publish the new stats
-                    self._post(items, self._snapshot())
-                self._wake.wait(self.idle_wait_s)
-                self._wake.clear()
-                self._quietly(self.engine.idle)  # multi-process: a heartbeat to the followers now and then
-        self._quietly(self.engine.close)  # multi-process: release the followers
-
-    @staticmethod
-    def _quietly(fn) -> None:
-        """Engine.idle / Engine.close: a failure is logged, never raised into the loop."""
-        try:
-            fn()
-        except Exception:  # noqa: BLE001
-            log.error("engine.%s() failed:\n%s", fn.__name__, traceback.format_exc())
-
-    def _snapshot(self) -> dict:
-        stats = dict(self.engine.stats())
-        if self.metrics is not None:
-            self.metrics.update_stats(stats)
-        return stats
-
-    def _drain_inbox(self) -> list:
-        """Applies the queued adds and aborts in order, then hands the engine what it takes."""
-        items = []
-        while self._inbox:
-            op = self._inbox.popleft()
-            if op[0] == "add":
-                self._backlog.append(op)
-                continue
-            if op[0] == "call":  # call_on_engine (serving/disagg.py: release or expire held KV pages)
-                self._quietly(op[1])
-                continue
-            if op[0] == "stop":  # a stop string ended it (found by the TextStage)
-                if self._in_engine.get(op[1].request_id) is op[1]:
-                    self.engine.stop_at(op[1].request_id, op[2])
-                continue
-            stream = op[1]
-            rid = stream.request_id
-            if self._in_engine.get(rid) is stream:
-                del self._in_engine[rid]
-                try:
-                    self.engine.abort(rid)
-                except Exception:  # noqa: BLE001
-                    log.error("abort(%s) failed:\n%s", rid, traceback.format_exc())
-            else:
-                self._backlog = collections.deque(a for a in self._backlog if a[1] is not stream)
-            items.append(("aborted", stream, None, time.monotonic()))  # ignored if it ended first
-        while self._backlog:
-            _, stream, prompt_ids, params, priority = self._backlog[0]
-            try:
-                admit = self.admit_hooks.get(stream.request_id)  # serving/disagg.py
-                if admit is not None:
-                    admit(self.engine, prompt_ids, params, stream.request_id, priority)
-                else:
-                    self.engine.add_request(prompt_ids, params, request_id=stream.request_id, priority=priority)
-                self._in_engine[stream.request_id] = stream
-            except QueueFull:
-                break  # the engine is full: the rest (hooks kept) goes in as steps empty it
-            except InvalidRequest as e:
-                items.append(("error", stream, e, time.monotonic()))
-            except Exception as e:  # noqa: BLE001 - one bad request must not stop the loop
-                log.error("add_request(%s) failed:\n%s", stream.request_id, traceback.format_exc())
-                items.append(("error", stream, StepFailed(f"add_request failed: {e}"), time.monotonic()))
-            self.admit_hooks.pop(stream.request_id, None)
-            self._backlog.popleft()
-        return items
-
-    def _step(self) -> list:
-        try:
-            outputs: list[RequestOutput] = self.engine.step()
-        except Exception as e:  # noqa: BLE001
-            # The step as a whole failed: fail everything in flight, keep the loop alive.
-            log.error("engine.step() failed; failing %d requests:\n%s", len(self._in_engine),
-                      traceback.format_exc())
-            now = time.monotonic()
-            items = []
-            for rid, stream in list(self._in_engine.items()):
-                try:
-                    self.engine.abort(rid)
-                except Exception:  # noqa: BLE001
-                    pass
-                items.append(("error", stream, StepFailed(f"engine step failed: {e}"), now))
-            self._in_engine.clear()
-            return items
-        now = time.monotonic()
-        self.steps += 1
-        items = []
-        for out in outputs:
-            stream = self._in_engine.get(out.request_id)
-            if stream is None:
-                continue  # the "abort" output of a request already reported as aborted
-            cached = out.num_cached_tokens if out.completion is None else out.completion.cached_tokens
-            if cached:
-                stream.cached_tokens = cached
-            if out.finished:
-                del self._in_engine[out.request_id]
-            items.append(("output", stream, out, now))
-        return items
