@@ -159,7 +159,7 @@ def kv_transfer_per_request(results: list[dict]) -> dict:
     two of pages, engine/kv_transfer.py), with their loopback transfer time."""
     from jaxfill.engine.config import load_config
     from jaxfill.engine.kv_transfer import padded_tokens
-    from jaxfill.engine.planner import kv_bytes_per_token, kv_transfer_bytes
+    from jaxfill.engine.planner_counts import kv_bytes_per_token, kv_transfer_bytes
 
     cfg = load_config("tiny")
     m, page = cfg.model, cfg.engine.page_size

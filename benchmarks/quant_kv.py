@@ -121,7 +121,7 @@ def memory() -> dict:
         row["fit_ratio"] = row["int8"]["requests_that_fit_2048"] / max(row["auto"]["requests_that_fit_2048"], 1)
         out[f"llama3_8b bf16 weights, {hw_name} x tensor={tensor}"] = row
     from jaxfill.engine.engine import Engine
-    from jaxfill.engine.planner import kv_bytes_per_token
+    from jaxfill.engine.planner_counts import kv_bytes_per_token
 
     pool = {}  # the engine's own allocated cache (engine.num_pages 2048 x 16), bench shape
     for name, dtype, kv in (("bf16", "bfloat16", "auto"), ("f32", "float32", "auto"),

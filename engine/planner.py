@@ -4,20 +4,7 @@ Everything here is arithmetic on `ModelConfig`, `EngineSettings`, `MeshSettings`
 `Hardware` (engine/hardware.py); nothing runs on a device. `jaxfill plan` prints it and
 `jaxfill bench prefill` compares it with measured TTFT.
 
-Counting conventions (tests/test_planner.py checks them against XLA's cost analysis):
-
-* matmul FLOPs = 2 * tokens * (q, k, v, o, gate, up, down weights) per layer, plus the
-  LM head for the ONE row whose logits are computed (the forward never computes
-  [T, vocab]). The embedding is a gather: no FLOPs.
-* last layer: with one stage and no 'sequence' split the engine runs the last layer's
-  q/o projections, attention and MLP on the sampled row only (models/llama.py); its K/V
-  projections still see every token. `sampled_last_layer=True` counts that.
-* attention FLOPs = QK^T and PV over the causal lower triangle, diagonal included:
-  4 * layers * q_heads * head_dim * (visible key count summed over the new tokens),
-  with visible keys min(position + 1, sliding_window).
-* bytes = every weight read once (of an untied embedding table only the prompt's rows)
-  + the new tokens' K/V written once. Activations are
-  assumed to stay on chip: this is a floor, not an estimate.
+FLOP and byte counts are engine/planner_counts.py's (its docstring has the conventions).
 
 Mesh (mirrors models/sharding.py): 'tensor' splits q heads, MLP columns and the vocab;
 KV heads split too, or are repeated up to 'tensor' when there are fewer (then every rank
@@ -32,11 +19,9 @@ ring collectives over `link_bytes_per_s`: two all-reduces of the [T/sp, E] activ
 per layer for 'tensor', one all-gather of the layer's new K/V for 'sequence'. With
 stages, `device_costs` says how the GPipe ticks and stage hand-overs enter it.
 
-Disaggregated prefill/decode: the prompt's K/V (every layer, the model's logical KV
-heads, in engine.kv_cache_dtype) crosses the link between the prefill and the decode
-pool once per request; at `link_gbps` Gbit/s that takes bytes / (link_gbps * 1e9 / 8)
-seconds on top of the TTFT floor. Disaggregation pays when that is small next to the
-TTFT floor and the decode steps the prefill would otherwise stall.
+Disaggregated prefill/decode: the prompt's K/V crosses the link between the prefill and
+the decode pool once per request; at `link_gbps` Gbit/s that adds bytes /
+(link_gbps * 1e9 / 8) seconds to the TTFT floor.
 """
 
 from __future__ import annotations
@@ -45,129 +30,18 @@ import dataclasses
 import math
 
 from jaxfill.engine.config import Config, EngineSettings, MeshSettings
-from jaxfill.engine.execution_plan import ExecutionPlan
 from jaxfill.engine.hardware import Hardware
+from jaxfill.engine.planner_counts import (attention_flops, check_link_gbps, check_prompt_len,
+                                           end_bytes_read_per_device, kv_bytes_per_token, kv_transfer_bytes,
+                                           kv_transfer_seconds, last_layer_matmul_saving, layer_matmul_params,
+                                           matmul_flops, pages_for, prunes_last_layer, weight_bytes)
 from jaxfill.engine.planner_layout import (bubble_fraction, check_mesh, dtype_bytes,
                                            kv_bytes_per_token_per_device, kv_repeat, layer_bytes_per_device,
-                                           pipeline_microbatches, vocab_param_bytes, vocab_split,
-                                           weight_bytes_per_device)
+                                           pipeline_microbatches, vocab_split, weight_bytes_per_device)
 from jaxfill.models.config import ModelConfig
-from jaxfill.models.kv_cache import kv_bytes_per_token as cache_bytes_per_token
 
 
 # ----------------------------------------------------------------------------- shapes
-def layer_matmul_params(model: ModelConfig) -> int:
-    """Weights one token multiplies through in one decoder layer."""
-    e, d = model.hidden_size, model.head_dim
-    q, kv = model.num_heads * d, model.num_kv_heads * d
-    return e * q + 2 * e * kv + q * e + 3 * e * model.intermediate_size
-
-
-def kv_projection_params(model: ModelConfig) -> int:
-    """The k and v weights of one layer."""
-    return 2 * model.hidden_size * model.num_kv_heads * model.head_dim
-
-
-def matmul_flops(model: ModelConfig, num_tokens: int, logit_rows: int = 1, sampled_last_layer: bool = False) -> int:
-    """Projection and MLP matmuls for `num_tokens`, LM head for `logit_rows` rows;
-    `sampled_last_layer`: the last layer's k/v over every token, the rest over one row."""
-    full = 2 * num_tokens * model.num_layers * layer_matmul_params(model)
-    head = 2 * logit_rows * model.hidden_size * model.vocab_size
-    return full + head - (last_layer_matmul_saving(model, num_tokens) if sampled_last_layer else 0)
-
-
-def last_layer_matmul_saving(model: ModelConfig, num_tokens: int) -> int:
-    """Matmul FLOPs the sampled-row last layer skips: q/o/MLP on all but one row."""
-    return 2 * (num_tokens - 1) * (layer_matmul_params(model) - kv_projection_params(model))
-
-
-def visible_pairs(num_tokens: int, context: int = 0, sliding_window: int | None = None) -> int:
-    """Sum over new tokens at positions context..context+T-1 of the keys each one sees."""
-    lo, hi = context + 1, context + num_tokens  # visible keys = position + 1
-    if sliding_window is None or hi <= sliding_window:
-        return (lo + hi) * (hi - lo + 1) // 2
-    w = sliding_window
-    if lo > w:
-        return w * num_tokens
-    return (lo + w) * (w - lo + 1) // 2 + w * (hi - w)
-
-
-def attention_flops(model: ModelConfig, num_tokens: int, context: int = 0, causal: bool = True,
-                    kv_len: int | None = None, sampled_last_layer: bool = False) -> int:
-    """QK^T + PV FLOPs. causal: over the lower triangle (what a prefill needs);
-    causal=False: full [num_tokens, kv_len] score matrices (what a dense impl computes).
-    `sampled_last_layer`: the last layer has one query row, the last token's."""
-    per_pair = 4 * model.num_heads * model.head_dim
-    layers = model.num_layers - (1 if sampled_last_layer else 0)
-    if causal:
-        pairs = visible_pairs(num_tokens, context, model.sliding_window)
-        last = visible_pairs(1, context + num_tokens - 1, model.sliding_window)
-    else:
-        keys = kv_len if kv_len is not None else context + num_tokens
-        pairs, last = num_tokens * keys, keys
-    return per_pair * (layers * pairs + (last if sampled_last_layer else 0))
-
-
-def prunes_last_layer(model: ModelConfig, mesh: MeshSettings, scan_layers: bool = False) -> bool:
-    """Whether the engine runs the last layer on the sampled rows only (engine/execution_plan.py)."""
-    return ExecutionPlan.of(model.num_layers, mesh, scan_layers).prunes_last_layer
-
-
-def prefill_flops(model: ModelConfig, num_tokens: int, context: int = 0, sampled_last_layer: bool = True) -> int:
-    return (matmul_flops(model, num_tokens, sampled_last_layer=sampled_last_layer)
-            + attention_flops(model, num_tokens, context, sampled_last_layer=sampled_last_layer))
-
-
-def projection_scales(model: ModelConfig) -> int:
-    """f32 scales of one layer's int8 projections: one per output channel of q, k, v, o,
-    gate, up, down (models/quant.py)."""
-    e, d = model.hidden_size, model.head_dim
-    return (model.num_heads + 2 * model.num_kv_heads) * d + e + 2 * model.intermediate_size + e
-
-
-def weight_bytes(model: ModelConfig) -> int:
-    """Every param's bytes as allocated: with weight_dtype int8 the projections take one
-    byte per weight plus 4 per output channel; embedding, LM head, norms and biases keep
-    the model dtype."""
-    total = model.num_params() * dtype_bytes(model)
-    if model.weight_dtype == "auto":
-        return total
-    proj = model.num_layers * layer_matmul_params(model)
-    return total - proj * dtype_bytes(model) + proj + 4 * model.num_layers * projection_scales(model)
-
-
-def end_bytes_read_per_device(model: ModelConfig, mesh: MeshSettings, num_tokens: int) -> float:
-    """Bytes outside the decoder layers one step reads on one device: its share of the LM
-    head and the final norm; of an untied embedding table only the prompt's rows (a
-    gather, at most the whole table)."""
-    e, b = model.hidden_size, dtype_bytes(model)
-    tables = vocab_param_bytes(model)
-    if not model.tie_word_embeddings:
-        tables += (min(num_tokens, model.vocab_size) - model.vocab_size) * e * b
-    return tables / vocab_split(model, mesh) + e * b
-
-
-def kv_bytes_per_token(model: ModelConfig, kv_heads: int | None = None,
-                       kv_cache_dtype: str = "auto") -> int:
-    """K and V of every layer (int8 / fp8: plus their f32 scales), as the cache allocates
-    them: the one formula lives beside KVCache (models/kv_cache.py)."""
-    heads = model.num_kv_heads if kv_heads is None else kv_heads
-    return cache_bytes_per_token(model.num_layers, heads, model.head_dim, kv_cache_dtype, model.jnp_dtype)
-
-
-def pages_for(num_tokens: int, page_size: int) -> int:
-    return -(-num_tokens // page_size)
-
-
-# ----------------------------------------------------------------------------- mesh
-def check_prompt_len(prompt_len: int, engine: EngineSettings) -> None:
-    if prompt_len <= 0:
-        raise ValueError(f"prompt length must be positive, got {prompt_len}")
-    if prompt_len >= engine.max_model_len:
-        raise ValueError(f"prompt length {prompt_len} does not fit engine.max_model_len={engine.max_model_len} "
-                         "(prompt plus at least one generated token; raise it with --set engine.max_model_len=N)")
-
-
 @dataclasses.dataclass(frozen=True)
 class DeviceCosts:
     flops: float
@@ -266,25 +140,6 @@ def ttft_floor(model: ModelConfig, mesh: MeshSettings, hw: Hardware, num_tokens:
         return device_costs(model, mesh, hw, num_tokens, scan_layers=scan_layers).ttft_s
     return sum(device_costs(model, mesh, hw, min(chunk, num_tokens - start), start, scan_layers=scan_layers).ttft_s
                for start in range(0, num_tokens, chunk))
-
-
-def check_link_gbps(link_gbps: float | None) -> None:
-    if link_gbps is not None and not (link_gbps > 0 and math.isfinite(link_gbps)):
-        raise ValueError(f"--link-gbps must be a positive number of Gbit/s, got {link_gbps}")
-
-
-def kv_transfer_bytes(model: ModelConfig, prompt_len: int, kv_cache_dtype: str = "auto") -> int:
-    """K/V a prefill worker hands a decode worker for one prompt: every prompt token's
-    K and V in every layer (values and, when quantized, their scales). jaxfill's own
-    handoff sends len(prompt) - 1 rows padded to a power-of-two number of pages
-    (engine/kv_transfer.py), so its wire bytes are up to 2x this."""
-    return prompt_len * kv_bytes_per_token(model, kv_cache_dtype=kv_cache_dtype)
-
-
-def kv_transfer_seconds(nbytes: float, link_gbps: float) -> float:
-    """Time to move `nbytes` at `link_gbps` Gbit/s (no latency, no protocol overhead)."""
-    check_link_gbps(link_gbps)
-    return nbytes / (link_gbps * 1e9 / 8)
 
 
 def plan_prefill(config: Config, hw: Hardware, prompt_len: int, link_gbps: float | None = None) -> dict:

@@ -124,7 +124,7 @@ def test_kv_bytes_per_token_agree_in_cache_planner_and_stats():
     KVCache.nbytes, the planner and Engine.stats."""
     from jaxfill.engine.config import load_config
     from jaxfill.engine.engine import Engine
-    from jaxfill.engine.planner import kv_bytes_per_token
+    from jaxfill.engine.planner_counts import kv_bytes_per_token
     from jaxfill.models.kv_cache import KVCache
 
     overrides = {"engine.max_num_batched_tokens": 16, "engine.token_buckets": [16],
@@ -150,7 +150,7 @@ def test_kv_bytes_per_token_agree_in_cache_planner_and_stats():
     assert st["kv_cache_dtype"] == "int8"
     assert st["kv_bytes_per_token"] == got["int8"]
     # GetModelInfo tells a client the same bytes as the stats and the planner.
-    from jaxfill.engine.planner import weight_bytes
+    from jaxfill.engine.planner_counts import weight_bytes
     from jaxfill.serving.client import Client
     from jaxfill.serving.server import ServerThread
 

@@ -31,8 +31,9 @@ from flax import nnx
 
 from jaxfill.engine.config import load_config
 from jaxfill.engine.hardware import Hardware, load_hardware
-from jaxfill.engine.planner import (attention_flops, kv_bytes_per_token, matmul_flops, plan, plan_prefill, prefill_flops,
-                            ttft_floor, visible_pairs)
+from jaxfill.engine.planner import plan, plan_prefill, ttft_floor
+from jaxfill.engine.planner_counts import (attention_flops, kv_bytes_per_token, matmul_flops, prefill_flops,
+                                           visible_pairs)
 from jaxfill.models.kv_cache import KVCache, single_sequence_metadata
 from jaxfill.models.llama import Llama
 from jaxfill.pallas_kernels.ragged_paged_attention import IMPLS

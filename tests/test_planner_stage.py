@@ -16,8 +16,9 @@ from flax import nnx
 from jaxfill.engine.config import load_config
 from jaxfill.engine.hardware import load_hardware
 from jaxfill.engine.memory import pool_pages
-from jaxfill.engine.planner import (attention_flops, kv_bytes_per_token, kv_pool_pages, matmul_flops, plan_prefill,
-                                    ttft_floor, weight_bytes)
+from jaxfill.engine.planner import kv_pool_pages, plan_prefill, ttft_floor
+from jaxfill.engine.planner_counts import (attention_flops, kv_bytes_per_token, matmul_flops,
+                                           weight_bytes)
 from jaxfill.engine.planner_layout import (bubble_fraction, check_mesh, kv_bytes_per_token_per_device,
                                            weight_bytes_per_device)
 from jaxfill.models.kv_cache import KVCache

@@ -17,7 +17,7 @@ from flax import nnx
 
 from hf_models import load_hf
 from jaxfill.engine.config import load_config
-from jaxfill.engine.planner import projection_scales, weight_bytes
+from jaxfill.engine.planner_counts import projection_scales, weight_bytes
 from jaxfill.engine.simple import prefill_chunks
 from jaxfill.models import KVCache, Llama, ModelConfig
 from jaxfill.models.checkpoint import hf_to_param, load_hf_params, quantize_model

@@ -88,8 +88,8 @@ def run_bench(config, lengths: list[int], chunk_sizes: list[int], repeats: int =
 
     from jaxfill.engine.hardware import MatmulProbe, load_hardware
     from jaxfill.engine.loading import build_model
-    from jaxfill.engine.planner import (check_mesh, check_prompt_len, kv_bytes_per_token, model_matmul_shape,
-                                prefill_flops, ttft_floor)
+    from jaxfill.engine.planner import check_mesh, model_matmul_shape, ttft_floor
+    from jaxfill.engine.planner_counts import check_prompt_len, kv_bytes_per_token, prefill_flops
     from jaxfill.pallas_kernels import resolve_impl
 
     log = _log if progress else (lambda msg: None)

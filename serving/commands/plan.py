@@ -89,8 +89,8 @@ TRANSFER_COLUMNS = [
 def run(args) -> int:
     from jaxfill.engine.config import load_config
     from jaxfill.engine.hardware import load_hardware
-    from jaxfill.engine.planner import (check_link_gbps, check_mesh, check_prompt_len, default_prompt_lens,
-                                        kv_pool_pages, model_matmul_shape, plan)
+    from jaxfill.engine.planner import check_mesh, default_prompt_lens, kv_pool_pages, model_matmul_shape, plan
+    from jaxfill.engine.planner_counts import check_link_gbps, check_prompt_len
 
     config = load_config(args.config, overrides=args.overrides, model_path=args.model)
     check_mesh(config.model, config.mesh)
