@@ -45,16 +45,16 @@ def stub_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **kw
     return q
 
 
-def compiled_flops(config_name: str, num_tokens: int, impl: str, monkeypatch) -> float:
+def compiled_flops(config_name: str, num_tokens: int, impl: str, monkeypatch, stages: int = 1) -> float:
     from jaxfill.models.forward import forward
 
     monkeypatch.setitem(IMPLS, "planner_test_stub", (__name__, "stub_attention"))
     cfg = load_config(config_name).model
     page = 16
     n_pages = -(-num_tokens // page)
-    model = nnx.eval_shape(lambda: Llama(cfg, attention_impl=impl))  # shapes only, no init
+    model = nnx.eval_shape(lambda: Llama(cfg, attention_impl=impl, stages=stages))  # shapes only, no init
     graphdef, state = nnx.split(model)
-    cache = jax.eval_shape(lambda: KVCache.create(cfg, n_pages + 1, page))
+    cache = jax.eval_shape(lambda: KVCache.create(cfg, n_pages + 1, page, stages=stages))
     meta = single_sequence_metadata(num_tokens, 0, list(range(1, n_pages + 1)), page)
     tokens = jax.ShapeDtypeStruct((num_tokens,), jax.numpy.int32)
     compiled = forward.lower(graphdef, state, tokens, tokens, cache, meta).compile()
@@ -84,6 +84,27 @@ def test_flops_match_xla_cost_analysis(config_name, num_tokens, monkeypatch):
     causal = attention_flops(cfg, num_tokens)
     square = attention_flops(cfg, num_tokens, causal=False, kv_len=kv_len)
     assert causal == square * (num_tokens + 1) // (2 * kv_len)
+
+
+@pytest.mark.parametrize("layout", ["unrolled", "scan", "stages"])
+def test_planned_matmul_flops_match_each_layout_compiled(layout, monkeypatch):
+    """The plan row's matmul FLOPs against the compiled forward of the layout the loader
+    builds (engine/execution_plan.py): unrolled (last layer on the sampled row), scanned
+    and staged (every row of every layer). A stacked layout is one lax.scan, whose body
+    the cost analysis counts once: one group of layers plus the LM head."""
+    from jaxfill.engine.execution_plan import ExecutionPlan
+    from jaxfill.engine.planner_counts import layer_matmul_params
+
+    overrides = {"unrolled": {}, "scan": {"engine.scan_layers": True}, "stages": {"mesh.stage": 2}}[layout]
+    config, num_tokens = load_config("bench", overrides), 256
+    m, plan_ = config.model, ExecutionPlan.of_config(config)
+    row = plan_prefill(config, H100, num_tokens)
+    stub, _ = compiled_flops("bench", num_tokens, "planner_test_stub", monkeypatch, stages=plan_.layer_groups)
+    head = matmul_flops(m, num_tokens) - m.num_layers * 2 * num_tokens * layer_matmul_params(m)
+    in_body = m.num_layers // plan_.layer_groups  # layers the compiled program holds once
+    expected = (row["matmul_flops"] - head) * in_body / m.num_layers + head
+    assert abs(stub - expected) / expected < 0.05, (layout, stub, expected)
+    assert stub >= expected
 
 
 def test_visible_pairs_brute_force():
