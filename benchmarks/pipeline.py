@@ -110,7 +110,8 @@ def bubble(tokens: int, repeats: int, stages: int, microbatch_counts: list[int])
 
     from jaxfill.engine.config import MeshSettings, load_config
     from jaxfill.engine.mesh import make_mesh
-    from jaxfill.engine.placement import abstract_state, create_kv_cache, init_sharded
+    from jaxfill.engine.placement import abstract_state, init_sharded
+    from jaxfill.models.kv_cache import KVCache
     from jaxfill.models.forward import forward
 
     config = load_config(BENCH)
@@ -132,8 +133,8 @@ def bubble(tokens: int, repeats: int, stages: int, microbatch_counts: list[int])
     rows = []
     for m in microbatch_counts:
         graphdef, _ = abstract_state(cfg, stages=stages, microbatches=m)
-        box = [create_kv_cache(cfg, mesh, tokens // page_size + 2, page_size, fill_value=float("nan"),
-                               stages=stages)]
+        box = [KVCache.create(cfg, tokens // page_size + 2, page_size, fill_value=float("nan"),
+                               stages=stages, mesh=mesh)]
         with jax.set_mesh(mesh):
             compiled = fn.lower(graphdef, state, tok, pos, box[0], meta).compile()
 
@@ -165,7 +166,8 @@ def profile(tokens: int, stages: int, microbatches: int) -> dict:
 
     from jaxfill.engine.config import MeshSettings, load_config
     from jaxfill.engine.mesh import make_mesh
-    from jaxfill.engine.placement import abstract_state, create_kv_cache, init_sharded
+    from jaxfill.engine.placement import abstract_state, init_sharded
+    from jaxfill.models.kv_cache import KVCache
     from jaxfill.models.forward import forward
 
     config = load_config(BENCH)
@@ -174,7 +176,7 @@ def profile(tokens: int, stages: int, microbatches: int) -> dict:
     _, state = init_sharded(cfg, mesh, stages=stages)
     graphdef, _ = abstract_state(cfg, stages=stages, microbatches=microbatches)
     tok, pos, meta = _prefill(cfg, page_size, tokens, 0)
-    cache = create_kv_cache(cfg, mesh, tokens // page_size + 2, page_size, fill_value=float("nan"), stages=stages)
+    cache = KVCache.create(cfg, tokens // page_size + 2, page_size, fill_value=float("nan"), stages=stages, mesh=mesh)
     logdir = tempfile.mkdtemp(prefix="pipeline_trace_")
     with jax.set_mesh(mesh):
         compiled = forward.lower(graphdef, state, tok, pos, cache, meta).compile()
@@ -236,7 +238,8 @@ def per_device_bytes(num_pages: int) -> dict:
 
     from jaxfill.engine.config import MeshSettings, load_config
     from jaxfill.engine.mesh import make_mesh
-    from jaxfill.engine.placement import create_kv_cache, init_sharded
+    from jaxfill.engine.placement import init_sharded
+    from jaxfill.models.kv_cache import KVCache
 
     bench = load_config(BENCH)
     cfg, page_size = bench.model, bench.engine.page_size
@@ -244,7 +247,7 @@ def per_device_bytes(num_pages: int) -> dict:
     for p in (1, 2, 4, 8):
         mesh = make_mesh(MeshSettings(stage=p), devices=jax.devices()[:p])
         _, state = init_sharded(cfg, mesh, stages=p)
-        cache = create_kv_cache(cfg, mesh, num_pages, page_size, stages=p)
+        cache = KVCache.create(cfg, num_pages, page_size, stages=p, mesh=mesh)
         row = {"stages": p, "weight_bytes_device0": _device0_bytes(state), "kv_bytes_device0": _device0_bytes(cache)}
         rows["bench_arrays"].append(row)
         rows["bench_abstract"].append({"stages": p, **_abstract_bytes(cfg, p, num_pages, page_size)})
@@ -286,7 +289,8 @@ def boundary_vs_tensor(tokens: int, microbatches: int) -> dict:
 
     from jaxfill.engine.config import MeshSettings, load_config
     from jaxfill.engine.mesh import make_mesh
-    from jaxfill.engine.placement import abstract_state, create_kv_cache, init_sharded
+    from jaxfill.engine.placement import abstract_state, init_sharded
+    from jaxfill.models.kv_cache import KVCache
     from jaxfill.models.forward import forward
     from hlo_collectives import collective_ops
     from jaxfill.models.sharding import RULES, STAGE, TENSOR
@@ -306,7 +310,7 @@ def boundary_vs_tensor(tokens: int, microbatches: int) -> dict:
         mesh = make_mesh(settings, devices=jax.devices()[:2])
         _, state = init_sharded(cfg, mesh, stages=stages)
         graphdef, _ = abstract_state(cfg, stages=stages, microbatches=microbatches)
-        cache = create_kv_cache(cfg, mesh, tokens // page_size + 2, page_size, stages=stages)
+        cache = KVCache.create(cfg, tokens // page_size + 2, page_size, stages=stages, mesh=mesh)
         with jax.set_mesh(mesh):
             text = forward.lower(graphdef, state, tok, pos, cache, meta).compile().as_text()
         ops = per_op_bytes(text)

@@ -35,7 +35,8 @@ def run(tokens: int, repeats: int) -> dict:
     from jaxfill.engine.config import MeshSettings, load_config
     from hlo_collectives import collective_ops
     from jaxfill.engine.mesh import make_mesh
-    from jaxfill.engine.placement import create_kv_cache, init_sharded
+    from jaxfill.engine.placement import init_sharded
+    from jaxfill.models.kv_cache import KVCache
     from jaxfill.models.forward import forward, forward_data_parallel
     from jaxfill.models.kv_cache import single_sequence_metadata
 
@@ -50,7 +51,7 @@ def run(tokens: int, repeats: int) -> dict:
     for d, t, s in LAYOUTS:
         mesh = make_mesh(MeshSettings(data=d, tensor=t, sequence=s), devices=jax.devices()[: d * t * s])
         graphdef, state = init_sharded(cfg, mesh, config.engine.attention_impl)
-        cache = create_kv_cache(cfg, mesh, num_pages, page_size)  # num_pages per replica
+        cache = KVCache.create(cfg, num_pages, page_size, mesh=mesh)  # num_pages per replica
         if d > 1:  # one prefill per replica, metadata stacked [d, ...], page ids local to each pool
             fn = forward_data_parallel
             args = (jnp.tile(tok, d), jnp.tile(pos, d), cache, jax.tree.map(lambda x: np.stack([x] * d), meta))

@@ -13,6 +13,26 @@ from jaxfill.models.quant import param_bytes
 
 
 class Conveniences:
+    def abort_all(self) -> int:
+        """Aborts every unfinished request and drops every output not yet returned (after an
+        interrupted notebook cell, say); returns how many requests were aborted."""
+        with self._lock:
+            n = len(self.requests)
+            self._discard(list(self.requests))
+            self._outbox.clear()
+            return n
+
+    def _discard(self, request_ids) -> None:
+        """Aborts these requests and drops their pending outputs: whoever wanted them is gone
+        (a generate() or stream() that raised or was closed)."""
+        ids = set(request_ids)
+        with self._lock:
+            for rid in ids:
+                req = self.requests.get(rid)
+                if req is not None:
+                    self._finish(req, "abort")
+            self._outbox = [o for o in self._outbox if o.request_id not in ids]
+
     def stream(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                priority: int = 0) -> Iterator[RequestOutput]:
         """Adds one request and steps the engine until it finishes, yielding its chunks.

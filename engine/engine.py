@@ -14,28 +14,14 @@ N's tokens after dispatching N+1, so host work hides behind device work (engine/
 async_step.py). defer_text=True (a serving loop) leaves detokenization, stop strings
 and logprob formatting to the caller (serving/text_stage.py, Engine.stop_at).
 
-One thread steps: a step() (or generate / stream) while another thread is inside step()
-raises RuntimeError at once, since two steppers would compute one chunk twice and race on
-the donated KV cache. add_request / abort / abort_all may come from any thread (one lock
-guards the queues; the device call runs outside it). A request whose step fails finishes
-with finish_reason "error" and its pages are freed; the engine keeps going.
-
-Interrupts (KeyboardInterrupt in a notebook) propagate but leave the engine consistent:
-outputs step() took or produced go back to the outbox, generate / stream abort their own
-requests, and a KV cache lost between donation and store is rebuilt before the next step.
-
-mesh.data = R > 1: R schedulers and page pools (engine/scheduler/replicas.py); each step
-stacks their batches, padded to one bucket, into one data-parallel step.
-
-Multi-process (jax.distributed): every process builds the Engine; process 0 owns the
-scheduler and drives it, the others call `follow()` and run each step process 0
-broadcasts; `close()` on process 0 releases them:
-
-    with Engine.from_config(cfg) as engine:
-        if engine.is_leader:
-            completions = engine.generate(prompts)
-        else:
-            engine.follow()
+One thread steps (engine/stepping.py); add_request / abort may come from any thread (one
+lock guards the queues; the device call runs outside it). A request whose step fails
+finishes with "error", pages freed, and the engine goes on; an interrupt (KeyboardInterrupt
+in a notebook) leaves it consistent: outputs go back to the outbox, lost steps are
+rewound, a KV cache lost between donation and store is rebuilt. mesh.data = R > 1: R
+schedulers and page pools whose batches are stacked into one step. Multi-process
+(jax.distributed): process 0 owns the scheduler and drives it; the others call
+`follow()` and run each step it broadcasts until it calls `close()`.
 """
 
 from __future__ import annotations
@@ -149,26 +135,6 @@ class Engine(Conveniences, DisaggregationFacade):
                 return False
             self._outbox.append(self._finish(req, "abort"))
             return True
-
-    def abort_all(self) -> int:
-        """Aborts every unfinished request and drops every output not yet returned (after an
-        interrupted notebook cell, say); returns how many requests were aborted."""
-        with self._lock:
-            n = len(self.requests)
-            self._discard(list(self.requests))
-            self._outbox.clear()
-            return n
-
-    def _discard(self, request_ids) -> None:
-        """Aborts these requests and drops their pending outputs: whoever wanted them is gone
-        (a generate() or stream() that raised or was closed)."""
-        ids = set(request_ids)
-        with self._lock:
-            for rid in ids:
-                req = self.requests.get(rid)
-                if req is not None:
-                    self._finish(req, "abort")
-            self._outbox = [o for o in self._outbox if o.request_id not in ids]
 
     def has_unfinished(self) -> bool:
         with self._lock:

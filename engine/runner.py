@@ -104,14 +104,10 @@ class Runner:
     def new_cache(self, num_pages: int | None = None) -> KVCache:
         c = self.config
         num_pages = num_pages or c.engine.num_pages
-        fill = float(c.engine.kv_fill_value)
+        cache = KVCache.create(c.model, num_pages, c.engine.page_size, fill_value=float(c.engine.kv_fill_value),
+                               kv_cache_dtype=c.engine.kv_cache_dtype, stages=self.stages, mesh=self.mesh)
         if self.mesh is not None:
-            from jaxfill.engine.placement import create_kv_cache
-
-            return create_kv_cache(c.model, self.mesh, num_pages, c.engine.page_size, fill_value=fill,
-                                   kv_cache_dtype=c.engine.kv_cache_dtype, stages=self.stages)
-        cache = KVCache.create(c.model, num_pages, c.engine.page_size, fill_value=fill,
-                               kv_cache_dtype=c.engine.kv_cache_dtype, stages=self.stages)
+            return cache  # allocated in its shards
         # Committed, as the step returns it: an uncommitted first cache compiles the first
         # warm-up bucket a second time once the step's committed output comes back.
         return jax.device_put(cache, jax.devices()[0])

@@ -7,7 +7,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxfill.pallas_kernels import QUANT_DTYPES, init_kv_pages, init_quantized_pages
+from jaxfill.models.sharding import DATA, KV_CACHE_AXES, kv_cache_heads, kv_cache_sharding
+from jaxfill.pallas_kernels import QUANT_DTYPES, QuantizedPages, init_kv_pages, init_quantized_pages
 
 
 def kv_storage_dtype(kv_cache_dtype: str, model_dtype):
@@ -36,6 +37,13 @@ def cache_entry(layer, stages: int):
     return jax.tree.map(lambda a: jnp.broadcast_to(a[None], (stages,) + a.shape), layer())
 
 
+def _cache_shardings(mesh, staged: bool, quantized: bool):
+    values = kv_cache_sharding(mesh, staged=staged)
+    if not quantized:
+        return values
+    return QuantizedPages(values, kv_cache_sharding(mesh, staged=staged, axes=KV_CACHE_AXES[:3]))
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
@@ -50,19 +58,30 @@ class KVCache:
     stages: int = dataclasses.field(default=1, metadata=dict(static=True))
 
     @classmethod
-    def create(cls, config, num_pages: int, page_size: int, dtype=None,
-               fill_value: float = 0.0, kv_cache_dtype: str = "auto", stages: int = 1) -> "KVCache":
+    def create(cls, config, num_pages: int, page_size: int, dtype=None, fill_value: float = 0.0,
+               kv_cache_dtype: str = "auto", stages: int = 1, mesh: jax.sharding.Mesh | None = None) -> "KVCache":
+        """The one cache builder. With a mesh the cache is allocated in its shards (never
+        whole on one device): `num_pages` is per data replica (as engine.num_pages), the
+        global page axis holds data * num_pages, the heads are the model's KV heads
+        repeated up to 'tensor' (models/sharding.py), and quantized scales are split like
+        the pages' first three axes. With `stages` > 1 each entry is [stages, ...]."""
         if config.num_layers % stages:
             raise ValueError(f"{config.num_layers} layers do not split into {stages} equal stages")
+        heads, replicas = config.num_kv_heads, 1
+        if mesh is not None:
+            heads, replicas = kv_cache_heads(config, mesh), int(dict(mesh.shape).get(DATA, 1))
+        pool = num_pages * replicas
         if kv_cache_dtype != "auto":
             dtype = kv_storage_dtype(kv_cache_dtype, config.jnp_dtype)
-            layer = lambda: init_quantized_pages(num_pages, page_size, config.num_kv_heads,  # noqa: E731
-                                                 config.head_dim, dtype, fill_value)
+            layer = lambda: init_quantized_pages(pool, page_size, heads, config.head_dim, dtype,  # noqa: E731
+                                                 fill_value)
         else:
             dtype = dtype or config.jnp_dtype
-            layer = lambda: init_kv_pages(num_pages, page_size, config.num_kv_heads,  # noqa: E731
-                                          config.head_dim, dtype, fill_value)
-        return cls(tuple(cache_entry(layer, stages) for _ in range(config.num_layers // stages)), stages)
+            layer = lambda: init_kv_pages(pool, page_size, heads, config.head_dim, dtype, fill_value)  # noqa: E731
+        make = lambda: cache_entry(layer, stages)  # noqa: E731
+        if mesh is not None:
+            make = jax.jit(make, out_shardings=_cache_shardings(mesh, stages > 1, kv_cache_dtype != "auto"))
+        return cls(tuple(make() for _ in range(config.num_layers // stages)), stages)
 
     @property
     def _values_shape(self) -> tuple[int, ...]:  # one layer's [num_pages, page_size, 2H, D]

@@ -63,11 +63,11 @@ def sharded_greedy(mesh) -> list[int]:
     from jaxfill.engine.simple import bucket
     from jaxfill.engine import placement
     from jaxfill.models.forward import forward
-    from jaxfill.models.kv_cache import single_sequence_metadata
+    from jaxfill.models.kv_cache import KVCache, single_sequence_metadata
 
     cfg = model_config()
     graphdef, state = placement.init_sharded(cfg, mesh)
-    cache = placement.create_kv_cache(cfg, mesh, 16, 8)
+    cache = KVCache.create(cfg, 16, 8, mesh=mesh)
     replicated = NamedSharding(mesh, P())
 
     def put(x):

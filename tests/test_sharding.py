@@ -235,7 +235,7 @@ def _worker():  # noqa: C901 - one script, many checks
     def nan_cache(mesh=None):
         if mesh is None:
             return KVCache.create(cfg, num_pages, page_size, fill_value=float("nan"))
-        return placement.create_kv_cache(cfg, mesh, num_pages, page_size, fill_value=float("nan"))
+        return KVCache.create(cfg, num_pages, page_size, fill_value=float("nan"), mesh=mesh)
 
     ref_compiled = compile_forward(ref_state, nan_cache())
     ref_logits, ref_tokens = generate(ref_compiled, ref_state, nan_cache())
