@@ -55,6 +55,23 @@ def _pad_tokens(tokens: jax.Array,  # [n] i32
     return _replicated(jnp.pad(tokens, (0, size - tokens.shape[0])))
 
 
+def _step_body(forward, batch: StepBatch, prev_tokens: jax.Array,  # [P] i32
+               ) -> tuple[SampleOutput, KVCache, jax.Array]:
+    """What every step does: the previous step's tokens in, forward, sample, tokens out.
+    `forward(tokens [N], positions [N], meta) -> (logits [rows, V], cache)` with the
+    batch's leaves flattened to one row axis (a no-op for one replica)."""
+    batch = take_in_flight(batch, prev_tokens)
+    n = batch.tokens.size
+    with jax.named_scope("model"):
+        logits, kv_cache = forward(batch.tokens.reshape(n), batch.positions.reshape(n), batch.meta)
+    with jax.named_scope("sampler"):
+        sampling = batch.sampling
+        if batch.tokens.ndim == 2:  # [R, ...] replicas: one row axis, replica-major
+            sampling = jax.tree.map(lambda x: x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:]), sampling)
+        out = sample(logits, sampling)
+    return out, kv_cache, _pad_tokens(out.tokens, prev_tokens.shape[0])
+
+
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
 def step(graphdef: nnx.GraphDef,
          state: nnx.State,
@@ -63,12 +80,7 @@ def step(graphdef: nnx.GraphDef,
          prev_tokens: jax.Array,  # [P] i32, the previous step's tokens, padded
          ) -> tuple[SampleOutput, KVCache, jax.Array]:  # [S] rows, cache, [P] tokens
     model = nnx.merge(graphdef, state)
-    batch = take_in_flight(batch, prev_tokens)
-    with jax.named_scope("model"):
-        logits, kv_cache = model(batch.tokens, batch.positions, kv_cache, batch.meta)  # [S, V]
-    with jax.named_scope("sampler"):
-        out = sample(logits, batch.sampling)
-    return out, kv_cache, _pad_tokens(out.tokens, prev_tokens.shape[0])
+    return _step_body(lambda tokens, positions, meta: model(tokens, positions, kv_cache, meta), batch, prev_tokens)
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
@@ -78,13 +90,8 @@ def step_replicas(graphdef: nnx.GraphDef,
                   batch: StepBatch,  # every leaf stacked [R, ...], split over 'data'
                   prev_tokens: jax.Array,  # [P] i32, the previous step's tokens, padded, replicated
                   ) -> tuple[SampleOutput, KVCache, jax.Array]:  # [R * S] rows, replica-major
-    r, t = batch.tokens.shape
-    batch = take_in_flight(batch, prev_tokens)
-    with jax.named_scope("model"):
-        logits, kv_cache = data_parallel_forward(graphdef, state, batch.tokens.reshape(r * t),
-                                                 batch.positions.reshape(r * t), kv_cache, batch.meta)
-    with jax.named_scope("sampler"):
-        sampling = jax.tree.map(lambda x: x.reshape((r * x.shape[1],) + x.shape[2:]), batch.sampling)
-        out = sample(logits, sampling)
-    out = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, PartitionSpec()), out)
-    return out, kv_cache, _pad_tokens(out.tokens, prev_tokens.shape[0])
+    def forward(tokens, positions, meta):
+        return data_parallel_forward(graphdef, state, tokens, positions, kv_cache, meta)
+
+    out, kv_cache, tokens = _step_body(forward, batch, prev_tokens)
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, PartitionSpec()), out), kv_cache, tokens

@@ -19,7 +19,7 @@ from jaxfill.models.attention import Attention
 from jaxfill.models.config import ModelConfig
 from jaxfill.models.kv_cache import AttentionMetadata, KVCache
 from jaxfill.models.layers import Embed, GatedMLP, RMSNorm, param
-from jaxfill.models.pipeline import pipeline_layers, stack_layers
+from jaxfill.models.pipeline import pipeline_layers, run_layers, stack_layers
 from jaxfill.models.sharding import constrain, rows_split_over_sequence
 
 
@@ -90,12 +90,7 @@ class Llama(nnx.Module):
             # sequence (every-row logits, as training and evaluation read them).
             one_row_per_seq = meta.logits_indices.shape[0] == meta.kv_lens.shape[0]
             prune = one_row_per_seq and prunes_last_layer(self.stages, rows_split_over_sequence())
-            last = len(self.layers) - 1
-            new_pages = []
-            for i, (layer, pages) in enumerate(zip(self.layers, kv_cache.pages)):
-                with jax.named_scope(f"layer_{i}"):
-                    x, pages = layer(x, positions, pages, meta, self.attention_impl, prune and i == last)
-                new_pages.append(pages)
+            x, new_pages = run_layers(self.layers, x, positions, kv_cache.pages, meta, self.attention_impl, prune)
             if not prune:
                 x = jnp.take(x, meta.logits_indices, axis=0)
         x = self.norm(constrain(x, ("seqs", "act_embed")))  # [S, E]
