@@ -65,7 +65,7 @@ def worker_jax(model_dir: str, lengths: list[int], repeats: int, devices: int, d
 
         def bare():
             tokens = rng.integers(0, 32000, size=n).astype(np.int32)
-            with runner._context():
+            with runner.mesh_context():
                 logits, runner.kv_cache = forward(runner.graphdef, runner.state, tokens, positions,
                                                   runner.kv_cache, meta)
             return np.asarray(logits)

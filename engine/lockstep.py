@@ -38,9 +38,10 @@ MIN_REST_WORDS = 1024
 
 
 class Lockstep:
-    def __init__(self, templates: list[StepBatch]):
+    def __init__(self, templates: list[StepBatch], broadcast=None):
         """templates[i]: a batch of bucket i's shape (stacked when data > 1): what followers
-        unpack into. Leader and followers must build the same list."""
+        unpack into. Leader and followers must build the same list. `broadcast(buf) -> buf`
+        (tests): what process 0's buffer becomes everywhere; default a sum over processes."""
         import jax
 
         self.templates = templates
@@ -53,12 +54,13 @@ class Lockstep:
         self.num_sent = 0  # messages sent (leader): benchmarks/multihost.py reads these
         self.send_s = 0.0  # seconds spent broadcasting
         self.words_sent = 0  # int32 words broadcast (leader), both parts of every message
+        self._broadcast = broadcast or self._broadcast_over_processes
 
     @staticmethod
     def _key(batch: StepBatch) -> tuple:
         return tuple(batch.tokens.shape) + tuple(batch.meta.kv_lens.shape)
 
-    def _broadcast(self, buf: np.ndarray) -> np.ndarray:  # [size] int32
+    def _broadcast_over_processes(self, buf: np.ndarray) -> np.ndarray:  # [size] int32
         import jax
 
         local = (buf if self.is_leader else np.zeros_like(buf))[None]  # only process 0 contributes

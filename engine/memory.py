@@ -138,7 +138,7 @@ def activation_peak(runner, probe_cache) -> int:
     """XLA's temp buffer bytes for the largest bucket's step (per device)."""
     shape = max(runner.shapes)
     batch = runner.put(runner.dummy(shape))
-    with runner._context():
+    with runner.mesh_context():
         compiled = runner._step.lower(runner.graphdef, runner.state, probe_cache, batch,
                                       runner.prev_tokens).compile()
     stats = compiled.memory_analysis()

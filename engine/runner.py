@@ -81,7 +81,7 @@ class Runner:
             self.batch_sharding = NamedSharding(self.mesh, spec)
         else:
             self.batch_sharding = None
-        self._step = step_replicas if self.num_replicas > 1 else step
+        self.step_fn = step_replicas if self.num_replicas > 1 else step  # the jitted step it runs
         self.state = state
         self.attention_impl = resolve_impl(model.attention_impl)  # the impl that serves
         self.attention_check = "not checked yet (warmup checks it)"
@@ -141,7 +141,8 @@ class Runner:
         one = dummy_batch(shape, s.max_pages_per_seq, s.penalty_window)
         return stack_batches([one] * self.num_replicas)
 
-    def _context(self):
+    def mesh_context(self):
+        """Where the step runs: inside the mesh (jax.set_mesh), or nothing for one device."""
         if self.mesh is None:
             return contextlib.nullcontext()
         return jax.set_mesh(self.mesh)
@@ -158,8 +159,8 @@ class Runner:
 
     def _launch(self, batch: StepBatch) -> PendingOutput:
         dev = self.put(batch)
-        with self._context():
-            out, self.kv_cache, self.prev_tokens = self._step(self.graphdef, self.state, self.kv_cache, dev,
+        with self.mesh_context():
+            out, self.kv_cache, self.prev_tokens = self.step_fn(self.graphdef, self.state, self.kv_cache, dev,
                                                               self.prev_tokens)
         return PendingOutput(out)
 

@@ -189,17 +189,17 @@ class ServerThread:
     """
 
     def __init__(self, engine, **kwargs):
-        self._loop = asyncio.new_event_loop()
+        self.event_loop = asyncio.new_event_loop()
         self.server = Server(engine, **kwargs)
         self._started = threading.Event()
         self._error: BaseException | None = None
         self._stopped: dict | None = None
-        self._thread = threading.Thread(target=self._run, name="jaxfill-grpc", daemon=True)
-        self._thread.start()
+        self.thread = threading.Thread(target=self._run, name="jaxfill-grpc", daemon=True)
+        self.thread.start()
         self._started.wait()
         if self._error:
-            self._thread.join(10)
-            self._loop.close()
+            self.thread.join(10)
+            self.event_loop.close()
             raise self._error
 
     def __enter__(self) -> "ServerThread":
@@ -209,15 +209,15 @@ class ServerThread:
         self.stop()
 
     def _run(self):
-        asyncio.set_event_loop(self._loop)
+        asyncio.set_event_loop(self.event_loop)
         try:
-            self._loop.run_until_complete(self.server.start())
+            self.event_loop.run_until_complete(self.server.start())
         except BaseException as e:  # noqa: BLE001
             self._error = e
             self._started.set()
             return
         self._started.set()
-        self._loop.run_forever()
+        self.event_loop.run_forever()
 
     @property
     def port(self) -> int:
@@ -228,21 +228,21 @@ class ServerThread:
         return f"{self.server.host}:{self.server.port}"
 
     def wait_ready(self, timeout: float = 600.0) -> bool:
-        return asyncio.run_coroutine_threadsafe(self.server.wait_ready(timeout), self._loop).result(timeout + 5)
+        return asyncio.run_coroutine_threadsafe(self.server.wait_ready(timeout), self.event_loop).result(timeout + 5)
 
     def call(self, fn, *args):
         """Runs fn(*args) on the server's event loop and returns its result."""
         async def wrapped():
             return fn(*args)
-        return asyncio.run_coroutine_threadsafe(wrapped(), self._loop).result(30)
+        return asyncio.run_coroutine_threadsafe(wrapped(), self.event_loop).result(30)
 
     def stop(self, grace_s: float = 5.0) -> dict:
         """Drains (see Server.shutdown), then stops and closes the event loop. Idempotent."""
         if self._stopped is None:
             self._stopped = asyncio.run_coroutine_threadsafe(self.server.shutdown(grace_s),
-                                                             self._loop).result(grace_s + 60)
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(10)
-            if not self._thread.is_alive():
-                self._loop.close()
+                                                             self.event_loop).result(grace_s + 60)
+            self.event_loop.call_soon_threadsafe(self.event_loop.stop)
+            self.thread.join(10)
+            if not self.thread.is_alive():
+                self.event_loop.close()
         return self._stopped

@@ -114,19 +114,18 @@ def test_send_then_receive_through_recorded_broadcasts(num_pages_used):
     templates = [dummy_batch(shape, 256, 8) for shape in [(16, 16), (64, 64)]]
     batch = dummy_batch((64, 64), 256, 8)
     batch.meta.page_indices[:, :num_pages_used] = np.random.default_rng(8).integers(1, 999, (64, num_pages_used))
-    leader, follower = Lockstep(templates), Lockstep(templates)
     sent = []
-    leader._broadcast = lambda buf: sent.append(buf.copy()) or buf
-    leader.send(RUN, batch)
-    assert len(sent) == (1 if num_pages_used < 100 else 2) and leader.words_sent == sum(b.size for b in sent)
-    follower.is_leader = False
 
     def receive_one(buf):
         got = sent.pop(0)
         assert got.shape == buf.shape
         return got
 
-    follower._broadcast = receive_one
+    leader = Lockstep(templates, broadcast=lambda buf: sent.append(buf.copy()) or buf)
+    follower = Lockstep(templates, broadcast=receive_one)
+    leader.send(RUN, batch)
+    assert len(sent) == (1 if num_pages_used < 100 else 2) and leader.words_sent == sum(b.size for b in sent)
+    follower.is_leader = False
     op, out = follower.receive()
     assert op == RUN and not sent
     for a, b in zip(jax.tree.leaves(batch), jax.tree.leaves(out)):

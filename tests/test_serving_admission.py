@@ -132,7 +132,7 @@ def test_server_thread_context_manager_closes_its_loop(engine):
         assert st.wait_ready(300)
         with Client(st.address) as c:
             assert len(c.generate([4, 5, 6], max_tokens=2, ignore_eos=True, timeout=60).token_ids) == 2
-        loop, thread = st._loop, st._thread
+        loop, thread = st.event_loop, st.thread
     assert loop.is_closed() and not thread.is_alive()
     assert st.server.loop.state == STOPPED
     assert st.stop() == {"in_flight": 0, "aborted": 0}  # idempotent
