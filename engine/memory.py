@@ -139,7 +139,7 @@ def activation_peak(runner, probe_cache) -> int:
     shape = max(runner.shapes)
     batch = runner.put(runner.dummy(shape))
     with runner.mesh_context():
-        compiled = runner._step.lower(runner.graphdef, runner.state, probe_cache, batch,
+        compiled = runner.step_fn.lower(runner.graphdef, runner.state, probe_cache, batch,
                                       runner.prev_tokens).compile()
     stats = compiled.memory_analysis()
     return int(stats.temp_size_in_bytes) if stats is not None else 0
