@@ -1,4 +1,6 @@
-"""Logical axis names -> mesh axes. The only place in models/ that names mesh axes.
+"""Logical axis names -> mesh axes: the one rules table. Besides this file only
+models/pipeline.py names a mesh axis, 'stage' (through STAGE), for its shard_map,
+axis_index and ppermute over the stages.
 
 Model code labels arrays with logical names ('vocab', 'embed', 'q_heads', ...; see
 RULES) and calls `constrain` / `sharded_attention` / `vocab_parallel_embed`; with no mesh
