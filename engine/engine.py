@@ -21,7 +21,7 @@ in a notebook) leaves it consistent: outputs go back to the outbox, lost steps a
 rewound, a KV cache lost between donation and store is rebuilt. mesh.data = R > 1: R
 schedulers and page pools whose batches are stacked into one step. Multi-process
 (jax.distributed): process 0 owns the scheduler and drives it; the others call
-`follow()` and run each step it broadcasts until it calls `close()`.
+`follow()` (engine/multiprocess_facade.py).
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ from jaxfill.engine.cpu_devices import use_cpu_cores
 from jaxfill.engine.disagg_facade import DisaggregationFacade
 from jaxfill.engine.loading import build_mesh, build_model, build_tokenizer
 from jaxfill.engine.mesh import with_mesh_shape
-from jaxfill.engine.output import emit_text
+from jaxfill.engine.multiprocess_facade import MultiProcessFacade
+from jaxfill.engine.output import token_output
 from jaxfill.engine.request import QueueFull, Request, RequestOutput, SamplingParams
 from jaxfill.engine.request_factory import RequestFactory
 from jaxfill.engine.runner import Runner
@@ -49,7 +50,7 @@ from jaxfill.engine.stepping import StepGuard
 from jaxfill.engine.tokenizer import IdsOnlyTokenizer
 
 
-class Engine(Conveniences, DisaggregationFacade):
+class Engine(Conveniences, DisaggregationFacade, MultiProcessFacade):
     def __init__(self, config: Config, progress: bool = True, warmup: bool = True, model=None,
                  defer_text: bool = False):
         use_cpu_cores(config.mesh)  # first: one XLA CPU device per core, before jax starts
@@ -255,22 +256,9 @@ class Engine(Conveniences, DisaggregationFacade):
                     outputs.append(out)
 
     def _token_output(self, req: Request, sampled, host, row: int) -> RequestOutput:
-        """What a caller reads of one recorded token: text and logprobs here, or (defer_text)
-        ids and raw logprobs for the caller to format."""
-        lp = raw = None
-        if self.defer_text:
-            text, reason = "", sampled.reason
-            if req.logprobs is not None:
-                n = req.params.logprobs
-                raw = [(float(host.logprob[row]), host.top_ids[row][:n].tolist(),
-                        host.top_logprobs[row][:n].tolist())]
-        else:
-            text, reason, lp = emit_text(req, sampled, host.logprob[row], host.top_ids[row], host.top_logprobs[row])
-        out = RequestOutput(req.request_id, [], text) if reason is None else self._finish(req, reason, text=text)
-        out.new_token_ids = [sampled.token]
-        out.logprobs = [lp] if lp else None
-        out.raw_logprobs = raw
-        out.num_cached_tokens = req.cached_tokens
+        out, reason = token_output(req, sampled, host, row, self.defer_text)
+        if reason is not None:
+            out.finished, out.completion = True, self._finish(req, reason).completion
         return out
 
     def _recover_cache(self) -> None:
@@ -304,32 +292,3 @@ class Engine(Conveniences, DisaggregationFacade):
         if self.kv_handoff is not None:
             self.kv_handoff.hold.discard(req.request_id)
         return RequestOutput(req.request_id, [], text, finished=True, completion=req.completion())
-
-    # ------------------------------------------------------------------ multi-process
-    @property
-    def is_leader(self) -> bool:
-        """Process 0 of a multi-process run (or the only process): owns the scheduler."""
-        return self.runner.is_leader
-
-    def _leader_only(self, what: str) -> None:
-        if not self.is_leader:
-            raise RuntimeError(f"{what}() runs on process 0 only: process 0 owns the scheduler; "
-                               "other processes call engine.follow()")
-
-    def follow(self) -> int:
-        """Processes 1..N-1: run process 0's steps (warm-up included) until it calls close()."""
-        return self.runner.follow()
-
-    def idle(self) -> None:
-        """Call when there is nothing to step (the serving loop does): keeps followers alive."""
-        self.runner.idle()
-
-    def close(self) -> None:
-        """Process 0: releases the followers. A no-op in a single-process run; idempotent."""
-        self.runner.close()
-
-    def __enter__(self) -> "Engine":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

@@ -9,7 +9,7 @@ serving/text_stage.py).
 
 from __future__ import annotations
 
-from jaxfill.engine.request import Request
+from jaxfill.engine.request import Request, RequestOutput
 
 
 def format_logprob(token: int, logprob: float, top_ids, top_logprobs,  # [N], [N]
@@ -29,6 +29,24 @@ def emit_text(req: Request, sampled, logprob: float, top_ids, top_logprobs,  # [
         req.logprobs.append(lp)
     emitted, hit = feed_text(req, req.params.stop, [token], final=reason is not None)
     return emitted, "stop" if hit else reason, lp
+
+
+def token_output(req: Request, sampled, host, row: int,  # host: HostOutput of the step, row: the request's
+                 defer_text: bool) -> tuple[RequestOutput, str | None]:
+    """What a caller reads of one recorded token, and the finish reason (the ids' or a stop
+    string's) for the engine to finish it with. defer_text: ids and raw logprobs only, the
+    caller formats them (serving/text_stage.py)."""
+    lp = raw = None
+    if defer_text:
+        text, reason = "", sampled.reason
+        if req.logprobs is not None:
+            n = req.params.logprobs
+            raw = [(float(host.logprob[row]), host.top_ids[row][:n].tolist(), host.top_logprobs[row][:n].tolist())]
+    else:
+        text, reason, lp = emit_text(req, sampled, host.logprob[row], host.top_ids[row], host.top_logprobs[row])
+    out = RequestOutput(req.request_id, [sampled.token], text, logprobs=[lp] if lp else None, raw_logprobs=raw,
+                        num_cached_tokens=req.cached_tokens)
+    return out, reason
 
 
 def feed_text(state, stops: tuple[str, ...], ids: list[int], final: bool) -> tuple[str, bool]:
