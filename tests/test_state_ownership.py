@@ -15,6 +15,7 @@ OWNED = {"num_computed", "in_flight", "pending_row", "output_ids", "pages", "pag
 MUTATORS = {"append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse"}
 # Objects of other types whose fields happen to share a name (a client's result, a stream).
 NOT_REQUESTS = {("serving/engine_loop.py", "stream"), ("serving/engine_loop.py", "self"),
+                ("serving/engine_thread.py", "stream"), ("serving/engine_thread.py", "self"),
                 ("serving/bench_load.py", "res"), ("serving/client.py", "self")}
 
 
