@@ -206,6 +206,8 @@ class Engine(Conveniences, DisaggregationFacade, MultiProcessFacade):
         self._recover_cache()
         scheds = self.scheduler.schedule()  # one per data replica
         for req in (r for sched in scheds for r in sched.finished):  # no room in the pool even alone
+            if self.kv_handoff is not None:  # never prefilled: nothing to offer
+                self.kv_handoff.hold.discard(req.request_id)
             outputs.append(self._finished_output(req))
         if not any(sched.seqs for sched in scheds):
             return None
@@ -280,15 +282,14 @@ class Engine(Conveniences, DisaggregationFacade, MultiProcessFacade):
         self._recover_cache()
         return outs
 
-    def _finish(self, req: Request, reason: str, text: str = "", error: str | None = None,
+    def _finish(self, req: Request, reason: str, error: str | None = None,
                 num_output_tokens: int | None = None) -> RequestOutput:
         """[lock] Ends the request through the scheduler; a held prefill keeps its pages for
         the decode side's pull (engine/kv_handoff.py)."""
         keep = self.kv_handoff is not None and self.kv_handoff.take_on_finish(req, reason)
         self.scheduler.finish(req, reason, error, keep_pages=keep, num_output_tokens=num_output_tokens)
-        return self._finished_output(req, text)
+        return self._finished_output(req)
 
-    def _finished_output(self, req: Request, text: str = "") -> RequestOutput:
-        if self.kv_handoff is not None:
-            self.kv_handoff.hold.discard(req.request_id)
-        return RequestOutput(req.request_id, [], text, finished=True, completion=req.completion())
+    @staticmethod
+    def _finished_output(req: Request) -> RequestOutput:
+        return RequestOutput(req.request_id, [], "", finished=True, completion=req.completion())
