@@ -89,11 +89,11 @@ def stage_busy_s(cfg, page_size: int, tokens: int, stages: int, microbatches: in
 
     from jaxfill.models.forward import forward
     from jaxfill.models.kv_cache import KVCache
-    from jaxfill.models.llama import Llama
+    from jaxfill.models.decoder import Decoder
     from flax import nnx
 
     part = dataclasses.replace(cfg, num_layers=cfg.num_layers // stages)
-    graphdef, state = nnx.split(Llama(part, nnx.Rngs(0)))
+    graphdef, state = nnx.split(Decoder(part, nnx.Rngs(0)))
     n = tokens // microbatches
     chunks = [_prefill(cfg, page_size, n, i * n, seed=i) for i in range(microbatches)]
     box = [KVCache.create(part, tokens // page_size + 2, page_size, fill_value=float("nan"))]

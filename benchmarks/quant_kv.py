@@ -75,11 +75,11 @@ def perplexity(forward_fn) -> dict:
 def top1_agreement(forward_fn, positions: int) -> dict:
     from jaxfill.engine.config import load_config
     from jaxfill.models.checkpoint import quantize_model
-    from jaxfill.models.llama import Llama
+    from jaxfill.models.decoder import Decoder
 
     train = QW.load_train_module()
     _, held = train.load_corpus()
-    f32 = Llama(load_config("bench").model)
+    f32 = Decoder(load_config("bench").model)
     int8w = quantize_model(f32)
     modes = {"kv=int8": (f32, "int8"), "kv=float8_e4m3fn": (f32, "float8_e4m3fn"),
              "weights=int8,kv=int8": (int8w, "int8")}
@@ -143,9 +143,9 @@ def memory() -> dict:
 def speed(forward_fn, repeats: int) -> dict:
     from jaxfill.engine.config import load_config
     from jaxfill.models.kv_cache import KVCache, single_sequence_metadata
-    from jaxfill.models.llama import Llama
+    from jaxfill.models.decoder import Decoder
 
-    model = Llama(load_config("bench").model)
+    model = Decoder(load_config("bench").model)
     graphdef, state = nnx.split(model)
     n = 1024
     pages = list(range(1, n // PAGE + 2))

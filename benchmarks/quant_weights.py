@@ -93,11 +93,11 @@ def perplexity(forward_fn) -> dict:
 def top1_agreement(forward_fn, positions: int) -> dict:
     from jaxfill.engine.config import load_config
     from jaxfill.models.checkpoint import quantize_model
-    from jaxfill.models.llama import Llama
+    from jaxfill.models.decoder import Decoder
 
     train = load_train_module()
     _, held = train.load_corpus()
-    f32 = Llama(load_config("bench").model)
+    f32 = Decoder(load_config("bench").model)
     int8 = quantize_model(f32)
     seq = 1024
     agree, total, kl = 0, 0, []
@@ -129,10 +129,10 @@ def speed(forward_fn, repeats: int) -> dict:
     from jaxfill.engine.config import load_config
     from jaxfill.models.checkpoint import quantize_model
     from jaxfill.models.kv_cache import KVCache, single_sequence_metadata
-    from jaxfill.models.llama import Llama
+    from jaxfill.models.decoder import Decoder
     from jaxfill.models.quant import param_bytes
 
-    f32 = Llama(load_config("bench").model)
+    f32 = Decoder(load_config("bench").model)
     models = {"auto": f32, "int8": quantize_model(f32)}
     n = 1024
     pages = list(range(1, n // PAGE + 2))

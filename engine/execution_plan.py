@@ -3,7 +3,7 @@
 `engine.scan_layers` is the stacked layout with every layer its own group, run one after
 another by a lax.scan; `mesh.stage = p` stacks p groups and pipelines them over 'stage'
 (models/pipeline.py); otherwise the layers are unrolled. Only the unrolled layout runs
-the last layer on the sampled rows (models/llama.py `prunes_last_layer`), and the
+the last layer on the sampled rows (models/decoder.py `prunes_last_layer`), and the
 planner counts FLOPs with that same rule.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxfill.models.llama import prunes_last_layer
+from jaxfill.models.decoder import prunes_last_layer
 
 
 @dataclasses.dataclass(frozen=True)

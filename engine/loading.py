@@ -8,7 +8,7 @@ from jaxfill.engine.config import Config
 from jaxfill.engine.execution_plan import ExecutionPlan
 from jaxfill.engine.request import InvalidRequest
 from jaxfill.engine.tokenizer import load_tokenizer
-from jaxfill.models.llama import Llama
+from jaxfill.models.families.registry import new_model
 
 
 def build_mesh(config: Config):
@@ -28,7 +28,7 @@ def build_mesh(config: Config):
     return make_mesh(config.mesh)
 
 
-def build_model(config: Config, mesh=None, progress: bool = True) -> Llama:
+def build_model(config: Config, mesh=None, progress: bool = True):
     """Params go straight into their shards when a mesh is given: never whole on one
     device, and each process reads only its own devices' slices of a checkpoint. With
     mesh.stage > 1 (or engine.scan_layers) the model comes in the stacked layout of
@@ -53,7 +53,7 @@ def build_model(config: Config, mesh=None, progress: bool = True) -> Llama:
 
         return load_hf_params(config.model_path, config.model, attention_impl=impl, place=place or default_place,
                               progress=progress, stages=stages, microbatches=microbatches)
-    return Llama(config.model, attention_impl=impl, stages=stages, microbatches=microbatches)
+    return new_model(config.model, attention_impl=impl, stages=stages, microbatches=microbatches)
 
 
 def build_tokenizer(config: Config):

@@ -14,27 +14,27 @@ import jax
 from flax import nnx
 
 from jaxfill.models.checkpoint import TensorSlices
-from jaxfill.models.llama import Llama
+from jaxfill.models.families.registry import new_model
 from jaxfill.models.sharding import param_shardings, var_sharding
 
 
 def abstract_state(config, attention_impl: str = "auto", stages: int = 1, microbatches: int = 1):
-    """(graphdef, abstract state) of a Llama, without allocating anything."""
-    model = nnx.eval_shape(lambda: Llama(config, nnx.Rngs(0), attention_impl=attention_impl,
-                                         stages=stages, microbatches=microbatches))
+    """(graphdef, abstract state) of the config's model, without allocating anything."""
+    model = nnx.eval_shape(lambda: new_model(config, nnx.Rngs(0), attention_impl=attention_impl,
+                                             stages=stages, microbatches=microbatches))
     return nnx.split(model)
 
 
 def init_sharded(config, mesh: jax.sharding.Mesh, attention_impl: str = "auto",
                  rules: Mapping[str, Any] | None = None, stages: int = 1, microbatches: int = 1):
     """Random init straight into shards (jit with out_shardings): (graphdef, state).
-    Bitwise the same values as `Llama(config)` (threefry is partitionable)."""
+    Bitwise the same values as `new_model(config)` (threefry is partitionable)."""
     graphdef, abstract = abstract_state(config, attention_impl, stages, microbatches)
     shardings = param_shardings(abstract, mesh, rules)
 
     def init():
-        return nnx.split(Llama(config, nnx.Rngs(config.seed), attention_impl=attention_impl,
-                               stages=stages, microbatches=microbatches))[1]
+        return nnx.split(new_model(config, nnx.Rngs(config.seed), attention_impl=attention_impl,
+                                   stages=stages, microbatches=microbatches))[1]
 
     with jax.set_mesh(mesh):
         state = jax.jit(init, out_shardings=shardings)()

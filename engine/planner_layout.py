@@ -2,7 +2,7 @@
 
 The planner's memory side (engine/planner.py does the time side). Arithmetic only; the
 rules mirrored here (tests/test_planner.py checks them against the logical axes of
-`Llama(config, stages=p)` under an abstract mesh):
+`Decoder(config, stages=p)` under an abstract mesh):
 
 * a decoder layer's q, o, gate, up, down (and q bias, and the int8 scales of q, gate, up)
   split over 'tensor'; k and v (bias, scales) split too when Hkv divides by 'tensor', else

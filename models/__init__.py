@@ -1,7 +1,9 @@
 """Flax NNX model definitions. Only logical axis names here; mesh axes live in sharding.py."""
 
 from jaxfill.models.config import ConfigError, ModelConfig
+from jaxfill.models.decoder import Decoder
 from jaxfill.models.kv_cache import AttentionMetadata, KVCache
-from jaxfill.models.llama import Llama
 
-__all__ = ["ConfigError", "ModelConfig", "AttentionMetadata", "KVCache", "Llama"]
+Llama = Decoder  # the name before the registry (models/families/): every dense family's model
+
+__all__ = ["ConfigError", "ModelConfig", "AttentionMetadata", "KVCache", "Decoder", "Llama"]

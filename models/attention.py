@@ -8,7 +8,9 @@ from flax import nnx
 
 from jaxfill.models.config import ModelConfig
 from jaxfill.models.kv_cache import AttentionMetadata, sampled_rows_metadata
-from jaxfill.models.layers import apply_rope, param, projection, rope_inv_freq
+from jaxfill.models.layer_settings import by_window, layer_settings
+from jaxfill.models.layers import RMSNorm, param, projection
+from jaxfill.models.rope import apply_rope
 from jaxfill.models.quant import qeinsum
 from jaxfill.models.sharding import constrain, kv_heads_for, sharded_attention
 from jaxfill.pallas_kernels import ragged_paged_attention, write_kv
@@ -26,10 +28,18 @@ class Attention(nnx.Module):
             self.q_bias = param(rngs, (c.num_heads, c.head_dim), ("q_heads", "head_dim"), dt)
             self.k_bias = param(rngs, (c.num_kv_heads, c.head_dim), ("kv_heads", "head_dim"), dt)
             self.v_bias = param(rngs, (c.num_kv_heads, c.head_dim), ("kv_heads", "head_dim"), dt)
-        self.has_bias = c.attention_bias
-        self.inv_freq = tuple(float(f) for f in rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling_dict))
-        self.sm_scale = c.head_dim ** -0.5
-        self.sliding_window = c.sliding_window
+        if c.qk_norm == "head":  # over each head's D
+            self.q_norm = RMSNorm(d, c.rms_norm_eps, dt, rngs, kind=c.norm_kind, axes=("head_dim",))
+            self.k_norm = RMSNorm(d, c.rms_norm_eps, dt, rngs, kind=c.norm_kind, axes=("head_dim",))
+        elif c.qk_norm == "projection":  # over all heads of the projection
+            self.q_norm = RMSNorm(d, c.rms_norm_eps, dt, rngs, kind=c.norm_kind, shape=(hq, d),
+                                  axes=("q_heads", "head_dim"))
+            self.k_norm = RMSNorm(d, c.rms_norm_eps, dt, rngs, kind=c.norm_kind, shape=(hk, d),
+                                  axes=("kv_heads", "head_dim"))
+        if c.attention_out_bias:
+            self.o_bias = param(rngs, (e,), ("embed",), dt)
+        self.config = c
+        self.sm_scale = c.query_scale if c.query_scale is not None else c.head_dim ** -0.5
 
     def __call__(self,
                  x: jax.Array,  # [T, E]
@@ -37,21 +47,27 @@ class Attention(nnx.Module):
                  pages: jax.Array,  # [num_pages, page_size, 2 * Hkv, D]
                  meta: AttentionMetadata,
                  impl: str,
+                 layer,  # this layer's number: a Python int, or traced in a stacked layout
                  sampled_only: bool = False,
                  ) -> tuple[jax.Array, jax.Array]:  # [T, E] ([S, E] if sampled_only), pages
         """K/V of every row go into the pages. With `sampled_only` queries (and the output)
         exist only for each sequence's sampled row, `meta.logits_indices`: in the last
-        layer no other row feeds anything, so its queries would be wasted work."""
+        layer no other row feeds anything, so its queries would be wasted work. The
+        layer's rope and window come from models/layer_settings.py by `layer`."""
         k = qeinsum("te,ehd->thd", x, self.k[...], self.k_scale)
         v = qeinsum("te,ehd->thd", x, self.v[...], self.v_scale)
         q_pos = positions
         if sampled_only:
             x, q_pos = jnp.take(x, meta.logits_indices, axis=0), jnp.take(positions, meta.logits_indices)
         q = qeinsum("te,ehd->thd", x, self.q[...], self.q_scale)
-        if self.has_bias:
+        if self.config.attention_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
-        inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
-        q, k = apply_rope(q, q_pos, inv_freq), apply_rope(k, positions, inv_freq)
+        if self.config.qk_norm != "none":
+            q, k = self.q_norm(q), self.k_norm(k)
+        settings = layer_settings(self.config)
+        if not (isinstance(layer, int) and not settings.has_rope[layer]):
+            inv_freq, scale = settings.rope(layer)
+            q, k = apply_rope(q, q_pos, inv_freq, scale), apply_rope(k, positions, inv_freq, scale)
         # A cache laid out for more KV heads than the model has (tensor parallel with
         # Hkv < tensor, see models/sharding.py) holds each head repeated r times in a row.
         r = kv_heads_for(pages.shape[2], k.shape[1])
@@ -62,13 +78,16 @@ class Attention(nnx.Module):
         v = constrain(v, ("tokens", "act_kv_heads", None))
         q_meta = sampled_rows_metadata(meta) if sampled_only else meta
 
-        def attend(q, k, v, pages, meta):  # per-device view under a mesh
+        def attend(q, k, v, pages, meta, window):  # per-device view under a mesh
             pages = write_kv(pages, k, v, meta.slot_mapping)
             out = ragged_paged_attention(
                 q, pages, meta.kv_lens, meta.page_indices, meta.cu_q_lens, meta.num_seqs,
-                sm_scale=self.sm_scale, sliding_window=self.sliding_window, impl=impl)
+                sm_scale=self.sm_scale, sliding_window=window, soft_cap=self.config.attn_soft_cap, impl=impl)
             return out, pages
 
-        out, pages = sharded_attention(attend, q, k, v, pages, q_meta)
+        out, pages = by_window(settings, layer, lambda w: sharded_attention(
+            lambda *a: attend(*a, window=w), q, k, v, pages, q_meta))
         out = qeinsum("thd,hde->te", out, self.o[...], self.o_scale)  # all-reduce over tensor
+        if self.config.attention_out_bias:
+            out = out + self.o_bias[...]
         return constrain(out, ("tokens", "act_embed")), pages

@@ -23,14 +23,15 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxfill.models.config import ModelConfig
-from jaxfill.models.llama import Llama
+from jaxfill.models.decoder import Decoder
+from jaxfill.models.families.base import HFTensor
+from jaxfill.models.families.registry import new_model
 from jaxfill.models.quant import QUANTIZED_INPUT_AXES, QuantizedSlices, is_quantized, quantize, scale_path
 
 SAFETENSORS_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
 }
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class CheckpointError(ValueError):
@@ -141,47 +142,22 @@ def read_safetensors(path: str) -> Iterator[tuple[str, StoredTensor]]:
         yield name, StoredTensor(path, 8 + header_len + start, dtype, shape)
 
 
-class HFTensor(NamedTuple):
-    """Where an HF tensor goes: param path, its HF shape, and the param as a view of it
-    (reshape the stored array to `stored_shape`, then transpose by `perm`)."""
-    param_path: tuple
-    hf_shape: tuple
-    stored_shape: tuple
-    perm: tuple
+def hf_to_param(config: ModelConfig) -> dict[str, HFTensor | tuple[HFTensor, ...]]:
+    """HF tensor name -> where it goes (a tuple of parts for a fused tensor): the family's table."""
+    return config.family.tensors(config)
 
 
-def hf_to_param(config: ModelConfig) -> dict[str, HFTensor]:
-    """HF tensor name -> HFTensor. HF Linear weights are [out, in]; params are [in, ...]."""
-    c = config
-    e, i, d = c.hidden_size, c.intermediate_size, c.head_dim
-    hq, hk = c.num_heads, c.num_kv_heads
-    same = lambda path, shape: HFTensor(path, shape, shape, tuple(range(len(shape))))  # noqa: E731
-    table = {
-        "model.embed_tokens.weight": same(("embed", "embedding"), (c.vocab_size, e)),
-        "model.norm.weight": same(("norm", "weight"), (e,)),
-    }
-    if not c.tie_word_embeddings:
-        table["lm_head.weight"] = HFTensor(("lm_head",), (c.vocab_size, e), (c.vocab_size, e), (1, 0))
-    for n in range(c.num_layers):
-        p, layer = f"model.layers.{n}.", ("layers", n)
-        table.update({  # [H*D, E] stored as [H, D, E] -> [E, H, D]; o: [E, H*D] as [E, H, D] -> [H, D, E]
-            p + "self_attn.q_proj.weight": HFTensor(layer + ("attn", "q"), (hq * d, e), (hq, d, e), (2, 0, 1)),
-            p + "self_attn.k_proj.weight": HFTensor(layer + ("attn", "k"), (hk * d, e), (hk, d, e), (2, 0, 1)),
-            p + "self_attn.v_proj.weight": HFTensor(layer + ("attn", "v"), (hk * d, e), (hk, d, e), (2, 0, 1)),
-            p + "self_attn.o_proj.weight": HFTensor(layer + ("attn", "o"), (e, hq * d), (e, hq, d), (1, 2, 0)),
-            p + "mlp.gate_proj.weight": HFTensor(layer + ("mlp", "gate"), (i, e), (i, e), (1, 0)),
-            p + "mlp.up_proj.weight": HFTensor(layer + ("mlp", "up"), (i, e), (i, e), (1, 0)),
-            p + "mlp.down_proj.weight": HFTensor(layer + ("mlp", "down"), (e, i), (e, i), (1, 0)),
-            p + "input_layernorm.weight": same(layer + ("attn_norm", "weight"), (e,)),
-            p + "post_attention_layernorm.weight": same(layer + ("mlp_norm", "weight"), (e,)),
-        })
-        if c.attention_bias:
-            table.update({
-                p + "self_attn.q_proj.bias": HFTensor(layer + ("attn", "q_bias"), (hq * d,), (hq, d), (0, 1)),
-                p + "self_attn.k_proj.bias": HFTensor(layer + ("attn", "k_bias"), (hk * d,), (hk, d), (0, 1)),
-                p + "self_attn.v_proj.bias": HFTensor(layer + ("attn", "v_bias"), (hk * d,), (hk, d), (0, 1)),
-            })
-    return table
+def tensor_parts(spec) -> tuple[HFTensor, ...]:
+    return (spec,) if isinstance(spec, HFTensor) else spec
+
+
+def rows_of(stored: StoredTensor, rows: tuple | None) -> StoredTensor:
+    """Rows [start, stop) of axis 0 of a stored tensor: a contiguous byte range of it."""
+    if rows is None:
+        return stored
+    start, stop = rows
+    row_bytes = int(np.prod(stored.shape[1:], dtype=np.int64)) * np.dtype(stored.dtype).itemsize
+    return StoredTensor(stored.file, stored.offset + start * row_bytes, stored.dtype, (stop - start,) + stored.shape[1:])
 
 
 def default_place(path: tuple, tensor: TensorSlices) -> jax.Array:
@@ -191,24 +167,27 @@ def default_place(path: tuple, tensor: TensorSlices) -> jax.Array:
 
 def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "auto",
                    place: Callable[[tuple, TensorSlices], jax.Array] = default_place,
-                   progress: bool = True, stages: int = 1, microbatches: int = 1) -> Llama:
-    """Builds a Llama whose params come from a Hugging Face safetensors checkpoint.
+                   progress: bool = True, stages: int = 1, microbatches: int = 1) -> Decoder:
+    """Builds the config's model whose params come from a Hugging Face safetensors checkpoint.
 
     Every header is checked (names, shapes) before any tensor data is read, so a wrong
     checkpoint fails fast and whole. With `stages` > 1 the params go straight into the
     stacked layout of models/pipeline.py: `place` gets each stacked param as one
     StackedSlices, so a device reads only its own stage's layers."""
-    model = nnx.eval_shape(lambda: Llama(config, nnx.Rngs(0), attention_impl=attention_impl, stages=stages,
-                                         microbatches=microbatches))
+    model = nnx.eval_shape(lambda: new_model(config, nnx.Rngs(0), attention_impl=attention_impl, stages=stages,
+                                             microbatches=microbatches))
     graphdef, state = nnx.split(model)
     params = {path: var for path, var in nnx.to_flat_state(state)}
+    family = config.family
     table = hf_to_param(config)
+    rename = getattr(family, "rename", lambda name: name)
     files = safetensors_files(model_dir)
     todo: list[tuple[HFTensor, StoredTensor]] = []
     seen: set[str] = set()
     for path in files:
         for name, stored in read_safetensors(path):
-            if name.endswith(IGNORED_SUFFIXES):
+            name = rename(name)
+            if name.endswith(family.ignored_tensors) or name.startswith(family.ignored_prefixes):
                 continue
             if name == "lm_head.weight" and config.tie_word_embeddings:
                 continue  # some exports write the tied head too
@@ -217,10 +196,11 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
             if name not in table:
                 raise CheckpointError(f"unexpected tensor {name!r} in {os.path.basename(path)} "
                                       f"(not part of a {config.architecture} with this config)")
-            if stored.shape != table[name].hf_shape:
+            parts = tensor_parts(table.pop(name))
+            if stored.shape != parts[0].hf_shape:
                 raise CheckpointError(f"tensor {name!r} has shape {stored.shape}, "
-                                      f"config.json implies {table[name].hf_shape}")
-            todo.append((table.pop(name), stored))
+                                      f"config.json implies {parts[0].hf_shape}")
+            todo.extend((part, rows_of(stored, part.rows)) for part in parts)
             seen.add(name)
     if table:
         missing = sorted(table)
@@ -247,14 +227,14 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
     return nnx.merge(graphdef, state)
 
 
-def quantize_model(model: Llama, weight_dtype: str = "int8") -> Llama:
+def quantize_model(model: Decoder, weight_dtype: str = "int8") -> Decoder:
     """The same model with its projections quantized (models/quant.py), as loading a
     checkpoint with model.weight_dtype = weight_dtype would give."""
     if model.config.weight_dtype != "auto":
         raise ValueError(f"model is already {model.config.weight_dtype}; quantize the float model")
     config = dataclasses.replace(model.config, weight_dtype=weight_dtype)
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Llama(config, nnx.Rngs(0),
-                                                             attention_impl=model.attention_impl)))
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: new_model(config, nnx.Rngs(0),
+                                                                 attention_impl=model.attention_impl)))
     params = dict(nnx.to_flat_state(state))
     for path, var in nnx.to_flat_state(nnx.state(model)):
         if is_quantized(path, weight_dtype):
@@ -266,7 +246,7 @@ def quantize_model(model: Llama, weight_dtype: str = "int8") -> Llama:
     return nnx.merge(graphdef, state)
 
 
-def save_params(model: Llama, directory: str) -> None:
+def save_params(model: Decoder, directory: str) -> None:
     """Saves the model's params with orbax (a directory per checkpoint)."""
     import orbax.checkpoint as ocp
 
@@ -275,11 +255,11 @@ def save_params(model: Llama, directory: str) -> None:
         ckpt.save(os.path.abspath(directory), nnx.to_pure_dict(state))
 
 
-def restore_params(directory: str, config: ModelConfig, attention_impl: str = "auto") -> Llama:
+def restore_params(directory: str, config: ModelConfig, attention_impl: str = "auto") -> Decoder:
     """Restores params saved by `save_params` into a model of the given config."""
     import orbax.checkpoint as ocp
 
-    model = nnx.eval_shape(lambda: Llama(config, nnx.Rngs(0), attention_impl=attention_impl))
+    model = nnx.eval_shape(lambda: new_model(config, nnx.Rngs(0), attention_impl=attention_impl))
     graphdef, state = nnx.split(model)
     abstract = nnx.to_pure_dict(state)
     with ocp.StandardCheckpointer() as ckpt:

@@ -1,8 +1,10 @@
 """Model shape and numerics, independent of how the model is served.
 
-`ModelConfig` is the one description of a Llama-family decoder. It is built from a TOML
-`[model]` section (`from_dict`) or from a Hugging Face `config.json` (`from_hf`), which
-spells several fields in two ways across transformers versions.
+`ModelConfig` is the one description of a decoder of any registered family: the shapes,
+and the few switches in which the families' math differs (norm kind and placement, q/k
+norms, activation, soft caps, per-layer attention kinds). It is built from a TOML
+`[model]` section (`from_dict`) or from a Hugging Face `config.json` (`from_hf`, which
+asks the family `architectures[0]` names: models/families/).
 """
 
 from __future__ import annotations
@@ -14,9 +16,20 @@ from typing import Any
 
 import jax.numpy as jnp
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 WEIGHT_DTYPES = ("auto", "int8")  # auto: projections stored in `dtype`; int8: see models/quant.py
+CHOICES = {
+    "hidden_act": ("silu", "gelu_tanh"),
+    # rms: w * cast(x * rsqrt) (Llama); rms_f32: cast(w * x * rsqrt) (OLMo 2);
+    # rms_one_plus: cast((1 + w) * x * rsqrt), all in f32 (Gemma)
+    "norm_kind": ("rms", "rms_f32", "rms_one_plus"),
+    # pre: norm before attention and MLP (Llama); sandwich: before and after both
+    # (Gemma 2/3); post: after both only (OLMo 2)
+    "norm_layout": ("pre", "sandwich", "post"),
+    # head: RMSNorm over each head's D (Qwen3, Gemma 3); projection: over all Hq*D (OLMo 2)
+    "qk_norm": ("none", "head", "projection"),
+}
+LAYER_TYPES = ("full", "sliding")
 
 
 class ConfigError(ValueError):
@@ -37,9 +50,23 @@ class ModelConfig:
     rope_scaling: tuple[tuple[str, Any], ...] | None = None  # frozen dict items
     rms_norm_eps: float = 1e-5
     max_position_embeddings: int = 2048
-    sliding_window: int | None = None
-    attention_bias: bool = False  # q/k/v bias (Qwen2)
+    sliding_window: int | None = None  # the window of "sliding" layers (all layers if layer_types is empty)
+    attention_bias: bool = False  # q/k/v bias (Qwen2; Llama/Qwen3 attention_bias)
+    attention_out_bias: bool = False  # o bias (Llama/Qwen3/OLMo 2 attention_bias)
     tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+    norm_kind: str = "rms"
+    norm_layout: str = "pre"
+    qk_norm: str = "none"
+    embed_scale: float = 1.0  # embeddings times this, rounded to dtype (Gemma: sqrt(E); Granite)
+    residual_scale: float = 1.0  # each block's output times this before the residual add (Granite)
+    logits_scale: float = 1.0  # logits times this (Granite: 1 / logits_scaling)
+    query_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    attn_soft_cap: float | None = None  # cap * tanh(score / cap) (Gemma 2)
+    final_soft_cap: float | None = None  # the same on the logits
+    layer_types: tuple[str, ...] = ()  # per layer "full" | "sliding"; () = every layer alike
+    rope_local_theta: float | None = None  # rope base of "sliding" layers, unscaled (Gemma 3)
+    nope_layers: tuple[int, ...] = ()  # layers without rotary embedding (SmolLM3)
     dtype: str = "float32"  # parameter and activation dtype
     weight_dtype: str = "auto"  # projection weights: "auto" (= dtype) or "int8" (w8a16, per-channel f32 scales)
     bos_token_id: int | None = None
@@ -48,14 +75,16 @@ class ModelConfig:
     seed: int = 0  # random init when no checkpoint is given
 
     def __post_init__(self):
-        if self.architecture not in ARCHITECTURES:
-            raise ConfigError(
-                f"unknown architecture {self.architecture!r}; supported: {', '.join(ARCHITECTURES)}"
-            )
+        from jaxfill.models.families import registry
+
+        registry.family_of(self.architecture)  # an unknown architecture is a ConfigError
         if self.dtype not in DTYPES:
             raise ConfigError(f"model.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.weight_dtype not in WEIGHT_DTYPES:
             raise ConfigError(f"model.weight_dtype must be one of {list(WEIGHT_DTYPES)}, got {self.weight_dtype!r}")
+        for name, allowed in CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"model.{name} must be one of {list(allowed)}, got {getattr(self, name)!r}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
             if int(getattr(self, name)) <= 0:
@@ -65,8 +94,26 @@ class ModelConfig:
                 f"model.num_heads ({self.num_heads}) must be a multiple of "
                 f"model.num_kv_heads ({self.num_kv_heads})"
             )
+        if self.head_dim % 2:
+            raise ConfigError(f"model.head_dim must be even (rotary pairs), got {self.head_dim}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError(f"model.sliding_window must be positive, got {self.sliding_window}")
+        if self.layer_types:
+            if len(self.layer_types) != self.num_layers or set(self.layer_types) - set(LAYER_TYPES):
+                raise ConfigError(f"model.layer_types must name {list(LAYER_TYPES)} once per layer "
+                                  f"({self.num_layers}), got {list(self.layer_types)}")
+            if "sliding" in self.layer_types and self.sliding_window is None:
+                raise ConfigError("model.layer_types has sliding layers but model.sliding_window is not set")
+        bad = [n for n in self.nope_layers if not 0 <= n < self.num_layers]
+        if bad:
+            raise ConfigError(f"model.nope_layers {bad} are not layers of a {self.num_layers}-layer model")
+
+    @property
+    def family(self):
+        """The models/families entry of this architecture (tensor names, model class)."""
+        from jaxfill.models.families import registry
+
+        return registry.family_of(self.architecture)
 
     @property
     def jnp_dtype(self):
@@ -80,14 +127,17 @@ class ModelConfig:
     def q_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of `layer` (None: full attention)."""
+        if self.layer_types and self.layer_types[layer] == "full":
+            return None
+        return self.sliding_window
+
     def num_params(self) -> int:
-        e, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        q = self.num_heads * self.head_dim
-        kv = self.num_kv_heads * self.head_dim
-        attn = e * q + 2 * e * kv + q * e + (q + 2 * kv if self.attention_bias else 0)
-        layer = attn + 3 * e * i + 2 * e
-        head = 0 if self.tie_word_embeddings else v * e
-        return v * e + self.num_layers * layer + e + head
+        """Counted from the model's abstract parameters (models/families/registry.py)."""
+        from jaxfill.models.families import registry
+
+        return registry.param_count(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
@@ -97,71 +147,28 @@ class ModelConfig:
             raise ConfigError(f"unknown [model] keys: {sorted(unknown)}; known: {sorted(known)}")
         d = dict(d)
         if d.get("rope_scaling") is not None:
-            d["rope_scaling"] = _freeze(d["rope_scaling"])
+            d["rope_scaling"] = freeze(d["rope_scaling"])
         if "eos_token_id" in d:
-            d["eos_token_id"] = _as_tuple(d["eos_token_id"])
+            d["eos_token_id"] = as_tuple(d["eos_token_id"])
+        for name in ("layer_types", "nope_layers"):
+            if name in d:
+                d[name] = tuple(d[name])
         if d.get("sliding_window") in (0, -1):
             d["sliding_window"] = None
         return cls(**d)
 
     @classmethod
     def from_hf(cls, config: dict[str, Any] | str | os.PathLike) -> "ModelConfig":
-        """Reads a Hugging Face config.json (a dict, a file, or a directory holding it)."""
+        """Reads a Hugging Face config.json (a dict, a file, or a directory holding it)
+        through the family its `architectures[0]` names."""
+        from jaxfill.models.families import registry
+
         if not isinstance(config, dict):
-            config = _read_config_json(os.fspath(config))
-        archs = config.get("architectures") or []
-        arch = archs[0] if archs else None
-        if arch not in ARCHITECTURES:
-            raise ConfigError(
-                f"config.json architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}"
-            )
-        # transformers >= 5 nests rope settings under rope_parameters; older files use
-        # rope_theta + rope_scaling at the top level.
-        rope = config.get("rope_parameters") or {}
-        theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
-        scaling = config.get("rope_scaling") or None
-        if scaling is None and rope.get("rope_type", "default") not in ("default", None):
-            scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-        if scaling is not None:
-            kind = scaling.get("rope_type", scaling.get("type"))
-            if kind in ("default", None):
-                scaling = None
-            elif kind != "llama3":
-                raise ConfigError(f"rope scaling type {kind!r} is not supported (only 'llama3')")
-        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                               "num_attention_heads") if k not in config]
-        if missing:
-            raise ConfigError(f"config.json lacks {', '.join(missing)}")
-        heads = config["num_attention_heads"]
-        hidden = config["hidden_size"]
-        sliding = config.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not config.get("use_sliding_window", False):
-            sliding = None
-        dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32")
-        return cls(
-            architecture=arch,
-            vocab_size=config["vocab_size"],
-            hidden_size=hidden,
-            intermediate_size=config["intermediate_size"],
-            num_layers=config["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or hidden // heads,
-            rope_theta=float(theta),
-            rope_scaling=_freeze(scaling) if scaling else None,
-            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-            max_position_embeddings=config.get("max_position_embeddings", 2048),
-            sliding_window=sliding or None,
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            dtype=dtype.replace("torch.", "") if dtype.replace("torch.", "") in DTYPES else "float32",
-            bos_token_id=config.get("bos_token_id"),
-            eos_token_id=_as_tuple(config.get("eos_token_id")),
-            tokenizer="hf",
-        )
+            config = read_config_json(os.fspath(config))
+        return registry.from_hf(config)
 
 
-def _read_config_json(path: str) -> dict[str, Any]:
+def read_config_json(path: str) -> dict[str, Any]:
     """A model directory (or its config.json) -> dict; every way it can be wrong is a ConfigError."""
     if not os.path.exists(path):
         raise ConfigError(f"model directory {path!r} does not exist")
@@ -179,11 +186,11 @@ def _read_config_json(path: str) -> dict[str, Any]:
     return config
 
 
-def _freeze(d: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+def freeze(d: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
     return tuple(sorted((k, v) for k, v in d.items() if not isinstance(v, (dict, list))))
 
 
-def _as_tuple(x) -> tuple[int, ...]:
+def as_tuple(x) -> tuple[int, ...]:
     if x is None:
         return ()
     if isinstance(x, (list, tuple)):

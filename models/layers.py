@@ -1,12 +1,9 @@
-"""Building blocks of a Llama-family decoder. Every weight carries logical axis names."""
+"""Building blocks of the decoders. Every weight carries logical axis names."""
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jaxfill.models.quant import qeinsum, quantize
@@ -42,58 +39,44 @@ def projection(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dt
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, dtype, rngs: nnx.Rngs, axis_name: str = "norm"):
+    """RMSNorm in the three spellings of models/config.py CHOICES["norm_kind"]; they
+    differ only in where the f32 -> dtype cast falls and in Gemma's (1 + w)."""
+
+    def __init__(self, dim: int, eps: float, dtype, rngs: nnx.Rngs, axis_name: str = "norm",
+                 kind: str = "rms", shape: tuple[int, ...] | None = None, axes: tuple[str, ...] | None = None):
+        shape, axes = shape or (dim,), axes or (axis_name,)
         # Random-init scale (not ones) so tests would catch a norm that ignores its weight.
-        self.weight = param(rngs, (dim,), (axis_name,), dtype, init="one_plus_normal", scale=0.1)
-        self.eps = eps
+        init = "normal" if kind == "rms_one_plus" else "one_plus_normal"
+        self.weight = param(rngs, shape, axes, dtype, init=init, scale=0.1)
+        self.eps, self.kind, self.ndim = eps, kind, len(shape)
 
-    def __call__(self, x: jax.Array) -> jax.Array:  # [T, E] -> [T, E]
+    def __call__(self, x: jax.Array) -> jax.Array:  # [..., *weight.shape] -> same
         xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...] * xf.astype(x.dtype)
+        over = tuple(range(-self.ndim, 0))
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=over, keepdims=True) + self.eps)
+        w = self.weight[...]
+        if self.kind == "rms":
+            return w * xf.astype(x.dtype)
+        if self.kind == "rms_f32":
+            return (w.astype(jnp.float32) * xf).astype(x.dtype)
+        return (xf * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> np.ndarray:
-    """Inverse frequencies [D/2] in float32, as transformers computes them (llama3 scaling incl.)."""
-    inv = (1.0 / (np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim))))
-    inv = inv.astype(np.float32)
-    if not scaling:
-        return inv
-    factor = float(scaling["factor"])
-    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-    old_len = float(scaling["original_max_position_embeddings"])
-    wavelen = 2 * math.pi / inv
-    scaled = np.where(wavelen > old_len / low, inv / factor, inv)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
-    return np.where(medium, smoothed, scaled).astype(np.float32)
-
-
-def apply_rope(x: jax.Array,  # [T, H, D]
-               positions: jax.Array,  # [T] int32
-               inv_freq: np.ndarray,  # [D/2]
-               ) -> jax.Array:  # [T, H, D]
-    """Rotate-half rotary embedding (the Hugging Face Llama convention)."""
-    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)  # [T, D]
-    cos = jnp.cos(emb).astype(x.dtype)[:, None, :]
-    sin = jnp.sin(emb).astype(x.dtype)[:, None, :]
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
 
 class GatedMLP(nnx.Module):
-    def __init__(self, hidden: int, intermediate: int, dtype, rngs: nnx.Rngs, weight_dtype: str = "auto"):
+    def __init__(self, hidden: int, intermediate: int, dtype, rngs: nnx.Rngs, weight_dtype: str = "auto",
+                 activation: str = "silu"):
         wd = weight_dtype
+        self.activation = activation
         self.gate, self.gate_scale = projection(rngs, (hidden, intermediate), ("embed", "mlp"), dtype, 1, wd)
         self.up, self.up_scale = projection(rngs, (hidden, intermediate), ("embed", "mlp"), dtype, 1, wd)
         self.down, self.down_scale = projection(rngs, (intermediate, hidden), ("mlp", "embed"), dtype, 1, wd)
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [T, E] -> [T, E]
         with jax.named_scope("mlp"):
-            h = (jax.nn.silu(qeinsum("te,ei->ti", x, self.gate[...], self.gate_scale))
+            h = (ACTIVATIONS[self.activation](qeinsum("te,ei->ti", x, self.gate[...], self.gate_scale))
                  * qeinsum("te,ei->ti", x, self.up[...], self.up_scale))
             h = constrain(h, ("tokens", "act_mlp"))
             out = qeinsum("ti,ie->te", h, self.down[...], self.down_scale)

@@ -73,14 +73,16 @@ def microbatch_metadata(meta,  # AttentionMetadata of the whole step
                                slot_mapping=jnp.where(valid, slots, -1).astype(jnp.int32))
 
 
-def run_layers(layers, x, positions, pages, meta, impl, prune_last: bool = False):
+def run_layers(layers, x, positions, pages, meta, impl, prune_last: bool = False, row=0):
     """The one layer loop of every layout: the unrolled model's L layers, and one stage's
-    (or one scan step's) group. `prune_last`: the last layer runs on the sampled rows only
-    (models/llama.py `prunes_last_layer` decides)."""
+    (or one scan step's) group of K, which is row `row` (traced there) of the stacked
+    modules: module i of it is layer row * K + i. `prune_last`: the last layer runs on
+    the sampled rows only (models/decoder.py `prunes_last_layer` decides)."""
     new = []
     for i, (layer, layer_pages) in enumerate(zip(layers, pages)):
+        number = row * len(pages) + i
         with jax.named_scope(f"layer_{i}"):
-            x, layer_pages = layer(x, positions, layer_pages, meta, impl, prune_last and i == len(pages) - 1)
+            x, layer_pages = layer(x, positions, layer_pages, meta, impl, number, prune_last and i == len(pages) - 1)
         new.append(layer_pages)
     return x, tuple(new)
 
@@ -118,7 +120,7 @@ def pipeline_layers(layers,  # nnx.List of K layers, params [p, ...]
             pos, mb_meta = jax.lax.dynamic_slice_in_dim(positions, lo, n), microbatch_metadata(meta, lo, n, valid)
             # fill/drain ticks skip the layers: a stage's devices share `valid`, so any
             # collective inside (tensor parallelism) is skipped by all its members alike
-            y, pages = jax.lax.cond(valid, lambda: run_layers(mine, inp, pos, pages, mb_meta, impl),
+            y, pages = jax.lax.cond(valid, lambda: run_layers(mine, inp, pos, pages, mb_meta, impl, row=s),
                                     lambda: (inp, pages))
             done = valid & (s == p - 1)
             out = jax.lax.dynamic_update_slice_in_dim(
@@ -152,7 +154,7 @@ def _sequential(layers, x, positions, pages, meta, impl, p):
         shifted = dataclasses.replace(
             meta, page_indices=meta.page_indices + s * n,
             slot_mapping=jnp.where(meta.slot_mapping >= 0, meta.slot_mapping + s * n * page_size, -1))
-        x, pool = run_layers(nnx.merge(graphdef, row), x, positions, pool, shifted, impl)
+        x, pool = run_layers(nnx.merge(graphdef, row), x, positions, pool, shifted, impl, row=s)
         return (x, pool), None
 
     (x, pool), _ = jax.lax.scan(body, (x, pool), (jnp.arange(p), state))

@@ -11,9 +11,30 @@ HF_SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidde
                 rms_norm_eps=1e-5, initializer_range=0.1)
 
 
+# Shapes the tests choose, not the presets': each exercises what its family adds (an
+# explicit head_dim, a window shorter than the 64- and 300-token prompts, soft caps small
+# enough to bend the scores, a scaled rope, NoPE layers, multipliers far from 1).
+FAMILY_KWARGS = {
+    "qwen3": ("Qwen3", dict(head_dim=24, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
+                                                           "original_max_position_embeddings": 64})),
+    "gemma2": ("Gemma2", dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=24, attn_logit_softcapping=5.0,
+                              final_logit_softcapping=3.0, hidden_activation="gelu_pytorch_tanh")),
+    "gemma3": (("Gemma3Text", "Gemma3"), dict(num_hidden_layers=6, head_dim=32, query_pre_attn_scalar=24, sliding_window=24,
+                                  rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                                   "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                      "rope_theta": 1e6}})),
+    "phi3": ("Phi3", dict(sliding_window=24, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    "olmo2": ("Olmo2", dict(pad_token_id=0)),
+    "smollm3": ("SmolLM3", dict(num_hidden_layers=4, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    "granite": ("Granite", dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.3,
+                                logits_scaling=2.0)),
+}
+ARCHS = ("llama", "mistral", "qwen2") + tuple(FAMILY_KWARGS)
+
+
 def make_hf_checkpoint(directory: str, arch: str, dtype: torch.dtype = torch.float32, seed: int = 0,
                        **overrides) -> str:
-    """Saves a random-init model of `arch` ("llama", "mistral", "qwen2") and returns its dir."""
+    """Saves a random-init model of `arch` (a key of ARCHS) and returns its dir."""
     import transformers as tf
 
     kw = dict(HF_SMALL, **overrides)
@@ -28,6 +49,12 @@ def make_hf_checkpoint(directory: str, arch: str, dtype: torch.dtype = torch.flo
     elif arch == "qwen2":
         kw.setdefault("tie_word_embeddings", True)
         cfg, cls = tf.Qwen2Config(**kw), tf.Qwen2ForCausalLM
+    elif arch in FAMILY_KWARGS:
+        name, extra = FAMILY_KWARGS[arch]
+        kw = dict(HF_SMALL, **extra)
+        kw.update(overrides)
+        config_name, model_name = (name, name) if isinstance(name, str) else name
+        cfg, cls = getattr(tf, config_name + "Config")(**kw), getattr(tf, model_name + "ForCausalLM")
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)

@@ -43,11 +43,11 @@ def reference_tokens(prompt=PROMPT) -> list[int]:
     from jaxfill.engine.simple import generate_one
     from jaxfill.engine import placement
     from jaxfill.models.kv_cache import KVCache
-    from jaxfill.models.llama import Llama
+    from jaxfill.models.decoder import Decoder
 
     cfg = model_config()
     graphdef, _ = placement.abstract_state(cfg)
-    state = jax.jit(lambda: nnx.split(Llama(cfg, nnx.Rngs(cfg.seed)))[1])()
+    state = jax.jit(lambda: nnx.split(Decoder(cfg, nnx.Rngs(cfg.seed)))[1])()
     tokens, _ = generate_one(nnx.merge(graphdef, state), prompt, KVCache.create(cfg, 16, 8), MAX_TOKENS, chunk=CHUNK)
     return tokens
 

@@ -22,7 +22,7 @@ BUCKET = 16
 
 def run_chunks(impl, chunks):
     config = models.ModelConfig()
-    model = models.Llama(config, attention_impl=impl)
+    model = models.Decoder(config, attention_impl=impl)
     graphdef, state = nnx.split(model)
 
     @jax.jit

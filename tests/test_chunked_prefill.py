@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from jaxfill.engine.simple import prefill_chunks
-from jaxfill.models import KVCache, Llama, ModelConfig
+from jaxfill.models import KVCache, Decoder, ModelConfig
 
 CONFIG = ModelConfig(num_layers=2, max_position_embeddings=512)
 PROMPT = list(np.random.default_rng(0).integers(0, CONFIG.vocab_size, 37))
@@ -13,7 +13,7 @@ PAGES = [5, 2, 9]  # deliberately out of order
 
 @pytest.fixture(scope="module")
 def model():
-    return Llama(CONFIG)
+    return Decoder(CONFIG)
 
 
 def run(model, chunk):

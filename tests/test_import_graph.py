@@ -20,7 +20,7 @@ LAYER = {name: rank for rank, name in enumerate(PACKAGES)}
 
 
 def modules() -> dict[str, str]:
-    """Dotted name ('jaxfill.models.llama', 'jaxfill.models' for its __init__) -> file."""
+    """Dotted name ('jaxfill.models.decoder', 'jaxfill.models' for its __init__) -> file."""
     out = {"jaxfill": os.path.join(ROOT, "__init__.py")}
     for package in PACKAGES:
         for folder, dirs, files in os.walk(os.path.join(ROOT, package)):

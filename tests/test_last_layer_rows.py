@@ -1,4 +1,4 @@
-"""The last layer runs only each sequence's sampled row (models/llama.py): on a ragged
+"""The last layer runs only each sequence's sampled row (models/decoder.py): on a ragged
 batch (a prompt continuing after cached tokens, a fresh prompt, a decode, padding rows and
 a padding slot) its logits and every written KV page equal those of the full last layer,
 and it costs measurably fewer FLOPs."""
@@ -12,7 +12,7 @@ from jaxfill.engine.config import load_config
 from jaxfill.models import llama
 from jaxfill.models.forward import forward
 from jaxfill.models.kv_cache import AttentionMetadata, KVCache
-from jaxfill.models.llama import Llama
+from jaxfill.models.decoder import Decoder
 
 PAGE = 16
 SLOTS, MAX_PAGES = 4, 4
@@ -68,7 +68,7 @@ def full_last_layer(monkeypatch):
 @pytest.fixture(scope="module")
 def model_and_config():
     config = load_config("tiny_random").model
-    return Llama(config), config
+    return Decoder(config), config
 
 
 def test_sampled_rows_match_the_full_last_layer(model_and_config, monkeypatch):

@@ -19,7 +19,7 @@ from jaxfill.models.checkpoint import StackedSlices
 from jaxfill.models.config import ConfigError
 from jaxfill.models.forward import forward
 from jaxfill.models.kv_cache import KVCache, single_sequence_metadata
-from jaxfill.models.llama import Llama
+from jaxfill.models.decoder import Decoder
 from jaxfill.models.pipeline import microbatch_count, microbatch_metadata
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -191,7 +191,7 @@ def test_stacked_slices_read_only_the_rows_asked_for():
 def test_staged_model_without_a_mesh_equals_the_plain_model():
     """The pipelined layout run stage after stage on one device: same logits and cache."""
     config = load_config("tiny_random").model
-    plain, staged = Llama(config), Llama(config, stages=2, microbatches=4)
+    plain, staged = Decoder(config), Decoder(config, stages=2, microbatches=4)
     ids = np.arange(3, 33, dtype=np.int32)
     meta = single_sequence_metadata(30, 0, [1, 2], 16, pad_to=32)
     tokens, positions = jnp.asarray(np.pad(ids, (0, 2))), jnp.arange(32, dtype=jnp.int32)

@@ -35,7 +35,7 @@ from jaxfill.engine.planner import plan, plan_prefill, ttft_floor
 from jaxfill.engine.planner_counts import (attention_flops, kv_bytes_per_token, matmul_flops, prefill_flops,
                                            visible_pairs)
 from jaxfill.models.kv_cache import KVCache, single_sequence_metadata
-from jaxfill.models.llama import Llama
+from jaxfill.models.decoder import Decoder
 from jaxfill.pallas_kernels.ragged_paged_attention import IMPLS
 from jaxfill.serving.cli import main
 
@@ -52,7 +52,7 @@ def compiled_flops(config_name: str, num_tokens: int, impl: str, monkeypatch, st
     cfg = load_config(config_name).model
     page = 16
     n_pages = -(-num_tokens // page)
-    model = nnx.eval_shape(lambda: Llama(cfg, attention_impl=impl, stages=stages))  # shapes only, no init
+    model = nnx.eval_shape(lambda: Decoder(cfg, attention_impl=impl, stages=stages))  # shapes only, no init
     graphdef, state = nnx.split(model)
     cache = jax.eval_shape(lambda: KVCache.create(cfg, n_pages + 1, page, stages=stages))
     meta = single_sequence_metadata(num_tokens, 0, list(range(1, n_pages + 1)), page)

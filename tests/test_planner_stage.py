@@ -1,5 +1,5 @@
 """`jaxfill plan` with mesh.stage (pipeline parallelism, models/pipeline.py): weights and KV
-per device against the sharded shapes of `Llama(config, stages=p)` under an abstract mesh,
+per device against the sharded shapes of `Decoder(config, stages=p)` under an abstract mesh,
 and every new number against a hand computation."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from jaxfill.engine.planner_counts import (attention_flops, kv_bytes_per_token, 
 from jaxfill.engine.planner_layout import (bubble_fraction, check_mesh, kv_bytes_per_token_per_device,
                                            weight_bytes_per_device)
 from jaxfill.models.kv_cache import KVCache
-from jaxfill.models.llama import Llama
+from jaxfill.models.decoder import Decoder
 from jaxfill.models.sharding import MESH_AXES, kv_cache_sharding, logical_spec, var_axes
 from jaxfill.serving.cli import main
 
@@ -44,7 +44,7 @@ def sharded_param_bytes(config) -> float:
     """One device's bytes of the pipelined model's params: every leaf's global bytes over
     the devices its logical axes split it across (models/sharding.py's rules)."""
     mesh = abstract_mesh(config.mesh)
-    model = nnx.eval_shape(lambda: Llama(config.model, stages=config.mesh.stage))
+    model = nnx.eval_shape(lambda: Decoder(config.model, stages=config.mesh.stage))
     total = 0.0
     for var in jax.tree.leaves(nnx.state(model), is_leaf=lambda x: isinstance(x, nnx.Variable)):
         spec = logical_spec(var_axes(var), mesh=mesh, shape=var.shape)

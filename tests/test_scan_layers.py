@@ -17,7 +17,7 @@ from jaxfill.engine.request import SamplingParams
 from jaxfill.engine.step import step
 from jaxfill.models.config import ConfigError
 from jaxfill.models.kv_cache import KVCache
-from jaxfill.models.llama import Llama
+from jaxfill.models.decoder import Decoder
 
 BASE = {"engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64], "engine.num_pages": 48,
         "engine.max_model_len": 256}
@@ -53,7 +53,7 @@ def _lowered_dots(num_layers: int, scan: bool) -> int:
     config = load_config("tiny_random", BASE)
     m = dataclasses.replace(config.model, num_layers=num_layers)
     stages = num_layers if scan else 1
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Llama(m, nnx.Rngs(0), stages=stages)))
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(m, nnx.Rngs(0), stages=stages)))
     cache = jax.eval_shape(lambda: KVCache.create(m, 8, config.engine.page_size, stages=stages))
     batch = dummy_batch((16, 4), config.engine.max_pages_per_seq, config.engine.penalty_window)
     prev = jax.ShapeDtypeStruct((config.engine.max_num_seqs,), jnp.int32)
@@ -84,7 +84,7 @@ def _step_temp_bytes(stages: int, num_pages: int) -> tuple[int, int]:
     """(compiled temp bytes of the 16x4 step, cache bytes) for tiny_random, nothing allocated."""
     config = load_config("tiny_random", BASE)
     m = config.model
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Llama(m, nnx.Rngs(0), stages=stages)))
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(m, nnx.Rngs(0), stages=stages)))
     cache = jax.eval_shape(lambda: KVCache.create(m, num_pages, config.engine.page_size, stages=stages))
     batch = dummy_batch((16, 4), config.engine.max_pages_per_seq, config.engine.penalty_window)
     prev = jax.ShapeDtypeStruct((config.engine.max_num_seqs,), jnp.int32)

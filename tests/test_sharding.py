@@ -78,7 +78,7 @@ def test_tensor4_all_reduces_per_layer(results):
     assert r["all_reduce"] == 2 * r["layers"] + 1, r
     assert r["all_gather"] == 0, r
     # Each all-reduce carries one [T, E] activation (f32, 16 x 128 here), except the last
-    # layer's two, which carry only the sampled rows [S, E] (models/llama.py).
+    # layer's two, which carry only the sampled rows [S, E] (models/decoder.py).
     rows = (r["all_reduce"] - 2) * 16 + 2 * r["slots"]
     assert r["ops"]["all-reduce_bytes"] == rows * 128 * 4, r
 
@@ -128,7 +128,7 @@ def _worker():  # noqa: C901 - one script, many checks
     from jaxfill.models.config import ModelConfig
     from jaxfill.models.forward import forward, forward_data_parallel
     from jaxfill.models.kv_cache import AttentionMetadata, KVCache, single_sequence_metadata
-    from jaxfill.models.llama import Llama
+    from jaxfill.models.decoder import Decoder
 
     assert len(jax.devices()) == 8, jax.devices()
     cfg = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
@@ -150,10 +150,10 @@ def _worker():  # noqa: C901 - one script, many checks
         return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
     def jit_init(config):
-        return jax.jit(lambda: nnx.split(Llama(config, nnx.Rngs(config.seed)))[1])()
+        return jax.jit(lambda: nnx.split(Decoder(config, nnx.Rngs(config.seed)))[1])()
 
     g, _ = placement.abstract_state(cfg)
-    ref_state = jit_init(cfg)  # eager Llama(cfg) compiles op by op: much slower on CPU
+    ref_state = jit_init(cfg)  # eager Decoder(cfg) compiles op by op: much slower on CPU
     rng = np.random.RandomState(0)
     # Every step below has one shape (16 tokens, 4 sequence slots, 7 pages per sequence),
     # so each mesh compiles the forward once (AOT) and reuses it for all its checks.
@@ -339,7 +339,7 @@ def _worker():  # noqa: C901 - one script, many checks
         shard = sharding.param_shardings(abstract, mesh)
 
         def init():  # what placement.init_sharded compiles
-            return nnx.split(Llama(big, nnx.Rngs(big.seed)))[1]
+            return nnx.split(Decoder(big, nnx.Rngs(big.seed)))[1]
         with jax.set_mesh(mesh):
             compiled = jax.jit(init, out_shardings=shard).lower().compile()
             state = compiled()

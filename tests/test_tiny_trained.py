@@ -62,9 +62,9 @@ def test_checkpoint_has_tiny_random_shapes_and_fits_in_5mb(trained):
                         if f.name not in ("tokenizer", "seed")}
     assert shapes(ModelConfig.from_hf(TINY_DIR)) == shapes(tiny_model_config())
     assert os.path.getsize(os.path.join(TINY_DIR, "model.safetensors")) <= 5 * 2**20
-    from jaxfill.models.llama import Llama
+    from jaxfill.models.decoder import Decoder
 
-    random_params = nnx.to_flat_state(nnx.split(Llama(tiny_model_config()))[1])
+    random_params = nnx.to_flat_state(nnx.split(Decoder(tiny_model_config()))[1])
     trained_params = nnx.to_flat_state(nnx.split(trained)[1])
     for (path, a), (_, b) in zip(random_params, trained_params, strict=True):
         assert a.shape == b.shape, path

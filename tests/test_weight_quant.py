@@ -19,7 +19,7 @@ from hf_models import load_hf
 from jaxfill.engine.config import load_config
 from jaxfill.engine.planner_counts import projection_scales, weight_bytes
 from jaxfill.engine.simple import prefill_chunks
-from jaxfill.models import KVCache, Llama, ModelConfig
+from jaxfill.models import KVCache, Decoder, ModelConfig
 from jaxfill.models.checkpoint import hf_to_param, load_hf_params, quantize_model
 from jaxfill.models.quant import QUANTIZED_INPUT_AXES, dequantize, param_bytes, quantize
 
@@ -125,8 +125,8 @@ def test_hf_int8_load_equals_quantized_f32_model(hf_dirs, arch):
 
 def test_random_init_int8_is_the_float_model_quantized():
     config = load_config("tiny_random").model
-    ref = flat(quantize_model(Llama(config)))
-    ours = flat(Llama(dataclasses.replace(config, weight_dtype="int8")))
+    ref = flat(quantize_model(Decoder(config)))
+    ours = flat(Decoder(dataclasses.replace(config, weight_dtype="int8")))
     assert ours.keys() == ref.keys()
     for path in ref:
         np.testing.assert_array_equal(ours[path], ref[path], err_msg=str(path))
@@ -136,8 +136,8 @@ def test_random_init_int8_is_the_float_model_quantized():
 def test_param_bytes_quarter_of_f32_plus_scales(dtype):
     config = dataclasses.replace(load_config("tiny_random").model, dtype=dtype)
     q_config = dataclasses.replace(config, weight_dtype="int8")
-    full = param_bytes(nnx.state(nnx.eval_shape(lambda: Llama(config))))
-    quant = param_bytes(nnx.state(nnx.eval_shape(lambda: Llama(q_config))))
+    full = param_bytes(nnx.state(nnx.eval_shape(lambda: Decoder(config))))
+    quant = param_bytes(nnx.state(nnx.eval_shape(lambda: Decoder(q_config))))
     assert full == weight_bytes(config) and quant == weight_bytes(q_config)
     c, b = config, np.dtype(config.jnp_dtype).itemsize
     e, d = c.hidden_size, c.head_dim

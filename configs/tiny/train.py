@@ -4,7 +4,7 @@
 
 Plain JAX: a full-sequence causal forward written here for training (the engine's forward
 is paged and computes logits only at sampled rows), over the SAME parameter pytree as
-`jaxfill.models.llama.Llama`, with a hand-written AdamW. Byte-level: each sample is
+`jaxfill.models.decoder.Decoder`, with a hand-written AdamW. Byte-level: each sample is
 BOS (256) followed by the UTF-8 bytes of the text from the start of a random line.
 At the end the script proves what it wrote: the checkpoint loads through
 `load_hf_params` into exactly the trained params, and the engine's paged forward gives
@@ -29,8 +29,8 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxfill.models.config import ModelConfig
-from jaxfill.models.layers import apply_rope, rope_inv_freq
-from jaxfill.models.llama import Llama
+from jaxfill.models.rope import apply_rope, rope_inv_freq
+from jaxfill.models.decoder import Decoder
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PRESET = os.path.join(os.path.dirname(HERE), "tiny.toml")
@@ -221,7 +221,7 @@ def save_checkpoint(params: dict, config: ModelConfig, directory: str, metadata:
         f.write("\n")
 
 
-def paged_logits(model: Llama, tokens: np.ndarray) -> np.ndarray:  # [T] -> [T, V]
+def paged_logits(model: Decoder, tokens: np.ndarray) -> np.ndarray:  # [T] -> [T, V]
     """The engine's paged forward over one sequence, logits at every row; unused pages NaN."""
     from jaxfill.models.forward import forward
     from jaxfill.models.kv_cache import KVCache, single_sequence_metadata
@@ -268,7 +268,7 @@ def main() -> None:
     starts = line_starts(train, h.seq_len)
     print(f"train {len(train)} bytes, held-out {len(held)} bytes; {h}")
 
-    params = nnx.to_pure_dict(nnx.split(Llama(config, nnx.Rngs(h.seed)))[1])
+    params = nnx.to_pure_dict(nnx.split(Decoder(config, nnx.Rngs(h.seed)))[1])
     zeros = lambda: jax.tree_util.tree_map(jnp.zeros_like, params)
     m, v = zeros(), zeros()
     step_fn = make_train_step(config, h)

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2) as a functional Flax NNX module.
+"""The decoder of every dense family (models/families/) as a functional Flax NNX module.
 
     logits, kv_cache = model(tokens, positions, kv_cache, meta)
 
@@ -24,19 +24,45 @@ from jaxfill.models.sharding import constrain, rows_split_over_sequence
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
-        dt = config.jnp_dtype
-        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt, rngs)
-        self.attn = Attention(config, rngs)
-        self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt, rngs)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dt, rngs, config.weight_dtype)
+    """Attention and MLP blocks with their norms where config.norm_layout puts them:
+    before each block (pre), before and after (sandwich), or after only (post)."""
 
-    def __call__(self, x, positions, pages, meta, impl, sampled_only: bool = False):
-        h, pages = self.attn(self.attn_norm(x), positions, pages, meta, impl, sampled_only)
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        c, dt = config, config.jnp_dtype
+
+        def norm():
+            return RMSNorm(c.hidden_size, c.rms_norm_eps, dt, rngs, kind=c.norm_kind)
+
+        self.attn_norm = norm() if c.norm_layout != "post" else None
+        self.attn = Attention(config, rngs)
+        self.attn_post_norm = norm() if c.norm_layout != "pre" else None
+        self.mlp_norm = norm() if c.norm_layout != "post" else None
+        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, dt, rngs, c.weight_dtype, c.hidden_act)
+        self.mlp_post_norm = norm() if c.norm_layout != "pre" else None
+        self.residual_scale = c.residual_scale
+
+    def __call__(self,
+                 x: jax.Array,  # [T, E]
+                 positions: jax.Array,  # [T] int32
+                 pages,  # this layer's KV pages
+                 meta: AttentionMetadata,
+                 impl: str,
+                 layer,  # the layer's number (models/layer_settings.py)
+                 sampled_only: bool = False,
+                 ):  # ([T, E] or [S, E], pages)
+        h, pages = self.attn(_maybe(self.attn_norm, x), positions, pages, meta, impl, layer, sampled_only)
         if sampled_only:  # only the sampled rows go on (see Attention)
             x = jnp.take(x, meta.logits_indices, axis=0)
-        x = x + h
-        return x + self.mlp(self.mlp_norm(x)), pages
+        x = x + self._scaled(_maybe(self.attn_post_norm, h))
+        h = _maybe(self.mlp_post_norm, self.mlp(_maybe(self.mlp_norm, x)))
+        return x + self._scaled(h), pages
+
+    def _scaled(self, h):
+        return h if self.residual_scale == 1.0 else h * jnp.asarray(self.residual_scale, h.dtype)
+
+
+def _maybe(norm, x):
+    return x if norm is None else norm(x)
 
 
 def prunes_last_layer(layer_groups: int, rows_split: bool) -> bool:
@@ -46,7 +72,7 @@ def prunes_last_layer(layer_groups: int, rows_split: bool) -> bool:
     return layer_groups == 1 and not rows_split
 
 
-class Llama(nnx.Module):
+class Decoder(nnx.Module):
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs | None = None,
                  attention_impl: str = "auto", stages: int = 1, microbatches: int = 1):
         rngs = rngs or nnx.Rngs(config.seed)
@@ -57,11 +83,11 @@ class Llama(nnx.Module):
         self.embed = Embed(config.vocab_size, config.hidden_size, dt, rngs)
         layers = [DecoderLayer(config, rngs) for _ in range(config.num_layers)]
         self.layers = nnx.List(stack_layers(layers, stages) if stages > 1 else layers)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt, rngs)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt, rngs, kind=config.norm_kind)
         if not config.tie_word_embeddings:
             self.lm_head = param(rngs, (config.hidden_size, config.vocab_size), ("embed", "vocab"), dt)
 
-    def staged(self, stages: int, microbatches: int) -> "Llama":
+    def staged(self, stages: int, microbatches: int) -> "Decoder":
         """This model's weights in the pipelined layout (a loaded checkpoint, say)."""
         if self.stages != 1:
             raise ValueError(f"the model is already split into {self.stages} stages")
@@ -80,6 +106,8 @@ class Llama(nnx.Module):
         if kv_cache.stages != self.stages:
             raise ValueError(f"the cache is laid out for {kv_cache.stages} stage(s), the model for {self.stages}")
         x = self.embed(tokens)
+        if self.config.embed_scale != 1.0:
+            x = x * jnp.asarray(self.config.embed_scale, x.dtype)
         if self.stages > 1:
             x, new_pages = pipeline_layers(self.layers, x, positions, kv_cache.pages, meta,
                                            self.attention_impl, self.microbatches)
@@ -98,4 +126,14 @@ class Llama(nnx.Module):
             logits = self.embed.attend(x)
         else:
             logits = constrain(x @ self.lm_head[...], ("seqs", "act_vocab"))  # vocab-parallel
-        return logits.astype(jnp.float32), KVCache(tuple(new_pages), kv_cache.stages)
+        return final_logits(self.config, logits), KVCache(tuple(new_pages), kv_cache.stages)
+
+
+def final_logits(config: ModelConfig, logits: jax.Array) -> jax.Array:  # [S, V] -> [S, V] f32
+    """Granite's logits scale, then Gemma 2's soft cap, in f32."""
+    logits = logits.astype(jnp.float32)
+    if config.logits_scale != 1.0:
+        logits = logits * config.logits_scale
+    if config.final_soft_cap is not None:
+        logits = config.final_soft_cap * jnp.tanh(logits / config.final_soft_cap)
+    return logits

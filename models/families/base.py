@@ -1,0 +1,250 @@
+"""What every family module fills in: config.json -> ModelConfig, HF tensor names -> params.
+
+A family reads the fields it names in `honoured`, ignores those in `inert` (dropout,
+init ranges, ids that change no number), accepts those in `fixed` only at the value given
+there, and refuses every other field by name unless it is empty (None, false, [], {}):
+a checkpoint is never loaded with a field that would silently change its math.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from jaxfill.models.config import DTYPES, ConfigError, as_tuple, freeze
+from jaxfill.models.rope import ROPE_TYPES
+
+# Fields of every transformers config that change no number of the forward.
+COMMON_INERT = frozenset({
+    "architectures", "model_type", "transformers_version", "_name_or_path", "use_cache",
+    "initializer_range", "attention_dropout", "pad_token_id", "output_attentions",
+    "output_hidden_states", "return_dict", "id2label", "label2id", "problem_type", "tokenizer_class",
+    "chunk_size_feed_forward", "is_encoder_decoder", "is_decoder", "add_cross_attention",
+    "cross_attention_hidden_size", "pruned_heads", "torchscript", "task_specific_params",
+    "finetuning_task", "prefix", "sep_token_id", "decoder_start_token_id", "tie_encoder_decoder",
+    "output_scores", "return_dict_in_generate", "num_labels", "auto_map", "torch_dtype", "dtype",
+    "embedding_dropout", "residual_dropout", "resid_pdrop", "embd_pdrop", "layerdrop",
+})
+# Fields every family reads (Family.common_fields).
+COMMON_READ = frozenset({
+    "bos_token_id", "eos_token_id", "vocab_size", "hidden_size", "intermediate_size",
+    "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "rope_theta", "rope_scaling",
+    "rope_parameters",
+})
+
+
+class HFTensor(NamedTuple):
+    """Where an HF tensor goes: param path, its HF shape, and the param as a view of it
+    (rows `rows` of the stored array, reshaped to `stored_shape`, transposed by `perm`).
+    `rows` cuts one part out of a fused tensor (Phi-3's qkv_proj, gate_up_proj)."""
+    param_path: tuple
+    hf_shape: tuple
+    stored_shape: tuple
+    perm: tuple
+    rows: tuple | None = None  # (start, stop) on the stored axis 0
+
+
+class Family:
+    """One family of HF architectures; subclasses override what differs."""
+
+    name = "llama"
+    architectures: tuple[str, ...] = ()
+    honoured: frozenset = frozenset()  # read beyond the shapes every family reads
+    inert: frozenset = frozenset()
+    fixed: dict[str, Any] = {}  # accepted only at this value
+    depends: dict[str, dict] = {}  # honoured fields that count only beside these values (for tests)
+    rope_types: tuple[str, ...] = ROPE_TYPES
+    supports = ("tensor", "sequence", "stage", "scan_layers", "int8 weights", "int8/fp8 KV", "prefix caching")
+    tested = ""  # what the parity tests show, for `jaxfill models` and the README table
+
+    # --- config.json -> ModelConfig ------------------------------------------------
+    def model_fields(self, hf: dict[str, Any]) -> dict[str, Any]:
+        """The family's own ModelConfig fields (beyond `common_fields`)."""
+        return {}
+
+    def to_model_config(self, hf: dict[str, Any], architecture: str):
+        from jaxfill.models.config import ModelConfig
+
+        self.check_fields(hf)
+        fields = self.common_fields(hf)
+        fields.update(self.model_fields(hf))
+        return ModelConfig(architecture=architecture, **fields)
+
+    def check_fields(self, hf: dict[str, Any]) -> None:
+        for key, value in hf.items():
+            if key in self.honoured or key in self.inert or key in COMMON_INERT or key in COMMON_READ:
+                continue
+            if key in self.fixed:
+                if value != self.fixed[key] and not (value is None and self.fixed[key] in (None, False)):
+                    raise ConfigError(f"config.json {key}={value!r} is not supported for {self.name} "
+                                      f"(only {self.fixed[key]!r})")
+                continue
+            if value in (None, False, [], {}):
+                continue
+            raise ConfigError(f"config.json field {key!r} (= {value!r}) is not understood for {self.name}; "
+                              "jaxfill refuses what it cannot reproduce")
+
+    def common_fields(self, hf: dict[str, Any]) -> dict[str, Any]:
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if k not in hf]
+        if missing:
+            raise ConfigError(f"config.json lacks {', '.join(missing)}")
+        heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
+        theta, scaling = self.rope(hf)
+        dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32").replace("torch.", "")
+        return dict(
+            vocab_size=hf["vocab_size"], hidden_size=hidden, intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"], num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hidden // heads,
+            rope_theta=float(theta), rope_scaling=freeze(scaling) if scaling else None,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            dtype=dtype if dtype in DTYPES else "float32",
+            bos_token_id=hf.get("bos_token_id"), eos_token_id=as_tuple(hf.get("eos_token_id")),
+            tokenizer="hf",
+        )
+
+    def rope(self, hf: dict[str, Any], rope: dict | None = None) -> tuple[float, dict | None]:
+        """(theta, scaling or None) from transformers-5 `rope_parameters` or -4 `rope_theta`
+        + `rope_scaling`; a type this family does not implement is refused by name."""
+        rope = rope if rope is not None else (hf.get("rope_parameters") or {})
+        theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+        partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+        if partial not in (None, 1, 1.0):
+            raise ConfigError(f"config.json partial_rotary_factor={partial!r} is not supported for {self.name} "
+                              "(only 1.0: rope over the whole head)")
+        scaling = hf.get("rope_scaling") or None
+        if scaling is None and rope.get("rope_type", "default") not in ("default", None):
+            scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        if scaling is None:
+            return theta, None
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind in ("default", None):
+            return theta, None
+        if kind not in self.rope_types:
+            raise ConfigError(f"rope scaling type {kind!r} is not supported for {self.name} "
+                              f"(supported: {', '.join(t for t in self.rope_types if t != 'default')})")
+        scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+        scaling["rope_type"] = kind
+        scaling.pop("type", None)
+        if kind == "yarn":  # the context it was trained at, as transformers reads it
+            scaling.setdefault("original_max_position_embeddings",
+                               hf.get("original_max_position_embeddings") or hf.get("max_position_embeddings"))
+        return theta, scaling
+
+    # --- HF tensors -> params --------------------------------------------------------
+    prefix = "model."
+    norm_names = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+
+    def tensors(self, config) -> dict[str, HFTensor | tuple[HFTensor, ...]]:
+        """HF tensor name -> HFTensor (a tuple of parts for a fused tensor). HF Linear
+        weights are [out, in]; params are [in, ...]."""
+        c, pre = config, self.prefix
+        e = c.hidden_size
+        table = {
+            pre + "embed_tokens.weight": same(("embed", "embedding"), (c.vocab_size, e)),
+            pre + "norm.weight": same(("norm", "weight"), (e,)),
+        }
+        if not c.tie_word_embeddings:
+            table["lm_head.weight"] = HFTensor(("lm_head",), (c.vocab_size, e), (c.vocab_size, e), (1, 0))
+        for n in range(c.num_layers):
+            table.update(self.layer_tensors(c, f"{pre}layers.{n}.", ("layers", n)))
+        return table
+
+    def layer_tensors(self, c, p: str, layer: tuple) -> dict:
+        e, i, d, hq, hk = c.hidden_size, c.intermediate_size, c.head_dim, c.num_heads, c.num_kv_heads
+        table = {
+            **self.attention_tensors(c, p, layer),
+            **self.mlp_tensors(c, p, layer),
+            **{p + hf + ".weight": same(layer + (ours, "weight"), (e,)) for ours, hf in self.norm_names.items()},
+        }
+        a = layer + ("attn",)
+        if c.qk_norm == "head":
+            table[p + "self_attn.q_norm.weight"] = same(a + ("q_norm", "weight"), (d,))
+            table[p + "self_attn.k_norm.weight"] = same(a + ("k_norm", "weight"), (d,))
+        elif c.qk_norm == "projection":
+            table[p + "self_attn.q_norm.weight"] = HFTensor(a + ("q_norm", "weight"), (hq * d,), (hq, d), (0, 1))
+            table[p + "self_attn.k_norm.weight"] = HFTensor(a + ("k_norm", "weight"), (hk * d,), (hk, d), (0, 1))
+        if c.attention_bias:
+            table.update({
+                p + "self_attn.q_proj.bias": HFTensor(a + ("q_bias",), (hq * d,), (hq, d), (0, 1)),
+                p + "self_attn.k_proj.bias": HFTensor(a + ("k_bias",), (hk * d,), (hk, d), (0, 1)),
+                p + "self_attn.v_proj.bias": HFTensor(a + ("v_bias",), (hk * d,), (hk, d), (0, 1)),
+            })
+        if c.attention_out_bias:
+            table[p + "self_attn.o_proj.bias"] = same(a + ("o_bias",), (e,))
+        return table
+
+    def attention_tensors(self, c, p: str, layer: tuple) -> dict:
+        e, d, hq, hk = c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads
+        a = layer + ("attn",)
+        return {  # [H*D, E] stored as [H, D, E] -> [E, H, D]; o: [E, H*D] as [E, H, D] -> [H, D, E]
+            p + "self_attn.q_proj.weight": HFTensor(a + ("q",), (hq * d, e), (hq, d, e), (2, 0, 1)),
+            p + "self_attn.k_proj.weight": HFTensor(a + ("k",), (hk * d, e), (hk, d, e), (2, 0, 1)),
+            p + "self_attn.v_proj.weight": HFTensor(a + ("v",), (hk * d, e), (hk, d, e), (2, 0, 1)),
+            p + "self_attn.o_proj.weight": HFTensor(a + ("o",), (e, hq * d), (e, hq, d), (1, 2, 0)),
+        }
+
+    def mlp_tensors(self, c, p: str, layer: tuple) -> dict:
+        e, i = c.hidden_size, c.intermediate_size
+        m = layer + ("mlp",)
+        return {
+            p + "mlp.gate_proj.weight": HFTensor(m + ("gate",), (i, e), (i, e), (1, 0)),
+            p + "mlp.up_proj.weight": HFTensor(m + ("up",), (i, e), (i, e), (1, 0)),
+            p + "mlp.down_proj.weight": HFTensor(m + ("down",), (e, i), (e, i), (1, 0)),
+        }
+
+    ignored_tensors: tuple[str, ...] = ("rotary_emb.inv_freq",)  # name suffixes never loaded
+    ignored_prefixes: tuple[str, ...] = ()  # e.g. a vision tower beside the text model
+
+    def model_class(self):
+        from jaxfill.models.decoder import Decoder
+
+        return Decoder
+
+
+def same(path: tuple, shape: tuple) -> HFTensor:
+    return HFTensor(path, shape, shape, tuple(range(len(shape))))
+
+
+def layer_types_from(hf: dict[str, Any], num_layers: int) -> tuple[str, ...]:
+    """transformers-5 `layer_types` ("full_attention" / "sliding_attention") -> ours."""
+    names = {"full_attention": "full", "sliding_attention": "sliding"}
+    types = hf.get("layer_types")
+    if not types:
+        return ()
+    bad = sorted(set(types) - set(names))
+    if bad:
+        raise ConfigError(f"config.json layer_types {bad} are not supported (only {sorted(names)})")
+    if len(types) != num_layers:
+        raise ConfigError(f"config.json layer_types has {len(types)} entries for {num_layers} layers")
+    return tuple(names[t] for t in types)
+
+
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+
+
+def activation(hf: dict[str, Any], key: str = "hidden_act", default: str = "silu") -> str:
+    name = hf.get(key) or default
+    if name not in ACTIVATIONS:
+        raise ConfigError(f"config.json {key}={name!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+    return ACTIVATIONS[name]
+
+
+def sliding_layers(hf: dict[str, Any], num_layers: int, first_sliding: int = 0) -> tuple[str, ...]:
+    """Qwen2/Qwen3-style `use_sliding_window` (layers from `max_window_layers` on slide),
+    unless the file spells `layer_types` out."""
+    types = layer_types_from(hf, num_layers)
+    if types or not hf.get("use_sliding_window"):
+        return types
+    first = hf.get("max_window_layers", first_sliding)
+    return tuple("sliding" if n >= first else "full" for n in range(num_layers))
+
+
+def window_fields(types: tuple[str, ...], window: int | None) -> dict[str, Any]:
+    """layer_types and sliding_window for ModelConfig: () when every layer is alike."""
+    if "sliding" not in types or not window:
+        return dict(layer_types=(), sliding_window=None)
+    return dict(layer_types=types if "full" in types else (), sliding_window=int(window))

@@ -1,0 +1,90 @@
+"""Gemma 3 text: Gemma 2's layer with (1 + w) q/k norms per head, a `layer_types`
+pattern (5 sliding : 1 full), and two ropes: sliding layers use the local base
+(`rope_local_base_freq`, unscaled), full layers the global one with its scaling.
+
+`Gemma3ForConditionalGeneration` checkpoints load as their text tower: the config's
+`text_config`, the weights under `model.language_model.` (transformers 5) or
+`language_model.model.` (4); the vision tower and projector are skipped."""
+
+from __future__ import annotations
+
+from jaxfill.models.config import ConfigError, freeze
+from jaxfill.models.families.base import activation, layer_types_from, window_fields
+from jaxfill.models.families.gemma2 import Gemma2, _cap
+
+
+class Gemma3(Gemma2):
+    name = "gemma3"
+    architectures = ("Gemma3ForCausalLM",)
+    honoured = Gemma2.honoured | {"rope_local_base_freq", "sliding_window_pattern", "_sliding_window_pattern"}
+    # transformers stores attn_logit_softcapping for Gemma 3 but never applies it
+    honoured = honoured - {"attn_logit_softcapping"}
+    inert = Gemma2.inert | {"attn_logit_softcapping"}
+    fixed = {"use_bidirectional_attention": False}
+    rope_types = ("default", "linear", "yarn")
+    tested = "HF parity f32/bf16 (local/global rope, 5:1 pattern crossed by the prompts), chunked, " \
+             "prefix cache, tensor, stage, scan"
+
+    def model_fields(self, hf):
+        layers = hf["num_hidden_layers"]
+        pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6
+        types = layer_types_from(hf, layers) or tuple(
+            "full" if (n + 1) % pattern == 0 else "sliding" for n in range(layers))
+        rope = hf.get("rope_parameters") or {}
+        if "full_attention" in rope or "sliding_attention" in rope:  # transformers 5: one per layer type
+            theta, scaling = self.rope(hf, rope.get("full_attention") or {})
+            local_theta, local_scaling = self.rope(hf, rope.get("sliding_attention") or {})
+            if local_scaling:
+                raise ConfigError("gemma3: a scaled rope on sliding layers is not supported")
+        else:
+            theta, scaling = self.rope(hf)
+            local_theta = hf.get("rope_local_base_freq", 10000.0)
+        bias = bool(hf.get("attention_bias", False))
+        return dict(
+            hidden_act=activation(hf, "hidden_activation", "gelu_pytorch_tanh"), attention_bias=bias, attention_out_bias=bias,
+            norm_kind="rms_one_plus", norm_layout="sandwich", qk_norm="head",
+            embed_scale=float(hf["hidden_size"]) ** 0.5,
+            query_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
+            final_soft_cap=_cap(hf.get("final_logit_softcapping")),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+            rope_theta=float(theta), rope_scaling=freeze(scaling) if scaling else None,
+            rope_local_theta=float(local_theta),
+            **window_fields(types, hf.get("sliding_window")),
+        )
+
+    def common_fields(self, hf):
+        rope = hf.get("rope_parameters") or {}
+        if "full_attention" in rope or "sliding_attention" in rope:  # read in model_fields
+            hf = {k: v for k, v in hf.items() if k != "rope_parameters"}
+        return super().common_fields(hf)
+
+
+class Gemma3Multimodal(Gemma3):
+    """The text tower of an image-text checkpoint."""
+    name = "gemma3"
+    architectures = ("Gemma3ForConditionalGeneration",)
+    prefix = "model.language_model."
+    ignored_prefixes = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.",
+                        "multi_modal_projector.")
+    tested = "config and tensor names only"
+
+    def to_model_config(self, hf, architecture):
+        text = dict(hf.get("text_config") or {})
+        if not text:
+            raise ConfigError("Gemma3ForConditionalGeneration config.json has no text_config")
+        text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", True))
+        for key in ("bos_token_id", "eos_token_id", "dtype", "torch_dtype"):
+            if key in hf and key not in text:
+                text[key] = hf[key]
+        return super().to_model_config(text, architecture)
+
+    def rename(self, name: str) -> str:
+        """transformers-4 names (`language_model.model.layers...`) -> 5's."""
+        if name.startswith("language_model.model."):
+            return "model.language_model." + name[len("language_model.model."):]
+        if name == "language_model.lm_head.weight":
+            return "lm_head.weight"
+        return name
+
+
+FAMILIES = (Gemma3(), Gemma3Multimodal())

@@ -1,0 +1,22 @@
+"""OLMo 2: norms after attention and MLP only (none before), and q/k RMSNorms over the
+whole projection (all heads at once) before rope; norms multiply in f32."""
+
+from __future__ import annotations
+
+from jaxfill.models.families.base import Family, activation
+
+
+class Olmo2(Family):
+    name = "olmo2"
+    architectures = ("Olmo2ForCausalLM",)
+    honoured = frozenset({"hidden_act", "attention_bias"})
+    norm_names = {"attn_post_norm": "post_attention_layernorm", "mlp_post_norm": "post_feedforward_layernorm"}
+    tested = "HF parity f32/bf16, chunked, prefix cache, tensor, stage, scan"
+
+    def model_fields(self, hf):
+        bias = bool(hf.get("attention_bias", False))
+        return dict(hidden_act=activation(hf), attention_bias=bias, attention_out_bias=bias,
+                    norm_kind="rms_f32", norm_layout="post", qk_norm="projection")
+
+
+FAMILIES = (Olmo2(),)

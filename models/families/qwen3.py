@@ -1,0 +1,25 @@
+"""Qwen3 dense: Llama's layer with an RMSNorm on q and k per head, before rope."""
+
+from __future__ import annotations
+
+from jaxfill.models.families.base import Family, activation, sliding_layers, window_fields
+
+
+class Qwen3(Family):
+    name = "qwen3"
+    architectures = ("Qwen3ForCausalLM",)
+    honoured = frozenset({"hidden_act", "attention_bias", "use_sliding_window", "sliding_window",
+                          "max_window_layers", "layer_types"})
+    depends = {"use_sliding_window": {"sliding_window": 16},
+               "max_window_layers": {"use_sliding_window": True, "sliding_window": 16},
+               "sliding_window": {"use_sliding_window": True}}
+    tested = "HF parity f32/bf16, chunked, prefix cache, tensor, stage, scan, int8"
+
+    def model_fields(self, hf):
+        bias = bool(hf.get("attention_bias", False))  # q, k, v and o
+        types = sliding_layers(hf, hf["num_hidden_layers"])
+        return dict(hidden_act=activation(hf), attention_bias=bias, attention_out_bias=bias, qk_norm="head",
+                    **window_fields(types, hf.get("sliding_window")))
+
+
+FAMILIES = (Qwen3(),)

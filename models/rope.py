@@ -1,0 +1,108 @@
+"""Rotary embeddings as transformers computes them: the inverse frequencies of each rope
+type (default, linear, llama3, yarn) in float32, and the rotate-half rotation.
+
+A layer's rope is (inv_freq [D/2], scale): yarn multiplies cos and sin by its attention
+factor; a NoPE layer (SmolLM3) has inv_freq 0 and scale 1, which rotates nothing.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def base_inv_freq(head_dim: int, theta: float) -> np.ndarray:  # [D/2] f32
+    return (1.0 / (np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32)
+                                         / np.float32(head_dim)))).astype(np.float32)
+
+
+def rope_parameters(head_dim: int, theta: float, scaling: dict | None,
+                    max_position_embeddings: int) -> tuple[np.ndarray, float]:
+    """(inv_freq [D/2] f32, cos/sin scale) of one rope setting."""
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    inv = base_inv_freq(head_dim, theta)
+    if kind == "default":
+        return inv, 1.0
+    if kind == "linear":
+        return (inv / np.float32(scaling["factor"])).astype(np.float32), 1.0
+    if kind == "llama3":
+        return _llama3(inv, scaling), 1.0
+    if kind == "yarn":
+        return _yarn(head_dim, theta, scaling, max_position_embeddings)
+    raise ValueError(f"rope type {kind!r} is not one of {ROPE_TYPES}")
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> np.ndarray:
+    """Inverse frequencies of a rope type that needs no scale (default, linear, llama3)."""
+    inv, scale = rope_parameters(head_dim, theta, scaling, 0)
+    assert scale == 1.0, scaling
+    return inv
+
+
+def _llama3(inv: np.ndarray, scaling: dict) -> np.ndarray:
+    factor = float(scaling["factor"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > old_len / low, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn(dim: int, theta: float, scaling: dict, max_position_embeddings: int) -> tuple[np.ndarray, float]:
+    """YaRN (arXiv 2309.00071): interpolate the slow frequencies, keep the fast ones, ramp
+    between them; cos/sin scaled by the attention factor."""
+    factor = float(scaling["factor"])
+    original = scaling.get("original_max_position_embeddings") or max_position_embeddings
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all:
+            attention = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+        else:
+            attention = _yarn_mscale(factor)
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations):
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    extrapolation = (1 - ramp).astype(np.float32)
+    pos_freqs = np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+    inv = ((1.0 / (np.float32(factor) * pos_freqs)) * (1 - extrapolation)
+           + (1.0 / pos_freqs) * extrapolation)
+    return inv.astype(np.float32), float(attention)
+
+
+def apply_rope(x: jax.Array,  # [T, H, D]
+               positions: jax.Array,  # [T] int32
+               inv_freq,  # [D/2] f32 (numpy or traced)
+               scale=1.0,  # [] cos/sin multiplier (yarn's attention factor)
+               ) -> jax.Array:  # [T, H, D]
+    """Rotate-half rotary embedding (the Hugging Face Llama convention)."""
+    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)[None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)  # [T, D]
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    if not (isinstance(scale, float) and scale == 1.0):
+        cos, sin = cos * scale, sin * scale
+    cos, sin = cos.astype(x.dtype)[:, None, :], sin.astype(x.dtype)[:, None, :]
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
