@@ -29,7 +29,7 @@ jax.config.update("jax_num_cpu_devices", 1)
 @pytest.fixture(scope="session")
 def hf_dirs(tmp_path_factory):
     """Random-init HF checkpoints, f32, written once per session: {"llama": dir, ...}."""
-    from hf_models import make_hf_checkpoint
+    from hf_models import ARCHS, make_hf_checkpoint
 
     root = tmp_path_factory.mktemp("hf")
-    return {arch: make_hf_checkpoint(str(root / arch), arch) for arch in ("llama", "mistral", "qwen2")}
+    return {arch: make_hf_checkpoint(str(root / arch), arch) for arch in ARCHS}

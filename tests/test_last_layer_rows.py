@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from jaxfill.engine.config import load_config
-from jaxfill.models import llama
+from jaxfill.models import decoder
 from jaxfill.models.forward import forward
 from jaxfill.models.kv_cache import AttentionMetadata, KVCache
 from jaxfill.models.decoder import Decoder
@@ -62,7 +62,7 @@ def two_steps(model, config):
 
 def full_last_layer(monkeypatch):
     # The model keeps every row of the last layer when the rows are split over 'sequence'.
-    monkeypatch.setattr(llama, "rows_split_over_sequence", lambda: True)
+    monkeypatch.setattr(decoder, "rows_split_over_sequence", lambda: True)
 
 
 @pytest.fixture(scope="module")

@@ -124,7 +124,7 @@ def _worker():  # noqa: C901 - one script, many checks
     from hlo_collectives import collective_ops
     from jaxfill.engine import placement
     from jaxfill.engine.mesh import make_mesh
-    from jaxfill.models import llama, sharding
+    from jaxfill.models import decoder, sharding
     from jaxfill.models.config import ModelConfig
     from jaxfill.models.forward import forward, forward_data_parallel
     from jaxfill.models.kv_cache import AttentionMetadata, KVCache, single_sequence_metadata
@@ -313,7 +313,7 @@ def _worker():  # noqa: C901 - one script, many checks
         res = {}
         # The baseline is every row of every layer on one device, as the split runs them
         # (one device alone runs only the sampled row of the last layer).
-        llama.rows_split_over_sequence = lambda: True
+        decoder.rows_split_over_sequence = lambda: True
         for s in (1, 4):
             mesh = mesh_of(1, 1, s)
             graphdef, state = placement.abstract_state(cfg)
@@ -385,8 +385,8 @@ def _write_hf(directory, config, state):
     flat = {path: np.asarray(v[...]) for path, v in nnx.to_flat_state(state)}
     c = config
     tensors = {}
-    for name, (path, hf_shape, _, _) in hf_to_param(config).items():
-        w = flat[tuple(path)]
+    for name, spec in hf_to_param(config).items():
+        w, hf_shape = flat[tuple(spec.param_path)], spec.hf_shape
         if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
             w = w.reshape(c.hidden_size, -1).T
         elif name.endswith("o_proj.weight"):

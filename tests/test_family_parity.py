@@ -1,0 +1,84 @@
+"""Every family of models/families/ against Hugging Face transformers, random-init
+checkpoints with shapes the tests choose (tests/hf_models.py FAMILY_KWARGS): f32 last-row
+logits within 1e-5 relative and greedy tokens equal to HF's generate; bf16 no further from
+the float64 truth than 1.25x HF's own bf16 (the method of tests/test_model_parity.py, which
+covers Llama, Mistral and Qwen2). Prompts of 64 and 300 tokens cross the sliding windows
+(24) of Gemma 2/3 and Phi-3 checkpoints."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+from hf_models import FAMILY_KWARGS, load_hf
+from jaxfill.engine.simple import generate_one
+from jaxfill.models import KVCache, ModelConfig
+from jaxfill.models.checkpoint import load_hf_params
+from jaxfill.models.families.registry import new_model
+from test_model_parity import (BF16_RATIO, PAGE, hf_bf16_and_truth, hf_last_logits, ours_last_logits, prompts,
+                               rel_l2)
+
+FAMILIES = tuple(FAMILY_KWARGS)
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_f32_logits_and_greedy_tokens_match_hf(hf_dirs, arch):
+    config = ModelConfig.from_hf(hf_dirs[arch])
+    model = load_hf_params(hf_dirs[arch], config, progress=False)
+    hf = load_hf(hf_dirs[arch])
+    for length, tokens in prompts(config.vocab_size):
+        err = rel_l2(ours_last_logits(model, config, tokens), hf_last_logits(hf, tokens))
+        assert err <= 1e-5, (arch, length, err)
+    prompt = np.random.default_rng(2).integers(0, config.vocab_size, 20)
+    with torch.no_grad():
+        out = hf.generate(torch.tensor(prompt)[None], max_new_tokens=24, min_new_tokens=24, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+    expected = out[0, len(prompt):].tolist()
+    cache = KVCache.create(config, num_pages=8, page_size=PAGE, fill_value=float("nan"))
+    ours, _ = generate_one(model, list(prompt), cache, 24)
+    assert ours == expected
+    assert len(set(expected)) > 1
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_bf16_logits_at_the_noise_floor(hf_dirs, arch):
+    config = dataclasses.replace(ModelConfig.from_hf(hf_dirs[arch]), dtype="bfloat16")
+    model = load_hf_params(hf_dirs[arch], config, progress=False)
+    hf, truth = hf_bf16_and_truth(hf_dirs[arch])
+    for length, tokens in prompts(config.vocab_size)[1:]:
+        want = hf_last_logits(truth, tokens)
+        ours = rel_l2(ours_last_logits(model, config, tokens), want)
+        theirs = rel_l2(hf_last_logits(hf, tokens), want)
+        assert ours <= BF16_RATIO * theirs, (arch, length, ours, theirs)
+
+
+# What each family adds must change the logits of a prompt longer than the window: a
+# port that ignored the field would pass the parity test only if the field were inert.
+ABLATIONS = {
+    "gemma2": dict(attn_soft_cap=None),
+    "gemma2-final": dict(final_soft_cap=None),
+    "gemma2-window": dict(layer_types=(), sliding_window=None),
+    "gemma3-local-rope": dict(rope_local_theta=None),
+    "gemma3-norm": dict(qk_norm="none"),
+    "smollm3": dict(nope_layers=()),
+    "olmo2": dict(qk_norm="none"),
+    "qwen3": dict(rope_scaling=None),
+    "granite": dict(residual_scale=1.0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ABLATIONS))
+def test_each_family_feature_changes_the_logits(hf_dirs, name):
+    arch = name.split("-")[0]
+    config = ModelConfig.from_hf(hf_dirs[arch])
+    length, tokens = prompts(config.vocab_size)[-1]
+    loaded = load_hf_params(hf_dirs[arch], config, progress=False)
+    changed = dataclasses.replace(config, **ABLATIONS[name])
+    other = new_model(changed, nnx.Rngs(0))  # the loaded weights, less any the change drops
+    weights = dict(nnx.to_flat_state(nnx.state(loaded)))
+    for path, var in nnx.to_flat_state(nnx.state(other)):
+        var.set_value(weights[path][...])
+    base = ours_last_logits(loaded, config, tokens)
+    assert rel_l2(ours_last_logits(other, changed, tokens), base) > 1e-3, name
