@@ -233,6 +233,15 @@ def activation(hf: dict[str, Any], key: str = "hidden_act", default: str = "silu
     return ACTIVATIONS[name]
 
 
+# Qwen2/Qwen3-style sliding fields count only together (for the field walker's test).
+SLIDING_DEPENDS = {
+    "use_sliding_window": {"sliding_window": 16, "max_window_layers": 1},
+    "sliding_window": {"use_sliding_window": True, "max_window_layers": 1},
+    "max_window_layers": {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1},
+    "layer_types": {"use_sliding_window": True, "sliding_window": 16},
+}
+
+
 def sliding_layers(hf: dict[str, Any], num_layers: int, first_sliding: int = 0) -> tuple[str, ...]:
     """Qwen2/Qwen3-style `use_sliding_window` (layers from `max_window_layers` on slide),
     unless the file spells `layer_types` out."""

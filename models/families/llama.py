@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jaxfill.models.families.base import Family, activation, sliding_layers, window_fields
+from jaxfill.models.families.base import SLIDING_DEPENDS, Family, activation, sliding_layers, window_fields
 
 
 class Llama(Family):
@@ -35,7 +35,7 @@ class Qwen2(Llama):
     architectures = ("Qwen2ForCausalLM",)
     honoured = frozenset({"hidden_act", "sliding_window", "use_sliding_window", "max_window_layers",
                           "layer_types"})
-    depends = {"max_window_layers": {"use_sliding_window": True, "sliding_window": 16}}
+    depends = SLIDING_DEPENDS
     fixed = {}
     tested = "HF parity f32/bf16 (q/k/v biases, tied head), chunked, prefix cache"
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jaxfill.models.families.base import Family, activation, sliding_layers, window_fields
+from jaxfill.models.families.base import SLIDING_DEPENDS, Family, activation, sliding_layers, window_fields
 
 
 class Qwen3(Family):
@@ -10,9 +10,7 @@ class Qwen3(Family):
     architectures = ("Qwen3ForCausalLM",)
     honoured = frozenset({"hidden_act", "attention_bias", "use_sliding_window", "sliding_window",
                           "max_window_layers", "layer_types"})
-    depends = {"use_sliding_window": {"sliding_window": 16},
-               "max_window_layers": {"use_sliding_window": True, "sliding_window": 16},
-               "sliding_window": {"use_sliding_window": True}}
+    depends = SLIDING_DEPENDS
     tested = "HF parity f32/bf16, chunked, prefix cache, tensor, stage, scan, int8"
 
     def model_fields(self, hf):

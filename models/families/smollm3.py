@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from jaxfill.models.config import ConfigError
-from jaxfill.models.families.base import Family, activation, sliding_layers, window_fields
+from jaxfill.models.families.base import SLIDING_DEPENDS, Family, activation, sliding_layers, window_fields
 
 
 class SmolLM3(Family):
@@ -12,9 +12,7 @@ class SmolLM3(Family):
     architectures = ("SmolLM3ForCausalLM",)
     honoured = frozenset({"hidden_act", "attention_bias", "no_rope_layers", "no_rope_layer_interval",
                           "use_sliding_window", "sliding_window", "layer_types", "max_window_layers"})
-    depends = {"use_sliding_window": {"sliding_window": 16},
-               "sliding_window": {"use_sliding_window": True},
-               "max_window_layers": {"use_sliding_window": True, "sliding_window": 16}}
+    depends = SLIDING_DEPENDS
     fixed = {"mlp_bias": False}
     tested = "HF parity f32/bf16 (NoPE layers), chunked, prefix cache, tensor, stage, scan"
 

@@ -1,0 +1,153 @@
+"""Every config.json field of every family's HF config class is read or refused by name.
+
+The walker builds the family's transformers config class with one field at a time set to a
+value other than its default (plus the `depends` values that make the field count), saves
+it as config.json would hold it, and asks our registry: a field the family honours must
+change the ModelConfig (or be refused with its name), an inert one must not matter, and
+any other must be refused naming a field whose value changed. A field the family never
+classified fails the test: adding a transformers field is a decision, not a silence."""
+
+import inspect
+
+import pytest
+import transformers as tf
+
+from hf_models import FAMILY_KWARGS, HF_SMALL
+from jaxfill.models.config import ConfigError, ModelConfig
+from jaxfill.models.families import registry
+from jaxfill.models.families.base import COMMON_INERT, COMMON_READ
+
+CLASSES = {  # architecture -> transformers config class
+    "LlamaForCausalLM": tf.LlamaConfig, "MistralForCausalLM": tf.MistralConfig, "Qwen2ForCausalLM": tf.Qwen2Config,
+    "Qwen3ForCausalLM": tf.Qwen3Config, "Gemma2ForCausalLM": tf.Gemma2Config,
+    "Gemma3ForCausalLM": tf.Gemma3TextConfig, "Phi3ForCausalLM": tf.Phi3Config, "Olmo2ForCausalLM": tf.Olmo2Config,
+    "SmolLM3ForCausalLM": tf.SmolLM3Config, "GraniteForCausalLM": tf.GraniteConfig,
+}
+SKIP = {"self", "kwargs"}
+# Values for fields whose default is None (the walker cannot guess a type).
+NONE_VALUES = {"sliding_window": 16, "attn_logit_softcapping": 5.0, "final_logit_softcapping": 5.0,
+               "pad_token_id": 3, "bos_token_id": 4, "eos_token_id": 5, "head_dim": 48,
+               "use_bidirectional_attention": True, "num_key_value_heads": 1, "rope_parameters": None,
+               "layer_types": None, "no_rope_layers": None, "rope_scaling": None}
+
+
+def small_kwargs(arch):
+    name = {"Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
+            "Phi3ForCausalLM": "phi3", "Olmo2ForCausalLM": "olmo2", "SmolLM3ForCausalLM": "smollm3",
+            "GraniteForCausalLM": "granite"}.get(arch)
+    kw = dict(HF_SMALL)
+    kw.pop("initializer_range")
+    kw.update(num_hidden_layers=4)
+    if name == "phi3":
+        kw.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return kw
+
+
+def other_value(name, value):
+    if value is None:
+        return NONE_VALUES.get(name, 7)
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value * 2 if value > 0 else 1
+    if isinstance(value, float):
+        return value * 1.5 if value else 0.25
+    if isinstance(value, str):
+        return "relu"
+    if isinstance(value, list) and value:
+        first = value[0]
+        swap = {"full_attention": "sliding_attention", "sliding_attention": "full_attention", 0: 1, 1: 0}
+        return [swap.get(first, first)] + list(value[1:])
+    return None  # dicts (rope_parameters): tests/test_family_fields.py::test_rope_types
+
+
+def saved(cls, arch, **kw):
+    d = cls(**kw).to_dict()
+    d["architectures"] = [arch]
+    return d
+
+
+@pytest.mark.parametrize("arch", sorted(CLASSES))
+def test_every_hf_field_is_read_or_refused(arch):
+    cls, family = CLASSES[arch], registry.family_of(arch)
+    base_kw = small_kwargs(arch)
+    base = saved(cls, arch, **base_kw)
+    registry.from_hf(base)
+    fields = [n for n in inspect.signature(cls.__init__).parameters if n not in SKIP]
+    unclassified = [n for n in fields if n not in family.honoured | family.inert | set(family.fixed)
+                    | COMMON_READ | COMMON_INERT]
+    assert not unclassified, f"{arch}: fields neither honoured, inert nor fixed: {unclassified}"
+    checked = 0
+    for name in fields:
+        default = inspect.signature(cls.__init__).parameters[name].default
+        deps = family.depends.get(name, {})  # what makes the field count, its own start value too
+        reference_kw = {**base_kw, **deps}
+        reference = saved(cls, arch, **reference_kw)
+        value = other_value(name, reference_kw.get(name, reference.get(name, default)))  # derived lists too
+        if value is None:
+            continue
+        try:
+            hf = saved(cls, arch, **{**reference_kw, name: value})
+        except Exception:  # transformers itself rejects the value
+            continue
+        ours = registry.from_hf(reference)
+        changed = {k for k in hf if hf[k] != reference.get(k)}
+        try:
+            got = registry.from_hf(hf)
+        except ConfigError as e:
+            assert any(k in str(e) for k in changed) or name in str(e), (arch, name, str(e))
+            checked += 1
+            continue
+        if name in family.honoured | COMMON_READ - {"rope_scaling", "rope_parameters"}:
+            assert got != ours, f"{arch}: {name}={value!r} is said to be honoured but changes nothing"
+        elif name in family.fixed:
+            assert hf.get(name) == family.fixed[name] or hf.get(name) in (None, False), (arch, name)
+        checked += 1
+    assert checked >= len(fields) // 2
+
+
+def test_unknown_architecture_names_every_supported_one():
+    with pytest.raises(ConfigError) as e:
+        ModelConfig.from_hf({"architectures": ["FalconForCausalLM"], "hidden_size": 8})
+    for arch in registry.architectures():
+        assert arch in str(e.value)
+
+
+def test_granite_relabelled_as_llama_is_refused_by_name():
+    hf = saved(tf.GraniteConfig, "LlamaForCausalLM", **small_kwargs("GraniteForCausalLM"), embedding_multiplier=12.0)
+    with pytest.raises(ConfigError, match="embedding_multiplier"):
+        registry.from_hf(hf)
+
+
+def test_llama_with_tanh_gelu_is_honoured_and_unknown_activation_refused():
+    base = small_kwargs("LlamaForCausalLM")
+    assert registry.from_hf(saved(tf.LlamaConfig, "LlamaForCausalLM", **base,
+                                  hidden_act="gelu_pytorch_tanh")).hidden_act == "gelu_tanh"
+    with pytest.raises(ConfigError, match="hidden_act"):
+        registry.from_hf(saved(tf.LlamaConfig, "LlamaForCausalLM", **base, hidden_act="relu"))
+
+
+@pytest.mark.parametrize("rope,ok", [
+    ({"rope_type": "linear", "factor": 2.0}, True),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}, True),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 64}, True),
+    ({"rope_type": "dynamic", "factor": 2.0}, False),
+    ({"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+      "original_max_position_embeddings": 256}, False),
+])
+def test_rope_types(rope, ok):
+    kw = small_kwargs("Qwen3ForCausalLM")
+    hf = saved(tf.Qwen3Config, "Qwen3ForCausalLM", **kw, rope_parameters={"rope_theta": 1e4, **rope})
+    if ok:
+        assert registry.from_hf(hf).rope_scaling_dict["rope_type"] == rope["rope_type"]
+    else:
+        with pytest.raises(ConfigError, match=rope["rope_type"]):
+            registry.from_hf(hf)
+
+
+def test_phi3_partial_rotary_is_refused():
+    kw = small_kwargs("Phi3ForCausalLM")
+    hf = saved(tf.Phi3Config, "Phi3ForCausalLM", **kw, partial_rotary_factor=0.5)
+    with pytest.raises(ConfigError, match="partial_rotary_factor"):
+        registry.from_hf(hf)
