@@ -20,7 +20,7 @@ from jaxfill.engine.config import load_config
 from jaxfill.engine.planner_counts import projection_scales, weight_bytes
 from jaxfill.engine.simple import prefill_chunks
 from jaxfill.models import KVCache, Decoder, ModelConfig
-from jaxfill.models.checkpoint import hf_to_param, load_hf_params, quantize_model
+from jaxfill.models.checkpoint import hf_to_param, load_hf_params, quantize_model, tensor_parts
 from jaxfill.models.quant import QUANTIZED_INPUT_AXES, dequantize, param_bytes, quantize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -73,10 +73,11 @@ def hf_with_weights(directory, config, params, dtype):
     hf = load_hf(directory, dtype)
     sd = hf.state_dict()
     for name, spec in hf_to_param(config).items():
-        if spec.param_path[-1] in QUANTIZED_INPUT_AXES:
-            inv = np.argsort(spec.perm)
-            sd[name] = torch.from_numpy(np.ascontiguousarray(params[spec.param_path].transpose(inv))
-                                        .reshape(spec.hf_shape))
+        parts = tensor_parts(spec)  # a fused tensor (Phi-3) is its parts' rows one after another
+        if parts[0].param_path[-1] in QUANTIZED_INPUT_AXES:
+            rows = [np.ascontiguousarray(params[p.param_path].transpose(np.argsort(p.perm)))
+                    .reshape((-1,) + p.hf_shape[1:]) for p in parts]
+            sd[name] = torch.from_numpy(np.concatenate(rows).reshape(parts[0].hf_shape))
     hf.load_state_dict(sd)
     return hf.to(dtype)
 
@@ -85,7 +86,7 @@ def rel_l2(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "smollm3"])
 def test_logits_equal_float64_model_with_the_same_quantized_weights(hf_dirs, arch):
     config = ModelConfig.from_hf(hf_dirs[arch])
     int8 = load_hf_params(hf_dirs[arch], dataclasses.replace(config, weight_dtype="int8"), progress=False)

@@ -1,0 +1,69 @@
+"""The check of tests/test_family_layouts*.py: every family through the Engine in every layout gives the same tokens: unchunked ==
+chunked == prefix-cached == mesh.tensor=2 == engine.scan_layers == mesh.stage=2 (greedy,
+from the HF checkpoint of tests/hf_models.py); int8 weights and int8 KV run and stay close.
+Prompts are longer than the sliding windows (24) and cross Gemma 3's full layers. One
+subprocess per family on 2 fake CPU devices (the device count is fixed at backend start);
+each builds 7 engines, so a case takes 40-100 s (compiles dominate), and the families are
+split over two test files so the two workers of the suite share them."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = """
+import json, sys
+import numpy as np
+from jaxfill.engine.engine import Engine
+from jaxfill.engine.request import SamplingParams
+model_dir, layouts = sys.argv[1], json.loads(sys.argv[2])
+base = {"engine.max_num_batched_tokens": 512, "engine.token_buckets": [64, 512], "engine.num_pages": 96,
+        "engine.max_model_len": 512, "mesh.cpu_split": False}
+rng = np.random.default_rng(5)
+long = [int(t) for t in rng.integers(3, 500, 300)]
+prompts = [long, long[:200] + [int(t) for t in rng.integers(3, 500, 40)], [7, 9, 11]]
+out = {}
+for name, overrides in layouts.items():
+    engine = Engine.from_config("tiny", model_path=model_dir, overrides={**base, **overrides}, progress=False)
+    first = engine.generate([prompts[0]], SamplingParams(max_tokens=6, logprobs=1))
+    rest = engine.generate(prompts[1:], SamplingParams(max_tokens=6, logprobs=1))
+    st = engine.stats()
+    done = first + rest
+    out[name] = {"tokens": [c.token_ids for c in done], "cached": [c.cached_tokens for c in done],
+                 "logprob": [c.logprobs[0]["logprob"] for c in done], "pages_back": st["pages_free"] == st["pages_total"]}
+print("RESULT " + json.dumps(out))
+"""
+LAYOUTS = {
+    "whole": {"engine.enable_prefix_caching": False},
+    "chunked": {"engine.enable_prefix_caching": False, "engine.max_num_batched_tokens": 64,
+                "engine.token_buckets": [16, 64]},
+    "prefix": {},
+    "tensor2": {"mesh.tensor": 2},
+    "scan": {"engine.scan_layers": True},
+    "stage2": {"mesh.stage": 2},
+    "int8": {"model.weight_dtype": "int8", "engine.kv_cache_dtype": "int8"},
+}
+EXACT = ("chunked", "prefix", "tensor2", "scan", "stage2")
+
+
+def check_every_layout(model_dir: str, arch: str) -> None:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, model_dir, json.dumps(LAYOUTS)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    r = json.loads(lines[-1][len("RESULT "):])
+    want = r["whole"]
+    assert len({tuple(t) for t in want["tokens"]}) == 3
+    for name in EXACT:
+        assert r[name]["tokens"] == want["tokens"], (arch, name)
+        np.testing.assert_allclose(r[name]["logprob"], want["logprob"], atol=2e-4, err_msg=f"{arch} {name}")
+    for name in r:
+        assert r[name]["pages_back"], (arch, name)
+    assert r["prefix"]["cached"][1] >= 192 and want["cached"] == [0, 0, 0]  # the shared 200 tokens' pages
+    # int8 weights and KV: the first token's logprob moves by what quantization moves it
+    # (tests/test_weight_quant.py measures 1-3% on the logits of these random models)
+    assert np.max(np.abs(np.subtract(r["int8"]["logprob"], want["logprob"]))) < 0.25, (arch, r["int8"])

@@ -1,0 +1,12 @@
+"""Qwen3, OLMo 2, SmolLM3 and Granite: unchunked == chunked == prefix-cached == tensor=2
+== scan_layers == stage=2 through the Engine, int8 close (tests/family_layouts.py). Over a
+minute: seven engines per family, each compiling its buckets."""
+
+import pytest
+
+from family_layouts import check_every_layout
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "olmo2", "smollm3", "granite"])
+def test_every_layout_gives_the_same_tokens(hf_dirs, arch):
+    check_every_layout(hf_dirs[arch], arch)
