@@ -3,16 +3,17 @@ adds the mesh and the hardware).
 
 Counting conventions (tests/test_planner.py checks them against XLA's cost analysis):
 
-* matmul FLOPs = 2 * tokens * (q, k, v, o, gate, up, down weights) per layer, plus the
+* matmul FLOPs = 2 * tokens * (the layer's projection weights, read off the model's
+  abstract params: q, k, v, o, gate, up, down) per layer, plus the
   LM head for the ONE row whose logits are computed (the forward never computes
   [T, vocab]). The embedding is a gather: no FLOPs.
 * last layer: in the unrolled layout with no 'sequence' split the engine runs the last
-  layer's q/o projections, attention and MLP on the sampled row only (models/llama.py,
+  layer's q/o projections, attention and MLP on the sampled row only (models/decoder.py,
   engine/execution_plan.py); its K/V projections still see every token.
   `sampled_last_layer=True` counts that.
 * attention FLOPs = QK^T and PV over the causal lower triangle, diagonal included:
   4 * layers * q_heads * head_dim * (visible key count summed over the new tokens),
-  with visible keys min(position + 1, sliding_window).
+  with visible keys min(position + 1, the layer's sliding window).
 * bytes = every weight read once (of an untied embedding table only the prompt's rows)
   + the new tokens' K/V written once. Activations are
   assumed to stay on chip: this is a floor, not an estimate.
@@ -22,25 +23,28 @@ Counting conventions (tests/test_planner.py checks them against XLA's cost analy
 
 from __future__ import annotations
 
+import dataclasses
 import math
+
+import numpy as np
 
 from jaxfill.engine.config import EngineSettings, MeshSettings
 from jaxfill.engine.execution_plan import ExecutionPlan
 from jaxfill.engine.planner_layout import dtype_bytes, vocab_param_bytes, vocab_split
 from jaxfill.models.config import ModelConfig
+from jaxfill.models.families.registry import layer_params, layer_projection_params
 from jaxfill.models.kv_cache import kv_bytes_per_token as cache_bytes_per_token
 
 
 def layer_matmul_params(model: ModelConfig) -> int:
-    """Weights one token multiplies through in one decoder layer."""
-    e, d = model.hidden_size, model.head_dim
-    q, kv = model.num_heads * d, model.num_kv_heads * d
-    return e * q + 2 * e * kv + q * e + 3 * e * model.intermediate_size
+    """Weights one token multiplies through in one decoder layer (the model's abstract
+    params, models/families/registry.py)."""
+    return sum(layer_projection_params(model).values())
 
 
 def kv_projection_params(model: ModelConfig) -> int:
     """The k and v weights of one layer."""
-    return 2 * model.hidden_size * model.num_kv_heads * model.head_dim
+    return sum(n for path, n in layer_projection_params(model).items() if path[-1] in ("k", "v"))
 
 
 def matmul_flops(model: ModelConfig, num_tokens: int, logit_rows: int = 1, sampled_last_layer: bool = False) -> int:
@@ -73,14 +77,17 @@ def attention_flops(model: ModelConfig, num_tokens: int, context: int = 0, causa
     causal=False: full [num_tokens, kv_len] score matrices (what a dense impl computes).
     `sampled_last_layer`: the last layer has one query row, the last token's."""
     per_pair = 4 * model.num_heads * model.head_dim
-    layers = model.num_layers - (1 if sampled_last_layer else 0)
-    if causal:
-        pairs = visible_pairs(num_tokens, context, model.sliding_window)
-        last = visible_pairs(1, context + num_tokens - 1, model.sliding_window)
-    else:
-        keys = kv_len if kv_len is not None else context + num_tokens
-        pairs, last = num_tokens * keys, keys
-    return per_pair * (layers * pairs + (last if sampled_last_layer else 0))
+    total = 0
+    for layer in range(model.num_layers):  # each layer with its own window (Gemma's full/sliding)
+        window = model.layer_window(layer)
+        if not causal:
+            keys = kv_len if kv_len is not None else context + num_tokens
+            total += keys if sampled_last_layer and layer == model.num_layers - 1 else num_tokens * keys
+        elif sampled_last_layer and layer == model.num_layers - 1:
+            total += visible_pairs(1, context + num_tokens - 1, window)
+        else:
+            total += visible_pairs(num_tokens, context, window)
+    return per_pair * total
 
 
 def prunes_last_layer(model: ModelConfig, mesh: MeshSettings, scan_layers: bool = False) -> bool:
@@ -93,13 +100,6 @@ def prefill_flops(model: ModelConfig, num_tokens: int, context: int = 0, sampled
             + attention_flops(model, num_tokens, context, sampled_last_layer=sampled_last_layer))
 
 
-def projection_scales(model: ModelConfig) -> int:
-    """f32 scales of one layer's int8 projections: one per output channel of q, k, v, o,
-    gate, up, down (models/quant.py)."""
-    e, d = model.hidden_size, model.head_dim
-    return (model.num_heads + 2 * model.num_kv_heads) * d + e + 2 * model.intermediate_size + e
-
-
 def weight_bytes(model: ModelConfig) -> int:
     """Every param's bytes as allocated: with weight_dtype int8 the projections take one
     byte per weight plus 4 per output channel; embedding, LM head, norms and biases keep
@@ -107,8 +107,9 @@ def weight_bytes(model: ModelConfig) -> int:
     total = model.num_params() * dtype_bytes(model)
     if model.weight_dtype == "auto":
         return total
-    proj = model.num_layers * layer_matmul_params(model)
-    return total - proj * dtype_bytes(model) + proj + 4 * model.num_layers * projection_scales(model)
+    layer = sum(math.prod(p.shape) * np.dtype(p.dtype).itemsize for p in layer_params(model))
+    float_layer = sum(math.prod(p.shape) for p in layer_params(dataclasses.replace(model, weight_dtype="auto")))
+    return total + model.num_layers * (layer - float_layer * dtype_bytes(model))
 
 
 def end_bytes_read_per_device(model: ModelConfig, mesh: MeshSettings, num_tokens: int) -> float:

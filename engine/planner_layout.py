@@ -18,11 +18,16 @@ rules mirrored here (tests/test_planner.py checks them against the logical axes 
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
+
 from jaxfill.engine.config import MeshSettings
 from jaxfill.models.config import ModelConfig
+from jaxfill.models.families.registry import layer_params
 from jaxfill.models.kv_cache import kv_bytes_per_token as cache_bytes_per_token
 from jaxfill.models.pipeline import microbatch_count
-from jaxfill.models.sharding import head_repeat
+from jaxfill.models.sharding import RULES, TENSOR, head_repeat
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -57,25 +62,17 @@ def vocab_split(model: ModelConfig, mesh: MeshSettings) -> int:
 
 def layer_param_bytes(model: ModelConfig, tensor: int) -> tuple[int, int]:
     """(bytes split over 'tensor', bytes every tensor rank holds whole) of one decoder
-    layer, as allocated (int8: one byte per projection weight plus f32 scales)."""
-    b = dtype_bytes(model)
-    e, i = model.hidden_size, model.intermediate_size
-    q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
-    int8 = model.weight_dtype == "int8"
-    wb = 1 if int8 else b
-    split = (2 * e * q + 3 * e * i) * wb  # q, o, gate, up, down
-    kv_bytes = 2 * e * kv * wb  # k, v
-    whole = 2 * e * b  # attention and MLP norms
-    if int8:
-        split += 4 * (q + 2 * i)  # scales of q, gate, up: per output channel, split with it
-        kv_bytes += 4 * 2 * kv
-        whole += 4 * 2 * e  # scales of o and down: per `embed` channel
-    if model.attention_bias:
-        split += q * b
-        kv_bytes += 2 * kv * b
-    if model.num_kv_heads % tensor == 0:
-        return split + kv_bytes, whole
-    return split, whole + kv_bytes
+    layer, as allocated (int8: one byte per projection weight plus f32 scales), read off
+    the model's abstract params and their logical axes (models/sharding.py RULES; KV heads
+    stay whole when they do not divide by 'tensor')."""
+    split = whole = 0
+    for p in layer_params(model):
+        nbytes = math.prod(p.shape) * np.dtype(p.dtype).itemsize
+        if any(RULES.get(a) == TENSOR and (a != "kv_heads" or model.num_kv_heads % tensor == 0) for a in p.axes):
+            split += nbytes
+        else:
+            whole += nbytes
+    return split, whole
 
 
 def vocab_param_bytes(model: ModelConfig) -> int:

@@ -1,5 +1,5 @@
-"""The check of tests/test_family_layouts*.py: every family through the Engine in every layout gives the same tokens: unchunked ==
-chunked == prefix-cached == mesh.tensor=2 == engine.scan_layers == mesh.stage=2 (greedy,
+"""The check of tests/test_family_layouts*.py: every family through the Engine in every
+layout gives the same tokens: unchunked == chunked == prefix-cached == mesh.tensor=2 == engine.scan_layers == mesh.stage=2 (greedy,
 from the HF checkpoint of tests/hf_models.py); int8 weights and int8 KV run and stay close.
 Prompts are longer than the sliding windows (24) and cross Gemma 3's full layers. One
 subprocess per family on 2 fake CPU devices (the device count is fixed at backend start);

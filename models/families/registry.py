@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib
-from typing import Any
+from typing import Any, NamedTuple
 
 from jaxfill.models.config import ConfigError
 
@@ -68,3 +68,37 @@ def param_count(config) -> int:
     float_config = dataclasses.replace(config, weight_dtype="auto")
     state = nnx.state(nnx.eval_shape(lambda: new_model(float_config, nnx.Rngs(0))))
     return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(state))
+
+
+class ParamShape(NamedTuple):
+    path: tuple  # e.g. ("attn", "q") within a layer
+    shape: tuple
+    axes: tuple  # logical axis names (models/sharding.py RULES)
+    dtype: Any
+
+
+@functools.lru_cache(maxsize=64)
+def layer_params(config) -> tuple[ParamShape, ...]:
+    """One decoder layer's params as allocated (int8 projections and their scales
+    included), from the model's abstract params: what the planner counts."""
+    from flax import nnx
+
+    from jaxfill.models.sharding import var_axes
+
+    model = nnx.eval_shape(lambda: new_model(config, nnx.Rngs(0)))
+    out = []
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        if path[:2] == ("layers", 0):
+            out.append(ParamShape(tuple(path[2:]), tuple(var.shape), tuple(var_axes(var)), var.dtype))
+    return tuple(out)
+
+
+def layer_projection_params(config) -> dict[tuple, int]:
+    """Weights per projection of one layer (the matmuls a token goes through), float layout."""
+    import dataclasses
+    import math
+
+    from jaxfill.models.quant import QUANTIZED_INPUT_AXES
+
+    float_config = dataclasses.replace(config, weight_dtype="auto")
+    return {p.path: math.prod(p.shape) for p in layer_params(float_config) if p.path[-1] in QUANTIZED_INPUT_AXES}
