@@ -155,6 +155,11 @@ class ModelConfig:
                 d[name] = tuple(d[name])
         if d.get("sliding_window") in (0, -1):
             d["sliding_window"] = None
+        from jaxfill.models.families import registry
+
+        family = registry.family_of(d.get("architecture", cls.architecture))
+        for key, value in family.model_defaults(int(d.get("hidden_size", cls.hidden_size))).items():
+            d.setdefault(key, value)  # what makes the family, unless the section says otherwise
         return cls(**d)
 
     @classmethod

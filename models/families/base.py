@@ -58,6 +58,11 @@ class Family:
     tested = ""  # what the parity tests show, for `jaxfill models` and the README table
 
     # --- config.json -> ModelConfig ------------------------------------------------
+    def model_defaults(self, hidden_size: int) -> dict[str, Any]:
+        """The ModelConfig fields that make a model of this family (a TOML [model] section
+        naming only the architecture and shapes gets these)."""
+        return {}
+
     def model_fields(self, hf: dict[str, Any]) -> dict[str, Any]:
         """The family's own ModelConfig fields (beyond `common_fields`)."""
         return {}

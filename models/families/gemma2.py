@@ -29,16 +29,20 @@ class Gemma2(Family):
         types = layer_types_from(hf, layers) or self.default_layer_types(layers)
         bias = bool(hf.get("attention_bias", False))
         return dict(
+            self.model_defaults(hf["hidden_size"]),
             hidden_act=activation(hf, "hidden_activation", "gelu_pytorch_tanh"),
             attention_bias=bias, attention_out_bias=bias,
-            norm_kind="rms_one_plus", norm_layout="sandwich",
-            embed_scale=float(hf["hidden_size"]) ** 0.5,
             query_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
             attn_soft_cap=_cap(hf.get("attn_logit_softcapping")),
             final_soft_cap=_cap(hf.get("final_logit_softcapping")),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
             **window_fields(types, hf.get("sliding_window")),
         )
+
+
+    def model_defaults(self, hidden_size):
+        return dict(hidden_act="gelu_tanh", norm_kind="rms_one_plus", norm_layout="sandwich",
+                    embed_scale=float(hidden_size) ** 0.5, tie_word_embeddings=True)
 
 
 def _cap(value):

@@ -41,9 +41,9 @@ class Gemma3(Gemma2):
             local_theta = hf.get("rope_local_base_freq", 10000.0)
         bias = bool(hf.get("attention_bias", False))
         return dict(
-            hidden_act=activation(hf, "hidden_activation", "gelu_pytorch_tanh"), attention_bias=bias, attention_out_bias=bias,
-            norm_kind="rms_one_plus", norm_layout="sandwich", qk_norm="head",
-            embed_scale=float(hf["hidden_size"]) ** 0.5,
+            self.model_defaults(hf["hidden_size"]),
+            hidden_act=activation(hf, "hidden_activation", "gelu_pytorch_tanh"), attention_bias=bias,
+            attention_out_bias=bias,
             query_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
             final_soft_cap=_cap(hf.get("final_logit_softcapping")),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
@@ -51,6 +51,9 @@ class Gemma3(Gemma2):
             rope_local_theta=float(local_theta),
             **window_fields(types, hf.get("sliding_window")),
         )
+
+    def model_defaults(self, hidden_size):
+        return dict(super().model_defaults(hidden_size), qk_norm="head")
 
     def common_fields(self, hf):
         rope = hf.get("rope_parameters") or {}

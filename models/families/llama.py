@@ -41,8 +41,11 @@ class Qwen2(Llama):
 
     def model_fields(self, hf):
         types = sliding_layers(hf, hf["num_hidden_layers"])
-        return dict(hidden_act=activation(hf), attention_bias=True,
+        return dict(self.model_defaults(hf["hidden_size"]), hidden_act=activation(hf),
                     **window_fields(types, hf.get("sliding_window")))
+
+    def model_defaults(self, hidden_size):
+        return dict(attention_bias=True)
 
 
 FAMILIES = (Llama(), Mistral(), Qwen2())

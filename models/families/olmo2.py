@@ -15,8 +15,11 @@ class Olmo2(Family):
 
     def model_fields(self, hf):
         bias = bool(hf.get("attention_bias", False))
-        return dict(hidden_act=activation(hf), attention_bias=bias, attention_out_bias=bias,
-                    norm_kind="rms_f32", norm_layout="post", qk_norm="projection")
+        return dict(self.model_defaults(hf["hidden_size"]), hidden_act=activation(hf), attention_bias=bias,
+                    attention_out_bias=bias)
+
+    def model_defaults(self, hidden_size):
+        return dict(norm_kind="rms_f32", norm_layout="post", qk_norm="projection")
 
 
 FAMILIES = (Olmo2(),)

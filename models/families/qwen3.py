@@ -16,8 +16,11 @@ class Qwen3(Family):
     def model_fields(self, hf):
         bias = bool(hf.get("attention_bias", False))  # q, k, v and o
         types = sliding_layers(hf, hf["num_hidden_layers"])
-        return dict(hidden_act=activation(hf), attention_bias=bias, attention_out_bias=bias, qk_norm="head",
-                    **window_fields(types, hf.get("sliding_window")))
+        return dict(self.model_defaults(hf["hidden_size"]), hidden_act=activation(hf), attention_bias=bias,
+                    attention_out_bias=bias, **window_fields(types, hf.get("sliding_window")))
+
+    def model_defaults(self, hidden_size):
+        return dict(qk_norm="head")
 
 
 FAMILIES = (Qwen3(),)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
 from typing import Any, NamedTuple
 
 from jaxfill.models.config import ConfigError
@@ -56,18 +57,35 @@ def new_model(config, rngs=None, **kwargs):
     return config.family.model_class()(config, rngs, **kwargs)
 
 
-@functools.lru_cache(maxsize=64)
 def param_count(config) -> int:
-    """Parameters of the model, counted from its abstract params (int8 scales excluded)."""
+    """Parameters of the model (int8 scales excluded), counted from its abstract params:
+    the one-layer model's, plus L - 1 more layers like its one."""
     import dataclasses
-    import math
+
+    float_config = dataclasses.replace(config, weight_dtype="auto")
+    total, layer = _abstract_sizes(float_config)
+    return total + (config.num_layers - 1) * sum(math.prod(p.shape) for p in layer)
+
+
+@functools.lru_cache(maxsize=64)
+def _abstract_sizes(config) -> tuple[int, tuple]:
+    """(param count of the model cut to one layer, that layer's ParamShapes). The layers
+    of a dense family differ only in per-layer settings (models/layer_settings.py), which
+    change no shape, so one abstract layer stands for all; eval_shape of one layer costs
+    milliseconds where the whole 62-layer model costs seconds."""
+    import dataclasses
 
     import jax
     from flax import nnx
 
-    float_config = dataclasses.replace(config, weight_dtype="auto")
-    state = nnx.state(nnx.eval_shape(lambda: new_model(float_config, nnx.Rngs(0))))
-    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(state))
+    from jaxfill.models.sharding import var_axes
+
+    one = dataclasses.replace(config, num_layers=1, layer_types=config.layer_types[:1],
+                              nope_layers=tuple(n for n in config.nope_layers if n == 0))
+    state = nnx.state(nnx.eval_shape(lambda: new_model(one, nnx.Rngs(0))))
+    layer = tuple(ParamShape(tuple(path[2:]), tuple(var.shape), tuple(var_axes(var)), var.dtype)
+                  for path, var in nnx.to_flat_state(state) if path[:2] == ("layers", 0))
+    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(state)), layer
 
 
 class ParamShape(NamedTuple):
@@ -77,26 +95,15 @@ class ParamShape(NamedTuple):
     dtype: Any
 
 
-@functools.lru_cache(maxsize=64)
 def layer_params(config) -> tuple[ParamShape, ...]:
     """One decoder layer's params as allocated (int8 projections and their scales
     included), from the model's abstract params: what the planner counts."""
-    from flax import nnx
-
-    from jaxfill.models.sharding import var_axes
-
-    model = nnx.eval_shape(lambda: new_model(config, nnx.Rngs(0)))
-    out = []
-    for path, var in nnx.to_flat_state(nnx.state(model)):
-        if path[:2] == ("layers", 0):
-            out.append(ParamShape(tuple(path[2:]), tuple(var.shape), tuple(var_axes(var)), var.dtype))
-    return tuple(out)
+    return _abstract_sizes(config)[1]
 
 
 def layer_projection_params(config) -> dict[tuple, int]:
     """Weights per projection of one layer (the matmuls a token goes through), float layout."""
     import dataclasses
-    import math
 
     from jaxfill.models.quant import QUANTIZED_INPUT_AXES
 
