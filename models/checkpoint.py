@@ -157,7 +157,8 @@ def rows_of(stored: StoredTensor, rows: tuple | None) -> StoredTensor:
         return stored
     start, stop = rows
     row_bytes = int(np.prod(stored.shape[1:], dtype=np.int64)) * np.dtype(stored.dtype).itemsize
-    return StoredTensor(stored.file, stored.offset + start * row_bytes, stored.dtype, (stop - start,) + stored.shape[1:])
+    return StoredTensor(stored.file, stored.offset + start * row_bytes, stored.dtype,
+                        (stop - start,) + tuple(stored.shape[1:]))
 
 
 def default_place(path: tuple, tensor: TensorSlices) -> jax.Array:

@@ -1,10 +1,11 @@
 """The check of tests/test_family_layouts*.py: every family through the Engine in every
-layout gives the same tokens: unchunked == chunked == prefix-cached == mesh.tensor=2 == engine.scan_layers == mesh.stage=2 (greedy,
-from the HF checkpoint of tests/hf_models.py); int8 weights and int8 KV run and stay close.
-Prompts are longer than the sliding windows (24) and cross Gemma 3's full layers. One
-subprocess per family on 2 fake CPU devices (the device count is fixed at backend start);
-each builds 7 engines, so a case takes 40-100 s (compiles dominate), and the families are
-split over two test files so the two workers of the suite share them."""
+layout gives the same tokens: unchunked == chunked == prefix-cached == mesh.tensor=2 ==
+mesh.sequence=2 == engine.scan_layers == mesh.stage=2 (greedy, from the HF checkpoint of
+tests/hf_models.py); int8 weights and int8 KV run and stay close. Prompts are longer
+than the sliding windows (24) and cross Gemma 3's full layers. One subprocess per family
+on 2 fake CPU devices (the device count is fixed at backend start); each builds 8
+engines, so a case takes 40-100 s (compiles dominate), and the families are split over
+two test files so the two workers of the suite share them."""
 
 import json
 import os
@@ -33,7 +34,8 @@ for name, overrides in layouts.items():
     st = engine.stats()
     done = first + rest
     out[name] = {"tokens": [c.token_ids for c in done], "cached": [c.cached_tokens for c in done],
-                 "logprob": [c.logprobs[0]["logprob"] for c in done], "pages_back": st["pages_free"] == st["pages_total"]}
+                 "logprob": [c.logprobs[0]["logprob"] for c in done],
+                 "pages_back": st["pages_free"] == st["pages_total"]}
 print("RESULT " + json.dumps(out))
 """
 LAYOUTS = {
@@ -42,11 +44,12 @@ LAYOUTS = {
                 "engine.token_buckets": [16, 64]},
     "prefix": {},
     "tensor2": {"mesh.tensor": 2},
+    "sequence2": {"mesh.sequence": 2},
     "scan": {"engine.scan_layers": True},
     "stage2": {"mesh.stage": 2},
     "int8": {"model.weight_dtype": "int8", "engine.kv_cache_dtype": "int8"},
 }
-EXACT = ("chunked", "prefix", "tensor2", "scan", "stage2")
+EXACT = ("chunked", "prefix", "tensor2", "sequence2", "scan", "stage2")
 
 
 def check_every_layout(model_dir: str, arch: str) -> None:

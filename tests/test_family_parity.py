@@ -82,3 +82,32 @@ def test_each_family_feature_changes_the_logits(hf_dirs, name):
         var.set_value(weights[path][...])
     base = ours_last_logits(loaded, config, tokens)
     assert rel_l2(ours_last_logits(other, changed, tokens), base) > 1e-3, name
+
+
+def test_gemma3_image_text_checkpoint_loads_as_its_text_tower(tmp_path):
+    """A Gemma3ForConditionalGeneration directory as save_pretrained writes it (transformers-4
+    names `language_model.model.*`, a vision tower and projector beside it): text-only
+    prompts give HF's logits; the vision weights are skipped."""
+    import transformers as tf
+
+    from hf_models import HF_SMALL
+
+    text = dict(HF_SMALL, **FAMILY_KWARGS["gemma3"][1], final_logit_softcapping=3.0)
+    text.pop("initializer_range")
+    cfg = tf.Gemma3Config(text_config=text, mm_tokens_per_image=4, image_token_index=500, boi_token_index=501,
+                          eoi_token_index=502, vision_config=dict(hidden_size=16, intermediate_size=32,
+                                                                  num_hidden_layers=1, num_attention_heads=2,
+                                                                  image_size=28, patch_size=14))
+    torch.manual_seed(0)
+    hf = tf.Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    hf.save_pretrained(str(tmp_path))
+    config = ModelConfig.from_hf(str(tmp_path))
+    assert config.architecture == "Gemma3ForConditionalGeneration" and config.final_soft_cap is None
+    model = load_hf_params(str(tmp_path), config, progress=False)
+    for length, tokens in prompts(config.vocab_size)[1:]:
+        err = rel_l2(ours_last_logits(model, config, tokens), hf_last_logits(hf, tokens))
+        assert err <= 1e-5, (length, err)

@@ -44,6 +44,12 @@ class HFTensor(NamedTuple):
     rows: tuple | None = None  # (start, stop) on the stored axis 0
 
 
+# What tests/test_family_parity.py, test_family_layouts*.py and test_weight_quant.py show
+# for each family added with the registry.
+FAMILY_TESTED = ("HF f32 logits and greedy tokens, bf16 at the noise floor; chunked = prefix-cached = "
+                 "tensor 2 = sequence 2 = scan = stage 2 through the Engine; int8 weights + int8 KV run")
+
+
 class Family:
     """One family of HF architectures; subclasses override what differs."""
 

@@ -5,7 +5,7 @@ sliding and full layers alternating."""
 
 from __future__ import annotations
 
-from jaxfill.models.families.base import Family, activation, layer_types_from, window_fields
+from jaxfill.models.families.base import FAMILY_TESTED, Family, activation, layer_types_from, window_fields
 
 
 class Gemma2(Family):
@@ -18,8 +18,7 @@ class Gemma2(Family):
     rope_types = ("default", "linear", "yarn")
     norm_names = {"attn_norm": "input_layernorm", "attn_post_norm": "post_attention_layernorm",
                   "mlp_norm": "pre_feedforward_layernorm", "mlp_post_norm": "post_feedforward_layernorm"}
-    tested = "HF parity f32/bf16 (soft caps, window shorter than the prompts), chunked, prefix cache, " \
-             "tensor, stage, scan"
+    tested = FAMILY_TESTED
 
     def default_layer_types(self, layers: int) -> tuple[str, ...]:
         return tuple("sliding" if n % 2 == 0 else "full" for n in range(layers))

@@ -9,7 +9,7 @@ pattern (5 sliding : 1 full), and two ropes: sliding layers use the local base
 from __future__ import annotations
 
 from jaxfill.models.config import ConfigError, freeze
-from jaxfill.models.families.base import activation, layer_types_from, window_fields
+from jaxfill.models.families.base import FAMILY_TESTED, activation, layer_types_from, window_fields
 from jaxfill.models.families.gemma2 import Gemma2, _cap
 
 
@@ -22,8 +22,7 @@ class Gemma3(Gemma2):
     inert = Gemma2.inert | {"attn_logit_softcapping"}
     fixed = {"use_bidirectional_attention": False}
     rope_types = ("default", "linear", "yarn")
-    tested = "HF parity f32/bf16 (local/global rope, 5:1 pattern crossed by the prompts), chunked, " \
-             "prefix cache, tensor, stage, scan"
+    tested = FAMILY_TESTED
 
     def model_fields(self, hf):
         layers = hf["num_hidden_layers"]
@@ -69,7 +68,7 @@ class Gemma3Multimodal(Gemma3):
     prefix = "model.language_model."
     ignored_prefixes = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.",
                         "multi_modal_projector.")
-    tested = "config and tensor names only"
+    tested = "HF parity f32 of the text tower (text-only prompts), vision weights skipped"
 
     def to_model_config(self, hf, architecture):
         text = dict(hf.get("text_config") or {})
@@ -80,6 +79,10 @@ class Gemma3Multimodal(Gemma3):
             if key in hf and key not in text:
                 text[key] = hf[key]
         return super().to_model_config(text, architecture)
+
+    def model_fields(self, hf):
+        # Gemma3ForConditionalGeneration's forward never applies final_logit_softcapping
+        return dict(super().model_fields(hf), final_soft_cap=None)
 
     def rename(self, name: str) -> str:
         """transformers-4 names (`language_model.model.layers...`) -> 5's."""

@@ -3,7 +3,7 @@ attention scores, logits)."""
 
 from __future__ import annotations
 
-from jaxfill.models.families.base import Family, activation
+from jaxfill.models.families.base import FAMILY_TESTED, Family, activation
 
 
 class Granite(Family):
@@ -12,7 +12,7 @@ class Granite(Family):
     honoured = frozenset({"hidden_act", "attention_bias", "embedding_multiplier", "residual_multiplier",
                           "attention_multiplier", "logits_scaling"})
     fixed = {"mlp_bias": False}
-    tested = "HF parity f32, chunked, prefix cache"
+    tested = FAMILY_TESTED
 
     def model_fields(self, hf):
         bias = bool(hf.get("attention_bias", False))

@@ -12,7 +12,7 @@ class Llama(Family):
     inert = frozenset({"pretraining_tp"})  # a training-time split of the same matmuls
     fixed = {"mlp_bias": False}
     rope_types = ("default", "linear", "llama3", "yarn")
-    tested = "HF parity f32/bf16, chunked, prefix cache, tensor, stage, scan, int8"
+    tested = "HF f32/bf16 logits and greedy tokens; every layout, quantization and server test of the suite"
 
     def model_fields(self, hf):
         bias = bool(hf.get("attention_bias", False))  # HF biases q, k, v and o
@@ -24,7 +24,7 @@ class Mistral(Llama):
     architectures = ("MistralForCausalLM",)
     honoured = frozenset({"hidden_act", "sliding_window"})
     fixed = {}
-    tested = "HF parity f32/bf16 (window shorter than the prompts), chunked, prefix cache"
+    tested = "HF f32/bf16 logits and greedy tokens (window shorter than the prompts)"
 
     def model_fields(self, hf):
         return dict(hidden_act=activation(hf), sliding_window=hf.get("sliding_window") or None)
@@ -37,7 +37,7 @@ class Qwen2(Llama):
                           "layer_types"})
     depends = SLIDING_DEPENDS
     fixed = {}
-    tested = "HF parity f32/bf16 (q/k/v biases, tied head), chunked, prefix cache"
+    tested = "HF f32/bf16 logits and greedy tokens (q/k/v biases, tied head); int8 weights"
 
     def model_fields(self, hf):
         types = sliding_layers(hf, hf["num_hidden_layers"])

@@ -3,7 +3,7 @@ whole projection (all heads at once) before rope; norms multiply in f32."""
 
 from __future__ import annotations
 
-from jaxfill.models.families.base import Family, activation
+from jaxfill.models.families.base import FAMILY_TESTED, Family, activation
 
 
 class Olmo2(Family):
@@ -11,7 +11,7 @@ class Olmo2(Family):
     architectures = ("Olmo2ForCausalLM",)
     honoured = frozenset({"hidden_act", "attention_bias"})
     norm_names = {"attn_post_norm": "post_attention_layernorm", "mlp_post_norm": "post_feedforward_layernorm"}
-    tested = "HF parity f32/bf16, chunked, prefix cache, tensor, stage, scan"
+    tested = FAMILY_TESTED
 
     def model_fields(self, hf):
         bias = bool(hf.get("attention_bias", False))

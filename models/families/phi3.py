@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from jaxfill.models.families.base import Family, HFTensor, activation
+from jaxfill.models.families.base import FAMILY_TESTED, Family, HFTensor, activation
 
 
 class Phi3(Family):
@@ -13,8 +13,7 @@ class Phi3(Family):
     inert = frozenset({"original_max_position_embeddings"})  # read by longrope only (refused)
     fixed = {"partial_rotary_factor": 1.0}
     rope_types = ("default", "linear", "yarn")  # longrope (the 128k variants) is refused by name
-    tested = "HF parity f32/bf16 (fused tensors, window shorter than the prompts), chunked, prefix cache, " \
-             "tensor"
+    tested = FAMILY_TESTED
 
     def model_fields(self, hf):
         return dict(hidden_act=activation(hf), sliding_window=hf.get("sliding_window") or None)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from jaxfill.models.families.base import SLIDING_DEPENDS, Family, activation, sliding_layers, window_fields
+from jaxfill.models.families.base import (
+    FAMILY_TESTED, SLIDING_DEPENDS, Family, activation, sliding_layers, window_fields,
+)
 
 
 class Qwen3(Family):
@@ -11,7 +13,7 @@ class Qwen3(Family):
     honoured = frozenset({"hidden_act", "attention_bias", "use_sliding_window", "sliding_window",
                           "max_window_layers", "layer_types"})
     depends = SLIDING_DEPENDS
-    tested = "HF parity f32/bf16, chunked, prefix cache, tensor, stage, scan, int8"
+    tested = FAMILY_TESTED
 
     def model_fields(self, hf):
         bias = bool(hf.get("attention_bias", False))  # q, k, v and o

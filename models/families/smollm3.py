@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 from jaxfill.models.config import ConfigError
-from jaxfill.models.families.base import SLIDING_DEPENDS, Family, activation, sliding_layers, window_fields
+from jaxfill.models.families.base import (
+    FAMILY_TESTED, SLIDING_DEPENDS, Family, activation, sliding_layers, window_fields,
+)
 
 
 class SmolLM3(Family):
@@ -14,7 +16,7 @@ class SmolLM3(Family):
                           "use_sliding_window", "sliding_window", "layer_types", "max_window_layers"})
     depends = SLIDING_DEPENDS
     fixed = {"mlp_bias": False}
-    tested = "HF parity f32/bf16 (NoPE layers), chunked, prefix cache, tensor, stage, scan"
+    tested = FAMILY_TESTED
 
     def model_fields(self, hf):
         layers = hf["num_hidden_layers"]
