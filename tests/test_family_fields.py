@@ -151,3 +151,23 @@ def test_phi3_partial_rotary_is_refused():
     hf = saved(tf.Phi3Config, "Phi3ForCausalLM", **kw, partial_rotary_factor=0.5)
     with pytest.raises(ConfigError, match="partial_rotary_factor"):
         registry.from_hf(hf)
+
+
+def test_cli_lists_the_registry_and_refuses_an_unknown_architecture_in_one_line(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    listed = subprocess.run([sys.executable, "-m", "jaxfill.serving.cli", "models", "--json"],
+                            capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0, listed.stderr
+    rows = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert [r["architecture"] for r in rows] == list(registry.architectures())
+    by_arch = {r["architecture"]: r for r in rows}
+    assert "qwen3_8b" in by_arch["Qwen3ForCausalLM"]["presets"] and by_arch["Gemma2ForCausalLM"]["family"] == "gemma2"
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MambaForCausalLM"], "hidden_size": 8}))
+    out = subprocess.run([sys.executable, "-m", "jaxfill.serving.cli", "generate", "--model", str(tmp_path),
+                          "--prompt", "hi"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    (line,) = out.stderr.strip().splitlines()
+    assert "MambaForCausalLM" in line and all(arch in line for arch in registry.architectures())
