@@ -1,6 +1,6 @@
 """Hugging Face side of benchmarks/prefill_cpu.py, run in its own process.
 
-    python benchmarks/prefill_hf_worker.py save DIR          # random-init bench-shape checkpoint
+    python benchmarks/prefill_hf_worker.py save DIR [--arch qwen3]  # random-init bench-shape checkpoint
     python benchmarks/prefill_hf_worker.py time DIR --lengths 128 512 --repeats 3 --threads 2
 
 `time` prints one JSON object: per length the wall seconds (`lengths`) and process CPU
@@ -23,12 +23,24 @@ BENCH_SHAPE = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, nu
                    bos_token_id=256, eos_token_id=257)
 
 
-def save(directory: str, seed: int = 0) -> None:
+# The same shape in the other families the benchmark compares: Qwen3 (q/k norms) and the
+# Gemma 3 text model (5 sliding : 1 full layers, window 512, local/global rope).
+ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(sliding_window=512, query_pre_attn_scalar=64,
+                                                               tie_word_embeddings=False)),
+}
+
+
+def save(directory: str, seed: int = 0, arch: str = "llama") -> None:
     import torch
     import transformers as tf
 
+    config_name, model_name, extra = ARCHS[arch]
     torch.manual_seed(seed)
-    model = tf.LlamaForCausalLM(tf.LlamaConfig(**BENCH_SHAPE)).to(torch.float32).eval()
+    config = getattr(tf, config_name)(**{**BENCH_SHAPE, **extra})
+    model = getattr(tf, model_name)(config).to(torch.float32).eval()
     model.save_pretrained(directory, safe_serialization=True)
 
 
@@ -72,9 +84,10 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--arch", choices=sorted(ARCHS), default="llama", help="family of the saved checkpoint")
     args = p.parse_args()
     if args.mode == "save":
-        save(args.directory, args.seed)
+        save(args.directory, args.seed, args.arch)
     else:
         print(json.dumps(time_prefill(args.directory, args.lengths, args.repeats, args.warmup, args.threads,
                                       args.seed, args.dtype)))

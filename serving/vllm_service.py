@@ -158,7 +158,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             model_path=self.tokenizer_dir or self.served_model_name, tokenizer_path=self.tokenizer_dir,
             served_model_name=self.served_model_name, is_generation=True, supports_vision=False,
             max_context_length=self.core.max_model_len, max_req_input_len=self.core.max_model_len - 1,
-            vocab_size=self.core.vocab_size, model_type="llama" if "Llama" in m.architecture else m.architecture,
+            vocab_size=self.core.vocab_size, model_type=m.family.name,
             architectures=[m.architecture], eos_token_ids=list(eos),
             bos_token_id=-1 if bos is None else bos, pad_token_id=-1)
 

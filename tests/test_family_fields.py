@@ -171,3 +171,19 @@ def test_cli_lists_the_registry_and_refuses_an_unknown_architecture_in_one_line(
     assert out.returncode == 2 and "Traceback" not in out.stderr
     (line,) = out.stderr.strip().splitlines()
     assert "MambaForCausalLM" in line and all(arch in line for arch in registry.architectures())
+
+
+def test_gemma3_transformers4_spelling_reads_as_the_transformers5_one():
+    """Gemma 3 before transformers 5: rope_theta + rope_scaling for full layers,
+    rope_local_base_freq for sliding ones, sliding_window_pattern instead of layer_types."""
+    kw = dict(small_kwargs("Gemma3ForCausalLM"), num_hidden_layers=6)
+    new = saved(tf.Gemma3TextConfig, "Gemma3ForCausalLM", **kw, sliding_window=24,
+                rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    old = {k: v for k, v in new.items() if k not in ("rope_parameters", "layer_types")}
+    old.update(rope_theta=1e6, rope_scaling={"type": "linear", "factor": 2.0},
+               rope_local_base_freq=1e4, sliding_window_pattern=6)
+    a, b = registry.from_hf(new), registry.from_hf(old)
+    assert a == b
+    assert a.layer_types == ("sliding",) * 5 + ("full",) and a.rope_local_theta == 1e4
+    assert dict(a.rope_scaling)["factor"] == 2.0
