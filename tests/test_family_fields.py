@@ -12,7 +12,7 @@ import inspect
 import pytest
 import transformers as tf
 
-from hf_models import FAMILY_KWARGS, HF_SMALL
+from hf_models import HF_SMALL
 from jaxfill.models.config import ConfigError, ModelConfig
 from jaxfill.models.families import registry
 from jaxfill.models.families.base import COMMON_INERT, COMMON_READ

@@ -118,14 +118,18 @@ def test_bf16_tolerance_rejects_rope_angles_in_bf16(hf_dirs, arch, monkeypatch):
 def test_greedy_continuation_matches_hf_generate(hf_dirs, arch):
     config = ModelConfig.from_hf(hf_dirs[arch])
     model = load_hf_params(hf_dirs[arch], config, progress=False)
-    hf = load_hf(hf_dirs[arch])
+    check_greedy_matches_hf(model, config, load_hf(hf_dirs[arch]), 32)
+
+
+def check_greedy_matches_hf(model, config, hf, new_tokens: int) -> None:
+    """Our greedy continuation of a 20-token prompt is HF generate's, token for token."""
     prompt = np.random.default_rng(2).integers(0, config.vocab_size, 20)
     with torch.no_grad():
-        out = hf.generate(torch.tensor(prompt)[None], max_new_tokens=32, min_new_tokens=32, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)
+        out = hf.generate(torch.tensor(prompt)[None], max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                          do_sample=False, eos_token_id=None, pad_token_id=0)
     expected = out[0, len(prompt):].tolist()
     cache = KVCache.create(config, num_pages=8, page_size=PAGE, fill_value=float("nan"))
-    ours, _ = generate_one(model, list(prompt), cache, 32)
+    ours, _ = generate_one(model, list(prompt), cache, new_tokens)
     assert ours == expected
     assert len(set(expected)) > 1  # a continuation stuck on one token would prove little
 

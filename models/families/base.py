@@ -165,7 +165,7 @@ class Family:
         return table
 
     def layer_tensors(self, c, p: str, layer: tuple) -> dict:
-        e, i, d, hq, hk = c.hidden_size, c.intermediate_size, c.head_dim, c.num_heads, c.num_kv_heads
+        e, d, hq, hk = c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads
         table = {
             **self.attention_tensors(c, p, layer),
             **self.mlp_tensors(c, p, layer),
