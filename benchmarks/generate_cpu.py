@@ -1,7 +1,7 @@
 """Prefill through `Engine.generate` vs the bare jitted forward vs transformers, on CPU.
 
     python benchmarks/generate_cpu.py [--lengths 128 512 2048 8192] [--devices 0 1 2]
-        [--dtypes float32 bfloat16] [--rounds 2] [--repeats 3]
+        [--dtypes float32 bfloat16] [--rounds 2] [--repeats 3] [--arch llama|qwen3|gemma3]
 
 One prompt, `SamplingParams(max_tokens=1)`: the time of `Engine.generate` is the TTFT a
 user sees (scheduling, batch building, device transfer, the jitted step with its
@@ -16,7 +16,8 @@ padding (with the default buckets 16, 64, 256, 1024, 2048 a 128-token prompt wou
 in the 256 bucket). transformers runs `benchmarks/prefill_hf_worker.py` (sdpa, logits_to_keep=1,
 --threads threads) on the same random-init bench-shape checkpoint. Every configuration
 runs in its own process, rounds alternate the order, and the tables quote medians and
-ratios of this one run. Writes benchmarks/results/generate_cpu.json.
+ratios of this one run. `--arch` saves the bench shape as another family instead
+(prefill_hf_worker.py ARCHS: Qwen3, Gemma 3 text). Writes benchmarks/results/generate_cpu.json.
 """
 
 from __future__ import annotations
@@ -177,6 +178,7 @@ def main() -> None:
                         "jaxfill 1 device; compares process CPU time, which other jobs on the machine "
                         "disturb far less than wall time")
     p.add_argument("--out", default=RESULTS)
+    p.add_argument("--arch", default="llama", help="family of the bench-shape checkpoint (prefill_hf_worker.py)")
     p.add_argument("--worker", metavar="MODEL_DIR", help=argparse.SUPPRESS)
     p.add_argument("--two-core", metavar="JSON", help="print the two-core table of a finished run's JSON")
     args = p.parse_args()
@@ -203,7 +205,7 @@ def main() -> None:
     runs = {v: [] for v in variants}
     with tempfile.TemporaryDirectory() as work:
         model_dir = os.path.join(work, "bench_hf")
-        subprocess.run([sys.executable, HF_WORKER, "save", model_dir], check=True, cwd=ROOT)
+        subprocess.run([sys.executable, HF_WORKER, "save", model_dir, "--arch", args.arch], check=True, cwd=ROOT)
         for i in range(args.rounds):
             for v in (variants if i % 2 == 0 else variants[::-1]):
                 who, n, dtype = v
@@ -213,7 +215,7 @@ def main() -> None:
 
     rows = summarize(runs, args.dtypes, args.lengths, args.devices, pin)
     two_core = two_core_rows(runs, args.dtypes, args.lengths, args.devices) if not pin else []
-    result = {"date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    result = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "arch": args.arch,
               "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
               "load_average_start": load_start, "load_average_end": os.getloadavg(),
               "rounds": args.rounds, "repeats": args.repeats, "threads_hf": args.threads,

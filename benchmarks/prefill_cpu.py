@@ -1,10 +1,9 @@
 """Prefill tokens/s of jaxfill vs Hugging Face transformers on the same weights, on CPU.
 
-    python benchmarks/prefill_cpu.py [--lengths 128 512 2048 8192] [--repeats 3] [--rounds 2] [--arch qwen3]
+    python benchmarks/prefill_cpu.py [--lengths 128 512 2048 8192] [--repeats 3] [--rounds 2]
 
 The bench shape (configs/bench.toml: hidden 512, intermediate 1408, 8 layers, 8 heads,
-2 KV heads, vocab 32000) is saved once as a random-init HF LlamaForCausalLM (or, with
---arch, Qwen3ForCausalLM / Gemma3ForCausalLM of the same shape)
+2 KV heads, vocab 32000) is saved once as a random-init HF LlamaForCausalLM
 (`save_pretrained`, f32) to a temp dir. Each round then times, each framework in its
 own fresh process (so neither inherits the other's threads or allocator):
 
@@ -17,7 +16,7 @@ own fresh process (so neither inherits the other's threads or allocator):
 Every run is one whole-prompt prefill after one warm-up (compile) run; the reported TTFT
 is the median of all timed runs over all rounds, and rounds alternate which framework
 goes first so drifting load on a shared machine hits both. Writes
-benchmarks/results/prefill_cpu.json and prefill_cpu.md (prefill_cpu_ARCH.* for --arch).
+benchmarks/results/prefill_cpu.json and prefill_cpu.md.
 """
 
 from __future__ import annotations
@@ -71,7 +70,7 @@ def jax_round(model_dir: str, lengths: list[int], repeats: int, work: str, i: in
 
 def markdown(result: dict) -> str:
     lines = [
-        f"# Prefill on CPU: jaxfill vs transformers, {result['arch']} ({result['date'][:10]})",
+        f"# Prefill on CPU: jaxfill vs transformers ({result['date'][:10]})",
         "",
         f"Bench shape (hidden 512, intermediate 1408, 8 layers, 8 q / 2 kv heads, head_dim 64, vocab 32000), "
         f"random-init HF checkpoint, f32, same weights in both. Machine: {result['machine']['cpu_count']} CPU "
@@ -98,7 +97,6 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
-    p.add_argument("--arch", default="llama", help="llama, qwen3 or gemma3 (benchmarks/prefill_hf_worker.py ARCHS)")
     p.add_argument("--wait-for-quiet", type=float, default=0, metavar="SECONDS",
                    help="first wait up to SECONDS for the 1-minute load average to drop below the core count")
     args = p.parse_args()
@@ -112,7 +110,7 @@ def main() -> None:
     t0 = time.time()
     with tempfile.TemporaryDirectory() as work:
         model_dir = os.path.join(work, "bench_hf")
-        run([sys.executable, WORKER, "save", model_dir, "--arch", args.arch])
+        run([sys.executable, WORKER, "save", model_dir])
         hf_runs, jax_runs = [], []
         for i in range(args.rounds):
             order = ["hf", "jax"] if i % 2 == 0 else ["jax", "hf"]
@@ -137,7 +135,7 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "machine": {"cpu_count": os.cpu_count(), "processor": cpu_model(),
                     "platform": platform.platform()},
-        "shape": "configs/bench.toml", "arch": args.arch, "dtype": "float32", "lengths": args.lengths,
+        "shape": "configs/bench.toml", "dtype": "float32", "lengths": args.lengths,
         "repeats": args.repeats, "rounds": args.rounds, "runs_per_point": args.repeats * args.rounds,
         "jaxfill": {"attention_impl": jax_runs[0]["attention_impl"], "jax": jax.__version__},
         "hf": {k: hf_runs[0][k] for k in ("torch", "transformers", "threads", "attn_implementation")},
@@ -147,11 +145,10 @@ def main() -> None:
         "load_average_start": load_start, "load_average_end": os.getloadavg(),
     }
     os.makedirs(args.out, exist_ok=True)
-    stem = "prefill_cpu" if args.arch == "llama" else f"prefill_cpu_{args.arch}"
-    with open(os.path.join(args.out, stem + ".json"), "w") as f:
+    with open(os.path.join(args.out, "prefill_cpu.json"), "w") as f:
         json.dump(result, f, indent=1)
     md = markdown(result)
-    with open(os.path.join(args.out, stem + ".md"), "w") as f:
+    with open(os.path.join(args.out, "prefill_cpu.md"), "w") as f:
         f.write(md)
     print(md)
 
