@@ -27,6 +27,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from jaxfill.models.families.registry import config_from_hf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,11 +45,10 @@ def write_checkpoint(directory: str, config: dict, seed: int = 0) -> dict:
     import numpy as np
 
     from jaxfill.models.checkpoint import hf_to_param
-    from jaxfill.models.config import ModelConfig
 
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f)
-    shapes = {name: spec.hf_shape for name, spec in hf_to_param(ModelConfig.from_hf(directory)).items()}
+    shapes = {name: spec.hf_shape for name, spec in hf_to_param(config_from_hf(directory)).items()}
     header, offset = {}, 0
     for name, shape in shapes.items():
         nbytes = int(np.prod(shape)) * 4

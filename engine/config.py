@@ -14,6 +14,7 @@ from importlib import resources
 from typing import Any, Mapping
 
 from jaxfill.models.config import ConfigError, ModelConfig
+from jaxfill.models.families.registry import config_from_dict, config_from_hf
 
 log = logging.getLogger("jaxfill.config")
 
@@ -205,11 +206,11 @@ def load_config(config: str = "tiny", overrides: Mapping[str, Any] | list[str] |
                           "and an optional checkpoint = \"DIR\"")
     extra = parse_overrides(overrides)
     if model_path:
-        model = ModelConfig.from_hf(model_path)
+        model = config_from_hf(model_path)
         model_extra = extra.get("model", {})
         model = dataclasses.replace(model, **model_extra) if model_extra else model
     else:
-        model = ModelConfig.from_dict({**data.get("model", {}), **extra.get("model", {})})
+        model = config_from_dict({**data.get("model", {}), **extra.get("model", {})})
         model_path = os.path.join(base, checkpoint) if checkpoint else None
     engine_values = {**data.get("engine", {}), **extra.get("engine", {})}
     engine_values = _fit_max_model_len(engine_values, "max_model_len" in extra.get("engine", {}), model)

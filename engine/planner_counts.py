@@ -32,7 +32,7 @@ from jaxfill.engine.config import EngineSettings, MeshSettings
 from jaxfill.engine.execution_plan import ExecutionPlan
 from jaxfill.engine.planner_layout import dtype_bytes, vocab_param_bytes, vocab_split
 from jaxfill.models.config import ModelConfig
-from jaxfill.models.families.registry import layer_params, layer_projection_params
+from jaxfill.models.families.registry import layer_params, layer_projection_params, param_count
 from jaxfill.models.kv_cache import kv_bytes_per_token as cache_bytes_per_token
 
 
@@ -104,7 +104,7 @@ def weight_bytes(model: ModelConfig) -> int:
     """Every param's bytes as allocated: with weight_dtype int8 the projections take one
     byte per weight plus 4 per output channel; embedding, LM head, norms and biases keep
     the model dtype."""
-    total = model.num_params() * dtype_bytes(model)
+    total = param_count(model) * dtype_bytes(model)
     if model.weight_dtype == "auto":
         return total
     layer = sum(math.prod(p.shape) * np.dtype(p.dtype).itemsize for p in layer_params(model))

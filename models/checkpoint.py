@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from jaxfill.models.config import ModelConfig
 from jaxfill.models.decoder import Decoder
 from jaxfill.models.families.base import HFTensor
-from jaxfill.models.families.registry import new_model
+from jaxfill.models.families.registry import family_of, new_model
 from jaxfill.models.quant import QUANTIZED_INPUT_AXES, QuantizedSlices, is_quantized, quantize, scale_path
 
 SAFETENSORS_DTYPES = {
@@ -144,7 +144,7 @@ def read_safetensors(path: str) -> Iterator[tuple[str, StoredTensor]]:
 
 def hf_to_param(config: ModelConfig) -> dict[str, HFTensor | tuple[HFTensor, ...]]:
     """HF tensor name -> where it goes (a tuple of parts for a fused tensor): the family's table."""
-    return config.family.tensors(config)
+    return family_of(config.architecture).tensors(config)
 
 
 def tensor_parts(spec) -> tuple[HFTensor, ...]:
@@ -179,7 +179,7 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
                                              microbatches=microbatches))
     graphdef, state = nnx.split(model)
     params = {path: var for path, var in nnx.to_flat_state(state)}
-    family = config.family
+    family = family_of(config.architecture)
     table = hf_to_param(config)
     rename = getattr(family, "rename", lambda name: name)
     files = safetensors_files(model_dir)

@@ -2,9 +2,10 @@
 
 `ModelConfig` is the one description of a decoder of any registered family: the shapes,
 and the few switches in which the families' math differs (norm kind and placement, q/k
-norms, activation, soft caps, per-layer attention kinds). It is built from a TOML
-`[model]` section (`from_dict`) or from a Hugging Face `config.json` (`from_hf`, which
-asks the family `architectures[0]` names: models/families/).
+norms, activation, soft caps, per-layer attention kinds). It knows no family: the
+registry (models/families/registry.py) builds it from a TOML `[model]` section
+(`config_from_dict`, which adds the family's switches) or a Hugging Face `config.json`
+(`config_from_hf`, through the family `architectures[0]` names).
 """
 
 from __future__ import annotations
@@ -75,9 +76,6 @@ class ModelConfig:
     seed: int = 0  # random init when no checkpoint is given
 
     def __post_init__(self):
-        from jaxfill.models.families import registry
-
-        registry.family_of(self.architecture)  # an unknown architecture is a ConfigError
         if self.dtype not in DTYPES:
             raise ConfigError(f"model.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.weight_dtype not in WEIGHT_DTYPES:
@@ -109,13 +107,6 @@ class ModelConfig:
             raise ConfigError(f"model.nope_layers {bad} are not layers of a {self.num_layers}-layer model")
 
     @property
-    def family(self):
-        """The models/families entry of this architecture (tensor names, model class)."""
-        from jaxfill.models.families import registry
-
-        return registry.family_of(self.architecture)
-
-    @property
     def jnp_dtype(self):
         return DTYPES[self.dtype]
 
@@ -133,12 +124,6 @@ class ModelConfig:
             return None
         return self.sliding_window
 
-    def num_params(self) -> int:
-        """Counted from the model's abstract parameters (models/families/registry.py)."""
-        from jaxfill.models.families import registry
-
-        return registry.param_count(self)
-
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         known = {f.name for f in dataclasses.fields(cls)}
@@ -155,22 +140,7 @@ class ModelConfig:
                 d[name] = tuple(d[name])
         if d.get("sliding_window") in (0, -1):
             d["sliding_window"] = None
-        from jaxfill.models.families import registry
-
-        family = registry.family_of(d.get("architecture", cls.architecture))
-        for key, value in family.model_defaults(int(d.get("hidden_size", cls.hidden_size))).items():
-            d.setdefault(key, value)  # what makes the family, unless the section says otherwise
         return cls(**d)
-
-    @classmethod
-    def from_hf(cls, config: dict[str, Any] | str | os.PathLike) -> "ModelConfig":
-        """Reads a Hugging Face config.json (a dict, a file, or a directory holding it)
-        through the family its `architectures[0]` names."""
-        from jaxfill.models.families import registry
-
-        if not isinstance(config, dict):
-            config = read_config_json(os.fspath(config))
-        return registry.from_hf(config)
 
 
 def read_config_json(path: str) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from jaxfill.engine.tokenizer import ByteTokenizer
 from jaxfill.serving import vllm_convert as conv
+from jaxfill.models.families.registry import family_of
 from jaxfill.serving.disagg import Disagg
 from jaxfill.serving.engine_loop import DRAINING, SERVING
 from jaxfill.serving.request_core import BadField, RequestCore
@@ -158,7 +159,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             model_path=self.tokenizer_dir or self.served_model_name, tokenizer_path=self.tokenizer_dir,
             served_model_name=self.served_model_name, is_generation=True, supports_vision=False,
             max_context_length=self.core.max_model_len, max_req_input_len=self.core.max_model_len - 1,
-            vocab_size=self.core.vocab_size, model_type=m.family.name,
+            vocab_size=self.core.vocab_size, model_type=family_of(m.architecture).name,
             architectures=[m.architecture], eos_token_ids=list(eos),
             bos_token_id=-1 if bos is None else bos, pad_token_id=-1)
 

@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hf_models import make_hf_checkpoint
-from jaxfill.models import ModelConfig
 from jaxfill.models.checkpoint import CheckpointError, load_hf_params, restore_params, save_params
+from jaxfill.models.families.registry import config_from_hf
 
 
 def leaves(model):
@@ -27,7 +27,7 @@ def test_sharded_checkpoint_and_bf16_cast(tmp_path):
 
     tf.AutoModelForCausalLM.from_pretrained(d).save_pretrained(d, max_shard_size="50KB")
     assert os.path.exists(os.path.join(d, "model.safetensors.index.json"))
-    config = ModelConfig.from_hf(d)
+    config = config_from_hf(d)
     model = load_hf_params(d, config, progress=False)
     assert config.dtype == "bfloat16"
     assert {str(l.dtype) for l in leaves(model)} == {"bfloat16"}
@@ -37,7 +37,7 @@ def test_sharded_checkpoint_and_bf16_cast(tmp_path):
 
 def test_missing_mismatched_and_unexpected_tensors(hf_dirs, tmp_path):
     src = hf_dirs["llama"]
-    config = ModelConfig.from_hf(src)
+    config = config_from_hf(src)
     tensors = load_file(os.path.join(src, "model.safetensors"))
 
     def write(name, t):
@@ -62,7 +62,7 @@ def test_missing_mismatched_and_unexpected_tensors(hf_dirs, tmp_path):
 
 
 def test_orbax_round_trip(hf_dirs, tmp_path):
-    config = ModelConfig.from_hf(hf_dirs["qwen2"])
+    config = config_from_hf(hf_dirs["qwen2"])
     model = load_hf_params(hf_dirs["qwen2"], config, progress=False)
     save_params(model, str(tmp_path / "ckpt"))
     restored = restore_params(str(tmp_path / "ckpt"), config)

@@ -5,7 +5,8 @@ import json
 import pytest
 
 from jaxfill.engine.config import load_config, parse_overrides
-from jaxfill.models.config import ConfigError, ModelConfig
+from jaxfill.models.config import ConfigError
+from jaxfill.models.families.registry import config_from_hf, param_count
 
 PRESETS = ["tiny", "tiny_random", "bench", "llama2_7b", "llama3_8b", "llama3_70b", "llama3_1_8b", "mistral_7b", "qwen2_7b"]
 PUBLISHED_PARAMS = {"llama2_7b": 6.74e9, "llama3_8b": 8.03e9, "llama3_70b": 70.55e9, "mistral_7b": 7.24e9,
@@ -17,7 +18,7 @@ def test_presets_load(name):
     config = load_config(name)
     assert config.name == name
     if name in PUBLISHED_PARAMS:
-        assert abs(config.model.num_params() - PUBLISHED_PARAMS[name]) / PUBLISHED_PARAMS[name] < 0.005
+        assert abs(param_count(config.model) - PUBLISHED_PARAMS[name]) / PUBLISHED_PARAMS[name] < 0.005
 
 
 def test_tiny_is_a_gqa_byte_model_with_page_size_16():
@@ -58,8 +59,8 @@ def test_from_hf_reads_both_rope_spellings():
                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
-    old = ModelConfig.from_hf({**base, "rope_theta": 500000.0, "rope_scaling": scaling, "torch_dtype": "bfloat16"})
-    new = ModelConfig.from_hf({**base, "rope_parameters": {"rope_theta": 500000.0, **scaling}, "dtype": "bfloat16"})
+    old = config_from_hf({**base, "rope_theta": 500000.0, "rope_scaling": scaling, "torch_dtype": "bfloat16"})
+    new = config_from_hf({**base, "rope_parameters": {"rope_theta": 500000.0, **scaling}, "dtype": "bfloat16"})
     assert old == new
     assert old.rope_theta == 500000.0 and dict(old.rope_scaling)["factor"] == 8.0 and old.dtype == "bfloat16"
 
@@ -67,7 +68,7 @@ def test_from_hf_reads_both_rope_spellings():
 def test_from_hf_rejects_unknown_architecture(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(ConfigError, match="GPT2LMHeadModel.*not supported"):
-        ModelConfig.from_hf(tmp_path)
+        config_from_hf(tmp_path)
 
 
 def test_parse_overrides_types():

@@ -13,7 +13,7 @@ import pytest
 import transformers as tf
 
 from hf_models import HF_SMALL
-from jaxfill.models.config import ConfigError, ModelConfig
+from jaxfill.models.config import ConfigError
 from jaxfill.models.families import registry
 from jaxfill.models.families.base import COMMON_INERT, COMMON_READ
 
@@ -72,7 +72,7 @@ def test_every_hf_field_is_read_or_refused(arch):
     cls, family = CLASSES[arch], registry.family_of(arch)
     base_kw = small_kwargs(arch)
     base = saved(cls, arch, **base_kw)
-    registry.from_hf(base)
+    registry.config_from_hf(base)
     fields = [n for n in inspect.signature(cls.__init__).parameters if n not in SKIP]
     unclassified = [n for n in fields if n not in family.honoured | family.inert | set(family.fixed)
                     | COMMON_READ | COMMON_INERT]
@@ -90,10 +90,10 @@ def test_every_hf_field_is_read_or_refused(arch):
             hf = saved(cls, arch, **{**reference_kw, name: value})
         except Exception:  # transformers itself rejects the value
             continue
-        ours = registry.from_hf(reference)
+        ours = registry.config_from_hf(reference)
         changed = {k for k in hf if hf[k] != reference.get(k)}
         try:
-            got = registry.from_hf(hf)
+            got = registry.config_from_hf(hf)
         except ConfigError as e:
             assert any(k in str(e) for k in changed) or name in str(e), (arch, name, str(e))
             checked += 1
@@ -108,7 +108,7 @@ def test_every_hf_field_is_read_or_refused(arch):
 
 def test_unknown_architecture_names_every_supported_one():
     with pytest.raises(ConfigError) as e:
-        ModelConfig.from_hf({"architectures": ["FalconForCausalLM"], "hidden_size": 8})
+        registry.config_from_hf({"architectures": ["FalconForCausalLM"], "hidden_size": 8})
     for arch in registry.architectures():
         assert arch in str(e.value)
 
@@ -116,15 +116,15 @@ def test_unknown_architecture_names_every_supported_one():
 def test_granite_relabelled_as_llama_is_refused_by_name():
     hf = saved(tf.GraniteConfig, "LlamaForCausalLM", **small_kwargs("GraniteForCausalLM"), embedding_multiplier=12.0)
     with pytest.raises(ConfigError, match="embedding_multiplier"):
-        registry.from_hf(hf)
+        registry.config_from_hf(hf)
 
 
 def test_llama_with_tanh_gelu_is_honoured_and_unknown_activation_refused():
     base = small_kwargs("LlamaForCausalLM")
-    assert registry.from_hf(saved(tf.LlamaConfig, "LlamaForCausalLM", **base,
+    assert registry.config_from_hf(saved(tf.LlamaConfig, "LlamaForCausalLM", **base,
                                   hidden_act="gelu_pytorch_tanh")).hidden_act == "gelu_tanh"
     with pytest.raises(ConfigError, match="hidden_act"):
-        registry.from_hf(saved(tf.LlamaConfig, "LlamaForCausalLM", **base, hidden_act="relu"))
+        registry.config_from_hf(saved(tf.LlamaConfig, "LlamaForCausalLM", **base, hidden_act="relu"))
 
 
 @pytest.mark.parametrize("rope,ok", [
@@ -140,17 +140,17 @@ def test_rope_types(rope, ok):
     kw = small_kwargs("Qwen3ForCausalLM")
     hf = saved(tf.Qwen3Config, "Qwen3ForCausalLM", **kw, rope_parameters={"rope_theta": 1e4, **rope})
     if ok:
-        assert registry.from_hf(hf).rope_scaling_dict["rope_type"] == rope["rope_type"]
+        assert registry.config_from_hf(hf).rope_scaling_dict["rope_type"] == rope["rope_type"]
     else:
         with pytest.raises(ConfigError, match=rope["rope_type"]):
-            registry.from_hf(hf)
+            registry.config_from_hf(hf)
 
 
 def test_phi3_partial_rotary_is_refused():
     kw = small_kwargs("Phi3ForCausalLM")
     hf = saved(tf.Phi3Config, "Phi3ForCausalLM", **kw, partial_rotary_factor=0.5)
     with pytest.raises(ConfigError, match="partial_rotary_factor"):
-        registry.from_hf(hf)
+        registry.config_from_hf(hf)
 
 
 def test_cli_lists_the_registry_and_refuses_an_unknown_architecture_in_one_line(tmp_path):
@@ -183,7 +183,7 @@ def test_gemma3_transformers4_spelling_reads_as_the_transformers5_one():
     old = {k: v for k, v in new.items() if k not in ("rope_parameters", "layer_types")}
     old.update(rope_theta=1e6, rope_scaling={"type": "linear", "factor": 2.0},
                rope_local_base_freq=1e4, sliding_window_pattern=6)
-    a, b = registry.from_hf(new), registry.from_hf(old)
+    a, b = registry.config_from_hf(new), registry.config_from_hf(old)
     assert a == b
     assert a.layer_types == ("sliding",) * 5 + ("full",) and a.rope_local_theta == 1e4
     assert dict(a.rope_scaling)["factor"] == 2.0

@@ -12,9 +12,8 @@ import torch
 from flax import nnx
 
 from hf_models import FAMILY_KWARGS, load_hf
-from jaxfill.models import ModelConfig
 from jaxfill.models.checkpoint import load_hf_params
-from jaxfill.models.families.registry import new_model
+from jaxfill.models.families.registry import config_from_hf, new_model
 from test_model_parity import (BF16_RATIO, check_greedy_matches_hf, hf_bf16_and_truth, hf_last_logits,
                                ours_last_logits, prompts, rel_l2)
 
@@ -23,7 +22,7 @@ FAMILIES = tuple(FAMILY_KWARGS)
 
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_f32_logits_and_greedy_tokens_match_hf(hf_dirs, arch):
-    config = ModelConfig.from_hf(hf_dirs[arch])
+    config = config_from_hf(hf_dirs[arch])
     model = load_hf_params(hf_dirs[arch], config, progress=False)
     hf = load_hf(hf_dirs[arch])
     for length, tokens in prompts(config.vocab_size):
@@ -34,7 +33,7 @@ def test_f32_logits_and_greedy_tokens_match_hf(hf_dirs, arch):
 
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_bf16_logits_at_the_noise_floor(hf_dirs, arch):
-    config = dataclasses.replace(ModelConfig.from_hf(hf_dirs[arch]), dtype="bfloat16")
+    config = dataclasses.replace(config_from_hf(hf_dirs[arch]), dtype="bfloat16")
     model = load_hf_params(hf_dirs[arch], config, progress=False)
     hf, truth = hf_bf16_and_truth(hf_dirs[arch])
     for length, tokens in prompts(config.vocab_size)[1:]:
@@ -62,7 +61,7 @@ ABLATIONS = {
 @pytest.mark.parametrize("name", sorted(ABLATIONS))
 def test_each_family_feature_changes_the_logits(hf_dirs, name):
     arch = name.split("-")[0]
-    config = ModelConfig.from_hf(hf_dirs[arch])
+    config = config_from_hf(hf_dirs[arch])
     length, tokens = prompts(config.vocab_size)[-1]
     loaded = load_hf_params(hf_dirs[arch], config, progress=False)
     changed = dataclasses.replace(config, **ABLATIONS[name])
@@ -95,7 +94,7 @@ def test_gemma3_image_text_checkpoint_loads_as_its_text_tower(tmp_path):
             if "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
     hf.save_pretrained(str(tmp_path))
-    config = ModelConfig.from_hf(str(tmp_path))
+    config = config_from_hf(str(tmp_path))
     assert config.architecture == "Gemma3ForConditionalGeneration" and config.final_soft_cap is None
     model = load_hf_params(str(tmp_path), config, progress=False)
     for length, tokens in prompts(config.vocab_size)[1:]:

@@ -82,6 +82,10 @@ def test_pallas_gpu_lowers_with_triton(case):
     fn = functools.partial(ragged_paged_attention_gpu, sm_scale=key[0] ** -0.5, sliding_window=key[5],
                            interpret=False)
     checks = [export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
+    if key[0] & (key[0] - 1):  # Phi-3's 96: refused by name, not a Triton error from deep inside
+        with pytest.raises(ValueError, match="power-of-two head_dim"):
+            export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*_args(key, t, s))
+        return
     exp = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*_args(key, t, s))
     assert TRITON_CALL in exp.mlir_module(), "no Triton kernel in the lowered module"
     assert exp.out_avals[0].shape == (t, key[3], key[0])

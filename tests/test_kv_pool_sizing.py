@@ -15,6 +15,7 @@ from jaxfill.engine.request import SamplingParams
 from jaxfill.models.config import ConfigError
 from jaxfill.models.kv_cache import kv_bytes_per_token
 from jaxfill.models.quant import param_bytes
+from jaxfill.models.families.registry import param_count
 
 SMALL = {"engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64], "engine.max_num_seqs": 4,
          "engine.max_model_len": 256, "engine.num_pages": 0, "engine.memory_utilization": 0.5}
@@ -112,6 +113,6 @@ def test_jaxfill_plan_reports_the_pool(capsys):
     cfg = load_config("llama3_8b", {"engine.kv_cache_dtype": "int8"})
     hw = load_hardware("h100_sxm")
     # by hand: (80 GB x 0.9 - 8.03e9 bf16 weights - 3 GiB) / (16 x 32 layers x 8 heads x 2 x (128 + 4) B)
-    by_hand = int((hw.hbm_bytes * 0.9 - 2 * cfg.model.num_params() - (3 << 30)) // (16 * 32 * 8 * 2 * 132))
+    by_hand = int((hw.hbm_bytes * 0.9 - 2 * param_count(cfg.model) - (3 << 30)) // (16 * 32 * 8 * 2 * 132))
     assert row["kv_pool_pages"] == kv_pool_pages(cfg, hw, 3 << 30)["kv_pool_pages"] == by_hand
     assert row["kv_pool_tokens"] == (by_hand - 1) * 16

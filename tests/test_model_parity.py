@@ -10,8 +10,9 @@ import torch
 
 from jaxfill.engine.simple import generate_one, prefill_chunks
 from hf_models import load_hf
-from jaxfill.models import KVCache, ModelConfig, attention
+from jaxfill.models import KVCache, attention
 from jaxfill.models.checkpoint import load_hf_params
+from jaxfill.models.families.registry import config_from_hf
 
 PAGE = 16
 
@@ -58,7 +59,7 @@ def hf_bf16_and_truth(hf_dir):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
 def test_logits_match_hf(hf_dirs, arch, dtype):
-    config = dataclasses.replace(ModelConfig.from_hf(hf_dirs[arch]), dtype=dtype)
+    config = dataclasses.replace(config_from_hf(hf_dirs[arch]), dtype=dtype)
     if arch == "mistral":
         assert config.sliding_window == 24  # shorter than the 64- and 300-token prompts
     if arch == "qwen2":
@@ -82,7 +83,8 @@ def test_logits_match_hf(hf_dirs, arch, dtype):
 
 def rope_angles_in_bf16(x,  # [T, H, D]
                         positions,  # [T] int32
-                        inv_freq):  # [D/2]
+                        inv_freq,  # [D/2]
+                        scale=1.0):  # yarn cos/sin scale (1 for the archs it runs on)
     """A wrong cast order: angles from positions and frequencies rounded to x's dtype
     (bf16 holds integers exactly only up to 256), where HF and we compute them in f32."""
     freqs = positions.astype(x.dtype)[:, None] * jnp.asarray(inv_freq).astype(x.dtype)[None, :]
@@ -96,7 +98,7 @@ def rope_angles_in_bf16(x,  # [T, H, D]
 def test_bf16_tolerance_rejects_rope_angles_in_bf16(hf_dirs, arch, monkeypatch):
     """Negative control: BF16_RATIO is tight enough that a wrong cast order in RoPE fails it
     by > 3x on the 300-token prompt (measured 9x..20x HF's own bf16 error)."""
-    config = dataclasses.replace(ModelConfig.from_hf(hf_dirs[arch]), dtype="bfloat16")
+    config = dataclasses.replace(config_from_hf(hf_dirs[arch]), dtype="bfloat16")
     hf, truth = hf_bf16_and_truth(hf_dirs[arch])
     length, tokens = prompts(config.vocab_size)[-1]
     want = hf_last_logits(truth, tokens)
@@ -116,7 +118,7 @@ def test_bf16_tolerance_rejects_rope_angles_in_bf16(hf_dirs, arch, monkeypatch):
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
 def test_greedy_continuation_matches_hf_generate(hf_dirs, arch):
-    config = ModelConfig.from_hf(hf_dirs[arch])
+    config = config_from_hf(hf_dirs[arch])
     model = load_hf_params(hf_dirs[arch], config, progress=False)
     check_greedy_matches_hf(model, config, load_hf(hf_dirs[arch]), 32)
 
@@ -136,7 +138,7 @@ def check_greedy_matches_hf(model, config, hf, new_tokens: int) -> None:
 
 def test_sliding_window_changes_logits(hf_dirs):
     """The window really applies: removing it changes logits of a prompt longer than it."""
-    config = ModelConfig.from_hf(hf_dirs["mistral"])
+    config = config_from_hf(hf_dirs["mistral"])
     windowed = load_hf_params(hf_dirs["mistral"], config, progress=False)
     full = load_hf_params(hf_dirs["mistral"], dataclasses.replace(config, sliding_window=None), progress=False)
     tokens = np.random.default_rng(3).integers(0, config.vocab_size, 64)

@@ -38,6 +38,7 @@ from jaxfill.models.kv_cache import KVCache, single_sequence_metadata
 from jaxfill.models.decoder import Decoder
 from jaxfill.pallas_kernels.ragged_paged_attention import IMPLS
 from jaxfill.serving.cli import main
+from jaxfill.models.families.registry import param_count
 
 
 def stub_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **kwargs):
@@ -136,7 +137,7 @@ def test_plan_llama3_8b_by_hand():
     row = plan_prefill(cfg, H100, 2048)
     m = cfg.model
     assert row["kv_bytes_per_request"] == 128 * 16 * 131072 and row["pages_per_request"] == 128
-    weights = m.num_params() * 2
+    weights = param_count(m) * 2
     assert row["weight_bytes"] == weights
     assert row["max_concurrent_requests"] == int((80e9 - weights) // (128 * 16 * 131072))
     # 2048 tokens of an 8B model on an H100 are compute bound: FLOPs / 989 TFLOP/s.

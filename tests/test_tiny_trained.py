@@ -20,6 +20,7 @@ from jaxfill.engine.engine import Engine
 from jaxfill.engine.request import SamplingParams
 from jaxfill.models.checkpoint import load_hf_params
 from jaxfill.models.config import ModelConfig
+from jaxfill.models.families.registry import config_from_hf
 
 CONFIGS = os.path.dirname(jaxfill.configs.__file__)
 TINY_DIR = os.path.join(CONFIGS, "tiny")
@@ -60,7 +61,7 @@ def snippet_ids() -> np.ndarray:  # [T] int32: BOS + UTF-8 bytes, as the byte to
 def test_checkpoint_has_tiny_random_shapes_and_fits_in_5mb(trained):
     shapes = lambda m: {f.name: getattr(m, f.name) for f in dataclasses.fields(m)
                         if f.name not in ("tokenizer", "seed")}
-    assert shapes(ModelConfig.from_hf(TINY_DIR)) == shapes(tiny_model_config())
+    assert shapes(config_from_hf(TINY_DIR)) == shapes(tiny_model_config())
     assert os.path.getsize(os.path.join(TINY_DIR, "model.safetensors")) <= 5 * 2**20
     from jaxfill.models.decoder import Decoder
 

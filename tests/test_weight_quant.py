@@ -19,7 +19,8 @@ from hf_models import load_hf
 from jaxfill.engine.config import load_config
 from jaxfill.engine.planner_counts import weight_bytes
 from jaxfill.engine.simple import prefill_chunks
-from jaxfill.models import KVCache, Decoder, ModelConfig
+from jaxfill.models import KVCache, Decoder
+from jaxfill.models.families.registry import config_from_hf
 from jaxfill.models.checkpoint import hf_to_param, load_hf_params, quantize_model, tensor_parts
 from jaxfill.models.quant import QUANTIZED_INPUT_AXES, dequantize, param_bytes, quantize
 
@@ -88,7 +89,7 @@ def rel_l2(a, b):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "smollm3"])
 def test_logits_equal_float64_model_with_the_same_quantized_weights(hf_dirs, arch):
-    config = ModelConfig.from_hf(hf_dirs[arch])
+    config = config_from_hf(hf_dirs[arch])
     int8 = load_hf_params(hf_dirs[arch], dataclasses.replace(config, weight_dtype="int8"), progress=False)
     p = flat(int8)
     deq = {path: dequantize(p[path], p[path[:-1] + (path[-1] + "_scale",)], np.float64)
@@ -112,7 +113,7 @@ def test_logits_equal_float64_model_with_the_same_quantized_weights(hf_dirs, arc
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_hf_int8_load_equals_quantized_f32_model(hf_dirs, arch):
-    config = ModelConfig.from_hf(hf_dirs[arch])
+    config = config_from_hf(hf_dirs[arch])
     int8 = flat(load_hf_params(hf_dirs[arch], dataclasses.replace(config, weight_dtype="int8"), progress=False))
     ref = flat(quantize_model(load_hf_params(hf_dirs[arch], config, progress=False)))
     assert int8.keys() == ref.keys()
@@ -173,11 +174,11 @@ out = {"tokens": [c.token_ids for c in first], "again": [c.token_ids for c in ag
        "hits": st["prefix_cache_hits"], "weight_bytes": st["weight_bytes"],
        "o_dtype": str(o.dtype), "o_rows_per_device": o.addressable_shards[0].data.shape[0]}
 if engine.runner.mesh is not None:  # an HF checkpoint read slice by slice into tensor=2 shards
-    config = dataclasses.replace(ModelConfig.from_hf(hf_dir), weight_dtype="int8")
+    config = dataclasses.replace(config_from_hf(hf_dir), weight_dtype="int8")
     _, abstract = placement.abstract_state(config)
     sharded = load_hf_params(hf_dir, config, place=placement.shard_placer(engine.runner.mesh, abstract),
                              progress=False)
-    ref = quantize_model(load_hf_params(hf_dir, ModelConfig.from_hf(hf_dir), progress=False))
+    ref = quantize_model(load_hf_params(hf_dir, config_from_hf(hf_dir), progress=False))
     got, want = dict(nnx.to_flat_state(nnx.state(sharded))), dict(nnx.to_flat_state(nnx.state(ref)))
     out["hf_equal"] = sorted(got) == sorted(want) and all(
         np.array_equal(np.asarray(got[p][...]), np.asarray(want[p][...])) for p in want)

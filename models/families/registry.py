@@ -42,8 +42,15 @@ def family_of(architecture: str | None):
     return table[architecture]
 
 
-def from_hf(config: dict[str, Any]):
-    """A Hugging Face config.json (as a dict) -> ModelConfig, through its family."""
+def config_from_hf(config):
+    """A Hugging Face config.json (a dict, a file, or a directory holding it) ->
+    ModelConfig, through the family its `architectures[0]` names."""
+    import os
+
+    from jaxfill.models.config import read_config_json
+
+    if not isinstance(config, dict):
+        config = read_config_json(os.fspath(config))
     archs = config.get("architectures") or []
     arch = archs[0] if archs else None
     if arch not in _by_architecture():
@@ -52,9 +59,21 @@ def from_hf(config: dict[str, Any]):
     return family_of(arch).to_model_config(config, arch)
 
 
+def config_from_dict(d: dict[str, Any]):
+    """A TOML [model] section -> ModelConfig: the family's switches (Family.model_defaults)
+    unless the section sets them."""
+    from jaxfill.models.config import ModelConfig
+
+    d = dict(d)
+    family = family_of(d.get("architecture", ModelConfig.architecture))
+    for key, value in family.model_defaults(int(d.get("hidden_size", ModelConfig.hidden_size))).items():
+        d.setdefault(key, value)
+    return ModelConfig.from_dict(d)
+
+
 def new_model(config, rngs=None, **kwargs):
     """The family's model class, built (rngs=None: seeded from config.seed)."""
-    return config.family.model_class()(config, rngs, **kwargs)
+    return family_of(config.architecture).model_class()(config, rngs, **kwargs)
 
 
 def param_count(config) -> int:

@@ -142,6 +142,10 @@ def ragged_paged_attention_gpu(
     pages_per_seq = -(-max_pages // ppb) * ppb
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+    if head_dim & (head_dim - 1) and not interpret:
+        # Triton tiles must be powers of two, and a 96-wide head (Phi-3) would need every
+        # page padded to 128: refused by name; the engine's warm-up check serves it with xla.
+        raise ValueError(f"pallas_gpu needs a power-of-two head_dim, got {head_dim}; use attention_impl='xla'")
 
     cu = sanitize_cu_q_lens(cu_q_lens.astype(jnp.int32), num_seqs)
     kv_lens = kv_lens.astype(jnp.int32)

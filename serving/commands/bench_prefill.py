@@ -119,7 +119,9 @@ def run_bench(config, lengths: list[int], chunk_sizes: list[int], repeats: int =
     if hw_before is not None and hw_before.shared_by_mesh:
         matmul = MatmulProbe(m.dtype, model_matmul_shape(m))
         probe = lambda: matmul(repeats=3)  # noqa: E731
-    log(f"building model {config.name} ({m.num_params() / 1e6:.1f}M params, {m.dtype})"
+    from jaxfill.models.families.registry import param_count
+
+    log(f"building model {config.name} ({param_count(m) / 1e6:.1f}M params, {m.dtype})"
         + (f" from {config.model_path}" if config.model_path else ", random init"))
     model = build_model(config, progress=False)
     rng = np.random.default_rng(seed)

@@ -113,7 +113,9 @@ def run(args) -> int:
         return 0
     m = config.model
     first = rows[0]
-    print(f"model   {config.name}: {_si(m.num_params())}params, {m.dtype}, {m.num_layers} layers, "
+    from jaxfill.models.families.registry import param_count
+
+    print(f"model   {config.name}: {_si(param_count(m))}params, {m.dtype}, {m.num_layers} layers, "
           f"{m.num_heads} q / {m.num_kv_heads} kv heads x {m.head_dim}; weights {_bytes(first['weight_bytes'])}")
     print(f"mesh    data={mesh.data} tensor={mesh.tensor} sequence={mesh.sequence} stage={mesh.stage} "
           f"({mesh.size} devices); weights per device {_bytes(first['weight_bytes_per_device'])}, "
