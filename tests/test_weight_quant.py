@@ -159,7 +159,7 @@ from jaxfill.engine.request import SamplingParams
 from jaxfill.engine import placement
 from jaxfill.engine.mesh import make_mesh
 from jaxfill.engine.config import MeshSettings
-from jaxfill.models import ModelConfig
+from jaxfill.models.families.registry import config_from_hf
 from jaxfill.models.checkpoint import load_hf_params, quantize_model
 overrides, hf_dir = json.loads(sys.argv[1]), sys.argv[2]
 engine = Engine.from_config("tiny_random", overrides=overrides, progress=False)
