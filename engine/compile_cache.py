@@ -1,13 +1,14 @@
 """The persistent XLA compilation cache: compile each step program once per machine.
 
 Warm-up compiles one program per shape bucket (seconds each on CPU, more for big models);
-with the cache a restart loads them from disk instead. The CLI turns it on by default;
-in a notebook call `enable_compile_cache()` yourself (it changes process-wide JAX config,
-so a library constructor never does it behind your back).
+with the cache a restart loads them from disk instead. The CLI turns it on, and so
+does the first `Engine` of a process unless jax's cache is already configured or the
+Engine is given `compile_cache="none"` (engine/engine.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 ENV_VAR = "JAXFILL_COMPILE_CACHE"
@@ -37,3 +38,48 @@ def enable_compile_cache(directory: str | None = None) -> str | None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     return directory
+
+
+def use_compile_cache(choice: str | None = "default") -> str | None:
+    """The Engine's default: turn the persistent cache on unless jax already has one (the
+    CLI's --compile-cache, JAX_COMPILATION_CACHE_DIR, a notebook's own setting). None: off,
+    for this process."""
+    import jax
+
+    if choice is None:
+        return enable_compile_cache("none")
+    configured = jax.config.jax_compilation_cache_dir
+    if configured and choice == "default":
+        return configured
+    return enable_compile_cache(None if choice == "default" else choice)
+
+
+@contextlib.contextmanager
+def count_cache_hits():
+    """{"requests": n, "hits": m} of the persistent cache while the block runs (jax's own
+    monitoring events), so warm-up can say whether it loaded or compiled."""
+    from jax._src import monitoring
+
+    counts = {"requests": 0, "hits": 0}
+    names = {"/jax/compilation_cache/compile_requests_use_cache": "requests",
+             "/jax/compilation_cache/cache_hits": "hits"}
+
+    def listen(event: str, **kwargs) -> None:
+        if event in names:
+            counts[names[event]] += 1
+
+    monitoring.register_event_listener(listen)
+    try:
+        yield counts
+    finally:
+        monitoring.unregister_event_listener(listen)
+
+
+def warmup_summary(loaded: int, compiled: int, seconds: float) -> str:
+    """'loaded 3 program(s) from the compile cache in 2.1 s' / 'compiled 3 program(s) in ...'."""
+    parts = []
+    if loaded:
+        parts.append(f"loaded {loaded} program(s) from the compile cache")
+    if compiled:
+        parts.append(f"compiled {compiled} program(s)")
+    return (", ".join(parts) or "nothing to compile") + f" in {seconds:.1f} s"

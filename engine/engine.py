@@ -37,6 +37,7 @@ from jaxfill.engine.batch import bucket_shapes, build_batch, describe_buckets, p
 from jaxfill.engine.config import Config, load_config
 from jaxfill.engine.conveniences import Conveniences
 from jaxfill.engine.cpu_devices import use_cpu_cores
+from jaxfill.engine.compile_cache import use_compile_cache, warmup_summary
 from jaxfill.engine.disagg_facade import DisaggregationFacade
 from jaxfill.engine.loading import build_mesh, build_model, build_tokenizer
 from jaxfill.engine.mesh import with_mesh_shape
@@ -52,8 +53,12 @@ from jaxfill.engine.tokenizer import IdsOnlyTokenizer
 
 class Engine(Conveniences, DisaggregationFacade, MultiProcessFacade):
     def __init__(self, config: Config, progress: bool = True, warmup: bool = True, model=None,
-                 defer_text: bool = False):
+                 defer_text: bool = False, compile_cache: str | None = "default"):
+        """`compile_cache`: the persistent XLA cache directory ("default": $JAXFILL_COMPILE_CACHE,
+        $JAX_COMPILATION_CACHE_DIR or ~/.cache/jaxfill/xla, as the CLI uses; None: off).
+        A cache jax is already configured with is left as it is."""
         use_cpu_cores(config.mesh)  # first: one XLA CPU device per core, before jax starts
+        use_compile_cache(compile_cache)
         try:
             tokenizer = build_tokenizer(config)
         except ValueError as e:
@@ -87,8 +92,9 @@ class Engine(Conveniences, DisaggregationFacade, MultiProcessFacade):
 
     @classmethod
     def from_config(cls, config="tiny", model_path=None, overrides=None, progress: bool = True,
-                    defer_text: bool = False) -> "Engine":
-        return cls(load_config(config, overrides, model_path), progress=progress, defer_text=defer_text)
+                    defer_text: bool = False, compile_cache: str | None = "default") -> "Engine":
+        return cls(load_config(config, overrides, model_path), progress=progress, defer_text=defer_text,
+                   compile_cache=compile_cache)
 
     @property
     def tokenizer(self):
@@ -108,12 +114,14 @@ class Engine(Conveniences, DisaggregationFacade, MultiProcessFacade):
         """Compiles every (tokens, seqs) bucket before the engine reports ready."""
         self._leader_only("warmup")
         if progress:
-            print(f"jaxfill: compiling {describe_buckets(self.shapes)}", file=sys.stderr, flush=True)
+            print(f"jaxfill: preparing {describe_buckets(self.shapes)}", file=sys.stderr, flush=True)
         start = time.perf_counter()
         with self._guard.claim():
-            self.runner.warmup(progress)
+            self.warmup_programs = self.runner.warmup(progress)  # (loaded from the cache, compiled)
         self.warmup_s = time.perf_counter() - start
         self.warmed_up = True
+        if progress:
+            print(f"jaxfill: {warmup_summary(*self.warmup_programs, self.warmup_s)}", file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
@@ -293,3 +301,4 @@ class Engine(Conveniences, DisaggregationFacade, MultiProcessFacade):
     @staticmethod
     def _finished_output(req: Request) -> RequestOutput:
         return RequestOutput(req.request_id, [], "", finished=True, completion=req.completion())
+

@@ -190,17 +190,22 @@ class Runner:
             self.lockstep.send(RESET)
         self.kv_cache = self.new_cache()
 
-    def warmup(self, progress: bool = True) -> None:
-        """Checks the attention impl, then compiles (and runs once) every bucket; an
-        all-padding batch writes nothing."""
+    def warmup(self, progress: bool = True) -> tuple[int, int]:
+        """Checks the attention impl, then compiles or loads from the persistent compile
+        cache (and runs once) every bucket; an all-padding batch writes nothing. Returns
+        (programs loaded from the cache, programs compiled), as jax's monitoring counts them."""
+        from jaxfill.engine.compile_cache import count_cache_hits
+
         self.check_attention_impl()
         it = self.shapes
         if progress:
-            from tqdm import tqdm
+            from tqdm.auto import tqdm
 
-            it = tqdm(self.shapes, desc="compiling buckets", unit="bucket")
-        for shape in it:
-            self.run(self.dummy(shape)).get()
+            it = tqdm(self.shapes, desc="step programs", unit="bucket")
+        with count_cache_hits() as counts:
+            for shape in it:
+                self.run(self.dummy(shape)).get()
+        return counts["hits"], counts["requests"] - counts["hits"]
 
     def check_attention_impl(self) -> None:
         """Leader: a non-xla impl must lower and match xla here, or xla serves instead."""

@@ -21,3 +21,20 @@ def test_readme_notebook_example_matches_the_engine():
     expected = engine.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids
     assert tokens[len(prompt):] == expected
     assert tokens[:len(prompt)] == prompt
+
+
+def test_readme_set_up_command_prints_the_quoted_text():
+    """The first set-up command's `generate` prints the sample the README quotes."""
+    import subprocess
+    import sys
+
+    text = open(os.path.join(ROOT, "README.md")).read()
+    quoted = re.search(r"`/` marks a line break\) `([^`]+)`", text).group(1)
+    command = re.search(r"```bash\n[^\n]*?&& (jaxfill generate [^\n]+)\n", text).group(1)
+    args = command.split()[1:]
+    args[args.index("--prompt") + 1] = "ROMEO:"  # the README's shell quotes around it
+    out = subprocess.run([sys.executable, "-m", "jaxfill.serving.cli", *args], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    printed = " / ".join(line.strip() for line in out.stdout.splitlines() if line.strip())
+    assert quoted in printed, (quoted, printed)

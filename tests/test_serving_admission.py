@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import json
 import threading
 
 import grpc
@@ -81,6 +82,8 @@ def test_warming_server_refuses_with_unavailable_and_client_waits_for_ready(engi
             t.join(120)
         assert rc == [0], out.getvalue()
         assert '"finish_reason": "length"' in out.getvalue() and '"completion_tokens": 3' in out.getvalue()
+        row = json.loads(out.getvalue().strip().splitlines()[-1])
+        assert isinstance(row["text"], str) and len(row["token_ids"]) == 3  # --json carries the text too
     assert engine.warmed_up
 
 

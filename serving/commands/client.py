@@ -49,12 +49,13 @@ def run(args) -> int:
                 prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
             if prompt is None:
                 prompt = "Hello"
-            ids, complete = [], None
+            ids, pieces, complete = [], [], None
             for resp in c.stream(prompt, timeout=args.timeout, max_tokens=args.max_tokens,
                                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                  seed=args.seed, ignore_eos=args.ignore_eos):
                 if resp.HasField("chunk"):
                     ids.extend(resp.chunk.token_ids)
+                    pieces.append(resp.chunk.text)
                     if not args.json:
                         sys.stdout.write(resp.chunk.text)
                         sys.stdout.flush()
@@ -67,7 +68,8 @@ def run(args) -> int:
             print(f"jaxfill client: {e}", file=sys.stderr)
             return 1
     if args.json:
-        out = {"token_ids": ids, **json_format.MessageToDict(complete, preserving_proto_field_name=True)}
+        out = {"token_ids": ids, "text": "".join(pieces),
+               **json_format.MessageToDict(complete, preserving_proto_field_name=True)}
         print(json.dumps(out))
     else:
         print()

@@ -22,6 +22,8 @@ def add_arguments(p) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bars (loading, compiling) on stderr; stdout is unaffected either way")
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -46,7 +48,7 @@ def run(args) -> int:
     for prompt in prompts:
         ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         validate_prompt(ids, config.model.vocab_size, config.engine.max_model_len)
-    with Engine(config, progress=not args.json) as engine:  # exit: process 0 releases the followers
+    with Engine(config, progress=not args.quiet) as engine:  # exit: process 0 releases the followers
         if not engine.is_leader:
             engine.follow()  # multi-process: process 0 prints the output
             return 0
@@ -55,6 +57,11 @@ def run(args) -> int:
 
 
 def _print_generations(engine, args, prompts, params) -> None:
+    from jaxfill.engine.tokenizer import IdsOnlyTokenizer
+
+    if isinstance(engine.tokenizer, IdsOnlyTokenizer):
+        print(f"jaxfill: no tokenizer ({engine.tokenizer.reason}): text is not decoded; "
+              "the token ids are in --json", file=sys.stderr, flush=True)
     if args.json:
         for completion in engine.generate(prompts, params):
             print(json.dumps({"token_ids": completion.token_ids, "text": completion.text,

@@ -1,0 +1,65 @@
+"""The first hour of a new user (issue 32): what start-up says, what --json carries,
+which cache the library uses, how fast the CLI starts, what a checkpoint without a
+tokenizer prints."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENGINE_TWICE = """
+import json, sys
+from jaxfill import Engine
+engine = Engine.from_config("tiny_random", overrides={"engine.token_buckets": [16], "engine.max_num_batched_tokens": 16,
+                                                       "engine.num_pages": 16, "engine.max_model_len": 64})
+print("RESULT " + json.dumps(engine.warmup_programs))
+"""
+
+
+def clean_env(**extra):
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_COMPILATION_CACHE_DIR", "JAXFILL_COMPILE_CACHE")}
+    env.update(extra)
+    return env
+
+
+def run_engine(env):
+    out = subprocess.run([sys.executable, "-c", ENGINE_TWICE], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")][-1]
+    return tuple(json.loads(line[len("RESULT "):])), out.stderr
+
+
+def test_the_library_uses_the_persistent_cache_and_says_it_loaded(tmp_path):
+    env = clean_env(JAXFILL_COMPILE_CACHE=str(tmp_path / "xla"))
+    (loaded, compiled), err = run_engine(env)
+    assert compiled >= 1 and "compiled" in err
+    (loaded2, compiled2), err2 = run_engine(env)
+    assert compiled2 == 0 and loaded2 >= compiled, (loaded2, compiled2)
+    assert "loaded" in err2 and "from the compile cache" in err2 and "compiled" not in err2.split("preparing")[-1]
+    assert os.listdir(tmp_path / "xla")
+
+
+def jaxfill_cli(*args, env=None, timeout=600):
+    return subprocess.run([sys.executable, "-m", "jaxfill.serving.cli", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def test_generate_json_keeps_progress_on_stderr_and_quiet_drops_it():
+    base = ["generate", "--config", "tiny_random", "--prompt-ids", "1,2,3", "--max-tokens", "2", "--json",
+            "--set", "engine.token_buckets=[16]", "--set", "engine.max_num_batched_tokens=16"]
+    loud, quiet = jaxfill_cli(*base), jaxfill_cli(*base, "--quiet")
+    for out in (loud, quiet):
+        assert out.returncode == 0, out.stderr
+        assert [json.loads(line)["token_ids"] for line in out.stdout.splitlines()]  # stdout: JSON only
+    assert "preparing" in loud.stderr and "program(s)" in loud.stderr
+    assert "preparing" not in quiet.stderr and "step programs" not in quiet.stderr
+
+
+def test_a_checkpoint_without_tokenizer_says_so_once(hf_dirs):
+    out = jaxfill_cli("generate", "--model", hf_dirs["llama"], "--prompt-ids", "1,2,3", "--max-tokens", "2",
+                      "--json", "--quiet")
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.count("no tokenizer") == 1 and "text is not decoded" in out.stderr
+    assert len(json.loads(out.stdout.splitlines()[-1])["token_ids"]) == 2
