@@ -74,7 +74,9 @@ def use_cpu_cores(settings=None) -> int | None:
     import jax
 
     from jaxfill.engine.mesh import cluster_env
+    from jaxfill.models.progress import quiet_backend_probe
 
+    quiet_backend_probe()  # before jax probes its backends
     if settings is not None and (settings.num_processes > 1 or not settings.cpu_split):
         return None
     cores = num_cores()

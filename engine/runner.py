@@ -199,9 +199,9 @@ class Runner:
         self.check_attention_impl()
         it = self.shapes
         if progress:
-            from tqdm.auto import tqdm
+            from jaxfill.models.progress import progress_bar
 
-            it = tqdm(self.shapes, desc="step programs", unit="bucket")
+            it = progress_bar(self.shapes, desc="step programs", unit="bucket")
         with count_cache_hits() as counts:
             for shape in it:
                 self.run(self.dummy(shape)).get()

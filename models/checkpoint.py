@@ -20,12 +20,12 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
-from tqdm.auto import tqdm
 
 from jaxfill.models.config import ModelConfig
 from jaxfill.models.decoder import Decoder
 from jaxfill.models.families.base import HFTensor
 from jaxfill.models.families.registry import family_of, new_model
+from jaxfill.models.progress import progress_bar
 from jaxfill.models.quant import QUANTIZED_INPUT_AXES, QuantizedSlices, is_quantized, quantize, scale_path
 
 SAFETENSORS_DTYPES = {
@@ -223,7 +223,7 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
                 rows[p[1] // per_stage] = reader
             else:
                 readers[p] = reader
-    for path, reader in tqdm(readers.items(), desc="loading weights", unit="tensor", disable=not progress):
+    for path, reader in progress_bar(readers.items(), desc="loading weights", unit="tensor", disable=not progress):
         params[path].set_value(place(path, StackedSlices(reader) if isinstance(reader, list) else reader))
     return nnx.merge(graphdef, state)
 

@@ -63,3 +63,35 @@ def test_a_checkpoint_without_tokenizer_says_so_once(hf_dirs):
     assert out.returncode == 0, out.stderr
     assert out.stderr.count("no tokenizer") == 1 and "text is not decoded" in out.stderr
     assert len(json.loads(out.stdout.splitlines()[-1])["token_ids"]) == 2
+
+
+def test_missing_libtpu_line_is_dropped_and_real_backend_errors_are_kept():
+    import logging
+
+    from jaxfill.models.progress import quiet_backend_probe
+
+    quiet_backend_probe()
+    quiet_backend_probe()  # idempotent
+    logger = logging.getLogger("jax._src.xla_bridge")
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        logger.warning("Unable to initialize backend 'tpu': INTERNAL: Failed to open libtpu.so: No such file")
+        logger.warning("Unable to initialize backend 'cuda': no CUDA devices")
+    finally:
+        logger.removeHandler(handler)
+    assert seen == ["Unable to initialize backend 'cuda': no CUDA devices"]
+    assert len([f for f in logger.filters if type(f).__name__ == "_NoMissingLibtpu"]) == 1
+
+
+def test_progress_bar_is_plain_text_without_ipywidgets(monkeypatch):
+    import importlib.util
+
+    from jaxfill.models import progress
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    bar = progress.progress_bar(range(3), disable=True)
+    assert type(bar).__module__ == "tqdm.std"
+    assert list(bar) == [0, 1, 2]
