@@ -91,10 +91,8 @@ class MatmulProbe:
         import jax
         import jax.numpy as jnp
 
-        from jaxfill.models.config import DTYPES
-
         m, k, n = shape
-        dt = DTYPES[dtype]
+        dt = getattr(jnp, dtype)
         ka, kb = jax.random.split(jax.random.key(0))
         self.a = jax.random.normal(ka, (m, k), jnp.float32).astype(dt)
         self.b = jax.random.normal(kb, (k, n), jnp.float32).astype(dt)

@@ -15,9 +15,7 @@ import json
 import os
 from typing import Any
 
-import jax.numpy as jnp
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+DTYPES = ("float32", "bfloat16", "float16")  # jax.numpy names; jax is imported only when one is used
 WEIGHT_DTYPES = ("auto", "int8")  # auto: projections stored in `dtype`; int8: see models/quant.py
 CHOICES = {
     "hidden_act": ("silu", "gelu_tanh"),
@@ -77,7 +75,7 @@ class ModelConfig:
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
-            raise ConfigError(f"model.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+            raise ConfigError(f"model.dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
         if self.weight_dtype not in WEIGHT_DTYPES:
             raise ConfigError(f"model.weight_dtype must be one of {list(WEIGHT_DTYPES)}, got {self.weight_dtype!r}")
         for name, allowed in CHOICES.items():
@@ -108,7 +106,9 @@ class ModelConfig:
 
     @property
     def jnp_dtype(self):
-        return DTYPES[self.dtype]
+        import jax.numpy as jnp
+
+        return getattr(jnp, self.dtype)
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
