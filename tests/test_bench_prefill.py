@@ -22,6 +22,8 @@ def test_bench_prefill_tiny(tmp_path, capsys):
     out = capsys.readouterr()
     assert rc == 0, out.err
     assert "[3/3] len=128 chunk=64" in out.err  # progress
+    assert "skipped len=64 chunk=64: chunk >= prompt length" in out.err  # said, not silently dropped
+    assert out.err.count("measuring this CPU") == 2 and "before the timed runs" in out.err
     assert "meas/floor" in out.out and "TTFT(128)/TTFT(64)" in out.out
     result = json.loads((tmp_path / "prefill_bench_tiny_random.json").read_text())
     points = {(p["prompt_len"], p["chunk"]): p for p in result["points"]}
@@ -65,3 +67,11 @@ def test_default_output_is_a_fresh_directory(tmp_path, monkeypatch, capsys):
         assert [f.name for f in run.iterdir()] == ["prefill_bench_tiny_random.json"]
     assert not (tmp_path / "benchmarks").exists()
     assert str(runs[1].relative_to(tmp_path)) in capsys.readouterr().err
+
+
+def test_hardware_help_lists_the_aliases(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "h100_sxm (also: h100)" in text and "tpu_v5e (also: v5e, v5litepod)" in text
+

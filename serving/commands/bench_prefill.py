@@ -37,9 +37,11 @@ def add_arguments(p) -> None:
                    help="prefill chunk sizes; 0 = whole prompt in one step (default: 0)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per point; the median is reported")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per point (the first compiles)")
+    from jaxfill.engine.hardware import hardware_help
+
     p.add_argument("--hardware", default=None,
-                   help="planner hardware for the predicted floor: 'cpu' (measured now; default on a "
-                        "CPU backend), a configs/hardware.toml entry, or 'none'")
+                   help=f"planner hardware for the predicted floor (default on a CPU backend: cpu): "
+                        f"{hardware_help()}, or 'none'")
     p.add_argument("--out", default=None,
                    help="directory for JSON and PNGs (default: a new jaxfill-bench/prefill-<time>/)")
     p.add_argument("--name", default=None, help="file name stem (default: prefill_bench_<config>)")
@@ -106,13 +108,14 @@ def run_bench(config, lengths: list[int], chunk_sizes: list[int], repeats: int =
             raise ValueError(f"chunk sizes must be >= 0 (0 = whole prompt), got {c}")
     hw_name = None if (hardware or "").lower() == "none" else hardware
 
-    def measure_hw():
+    def measure_hw(when: str):
         if hw_name is None:
             return None
-        log(f"measuring hardware {hw_name!r}...")
+        if hw_name.lower() == "cpu":  # a table entry is read, not measured
+            log(f"measuring this CPU {when}...")
         return load_hardware(hw_name, m.dtype, model_matmul_shape(m))
 
-    hw_before = measure_hw()
+    hw_before = measure_hw("before the timed runs")
     # On a CPU (often shared), a short matmul probe around every timed run records how
     # much of the machine the run got; each run is compared with the floor at that rate.
     probe = None
@@ -128,6 +131,9 @@ def run_bench(config, lengths: list[int], chunk_sizes: list[int], repeats: int =
     prompt_all = rng.integers(0, m.vocab_size, size=max(lengths)).tolist()
     points = []
     grid = [(n, c) for c in sorted(set(chunk_sizes)) for n in sorted(set(lengths))]
+    for n, c in grid:
+        if c >= n and 0 in chunk_sizes:
+            log(f"skipped len={n} chunk={c}: chunk >= prompt length (the same run as chunk=whole)")
     grid = [(n, c) for n, c in grid if c == 0 or c < n or (c >= n and 0 not in chunk_sizes)]
     t_start = time.perf_counter()
     load_start = os.getloadavg()
@@ -144,7 +150,7 @@ def run_bench(config, lengths: list[int], chunk_sizes: list[int], repeats: int =
                        "achieved_flops_per_s": prefill_flops(m, n) / med,
                        "kv_cache_bytes": nbytes, "kv_cache_slots": slots,
                        "kv_bytes_per_token_allocated": nbytes / slots})
-    hw_after = measure_hw()
+    hw_after = measure_hw("after the timed runs (the session's bandwidth is the mean of both)")
     hw = hw_before
     if probe is not None:  # session figures: median probe rate, mean of the two bandwidths
         all_rates = sorted(r for p in points for r in p["probe_flops_per_s"])
@@ -172,6 +178,9 @@ def run_bench(config, lengths: list[int], chunk_sizes: list[int], repeats: int =
             ratio = p["ttft_s"] / floor
         p["ttft_floor_s"] = floor
         p["ttft_over_floor"] = ratio
+        if ratio < 1:
+            log(f"len={n} chunk={c or 'whole'}: measured TTFT is {ratio:.2f}x the planner's floor: the "
+                "hardware figures under-measure this machine (shared CPU?), so this floor is not a floor")
         p["prediction_error"] = 1.0 / ratio - 1.0  # (floor - measured) / measured
     whole = {p["prompt_len"]: p["ttft_s"] for p in points if p["chunk"] == 0}
     decay = [{"prompt_len": n, "measured": whole[2 * n] / whole[n],

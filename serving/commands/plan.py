@@ -13,9 +13,10 @@ def add_arguments(p) -> None:
     from jaxfill.serving.cli import common_model_args
 
     common_model_args(p)
+    from jaxfill.engine.hardware import hardware_help
+
     p.add_argument("--hardware", default="h100_sxm",
-                   help="entry of configs/hardware.toml (h100_sxm, h200, b200, tpu_v5e, tpu_v5p, tpu_v6e) "
-                        "or 'cpu' to measure this machine now (default: h100_sxm)")
+                   help=f"an entry of configs/hardware.toml or 'cpu': {hardware_help()} (default: h100_sxm)")
     p.add_argument("--prompt-len", dest="prompt_lens", type=int, action="append", default=None,
                    metavar="N", help="prompt length in tokens (repeatable; default: 128, 512, 2048, ... "
                                      "below engine.max_model_len)")
