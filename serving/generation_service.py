@@ -9,7 +9,7 @@ import time
 import grpc
 
 from jaxfill.engine.request import SamplingParams
-from jaxfill.serving.request_core import BadField, RequestCore
+from jaxfill.serving.request_core import BadField, RequestCore, served_name
 from jaxfill.serving.proto.jaxfill.v1 import generation_pb2 as pb
 from jaxfill.serving.proto.jaxfill.v1 import generation_pb2_grpc as pb_grpc
 
@@ -52,8 +52,9 @@ def logprobs_to_proto(entries) -> list[pb.TokenLogprob]:
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, core: RequestCore):
+    def __init__(self, core: RequestCore, served_model_name: str | None = None):
         self.core = core
+        self.served_model_name = served_model_name or served_name(core.engine.config)
 
     async def _parse(self, request: pb.GenerateRequest) -> tuple[str, list[int], SamplingParams]:
         core = self.core
@@ -108,7 +109,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         mesh = pb.MeshInfo(data=cfg.mesh.data, tensor=cfg.mesh.tensor, sequence=cfg.mesh.sequence,
                            num_devices=ndev, platform=platform)
         return pb.ModelInfo(
-            model_name=cfg.model_path or cfg.name, architecture=str(getattr(cfg.model, "architecture", "")),
+            model_name=self.served_model_name, architecture=str(getattr(cfg.model, "architecture", "")),
             max_model_len=core.max_model_len, vocab_size=core.vocab_size, page_size=cfg.engine.page_size,
             pages_total=int(stats.get("pages_total", 0)), pages_free=int(stats.get("pages_free", 0)),
             num_running=int(stats.get("num_running", 0)), num_waiting=int(stats.get("num_waiting", 0)),

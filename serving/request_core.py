@@ -27,6 +27,14 @@ DEADLINE_SLACK_S = 0.25
 OFFLOAD_TEXT_CHARS = 4096  # tokenize longer texts off the event loop
 
 
+
+def served_name(config) -> str:
+    """The default --served-model-name: the model directory's basename, else the config
+    name. The one name every protocol, metrics label and log line uses."""
+    import os
+
+    return os.path.basename(os.path.normpath(config.model_path)) if config.model_path else config.name
+
 class BadField(Exception):
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")

@@ -38,7 +38,7 @@ from jaxfill.serving.proto.jaxfill.v1 import generation_pb2 as pb
 from jaxfill.serving.proto.jaxfill.v1 import generation_pb2_grpc as pb_grpc
 from jaxfill.serving.proto.jetstream.core.proto import jetstream_pb2 as js
 from jaxfill.serving.proto.jetstream.core.proto import jetstream_pb2_grpc as js_grpc
-from jaxfill.serving.request_core import RequestCore
+from jaxfill.serving.request_core import RequestCore, served_name
 from jaxfill.serving.vllm_service import VLLM_SERVICE, VllmEngineServicer
 
 log = logging.getLogger("jaxfill.serving")
@@ -99,11 +99,14 @@ class Server:
         self.max_message_bytes = max_message_bytes
         self.warmup = warmup
         cfg = engine.config
-        self.metrics = ServerMetrics(model_name=cfg.model_path or cfg.name, max_model_len=cfg.engine.max_model_len)
+        # One name in every protocol, metrics label and log line (--served-model-name, else
+        # the model directory's basename, else the config name).
+        self.served_model_name = served_model_name or served_name(cfg)
+        self.metrics = ServerMetrics(model_name=self.served_model_name, max_model_len=cfg.engine.max_model_len)
         self.loop = EngineLoop(engine, self.metrics)
         self.health = HealthServicer()
         self.core = RequestCore(engine, self.loop)
-        self.vllm = VllmEngineServicer(self.core, served_model_name)
+        self.vllm = VllmEngineServicer(self.core, self.served_model_name)
         self.server: grpc.aio.Server | None = None
         self.metrics_http = None
         self.ready = asyncio.Event()
@@ -115,7 +118,7 @@ class Server:
                    ("grpc.so_reuseport", 0)]
         interceptors = [ApiKeyInterceptor(self.api_key)] if self.api_key else []
         self.server = grpc.aio.server(options=options, interceptors=interceptors)
-        pb_grpc.add_GenerationServicer_to_server(GenerationServicer(self.core), self.server)
+        pb_grpc.add_GenerationServicer_to_server(GenerationServicer(self.core, self.served_model_name), self.server)
         js_grpc.add_OrchestratorServicer_to_server(OrchestratorServicer(self.core), self.server)
         vllm_grpc.add_VllmEngineServicer_to_server(self.vllm, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

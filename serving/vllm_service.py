@@ -25,7 +25,7 @@ from jaxfill.serving import vllm_convert as conv
 from jaxfill.models.families.registry import family_of
 from jaxfill.serving.disagg import Disagg
 from jaxfill.serving.engine_loop import DRAINING, SERVING
-from jaxfill.serving.request_core import BadField, RequestCore
+from jaxfill.serving.request_core import BadField, RequestCore, served_name
 
 VLLM_SERVICE = vpb.DESCRIPTOR.services_by_name["VllmEngine"].full_name  # vllm.grpc.engine.VllmEngine
 SERVER_TYPE = "vllm-grpc"  # the protocol, as GetServerInfoResponse documents the field
@@ -45,11 +45,6 @@ def tokenizer_dir(config, tokenizer) -> str:
         if os.path.isfile(os.path.join(path, "tokenizer.json")):
             return path
     return ""
-
-
-def served_name(config) -> str:
-    """The default --served-model-name: the model directory's basename, else the config name."""
-    return os.path.basename(os.path.normpath(config.model_path)) if config.model_path else config.name
 
 
 class VllmEngineServicer(vpb_grpc.VllmEngineServicer):

@@ -255,6 +255,12 @@ def test_info_rpcs(served):
     st, engine, stub, _ref, _lp, _ = served
     info = stub.GetModelInfo(vpb.GetModelInfoRequest(), timeout=10)
     assert info.served_model_name == SERVED_NAME
+    # the same name in jaxfill.v1's GetModelInfo and on every metrics series
+    from jaxfill.serving.proto.jaxfill.v1 import generation_pb2 as jpb, generation_pb2_grpc as jpb_grpc
+
+    with grpc.insecure_channel(st.address) as ch:
+        assert jpb_grpc.GenerationStub(ch).GetModelInfo(jpb.GetModelInfoRequest(), timeout=10).model_name == SERVED_NAME
+    assert st.server.metrics.model_name == SERVED_NAME
     assert os.path.isfile(os.path.join(info.model_path, "tokenizer.json"))
     assert info.tokenizer_path == info.model_path
     assert (info.max_context_length, info.vocab_size, info.is_generation) == (256, 320, True)

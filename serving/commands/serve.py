@@ -48,9 +48,11 @@ def _log_startup(log, engine, args, load_s: float) -> None:
     cfg = engine.config
     m = cfg.model
     src = cfg.model_path or f"random init (seed {m.seed})"
-    log.info("loaded %s: %s, %d layers, hidden %d, heads %d/%d kv, vocab %d, dtype %s from %s in %.1f s",
-             cfg.name, m.architecture, m.num_layers, m.hidden_size, m.num_heads,
-             m.num_kv_heads, m.vocab_size, m.dtype, src, load_s)
+    from jaxfill.serving.request_core import served_name
+
+    log.info("loaded %s: %s, %d layers, hidden %d, heads %d/%d kv, vocab %d, dtype %s from %s in %.1f s; "
+             "served as %r", cfg.name, m.architecture, m.num_layers, m.hidden_size, m.num_heads,
+             m.num_kv_heads, m.vocab_size, m.dtype, src, load_s, args.served_model_name or served_name(cfg))
     e = cfg.engine
     log.info("engine: %d pages x %d tokens, max_model_len %d, max_num_seqs %d, token budget %d, max_waiting %d",
              e.num_pages, e.page_size, e.max_model_len, e.max_num_seqs, e.max_num_batched_tokens, e.max_waiting)
