@@ -55,6 +55,10 @@ class EngineSettings:
     # Disaggregated prefill (engine/kv_transfer.py): how long a prefill worker holds a finished
     # prompt's pages for the decode worker's pull, and how long a decode worker waits for it.
     kv_transfer_timeout_s: float = 30.0
+    # The share of the page pool a prefill worker may hold for pulls not yet made; past it
+    # a new prefill-for-transfer request is refused (RESOURCE_EXHAUSTED), so clients whose
+    # decode leg never pulls cannot fill the pool.
+    kv_transfer_max_held_share: float = 0.5
     # What fresh KV pages hold before anything writes them (a new or rebuilt cache). Tests
     # set nan: a step that reads a page nobody wrote then poisons its logits.
     kv_fill_value: float = 0.0
@@ -72,6 +76,9 @@ class EngineSettings:
             raise ConfigError(f"engine.scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         if int(self.penalty_window) <= 0:
             raise ConfigError(f"engine.penalty_window must be positive, got {self.penalty_window}")
+        if not 0 < float(self.kv_transfer_max_held_share) <= 1:
+            raise ConfigError(f"engine.kv_transfer_max_held_share must be in (0, 1], "
+                              f"got {self.kv_transfer_max_held_share}")
         if not float(self.kv_transfer_timeout_s) > 0:
             raise ConfigError(f"engine.kv_transfer_timeout_s must be positive, got {self.kv_transfer_timeout_s}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -27,6 +27,17 @@ class DisaggregationFacade:
         with self._lock:
             self.enable_kv_transfer().hold.add(request_id)
 
+    def held_page_share(self) -> float:
+        """Prefill side: the share of the pool held for transfers not yet pulled, plus the
+        prompts marked to be held that are still running (their pages will be held)."""
+        with self._lock:
+            if self.kv_handoff is None:
+                return 0.0
+            held = sum(len(h.pages) for h in self.kv_handoff.held.values())
+            running = self.kv_handoff.hold & set(self.requests)
+            held += sum(len(self.requests[rid].pages) for rid in running)
+            return held / max(1, self.stats()["pages_total"])
+
     def take_kv_offer(self, request_id: str) -> dict | None:
         with self._lock:
             return None if self.kv_handoff is None else self.kv_handoff.offers.pop(request_id, None)

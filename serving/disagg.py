@@ -87,9 +87,15 @@ class Disagg:
             raise BadField("kv_transfer_params_json", "jaxfill must be an object")
         return kv
 
-    def hold(self, rid: str) -> None:
-        """Prefill: the request's pages outlive its finish (admit hook of the engine loop)."""
+    async def hold(self, rid: str, context) -> None:
+        """Prefill: the request's pages outlive its finish (admit hook of the engine loop),
+        unless held KV already fills engine.kv_transfer_max_held_share of the pool."""
         self.engine.enable_kv_transfer(self.host)  # here, bound to --kv-host, not on the stepping thread
+        share, limit = self.engine.held_page_share(), float(self.engine.settings.kv_transfer_max_held_share)
+        if share >= limit:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{share:.0%} of the KV pool is held for transfers not yet pulled "
+                                f"(engine.kv_transfer_max_held_share = {limit:g}); retry shortly")
 
         def admit(engine, ids, params, request_id, priority):
             engine.add_request(ids, params, request_id=request_id, priority=priority)
@@ -138,6 +144,17 @@ class Disagg:
         def admit(engine, ids_, params, request_id, priority):
             engine.add_prefilled_request(ids_, params, request_id, arrays, n, cached, priority)
         self.loop.admit_hooks[rid] = admit
+
+    def release_offer_of(self, request) -> None:
+        """Decode: a request refused before its pull (bad field, over-long, overloaded,
+        cancelled) releases the prefill worker's held pages now, not at their timeout."""
+        try:
+            kv = json.loads(request.kv_transfer_params_json or "null")
+            info = kv.get("jaxfill") if isinstance(kv, dict) and kv.get("do_remote_prefill") else None
+        except (ValueError, AttributeError):
+            return
+        if isinstance(info, dict):
+            self._release_remote(info)
 
     def forget(self, rid: str) -> None:
         self.loop.admit_hooks.pop(rid, None)

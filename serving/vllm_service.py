@@ -75,17 +75,21 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         arrival = time.monotonic()
         self.last_receive = time.time()
         core = self.core
-        await core.check_available(context)
-        try:
-            rid, ids, params = await self._parse(request)
-            kv = self.disagg.parse(request)
-        except BadField as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        remote_decode = bool(kv and kv.get("do_remote_decode"))
-        try:
+        try:  # until the pull starts, any refusal releases the prefill worker's KV at once
+            await core.check_available(context)
+            try:
+                rid, ids, params = await self._parse(request)
+                kv = self.disagg.parse(request)
+            except BadField as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            remote_decode = bool(kv and kv.get("do_remote_decode"))
             if remote_decode:
-                self.disagg.hold(rid)
-            elif kv and kv.get("do_remote_prefill"):
+                await self.disagg.hold(rid, context)
+        except BaseException:
+            self.disagg.release_offer_of(request)
+            raise
+        try:
+            if kv and kv.get("do_remote_prefill"):
                 await self.disagg.pull(rid, ids, kv, context)
             async for msg in self._generate(request, context, rid, ids, params, arrival, remote_decode):
                 yield msg

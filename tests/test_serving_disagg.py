@@ -126,3 +126,24 @@ def test_wrong_role_and_bad_params_are_refused(workers):
             list(stub.Generate(_req(PROMPTS[2], "bad", kv=kv, max_tokens=2), timeout=60))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert e.value.details().startswith("kv_transfer_params_json:"), e.value.details()
+
+
+def test_held_kv_is_bounded_by_a_share_of_the_pool(workers):
+    """Prefill legs whose decode leg never pulls: past engine.kv_transfer_max_held_share
+    (0.5 here) of the pool, the next one is refused with RESOURCE_EXHAUSTED, and the pool
+    comes back once the held pages time out."""
+    (_, pre) = workers["prefill"]
+    _wait_free(pre, timeout=15.0)
+    long = list(range(3, 3 + 60))  # 60 tokens: 4 pages of 16 each
+    held, refused = 0, None
+    for i in range(40):
+        try:
+            _prefill_leg(pre, long[i % 5:] + [i], f"hog-{i}")
+            held += 1
+        except grpc.RpcError as e:
+            refused = e
+            break
+    assert refused is not None and refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused
+    assert "kv_transfer_max_held_share" in refused.details() and held >= 1
+    assert _pages(pre) > 0
+    _wait_free(pre, timeout=15.0)  # engine.kv_transfer_timeout_s = 5
