@@ -196,6 +196,18 @@ def test_five_cancelled_mid_decode_free_both_pools(cluster):
         wait_until(lambda: pool_full(w), WAIT_S, f"{w.address}'s pages to come back")
 
 
+def test_a_request_the_decode_worker_refuses_frees_the_prefill_pool_at_once(cluster):
+    """prompt + max_tokens over max_model_len: smg's prefill leg (max_tokens=1) is served and
+    its pages held for the transfer, then the decode worker refuses the request. Before,
+    nothing released them until engine.kv_transfer_timeout_s (30 s); now the refusal does."""
+    client = cluster.client(cluster.pd)
+    prefilled_before = counter(cluster.prefill, "jaxfill_request_success_total")
+    with pytest.raises(openai.APIStatusError) as e:
+        client.completions.create(model=cluster.pd.model, prompt=VERSE[:120], max_tokens=200, temperature=0)
+    assert e.value.status_code == 400 and "max_tokens" in str(e.value.message), e.value
+    assert counter(cluster.prefill, "jaxfill_request_success_total") > prefilled_before  # the prefill leg ran
+    wait_until(lambda: pool_full(cluster.prefill), 3, "the prefill worker's held pages to come back")
+
 def test_prefill_tensor_2_decode_tensor_1_same_tokens(cluster, expected):
     tp2 = cluster.worker("--role", "prefill", "--set", "mesh.tensor=2", env=TWO_FAKE_DEVICES)
     gateway = cluster.gateway([], "round_robin", *SMG_FLAGS, prefill=[tp2.address], decode=[cluster.decode.address])
@@ -211,7 +223,7 @@ def test_prefill_tensor_2_decode_tensor_1_same_tokens(cluster, expected):
         wait_until(lambda: pool_full(w), WAIT_S, f"{w.address}'s pages to come back")
 
 
-def test_killed_prefill_worker_fails_its_requests_and_frees_the_decode_pool(cluster):
+def test_killed_prefill_worker_fails_its_requests_and_frees_the_decode_pool(cluster):  # keep last: kills it
     """Last in the module: it kills the cluster's prefill worker while three long prompts
     are in its hands (prefilling, or prefilled and waiting for the decode side's pull)."""
     client = cluster.client(cluster.pd)
@@ -238,15 +250,3 @@ def test_killed_prefill_worker_fails_its_requests_and_frees_the_decode_pool(clus
     assert all(isinstance(o, Exception) or o["usage"][1] == 40 for o in outcomes), outcomes
     wait_until(lambda: pool_full(cluster.decode), WAIT_S, "the decode worker's pages to come back")
 
-
-def test_a_request_the_decode_worker_refuses_frees_the_prefill_pool_at_once(cluster):
-    """prompt + max_tokens over max_model_len: smg's prefill leg (max_tokens=1) is served and
-    its pages held for the transfer, then the decode worker refuses the request. Before,
-    nothing released them until engine.kv_transfer_timeout_s (30 s); now the refusal does."""
-    client = cluster.client(cluster.pd)
-    prefilled_before = counter(cluster.prefill, "jaxfill_request_success_total")
-    with pytest.raises(openai.APIStatusError) as e:
-        client.completions.create(model=cluster.pd.model, prompt=VERSE[:120], max_tokens=200, temperature=0)
-    assert e.value.status_code == 400 and "max_tokens" in str(e.value.message), e.value
-    assert counter(cluster.prefill, "jaxfill_request_success_total") > prefilled_before  # the prefill leg ran
-    wait_until(lambda: pool_full(cluster.prefill), 3, "the prefill worker's held pages to come back")
