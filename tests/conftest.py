@@ -26,12 +26,13 @@ os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 1)
-# The test processes themselves read the shared cache but never write it (their
-# subprocesses, which compile the big step programs, still do): in three cold runs on
-# 2026-12-02 XLA CPU's executable.serialize() segfaulted in a pytest worker after ~800
-# tests (test_sampler, test_kv_quant_engine), and xdist then hung. Not root-caused; a
-# worker that never serializes cannot hit it.
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
+# The pytest processes themselves never use the persistent cache (their subprocesses,
+# which compile the big step programs, still share it): in four cold runs on 2026-12-02
+# (three here, one in CI) XLA CPU's executable.serialize() segfaulted in a pytest worker
+# after ~800 tests (test_sampler, test_kv_quant_engine) and xdist then hung. Not
+# root-caused. A threshold was not enough: in-process `cli.main()` calls re-enable writes
+# (engine/compile_cache.py); jax's master switch is not touched by anything we run.
+jax.config.update("jax_enable_compilation_cache", False)
 
 
 @pytest.fixture(scope="session")
