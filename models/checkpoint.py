@@ -26,7 +26,9 @@ from jaxfill.models.decoder import Decoder
 from jaxfill.models.families.base import HFTensor
 from jaxfill.models.families.registry import family_of, new_model
 from jaxfill.models.progress import progress_bar
-from jaxfill.models.quant import QUANTIZED_INPUT_AXES, QuantizedSlices, is_quantized, quantize, scale_path
+from jaxfill.models.quant import (
+    QUANTIZED_INPUT_AXES, STACKED_AXES, QuantizedSlices, is_quantized, quantize_param, scale_path,
+)
 
 SAFETENSORS_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -97,18 +99,38 @@ class TensorSlices:
 
 
 class StackedSlices:
-    """Several tensors of one shape seen as one stacked [n, ...] param (the layers of a
-    pipelined model, models/pipeline.py), read one box at a time: a box reads only the
-    rows (layers) it covers, each through its own reader (TensorSlices or an int8 view)."""
+    """Several tensors of one shape seen as one param stacked on `axis` (the layers of a
+    pipelined model, models/pipeline.py, on axis 0; a MoE layer's experts), read one box
+    at a time: a box reads only the entries it covers, each through its own reader
+    (TensorSlices, an int8 view, or another stack)."""
 
-    def __init__(self, parts: list):
-        self.parts = parts
-        self.shape = (len(parts),) + tuple(parts[0].shape)
+    def __init__(self, parts: list, axis: int = 0):
+        self.parts, self.axis = parts, axis
+        inner = tuple(parts[0].shape)
+        self.shape = inner[:axis] + (len(parts),) + inner[axis:]
 
     def read(self, index: tuple = ()) -> np.ndarray:
-        index = tuple(index) or (slice(None),)
-        start, stop, _ = index[0].indices(len(self.parts))
-        return np.stack([self.parts[i].read(index[1:]) for i in range(start, stop)])
+        index = tuple(index) + (slice(None),) * (len(self.shape) - len(tuple(index)))
+        start, stop, _ = index[self.axis].indices(len(self.parts))
+        rest = index[:self.axis] + index[self.axis + 1:]
+        return np.stack([self.parts[i].read(rest) for i in range(start, stop)], axis=self.axis)
+
+
+def assemble(parts: dict, levels: tuple):
+    """{indices: reader} and the stack's ((param axis, count), ...) -> one reader; no
+    levels: the one reader. An outer level's axis is gone inside it, so inner positions shift."""
+    if not levels:
+        return parts[()]
+    (axis, count), inner = levels[0], tuple((a - (a > levels[0][0]), n) for a, n in levels[1:])
+    return StackedSlices([assemble({k[1:]: r for k, r in parts.items() if k[0] == i}, inner)
+                          for i in range(count)], axis)
+
+
+def scale_stack(name: str, stack: tuple) -> tuple:
+    """A stacked projection's stack as its scales see it: they lack the input axes."""
+    first = STACKED_AXES.get(name, 0)
+    inputs = range(first, first + QUANTIZED_INPUT_AXES[name])
+    return tuple((axis - sum(i < axis for i in inputs), index, count) for axis, index, count in stack)
 
 
 def safetensors_files(model_dir: str) -> list[str]:
@@ -207,22 +229,28 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
         missing = sorted(table)
         raise CheckpointError(f"checkpoint {model_dir} is missing {len(missing)} tensors, e.g. {missing[:3]}")
     target = np.dtype(config.jnp_dtype)
-    readers: dict[tuple, object] = {}  # param path -> reader (a list of stage rows while stacking)
-    per_stage = config.num_layers // stages
+    entries: dict[tuple, dict] = {}  # param path -> {indices in its stack: reader}
+    levels: dict[tuple, tuple] = {}  # param path -> ((param axis, count), ...) of its stack
     for spec, stored in todo:
         path = spec.param_path
         if is_quantized(path, config.weight_dtype):  # int8 from the f32 values, slice by slice
             tensor = QuantizedSlices(TensorSlices(stored, spec.stored_shape, spec.perm, np.dtype(np.float32)),
                                      QUANTIZED_INPUT_AXES[path[-1]])
-            pairs = [(path, tensor), (scale_path(path), tensor.scales)]
+            pairs = [(path, tensor, spec.stack), (scale_path(path), tensor.scales, scale_stack(path[-1], spec.stack))]
         else:
-            pairs = [(path, TensorSlices(stored, spec.stored_shape, spec.perm, target))]
-        for p, reader in pairs:
-            if stages > 1 and p[0] == "layers":  # layer n is row n // K of module n % K
-                rows = readers.setdefault(("layers", p[1] % per_stage) + p[2:], [None] * stages)
-                rows[p[1] // per_stage] = reader
-            else:
-                readers[p] = reader
+            pairs = [(path, TensorSlices(stored, spec.stored_shape, spec.perm, target), spec.stack)]
+        for p, reader, stack in pairs:
+            entries.setdefault(p, {})[tuple(index for _, index, _ in stack)] = reader
+            levels[p] = tuple((axis, count) for axis, _, count in stack)
+    readers: dict[tuple, object] = {}  # param path -> reader (a list of stage rows while stacking)
+    per_stage = config.num_layers // stages
+    for p, parts in entries.items():
+        reader = assemble(parts, levels[p])
+        if stages > 1 and p[0] == "layers":  # layer n is row n // K of module n % K
+            rows = readers.setdefault(("layers", p[1] % per_stage) + p[2:], [None] * stages)
+            rows[p[1] // per_stage] = reader
+        else:
+            readers[p] = reader
     for path, reader in progress_bar(readers.items(), desc="loading weights", unit="tensor", disable=not progress):
         params[path].set_value(place(path, StackedSlices(reader) if isinstance(reader, list) else reader))
     return nnx.merge(graphdef, state)
@@ -239,7 +267,7 @@ def quantize_model(model: Decoder, weight_dtype: str = "int8") -> Decoder:
     params = dict(nnx.to_flat_state(state))
     for path, var in nnx.to_flat_state(nnx.state(model)):
         if is_quantized(path, weight_dtype):
-            q, scale = quantize(np.asarray(var[...], np.float32), QUANTIZED_INPUT_AXES[path[-1]])
+            q, scale = quantize_param(path[-1], np.asarray(var[...], np.float32))
             params[path].set_value(jnp.asarray(q))
             params[scale_path(path)].set_value(jnp.asarray(scale))
         else:

@@ -27,6 +27,9 @@ CHOICES = {
     "norm_layout": ("pre", "sandwich", "post"),
     # head: RMSNorm over each head's D (Qwen3, Gemma 3); projection: over all Hq*D (OLMo 2)
     "qk_norm": ("none", "head", "projection"),
+    # softmax: softmax over experts, top k (Mixtral, Qwen3-MoE); sigmoid: sigmoid scores,
+    # top k of score + bias within the best groups (DeepSeek-V3, GLM-4.5); models/moe.py
+    "router_scoring": ("softmax", "sigmoid"),
 }
 LAYER_TYPES = ("full", "sliding")
 
@@ -66,6 +69,19 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()  # per layer "full" | "sliding"; () = every layer alike
     rope_local_theta: float | None = None  # rope base of "sliding" layers, unscaled (Gemma 3)
     nope_layers: tuple[int, ...] = ()  # layers without rotary embedding (SmolLM3)
+    # Mixture of experts (models/moe.py); num_experts = 0: every layer's MLP is dense
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0  # one expert's intermediate size
+    dense_layers: tuple[int, ...] = ()  # layers with the dense MLP in a MoE model
+    router_scoring: str = "softmax"
+    router_renormalize: bool = True  # top-k weights divided by their sum
+    router_bias: bool = False  # a per-expert correction bias on the selection scores (sigmoid)
+    router_groups: int = 1  # experts in this many groups; only the best router_topk_groups are chosen from
+    router_topk_groups: int = 1
+    routed_scaling: float = 1.0  # the routed experts' weights times this
+    shared_expert_size: int = 0  # intermediate size of the always-on shared expert(s), 0: none
+    shared_expert_gate: bool = False  # the shared expert's output times sigmoid(x @ w) (Qwen2-MoE)
     dtype: str = "float32"  # parameter and activation dtype
     weight_dtype: str = "auto"  # projection weights: "auto" (= dtype) or "int8" (w8a16, per-channel f32 scales)
     bos_token_id: int | None = None
@@ -100,9 +116,27 @@ class ModelConfig:
                                   f"({self.num_layers}), got {list(self.layer_types)}")
             if "sliding" in self.layer_types and self.sliding_window is None:
                 raise ConfigError("model.layer_types has sliding layers but model.sliding_window is not set")
-        bad = [n for n in self.nope_layers if not 0 <= n < self.num_layers]
-        if bad:
-            raise ConfigError(f"model.nope_layers {bad} are not layers of a {self.num_layers}-layer model")
+        for name in ("nope_layers", "dense_layers"):
+            bad = [n for n in getattr(self, name) if not 0 <= n < self.num_layers]
+            if bad:
+                raise ConfigError(f"model.{name} {bad} are not layers of a {self.num_layers}-layer model")
+        if self.num_experts:
+            self._check_moe()
+
+    def _check_moe(self):
+        if self.num_experts < 0 or not 1 <= self.experts_per_token <= self.num_experts:
+            raise ConfigError(f"model.experts_per_token must be in [1, num_experts={self.num_experts}], "
+                              f"got {self.experts_per_token}")
+        if self.moe_intermediate_size <= 0:
+            raise ConfigError(f"model.moe_intermediate_size must be positive, got {self.moe_intermediate_size}")
+        g, kg = self.router_groups, self.router_topk_groups
+        if g < 1 or self.num_experts % g or not 1 <= kg <= g:
+            raise ConfigError(f"model.router_groups ({g}) must divide num_experts ({self.num_experts}) and "
+                              f"router_topk_groups ({kg}) be in [1, router_groups]")
+        if g > 1 and (self.router_scoring != "sigmoid" or self.num_experts // g < 2):
+            raise ConfigError("model.router_groups > 1 needs router_scoring = sigmoid and 2+ experts per group")
+        if g > 1 and kg * self.num_experts // g < self.experts_per_token:
+            raise ConfigError(f"the best {kg} of {g} expert groups hold fewer than experts_per_token experts")
 
     @property
     def jnp_dtype(self):
@@ -135,7 +169,7 @@ class ModelConfig:
             d["rope_scaling"] = freeze(d["rope_scaling"])
         if "eos_token_id" in d:
             d["eos_token_id"] = as_tuple(d["eos_token_id"])
-        for name in ("layer_types", "nope_layers"):
+        for name in ("layer_types", "nope_layers", "dense_layers"):
             if name in d:
                 d[name] = tuple(d[name])
         if d.get("sliding_window") in (0, -1):

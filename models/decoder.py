@@ -19,15 +19,17 @@ from jaxfill.models.attention import Attention
 from jaxfill.models.config import ModelConfig
 from jaxfill.models.kv_cache import AttentionMetadata, KVCache
 from jaxfill.models.layers import Embed, GatedMLP, RMSNorm, param
+from jaxfill.models.moe import MoE, is_moe_layer
 from jaxfill.models.pipeline import pipeline_layers, run_layers, stack_layers
 from jaxfill.models.sharding import constrain, rows_split_over_sequence
 
 
 class DecoderLayer(nnx.Module):
     """Attention and MLP blocks with their norms where config.norm_layout puts them:
-    before each block (pre), before and after (sandwich), or after only (post)."""
+    before each block (pre), before and after (sandwich), or after only (post). The MLP
+    is a mixture of experts in a MoE model's sparse layers (models/moe.py)."""
 
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, index: int = 0):
         c, dt = config, config.jnp_dtype
 
         def norm():
@@ -37,7 +39,8 @@ class DecoderLayer(nnx.Module):
         self.attn = Attention(config, rngs)
         self.attn_post_norm = norm() if c.norm_layout != "pre" else None
         self.mlp_norm = norm() if c.norm_layout != "post" else None
-        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, dt, rngs, c.weight_dtype, c.hidden_act)
+        self.mlp = (MoE(c, rngs) if is_moe_layer(c, index)
+                    else GatedMLP(c.hidden_size, c.intermediate_size, dt, rngs, c.weight_dtype, c.hidden_act))
         self.mlp_post_norm = norm() if c.norm_layout != "pre" else None
         self.residual_scale = c.residual_scale
 
@@ -81,7 +84,7 @@ class Decoder(nnx.Module):
         self.attention_impl = attention_impl
         self.stages, self.microbatches = stages, microbatches
         self.embed = Embed(config.vocab_size, config.hidden_size, dt, rngs)
-        layers = [DecoderLayer(config, rngs) for _ in range(config.num_layers)]
+        layers = [DecoderLayer(config, rngs, n) for n in range(config.num_layers)]
         self.layers = nnx.List(stack_layers(layers, stages) if stages > 1 else layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt, rngs, kind=config.norm_kind)
         if not config.tie_word_embeddings:

@@ -26,16 +26,18 @@ def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dtype,
 
 
 def projection(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dtype, num_in: int,
-               weight_dtype: str = "auto") -> tuple[nnx.Param, nnx.Param | None]:
-    """A projection weight [in..., out...] and its per-output-channel scales (None unless
-    weight_dtype is "int8"). int8 quantizes the very values the float model would have, so
-    a random-init int8 model is the float one quantized (models/quant.py)."""
+               weight_dtype: str = "auto", stacked: int = 0) -> tuple[nnx.Param, nnx.Param | None]:
+    """A projection weight [stacked..., in..., out...] and its per-output-channel scales
+    (None unless weight_dtype is "int8"; stacked experts get their own). int8 quantizes the
+    very values the float model would have, so a random-init int8 model is the float one
+    quantized (models/quant.py)."""
     w = param(rngs, shape, axes, dtype)
     if weight_dtype == "auto":
         return w, None
-    q, scale = quantize(w[...], num_in)
+    q, scale = quantize(w[...], num_in, stacked)
+    scale_axes = axes[:stacked] + axes[stacked + num_in:]
     return (nnx.Param(q, out_sharding=axes, eager_sharding=False),
-            nnx.Param(scale, out_sharding=axes[num_in:], eager_sharding=False))
+            nnx.Param(scale, out_sharding=scale_axes, eager_sharding=False))
 
 
 class RMSNorm(nnx.Module):

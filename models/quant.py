@@ -25,7 +25,11 @@ import numpy as np
 
 QMAX = 127
 # projection param name -> how many leading axes are input axes (the rest are outputs)
-QUANTIZED_INPUT_AXES = {"q": 1, "k": 1, "v": 1, "o": 2, "gate": 1, "up": 1, "down": 1}
+QUANTIZED_INPUT_AXES = {"q": 1, "k": 1, "v": 1, "o": 2, "gate": 1, "up": 1, "down": 1,
+                        "experts_gate_up": 1, "experts_down": 1}
+# projections stacked over experts: how many leading axes stack them ([E, in, out...]);
+# each expert is quantized on its own (scales [E, out...])
+STACKED_AXES = {"experts_gate_up": 1, "experts_down": 1}
 SCALE_SUFFIX = "_scale"
 CHUNK_ELEMENTS = 1 << 22  # rows streamed at a time when a slice's scales need the whole column
 
@@ -56,13 +60,19 @@ def quantize_with(w,  # [in..., out...] float
     return xp.clip(xp.rint(w.astype(np.float32) * inv), -QMAX, QMAX).astype(np.int8)
 
 
-def quantize(w,  # [in..., out...] float, numpy or jax
+def quantize(w,  # [stacked..., in..., out...] float, numpy or jax
              num_in: int,
-             ):  # (int8 [in..., out...], f32 [out...])
+             stacked: int = 0,
+             ):  # (int8 like w, f32 [stacked..., out...])
     xp = jnp if isinstance(w, jax.Array) else np
-    amax = xp.max(xp.abs(w.astype(np.float32)), axis=tuple(range(num_in)))
-    scale = scales_from_amax(amax)
-    return quantize_with(w, scale), scale
+    inputs = tuple(range(stacked, stacked + num_in))
+    scale = scales_from_amax(xp.max(xp.abs(w.astype(np.float32)), axis=inputs))
+    return quantize_with(w, xp.expand_dims(scale, inputs) if stacked else scale), scale
+
+
+def quantize_param(name: str, w):  # (int8 like w, f32 scales)
+    """`quantize` with the input and stacked axes of the projection called `name`."""
+    return quantize(w, QUANTIZED_INPUT_AXES[name], STACKED_AXES.get(name, 0))
 
 
 def dequantize(q,  # [in..., out...] int8

@@ -50,33 +50,38 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-STAGE, DATA, TENSOR, SEQUENCE = "stage", "data", "tensor", "sequence"
-MESH_AXES = (STAGE, DATA, TENSOR, SEQUENCE)
+STAGE, DATA, TENSOR, EXPERT, SEQUENCE = "stage", "data", "tensor", "expert", "sequence"
+MESH_AXES = (STAGE, DATA, TENSOR, EXPERT, SEQUENCE)
+# Attention heads and dense MLP columns split over tensor x expert: the ranks of an expert
+# group hold different experts but share the rest of the layer as tensor-parallel ranks.
+HEADS = (TENSOR, EXPERT)
 
 # logical name -> mesh axis (or tuple of axes, or None = replicated)
 RULES: dict[str, Any] = {
     # params
     "stage": STAGE,  # the leading axis of a pipelined model's stacked layer params
-    "vocab": (TENSOR, STAGE),  # embedding and LM head: split over stages too
+    "vocab": HEADS + (STAGE,),  # embedding and LM head: split over stages too
     "embed": None,
-    "q_heads": TENSOR,
-    "kv_heads": TENSOR,  # dropped (replicated) when Hkv is not a multiple of tensor
+    "q_heads": HEADS,
+    "kv_heads": HEADS,  # dropped (replicated) when Hkv is not a multiple of tensor x expert
     "head_dim": None,
-    "mlp": TENSOR,
+    "mlp": HEADS,
     "norm": None,
+    "experts": EXPERT,  # a MoE layer's stacked experts (models/moe.py)
+    "moe_mlp": TENSOR,  # an expert's intermediate columns
     # activations
     "tokens": SEQUENCE,
     "act_embed": None,
-    "act_heads": TENSOR,
-    "act_kv_heads": TENSOR,
-    "act_mlp": TENSOR,
-    "act_vocab": (TENSOR, STAGE),  # logits split like the LM head: never gather the head
+    "act_heads": HEADS,
+    "act_kv_heads": HEADS,
+    "act_mlp": HEADS,
+    "act_vocab": HEADS + (STAGE,),  # logits split like the LM head: never gather the head
     "seqs": None,
     # one layer's KV pages [num_pages, page_size, 2*Hkv, D] ([stage, ...] when pipelined)
     "cache_stage": STAGE,
     "cache_pages": DATA,
     "cache_slots": None,
-    "cache_heads": TENSOR,
+    "cache_heads": HEADS,
     "cache_head_dim": None,
 }
 KV_CACHE_AXES = ("cache_pages", "cache_slots", "cache_heads", "cache_head_dim")
@@ -156,9 +161,8 @@ def head_repeat(num_kv_heads: int, tensor: int) -> int:
 
 
 def kv_repeat(num_kv_heads: int, mesh) -> int:
-    """head_repeat for the mesh's 'tensor' axis (1 without one)."""
-    tp = mesh_axis_size(mesh, TENSOR) if mesh is not None and TENSOR in mesh.axis_names else 1
-    return head_repeat(num_kv_heads, tp)
+    """head_repeat for the mesh's head split, tensor x expert (1 without them)."""
+    return head_repeat(num_kv_heads, mesh_axis_size(mesh, HEADS))
 
 
 def kv_cache_heads(config, mesh) -> int:
@@ -266,13 +270,15 @@ def sharded_attention(attend: Callable, q: jax.Array, k: jax.Array, v: jax.Array
     each rank gets metadata re-cut to its own rows. Without a mesh: attend(...) as is.
     """
     mesh = context_mesh()
-    axes = () if mesh is None else _free_axes(mesh, TENSOR, SEQUENCE)
+    axes = () if mesh is None else _free_axes(mesh, *HEADS, SEQUENCE)
     if not axes:
         return attend(q, k, v, pages, meta)
-    tp = TENSOR if TENSOR in axes else None
+    heads = tuple(a for a in HEADS if a in axes)
+    tp = (heads[0] if len(heads) == 1 else heads) if heads else None
     sp = SEQUENCE if SEQUENCE in axes else None
     if tp and (q.shape[1] % mesh_axis_size(mesh, tp) or k.shape[1] % mesh_axis_size(mesh, tp)):
-        raise ValueError(f"heads q={q.shape[1]} k={k.shape[1]} must split over tensor={mesh_axis_size(mesh, tp)}")
+        raise ValueError(f"heads q={q.shape[1]} k={k.shape[1]} must split over tensor x expert "
+                         f"= {mesh_axis_size(mesh, tp)}")
     if sp and q.shape[0] % mesh_axis_size(mesh, sp):
         raise ValueError(f"{q.shape[0]} tokens must split over sequence={mesh_axis_size(mesh, sp)}; pad the batch")
 
@@ -289,6 +295,41 @@ def sharded_attention(attend: Callable, q: jax.Array, k: jax.Array, v: jax.Array
     page_spec = jax.tree.map(lambda a: P(None, None, tp, *([None] * (a.ndim - 3))), pages)
     return jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, page_spec, P()),
                          out_specs=(tok, page_spec), axis_names=set(axes), check_vma=False)(q, k, v, pages, meta)
+
+
+# --------------------------------------------------------------------- expert parallel
+def expert_parallel(experts: Callable,
+                    x: jax.Array,  # [T, H], replicated over tensor and expert
+                    weights: jax.Array,  # [T, k] f32
+                    ids: jax.Array,  # [T, k] int32
+                    gate_up: jax.Array,  # [E, H, 2, I] logical ('experts', 'embed', None, 'moe_mlp')
+                    down: jax.Array,  # [E, I, H]
+                    gate_up_scale=None,  # [E, 2, I] f32 (int8 weights)
+                    down_scale=None,  # [E, H] f32
+                    ) -> jax.Array:  # [T, H] in x's dtype
+    """Runs `experts(x, weights, ids, gate_up, down, scales..., first_expert) -> [T, H]`
+    per device on its experts (split over 'expert') and their columns (over 'tensor'),
+    rows split over 'sequence', and sums the partial outputs with one all-reduce over
+    expert x tensor. Without those axes: experts(..., first_expert=0)."""
+    mesh = context_mesh()
+    axes = () if mesh is None else _free_axes(mesh, EXPERT, TENSOR, SEQUENCE)
+    if not axes:
+        return experts(x, weights, ids, gate_up, down, gate_up_scale, down_scale, 0).astype(x.dtype)
+    ep = EXPERT if EXPERT in axes and gate_up.shape[0] % mesh_axis_size(mesh, EXPERT) == 0 else None
+    tp = TENSOR if TENSOR in axes and gate_up.shape[-1] % mesh_axis_size(mesh, TENSOR) == 0 else None
+    sp = SEQUENCE if SEQUENCE in axes and x.shape[0] % mesh_axis_size(mesh, SEQUENCE) == 0 else None
+    reduce = tuple(a for a in (ep, tp) if a)
+
+    def local(x, weights, ids, gate_up, down, gate_up_scale, down_scale):
+        first = jax.lax.axis_index(ep) * gate_up.shape[0] if ep else 0
+        out = experts(x, weights, ids, gate_up, down, gate_up_scale, down_scale, first).astype(x.dtype)
+        return jax.lax.psum(out, reduce) if reduce else out
+
+    rows = P(sp, None)
+    specs = (rows, rows, rows, P(ep, None, None, tp), P(ep, tp, None),
+             None if gate_up_scale is None else P(ep, None, tp), None if down_scale is None else P(ep, None))
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=rows, axis_names=set(axes),
+                         check_vma=False)(x, weights, ids, gate_up, down, gate_up_scale, down_scale)
 
 
 # ----------------------------------------------------------------------- data parallel

@@ -30,6 +30,18 @@ FAMILY_KWARGS = {
                                 logits_scaling=2.0)),
 }
 ARCHS = ("llama", "mistral", "qwen2") + tuple(FAMILY_KWARGS)
+# Mixtures of experts (tests/test_moe_parity.py): 8 experts, top 2, so with expert=4 each
+# rank holds two and short prompts leave some ranks' experts without a token; Qwen3-MoE
+# keeps a dense layer between its sparse ones, Qwen2-MoE adds the gated shared expert.
+MOE_KWARGS = {
+    "mixtral": ("Mixtral", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=48,
+                                sliding_window=None)),
+    "qwen3_moe": ("Qwen3Moe", dict(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2,
+                                   moe_intermediate_size=32, mlp_only_layers=[1], norm_topk_prob=True,
+                                   head_dim=24)),
+    "qwen2_moe": ("Qwen2Moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                   shared_expert_intermediate_size=48, norm_topk_prob=False)),
+}
 
 
 def make_hf_checkpoint(directory: str, arch: str, dtype: torch.dtype = torch.float32, seed: int = 0,
@@ -49,8 +61,8 @@ def make_hf_checkpoint(directory: str, arch: str, dtype: torch.dtype = torch.flo
     elif arch == "qwen2":
         kw.setdefault("tie_word_embeddings", True)
         cfg, cls = tf.Qwen2Config(**kw), tf.Qwen2ForCausalLM
-    elif arch in FAMILY_KWARGS:
-        name, extra = FAMILY_KWARGS[arch]
+    elif arch in FAMILY_KWARGS or arch in MOE_KWARGS:
+        name, extra = {**FAMILY_KWARGS, **MOE_KWARGS}[arch]
         kw = dict(HF_SMALL, **extra)
         kw.update(overrides)
         config_name, model_name = (name, name) if isinstance(name, str) else name

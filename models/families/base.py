@@ -36,12 +36,15 @@ COMMON_READ = frozenset({
 class HFTensor(NamedTuple):
     """Where an HF tensor goes: param path, its HF shape, and the param as a view of it
     (rows `rows` of the stored array, reshaped to `stored_shape`, transposed by `perm`).
-    `rows` cuts one part out of a fused tensor (Phi-3's qkv_proj, gate_up_proj)."""
+    `rows` cuts one part out of a fused tensor (Phi-3's qkv_proj, gate_up_proj). `stack`
+    places the tensor as one entry of a param stacked from several (a MoE layer's experts):
+    per stacked axis of the param, (its position in the param, this tensor's index, count)."""
     param_path: tuple
     hf_shape: tuple
     stored_shape: tuple
     perm: tuple
     rows: tuple | None = None  # (start, stop) on the stored axis 0
+    stack: tuple = ()  # ((param axis, index, count), ...), outermost first
 
 
 # What tests/test_family_parity.py, test_family_layouts*.py and test_weight_quant.py show
