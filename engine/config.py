@@ -96,6 +96,9 @@ class MeshSettings:
     tensor: int = 1
     sequence: int = 1
     stage: int = 1  # pipeline stages: layers split into this many contiguous groups
+    # MoE experts split over this many ranks; attention and dense MLPs split over
+    # tensor x expert (models/sharding.py)
+    expert: int = 1
     microbatches: int = 4  # per step and stage group, when stage > 1 (see ARCHITECTURE.md)
     coordinator: str = ""  # "host:port" for multi-process runs; "" = single process
     num_processes: int = 1
@@ -105,7 +108,7 @@ class MeshSettings:
     cpu_split: bool = True
 
     def __post_init__(self):
-        for name in ("data", "tensor", "sequence", "stage", "microbatches", "num_processes"):
+        for name in ("data", "tensor", "expert", "sequence", "stage", "microbatches", "num_processes"):
             if int(getattr(self, name)) <= 0:
                 raise ConfigError(f"mesh.{name} must be positive, got {getattr(self, name)}")
         if self.stage > 1 and self.sequence > 1:
@@ -114,7 +117,12 @@ class MeshSettings:
 
     @property
     def size(self) -> int:
-        return self.stage * self.data * self.tensor * self.sequence
+        return self.stage * self.data * self.tensor * self.expert * self.sequence
+
+    @property
+    def heads(self) -> int:
+        """Ranks the attention heads, dense MLP columns and vocab split over: tensor x expert."""
+        return self.tensor * self.expert
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,7 +236,22 @@ def load_config(config: str = "tiny", overrides: Mapping[str, Any] | list[str] |
     if engine.scan_layers and mesh.stage > 1:
         raise ConfigError("engine.scan_layers stacks all layers on every device; with mesh.stage > 1 "
                           "each stage runs its own layers: choose one")
+    check_stackable(model, model.num_layers if engine.scan_layers else mesh.stage)
     return Config(name=name, model=model, engine=engine, mesh=mesh, model_path=model_path)
+
+
+def check_stackable(model: ModelConfig, groups: int) -> None:
+    """Stacked layouts (mesh.stage, engine.scan_layers) stack layer j of every group into
+    one module, so those layers must have the same params: in a MoE model with dense
+    layers, layer n's kind must depend on n mod (layers per group) only."""
+    if groups <= 1 or not model.num_experts or not model.dense_layers:
+        return
+    k = model.num_layers // groups
+    dense = set(model.dense_layers)
+    if any((n in dense) != (n % k in dense) for n in range(model.num_layers)):
+        raise ConfigError(f"the model's dense layers {sorted(dense)} differ between the {groups} stacked layer "
+                          f"groups (mesh.stage / engine.scan_layers), which stack layer j of every group as one; "
+                          "use the unrolled layout (mesh.stage = 1, engine.scan_layers = false)")
 
 
 def _fit_max_model_len(values: dict[str, Any], explicit: bool, model: ModelConfig) -> dict[str, Any]:

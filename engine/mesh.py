@@ -1,7 +1,7 @@
 """The device mesh from the [mesh] config section, and multi-process initialisation.
 
     initialize_distributed(settings)   # once per process, before any other jax call
-    mesh = make_mesh(settings)         # axes ('stage', 'data', 'tensor', 'sequence'), AxisType.Auto
+    mesh = make_mesh(settings)         # axes ('stage', 'data', 'tensor', 'expert', 'sequence'), AxisType.Auto
 
 Axes are AxisType.Auto: model code only names logical axes and adds sharding constraints;
 XLA's partitioner inserts the collectives (an Explicit mesh would make every matmul over
@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxfill.models.config import ConfigError
 
-AXES = ("stage", "data", "tensor", "sequence")
+AXES = ("stage", "data", "tensor", "expert", "sequence")
 
 
 def initialize_distributed(settings) -> bool:
@@ -72,8 +72,8 @@ def ordered_devices(devices=None) -> list:
 
 
 def make_mesh(settings, devices=None):
-    """jax.sharding.Mesh with axes ('stage', 'data', 'tensor', 'sequence') of the configured
-    sizes.
+    """jax.sharding.Mesh with axes ('stage', 'data', 'tensor', 'expert', 'sequence') of the
+    configured sizes.
 
     The product must equal the number of devices (all processes together). Device order:
     TPU single-process uses jax.make_mesh (topology-aware); otherwise process-major order,
@@ -85,11 +85,11 @@ def make_mesh(settings, devices=None):
     from jax.sharding import AxisType
 
     devices = ordered_devices(devices)
-    shape = (int(settings.stage), int(settings.data), int(settings.tensor), int(settings.sequence))
+    shape = tuple(int(getattr(settings, axis)) for axis in AXES)
     if int(np.prod(shape)) != len(devices):
         kinds = sorted({d.platform for d in devices})
         raise ConfigError(
-            f"mesh stage={shape[0]} x data={shape[1]} x tensor={shape[2]} x sequence={shape[3]} = "
+            "mesh " + " x ".join(f"{a}={n}" for a, n in zip(AXES, shape)) + f" = "
             f"{int(np.prod(shape))} devices, but {len(devices)} {'/'.join(kinds)} device(s) are visible across "
             f"{jax.process_count()} process(es); set mesh.* so the product is {len(devices)}"
             + (" (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N sets the device count; "

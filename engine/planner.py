@@ -8,7 +8,9 @@ FLOP and byte counts are engine/planner_counts.py's (its docstring has the conve
 
 Mesh (mirrors models/sharding.py): 'tensor' splits q heads, MLP columns and the vocab;
 KV heads split too, or are repeated up to 'tensor' when there are fewer (then every rank
-computes the small k/v projections in full). 'sequence' splits the tokens; each layer
+computes the small k/v projections in full). 'expert' splits a MoE layer's experts and
+acts as more 'tensor' ranks for the rest of the model, so "tensor" below reads tensor x
+expert; a MoE layer ends in one all-reduce over them like a dense MLP (models/moe.py). 'sequence' splits the tokens; each layer
 all-gathers the new K/V over it and every sequence rank keeps a full copy of the pages.
 'data' holds independent replicas: it multiplies capacity, not single-request speed.
 'stage' (pipeline) gives each device L / stage layers and their KV pages, and splits the
@@ -67,7 +69,7 @@ def layer_work(model: ModelConfig, mesh: MeshSettings, num_tokens: float, attent
                kv_cache_dtype: str = "auto") -> tuple[float, float, float]:
     """(FLOPs, bytes, collective bytes) on one device of `num_tokens` new tokens through
     `layers` decoder layers; `attention` is their QK^T + PV FLOPs over the whole model."""
-    tp, sp = mesh.tensor, mesh.sequence
+    tp, sp = mesh.heads, mesh.sequence  # MoE experts split over expert x tensor too
     e, L = model.hidden_size, model.num_layers
     kv_proj = 2 * e * model.num_kv_heads * model.head_dim  # k and v weights of one layer
     # Matmuls split over tensor x sequence, except the k/v projections when KV heads are
@@ -118,9 +120,10 @@ def device_costs(model: ModelConfig, mesh: MeshSettings, hw: Hardware, num_token
     coll *= ticks
     if prunes_last_layer(model, mesh, scan_layers):  # the last layer's q/o/MLP/attention and all-reduces on one row
         skipped = attention - attention_flops(model, num_tokens, context, sampled_last_layer=True)
-        flops -= (last_layer_matmul_saving(model, num_tokens) + skipped) / mesh.tensor
-        if mesh.tensor > 1:
-            coll -= 2 * (2 * (mesh.tensor - 1) / mesh.tensor) * (num_tokens - 1) * e * b
+        tp = mesh.heads
+        flops -= (last_layer_matmul_saving(model, num_tokens) + skipped) / tp
+        if tp > 1:
+            coll -= 2 * (2 * (tp - 1) / tp) * (num_tokens - 1) * e * b
     peak = hw.peak_flops(model.dtype)
     bw, link = hw.hbm_bytes_per_s, hw.link_bytes_per_s
     if hw.shared_by_mesh:  # fake CPU devices share one machine
@@ -215,7 +218,7 @@ def communication_per_token(model: ModelConfig, mesh: MeshSettings) -> dict:
     program also hands over rows in fill/drain ticks, which are thrown away). Tensor: two
     ring all-reduces of [E] per layer, 2 (tp - 1) / tp of each sent by every device, over
     its stage's L / p layers."""
-    e, b, tp = model.hidden_size, dtype_bytes(model), mesh.tensor
+    e, b, tp = model.hidden_size, dtype_bytes(model), mesh.heads
     boundary = e * b if mesh.stage > 1 else 0
     return {"stage_boundary_bytes_per_token": boundary,
             "stage_boundary_bytes_per_token_total": (mesh.stage - 1) * boundary,

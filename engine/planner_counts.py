@@ -4,7 +4,8 @@ adds the mesh and the hardware).
 Counting conventions (tests/test_planner.py checks them against XLA's cost analysis):
 
 * matmul FLOPs = 2 * tokens * (the layer's projection weights, read off the model's
-  abstract params: q, k, v, o, gate, up, down) per layer, plus the
+  abstract params: q, k, v, o, gate, up, down; a MoE layer's router, shared expert and
+  k / E of its routed experts, the ones a token visits) per layer, plus the
   LM head for the ONE row whose logits are computed (the forward never computes
   [T, vocab]). The embedding is a gather: no FLOPs.
 * last layer: in the unrolled layout with no 'sequence' split the engine runs the last
@@ -36,10 +37,13 @@ from jaxfill.models.families.registry import layer_params, layer_projection_para
 from jaxfill.models.kv_cache import kv_bytes_per_token as cache_bytes_per_token
 
 
-def layer_matmul_params(model: ModelConfig) -> int:
-    """Weights one token multiplies through in one decoder layer (the model's abstract
-    params, models/families/registry.py)."""
-    return sum(layer_projection_params(model).values())
+def layer_matmul_params(model: ModelConfig, layer: int | None = None) -> float:
+    """Weights one token multiplies through in decoder layer `layer` (None: the mean over
+    the layers), from the model's abstract params (models/families/registry.py); a MoE
+    layer's routed experts count k / E, what a token visits."""
+    if layer is not None:
+        return sum(layer_projection_params(model, layer).values())
+    return sum(layer_matmul_params(model, n) for n in range(model.num_layers)) / model.num_layers
 
 
 def kv_projection_params(model: ModelConfig) -> int:
@@ -55,9 +59,10 @@ def matmul_flops(model: ModelConfig, num_tokens: int, logit_rows: int = 1, sampl
     return full + head - (last_layer_matmul_saving(model, num_tokens) if sampled_last_layer else 0)
 
 
-def last_layer_matmul_saving(model: ModelConfig, num_tokens: int) -> int:
+def last_layer_matmul_saving(model: ModelConfig, num_tokens: int) -> float:
     """Matmul FLOPs the sampled-row last layer skips: q/o/MLP on all but one row."""
-    return 2 * (num_tokens - 1) * (layer_matmul_params(model) - kv_projection_params(model))
+    last = model.num_layers - 1
+    return 2 * (num_tokens - 1) * (layer_matmul_params(model, last) - kv_projection_params(model))
 
 
 def visible_pairs(num_tokens: int, context: int = 0, sliding_window: int | None = None) -> int:
@@ -107,9 +112,11 @@ def weight_bytes(model: ModelConfig) -> int:
     total = param_count(model) * dtype_bytes(model)
     if model.weight_dtype == "auto":
         return total
-    layer = sum(math.prod(p.shape) * np.dtype(p.dtype).itemsize for p in layer_params(model))
-    float_layer = sum(math.prod(p.shape) for p in layer_params(dataclasses.replace(model, weight_dtype="auto")))
-    return total + model.num_layers * (layer - float_layer * dtype_bytes(model))
+    float_model = dataclasses.replace(model, weight_dtype="auto")
+    for n in range(model.num_layers):
+        layer = sum(math.prod(p.shape) * np.dtype(p.dtype).itemsize for p in layer_params(model, n))
+        total += layer - sum(math.prod(p.shape) for p in layer_params(float_model, n)) * dtype_bytes(model)
+    return total
 
 
 def end_bytes_read_per_device(model: ModelConfig, mesh: MeshSettings, num_tokens: int) -> float:

@@ -4,30 +4,32 @@ The planner's memory side (engine/planner.py does the time side). Arithmetic onl
 rules mirrored here (tests/test_planner.py checks them against the logical axes of
 `Decoder(config, stages=p)` under an abstract mesh):
 
-* a decoder layer's q, o, gate, up, down (and q bias, and the int8 scales of q, gate, up)
-  split over 'tensor'; k and v (bias, scales) split too when Hkv divides by 'tensor', else
-  every tensor rank holds them whole; the two norms and the int8 scales of o and down
-  (one per `embed` channel) are replicated over 'tensor'.
+* a decoder layer's params split as their logical axes say (`param_bytes_per_device`):
+  q, o, gate, up, down (and q bias, and the int8 scales of q, gate, up) over tensor x
+  expert; k and v (bias, scales) too when Hkv divides by it, else every rank holds them
+  whole; a MoE layer's experts over 'expert' and their columns over 'tensor'; norms, the
+  router and the int8 scales of o and down (one per `embed` channel) replicated.
 * with p = mesh.stage, every layer param is stacked [p, ...] and split over 'stage': a
   device holds L / p layers.
-* embedding and LM head split their vocab over tensor x stage when it divides the vocab,
+* embedding and LM head split their vocab over tensor x expert x stage when it divides the vocab,
   else every device holds them whole; the final norm is replicated.
 * a KV cache entry is [p, pages, page_size, 2H, D]: a device stores L / p layers of the
-  Hkv * r heads (r = repeats up to 'tensor') split over 'tensor'.
+  Hkv * r heads (r = repeats up to tensor x expert) split over tensor x expert.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
 from jaxfill.engine.config import MeshSettings
 from jaxfill.models.config import ModelConfig
-from jaxfill.models.families.registry import layer_params
+from jaxfill.models.families.registry import ParamShape, layer_params
 from jaxfill.models.kv_cache import kv_bytes_per_token as cache_bytes_per_token
 from jaxfill.models.pipeline import microbatch_count
-from jaxfill.models.sharding import RULES, TENSOR, head_repeat
+from jaxfill.models.sharding import MESH_AXES, RULES, head_repeat, logical_spec, mesh_axis_size
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -36,43 +38,51 @@ def dtype_bytes(model: ModelConfig) -> int:
     return DTYPE_BYTES[model.dtype]
 
 
-def kv_repeat(model: ModelConfig, tensor: int) -> int:
-    """Copies of each KV head so the cache splits evenly over 'tensor' (models/sharding.py's rule)."""
-    return head_repeat(model.num_kv_heads, tensor)
+def kv_repeat(model: ModelConfig, heads_split: int) -> int:
+    """Copies of each KV head so the cache splits evenly over tensor x expert (models/sharding.py's rule)."""
+    return head_repeat(model.num_kv_heads, heads_split)
 
 
 def check_mesh(model: ModelConfig, mesh: MeshSettings) -> None:
-    tp = mesh.tensor
+    tp = mesh.heads
+    split = "mesh.tensor" if mesh.expert == 1 else "mesh.tensor x mesh.expert"
     if model.num_heads % tp:
-        raise ValueError(f"mesh.tensor={tp} does not divide model.num_heads={model.num_heads}")
+        raise ValueError(f"{split}={tp} does not divide model.num_heads={model.num_heads}")
     kv_repeat(model, tp)
-    if model.intermediate_size % tp:
-        raise ValueError(f"mesh.tensor={tp} does not divide model.intermediate_size={model.intermediate_size}")
+    has_dense = not model.num_experts or bool(model.dense_layers)
+    if has_dense and model.intermediate_size % tp:
+        raise ValueError(f"{split}={tp} does not divide model.intermediate_size={model.intermediate_size}")
+    if mesh.expert > 1 and not model.num_experts:
+        raise ValueError(f"mesh.expert={mesh.expert} needs a mixture-of-experts model; this one is dense")
+    if model.num_experts and model.num_experts % mesh.expert:
+        raise ValueError(f"mesh.expert={mesh.expert} does not divide model.num_experts={model.num_experts}")
+    if model.num_experts and model.moe_intermediate_size % mesh.tensor:
+        raise ValueError(f"mesh.tensor={mesh.tensor} does not divide "
+                         f"model.moe_intermediate_size={model.moe_intermediate_size}")
     if model.num_layers % mesh.stage:
         raise ValueError(f"mesh.stage={mesh.stage} does not divide model.num_layers={model.num_layers}: "
                          "every pipeline stage holds the same number of layers")
 
 
 def vocab_split(model: ModelConfig, mesh: MeshSettings) -> int:
-    """Devices the embedding and LM head are split over: tensor x stage when that divides
-    the vocab, else 1 (the sharding rules then replicate the whole table)."""
-    n = mesh.tensor * mesh.stage
+    """Devices the embedding and LM head are split over: tensor x expert x stage when that
+    divides the vocab, else 1 (the sharding rules then replicate the whole table)."""
+    n = mesh.heads * mesh.stage
     return n if model.vocab_size % n == 0 else 1
 
 
-def layer_param_bytes(model: ModelConfig, tensor: int) -> tuple[int, int]:
-    """(bytes split over 'tensor', bytes every tensor rank holds whole) of one decoder
-    layer, as allocated (int8: one byte per projection weight plus f32 scales), read off
-    the model's abstract params and their logical axes (models/sharding.py RULES; KV heads
-    stay whole when they do not divide by 'tensor')."""
-    split = whole = 0
-    for p in layer_params(model):
-        nbytes = math.prod(p.shape) * np.dtype(p.dtype).itemsize
-        if any(RULES.get(a) == TENSOR and (a != "kv_heads" or model.num_kv_heads % tensor == 0) for a in p.axes):
-            split += nbytes
-        else:
-            whole += nbytes
-    return split, whole
+class _MeshSizes(NamedTuple):  # what models/sharding.py's logical_spec reads of a mesh
+    axis_names: tuple
+    axis_sizes: tuple
+
+
+def param_bytes_per_device(p: ParamShape, mesh: MeshSettings) -> float:
+    """One layer param's bytes on one device: its logical axes resolved by the sharding
+    rules (models/sharding.py), a dim that does not divide kept whole, as placement does."""
+    sizes = _MeshSizes(MESH_AXES, tuple(getattr(mesh, a) for a in MESH_AXES))
+    spec = logical_spec(p.axes, RULES, sizes, p.shape)
+    used = tuple(a for entry in spec if entry for a in (entry if isinstance(entry, tuple) else (entry,)))
+    return math.prod(p.shape) * np.dtype(p.dtype).itemsize / mesh_axis_size(sizes, used or None)
 
 
 def vocab_param_bytes(model: ModelConfig) -> int:
@@ -82,10 +92,11 @@ def vocab_param_bytes(model: ModelConfig) -> int:
 
 
 def layer_bytes_per_device(model: ModelConfig, mesh: MeshSettings, layers: int | None = None) -> float:
-    """Bytes of `layers` decoder layers (default: this device's L / stage) on one device."""
-    split, whole = layer_param_bytes(model, mesh.tensor)
+    """Bytes of `layers` decoder layers (default: the L / stage of a stage) on one device;
+    the stage holding the most when the layers differ (a MoE model's dense layers)."""
     n = model.num_layers // mesh.stage if layers is None else layers
-    return n * (split / mesh.tensor + whole)
+    per_layer = [sum(param_bytes_per_device(p, mesh) for p in layer_params(model, i)) for i in range(model.num_layers)]
+    return max(sum(per_layer[s:s + n]) for s in range(0, model.num_layers - n + 1, n))
 
 
 def weight_bytes_per_device(model: ModelConfig, mesh: MeshSettings) -> float:
@@ -95,13 +106,14 @@ def weight_bytes_per_device(model: ModelConfig, mesh: MeshSettings) -> float:
             + model.hidden_size * dtype_bytes(model))
 
 
-def kv_heads_per_device(model: ModelConfig, tensor: int) -> int:
-    return model.num_kv_heads * kv_repeat(model, tensor) // tensor
+def kv_heads_per_device(model: ModelConfig, heads_split: int) -> int:
+    """KV heads one device stores when the heads split over `heads_split` (tensor x expert) ranks."""
+    return model.num_kv_heads * kv_repeat(model, heads_split) // heads_split
 
 
 def kv_bytes_per_token_per_device(model: ModelConfig, mesh: MeshSettings, kv_cache_dtype: str = "auto") -> int:
     """Cache bytes one token costs on one device: its stage's L / p layers, its heads."""
-    return cache_bytes_per_token(model.num_layers // mesh.stage, kv_heads_per_device(model, mesh.tensor),
+    return cache_bytes_per_token(model.num_layers // mesh.stage, kv_heads_per_device(model, mesh.heads),
                                  model.head_dim, kv_cache_dtype, model.jnp_dtype)
 
 

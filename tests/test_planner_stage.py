@@ -30,8 +30,7 @@ H100 = load_hardware("h100_sxm")
 
 
 def abstract_mesh(mesh):  # MeshSettings -> an AbstractMesh of its axes (no devices needed)
-    sizes = {"stage": mesh.stage, "data": mesh.data, "tensor": mesh.tensor, "sequence": mesh.sequence}
-    return jax.sharding.AbstractMesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES)
+    return jax.sharding.AbstractMesh(tuple(getattr(mesh, a) for a in MESH_AXES), MESH_AXES)
 
 
 def shards(spec, mesh) -> int:

@@ -78,20 +78,50 @@ def new_model(config, rngs=None, **kwargs):
 
 def param_count(config) -> int:
     """Parameters of the model (int8 scales excluded), counted from its abstract params:
-    the one-layer model's, plus L - 1 more layers like its one."""
+    the one-layer model's outside its layer, plus each layer's by its kind."""
     import dataclasses
 
     float_config = dataclasses.replace(config, weight_dtype="auto")
-    total, layer = _abstract_sizes(float_config)
-    return total + (config.num_layers - 1) * sum(math.prod(p.shape) for p in layer)
+    rest = _abstract_sizes(float_config)[0]
+    return rest + sum(_count(layer_params(float_config, n)) for n in range(config.num_layers))
+
+
+def active_param_count(config) -> int:
+    """Parameters one token goes through: a MoE layer's routed experts count k / E."""
+    import dataclasses
+
+    float_config = dataclasses.replace(config, weight_dtype="auto")
+    rest = _abstract_sizes(float_config)[0]
+    share = expert_share(config)
+    return rest + sum(sum(math.prod(p.shape) * (share if is_expert_param(p) else 1)
+                          for p in layer_params(float_config, n)) for n in range(config.num_layers))
+
+
+def _count(params) -> int:
+    return sum(math.prod(p.shape) for p in params)
+
+
+def expert_share(config) -> float:
+    return config.experts_per_token / config.num_experts if config.num_experts else 1.0
+
+
+def is_expert_param(p: "ParamShape") -> bool:
+    return bool(p.axes) and p.axes[0] == "experts"
+
+
+def layer_kind(config, layer: int) -> str:
+    from jaxfill.models.moe import is_moe_layer
+
+    return "moe" if is_moe_layer(config, layer) else "dense"
 
 
 @functools.lru_cache(maxsize=64)
-def _abstract_sizes(config) -> tuple[int, tuple]:
-    """(param count of the model cut to one layer, that layer's ParamShapes). The layers
-    of a dense family differ only in per-layer settings (models/layer_settings.py), which
-    change no shape, so one abstract layer stands for all; eval_shape of one layer costs
-    milliseconds where the whole 62-layer model costs seconds."""
+def _abstract_sizes(config) -> tuple[int, dict]:
+    """(params of the one-layer model outside its layer, {layer kind: that kind's
+    ParamShapes}). Layers of one kind differ only in per-layer settings
+    (models/layer_settings.py), which change no shape, so one abstract layer per kind
+    stands for all; eval_shape of one layer costs milliseconds where the whole 62-layer
+    model costs seconds."""
     import dataclasses
 
     import jax
@@ -99,12 +129,17 @@ def _abstract_sizes(config) -> tuple[int, tuple]:
 
     from jaxfill.models.sharding import var_axes
 
-    one = dataclasses.replace(config, num_layers=1, layer_types=config.layer_types[:1],
-                              nope_layers=tuple(n for n in config.nope_layers if n == 0))
-    state = nnx.state(nnx.eval_shape(lambda: new_model(one, nnx.Rngs(0))))
-    layer = tuple(ParamShape(tuple(path[2:]), tuple(var.shape), tuple(var_axes(var)), var.dtype)
-                  for path, var in nnx.to_flat_state(state) if path[:2] == ("layers", 0))
-    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(state)), layer
+    kinds = {}
+    rest = 0
+    for kind in sorted({layer_kind(config, n) for n in range(config.num_layers)}):
+        one = dataclasses.replace(config, num_layers=1, layer_types=config.layer_types[:1],
+                                  nope_layers=tuple(n for n in config.nope_layers if n == 0),
+                                  dense_layers=(0,) if kind == "dense" and config.num_experts else ())
+        state = nnx.state(nnx.eval_shape(lambda: new_model(one, nnx.Rngs(0))))
+        kinds[kind] = tuple(ParamShape(tuple(path[2:]), tuple(var.shape), tuple(var_axes(var)), var.dtype)
+                            for path, var in nnx.to_flat_state(state) if path[:2] == ("layers", 0))
+        rest = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(state)) - _count(kinds[kind])
+    return rest, kinds
 
 
 class ParamShape(NamedTuple):
@@ -114,17 +149,20 @@ class ParamShape(NamedTuple):
     dtype: Any
 
 
-def layer_params(config) -> tuple[ParamShape, ...]:
-    """One decoder layer's params as allocated (int8 projections and their scales
+def layer_params(config, layer: int = 0) -> tuple[ParamShape, ...]:
+    """Decoder layer `layer`'s params as allocated (int8 projections and their scales
     included), from the model's abstract params: what the planner counts."""
-    return _abstract_sizes(config)[1]
+    return _abstract_sizes(config)[1][layer_kind(config, layer)]
 
 
-def layer_projection_params(config) -> dict[tuple, int]:
-    """Weights per projection of one layer (the matmuls a token goes through), float layout."""
+def layer_projection_params(config, layer: int = 0) -> dict[tuple, float]:
+    """Weights per matmul of layer `layer` one token goes through (float layout): the
+    projections, a MoE layer's router, and k / E of its routed experts."""
     import dataclasses
 
     from jaxfill.models.quant import QUANTIZED_INPUT_AXES
 
     float_config = dataclasses.replace(config, weight_dtype="auto")
-    return {p.path: math.prod(p.shape) for p in layer_params(float_config) if p.path[-1] in QUANTIZED_INPUT_AXES}
+    share = expert_share(config)
+    return {p.path: math.prod(p.shape) * (share if is_expert_param(p) else 1)
+            for p in layer_params(float_config, layer) if p.path[-1] in QUANTIZED_INPUT_AXES or p.path[-1] == "router"}
