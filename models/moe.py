@@ -82,8 +82,9 @@ def grouped_experts(x: jax.Array,  # [T, H]
     out = jax.lax.ragged_dot(hid, down.astype(hid.dtype), sizes)  # [T*k, H]
     if down_scale is not None:
         out = (out * jnp.take(down_scale, expert_of_row, axis=0)).astype(hid.dtype)
-    pair_weight = jnp.where(mine, weights.reshape(-1), 0.0)[order]  # [T*k] f32
-    return jnp.zeros((t, h), jnp.float32).at[token].add(out.astype(jnp.float32) * pair_weight[:, None])
+    # Rows past the groups are 0 here but undefined in a grouped-matmul kernel: select, never multiply
+    pairs = jnp.where(jnp.take(mine, order)[:, None], out.astype(jnp.float32) * weights.reshape(-1)[order][:, None], 0.0)
+    return jnp.zeros((t, h), jnp.float32).at[token].add(pairs)
 
 
 class MoE(nnx.Module):

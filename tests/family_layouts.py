@@ -52,21 +52,28 @@ LAYOUTS = {
 EXACT = ("chunked", "prefix", "tensor2", "sequence2", "scan", "stage2")
 
 
-def check_every_layout(model_dir: str, arch: str) -> None:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, model_dir, json.dumps(LAYOUTS)], cwd=ROOT, env=env,
+def check_every_layout(model_dir: str, arch: str, layouts: dict = LAYOUTS, exact: tuple = EXACT,
+                       devices: int = 2) -> None:
+    """`layouts` (name: overrides, "whole" the reference) in one subprocess on `devices`
+    fake CPU devices: the `exact` ones give the reference's tokens and logprobs."""
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, model_dir, json.dumps(layouts)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
     r = json.loads(lines[-1][len("RESULT "):])
     want = r["whole"]
     assert len({tuple(t) for t in want["tokens"]}) == 3
-    for name in EXACT:
+    for name in exact:
         assert r[name]["tokens"] == want["tokens"], (arch, name)
         np.testing.assert_allclose(r[name]["logprob"], want["logprob"], atol=2e-4, err_msg=f"{arch} {name}")
     for name in r:
         assert r[name]["pages_back"], (arch, name)
-    assert r["prefix"]["cached"][1] >= 192 and want["cached"] == [0, 0, 0]  # the shared 200 tokens' pages
+    assert want["cached"] == [0, 0, 0]
+    if "prefix" in r:
+        assert r["prefix"]["cached"][1] >= 192  # the shared 200 tokens' pages
+    if "int8" not in r:
+        return
     # int8 weights and KV: the first token's logprob moves by what quantization moves it
     # (tests/test_weight_quant.py measures 1-3% on the logits of these random models)
     assert np.max(np.abs(np.subtract(r["int8"]["logprob"], want["logprob"]))) < 0.25, (arch, r["int8"])

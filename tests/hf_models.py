@@ -83,5 +83,7 @@ def make_hf_checkpoint(directory: str, arch: str, dtype: torch.dtype = torch.flo
 def load_hf(directory: str, dtype: torch.dtype = torch.float32):
     import transformers as tf
 
-    model = tf.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, attn_implementation="eager")
+    # eager experts too: the grouped-mm kernel of a MoE has no float64 (the truth runs)
+    model = tf.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, attn_implementation="eager",
+                                                    experts_implementation="eager")
     return model.eval()
