@@ -33,6 +33,9 @@ def abstract_mesh(mesh):  # MeshSettings -> an AbstractMesh of its axes (no devi
     return jax.sharding.AbstractMesh(tuple(getattr(mesh, a) for a in MESH_AXES), MESH_AXES)
 
 
+MOE = {"model.num_experts": 8, "model.experts_per_token": 2, "model.moe_intermediate_size": 64}
+
+
 def shards(spec, mesh) -> int:
     """Devices one array is split over under `spec`."""
     names = [a for entry in spec if entry is not None for a in (entry if isinstance(entry, tuple) else (entry,))]
@@ -60,6 +63,9 @@ def sharded_param_bytes(config) -> float:
     ("tiny_random", {"mesh.stage": 2, "mesh.tensor": 2, "model.attention_bias": True,
                      "model.tie_word_embeddings": True}),
     ("tiny_random", {"mesh.tensor": 2, "mesh.data": 2}),
+    ("tiny_random", {**MOE, "mesh.expert": 2, "mesh.tensor": 2}),
+    ("tiny_random", {**MOE, "mesh.expert": 4, "mesh.stage": 2, "model.weight_dtype": "int8"}),
+    ("tiny_random", {**MOE, "mesh.expert": 2, "model.dense_layers": [0]}),  # layers of two kinds
 ])
 def test_weights_per_device_equal_sharded_shapes(name, overrides):
     config = load_config(name, overrides)

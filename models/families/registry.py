@@ -93,8 +93,8 @@ def active_param_count(config) -> int:
     float_config = dataclasses.replace(config, weight_dtype="auto")
     rest = _abstract_sizes(float_config)[0]
     share = expert_share(config)
-    return rest + sum(sum(math.prod(p.shape) * (share if is_expert_param(p) else 1)
-                          for p in layer_params(float_config, n)) for n in range(config.num_layers))
+    return rest + round(sum(sum(math.prod(p.shape) * (share if is_expert_param(p) else 1)
+                                for p in layer_params(float_config, n)) for n in range(config.num_layers)))
 
 
 def _count(params) -> int:

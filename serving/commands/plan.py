@@ -91,6 +91,7 @@ def run(args) -> int:
     from jaxfill.engine.config import load_config
     from jaxfill.engine.hardware import load_hardware
     from jaxfill.engine.planner import check_mesh, default_prompt_lens, kv_pool_pages, model_matmul_shape, plan
+    from jaxfill.models.families.registry import active_param_count, param_count
     from jaxfill.engine.planner_counts import check_link_gbps, check_prompt_len
 
     config = load_config(args.config, overrides=args.overrides, model_path=args.model)
@@ -108,17 +109,20 @@ def run(args) -> int:
     if args.json:
         for row in rows:
             print(json.dumps({"config": config.name, "hardware": hw.name, "dtype": config.model.dtype,
-                              "mesh": {"data": mesh.data, "tensor": mesh.tensor, "sequence": mesh.sequence,
-                                       "stage": mesh.stage, "microbatches": mesh.microbatches},
+                              "mesh": {"data": mesh.data, "tensor": mesh.tensor, "expert": mesh.expert,
+                                       "sequence": mesh.sequence, "stage": mesh.stage,
+                                       "microbatches": mesh.microbatches},
+                              "params": param_count(config.model), "active_params": active_param_count(config.model),
                               **row, **pool}), flush=True)
         return 0
     m = config.model
     first = rows[0]
-    from jaxfill.models.families.registry import param_count
-
-    print(f"model   {config.name}: {_si(param_count(m))}params, {m.dtype}, {m.num_layers} layers, "
+    active = (f" ({_si(active_param_count(m))}active: top {m.experts_per_token} of {m.num_experts} experts)"
+              if m.num_experts else "")
+    print(f"model   {config.name}: {_si(param_count(m))}params{active}, {m.dtype}, {m.num_layers} layers, "
           f"{m.num_heads} q / {m.num_kv_heads} kv heads x {m.head_dim}; weights {_bytes(first['weight_bytes'])}")
-    print(f"mesh    data={mesh.data} tensor={mesh.tensor} sequence={mesh.sequence} stage={mesh.stage} "
+    print(f"mesh    data={mesh.data} tensor={mesh.tensor} expert={mesh.expert} sequence={mesh.sequence} "
+          f"stage={mesh.stage} "
           f"({mesh.size} devices); weights per device {_bytes(first['weight_bytes_per_device'])}, "
           f"KV per device {first['kv_bytes_per_token_per_device']} bytes/token")
     if mesh.stage > 1:

@@ -61,8 +61,8 @@ def _log_startup(log, engine, args, load_s: float) -> None:
     import jax
 
     devs = jax.devices()
-    log.info("mesh: data=%d tensor=%d sequence=%d on %d %s device(s) in %d process(es)", cfg.mesh.data,
-             cfg.mesh.tensor, cfg.mesh.sequence, len(devs), devs[0].platform, jax.process_count())
+    log.info("mesh: data=%d tensor=%d expert=%d sequence=%d on %d %s device(s) in %d process(es)", cfg.mesh.data,
+             cfg.mesh.tensor, cfg.mesh.expert, cfg.mesh.sequence, len(devs), devs[0].platform, jax.process_count())
 
 
 def build_engine(config: str, model: str | None, overrides):
