@@ -30,6 +30,8 @@ ARCHS = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(sliding_window=512, query_pre_attn_scalar=64,
                                                                tie_word_embeddings=False)),
+    # the bench shape's MLP as 8 experts of the same width, top 2 (issue 25)
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=8, num_experts_per_tok=2)),
 }
 
 

@@ -31,6 +31,10 @@ are AxisType.Auto, see engine/mesh.py) and the same model code runs:
 * pipeline parallel over 'stage' (models/pipeline.py): layer params stacked [stage, ...]
   and cache entries [stage, pages, ...] split over 'stage', so a stage holds only its
   layers; the embedding and LM head split their vocab over 'stage' as well as 'tensor'.
+* expert parallel over 'expert' (`expert_parallel`): a MoE layer's experts split over
+  it, their columns over 'tensor'; what 'tensor' splits elsewhere splits over tensor x
+  expert (HEADS). Tokens arrive replicated over both, so each rank runs the pairs routed
+  to its own experts and one all-reduce sums the partial outputs (no all-to-all).
 * data parallel over 'data': `data_parallel_forward` maps the whole forward over 'data'
   with shard_map; each replica gets its own tokens, metadata and page pool (pages axis 0
   is split over 'data'; page ids in a replica's metadata are local to its pool).

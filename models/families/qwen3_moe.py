@@ -6,7 +6,9 @@ MLP of `intermediate_size`."""
 from __future__ import annotations
 
 from jaxfill.models.config import ConfigError
-from jaxfill.models.families.base import SLIDING_DEPENDS, Family, activation, sliding_layers, window_fields
+from jaxfill.models.families.base import (
+    SLIDING_DEPENDS, Family, activation, layer_types_from, sliding_layers, window_fields,
+)
 from jaxfill.models.families.experts import expert_tensors, shared_expert_tensors
 from jaxfill.models.families.mixtral import MOE_TESTED
 from jaxfill.models.moe import is_moe_layer
@@ -63,9 +65,16 @@ class Qwen2Moe(Qwen3Moe):
     name = "qwen2_moe"
     architectures = ("Qwen2MoeForCausalLM",)
     honoured = Qwen3Moe.honoured - {"attention_bias"} | {"shared_expert_intermediate_size", "qkv_bias"}
+    depends = {**SLIDING_DEPENDS, "max_window_layers": {"use_sliding_window": True, "sliding_window": 16,
+                                                        "max_window_layers": 2}}
 
     def model_fields(self, hf):
         fields = super().model_fields(hf)
+        layers = hf["num_hidden_layers"]
+        types = layer_types_from(hf, layers) or (tuple(  # its own rule: even layers below max_window_layers
+            "sliding" if n % 2 == 0 and n < hf.get("max_window_layers", layers) else "full" for n in range(layers))
+            if hf.get("use_sliding_window") else ())
+        fields.update(window_fields(types, hf.get("sliding_window")))
         fields.update(attention_bias=bool(hf.get("qkv_bias", True)), attention_out_bias=False,
                       shared_expert_size=int(hf.get("shared_expert_intermediate_size") or 0),
                       shared_expert_gate=bool(hf.get("shared_expert_intermediate_size")))
