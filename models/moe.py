@@ -1,5 +1,5 @@
 """Dropless mixture of experts: route, sort the (token, expert) pairs by expert, one
-grouped matmul per projection (`jax.lax.ragged_dot`, gate and up fused), weighted combine.
+grouped matmul per projection (models/grouped_matmul.py, gate and up fused), weighted combine.
 
 No capacity factor and no dropped token: every pair is computed. The experts' params are
 stacked [E, ...] with the logical axis 'experts' (models/sharding.py splits it over
@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxfill.models.config import ModelConfig
+from jaxfill.models.grouped_matmul import grouped_matmul
 from jaxfill.models.layers import ACTIVATIONS, GatedMLP, param, projection
 from jaxfill.models.sharding import constrain, expert_parallel
 
@@ -60,10 +61,11 @@ def grouped_experts(x: jax.Array,  # [T, H]
                     activation: str,
                     gate_up_scale=None,  # [E_local, 2, I_local] f32 (int8 weights)
                     down_scale=None,  # [E_local, H] f32
+                    impl: str = "auto",  # models/grouped_matmul.py
                     ) -> jax.Array:  # [T, H] f32: this rank's share of the MoE output
     """The pairs routed to the local experts, sorted by expert, through two grouped
-    matmuls. Pairs of other ranks' experts sort last, past every group, and ragged_dot
-    gives 0 there; their combine weight is 0 as well."""
+    matmuls (models/grouped_matmul.py). Pairs of other ranks' experts sort last, past
+    every group, and are dropped."""
     t, k = ids.shape
     n_local, h, _, inter = gate_up.shape
     local_id = ids.reshape(-1) - first_expert  # [T*k]
@@ -75,11 +77,11 @@ def grouped_experts(x: jax.Array,  # [T, H]
     rows = jnp.take(x, token, axis=0)  # [T*k, H]
     expert_of_row = jnp.clip(jnp.take(key, order), 0, n_local - 1)
     w1 = gate_up.reshape(n_local, h, 2 * inter)
-    hid = jax.lax.ragged_dot(rows, w1.astype(rows.dtype), sizes)  # [T*k, 2I]
+    hid = grouped_matmul(rows, w1.astype(rows.dtype), sizes, impl)  # [T*k, 2I]
     if gate_up_scale is not None:
         hid = (hid * jnp.take(gate_up_scale.reshape(n_local, 2 * inter), expert_of_row, axis=0)).astype(rows.dtype)
     hid = ACTIVATIONS[activation](hid[:, :inter]) * hid[:, inter:]
-    out = jax.lax.ragged_dot(hid, down.astype(hid.dtype), sizes)  # [T*k, H]
+    out = grouped_matmul(hid, down.astype(hid.dtype), sizes, impl)  # [T*k, H]
     if down_scale is not None:
         out = (out * jnp.take(down_scale, expert_of_row, axis=0)).astype(hid.dtype)
     # Rows past the groups are 0 here but undefined in a grouped-matmul kernel: select, never multiply
