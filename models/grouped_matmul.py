@@ -6,7 +6,7 @@
 Two implementations. `ragged_dot` is XLA's `jax.lax.ragged_dot`: TPU lowers it to a
 grouped kernel, but XLA:CPU lowers it densely (every row through every group's weight,
 masked: G times the FLOPs). `tiled` is ours, for those backends: the rows in tiles of
-`tile`, a loop over the (tile, group) pairs that overlap (at most tiles + groups - 1 of
+`tile`, a loop over the (group, tile) pairs that overlap (at most tiles + groups - 1 of
 them, the megablox schedule), each one [tile, K] @ [K, N] matmul whose rows outside the
 group are dropped by a select. Its FLOPs are those of the rows plus at most one partial
 tile per group boundary (benchmarks/moe_cpu.py measures both).
@@ -41,28 +41,32 @@ def tiled_grouped_matmul(lhs: jax.Array,  # [M, K]
                          group_sizes: jax.Array,  # [G] int32
                          tile: int = TILE,
                          ) -> jax.Array:  # [M, N]
-    m, k = lhs.shape
-    g, _, n = rhs.shape
+    """A loop over the groups, each over the tiles its rows touch (none for an empty
+    group): a group's weight is sliced once, each tile is one [tile, K] @ [K, N] matmul,
+    and a select keeps the group's own rows of it (a tile shared with the next group is
+    visited again). Rows past the groups are never visited and stay 0."""
+    m, _ = lhs.shape
+    groups, _, n = rhs.shape
     tile = min(tile, max(8, 1 << (m - 1).bit_length()))
     tiles = -(-m // tile)
     padded = jnp.pad(lhs, ((0, tiles * tile - m), (0, 0)))
     ends = jnp.cumsum(group_sizes)
     starts = ends - group_sizes
-    first = starts // tile
-    last = jnp.maximum(ends - 1, 0) // tile
-    visits = jnp.where(group_sizes > 0, last - first + 1, 0)  # [G] tiles each group spans
-    before = jnp.cumsum(visits) - visits
-    total = visits.sum()
 
-    def body(v, out):
-        group = jnp.clip(jnp.searchsorted(before + visits, v, side="right"), 0, g - 1)
-        t = first[group] + v - before[group]
-        rows = jax.lax.dynamic_slice_in_dim(padded, t * tile, tile)  # [tile, K]
-        y = jnp.dot(rows, rhs[group], preferred_element_type=jnp.float32)  # [tile, N]
-        index = t * tile + jnp.arange(tile)
-        mine = (index >= starts[group]) & (index < ends[group])
-        acc = jax.lax.dynamic_slice_in_dim(out, t * tile, tile)
-        return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mine[:, None], y, acc), t * tile, 0)
+    def per_group(g, out):
+        weight = rhs[g]  # [K, N]
+        first = starts[g] // tile
+        last = jnp.where(group_sizes[g] > 0, (ends[g] - 1) // tile, first - 1)
 
-    out = jax.lax.fori_loop(0, total, body, jnp.zeros((tiles * tile, n), jnp.float32))
+        def per_tile(t, out):
+            rows = jax.lax.dynamic_slice_in_dim(padded, t * tile, tile)  # [tile, K]
+            y = jnp.dot(rows, weight, preferred_element_type=jnp.float32)  # [tile, N]
+            index = t * tile + jnp.arange(tile)
+            mine = (index >= starts[g]) & (index < ends[g])
+            kept = jnp.where(mine[:, None], y, jax.lax.dynamic_slice_in_dim(out, t * tile, tile))
+            return jax.lax.dynamic_update_slice_in_dim(out, kept, t * tile, 0)
+
+        return jax.lax.fori_loop(first, last + 1, per_tile, out)
+
+    out = jax.lax.fori_loop(0, groups, per_group, jnp.zeros((tiles * tile, n), jnp.float32))
     return out[:m].astype(lhs.dtype)

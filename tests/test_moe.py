@@ -157,3 +157,28 @@ def test_int8_experts_match_their_dequantized_weights():
     want, _ = _reference(layer, config, x.astype(np.float64))
     got = np.asarray(layer(jnp.asarray(x)), np.float64)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_stacked_layouts_take_a_mixed_model_only_when_the_groups_match():
+    from jaxfill.engine.config import load_config
+
+    moe = {"model.num_experts": 8, "model.experts_per_token": 2, "model.moe_intermediate_size": 64}
+    with pytest.raises(ConfigError, match="dense layers"):
+        load_config("tiny_random", {**moe, "model.dense_layers": [1], "mesh.stage": 2})
+    with pytest.raises(ConfigError, match="dense layers"):
+        load_config("tiny_random", {**moe, "model.dense_layers": [0], "engine.scan_layers": True})
+    # layers 1 and 3 dense: layer j of both stages has one kind
+    assert load_config("tiny_random", {**moe, "model.dense_layers": [1, 3], "mesh.stage": 2}).mesh.stage == 2
+
+
+def test_mesh_expert_needs_experts_it_can_split():
+    from jaxfill.engine.config import load_config
+    from jaxfill.engine.planner_layout import check_mesh
+
+    with pytest.raises(ValueError, match="dense"):
+        cfg = load_config("tiny_random", {"mesh.expert": 2})
+        check_mesh(cfg.model, cfg.mesh)
+    cfg = load_config("tiny_random", {"model.num_experts": 6, "model.experts_per_token": 2,
+                                      "model.moe_intermediate_size": 64, "mesh.expert": 4})
+    with pytest.raises(ValueError, match="num_experts"):
+        check_mesh(cfg.model, cfg.mesh)

@@ -37,5 +37,11 @@ def test_four_devices(mixtral):
     check_every_layout(mixtral, "mixtral", FOUR, tuple(k for k in FOUR if k not in ("whole", "int8")), devices=4)
 
 
+def test_qwen3_moe_dense_and_sparse_layers(tmp_path):
+    model = make_hf_checkpoint(str(tmp_path / "qwen3_moe"), "qwen3_moe")
+    layouts = {name: FOUR[name] for name in ("whole", "prefix", "expert4", "expert2_tensor2")}
+    check_every_layout(model, "qwen3_moe", layouts, ("prefix", "expert4", "expert2_tensor2"), devices=4)
+
+
 def test_eight_devices(mixtral):
     check_every_layout(mixtral, "mixtral", EIGHT, ("expert4_data2", "expert2_tensor2_data2"), devices=8)

@@ -6,8 +6,9 @@ from __future__ import annotations
 from jaxfill.models.families.base import Family, activation
 from jaxfill.models.families.experts import expert_tensors
 
-MOE_TESTED = ("HF f32 logits and greedy tokens; expert 4 = expert 2 x tensor 2 = one device; "
-              "chunked = prefix-cached = plain through the Engine")
+MOE_TESTED = ("HF f32 logits and greedy tokens, bf16 at the noise floor; through the Engine chunked = "
+              "prefix-cached = expert 4 = expert 2 x tensor 2 = expert 2 x sequence 2 = expert 2 x stage 2 "
+              "= expert 4 x data 2 = one device; int8 experts + int8 KV run")
 
 
 class Mixtral(Family):
