@@ -69,6 +69,7 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()  # per layer "full" | "sliding"; () = every layer alike
     rope_local_theta: float | None = None  # rope base of "sliding" layers, unscaled (Gemma 3)
     nope_layers: tuple[int, ...] = ()  # layers without rotary embedding (SmolLM3)
+    rotary_dim: int = 0  # rope over each head's first rotary_dim dims (partial rotary, GLM); 0: all
     # Mixture of experts (models/moe.py); num_experts = 0: every layer's MLP is dense
     num_experts: int = 0
     experts_per_token: int = 0
@@ -80,6 +81,7 @@ class ModelConfig:
     router_groups: int = 1  # experts in this many groups; only the best router_topk_groups are chosen from
     router_topk_groups: int = 1
     routed_scaling: float = 1.0  # the routed experts' weights times this
+    router_f32: bool = False  # router weight and matmul in f32 whatever the dtype (DeepSeek, GLM)
     shared_expert_size: int = 0  # intermediate size of the always-on shared expert(s), 0: none
     shared_expert_gate: bool = False  # the shared expert's output times sigmoid(x @ w) (Qwen2-MoE)
     dtype: str = "float32"  # parameter and activation dtype
@@ -108,6 +110,9 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ConfigError(f"model.head_dim must be even (rotary pairs), got {self.head_dim}")
+        if self.rotary_dim and (self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim):
+            raise ConfigError(f"model.rotary_dim must be even and in (0, head_dim={self.head_dim}], "
+                              f"got {self.rotary_dim}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError(f"model.sliding_window must be positive, got {self.sliding_window}")
         if self.layer_types:
@@ -147,6 +152,11 @@ class ModelConfig:
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
         return dict(self.rope_scaling) if self.rope_scaling else None
+
+    @property
+    def rope_dim(self) -> int:
+        """Dims of each head the rotary embedding turns."""
+        return self.rotary_dim or self.head_dim
 
     @property
     def q_per_kv(self) -> int:

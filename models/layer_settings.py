@@ -45,9 +45,9 @@ def layer_settings(config: ModelConfig) -> LayerSettings:
     c = config
     per_layer = [c.layer_window(n) for n in range(c.num_layers)]
     windows = tuple(dict.fromkeys(per_layer))
-    global_rope = rope_parameters(c.head_dim, c.rope_theta, c.rope_scaling_dict, c.max_position_embeddings)
+    global_rope = rope_parameters(c.rope_dim, c.rope_theta, c.rope_scaling_dict, c.max_position_embeddings)
     local_rope = (global_rope if c.rope_local_theta is None
-                  else rope_parameters(c.head_dim, c.rope_local_theta, None, c.max_position_embeddings))
+                  else rope_parameters(c.rope_dim, c.rope_local_theta, None, c.max_position_embeddings))
     inv, scale, has = [], [], []
     for n in range(c.num_layers):
         f, s = local_rope if per_layer[n] is not None else global_rope

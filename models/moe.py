@@ -44,7 +44,7 @@ def route(logits: jax.Array,  # [T, E] f32 router logits
             group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [T, G]
             _, best = jax.lax.top_k(group_score, c.router_topk_groups)
             keep = jnp.zeros_like(group_score, bool).at[jnp.arange(t)[:, None], best].set(True)
-            choice = jnp.where(jnp.repeat(keep, e // c.router_groups, axis=1), choice, 0.0)
+            choice = jnp.where(jnp.repeat(keep, e // c.router_groups, axis=1), choice, -jnp.inf)
         _, ids = jax.lax.top_k(choice, k)
         weights = jnp.take_along_axis(scores, ids, axis=1)
     if c.router_renormalize:
@@ -96,7 +96,7 @@ class MoE(nnx.Module):
         c, dt, wd = config, config.jnp_dtype, config.weight_dtype
         e, h, i = c.num_experts, c.hidden_size, c.moe_intermediate_size
         self.config = c
-        self.router = param(rngs, (h, e), ("embed", None), dt)
+        self.router = param(rngs, (h, e), ("embed", None), jnp.float32 if c.router_f32 else dt)
         self.router_bias = (param(rngs, (e,), (None,), jnp.float32, scale=0.1)
                             if c.router_bias else None)
         self.experts_gate_up, self.experts_gate_up_scale = projection(
@@ -109,7 +109,8 @@ class MoE(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [T, E] -> [T, E]
         with jax.named_scope("moe"):
-            logits = jnp.einsum("th,he->te", x, self.router[...]).astype(jnp.float32)  # [T, experts]
+            xr = x.astype(jnp.float32) if self.config.router_f32 else x
+            logits = jnp.einsum("th,he->te", xr, self.router[...]).astype(jnp.float32)  # [T, experts]
             bias = None if self.router_bias is None else self.router_bias[...]
             weights, ids = route(logits, self.config, bias)
             act = self.config.hidden_act

@@ -93,10 +93,14 @@ def _yarn(dim: int, theta: float, scaling: dict, max_position_embeddings: int) -
 
 def apply_rope(x: jax.Array,  # [T, H, D]
                positions: jax.Array,  # [T] int32
-               inv_freq,  # [D/2] f32 (numpy or traced)
+               inv_freq,  # [R/2] f32 (numpy or traced), R <= D the dims turned
                scale=1.0,  # [] cos/sin multiplier (yarn's attention factor)
                ) -> jax.Array:  # [T, H, D]
-    """Rotate-half rotary embedding (the Hugging Face Llama convention)."""
+    """Rotate-half rotary embedding (the Hugging Face Llama convention) over the first R
+    dims of each head; the rest pass through (partial rotary)."""
+    rot = 2 * inv_freq.shape[-1]
+    if rot < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., :rot], positions, inv_freq, scale), x[..., rot:]], axis=-1)
     freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)[None, :]
     emb = jnp.concatenate([freqs, freqs], axis=-1)  # [T, D]
     cos, sin = jnp.cos(emb), jnp.sin(emb)

@@ -41,6 +41,10 @@ MOE_KWARGS = {
                                    head_dim=24)),
     "qwen2_moe": ("Qwen2Moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                    shared_expert_intermediate_size=48, norm_topk_prob=False)),
+    "glm4_moe": ("Glm4Moe", dict(num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=3,
+                                 moe_intermediate_size=32, n_shared_experts=2, n_group=4, topk_group=2,
+                                 routed_scaling_factor=1.8, first_k_dense_replace=1, attention_bias=True,
+                                 use_qk_norm=True, head_dim=32)),
 }
 
 
@@ -75,6 +79,9 @@ def make_hf_checkpoint(directory: str, arch: str, dtype: torch.dtype = torch.flo
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():  # a router's selection bias (GLM) starts at 0
+            if name.endswith("correction_bias"):
+                b.add_(0.3 * torch.randn_like(b))
     os.makedirs(directory, exist_ok=True)
     model.save_pretrained(directory, safe_serialization=True)
     return directory

@@ -23,7 +23,7 @@ CLASSES = {  # architecture -> transformers config class
     "Gemma3ForCausalLM": tf.Gemma3TextConfig, "Phi3ForCausalLM": tf.Phi3Config, "Olmo2ForCausalLM": tf.Olmo2Config,
     "SmolLM3ForCausalLM": tf.SmolLM3Config, "GraniteForCausalLM": tf.GraniteConfig,
     "MixtralForCausalLM": tf.MixtralConfig, "Qwen3MoeForCausalLM": tf.Qwen3MoeConfig,
-    "Qwen2MoeForCausalLM": tf.Qwen2MoeConfig,
+    "Qwen2MoeForCausalLM": tf.Qwen2MoeConfig, "Glm4MoeForCausalLM": tf.Glm4MoeConfig,
 }
 SKIP = {"self", "kwargs"}
 # Values for fields whose default is None (the walker cannot guess a type).
@@ -38,7 +38,9 @@ def small_kwargs(arch):
             "Phi3ForCausalLM": "phi3", "Olmo2ForCausalLM": "olmo2", "SmolLM3ForCausalLM": "smollm3",
             "GraniteForCausalLM": "granite"}.get(arch)
     kw = dict(HF_SMALL)
-    if "Moe" in arch or "Mixtral" in arch:
+    if arch == "Glm4MoeForCausalLM":
+        kw.update(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    elif "Moe" in arch or "Mixtral" in arch:
         kw.update(num_experts_per_tok=2, **({"num_local_experts": 4} if "Mixtral" in arch else
                                             {"num_experts": 4, "moe_intermediate_size": 32}))
     kw.pop("initializer_range")

@@ -38,7 +38,7 @@ def np_route(logits, config, bias=None):  # [T, E] f64 -> weights [T, k], ids [T
             keep = np.argsort(-groups, -1, kind="stable")[:, :config.router_topk_groups]
             mask = np.zeros((t, g), bool)
             np.put_along_axis(mask, keep, True, 1)
-            choice = np.where(np.repeat(mask, e // g, 1), choice, 0.0)
+            choice = np.where(np.repeat(mask, e // g, 1), choice, -np.inf)
     ids = np.argsort(-choice, -1, kind="stable")[:, :k]
     weights = np.take_along_axis(scores, ids, 1)
     if config.router_renormalize:
@@ -59,7 +59,8 @@ def np_experts(x, weights, ids, gate_up, down):  # the dense definition: sum_k w
 ROUTERS = {
     "softmax-renorm": {},
     "softmax-plain": dict(router_renormalize=False),
-    "sigmoid-grouped": dict(router_scoring="sigmoid", router_groups=4, router_topk_groups=2, routed_scaling=2.5),
+    "sigmoid-grouped": dict(router_scoring="sigmoid", router_groups=4, router_topk_groups=2, routed_scaling=2.5,
+                            experts_per_token=3),
     "sigmoid-flat": dict(router_scoring="sigmoid", routed_scaling=1.5, experts_per_token=3),
 }
 
@@ -69,7 +70,9 @@ def test_routing_matches_numpy(name):
     config = dataclasses.replace(MOE, **ROUTERS[name])
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((64, 8)).astype(np.float32)
-    bias = rng.standard_normal(8).astype(np.float32) * 0.3
+    # every other expert's choice score below 0: picking 3 from 2 groups of 2 must take one
+    # of them over the experts of the groups left out
+    bias = np.where(np.arange(8) % 2 == 0, -2.0, 0.1 * rng.standard_normal(8)).astype(np.float32)
     use_bias = bias if config.router_scoring == "sigmoid" else None
     w, ids = route(jnp.asarray(logits), config, None if use_bias is None else jnp.asarray(use_bias))
     want_w, want_ids = np_route(logits.astype(np.float64), config, use_bias)

@@ -3,7 +3,8 @@ mesh.expert=4 == expert 2 x tensor 2 == expert 2 x sequence 2 == expert 2 x stag
 fake CPU devices), and expert 4 x data 2 == expert 2 x tensor 2 x data 2 (8 devices);
 int8 weights (per expert) and int8 KV stay close. The prompts of tests/family_layouts.py
 with 8 experts, top 2: the 3-token prompt leaves experts of some ranks without a token.
-Over a minute: one subprocess per device count, each compiling every layout's buckets."""
+Qwen3-MoE and GLM-4.5 (dense first layers) run a shorter list on 4 devices. Over a
+minute: one subprocess per device count, each compiling every layout's buckets."""
 
 import pytest
 
@@ -37,10 +38,13 @@ def test_four_devices(mixtral):
     check_every_layout(mixtral, "mixtral", FOUR, tuple(k for k in FOUR if k not in ("whole", "int8")), devices=4)
 
 
-def test_qwen3_moe_dense_and_sparse_layers(tmp_path):
-    model = make_hf_checkpoint(str(tmp_path / "qwen3_moe"), "qwen3_moe")
+@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe"])
+def test_dense_and_sparse_layers(tmp_path, arch):
+    """A dense layer beside sparse ones; GLM: sigmoid grouped routing, shared experts,
+    partial rotary."""
+    model = make_hf_checkpoint(str(tmp_path / arch), arch)
     layouts = {name: FOUR[name] for name in ("whole", "prefix", "expert4", "expert2_tensor2")}
-    check_every_layout(model, "qwen3_moe", layouts, ("prefix", "expert4", "expert2_tensor2"), devices=4)
+    check_every_layout(model, arch, layouts, ("prefix", "expert4", "expert2_tensor2"), devices=4)
 
 
 def test_eight_devices(mixtral):

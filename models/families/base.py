@@ -63,6 +63,7 @@ class Family:
     fixed: dict[str, Any] = {}  # accepted only at this value
     depends: dict[str, dict] = {}  # honoured fields that count only beside these values (for tests)
     rope_types: tuple[str, ...] = ROPE_TYPES
+    partial_rotary = False  # honours partial_rotary_factor (model_fields reads it into rotary_dim)
     supports = ("tensor", "sequence", "stage", "scan_layers", "int8 weights", "int8/fp8 KV", "prefix caching")
     tested = ""  # what the parity tests show, for `jaxfill models` and the README table
 
@@ -126,7 +127,7 @@ class Family:
         rope = rope if rope is not None else (hf.get("rope_parameters") or {})
         theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
         partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-        if partial not in (None, 1, 1.0):
+        if partial not in (None, 1, 1.0) and not self.partial_rotary:
             raise ConfigError(f"config.json partial_rotary_factor={partial!r} is not supported for {self.name} "
                               "(only 1.0: rope over the whole head)")
         scaling = hf.get("rope_scaling") or None
