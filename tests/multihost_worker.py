@@ -27,6 +27,8 @@ PROMPT = [(37 * i + 11) % 500 for i in range(37)]
 PROMPT2 = [(53 * i + 5) % 500 for i in range(21)]
 MAX_TOKENS = 10
 QUANT = {"engine.kv_cache_dtype": "int8", "model.weight_dtype": "int8"}  # quantized weights and KV
+# a mixture of experts split over 'expert' = 4 across the two processes (x tensor 2)
+MOE = {"model.num_experts": 8, "model.experts_per_token": 2, "model.moe_intermediate_size": 64, "mesh.expert": 4}
 
 
 def model_config():
@@ -98,7 +100,7 @@ def sharded_greedy(mesh) -> list[int]:
 
 
 def engine_run(settings, mesh_shape: tuple[int, int, int], prompts: list[list[int]],
-               extra: dict | None = None) -> dict:
+               extra: dict | None = None) -> dict:  # extra: overrides, mesh.expert included
     """Engine on a (data, tensor, sequence) mesh over both processes: process 0 schedules
     and generates, process 1 follows its broadcast batches. Params come in already
     sharded (init_sharded), so no process ever builds the whole model on one device."""
@@ -122,7 +124,7 @@ def engine_run(settings, mesh_shape: tuple[int, int, int], prompts: list[list[in
         **(extra or {}),
     })
     config = load_config("tiny_random", overrides)
-    mesh = make_mesh(MeshSettings(data=data, tensor=tensor, sequence=sequence))
+    mesh = make_mesh(MeshSettings(data=data, tensor=tensor, sequence=sequence, expert=config.mesh.expert))
     graphdef, state = placement.init_sharded(config.model, mesh, config.engine.attention_impl)
     with Engine(config, progress=False, model=nnx.merge(graphdef, state)) as engine:
         if not engine.is_leader:
@@ -143,9 +145,9 @@ def engine_run(settings, mesh_shape: tuple[int, int, int], prompts: list[list[in
                 "total": stats["pages_total"]}
 
 
-def quant_reference_tokens() -> list[int]:
-    """The int8-weights, int8-KV engine on one device in one process: what the
-    multi-process quantized run must reproduce."""
+def quant_reference_tokens(extra: dict | None = None) -> list[int]:
+    """The int8-weights, int8-KV engine (or `extra`'s, mesh.* dropped) on one device in one
+    process: what the multi-process run must reproduce."""
     from jaxfill.engine.config import load_config
     from jaxfill.engine.engine import Engine
     from jaxfill.engine.request import SamplingParams
@@ -153,7 +155,8 @@ def quant_reference_tokens() -> list[int]:
     overrides = {f"model.{k}": v for k, v in MODEL.items()}
     overrides.update({"engine.page_size": 8, "engine.num_pages": 64, "engine.max_model_len": 256,
                       "engine.max_num_seqs": 1, "engine.max_num_batched_tokens": CHUNK,
-                      "engine.token_buckets": [CHUNK], "engine.seq_buckets": [1], **QUANT})
+                      "engine.token_buckets": [CHUNK], "engine.seq_buckets": [1],
+                      **{k: v for k, v in (QUANT if extra is None else extra).items() if not k.startswith("mesh.")}})
     engine = Engine(load_config("tiny_random", overrides), progress=False)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     return list(engine.generate([PROMPT], params)[0].token_ids)
@@ -176,7 +179,8 @@ def main():
     result["model"] = sharded_greedy(mesh)
     for name, shape, prompts, extra in (("engine", (1, TENSOR, SEQUENCE), [PROMPT], None),
                                         ("engine_dp", (2, 2, 2), [PROMPT, PROMPT2], None),
-                                        ("engine_quant", (1, TENSOR, SEQUENCE), [PROMPT], QUANT)):
+                                        ("engine_quant", (1, TENSOR, SEQUENCE), [PROMPT], QUANT),
+                                        ("engine_moe", (1, TENSOR, 1), [PROMPT], MOE)):
         try:
             result[name] = engine_run(settings, shape, prompts, extra)
         except Exception:  # noqa: BLE001 - reported, the test decides

@@ -2,7 +2,8 @@
 all 8 devices (tensor=2 x sequence=4, collectives crossing processes over gloo) returns
 exactly the single-process tokens, through the model-level loop and through the Engine
 (process 0 owns the scheduler and broadcasts each batch; process 1 follows), also with
-one data replica per process. Global device ids are not contiguous across processes."""
+one data replica per process, int8, and a mixture of experts over mesh.expert. Global
+device ids are not contiguous across processes."""
 
 from __future__ import annotations
 
@@ -67,6 +68,20 @@ def test_quantized_weights_and_kv_over_two_processes(runs):
     assert "error" not in leader, leader["error"]
     assert "error" not in follower, follower["error"]
     expected = quant_reference_tokens()
+    assert len(set(expected)) > 1
+    assert leader["tokens"] == [expected]
+    assert follower["steps_run"] == leader["steps_run"] > 0 and leader["free"] == leader["total"]
+
+
+def test_experts_split_over_two_processes(runs):
+    """A MoE model, tensor 2 x expert 4 over two processes (tensor spans them, so the MoE
+    layer's all-reduce over expert x tensor crosses processes over gloo) = one device."""
+    from multihost_worker import MOE, quant_reference_tokens
+
+    leader, follower = runs[0]["engine_moe"], runs[1]["engine_moe"]
+    assert "error" not in leader, leader["error"]
+    assert "error" not in follower, follower["error"]
+    expected = quant_reference_tokens(MOE)
     assert len(set(expected)) > 1
     assert leader["tokens"] == [expected]
     assert follower["steps_run"] == leader["steps_run"] > 0 and leader["free"] == leader["total"]
