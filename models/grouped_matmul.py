@@ -3,7 +3,9 @@
     out[r] = lhs[r] @ rhs[g]   for the rows r of group g (groups one after another from
                                row 0, `group_sizes` long); rows past the groups: 0.
 
-Two implementations. `ragged_dot` is XLA's `jax.lax.ragged_dot`: TPU lowers it to a
+Three implementations. `pallas_tpu` is our Pallas TPU kernel
+(pallas_kernels/grouped_matmul_tpu.py; interpreter-checked and lowered for TPU, never run
+on one, so `auto` does not pick it). `ragged_dot` is XLA's `jax.lax.ragged_dot`: TPU lowers it to a
 grouped kernel, but XLA:CPU lowers it densely (every row through every group's weight,
 masked: G times the FLOPs). `tiled` is ours, for those backends: the rows in tiles of
 `tile`, a loop over the (group, tile) pairs that overlap (at most tiles + groups - 1 of
@@ -17,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-IMPLS = ("auto", "ragged_dot", "tiled")
+IMPLS = ("auto", "ragged_dot", "tiled", "pallas_tpu")
 TILE = 128
 
 
@@ -31,6 +33,10 @@ def grouped_matmul(lhs: jax.Array,  # [M, K], rows sorted by group
         impl = "ragged_dot" if jax.default_backend() == "tpu" else "tiled"
     if impl == "ragged_dot":
         return jax.lax.ragged_dot(lhs, rhs, group_sizes)
+    if impl == "pallas_tpu":  # ours; runs in the TPU interpreter off TPU (slow: tests only)
+        from jaxfill.pallas_kernels.grouped_matmul_tpu import grouped_matmul_tpu
+
+        return grouped_matmul_tpu(lhs, rhs, group_sizes)
     if impl != "tiled":
         raise ValueError(f"grouped matmul impl must be one of {IMPLS}, got {impl!r}")
     return tiled_grouped_matmul(lhs, rhs, group_sizes, tile)

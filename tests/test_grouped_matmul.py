@@ -42,6 +42,25 @@ def test_matches_the_float64_oracle(impl, name):
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("name", ["mixed", "tiny", "all-empty"])
+def test_pallas_tpu_kernel_in_the_interpreter(name):
+    """The TPU kernel under the TPU interpreter (about 100x slower than XLA: small blocks,
+    two K steps so the reduction is exercised)."""
+    from jaxfill.pallas_kernels.grouped_matmul_tpu import grouped_matmul_tpu
+
+    m, sizes = CASES[name]
+    m = min(m, 48)
+    sizes = [min(s, max(0, m - sum(sizes[:i]))) for i, s in enumerate(sizes)]
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((m, 32)).astype(np.float32)
+    w = rng.standard_normal((len(sizes), 32, 16)).astype(np.float32)
+    x[sum(sizes):] = np.nan
+    got = np.asarray(grouped_matmul_tpu(jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes, jnp.int32),
+                                        tm=8, tk=16, tn=8), np.float64)
+    np.testing.assert_array_equal(got[sum(sizes):], 0.0)
+    np.testing.assert_allclose(got, oracle(np.nan_to_num(x), w, sizes), rtol=2e-5, atol=2e-5)
+
+
 def test_bf16_rounds_once_like_ragged_dot():
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.standard_normal((200, 32)), jnp.bfloat16)

@@ -96,3 +96,19 @@ def test_the_cases_cover_every_preset_shape():
     covered = {key for _, key, _, _ in CASES}
     assert covered == set(_preset_shapes())
     assert {k[1] for k in covered} >= {"float32", "bfloat16"} and {k[0] for k in covered} >= {32, 64, 128}
+
+
+@pytest.mark.parametrize("preset", ["mixtral_8x7b", "qwen3_30b_a3b"])
+def test_pallas_tpu_grouped_matmul_lowers_with_mosaic(preset):
+    """The MoE grouped matmul's two projections at a preset's expert shapes (a 2048-token
+    prefill at top k), bf16."""
+    from jaxfill.pallas_kernels.grouped_matmul_tpu import grouped_matmul_tpu
+
+    m = load_config(preset).model
+    rows, h, i = 2048 * m.experts_per_token, m.hidden_size, m.moe_intermediate_size
+    for k, n in ((h, 2 * i), (i, h)):
+        args = (jax.ShapeDtypeStruct((rows, k), jnp.bfloat16),
+                jax.ShapeDtypeStruct((m.num_experts, k, n), jnp.bfloat16),
+                jax.ShapeDtypeStruct((m.num_experts,), jnp.int32))
+        exp = export.export(jax.jit(functools.partial(grouped_matmul_tpu, interpret=False)), platforms=["tpu"])(*args)
+        assert "tpu_custom_call" in exp.mlir_module()
