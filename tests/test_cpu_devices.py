@@ -76,7 +76,7 @@ def same_outputs(r, ref) -> None:
 def test_default_splits_heads_over_two_cores(one_device):
     r = run()
     assert r["devices"] == 2
-    assert r["mesh"] == {"stage": 1, "data": 1, "tensor": 2, "sequence": 1} and r["config_tensor"] == 2
+    assert r["mesh"] == {"stage": 1, "data": 1, "tensor": 2, "expert": 1, "sequence": 1} and r["config_tensor"] == 2
     assert r["log"] == [SPLIT_LINE]
     same_outputs(r, one_device)
 

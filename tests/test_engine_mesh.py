@@ -51,7 +51,7 @@ def single():
 
 def test_sharded_engine_equals_one_device(single):
     sharded = run({"mesh.tensor": 2, "mesh.sequence": 4}, 8)
-    assert sharded["mesh"] == {"stage": 1, "data": 1, "tensor": 2, "sequence": 4}
+    assert sharded["mesh"] == {"stage": 1, "data": 1, "tensor": 2, "expert": 1, "sequence": 4}
     assert sharded["embed_rows_per_device"] * 2 == sharded["vocab"]  # vocab split over tensor=2
     assert sharded["tokens"] == single["tokens"]
     assert sharded["free"] == sharded["total"]
