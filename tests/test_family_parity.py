@@ -14,7 +14,7 @@ from flax import nnx
 from hf_models import FAMILY_KWARGS, load_hf
 from jaxfill.models.checkpoint import load_hf_params
 from jaxfill.models.families.registry import config_from_hf, new_model
-from test_model_parity import (BF16_RATIO, check_greedy_matches_hf, hf_bf16_and_truth, hf_last_logits,
+from test_model_parity import (check_bf16_at_the_noise_floor, check_greedy_matches_hf, hf_last_logits,
                                ours_last_logits, prompts, rel_l2)
 
 FAMILIES = tuple(FAMILY_KWARGS)
@@ -33,14 +33,7 @@ def test_f32_logits_and_greedy_tokens_match_hf(hf_dirs, arch):
 
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_bf16_logits_at_the_noise_floor(hf_dirs, arch):
-    config = dataclasses.replace(config_from_hf(hf_dirs[arch]), dtype="bfloat16")
-    model = load_hf_params(hf_dirs[arch], config, progress=False)
-    hf, truth = hf_bf16_and_truth(hf_dirs[arch])
-    for length, tokens in prompts(config.vocab_size)[1:]:
-        want = hf_last_logits(truth, tokens)
-        ours = rel_l2(ours_last_logits(model, config, tokens), want)
-        theirs = rel_l2(hf_last_logits(hf, tokens), want)
-        assert ours <= BF16_RATIO * theirs, (arch, length, ours, theirs)
+    check_bf16_at_the_noise_floor(hf_dirs[arch])
 
 
 # What each family adds must change the logits of a prompt longer than the window: a

@@ -56,6 +56,19 @@ def hf_bf16_and_truth(hf_dir):
     return load_hf(hf_dir, torch.bfloat16), load_hf(hf_dir, torch.bfloat16).to(torch.float64)
 
 
+def check_bf16_at_the_noise_floor(hf_dir):
+    """Our bf16 no further from the float64 truth than BF16_RATIO x HF's own bf16, on the
+    prompts of 7, 64 and 300 tokens."""
+    config = dataclasses.replace(config_from_hf(hf_dir), dtype="bfloat16")
+    model = load_hf_params(hf_dir, config, progress=False)
+    hf, truth = hf_bf16_and_truth(hf_dir)
+    for length, tokens in prompts(config.vocab_size)[1:]:
+        want = hf_last_logits(truth, tokens)
+        ours = rel_l2(ours_last_logits(model, config, tokens), want)
+        theirs = rel_l2(hf_last_logits(hf, tokens), want)
+        assert ours <= BF16_RATIO * theirs, (hf_dir, length, ours, theirs)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
 def test_logits_match_hf(hf_dirs, arch, dtype):

@@ -8,12 +8,11 @@ import dataclasses
 
 import numpy as np
 import pytest
-import torch
 
 from hf_models import MOE_KWARGS, load_hf, make_hf_checkpoint
 from jaxfill.models.checkpoint import load_hf_params, quantize_model
 from jaxfill.models.families.registry import active_param_count, config_from_hf, param_count
-from test_model_parity import (BF16_RATIO, check_greedy_matches_hf, hf_bf16_and_truth, hf_last_logits,
+from test_model_parity import (check_bf16_at_the_noise_floor, check_greedy_matches_hf, hf_last_logits,
                                ours_last_logits, prompts, rel_l2)
 
 
@@ -42,14 +41,7 @@ def test_f32_logits_and_greedy_tokens_match_hf(moe_dirs, arch):
 # a router's top-k can flip on a near-tie in bf16, which moves one token's MLP entirely.
 @pytest.mark.parametrize("arch", ["mixtral"])
 def test_bf16_logits_at_the_noise_floor(moe_dirs, arch):
-    config = dataclasses.replace(config_from_hf(moe_dirs[arch]), dtype="bfloat16")
-    model = load_hf_params(moe_dirs[arch], config, progress=False)
-    hf, truth = hf_bf16_and_truth(moe_dirs[arch])
-    for length, tokens in prompts(config.vocab_size)[1:]:
-        want = hf_last_logits(truth, tokens)
-        ours = rel_l2(ours_last_logits(model, config, tokens), want)
-        theirs = rel_l2(hf_last_logits(hf, tokens), want)
-        assert ours <= BF16_RATIO * theirs, (arch, length, ours, theirs)
+    check_bf16_at_the_noise_floor(moe_dirs[arch])
 
 
 def test_active_parameters_count_top_k_of_the_experts(moe_dirs):
