@@ -1,3 +1,4 @@
+import gc
 import os
 import sys
 
@@ -27,12 +28,23 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 1)
 # The pytest processes themselves never use the persistent cache (their subprocesses,
-# which compile the big step programs, still share it): in four cold runs on 2026-12-02
-# (three here, one in CI) XLA CPU's executable.serialize() segfaulted in a pytest worker
-# after ~800 tests (test_sampler, test_kv_quant_engine) and xdist then hung. Not
-# root-caused. A threshold was not enough: in-process `cli.main()` calls re-enable writes
-# (engine/compile_cache.py); jax's master switch is not touched by anything we run.
+# which compile the big step programs, still share it): one source of native crashes
+# less in the long-lived workers (see _free_compiled_programs).
 jax.config.update("jax_enable_compilation_cache", False)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """Drops every compiled program after each test file. An XLA:CPU executable keeps ~3
+    memory mappings of JIT code until it is freed; a worker that ran ~800 tests of a cold
+    suite held ~20,000, climbing ~80 a second, towards the kernel's vm.max_map_count
+    (65,530), where mmap fails: the likely cause of the native crashes of the cold runs
+    of 2026-12-02 and of CI (XLA segfaulting in executable.serialize(), aborting in
+    compile, each time in a worker hundreds of tests old). Measured: clear_caches frees
+    them (300 small programs: 436 -> 1399 -> 520 maps)."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")
