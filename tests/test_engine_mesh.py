@@ -61,7 +61,7 @@ def test_sharded_engine_equals_one_device(single):
 def test_data_replicas_equal_one_device(single, mesh, devices):
     d, t, s = mesh
     r = run({"mesh.data": d, "mesh.tensor": t, "mesh.sequence": s}, devices)
-    assert r["mesh"] == {"stage": 1, "data": d, "tensor": t, "sequence": s}
+    assert r["mesh"] == {"stage": 1, "data": d, "tensor": t, "expert": 1, "sequence": s}
     assert r["tokens"] == single["tokens"]
     assert abs(r["logprob"] - single["logprob"]) < 1e-4
     # Each replica has its own pool of engine.num_pages pages, on its own devices.
