@@ -85,7 +85,8 @@ def grouped_experts(x: jax.Array,  # [T, H]
     if down_scale is not None:
         out = (out * jnp.take(down_scale, expert_of_row, axis=0)).astype(hid.dtype)
     # Rows past the groups are 0 here but undefined in a grouped-matmul kernel: select, never multiply
-    pairs = jnp.where(jnp.take(mine, order)[:, None], out.astype(jnp.float32) * weights.reshape(-1)[order][:, None], 0.0)
+    weighted = out.astype(jnp.float32) * jnp.take(weights.reshape(-1), order)[:, None]
+    pairs = jnp.where(jnp.take(mine, order)[:, None], weighted, 0.0)
     return jnp.zeros((t, h), jnp.float32).at[token].add(pairs)
 
 
