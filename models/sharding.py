@@ -104,7 +104,8 @@ def logical_spec(axes: Sequence[str | None], rules: Mapping[str, Any] | None = N
                  exclude: frozenset = frozenset()) -> P:
     """Logical names -> PartitionSpec. With mesh and shape, a dim not divisible by its mesh
     axes is replicated instead (e.g. 2 KV heads on tensor=4); mesh axes absent from the
-    mesh, in `exclude` (manual in the current context), or already used are dropped."""
+    mesh, in `exclude` (manual in the current context), or already used are dropped, and
+    so is an 'expert' axis of size 1 (a mesh without experts keeps the specs it had)."""
     rules = RULES if rules is None else rules
     used: set[str] = set()
     out = []
@@ -113,7 +114,8 @@ def logical_spec(axes: Sequence[str | None], rules: Mapping[str, Any] | None = N
         if axis is not None:
             names = tuple(a for a in (axis if isinstance(axis, tuple) else (axis,))
                           if a not in used and a not in exclude
-                          and (mesh is None or a in mesh.axis_names))
+                          and (mesh is None or a in mesh.axis_names)
+                          and not (a == EXPERT and mesh is not None and mesh_axis_size(mesh, a) == 1))
             axis = (names[0] if len(names) == 1 else names) if names else None
         if axis is not None and mesh is not None and shape is not None and shape[i] % mesh_axis_size(mesh, axis):
             axis = None
