@@ -8,22 +8,17 @@ minute: one subprocess per device count, each compiling every layout's buckets."
 
 import pytest
 
-from family_layouts import check_every_layout
+from family_layouts import LAYOUTS, check_every_layout
 from hf_models import make_hf_checkpoint
 
-FOUR = {
-    "whole": {"engine.enable_prefix_caching": False},
-    "chunked": {"engine.enable_prefix_caching": False, "engine.max_num_batched_tokens": 64,
-                "engine.token_buckets": [16, 64]},
-    "prefix": {},
-    "expert4": {"mesh.expert": 4},
-    "expert2_tensor2": {"mesh.expert": 2, "mesh.tensor": 2},
-    "expert2_sequence2": {"mesh.expert": 2, "mesh.sequence": 2},
-    "expert2_stage2": {"mesh.expert": 2, "mesh.stage": 2},
-    "int8": {"model.weight_dtype": "int8", "engine.kv_cache_dtype": "int8"},
-}
+# the plain, chunked, prefix-cached and int8 layouts of tests/family_layouts.py, plus experts
+FOUR = {**{name: LAYOUTS[name] for name in ("whole", "chunked", "prefix", "int8")},
+        "expert4": {"mesh.expert": 4},
+        "expert2_tensor2": {"mesh.expert": 2, "mesh.tensor": 2},
+        "expert2_sequence2": {"mesh.expert": 2, "mesh.sequence": 2},
+        "expert2_stage2": {"mesh.expert": 2, "mesh.stage": 2}}
 EIGHT = {
-    "whole": {"engine.enable_prefix_caching": False},
+    "whole": LAYOUTS["whole"],
     "expert4_data2": {"mesh.expert": 4, "mesh.data": 2},
     "expert2_tensor2_data2": {"mesh.expert": 2, "mesh.tensor": 2, "mesh.data": 2},
 }
