@@ -58,8 +58,11 @@ def time_impls(tokens: list[int], repeats: int) -> list[dict]:
             out = out + y * jnp.sum(jnp.where(ids == e, weights, 0.0), axis=1, keepdims=True)
         return out
 
-    fns = {"tiled": jax.jit(lambda *a: grouped_experts(*a, 0, "silu", impl="tiled")),
-           "ragged_dot": jax.jit(lambda *a: grouped_experts(*a, 0, "silu", impl="ragged_dot")),
+    def grouped(impl):
+        return jax.jit(lambda x, w, ids, gate_up, down: grouped_experts(
+            x, w, ids, {"gate_up": gate_up, "down": down}, 0, "silu", impl=impl))
+
+    fns = {"tiled": grouped("tiled"), "ragged_dot": grouped("ragged_dot"),
            "dense loop": jax.jit(dense_loop)}
     rows = []
     for t in tokens:

@@ -38,6 +38,8 @@ class Attention(nnx.Module):
                                   axes=("kv_heads", "head_dim"))
         if c.attention_out_bias:
             self.o_bias = param(rngs, (e,), ("embed",), dt)
+        # gpt-oss: one learned logit per head in the softmax denominator
+        self.sinks = param(rngs, (hq,), ("q_heads",), dt, scale=1.0) if c.attention_sinks else None
         self.config = c
         self.sm_scale = c.query_scale if c.query_scale is not None else c.head_dim ** -0.5
 
@@ -78,15 +80,18 @@ class Attention(nnx.Module):
         v = constrain(v, ("tokens", "act_kv_heads", None))
         q_meta = sampled_rows_metadata(meta) if sampled_only else meta
 
-        def attend(q, k, v, pages, meta, window):  # per-device view under a mesh
+        def attend(q, k, v, pages, meta, sinks, window):  # per-device view under a mesh
             pages = write_kv(pages, k, v, meta.slot_mapping)
+            extra = {} if sinks is None else {"sinks": sinks}
             out = ragged_paged_attention(
                 q, pages, meta.kv_lens, meta.page_indices, meta.cu_q_lens, meta.num_seqs,
-                sm_scale=self.sm_scale, sliding_window=window, soft_cap=self.config.attn_soft_cap, impl=impl)
+                sm_scale=self.sm_scale, sliding_window=window, soft_cap=self.config.attn_soft_cap, impl=impl,
+                **extra)
             return out, pages
 
+        sinks = None if self.sinks is None else self.sinks[...].astype(jnp.float32)
         out, pages = by_window(settings, layer, lambda w: sharded_attention(
-            lambda *a: attend(*a, window=w), q, k, v, pages, q_meta))
+            lambda *a: attend(*a, window=w), q, k, v, pages, q_meta, sinks))
         out = qeinsum("thd,hde->te", out, self.o[...], self.o_scale)  # all-reduce over tensor
         if self.config.attention_out_bias:
             out = out + self.o_bias[...]

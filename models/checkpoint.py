@@ -21,6 +21,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from jaxfill.models import mxfp4
 from jaxfill.models.config import ModelConfig
 from jaxfill.models.decoder import Decoder
 from jaxfill.models.families.base import HFTensor
@@ -183,6 +184,26 @@ def rows_of(stored: StoredTensor, rows: tuple | None) -> StoredTensor:
                         (stop - start,) + tuple(stored.shape[1:]))
 
 
+def _plain_reader(stored: StoredTensor, spec: HFTensor) -> Callable:
+    return lambda target: TensorSlices(stored, spec.stored_shape, spec.perm, target)
+
+
+def _mxfp4_reader(name: str, pair: dict, spec: HFTensor) -> Callable:
+    """The reader of an [E, in, out] tensor stored as MXFP4 `name`_blocks and `name`_scales."""
+    blocks, scales = (pair.get(suffix) for suffix in mxfp4.SUFFIXES)
+    if blocks is None or scales is None:
+        raise CheckpointError(f"MXFP4 tensor {name!r} needs both {name}_blocks and {name}_scales")
+    want = mxfp4.packed_shapes(spec.hf_shape)
+    for stored, shape, suffix in zip((blocks, scales), want, mxfp4.SUFFIXES):
+        if stored.shape != shape or stored.dtype != np.uint8:
+            raise CheckpointError(f"tensor {name + suffix!r} is {stored.shape} {stored.dtype}, an MXFP4 "
+                                  f"{list(spec.hf_shape)} tensor needs {shape} uint8")
+    u8 = np.dtype(np.uint8)
+    return lambda target: mxfp4.Mxfp4Slices(
+        TensorSlices(blocks, blocks.shape, tuple(range(4)), u8), TensorSlices(scales, scales.shape, (0, 1, 2), u8),
+        spec.stored_shape, spec.perm, target)
+
+
 def default_place(path: tuple, tensor: TensorSlices) -> jax.Array:
     """One device: the whole tensor, read and cast once."""
     return jax.device_put(tensor.read())
@@ -205,8 +226,9 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
     table = hf_to_param(config)
     rename = getattr(family, "rename", lambda name: name)
     files = safetensors_files(model_dir)
-    todo: list[tuple[HFTensor, StoredTensor]] = []
+    todo: list[tuple[HFTensor, Callable]] = []  # (where, target dtype -> reader)
     seen: set[str] = set()
+    packed: dict[str, dict] = {}  # MXFP4 tensors: name -> {suffix: stored}
     for path in files:
         for name, stored in read_safetensors(path):
             name = rename(name)
@@ -216,6 +238,11 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
                 continue  # some exports write the tied head too
             if name in seen:
                 raise CheckpointError(f"tensor {name!r} appears twice ({os.path.basename(path)} again)")
+            seen.add(name)
+            base = name[:-len(mxfp4.SUFFIXES[0])]
+            if name not in table and name.endswith(mxfp4.SUFFIXES) and isinstance(table.get(base), HFTensor):
+                packed.setdefault(base, {})[name[len(base):]] = stored
+                continue
             if name not in table:
                 raise CheckpointError(f"unexpected tensor {name!r} in {os.path.basename(path)} "
                                       f"(not part of a {config.architecture} with this config)")
@@ -223,22 +250,25 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
             if stored.shape != parts[0].hf_shape:
                 raise CheckpointError(f"tensor {name!r} has shape {stored.shape}, "
                                       f"config.json implies {parts[0].hf_shape}")
-            todo.extend((part, rows_of(stored, part.rows)) for part in parts)
-            seen.add(name)
+            todo.extend((part, _plain_reader(rows_of(stored, part.rows), part)) for part in parts)
+    for base, pair in packed.items():
+        spec = table.pop(base)
+        todo.append((spec, _mxfp4_reader(base, pair, spec)))
     if table:
         missing = sorted(table)
         raise CheckpointError(f"checkpoint {model_dir} is missing {len(missing)} tensors, e.g. {missing[:3]}")
     target = np.dtype(config.jnp_dtype)
     entries: dict[tuple, dict] = {}  # param path -> {indices in its stack: reader}
     levels: dict[tuple, tuple] = {}  # param path -> ((param axis, count), ...) of its stack
-    for spec, stored in todo:
+    for spec, reader_of in todo:
         path = spec.param_path
         if is_quantized(path, config.weight_dtype):  # int8 from the f32 values, slice by slice
-            tensor = QuantizedSlices(TensorSlices(stored, spec.stored_shape, spec.perm, np.dtype(np.float32)),
-                                     QUANTIZED_INPUT_AXES[path[-1]])
+            # experts stacked in the checkpoint itself (gpt-oss) carry their expert axis
+            stacked = 0 if spec.stack else STACKED_AXES.get(path[-1], 0)
+            tensor = QuantizedSlices(reader_of(np.dtype(np.float32)), QUANTIZED_INPUT_AXES[path[-1]], stacked)
             pairs = [(path, tensor, spec.stack), (scale_path(path), tensor.scales, scale_stack(path[-1], spec.stack))]
         else:
-            pairs = [(path, TensorSlices(stored, spec.stored_shape, spec.perm, target), spec.stack)]
+            pairs = [(path, reader_of(target), spec.stack)]
         for p, reader, stack in pairs:
             entries.setdefault(p, {})[tuple(index for _, index, _ in stack)] = reader
             levels[p] = tuple((axis, count) for axis, _, count in stack)

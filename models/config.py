@@ -28,8 +28,9 @@ CHOICES = {
     # head: RMSNorm over each head's D (Qwen3, Gemma 3); projection: over all Hq*D (OLMo 2)
     "qk_norm": ("none", "head", "projection"),
     # softmax: softmax over experts, top k (Mixtral, Qwen3-MoE); sigmoid: sigmoid scores,
-    # top k of score + bias within the best groups (DeepSeek-V3, GLM-4.5); models/moe.py
-    "router_scoring": ("softmax", "sigmoid"),
+    # top k of score + bias within the best groups (DeepSeek-V3, GLM-4.5); topk_softmax:
+    # top k of the logits, softmax over those k (gpt-oss); models/moe.py
+    "router_scoring": ("softmax", "sigmoid", "topk_softmax"),
 }
 LAYER_TYPES = ("full", "sliding")
 
@@ -70,6 +71,7 @@ class ModelConfig:
     rope_local_theta: float | None = None  # rope base of "sliding" layers, unscaled (Gemma 3)
     nope_layers: tuple[int, ...] = ()  # layers without rotary embedding (SmolLM3)
     rotary_dim: int = 0  # rope over each head's first rotary_dim dims (partial rotary, GLM); 0: all
+    attention_sinks: bool = False  # a learned per-head logit in each softmax denominator (gpt-oss)
     # Mixture of experts (models/moe.py); num_experts = 0: every layer's MLP is dense
     num_experts: int = 0
     experts_per_token: int = 0
@@ -84,6 +86,12 @@ class ModelConfig:
     router_f32: bool = False  # router weight and matmul in f32 whatever the dtype (DeepSeek, GLM)
     shared_expert_size: int = 0  # intermediate size of the always-on shared expert(s), 0: none
     shared_expert_gate: bool = False  # the shared expert's output times sigmoid(x @ w) (Qwen2-MoE)
+    router_logit_bias: bool = False  # the router is x @ w + b (gpt-oss)
+    expert_bias: bool = False  # every expert's gate/up and down projections have biases (gpt-oss)
+    # gpt-oss's clamped SwiGLU: gate <= limit, |up| <= limit, (up + 1) * gate * sigmoid(alpha * gate);
+    # None: the plain hidden_act(gate) * up
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
     dtype: str = "float32"  # parameter and activation dtype
     weight_dtype: str = "auto"  # projection weights: "auto" (= dtype) or "int8" (w8a16, per-channel f32 scales)
     bos_token_id: int | None = None

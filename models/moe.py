@@ -27,14 +27,18 @@ def route(logits: jax.Array,  # [T, E] f32 router logits
           bias: jax.Array | None = None,  # [E] f32 correction bias (sigmoid routers), selection only
           ) -> tuple[jax.Array, jax.Array]:  # weights [T, k] f32, expert ids [T, k] int32
     """Top-k routing. softmax: softmax over all experts, top k, optionally renormalised
-    (Mixtral, Qwen3-MoE). sigmoid: sigmoid scores, experts chosen on score + bias within the
-    best `router_topk_groups` of `router_groups` groups (a group scores the sum of its two
+    (Mixtral, Qwen3-MoE). topk_softmax: top k of the logits, softmax over those k
+    (gpt-oss). sigmoid: sigmoid scores, experts chosen on score + bias within the best
+    `router_topk_groups` of `router_groups` groups (a group scores the sum of its two
     best), weights from the plain scores, renormalised and times `routed_scaling`
     (DeepSeek-V3, GLM-4.5)."""
     c, k = config, config.experts_per_token
     if c.router_scoring == "softmax":
         probs = jax.nn.softmax(logits, axis=-1)
         weights, ids = jax.lax.top_k(probs, k)
+    elif c.router_scoring == "topk_softmax":
+        top, ids = jax.lax.top_k(logits, k)
+        weights = jax.nn.softmax(top, axis=-1)
     else:
         scores = jax.nn.sigmoid(logits)
         choice = scores if bias is None else scores + bias
@@ -52,20 +56,35 @@ def route(logits: jax.Array,  # [T, E] f32 router logits
     return weights * c.routed_scaling, ids.astype(jnp.int32)
 
 
+def gated(gate: jax.Array, up: jax.Array,  # [N, I] each
+          activation: str, swiglu: tuple[float, float] | None = None,  # (limit, alpha)
+          ) -> jax.Array:  # [N, I]
+    """act(gate) * up; with `swiglu`, gpt-oss's clamped form
+    (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)."""
+    if swiglu is None:
+        return ACTIVATIONS[activation](gate) * up
+    limit, alpha = swiglu
+    g = jnp.minimum(gate, limit)
+    return (jnp.clip(up, -limit, limit) + 1) * (g * jax.nn.sigmoid(g * alpha))
+
+
 def grouped_experts(x: jax.Array,  # [T, H]
                     weights: jax.Array,  # [T, k] f32
                     ids: jax.Array,  # [T, k] int32, global expert ids
-                    gate_up: jax.Array,  # [E_local, H, 2, I_local]
-                    down: jax.Array,  # [E_local, I_local, H]
+                    params: dict,  # this rank's experts: gate_up [E_local, H, 2, I_local],
+                    # down [E_local, I_local, H]; optional gate_up_scale [E_local, 2, I_local] and
+                    # down_scale [E_local, H] f32 (int8 weights), gate_up_bias [E_local, 2, I_local]
+                    # and down_bias [E_local, H]
                     first_expert,  # [] int32: the global id of local expert 0
                     activation: str,
-                    gate_up_scale=None,  # [E_local, 2, I_local] f32 (int8 weights)
-                    down_scale=None,  # [E_local, H] f32
+                    lead=True,  # [] bool: this rank adds the down bias (one rank per tensor group)
                     impl: str = "auto",  # models/grouped_matmul.py
+                    swiglu: tuple[float, float] | None = None,  # see `gated`
                     ) -> jax.Array:  # [T, H] f32: this rank's share of the MoE output
     """The pairs routed to the local experts, sorted by expert, through two grouped
     matmuls (models/grouped_matmul.py). Pairs of other ranks' experts sort last, past
     every group, and are dropped."""
+    gate_up, down = params["gate_up"], params["down"]
     t, k = ids.shape
     n_local, h, _, inter = gate_up.shape
     local_id = ids.reshape(-1) - first_expert  # [T*k]
@@ -76,18 +95,35 @@ def grouped_experts(x: jax.Array,  # [T, H]
     token = order // k
     rows = jnp.take(x, token, axis=0)  # [T*k, H]
     expert_of_row = jnp.clip(jnp.take(key, order), 0, n_local - 1)
+
+    def per_row(name, shape):  # the row's expert's entry of an optional [E_local, ...] param
+        p = params.get(name)
+        return None if p is None else jnp.take(p.reshape(n_local, shape), expert_of_row, axis=0)
+
     w1 = gate_up.reshape(n_local, h, 2 * inter)
     hid = grouped_matmul(rows, w1.astype(rows.dtype), sizes, impl)  # [T*k, 2I]
-    if gate_up_scale is not None:
-        hid = (hid * jnp.take(gate_up_scale.reshape(n_local, 2 * inter), expert_of_row, axis=0)).astype(rows.dtype)
-    hid = ACTIVATIONS[activation](hid[:, :inter]) * hid[:, inter:]
+    if (scale := per_row("gate_up_scale", 2 * inter)) is not None:
+        hid = (hid * scale).astype(rows.dtype)
+    if (bias := per_row("gate_up_bias", 2 * inter)) is not None:
+        hid = hid + bias.astype(hid.dtype)
+    hid = gated(hid[:, :inter], hid[:, inter:], activation, swiglu)
     out = grouped_matmul(hid, down.astype(hid.dtype), sizes, impl)  # [T*k, H]
-    if down_scale is not None:
-        out = (out * jnp.take(down_scale, expert_of_row, axis=0)).astype(hid.dtype)
+    if (scale := per_row("down_scale", h)) is not None:
+        out = (out * scale).astype(hid.dtype)
+    if (bias := per_row("down_bias", h)) is not None:
+        out = out + jnp.where(lead, bias, jnp.zeros((), bias.dtype)).astype(out.dtype)
     # Rows past the groups are 0 here but undefined in a grouped-matmul kernel: select, never multiply
     weighted = out.astype(jnp.float32) * jnp.take(weights.reshape(-1), order)[:, None]
     pairs = jnp.where(jnp.take(mine, order)[:, None], weighted, 0.0)
     return jnp.zeros((t, h), jnp.float32).at[token].add(pairs)
+
+
+# The experts' stacked params and their logical axes (models/sharding.py expert_parallel)
+EXPERT_AXES = {
+    "gate_up": ("experts", "embed", None, "moe_mlp"), "down": ("experts", "moe_mlp", "embed"),
+    "gate_up_scale": ("experts", None, "moe_mlp"), "down_scale": ("experts", "embed"),
+    "gate_up_bias": ("experts", None, "moe_mlp"), "down_bias": ("experts", "embed"),
+}
 
 
 class MoE(nnx.Module):
@@ -97,32 +133,37 @@ class MoE(nnx.Module):
         c, dt, wd = config, config.jnp_dtype, config.weight_dtype
         e, h, i = c.num_experts, c.hidden_size, c.moe_intermediate_size
         self.config = c
-        self.router = param(rngs, (h, e), ("embed", None), jnp.float32 if c.router_f32 else dt)
+        rdt = jnp.float32 if c.router_f32 else dt
+        self.router = param(rngs, (h, e), ("embed", None), rdt)
         self.router_bias = (param(rngs, (e,), (None,), jnp.float32, scale=0.1)
                             if c.router_bias else None)
+        self.router_logit_bias = param(rngs, (e,), (None,), rdt, scale=0.1) if c.router_logit_bias else None
         self.experts_gate_up, self.experts_gate_up_scale = projection(
-            rngs, (e, h, 2, i), ("experts", "embed", None, "moe_mlp"), dt, 1, wd, stacked=1)
+            rngs, (e, h, 2, i), EXPERT_AXES["gate_up"], dt, 1, wd, stacked=1)
         self.experts_down, self.experts_down_scale = projection(
-            rngs, (e, i, h), ("experts", "moe_mlp", "embed"), dt, 1, wd, stacked=1)
+            rngs, (e, i, h), EXPERT_AXES["down"], dt, 1, wd, stacked=1)
+        if c.expert_bias:
+            self.experts_gate_up_bias = param(rngs, (e, 2, i), EXPERT_AXES["gate_up_bias"], dt, scale=0.1)
+            self.experts_down_bias = param(rngs, (e, h), EXPERT_AXES["down_bias"], dt, scale=0.1)
         self.shared = (GatedMLP(h, c.shared_expert_size, dt, rngs, wd, c.hidden_act)
                        if c.shared_expert_size else None)
         self.shared_gate = param(rngs, (h, 1), ("embed", None), dt) if c.shared_expert_gate else None
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [T, E] -> [T, E]
+        c = self.config
         with jax.named_scope("moe"):
-            xr = x.astype(jnp.float32) if self.config.router_f32 else x
-            logits = jnp.einsum("th,he->te", xr, self.router[...]).astype(jnp.float32)  # [T, experts]
-            bias = None if self.router_bias is None else self.router_bias[...]
-            weights, ids = route(logits, self.config, bias)
-            act = self.config.hidden_act
+            xr = x.astype(jnp.float32) if c.router_f32 else x
+            logits = jnp.einsum("th,he->te", xr, self.router[...])  # [T, experts]
+            if self.router_logit_bias is not None:
+                logits = logits + self.router_logit_bias[...]
+            weights, ids = route(logits.astype(jnp.float32), c, _value(self.router_bias))
+            swiglu = None if c.swiglu_limit is None else (c.swiglu_limit, c.swiglu_alpha)
 
-            def local(x, weights, ids, gate_up, down, gate_up_scale, down_scale, first_expert):
-                return grouped_experts(x, weights, ids, gate_up, down, first_expert, act,
-                                       gate_up_scale, down_scale)
+            def local(x, weights, ids, params, first_expert, lead):
+                return grouped_experts(x, weights, ids, params, first_expert, c.hidden_act, lead, swiglu=swiglu)
 
-            scales = (_value(self.experts_gate_up_scale), _value(self.experts_down_scale))
-            out = expert_parallel(local, x, weights, ids, self.experts_gate_up[...], self.experts_down[...],
-                                  *scales)
+            params = {name: _value(getattr(self, "experts_" + name, None)) for name in EXPERT_AXES}
+            out = expert_parallel(local, x, weights, ids, params, EXPERT_AXES)
             out = constrain(out.astype(x.dtype), ("tokens", "act_embed"))
             if self.shared is not None:
                 shared = self.shared(x)

@@ -112,39 +112,46 @@ def _full(index: tuple, shape: tuple) -> tuple:
 class QuantizedSlices:
     """An int8 view of a float checkpoint tensor read one box at a time (the interface
     of models.checkpoint.TensorSlices: `shape`, `read(index)`), plus `scales`, the same
-    for its scales. Scales of a box of columns are cached, so the weight's slice and its
-    scale's slice (sharded alike) cost one computation."""
+    for its scales. The tensor is [stacked..., in..., out...] (`stacked` leading axes of
+    experts, each quantized on its own). Scales of a box of columns are cached, so the
+    weight's slice and its scale's slice (sharded alike) cost one computation."""
 
-    def __init__(self, tensor, num_in: int):
+    def __init__(self, tensor, num_in: int, stacked: int = 0):
         self.tensor = tensor  # float reader: shape, read(index) -> np.ndarray
-        self.num_in = num_in
+        self.num_in, self.stacked = num_in, stacked
         self.shape = tuple(tensor.shape)
         self._scales: dict[tuple, np.ndarray] = {}
 
-    def _column_scales(self, out_box: tuple) -> np.ndarray:  # [out box] f32
-        if out_box not in self._scales:
-            n, in_shape = self.num_in, self.shape[:self.num_in]
-            per_row = int(np.prod(in_shape[1:], dtype=np.int64)) * int(np.prod([b - a for a, b in out_box]))
+    def _inputs(self) -> range:
+        return range(self.stacked, self.stacked + self.num_in)
+
+    def _column_scales(self, key: tuple) -> np.ndarray:  # [stacked box..., out box...] f32
+        if key not in self._scales:
+            k, n = self.stacked, self.num_in
+            in_shape = self.shape[k:k + n]
+            outer, out_box = key[:k], key[k:]
+            per_row = (int(np.prod(in_shape[1:], dtype=np.int64))
+                       * int(np.prod([b - a for a, b in key])))
             step = max(1, CHUNK_ELEMENTS // max(per_row, 1))
             amax = None
             for lo in range(0, in_shape[0], step):
                 rows = (slice(lo, min(lo + step, in_shape[0])),) + (slice(None),) * (n - 1)
-                part = self.tensor.read(rows + tuple(slice(a, b) for a, b in out_box))
-                m = np.max(np.abs(part.astype(np.float32)), axis=tuple(range(n)))
+                box = tuple(slice(a, b) for a, b in outer) + rows + tuple(slice(a, b) for a, b in out_box)
+                m = np.max(np.abs(self.tensor.read(box).astype(np.float32)), axis=tuple(self._inputs()))
                 amax = m if amax is None else np.maximum(amax, m)
-            self._scales[out_box] = scales_from_amax(amax)
-        return self._scales[out_box]
+            self._scales[key] = scales_from_amax(amax)
+        return self._scales[key]
 
     def read(self, index: tuple = ()) -> np.ndarray:  # the int8 box
         box = _full(index, self.shape)
-        n = self.num_in
+        inputs = self._inputs()
         values = self.tensor.read(tuple(slice(a, b) for a, b in box))
-        out_box = box[n:]
-        if out_box not in self._scales and all(a == 0 and b == d for (a, b), d in zip(box[:n], self.shape)):
+        key = tuple(b for axis, b in enumerate(box) if axis not in inputs)
+        if key not in self._scales and all(box[a] == (0, self.shape[a]) for a in inputs):
             # every input row is here: this box's own max is its columns' max
-            self._scales[out_box] = scales_from_amax(np.max(np.abs(values.astype(np.float32)),
-                                                            axis=tuple(range(n))))
-        return quantize_with(values, self._column_scales(out_box))
+            self._scales[key] = scales_from_amax(np.max(np.abs(values.astype(np.float32)), axis=tuple(inputs)))
+        scale = self._column_scales(key)
+        return quantize_with(values, np.expand_dims(scale, tuple(inputs)) if self.stacked else scale)
 
     @property
     def scales(self) -> "_ScaleSlices":
@@ -154,7 +161,8 @@ class QuantizedSlices:
 class _ScaleSlices:
     def __init__(self, parent: QuantizedSlices):
         self.parent = parent
-        self.shape = parent.shape[parent.num_in:]
+        inputs = parent._inputs()
+        self.shape = tuple(d for axis, d in enumerate(parent.shape) if axis not in inputs)
 
-    def read(self, index: tuple = ()) -> np.ndarray:  # [out box] f32
+    def read(self, index: tuple = ()) -> np.ndarray:  # [stacked box..., out box...] f32
         return self.parent._column_scales(_full(index, self.shape)).copy()

@@ -266,8 +266,10 @@ def rows_metadata(meta, lo: jax.Array, n: int):
 
 
 def sharded_attention(attend: Callable, q: jax.Array, k: jax.Array, v: jax.Array,
-                      pages: jax.Array, meta) -> tuple[jax.Array, jax.Array]:
-    """Runs `attend(q, k, v, pages, meta) -> (out, pages)` per device.
+                      pages: jax.Array, meta,
+                      sinks: jax.Array | None = None,  # [Hq] f32 (attention sinks), split like q's heads
+                      ) -> tuple[jax.Array, jax.Array]:
+    """Runs `attend(q, k, v, pages, meta, sinks) -> (out, pages)` per device.
 
     `attend` writes k/v into pages at meta.slot_mapping (one row per k/v row) and attends q
     rows described by meta.cu_q_lens/kv_lens. Heads are split over 'tensor' (q, k, v and
@@ -278,7 +280,7 @@ def sharded_attention(attend: Callable, q: jax.Array, k: jax.Array, v: jax.Array
     mesh = context_mesh()
     axes = () if mesh is None else _free_axes(mesh, *HEADS, SEQUENCE)
     if not axes:
-        return attend(q, k, v, pages, meta)
+        return attend(q, k, v, pages, meta, sinks)
     heads = tuple(a for a in HEADS if a in axes)
     tp = (heads[0] if len(heads) == 1 else heads) if heads else None
     sp = SEQUENCE if SEQUENCE in axes else None
@@ -288,19 +290,21 @@ def sharded_attention(attend: Callable, q: jax.Array, k: jax.Array, v: jax.Array
     if sp and q.shape[0] % mesh_axis_size(mesh, sp):
         raise ValueError(f"{q.shape[0]} tokens must split over sequence={mesh_axis_size(mesh, sp)}; pad the batch")
 
-    def local(q, k, v, pages, meta):
+    def local(q, k, v, pages, meta, sinks):
         if sp:
             n = q.shape[0]
             k = jax.lax.all_gather(k, sp, axis=0, tiled=True)
             v = jax.lax.all_gather(v, sp, axis=0, tiled=True)
             meta = rows_metadata(meta, jax.lax.axis_index(sp) * n, n)
-        return attend(q, k, v, pages, meta)
+        return attend(q, k, v, pages, meta, sinks)
 
     tok = P(sp, tp, None)
     # per leaf: pages [N, ps, 2H, D] and, for a quantized layer, scales [N, ps, 2H]
     page_spec = jax.tree.map(lambda a: P(None, None, tp, *([None] * (a.ndim - 3))), pages)
-    return jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, page_spec, P()),
-                         out_specs=(tok, page_spec), axis_names=set(axes), check_vma=False)(q, k, v, pages, meta)
+    sink_spec = None if sinks is None else P(tp)
+    return jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, page_spec, P(), sink_spec),
+                         out_specs=(tok, page_spec), axis_names=set(axes),
+                         check_vma=False)(q, k, v, pages, meta, sinks)
 
 
 # --------------------------------------------------------------------- expert parallel
@@ -308,34 +312,39 @@ def expert_parallel(experts: Callable,
                     x: jax.Array,  # [T, H], replicated over tensor and expert
                     weights: jax.Array,  # [T, k] f32
                     ids: jax.Array,  # [T, k] int32
-                    gate_up: jax.Array,  # [E, H, 2, I] logical ('experts', 'embed', None, 'moe_mlp')
-                    down: jax.Array,  # [E, I, H]
-                    gate_up_scale=None,  # [E, 2, I] f32 (int8 weights)
-                    down_scale=None,  # [E, H] f32
+                    params: dict,  # name -> the experts' stacked [E, ...] array (or None)
+                    axes: dict,  # name -> its logical axes ('experts' first; 'moe_mlp' the split columns)
                     ) -> jax.Array:  # [T, H] in x's dtype
-    """Runs `experts(x, weights, ids, gate_up, down, scales..., first_expert) -> [T, H]`
-    per device on its experts (split over 'expert') and their columns (over 'tensor'),
-    rows split over 'sequence', and sums the partial outputs with one all-reduce over
-    expert x tensor. Without those axes: experts(..., first_expert=0)."""
+    """Runs `experts(x, weights, ids, params, first_expert, lead) -> [T, H]` per device on
+    its experts (split over 'expert') and their columns (over 'tensor'), rows split over
+    'sequence', and sums the partial outputs with one all-reduce over expert x tensor.
+    `lead` is true on one rank of each 'tensor' group: the rank that adds what must be
+    added once per pair (an expert's output bias). Without those axes: first_expert=0."""
     mesh = context_mesh()
-    axes = () if mesh is None else _free_axes(mesh, EXPERT, TENSOR, SEQUENCE)
-    if not axes:
-        return experts(x, weights, ids, gate_up, down, gate_up_scale, down_scale, 0).astype(x.dtype)
-    ep = EXPERT if EXPERT in axes and gate_up.shape[0] % mesh_axis_size(mesh, EXPERT) == 0 else None
-    tp = TENSOR if TENSOR in axes and gate_up.shape[-1] % mesh_axis_size(mesh, TENSOR) == 0 else None
-    sp = SEQUENCE if SEQUENCE in axes and x.shape[0] % mesh_axis_size(mesh, SEQUENCE) == 0 else None
-    reduce = tuple(a for a in (ep, tp) if a)
+    mesh_axes = () if mesh is None else _free_axes(mesh, EXPERT, TENSOR, SEQUENCE)
+    if not mesh_axes:
+        return experts(x, weights, ids, params, 0, True).astype(x.dtype)
+    live = {name: a for name, a in params.items() if a is not None}
 
-    def local(x, weights, ids, gate_up, down, gate_up_scale, down_scale):
-        first = jax.lax.axis_index(ep) * gate_up.shape[0] if ep else 0
-        out = experts(x, weights, ids, gate_up, down, gate_up_scale, down_scale, first).astype(x.dtype)
+    def splits(axis, logical):  # the mesh axis when every param with `logical` splits evenly over it
+        dims = [a.shape[axes[n].index(logical)] for n, a in live.items() if logical in axes[n]]
+        return axis if axis in mesh_axes and all(d % mesh_axis_size(mesh, axis) == 0 for d in dims) else None
+
+    ep, tp = splits(EXPERT, "experts"), splits(TENSOR, "moe_mlp")
+    sp = SEQUENCE if SEQUENCE in mesh_axes and x.shape[0] % mesh_axis_size(mesh, SEQUENCE) == 0 else None
+    reduce = tuple(a for a in (ep, tp) if a)
+    to_mesh = {"experts": ep, "moe_mlp": tp}
+
+    def local(x, weights, ids, params):
+        first = jax.lax.axis_index(ep) * next(iter(params.values())).shape[0] if ep else 0
+        lead = jax.lax.axis_index(tp) == 0 if tp else True
+        out = experts(x, weights, ids, params, first, lead).astype(x.dtype)
         return jax.lax.psum(out, reduce) if reduce else out
 
     rows = P(sp, None)
-    specs = (rows, rows, rows, P(ep, None, None, tp), P(ep, tp, None),
-             None if gate_up_scale is None else P(ep, None, tp), None if down_scale is None else P(ep, None))
-    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=rows, axis_names=set(axes),
-                         check_vma=False)(x, weights, ids, gate_up, down, gate_up_scale, down_scale)
+    specs = {n: P(*(to_mesh.get(a) for a in axes[n])) for n in live}
+    return jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, specs), out_specs=rows,
+                         axis_names=set(mesh_axes), check_vma=False)(x, weights, ids, live)
 
 
 # ----------------------------------------------------------------------- data parallel

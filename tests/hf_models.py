@@ -45,6 +45,12 @@ MOE_KWARGS = {
                                  moe_intermediate_size=32, n_shared_experts=2, n_group=4, topk_group=2,
                                  routed_scaling_factor=1.8, first_k_dense_replace=1, attention_bias=True,
                                  use_qk_norm=True, head_dim=32)),
+    # 4 layers: sliding (a 24-token window), full, sliding, full; a clamp low enough to bind
+    "gpt_oss": ("GptOss", dict(num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=2,
+                               intermediate_size=32, head_dim=16, sliding_window=24, swiglu_limit=0.5,
+                               rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 150000.0,
+                                                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                                "original_max_position_embeddings": 64})),
 }
 
 
@@ -79,6 +85,8 @@ def make_hf_checkpoint(directory: str, arch: str, dtype: torch.dtype = torch.flo
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(0.1 * torch.randn_like(p))
+            if name.endswith("sinks"):  # gpt-oss: sink logits large enough to move the softmax
+                p.add_(torch.randn_like(p))
         for name, b in model.named_buffers():  # a router's selection bias (GLM) starts at 0
             if name.endswith("correction_bias"):
                 b.add_(0.3 * torch.randn_like(b))

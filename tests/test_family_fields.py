@@ -24,6 +24,7 @@ CLASSES = {  # architecture -> transformers config class
     "SmolLM3ForCausalLM": tf.SmolLM3Config, "GraniteForCausalLM": tf.GraniteConfig,
     "MixtralForCausalLM": tf.MixtralConfig, "Qwen3MoeForCausalLM": tf.Qwen3MoeConfig,
     "Qwen2MoeForCausalLM": tf.Qwen2MoeConfig, "Glm4MoeForCausalLM": tf.Glm4MoeConfig,
+    "GptOssForCausalLM": tf.GptOssConfig,
 }
 SKIP = {"self", "kwargs"}
 # Values for fields whose default is None (the walker cannot guess a type).
@@ -40,6 +41,8 @@ def small_kwargs(arch):
     kw = dict(HF_SMALL)
     if arch == "Glm4MoeForCausalLM":
         kw.update(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    elif arch == "GptOssForCausalLM":
+        kw.update(num_local_experts=4, num_experts_per_tok=2)
     elif "Moe" in arch or "Mixtral" in arch:
         kw.update(num_experts_per_tok=2, **({"num_local_experts": 4} if "Mixtral" in arch else
                                             {"num_experts": 4, "moe_intermediate_size": 32}))

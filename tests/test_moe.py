@@ -106,9 +106,9 @@ def test_one_ranks_grouped_experts_match_the_dense_definition(first):
     x[elsewhere] = np.nan
     gate_up = rng.standard_normal((8, h, 2, i)).astype(np.float32)
     down = rng.standard_normal((8, i, h)).astype(np.float32)
-    got = grouped_experts(jnp.asarray(x), jnp.asarray(weights), jnp.asarray(ids),
-                          jnp.asarray(gate_up[first:first + n_local]), jnp.asarray(down[first:first + n_local]),
-                          first, "silu")
+    local_params = {"gate_up": jnp.asarray(gate_up[first:first + n_local]),
+                    "down": jnp.asarray(down[first:first + n_local])}
+    got = grouped_experts(jnp.asarray(x), jnp.asarray(weights), jnp.asarray(ids), local_params, first, "silu")
     local = (ids >= first) & (ids < first + n_local)
     want = np_experts(np.nan_to_num(x).astype(np.float64), np.where(local, weights, 0.0), ids, gate_up, down)
     got = np.asarray(got)

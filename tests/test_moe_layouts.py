@@ -3,7 +3,7 @@ mesh.expert=4 == expert 2 x tensor 2 == expert 2 x sequence 2 == expert 2 x stag
 fake CPU devices), and expert 4 x data 2 == expert 2 x tensor 2 x data 2 (8 devices);
 int8 weights (per expert) and int8 KV stay close. The prompts of tests/family_layouts.py
 with 8 experts, top 2: the 3-token prompt leaves experts of some ranks without a token.
-Qwen3-MoE and GLM-4.5 (dense first layers) run a shorter list on 4 devices. Over a
+Qwen3-MoE and GLM-4.5 (dense first layers) and gpt-oss run a shorter list on 4 devices. Over a
 minute: one subprocess per device count, each compiling every layout's buckets."""
 
 import pytest
@@ -40,6 +40,14 @@ def test_dense_and_sparse_layers(tmp_path, arch):
     model = make_hf_checkpoint(str(tmp_path / arch), arch)
     layouts = {name: FOUR[name] for name in ("whole", "prefix", "expert4", "expert2_tensor2")}
     check_every_layout(model, arch, layouts, ("prefix", "expert4", "expert2_tensor2"), devices=4)
+
+
+def test_gpt_oss(tmp_path):
+    """Attention sinks split with the heads over expert x tensor, in chunked prefill and
+    decode; biased experts whose down bias is added once per expert, not per tensor rank."""
+    model = make_hf_checkpoint(str(tmp_path / "gpt_oss"), "gpt_oss")
+    layouts = {name: FOUR[name] for name in ("whole", "chunked", "prefix", "expert2_tensor2", "int8")}
+    check_every_layout(model, "gpt_oss", layouts, ("chunked", "prefix", "expert2_tensor2"), devices=4)
 
 
 def test_eight_devices(mixtral):

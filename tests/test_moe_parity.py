@@ -1,5 +1,5 @@
-"""Mixtral, Qwen3-MoE (a dense layer between sparse ones) and Qwen2-MoE (gated shared
-expert) against Hugging Face transformers on random-init checkpoints
+"""Mixtral, Qwen3-MoE (a dense layer between sparse ones), Qwen2-MoE (gated shared
+expert), GLM-4.5 and gpt-oss (sinks, biased experts, clamped SwiGLU) against Hugging Face transformers on random-init checkpoints
 (tests/hf_models.py MOE_KWARGS): f32 last-row logits within 1e-5 relative, greedy tokens
 equal to HF's generate, bf16 at the noise floor (the method of tests/test_model_parity.py);
 int8 experts against the float64 model with the same quantized weights."""
@@ -51,12 +51,14 @@ def test_active_parameters_count_top_k_of_the_experts(moe_dirs):
     assert param_count(config) - active_param_count(config) == pytest.approx(routed * (1 - 2 / e))
 
 
-def test_int8_experts_load_as_the_float_model_quantized(moe_dirs):
-    """Per-expert scales stacked at load (each expert's tensor quantized on its own) equal
-    quantizing the loaded float model's stacked experts."""
-    config = config_from_hf(moe_dirs["mixtral"])
-    float_model = load_hf_params(moe_dirs["mixtral"], config, progress=False)
-    loaded = load_hf_params(moe_dirs["mixtral"], dataclasses.replace(config, weight_dtype="int8"), progress=False)
+@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
+def test_int8_experts_load_as_the_float_model_quantized(moe_dirs, arch):
+    """Per-expert scales at load (Mixtral: each expert's own tensor quantized, then stacked;
+    gpt-oss: the checkpoint's stacked tensor quantized per expert) equal quantizing the
+    loaded float model's stacked experts."""
+    config = config_from_hf(moe_dirs[arch])
+    float_model = load_hf_params(moe_dirs[arch], config, progress=False)
+    loaded = load_hf_params(moe_dirs[arch], dataclasses.replace(config, weight_dtype="int8"), progress=False)
     want = quantize_model(float_model)
     for name in ("experts_gate_up", "experts_down", "experts_gate_up_scale", "experts_down_scale"):
         got, ref = getattr(loaded.layers[0].mlp, name)[...], getattr(want.layers[0].mlp, name)[...]
