@@ -32,6 +32,10 @@ ARCHS = {
                                                                tie_word_embeddings=False)),
     # the bench shape's MLP as 8 experts of the same width, top 2 (issue 25)
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=8, num_experts_per_tok=2)),
+    # the same experts with gpt-oss's sinks, biases, clamped SwiGLU and a 128-token window
+    # on every other layer; transformers has no sdpa for it (eager attention)
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(num_local_experts=8, num_experts_per_tok=2,
+                                                          sliding_window=128)),
 }
 
 
@@ -53,8 +57,15 @@ def time_prefill(directory: str, lengths: list[int], repeats: int, warmup: int, 
     import transformers as tf
 
     torch.set_num_threads(threads)
-    model = tf.AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype),
-                                                    attn_implementation="sdpa").eval()
+
+    def load(attention):
+        return tf.AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype),
+                                                       attn_implementation=attention).eval()
+
+    try:
+        model = load("sdpa")
+    except ValueError:  # a family without sdpa (gpt-oss): its eager attention
+        model = load("eager")
     prompt = np.random.default_rng(seed).integers(0, model.config.vocab_size, size=max(lengths))
     out = {"framework": "transformers", "torch": torch.__version__, "transformers": tf.__version__,
            "threads": torch.get_num_threads(), "dtype": dtype, "attn_implementation": model.config._attn_implementation,

@@ -8,6 +8,11 @@ Quantized pages (int8 / float8_e4m3fn with per token-head f32 `kv_scales`): the 
 reads exactly what a kernel computes with, `stored * scale` rounded to f32 and then to
 q's dtype, and does the rest in float64. `make_batch(kv_dtype=...)` quantizes its random
 K/V in NumPy (absmax / QMAX scales, no project code), garbage in unused pages AND scales.
+
+Attention sinks (gpt-oss, `sinks[Hq]` natural-log logits): exp(sinks[h]) joins every
+row's softmax denominator and has no value vector. The exact path takes the max over the
+scores and the sink; the CastOrder path adds exp(sink - m) after its online softmax, m the
+running max of the scores only, as the kernels do.
 """
 
 from __future__ import annotations
@@ -40,7 +45,8 @@ def round_to(x, dtype):
 
 def _softmax_v(sc,  # [Hkv, G, K] natural-log units, K visible keys
                v,  # [K, Hkv, D]
-               first_key: int, block_kv, round_p, dtype):
+               first_key: int, block_kv, round_p, dtype,
+               sink=None):  # [Hkv, G, 1] sink logits, or None
     """softmax(sc) @ v the way a blocked online softmax rounds P (see CastOrder)."""
     hkv, g, k = sc.shape
     acc = np.zeros((hkv, g, v.shape[-1]))
@@ -58,6 +64,8 @@ def _softmax_v(sc,  # [Hkv, G, K] natural-log units, K visible keys
         p = round_to(p, dtype) if round_p else p
         acc = alpha * acc + np.einsum("hgk,khd->hgd", p, v[lo:hi])
         m = m_new
+    if sink is not None:
+        l = l + np.exp(sink - m)
     return acc / l
 
 
@@ -70,7 +78,7 @@ def dequantized(kv_pages, kv_scales, dtype):
 
 
 def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
-           sliding_window=None, soft_cap=None, cast=None, kv_scales=None):
+           sliding_window=None, soft_cap=None, cast=None, kv_scales=None, sinks=None):
     """Returns (out[T, Hq, D] float64, live[T] bool). Rows not live are left at 0.
 
     cast=None: exact attention of the given inputs. A CastOrder: the same, rounded where
@@ -92,6 +100,7 @@ def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
         q = round_to(np.float32(q) * np.float32(cast.q_prescale), dtype)
         score_scale = sm_scale / cast.q_prescale
     block_kv = cast.block_kv if cast is not None else None
+    sink = None if sinks is None else np.asarray(sinks, np.float64).reshape(hkv, g, 1)
     for s in range(n):
         kv_len = int(kv_lens[s])
         q_len = int(cu[s + 1] - cu[s])
@@ -112,11 +121,16 @@ def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
             if soft_cap is not None:
                 sc = soft_cap * np.tanh(sc / soft_cap)
             if cast is None:
-                p = np.exp(sc - sc.max(axis=-1, keepdims=True))
-                p /= p.sum(axis=-1, keepdims=True)
-                o = np.einsum("hgk,khd->hgd", p, v[lo:pos + 1])
+                mx = sc.max(axis=-1, keepdims=True)
+                if sink is not None:
+                    mx = np.maximum(mx, sink)
+                p = np.exp(sc - mx)
+                denom = p.sum(axis=-1, keepdims=True)
+                if sink is not None:
+                    denom = denom + np.exp(sink - mx)
+                o = np.einsum("hgk,khd->hgd", p / denom, v[lo:pos + 1])
             else:
-                o = _softmax_v(sc, v[lo:pos + 1], lo, bk, cast.round_p, dtype)
+                o = _softmax_v(sc, v[lo:pos + 1], lo, bk, cast.round_p, dtype, sink)
             out[row] = o.reshape(hq, d)
     if cast is not None and cast.round_out:
         out = round_to(out, dtype)

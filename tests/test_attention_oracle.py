@@ -148,3 +148,39 @@ def test_long_context_window(impl):
     check(impl, batch, np.float32, sm_scale=0.125, sliding_window=700)
     if impl in ("xla", "reference"):
         check(impl, batch, np.float32, sm_scale=0.125)
+
+
+# Attention sinks (gpt-oss): one learned logit per q head in every row's softmax
+# denominator. Sinks from -3 to +6 nats: some below every score, some far above (then a
+# row's weights sum well under 1, and an impl that drops or misplaces the term is off by
+# far more than the tolerance; checked below against the no-sink oracle).
+SINK_CASES = {
+    # name: (seqs, hq, hkv, d, page_size, dtype, window, cap)
+    "gqa4_mixed": ([(9, 20), (1, 7), (5, 5), (1, 33)], 8, 2, 64, 4, np.float32, None, None),
+    "window_cap": ([(12, 40), (1, 40)], 4, 2, 64, 4, np.float32, 9, 15.0),
+    "bf16_multi_block": ([(5, 300), (1, 290), (3, 70)], 4, 2, 64, 16, jnp.bfloat16, None, None),
+}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", sorted(SINK_CASES))
+def test_attention_sinks(impl, case):
+    seqs, hq, hkv, d, ps, dtype, window, cap = SINK_CASES[case]
+    total = sum(q for q, _ in seqs)
+    batch = make_batch(seqs, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=ps,
+                       dtype=dtype, num_tokens=total + 3, num_slots=len(seqs) + 1, seed=11)
+    sinks = np.linspace(-3.0, 6.0, hq).astype(np.float32)[np.random.default_rng(0).permutation(hq)]
+    kw = dict(sm_scale=d ** -0.5, sliding_window=window, soft_cap=cap)
+    ref, live = oracle(*batch.args(), **kw, sinks=sinks)
+    plain, _ = oracle(*batch.args(), **kw)
+    assert rel_err(plain, ref, live) > 20 * TOL[dtype], "sinks too small to test anything"
+    out = run(impl, batch, **kw, sinks=jnp.asarray(sinks))
+    assert np.isfinite(out).all(), "NaN/inf reached an output row"
+    err = rel_err(out, ref, live)
+    assert err <= TOL[dtype], f"{impl}: rel err {err:.3g} > {TOL[dtype]}"
+
+
+def test_sinks_shape_is_checked():
+    batch = make_batch([(3, 5)], num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=4)
+    with pytest.raises(ValueError, match="sinks must be"):
+        run("xla", batch, sm_scale=0.125, sinks=jnp.zeros((2,), jnp.float32))

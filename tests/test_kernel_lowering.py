@@ -98,7 +98,7 @@ def test_the_cases_cover_every_preset_shape():
     assert {k[1] for k in covered} >= {"float32", "bfloat16"} and {k[0] for k in covered} >= {32, 64, 128}
 
 
-@pytest.mark.parametrize("preset", ["mixtral_8x7b", "qwen3_30b_a3b"])
+@pytest.mark.parametrize("preset", ["mixtral_8x7b", "qwen3_30b_a3b", "gpt_oss_120b"])
 def test_pallas_tpu_grouped_matmul_lowers_with_mosaic(preset):
     """The MoE grouped matmul's two projections at a preset's expert shapes (a 2048-token
     prefill at top k), bf16."""

@@ -30,8 +30,11 @@ def resolve_impl(impl: str) -> str:
     return impl
 
 
-def validate(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales=None):
+def validate(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales=None, sinks=None):
     """Static shape checks at trace time, so mistakes fail here, not deep inside XLA."""
+    if sinks is not None and sinks.shape != (q.shape[1],):
+        raise ValueError(f"sinks must be [Hq] = [{q.shape[1]}] (one logit per query head), "
+                         f"got {sinks.shape}")
     quantized = is_quantized(kv_pages.dtype)
     if quantized != (kv_scales is not None):
         raise ValueError(f"kv_scales must be given exactly when kv_pages are int8/float8_e4m3fn: "
@@ -70,16 +73,22 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     impl: str = "auto",
     kv_scales: jax.Array | None = None,  # [num_pages, page_size, 2 * Hkv] f32 for int8/fp8 pages
+    sinks: jax.Array | None = None,  # [Hq] f32, natural-log units
 ) -> jax.Array:  # [T, Hq, D]
     """`kv_pages` may be a QuantizedPages (or int8/fp8 values with `kv_scales`): every
-    impl dequantizes block by block inside the kernel (kv_quant.py)."""
+    impl dequantizes block by block inside the kernel (kv_quant.py).
+
+    `sinks` (gpt-oss attention sinks): one learned logit per query head, an extra term
+    exp(sinks[h]) in every row's softmax denominator with no value vector, so a head can
+    put weight on "nothing": p_j = exp(s_j) / (sum_k exp(s_k) + exp(sinks[h])), s_j the
+    scores after sm_scale and soft cap. Online softmax impls add it once, at the end."""
     if isinstance(kv_pages, QuantizedPages):
         if kv_scales is not None:
             raise ValueError("QuantizedPages carry their own scales: do not pass kv_scales too")
         kv_pages, kv_scales = kv_pages.values, kv_pages.scales
-    validate(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales)
+    validate(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales, sinks)
     module, fn = IMPLS[resolve_impl(impl)]
     kernel = getattr(importlib.import_module(module), fn)
     return kernel(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
                   sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                  kv_scales=kv_scales)
+                  kv_scales=kv_scales, sinks=sinks)

@@ -18,6 +18,9 @@ BlockSpec views of the same page array (combined head 2h and 2h+1), so nothing i
 K/V past kv_len are zeroed with `where`: unused pages may hold NaN. Quantized pages
 (int8 / fp8) come with two more views, of the scales at combined head 2h and 2h + 1
 (`[num_pages, page_size]` each); each gathered KV block is dequantized in registers.
+Attention sinks (gpt-oss) come as one more view, `[Gp*block_q]` f32 per KV head: each
+stacked row's sink logit already in log2 units, so the kernel only adds exp2(sink - m)
+to the denominator at the end.
 """
 
 from __future__ import annotations
@@ -46,10 +49,14 @@ def _kernel(kv_lens_ref, pidx_ref, cu_ref, item_block_ref, item_seq_ref, num_ite
             q_ref,  # [Gp, T_pad, D] (KV head h)
             k_ref,  # [num_pages, page_size, D] (combined head 2h)
             v_ref,  # [num_pages, page_size, D] (combined head 2h + 1)
-            *refs,  # [ks_ref, vs_ref [num_pages, page_size] f32 if quantized], o_ref [Gp, T_pad, D]
+            *refs,  # [ks_ref, vs_ref [num_pages, page_size] f32 if quantized],
+                    # [sink_ref [Gp*block_q] f32 log2 units if sinks], o_ref [Gp, T_pad, D]
             block_q, block_kv, pages_per_block, pages_per_seq, sliding_window, soft_cap,
-            quantized):
-    ks_ref, vs_ref, o_ref = refs if quantized else (None, None, *refs)
+            quantized, sinks):
+    refs = list(refs)
+    ks_ref, vs_ref = (refs.pop(0), refs.pop(0)) if quantized else (None, None)
+    sink_ref = refs.pop(0) if sinks else None
+    (o_ref,) = refs
     i = pl.program_id(1)
     group, _, head_dim = q_ref.shape
     rows = group * block_q
@@ -94,8 +101,11 @@ def _kernel(kv_lens_ref, pidx_ref, cu_ref, item_block_ref, item_seq_ref, num_ite
         carry = (jnp.full((rows,), MASK_VALUE, jnp.float32),
                  jnp.zeros((rows,), jnp.float32),
                  jnp.zeros((rows, head_dim), jnp.float32))
-        _, l, acc = lax.fori_loop(ib["kv_lo"], ib["kv_hi"], step, carry)
-        o = acc / jnp.where(l > 0, l, 1.0)[:, None]
+        m, l, acc = lax.fori_loop(ib["kv_lo"], ib["kv_hi"], step, carry)
+        if sinks:  # exp2, not a polynomial: sink - m may be positive
+            o = acc / jnp.where(l > 0, l + jnp.exp2(sink_ref[...] - m), 1.0)[:, None]
+        else:
+            o = acc / jnp.where(l > 0, l, 1.0)[:, None]
         o = o.reshape(group, block_q, head_dim).astype(o_ref.dtype)
         tok = r0 + jnp.arange(block_q, dtype=jnp.int32)
         mine = (tok >= ib["lo"]) & (tok < ib["hi"])
@@ -123,6 +133,7 @@ def ragged_paged_attention_gpu(
     num_warps: int | None = None,
     num_stages: int | None = None,
     kv_scales: jax.Array | None = None,  # [num_pages, page_size, 2 * Hkv] f32 (int8/fp8 pages)
+    sinks: jax.Array | None = None,  # [Hq] f32 attention sinks, natural-log units
 ) -> jax.Array:  # [T, Hq, D]
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, combined, _ = kv_pages.shape
@@ -172,9 +183,18 @@ def ragged_paged_attention_gpu(
         in_specs += [pl.BlockSpec((num_pages, page_size, None), lambda h, i: (0, 0, 2 * h)),
                      pl.BlockSpec((num_pages, page_size, None), lambda h, i: (0, 0, 2 * h + 1))]
         operands += [kv_scales, kv_scales]
+    if sinks is not None:
+        # Per stacked row (g-major, like q's rows), in the scores' log2 units; padded heads
+        # (group..Gp) get 0, their rows are never stored.
+        sink_rows = (sinks.astype(jnp.float32) * LOG2E).reshape(num_kv_heads, group)
+        sink_rows = jnp.pad(sink_rows, ((0, 0), (0, gp - group)))
+        sink_rows = jnp.repeat(sink_rows, bq, axis=1)  # [Hkv, Gp*bq]
+        in_specs.append(pl.BlockSpec((None, gp * bq), lambda h, i: (h, 0)))
+        operands.append(sink_rows)
     kernel = functools.partial(
         _kernel, block_q=bq, block_kv=bk, pages_per_block=ppb, pages_per_seq=pages_per_seq,
-        sliding_window=sliding_window, soft_cap=soft_cap, quantized=kv_scales is not None)
+        sliding_window=sliding_window, soft_cap=soft_cap, quantized=kv_scales is not None,
+        sinks=sinks is not None)
     compiler_params = None
     if not interpret:
         warps = num_warps or (4 if gp * bq * head_dim <= 64 * 128 else 8)

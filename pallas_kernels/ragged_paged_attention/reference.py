@@ -5,6 +5,9 @@ One flat token array holds all sequences back to back (`cu_q_lens`). Sequence s 
 so query i of s sits at position `kv_lens[s] - q_len(s) + i`. The loop runs over
 sequences, each time scoring every query against that sequence's keys and keeping the
 rows that belong to it; cost is S x T x K, fine for a reference.
+
+Attention sinks (gpt-oss) are what they are defined as: one more score column per head,
+`sinks[h]`, in the softmax, dropped before the PV product (it has no value vector).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ def ragged_paged_attention_reference(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     kv_scales: jax.Array | None = None,  # [num_pages, page_size, 2 * Hkv] f32 (int8/fp8 pages)
+    sinks: jax.Array | None = None,  # [Hq] f32, natural-log units
 ) -> jax.Array:  # [T, Hq, D]
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, combined, _ = kv_pages.shape
@@ -69,7 +73,12 @@ def ragged_paged_attention_reference(
         if sliding_window is not None:
             visible &= key_pos[None, :] > pos[:, None] - sliding_window
         scores = jnp.where(visible[:, None, None, :], scores, MASK_VALUE)
-        probs = jax.nn.softmax(scores, axis=-1)
+        if sinks is None:
+            probs = jax.nn.softmax(scores, axis=-1)
+        else:
+            sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(num_kv_heads, group, 1),
+                                    scores.shape[:-1] + (1,))
+            probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
         o = jnp.einsum("thgk,khd->thgd", probs, v)
         mine = (seq_of == s) & valid
         return jnp.where(mine[:, None, None, None], o, out)

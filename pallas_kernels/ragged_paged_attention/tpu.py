@@ -24,6 +24,11 @@ Quantized pages (int8 / fp8): each page's scales `[page_size, 2*Hkv]` (contiguou
 in the same double buffer with their own DMA; head h's K and V scale columns are picked
 with a one-hot sum (no dynamic lane index) and the block is dequantized in VMEM.
 
+Attention sinks (gpt-oss): a `[G*block_q, 1]` f32 VMEM block per KV head, each stacked
+row's sink logit (natural-log units, like the scores here), the shape of the running max
+and sum; its block index depends on the head only, so it is fetched once per head. The
+kernel adds exp(sink - m) to the denominator at the end.
+
 Off TPU the kernel runs under the TPU interpreter with race detection on.
 """
 
@@ -60,16 +65,20 @@ def _kernel(kv_lens_ref, pidx_ref, cu_ref, num_seqs_ref, item_block_ref, item_se
             num_items_ref,  # scalar prefetch (SMEM)
             q_ref,  # [G, bq, D] block
             kv_hbm,  # [num_pages, page_size, 2*Hkv, D] in HBM
-            *refs,  # [scales_hbm [num_pages, page_size, 2*Hkv] f32 if quantized], o_ref
-                    # [G, bq, D], k_buf, v_buf [2, ppb, page_size, D] VMEM, [s_buf
-                    # [2, ppb, page_size, 2*Hkv] f32], sems DMA [2 or 3 (k/v/scales), 2 (slot)]
+            *refs,  # [scales_hbm [num_pages, page_size, 2*Hkv] f32 if quantized], [sink_ref
+                    # [G*bq, 1] f32 if sinks], o_ref [G, bq, D], k_buf, v_buf [2, ppb,
+                    # page_size, D] VMEM, [s_buf [2, ppb, page_size, 2*Hkv] f32], sems DMA
+                    # [2 or 3 (k/v/scales), 2 (slot)]
             block_q, block_kv, pages_per_block, pages_per_seq, sliding_window, soft_cap,
-            quantized):
+            quantized, sinks):
     del num_seqs_ref  # folded into cu (sanitized) and the item table
+    refs = list(refs)
+    scales_hbm = refs.pop(0) if quantized else None
+    sink_ref = refs.pop(0) if sinks else None
     if quantized:
-        scales_hbm, o_ref, k_buf, v_buf, s_buf, sems = refs
+        o_ref, k_buf, v_buf, s_buf, sems = refs
     else:
-        (o_ref, k_buf, v_buf, sems), scales_hbm, s_buf = refs, None, None
+        (o_ref, k_buf, v_buf, sems), s_buf = refs, None
     h = pl.program_id(0)
     i = pl.program_id(1)
     group, bq, head_dim = q_ref.shape
@@ -151,8 +160,12 @@ def _kernel(kv_lens_ref, pidx_ref, cu_ref, num_seqs_ref, item_block_ref, item_se
         carry = (jnp.full((rows, 1), MASK_VALUE, jnp.float32),
                  jnp.zeros((rows, 1), jnp.float32),
                  jnp.zeros((rows, head_dim), jnp.float32))
-        _, l, acc = lax.fori_loop(kv_lo, kv_hi, step, carry)
-        o = (acc / jnp.where(l > 0, l, 1.0)).reshape(group, bq, head_dim)
+        m, l, acc = lax.fori_loop(kv_lo, kv_hi, step, carry)
+        if sinks:
+            o = acc / jnp.where(l > 0, l + jnp.exp(sink_ref[...] - m), 1.0)
+        else:
+            o = acc / jnp.where(l > 0, l, 1.0)
+        o = o.reshape(group, bq, head_dim)
         tok = ib["r0"] + lax.broadcasted_iota(jnp.int32, (group, bq, head_dim), 1)
         mine = (tok >= ib["lo"]) & (tok < ib["hi"])
         o_ref[...] = jnp.where(mine, o.astype(o_ref.dtype), o_ref[...])
@@ -175,6 +188,7 @@ def ragged_paged_attention_tpu(
     block_kv: int | None = None,
     interpret=None,  # None: auto (interpreter off TPU); False; or InterpretParams
     kv_scales: jax.Array | None = None,  # [num_pages, page_size, 2 * Hkv] f32 (int8/fp8 pages)
+    sinks: jax.Array | None = None,  # [Hq] f32 attention sinks, natural-log units
 ) -> jax.Array:  # [T, Hq, D]
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, combined, _ = kv_pages.shape
@@ -210,7 +224,8 @@ def ragged_paged_attention_tpu(
     block = pl.BlockSpec((None, group, bq, head_dim), q_map)
     kernel = functools.partial(
         _kernel, block_q=bq, block_kv=bk, pages_per_block=ppb, pages_per_seq=pages_per_seq,
-        sliding_window=sliding_window, soft_cap=soft_cap, quantized=kv_scales is not None)
+        sliding_window=sliding_window, soft_cap=soft_cap, quantized=kv_scales is not None,
+        sinks=sinks is not None)
     kv_buf = pltpu.VMEM((2, ppb, page_size, head_dim), kv_pages.dtype)
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     if kv_scales is None:
@@ -219,6 +234,12 @@ def ragged_paged_attention_tpu(
         in_specs = [block, hbm, hbm]
         scratch = [kv_buf, kv_buf, pltpu.VMEM((2, ppb, page_size, combined), kv_scales.dtype)]
         operands = (qs, kv_pages, kv_scales)
+    if sinks is not None:
+        # One sink per stacked row (g-major, like q's rows): [Hkv, G*bq, 1].
+        sink_rows = jnp.repeat(sinks.astype(jnp.float32).reshape(num_kv_heads, group), bq, axis=1)
+        in_specs = [*in_specs, pl.BlockSpec((None, group * bq, 1),
+                                            lambda h, i, *_: (h, 0, 0))]
+        operands = (*operands, sink_rows[..., None])
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(

@@ -28,6 +28,8 @@ with `where` beyond kv_len, so NaN in unused page slots never reaches an output;
 an item that belong to another sequence, and padding rows, are dropped with `where`.
 Quantized pages (int8 / fp8 with `kv_scales`) are dequantized per KV block as it is
 loaded, to the compute dtype; the cache is never dequantized as a whole.
+Attention sinks (gpt-oss, one logit per q head) only change the final normalisation:
+acc / (l + 2**(sink - m)), in the scores' log2 units (`_normalize`).
 """
 
 from __future__ import annotations
@@ -142,10 +144,25 @@ def exp2(x):
     return p * scale
 
 
+def _normalize(acc,  # [..., R, D'] f32
+               l,  # [..., R] f32 softmax denominator so far
+               m,  # [..., R] f32 running max (log2 units)
+               sink):  # [Hkv', R] f32 sink logit of each row's head (log2 units), or None
+    """The online softmax's output: acc over its denominator, plus the sink term when
+    there are sinks. Rows that saw no key (l == 0) have acc == 0 and stay 0.
+
+    The sink term uses jnp.exp2, not the polynomial `exp2`: sink - m may be positive
+    (a sink above every score), outside the polynomial's range."""
+    if sink is not None:
+        return acc / jnp.where(l > 0, l + jnp.exp2(sink - m), 1.0)[..., None]
+    return acc / jnp.where(l > 0, l, 1.0)[..., None]
+
+
 # --------------------------------------------------------------------------- kernel
 def _attend(q,  # [T_pad, Hkv', G', D] unscaled q, T_pad a multiple of bq; R = G' * bq
             kv_pages,  # [num_pages, page_size, 2 * Hkv', D]
             kv_scales,  # [num_pages, page_size, 2 * Hkv'] f32, or None (unquantized pages)
+            sinks,  # [Hkv', G'] f32 attention sinks in log2 units, or None
             pidx,  # [S, P'] int32 page table padded to whole KV blocks, plus one block
             cu, kv_lens, item_block, item_seq, num_items,
             seq_skip,  # [S] bool: sequences another path serves (their items do nothing)
@@ -169,6 +186,8 @@ def _attend(q,  # [T_pad, Hkv', G', D] unscaled q, T_pad a multiple of bq; R = G
     row_in_block = jnp.tile(jnp.arange(bq, dtype=jnp.int32), group)  # [R], g-major
     nsub = diag_splits
     bq_sub = bq // nsub
+    # Each chunk's rows are g-major (G' heads x bq_sub rows): the sink of each row's head.
+    sink_rows = None if sinks is None else jnp.repeat(sinks, bq_sub, axis=1)  # [Hkv', G'*bq_sub]
 
     def load_kv(s, page0, npages):
         ids = lax.dynamic_slice_in_dim(pidx[s], page0, npages)
@@ -255,10 +274,10 @@ def _attend(q,  # [T_pad, Hkv', G', D] unscaled q, T_pad a multiple of bq; R = G
             c_carry = lax.fori_loop(
                 0, steps, lambda j, cc: masked_update(cc, s, q_c, pos_c, tail0 + j * width, width,
                                                       key_end), c_carry)
-            _, l, acc = c_carry
+            m, l, acc = c_carry
             if sum_pad:
                 l, acc = acc[..., head_dim], acc[..., :head_dim]
-            outs.append(acc / jnp.where(l > 0, l, 1.0)[..., None])
+            outs.append(_normalize(acc, l, m, sink_rows))
         o = jnp.stack([x.reshape(num_kv_heads, group, bq_sub, head_dim) for x in outs], axis=2)
         o = o.reshape(num_kv_heads, group, bq, head_dim).transpose(2, 0, 1, 3)  # [bq, Hkv', G', D]
         tok = ib["r0"] + jnp.arange(bq, dtype=jnp.int32)
@@ -271,7 +290,9 @@ def _attend(q,  # [T_pad, Hkv', G', D] unscaled q, T_pad a multiple of bq; R = G
 
 
 def _attend_short(qs,  # [T, Hq, D] scaled q (log2 units unless soft_cap)
-                  kv_pages, kv_scales, pidx, cu, kv_lens, num_seqs,
+                  kv_pages, kv_scales,
+                  sinks,  # [Hkv, G] f32 attention sinks in log2 units, or None
+                  pidx, cu, kv_lens, num_seqs,
                   seq_mask,  # [S] bool: the sequences this path serves (each <= q_max new tokens)
                   *, q_max, bk, ppb, sliding_window, soft_cap, exp2_fn):
     """Sequence-batched path for sequences with <= q_max new tokens (decode, speculative
@@ -332,8 +353,9 @@ def _attend_short(qs,  # [T, Hq, D] scaled q (log2 units unless soft_cap)
     carry = (jnp.full((num_slots, num_kv_heads, rows), MASK_VALUE, jnp.float32),
              jnp.zeros((num_slots, num_kv_heads, rows), jnp.float32),
              jnp.zeros((num_slots, num_kv_heads, rows, head_dim), jnp.float32))
-    _, l, acc = lax.fori_loop(j_lo, j_hi, step, carry)
-    o = acc / jnp.where(l > 0, l, 1.0)[..., None]  # [S, Hkv, R, D]
+    m, l, acc = lax.fori_loop(j_lo, j_hi, step, carry)
+    sink_rows = None if sinks is None else jnp.repeat(sinks, q_max, axis=1)  # [Hkv, R] g-major
+    o = _normalize(acc, l, m, sink_rows)  # [S, Hkv, R, D]
     o = o.reshape(num_slots, num_kv_heads, group, q_max, head_dim).transpose(0, 3, 1, 2, 4)
     o = o.reshape(num_slots * q_max, num_q_heads, head_dim)
     out = jnp.zeros((num_tokens, num_q_heads, head_dim), jnp.float32)
@@ -362,6 +384,7 @@ def ragged_paged_attention_xla(
     short_q: int = 1,  # sequences with <= short_q new tokens take the sequence-batched path
     diag_splits: int | None = None,  # row chunks of the causal diagonal; None: block_sizes' rule
     kv_scales: jax.Array | None = None,  # [num_pages, page_size, 2 * Hkv] f32 (int8/fp8 pages)
+    sinks: jax.Array | None = None,  # [Hq] f32 attention sinks, natural-log units
 ) -> jax.Array:  # [T, Hq, D]
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, combined, _ = kv_pages.shape
@@ -393,6 +416,9 @@ def ragged_paged_attention_xla(
     # q scaled so scores come out in log2 units (soft cap: scaled after the tanh).
     q_scale = sm_scale if soft_cap is not None else sm_scale * LOG2E
     exp2_fn = exp2 if fast_exp else jnp.exp2
+    # Sinks in the scores' units (log2, with or without a soft cap), per KV head group.
+    sinks2 = None if sinks is None else (
+        sinks.astype(jnp.float32) * LOG2E).reshape(num_kv_heads, group)  # [Hkv, G]
     if par is None:
         par = xla_parallel_loops(jax.default_backend(), num_kv_heads, group)
 
@@ -400,7 +426,7 @@ def ragged_paged_attention_xla(
     q_lens = jnp.where(live, cu[1:] - cu[:-1], 0)  # [S]
 
     def by_items(q, seq_skip=jnp.zeros((num_slots,), jnp.bool_)):
-        return _by_items(q, kv_pages, kv_scales, pidx, cu, kv_lens, item_block, item_seq,
+        return _by_items(q, kv_pages, kv_scales, sinks2, pidx, cu, kv_lens, item_block, item_seq,
                          num_items, seq_skip, q_scale=q_scale, bq=bq, bk=bk, ppb=ppb, par=par,
                          sliding_window=sliding_window, soft_cap=soft_cap, exp2_fn=exp2_fn,
                          sum_pad=sum_pad, diag_splits=diag_splits)
@@ -416,7 +442,7 @@ def ragged_paged_attention_xla(
 
     def short(q, seq_mask=jnp.ones((num_slots,), jnp.bool_)):
         q_scaled = (q.astype(jnp.float32) * q_scale).astype(cdt)
-        return _attend_short(q_scaled, kv_pages, kv_scales, pidx_short, cu, kv_lens, num_seqs, seq_mask,
+        return _attend_short(q_scaled, kv_pages, kv_scales, sinks2, pidx_short, cu, kv_lens, num_seqs, seq_mask,
                              q_max=q_max, bk=bk_short, ppb=ppb_short,
                              sliding_window=sliding_window, soft_cap=soft_cap,
                              exp2_fn=exp2_fn)
@@ -435,7 +461,9 @@ def ragged_paged_attention_xla(
     return out.astype(q.dtype)
 
 
-def _by_items(q, kv_pages, kv_scales, pidx, cu, kv_lens, item_block, item_seq, num_items, seq_skip, *,
+def _by_items(q, kv_pages, kv_scales,
+              sinks,  # [Hkv, G] f32 attention sinks in log2 units, or None
+              pidx, cu, kv_lens, item_block, item_seq, num_items, seq_skip, *,
               q_scale, bq, bk, ppb, par, sliding_window, soft_cap, exp2_fn, sum_pad, diag_splits):
     """The item path: q [T, Hq, D] unscaled; returns out [T, Hq, D] f32."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -460,6 +488,7 @@ def _by_items(q, kv_pages, kv_scales, pidx, cu, kv_lens, item_block, item_seq, n
             kv_pages[:, :, 2 * h0:2 * (h0 + nh)] if nh < num_kv_heads else kv_pages,
             kv_scales[:, :, 2 * h0:2 * (h0 + nh)]
             if kv_scales is not None and nh < num_kv_heads else kv_scales,
+            sinks if sinks is None or len(splits) == 1 else sinks[h0:h0 + nh, g0:g0 + ng],
             pidx, cu, kv_lens, item_block, item_seq, num_items, seq_skip, q_scale=q_scale,
             bq=bq, bk=bk, ppb=ppb, sliding_window=sliding_window, soft_cap=soft_cap,
             exp2_fn=exp2_fn, sum_pad=sum_pad, diag_splits=diag_splits))
