@@ -181,7 +181,7 @@ def import_rows(cache, values, scales, pages: list[int], num_tokens: int, page_s
         values = jax.device_put(values, replicated)
         scales = None if scales is None else jax.device_put(scales, replicated)
     pages = scatter_tokens(cache.pages, values, scales, jnp.asarray(slots), stages=cache.stages)
-    return type(cache)(pages, cache.stages)
+    return dataclasses.replace(cache, pages=pages)
 
 
 def wait_ready(arrays, deadline: float, poll_s: float = 0.002) -> bool:

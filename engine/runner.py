@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from jaxfill.engine.batch import StepBatch, dummy_batch, stack_batches
+from jaxfill.engine.expert_load import ExpertLoad
 from jaxfill.engine.lockstep import HEARTBEAT, RESET, RUN, STOP, USE_XLA, Lockstep
 from jaxfill.engine.step import step, step_replicas
 from jaxfill.models.kv_cache import KVCache
@@ -93,6 +94,8 @@ class Runner:
             self._size_pool()
         self.num_pages = self.config.engine.num_pages
         self.kv_cache = self.new_cache()
+        m = config.model
+        self.expert_load = ExpertLoad(m.num_layers, m.num_experts, self.stages) if m.num_experts else None
         self.lockstep = None
         if jax.process_count() > 1:
             self.lockstep = Lockstep([self.dummy(shape) for shape in self.shapes])
@@ -162,6 +165,8 @@ class Runner:
         with self.mesh_context():
             out, self.kv_cache, self.prev_tokens = self.step_fn(self.graphdef, self.state, self.kv_cache, dev,
                                                               self.prev_tokens)
+            if self.expert_load is not None:
+                self.expert_load.snapshot(self.kv_cache)
         return PendingOutput(out)
 
     def _execute(self, batch: StepBatch) -> HostOutput:
@@ -188,7 +193,25 @@ class Runner:
         (a collective allocation: followers are told to do the same)."""
         if self.lockstep is not None:
             self.lockstep.send(RESET)
-        self.kv_cache = self.new_cache()
+        self.kv_cache = self.fresh_cache()
+
+    def fresh_cache(self) -> KVCache:
+        """A new cache in place of the current one (its expert counters start at 0)."""
+        if self.expert_load is not None:
+            self.expert_load.reset()
+        return self.new_cache()
+
+    def expert_totals(self, refresh: bool = False) -> dict:
+        """layer -> [E] int64 (token, expert) pairs routed so far ({} for a dense model).
+        `refresh` copies the counters now and waits for them (one process only: in a
+        multi-host run every process must dispatch the same programs)."""
+        if self.expert_load is None:
+            return {}
+        if refresh:
+            if self.lockstep is not None:
+                raise RuntimeError("expert_totals(refresh=True) is for a single-process engine")
+            self.expert_load.snapshot(self.kv_cache, force=True)
+        return self.expert_load.totals(wait=refresh)
 
     def warmup(self, progress: bool = True) -> tuple[int, int]:
         """Checks the attention impl, then compiles or loads from the persistent compile
@@ -258,7 +281,7 @@ class Runner:
             if op == STOP:
                 return steps
             if op == RESET:
-                self.kv_cache = self.new_cache()
+                self.kv_cache = self.fresh_cache()
             elif op == USE_XLA:
                 self._use_xla()
                 self.attention_check = "process 0's warm-up check failed; xla serves"

@@ -52,13 +52,21 @@ class DecoderLayer(nnx.Module):
                  impl: str,
                  layer,  # the layer's number (models/layer_settings.py)
                  sampled_only: bool = False,
-                 ):  # ([T, E] or [S, E], pages)
+                 ):  # ([T, E] or [S, E], pages, expert token counts [experts] int32 or None)
         h, pages = self.attn(_maybe(self.attn_norm, x), positions, pages, meta, impl, layer, sampled_only)
         if sampled_only:  # only the sampled rows go on (see Attention)
             x = jnp.take(x, meta.logits_indices, axis=0)
         x = x + self._scaled(_maybe(self.attn_post_norm, h))
-        h = _maybe(self.mlp_post_norm, self.mlp(_maybe(self.mlp_norm, x)))
-        return x + self._scaled(h), pages
+        h, counts = _maybe(self.mlp_norm, x), None
+        if isinstance(self.mlp, MoE):
+            valid = meta.slot_mapping >= 0  # real token rows: padding is computed, never counted
+            if sampled_only:
+                valid = (jnp.take(valid, meta.logits_indices) & (jnp.arange(x.shape[0]) < meta.num_seqs[0]))
+            h, counts = self.mlp(h, valid)
+        else:
+            h = self.mlp(h)
+        h = _maybe(self.mlp_post_norm, h)
+        return x + self._scaled(h), pages, counts
 
     def _scaled(self, h):
         return h if self.residual_scale == 1.0 else h * jnp.asarray(self.residual_scale, h.dtype)
@@ -112,8 +120,8 @@ class Decoder(nnx.Module):
         if self.config.embed_scale != 1.0:
             x = x * jnp.asarray(self.config.embed_scale, x.dtype)
         if self.stages > 1:
-            x, new_pages = pipeline_layers(self.layers, x, positions, kv_cache.pages, meta,
-                                           self.attention_impl, self.microbatches)
+            x, new_pages, counts = pipeline_layers(self.layers, x, positions, kv_cache.pages, meta,
+                                                   self.attention_impl, self.microbatches)
         else:
             # The last layer's rows other than the sampled ones feed nothing (their K/V
             # come from the layer's input), so it runs only those, unless the rows are
@@ -121,7 +129,8 @@ class Decoder(nnx.Module):
             # sequence (every-row logits, as training and evaluation read them).
             one_row_per_seq = meta.logits_indices.shape[0] == meta.kv_lens.shape[0]
             prune = one_row_per_seq and prunes_last_layer(self.stages, rows_split_over_sequence())
-            x, new_pages = run_layers(self.layers, x, positions, kv_cache.pages, meta, self.attention_impl, prune)
+            x, new_pages, counts = run_layers(self.layers, x, positions, kv_cache.pages, meta,
+                                              self.attention_impl, prune)
             if not prune:
                 x = jnp.take(x, meta.logits_indices, axis=0)
         x = self.norm(constrain(x, ("seqs", "act_embed")))  # [S, E]
@@ -129,7 +138,7 @@ class Decoder(nnx.Module):
             logits = self.embed.attend(x)
         else:
             logits = constrain(x @ self.lm_head[...], ("seqs", "act_vocab"))  # vocab-parallel
-        return final_logits(self.config, logits), KVCache(tuple(new_pages), kv_cache.stages)
+        return final_logits(self.config, logits), kv_cache.updated(new_pages, counts)
 
 
 def final_logits(config: ModelConfig, logits: jax.Array) -> jax.Array:  # [S, V] -> [S, V] f32

@@ -7,6 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxfill.models.moe import is_moe_layer
 from jaxfill.models.sharding import DATA, KV_CACHE_AXES, kv_cache_heads, kv_cache_sharding
 from jaxfill.pallas_kernels import QUANT_DTYPES, QuantizedPages, init_kv_pages, init_quantized_pages
 
@@ -52,10 +53,17 @@ class KVCache:
     [num_pages, page_size, 2 * Hkv]). Model code passes entries through untouched.
 
     A pipelined model's cache (`stages` = p > 1, models/pipeline.py) has L / p entries,
-    each with a leading [p] axis: entry j, row s is layer s * (L / p) + j."""
+    each with a leading [p] axis: entry j, row s is layer s * (L / p) + j.
+
+    `expert_tokens` (MoE models): per entry, the (token, expert) pairs each expert of that
+    layer has been routed, counted on the device by every forward and carried here so no
+    step waits on the host: [R * E] int32 (R data replicas, split like the page axis;
+    [p, R * E] stacked), None for a dense layer, wrapping at 2**32 (engine/expert_load.py
+    reads differences)."""
 
     pages: tuple
     stages: int = dataclasses.field(default=1, metadata=dict(static=True))
+    expert_tokens: tuple | None = None
 
     @classmethod
     def create(cls, config, num_pages: int, page_size: int, dtype=None, fill_value: float = 0.0,
@@ -79,9 +87,23 @@ class KVCache:
             dtype = dtype or config.jnp_dtype
             layer = lambda: init_kv_pages(pool, page_size, heads, config.head_dim, dtype, fill_value)  # noqa: E731
         make = lambda: cache_entry(layer, stages)  # noqa: E731
+        counter = lambda: cache_entry(lambda: jnp.zeros((replicas * config.num_experts,), jnp.int32), stages)  # noqa: E731
         if mesh is not None:
             make = jax.jit(make, out_shardings=_cache_shardings(mesh, stages > 1, kv_cache_dtype != "auto"))
-        return cls(tuple(make() for _ in range(config.num_layers // stages)), stages)
+            counter = jax.jit(counter, out_shardings=kv_cache_sharding(mesh, staged=stages > 1, axes=KV_CACHE_AXES[:1]))
+        entries = range(config.num_layers // stages)
+        counters = None
+        if config.num_experts:  # stacked layouts hold one layer kind per entry (engine/config.check_stackable)
+            counters = tuple(counter() if is_moe_layer(config, j) else None for j in entries)
+        return cls(tuple(make() for _ in entries), stages, counters)
+
+    def updated(self, pages, counts: tuple) -> "KVCache":
+        """The cache after a forward: its new pages, and the forward's expert token counts
+        (run_layers' per-entry tuple) added to the running ones."""
+        if self.expert_tokens is None:
+            return KVCache(tuple(pages), self.stages)
+        return KVCache(tuple(pages), self.stages,
+                       tuple(None if old is None else old + new for old, new in zip(self.expert_tokens, counts)))
 
     @property
     def _values_shape(self) -> tuple[int, ...]:  # one layer's [num_pages, page_size, 2H, D]

@@ -149,7 +149,12 @@ class MoE(nnx.Module):
                        if c.shared_expert_size else None)
         self.shared_gate = param(rngs, (h, 1), ("embed", None), dt) if c.shared_expert_gate else None
 
-    def __call__(self, x: jax.Array) -> jax.Array:  # [T, E] -> [T, E]
+    def __call__(self,
+                 x: jax.Array,  # [T, H]
+                 valid: jax.Array | None = None,  # [T] bool: rows of real tokens (None: all)
+                 ) -> tuple[jax.Array, jax.Array]:  # [T, H], tokens routed to each expert [E] int32
+        """The layer's output, and how many (valid token, expert) pairs each expert got in
+        this call: the load statistics the engine accumulates (engine/expert_load.py)."""
         c = self.config
         with jax.named_scope("moe"):
             xr = x.astype(jnp.float32) if c.router_f32 else x
@@ -171,7 +176,16 @@ class MoE(nnx.Module):
                     gate = jax.nn.sigmoid(jnp.einsum("th,ho->to", x, self.shared_gate[...]))
                     shared = shared * gate
                 out = out + shared
-            return out
+            return out, expert_token_counts(ids, valid, c.num_experts)
+
+
+def expert_token_counts(ids: jax.Array,  # [T, k] int32
+                        valid: jax.Array | None,  # [T] bool, or None (every row counts)
+                        num_experts: int) -> jax.Array:  # [E] int32
+    """Valid (token, expert) pairs per expert: a scatter-add of T*k ones, never [T, k, E]."""
+    ones = jnp.ones(ids.shape, jnp.int32) if valid is None else jnp.broadcast_to(
+        valid[:, None], ids.shape).astype(jnp.int32)
+    return jnp.zeros((num_experts,), jnp.int32).at[ids.reshape(-1)].add(ones.reshape(-1))
 
 
 def _value(p):

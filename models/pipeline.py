@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jaxfill.models.moe import MoE
 from jaxfill.models.sharding import STAGE, context_mesh, mesh_axis_size, rows_metadata, var_axes
 
 
@@ -77,14 +78,17 @@ def run_layers(layers, x, positions, pages, meta, impl, prune_last: bool = False
     """The one layer loop of every layout: the unrolled model's L layers, and one stage's
     (or one scan step's) group of K, which is row `row` (traced there) of the stacked
     modules: module i of it is layer row * K + i. `prune_last`: the last layer runs on
-    the sampled rows only (models/decoder.py `prunes_last_layer` decides)."""
-    new = []
+    the sampled rows only (models/decoder.py `prunes_last_layer` decides). Returns x, the
+    new pages and each layer's expert token counts ([experts] int32; None for a dense layer)."""
+    new, counts = [], []
     for i, (layer, layer_pages) in enumerate(zip(layers, pages)):
         number = row * len(pages) + i
         with jax.named_scope(f"layer_{i}"):
-            x, layer_pages = layer(x, positions, layer_pages, meta, impl, number, prune_last and i == len(pages) - 1)
+            x, layer_pages, layer_counts = layer(x, positions, layer_pages, meta, impl, number,
+                                                 prune_last and i == len(pages) - 1)
         new.append(layer_pages)
-    return x, tuple(new)
+        counts.append(layer_counts)
+    return x, tuple(new), tuple(counts)
 
 
 def pipeline_layers(layers,  # nnx.List of K layers, params [p, ...]
@@ -94,7 +98,8 @@ def pipeline_layers(layers,  # nnx.List of K layers, params [p, ...]
                     meta,  # AttentionMetadata
                     impl: str,
                     microbatches: int,
-                    ) -> tuple[jax.Array, tuple]:  # rows [S, E] at meta.logits_indices, pages
+                    ) -> tuple[jax.Array, tuple, tuple]:  # rows [S, E] at meta.logits_indices, pages,
+    # per module the expert token counts of each stage's layer [p, experts] (None: dense)
     """The K-layer groups of all stages, pipelined over 'stage' when the context mesh has
     it, else run one stage after another (same numbers)."""
     mesh = context_mesh()
@@ -112,7 +117,7 @@ def pipeline_layers(layers,  # nnx.List of K layers, params [p, ...]
         pages = jax.tree.map(lambda a: a[0], pages)
 
         def tick(i, carry):
-            h, out, pages = carry  # h [n, E]: what the previous stage handed over
+            h, out, pages, counts = carry  # h [n, E]: what the previous stage handed over
             mb = i - s
             valid = (mb >= 0) & (mb < m)
             lo = jnp.clip(mb, 0, m - 1) * n
@@ -120,22 +125,31 @@ def pipeline_layers(layers,  # nnx.List of K layers, params [p, ...]
             pos, mb_meta = jax.lax.dynamic_slice_in_dim(positions, lo, n), microbatch_metadata(meta, lo, n, valid)
             # fill/drain ticks skip the layers: a stage's devices share `valid`, so any
             # collective inside (tensor parallelism) is skipped by all its members alike
-            y, pages = jax.lax.cond(valid, lambda: run_layers(mine, inp, pos, pages, mb_meta, impl, row=s),
-                                    lambda: (inp, pages))
+            y, pages, mb_counts = jax.lax.cond(
+                valid, lambda: run_layers(mine, inp, pos, pages, mb_meta, impl, row=s),
+                lambda: (inp, pages, jax.tree.map(jnp.zeros_like, counts)))
+            counts = jax.tree.map(jnp.add, counts, mb_counts)
             done = valid & (s == p - 1)
             out = jax.lax.dynamic_update_slice_in_dim(
                 out, jnp.where(done, y, jax.lax.dynamic_slice_in_dim(out, lo, n)), lo, 0)
             h = jax.lax.ppermute(y, STAGE, [(a, a + 1) for a in range(p - 1)])
-            return h, out, pages
+            return h, out, pages, counts
 
-        carry = (jnp.zeros((n,) + x.shape[1:], x.dtype), jnp.zeros_like(x), pages)
-        _, out, pages = jax.lax.fori_loop(0, m + p - 1, tick, carry)
+        counts = zero_counts(mine)
+        carry = (jnp.zeros((n,) + x.shape[1:], x.dtype), jnp.zeros_like(x), pages, counts)
+        _, out, pages, counts = jax.lax.fori_loop(0, m + p - 1, tick, carry)
         rows = jax.lax.psum(jnp.take(out, meta.logits_indices, axis=0), STAGE)  # last stage's
-        return rows, jax.tree.map(lambda a: a[None], pages)
+        return rows, *jax.tree.map(lambda a: a[None], (pages, counts))
 
     return jax.shard_map(local, mesh=mesh, in_specs=(P(STAGE), P(), P(), P(STAGE), P()),
-                         out_specs=(P(), P(STAGE)), axis_names={STAGE},
+                         out_specs=(P(), P(STAGE), P(STAGE)), axis_names={STAGE},
                          check_vma=False)(state, x, positions, pages, meta)
+
+
+def zero_counts(layers) -> tuple:
+    """Zero expert token counts shaped as run_layers returns them for these layers."""
+    return tuple(jnp.zeros((layer.mlp.config.num_experts,), jnp.int32) if isinstance(layer.mlp, MoE) else None
+                 for layer in layers)
 
 
 def _sequential(layers, x, positions, pages, meta, impl, p):
@@ -154,9 +168,9 @@ def _sequential(layers, x, positions, pages, meta, impl, p):
         shifted = dataclasses.replace(
             meta, page_indices=meta.page_indices + s * n,
             slot_mapping=jnp.where(meta.slot_mapping >= 0, meta.slot_mapping + s * n * page_size, -1))
-        x, pool = run_layers(nnx.merge(graphdef, row), x, positions, pool, shifted, impl, row=s)
-        return (x, pool), None
+        x, pool, counts = run_layers(nnx.merge(graphdef, row), x, positions, pool, shifted, impl, row=s)
+        return (x, pool), counts
 
-    (x, pool), _ = jax.lax.scan(body, (x, pool), (jnp.arange(p), state))
-    return jnp.take(x, meta.logits_indices, axis=0), jax.tree.map(lambda a, old: a.reshape(old.shape), pool,
-                                                                  tuple(pages))
+    (x, pool), counts = jax.lax.scan(body, (x, pool), (jnp.arange(p), state))  # counts [p, experts]
+    return (jnp.take(x, meta.logits_indices, axis=0),
+            jax.tree.map(lambda a, old: a.reshape(old.shape), pool, tuple(pages)), counts)

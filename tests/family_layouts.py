@@ -35,7 +35,12 @@ for name, overrides in layouts.items():
     done = first + rest
     out[name] = {"tokens": [c.token_ids for c in done], "cached": [c.cached_tokens for c in done],
                  "logprob": [c.logprobs[0]["logprob"] for c in done],
-                 "pages_back": st["pages_free"] == st["pages_total"]}
+                 "pages_back": st["pages_free"] == st["pages_total"],
+                 # MoE: pairs per expert per layer, and the token rows the forwards ran
+                 "experts": {str(k): v.tolist() for k, v in engine.expert_tokens(refresh=True).items()},
+                 "rows": sum(len(p) - c.cached_tokens + len(c.token_ids) - 1 for p, c in zip(prompts, done)),
+                 "top_k": engine.config.model.experts_per_token,
+                 "last_layer": engine.config.model.num_layers - 1}
 print("RESULT " + json.dumps(out))
 """
 LAYOUTS = {
@@ -70,6 +75,8 @@ def check_every_layout(model_dir: str, arch: str, layouts: dict = LAYOUTS, exact
     for name in r:
         assert r[name]["pages_back"], (arch, name)
     assert want["cached"] == [0, 0, 0]
+    if want["experts"]:
+        check_expert_counts(r, exact)
     if "prefix" in r:
         assert r["prefix"]["cached"][1] >= 192  # the shared 200 tokens' pages
     if "int8" not in r:
@@ -77,3 +84,19 @@ def check_every_layout(model_dir: str, arch: str, layouts: dict = LAYOUTS, exact
     # int8 weights and KV: the first token's logprob moves by what quantization moves it
     # (tests/test_weight_quant.py measures 1-3% on the logits of these random models)
     assert np.max(np.abs(np.subtract(r["int8"]["logprob"], want["logprob"]))) < 0.25, (arch, r["int8"])
+
+
+def check_expert_counts(r: dict, exact: tuple) -> None:
+    """MoE: every layer but the last (which may run the sampled rows only) routed top_k
+    pairs for each token row the forwards ran, warm-up padding never counted; layouts
+    that ran the same rows (not prefix-cached) routed each expert the same pairs."""
+    want = r["whole"]
+    for name, got in r.items():
+        assert set(got["experts"]) == set(want["experts"]), name
+        for layer, counts in got["experts"].items():
+            if int(layer) != got["last_layer"]:
+                assert sum(counts) == got["top_k"] * got["rows"], (name, layer, sum(counts), got["rows"])
+        if name in exact and got["rows"] == want["rows"]:
+            for layer, counts in got["experts"].items():
+                if int(layer) != got["last_layer"]:
+                    assert counts == want["experts"][layer], (name, layer)
