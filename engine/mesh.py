@@ -1,7 +1,7 @@
 """The device mesh from the [mesh] config section, and multi-process initialisation.
 
     initialize_distributed(settings)   # once per process, before any other jax call
-    mesh = make_mesh(settings)         # axes ('stage', 'data', 'tensor', 'expert', 'sequence'), AxisType.Auto
+    mesh = make_mesh(settings)         # axes ('data', 'stage', 'tensor', 'expert', 'sequence'), AxisType.Auto
 
 Axes are AxisType.Auto: model code only names logical axes and adds sharding constraints;
 XLA's partitioner inserts the collectives (an Explicit mesh would make every matmul over
@@ -17,7 +17,12 @@ import numpy as np
 
 from jaxfill.models.config import ConfigError
 
-AXES = ("stage", "data", "tensor", "expert", "sequence")
+AXES = ("stage", "data", "tensor", "expert", "sequence")  # the devices' order: stage outermost
+# The mesh's axis-name order: 'data' before 'stage'. The data-parallel forward is a
+# shard_map over 'data' with the pipeline's over 'stage' inside it, and jax >= 0.11.2
+# (Shardy) aborts unless the manual axes of nested shard_maps come in mesh-axis order
+# ("Manual axes must be sorted by mesh axis index"). The devices stay stage-major.
+MESH_ORDER = ("data", "stage", "tensor", "expert", "sequence")
 
 
 def initialize_distributed(settings) -> bool:
@@ -72,12 +77,11 @@ def ordered_devices(devices=None) -> list:
 
 
 def make_mesh(settings, devices=None):
-    """jax.sharding.Mesh with axes ('stage', 'data', 'tensor', 'expert', 'sequence') of the
-    configured sizes.
+    """jax.sharding.Mesh with axes MESH_ORDER of the configured sizes.
 
     The product must equal the number of devices (all processes together). Device order:
     TPU single-process uses jax.make_mesh (topology-aware); otherwise process-major order,
-    so with several hosts the outermost axis larger than one spans hosts: 'stage' (one
+    so with several hosts the outermost axis of AXES larger than one spans hosts: 'stage' (one
     pipeline stage per host, activations cross the slow link once per stage), else 'data',
     else 'tensor'.
     """
@@ -97,8 +101,11 @@ def make_mesh(settings, devices=None):
                if kinds == ["cpu"] else ""))
     types = (AxisType.Auto,) * len(AXES)
     if devices[0].platform == "tpu" and jax.process_count() == 1:
-        return jax.make_mesh(shape, AXES, axis_types=types, devices=devices)
-    return jax.sharding.Mesh(np.array(devices, dtype=object).reshape(shape), AXES, axis_types=types)
+        grid = jax.make_mesh(shape, AXES, axis_types=types, devices=devices).devices
+    else:
+        grid = np.array(devices, dtype=object).reshape(shape)
+    order = [AXES.index(a) for a in MESH_ORDER]
+    return jax.sharding.Mesh(grid.transpose(order), MESH_ORDER, axis_types=types)
 
 
 def with_mesh_shape(config, mesh):

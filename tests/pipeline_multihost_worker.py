@@ -17,6 +17,8 @@ import os
 import sys
 import traceback
 
+import numpy as np
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
@@ -81,7 +83,8 @@ def main():
             import jax
 
             runner = engine.runner
-            stage_of = {d: s for s in range(runner.mesh.devices.shape[0]) for d in runner.mesh.devices[s].flat}
+            grid = np.moveaxis(runner.mesh.devices, runner.mesh.axis_names.index("stage"), 0)
+            stage_of = {d: s for s in range(grid.shape[0]) for d in grid[s].flat}
             result.update(process_index=jax.process_index(), local_devices=len(jax.local_devices()),
                           mesh_stage_of_local=sorted(stage_of[d] for d in jax.local_devices()),
                           params=shard_layout(runner.state), kv=shard_layout(runner.kv_cache))

@@ -28,6 +28,7 @@ BASE = {"engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64], "
 SCRIPT = """
 import json, sys
 import jax
+import numpy as np
 from jaxfill.engine.engine import Engine
 from jaxfill.engine.request import SamplingParams
 shared = "The same long opening every request shares, long enough to fill whole pages. "
@@ -71,7 +72,8 @@ for overrides in json.loads(sys.argv[1]):
          "total": engine.stats()["pages_total"]}
     mesh = engine.runner.mesh
     if mesh is not None and "stage" in mesh.axis_names and mesh.shape["stage"] > 1:
-        stage_of = {d.id: i for i, row in enumerate(mesh.devices) for d in row.flat}
+        grid = np.moveaxis(mesh.devices, mesh.axis_names.index("stage"), 0)
+        stage_of = {d.id: i for i, row in enumerate(grid) for d in row.flat}
         # every stage-split array: each device's shard is the row of its own stage only
         rows = []
         for leaf in jax.tree.leaves(engine.runner.state["layers"]) + engine.runner.kv_cache.arrays():
