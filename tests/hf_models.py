@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 
-import torch
+import pytest
+
+torch = pytest.importorskip("torch", reason="the Hugging Face reference needs torch (the test extra)")
 
 HF_SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,

@@ -6,7 +6,7 @@ import os
 import jax
 import numpy as np
 import pytest
-import torch
+torch = pytest.importorskip("torch", reason="the Hugging Face reference needs torch (the test extra)")
 from safetensors.torch import load_file, save_file
 
 from hf_models import make_hf_checkpoint

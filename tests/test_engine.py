@@ -11,7 +11,7 @@ import threading
 import jax
 import numpy as np
 import pytest
-import torch
+torch = pytest.importorskip("torch", reason="the Hugging Face reference needs torch (the test extra)")
 
 from jaxfill.engine.config import load_config
 from jaxfill.engine.engine import Engine

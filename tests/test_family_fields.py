@@ -10,7 +10,7 @@ classified fails the test: adding a transformers field is a decision, not a sile
 import inspect
 
 import pytest
-import transformers as tf
+tf = pytest.importorskip("transformers", reason="walks the transformers config classes (the test extra)")
 
 from hf_models import HF_SMALL
 from jaxfill.models.config import ConfigError

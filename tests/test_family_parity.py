@@ -8,7 +8,7 @@ covers Llama, Mistral and Qwen2). Prompts of 64 and 300 tokens cross the sliding
 import dataclasses
 
 import pytest
-import torch
+torch = pytest.importorskip("torch", reason="the Hugging Face reference needs torch (the test extra)")
 from flax import nnx
 
 from hf_models import FAMILY_KWARGS, load_hf

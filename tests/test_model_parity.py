@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
+torch = pytest.importorskip("torch", reason="the Hugging Face reference needs torch (the test extra)")
 
 from jaxfill.engine.simple import generate_one, prefill_chunks
 from hf_models import load_hf

@@ -73,7 +73,7 @@ def test_checkpoint_has_tiny_random_shapes_and_fits_in_5mb(trained):
 
 
 def test_transformers_loads_it_with_the_same_logits(trained):
-    import torch
+    torch = pytest.importorskip("torch", reason="the Hugging Face reference needs torch (the test extra)")
     import transformers
 
     train = load_script("train")

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
+torch = pytest.importorskip("torch", reason="the Hugging Face reference needs torch (the test extra)")
 from flax import nnx
 
 from hf_models import load_hf
