@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from jaxfill.engine.expert_load import summary as expert_summary
 from jaxfill.engine.request import Completion, InvalidRequest, QueueFull, RequestOutput, SamplingParams
 from jaxfill.models.quant import param_bytes
 
@@ -116,15 +115,19 @@ class Conveniences:
                 "kv_cache_bytes": self.runner.kv_cache.nbytes(),  # values + scales, all shards
                 "kv_bytes_per_token": self.runner.kv_cache.bytes_per_token(),
                 "compiled_programs": self.runner.cache_size(),
-                **(expert_summary(self.runner.expert_totals()) if self.runner.expert_load else {}),
+                **(self.runner.expert_load.summary() if self.runner.expert_load else {}),
             }
 
     def expert_tokens(self, refresh: bool = False) -> dict:
         """MoE models: layer -> per-expert (token, expert) pairs routed since start, as
         numpy int64 [E] ({} for a dense model). stats() reports the newest copy that has
-        reached the host; `refresh` copies the counters now and waits (one process only)."""
-        with self._lock:
-            return self.runner.expert_totals(refresh)
+        reached the host; `refresh` copies the counters now and waits (one process only;
+        it reads the cache, so like a step it is refused while another thread steps)."""
+        if not refresh:
+            with self._lock:
+                return self.runner.expert_totals()
+        with self._guard.claim():
+            return self.runner.expert_totals(refresh=True)
 
     def set_kv_event_listener(self, listener) -> None:
         """listener(replica, *event) hears every data replica's prefix-cache events

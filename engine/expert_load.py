@@ -42,6 +42,7 @@ class ExpertLoad:
         self._last = {}  # layer -> [E] uint32, the device counter at the last fold
         self._pending = None  # a copy of the counters on its way to the host
         self._steps = 0
+        self._summary = None  # summary(totals) since the last fold (stats() reads it every step)
 
     def snapshot(self, cache, force: bool = False) -> None:
         """Right after a step's dispatch: copies the counters (async) when one is due."""
@@ -61,10 +62,22 @@ class ExpertLoad:
         """layer -> [E] int64 pairs routed to each expert so far (the newest arrived copy;
         `wait`: the one in flight too)."""
         pending = self._pending
-        if pending is not None and (wait or all(a.is_ready() for a in jax.tree.leaves(pending))):
+        if pending is not None and (wait or self._pending_ready()):
             self._pending = None
+            self._summary = None
             self._fold(pending)
         return {layer: t.copy() for layer, t in sorted(self.totals_.items())}
+
+    def summary(self) -> dict:
+        """summary() of the totals, rebuilt only when a copy was folded in: the same dict
+        object until then, so a reader can tell nothing changed (serving/metrics.py)."""
+        if self._summary is None or self._pending_ready():
+            self._summary = summary(self.totals())
+        return self._summary
+
+    def _pending_ready(self) -> bool:
+        pending = self._pending
+        return pending is not None and all(a.is_ready() for a in jax.tree.leaves(pending))
 
     def _fold(self, counters: tuple) -> None:
         per_entry = self.num_layers // self.stages

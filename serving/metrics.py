@@ -67,8 +67,12 @@ class ExpertLoadHistogram:
         self.buckets = np.zeros(len(LOAD_RATIO_BUCKETS), np.int64)  # cumulative: ratio <= le
         self.count, self.total = 0, 0.0
         self._seen: dict | None = None
+        self._source: dict | None = None
 
     def update(self, per_layer: dict) -> None:  # layer -> [E] pairs so far (Engine.stats)
+        if per_layer is self._source:  # the engine rebuilds it only when new counts arrived
+            return
+        self._source = per_layer
         seen = {layer: np.asarray(c, np.int64) for layer, c in per_layer.items()}
         if self._seen is not None:
             for layer, counts in seen.items():

@@ -127,13 +127,18 @@ CASES = {
 }
 
 
+def case_batch(seqs, hq, hkv, d, ps, dtype, seed):
+    """A deterministic case's batch: 3 padding tokens and one padding sequence slot."""
+    total = sum(q for q, _ in seqs)
+    return make_batch(seqs, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=ps,
+                      dtype=dtype, num_tokens=total + 3, num_slots=len(seqs) + 1, seed=seed)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_corner_cases(impl, case):
     seqs, hq, hkv, d, ps, dtype, window, cap = CASES[case]
-    total = sum(q for q, _ in seqs)
-    batch = make_batch(seqs, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=ps,
-                       dtype=dtype, num_tokens=total + 3, num_slots=len(seqs) + 1, seed=7)
+    batch = case_batch(seqs, hq, hkv, d, ps, dtype, seed=7)
     check(impl, batch, dtype, sm_scale=d ** -0.5, sliding_window=window, soft_cap=cap)
 
 
@@ -166,9 +171,7 @@ SINK_CASES = {
 @pytest.mark.parametrize("case", sorted(SINK_CASES))
 def test_attention_sinks(impl, case):
     seqs, hq, hkv, d, ps, dtype, window, cap = SINK_CASES[case]
-    total = sum(q for q, _ in seqs)
-    batch = make_batch(seqs, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=ps,
-                       dtype=dtype, num_tokens=total + 3, num_slots=len(seqs) + 1, seed=11)
+    batch = case_batch(seqs, hq, hkv, d, ps, dtype, seed=11)
     sinks = np.linspace(-3.0, 6.0, hq).astype(np.float32)[np.random.default_rng(0).permutation(hq)]
     kw = dict(sm_scale=d ** -0.5, sliding_window=window, soft_cap=cap)
     ref, live = oracle(*batch.args(), **kw, sinks=sinks)

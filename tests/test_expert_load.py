@@ -59,6 +59,18 @@ def test_snapshots_are_taken_every_interval_steps_and_never_block():
     assert load.totals(wait=True)[0].tolist() == [6, 12]
 
 
+def test_summary_is_rebuilt_only_when_a_copy_arrives():
+    """stats() runs after every step: the summary is the same object until new counts fold."""
+    load = ExpertLoad(num_layers=1, num_experts=2, stages=1, interval_steps=2)
+    load.snapshot(FakeCache((jnp.asarray([1, 2], jnp.int32),)))  # step 1: none due
+    first = load.summary()
+    assert first["moe_expert_tokens"] == {} and load.summary() is first
+    load.snapshot(FakeCache((jnp.asarray([3, 4], jnp.int32),)))  # step 2: a copy
+    load.totals(wait=True)
+    second = load.summary()
+    assert second is not first and second["moe_expert_tokens"] == {0: [3, 4]} and load.summary() is second
+
+
 def test_summary_reports_the_worst_layer():
     s = summary({0: np.array([10, 10, 10, 10]), 3: np.array([40, 0, 0, 0])})
     assert s["moe_load_imbalance"] == 4.0 and s["moe_expert_tokens"][3] == [40, 0, 0, 0]
@@ -68,7 +80,9 @@ def test_prometheus_histogram_of_load_ratios():
     metrics = ServerMetrics(model_name="m")
     metrics.update_stats({"moe_expert_tokens": {0: [0, 0, 0, 0]}})  # baseline
     metrics.update_stats({"moe_expert_tokens": {0: [10, 10, 10, 10], 1: [30, 5, 5, 0]}})
-    metrics.update_stats({"moe_expert_tokens": {0: [10, 10, 10, 10], 1: [30, 5, 5, 0]}})  # no change
+    same = {0: [10, 10, 10, 10], 1: [30, 5, 5, 0]}
+    metrics.update_stats({"moe_expert_tokens": same})  # no change
+    metrics.update_stats({"moe_expert_tokens": same})  # the same object: skipped
     fams = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
     samples = {(s.name, s.labels.get("le")): s.value for s in fams["jaxfill_moe_expert_load_ratio"].samples}
     # layer 0 grew by 10 each (ratio 1); layer 1 appeared (from 0): ratios 3, 0.5, 0.5, 0
