@@ -16,6 +16,10 @@ so equal hashes mean equal whole prefixes (and equal salts).
 ("stored", hash, parent hash or None, tokens) when a page becomes findable,
 ("removed", hash) when allocation evicts it, ("cleared",) on a reset. It must only
 record (the serving loop queues the events and publishes them after the step).
+
+`on_evict` (None by default; the host tier's engine/kv_offload.py) hears
+(page, hash, parent hash, tokens) as allocation evicts a cached page, before the page is
+handed out: its K/V are still intact until the next write to the cache.
 """
 
 from __future__ import annotations
@@ -63,6 +67,8 @@ class BlockManager:
         self.hits = 0  # pages served from the prefix cache
         self.queries = 0  # pages looked up
         self.listener: Callable[..., None] | None = None  # prefix-cache events (see the module doc)
+        self.on_evict: Callable[..., None] | None = None  # evicted pages, to save (see the module doc)
+        self.page_origin: dict[int, tuple] = {}  # cached page -> (parent hash, tokens), for on_evict
 
     # ------------------------------------------------------------------ queries
     @property
@@ -116,6 +122,9 @@ class BlockManager:
                     del self.cached[h]
                     if self.listener is not None:
                         self.listener("removed", h)
+                    origin = self.page_origin.pop(page, None)
+                    if self.on_evict is not None and origin is not None:
+                        self.on_evict(page, h, *origin)
                 self.page_hash[page] = None
             self.ref_counts[page] = 1
             out.append(page)
@@ -141,14 +150,23 @@ class BlockManager:
             return
         self.cached[h] = page
         self.page_hash[page] = h
+        if self.listener is None and self.on_evict is None:
+            return
+        tokens = [token_at(first + j) for j in range(self.page_size)] if token_at is not None else []
+        if self.on_evict is not None:
+            self.page_origin[page] = (parent, tuple(tokens))
         if self.listener is not None:
-            tokens = [token_at(first + j) for j in range(self.page_size)] if token_at is not None else []
             self.listener("stored", h, parent, tokens)
+
+    def page_of(self, h: bytes) -> int | None:
+        """The device page holding the prefix with hash h, or None (prefix caching off too)."""
+        return self.cached.get(h) if self.enable_prefix_caching else None
 
     def reset_prefix_cache(self) -> None:
         for h, p in list(self.cached.items()):
             self.page_hash[p] = None
         self.cached.clear()
+        self.page_origin.clear()
         if self.listener is not None:
             self.listener("cleared")
 

@@ -62,6 +62,12 @@ class EngineSettings:
     # What fresh KV pages hold before anything writes them (a new or rebuilt cache). Tests
     # set nan: a step that reads a page nobody wrote then poisons its logits.
     kv_fill_value: float = 0.0
+    # The prefix cache's host tier (engine/host_kv_tier.py): GB of host RAM that keep full
+    # pages evicted from the device pool, restored instead of recomputed; 0 = off. Below it
+    # a disk tier (engine/disk_kv_tier.py): a directory and its budget in GB.
+    host_kv_cache_gb: float = 0.0
+    disk_kv_cache_dir: str = ""
+    disk_kv_cache_gb: float = 0.0
 
     def __post_init__(self):
         for name in ("page_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
@@ -81,6 +87,17 @@ class EngineSettings:
                               f"got {self.kv_transfer_max_held_share}")
         if not float(self.kv_transfer_timeout_s) > 0:
             raise ConfigError(f"engine.kv_transfer_timeout_s must be positive, got {self.kv_transfer_timeout_s}")
+        for name in ("host_kv_cache_gb", "disk_kv_cache_gb"):
+            if not float(getattr(self, name)) >= 0:
+                raise ConfigError(f"engine.{name} must be >= 0 (0 = off), got {getattr(self, name)}")
+        if float(self.host_kv_cache_gb) > 0 and not self.enable_prefix_caching:
+            raise ConfigError("engine.host_kv_cache_gb needs engine.enable_prefix_caching = true "
+                              "(the host tier keeps prefix-cache pages)")
+        if bool(self.disk_kv_cache_dir) != (float(self.disk_kv_cache_gb) > 0):
+            raise ConfigError("the disk KV tier needs both engine.disk_kv_cache_dir and engine.disk_kv_cache_gb > 0, "
+                              f"got dir={self.disk_kv_cache_dir!r}, gb={self.disk_kv_cache_gb}")
+        if self.disk_kv_cache_dir and not float(self.host_kv_cache_gb) > 0:
+            raise ConfigError("the disk KV tier sits below the host tier: set engine.host_kv_cache_gb > 0 too")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"engine.kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                               f"got {self.kv_cache_dtype!r}")

@@ -116,7 +116,19 @@ class Conveniences:
                 "kv_bytes_per_token": self.runner.kv_cache.bytes_per_token(),
                 "compiled_programs": self.runner.cache_size(),
                 **(self.runner.expert_load.summary() if self.runner.expert_load else {}),
+                **self._host_tier_stats(),
             }
+
+    def _host_tier_stats(self) -> dict:
+        """The host (and disk) KV tier's usage and hits; zeros when it is off."""
+        offload = self.runner.kv_offload
+        if offload is None:
+            return {"host_kv_cache_bytes": 0, "host_kv_pages_used": 0, "host_kv_hit_tokens": 0}
+        out = offload.stats()
+        out["host_kv_hit_tokens"] = out["host_kv_hits"] * self.settings.page_size
+        if "disk_kv_hits" in out:
+            out["disk_kv_hit_tokens"] = out["disk_kv_hits"] * self.settings.page_size
+        return out
 
     def expert_tokens(self, refresh: bool = False) -> dict:
         """MoE models: layer -> per-expert (token, expert) pairs routed since start, as

@@ -39,6 +39,7 @@ from jaxfill.engine.conveniences import Conveniences
 from jaxfill.engine.cpu_devices import use_cpu_cores
 from jaxfill.engine.compile_cache import use_compile_cache, warmup_summary
 from jaxfill.engine.disagg_facade import DisaggregationFacade
+from jaxfill.engine.kv_offload import build_kv_offload
 from jaxfill.engine.loading import build_mesh, build_model, build_tokenizer
 from jaxfill.engine.mesh import with_mesh_shape
 from jaxfill.engine.multiprocess_facade import MultiProcessFacade
@@ -72,7 +73,10 @@ class Engine(Conveniences, DisaggregationFacade, MultiProcessFacade):
         self.runner = Runner(config, model, mesh, self.shapes)
         self.config = config = self.runner.config  # engine.num_pages = 0 is resolved there
         self.settings = s = config.engine
-        self.scheduler = ReplicaScheduler(s, self.runner.num_replicas)  # one per mesh.data replica
+        # engine.host_kv_cache_gb > 0: evicted prefix pages kept in host memory (and on disk)
+        self.runner.kv_offload = offload = build_kv_offload(config, self.runner.kv_cache, self.runner.stages)
+        self.scheduler = ReplicaScheduler(s, self.runner.num_replicas,  # one per mesh.data replica
+                                          tier=offload and offload.tier, on_evict=offload and offload.on_evict)
         self.max_pages = s.max_pages_per_seq
         # True: step() leaves text and logprob formatting to the caller (a serving loop does
         # them off this thread, serving/text_stage.py); outputs carry ids and raw_logprobs.
@@ -187,6 +191,8 @@ class Engine(Conveniences, DisaggregationFacade, MultiProcessFacade):
                 with self._lock:
                     launch = self._schedule(outputs)
                     if launch is not None:
+                        launch = self._restore(launch)
+                    if launch is not None:
                         launch = self._build(launch, outputs)
                 if launch is not None:
                     launch = self._run(launch, outputs)
@@ -212,6 +218,8 @@ class Engine(Conveniences, DisaggregationFacade, MultiProcessFacade):
         if self.kv_handoff is not None:
             self.kv_handoff.expire()
         self._recover_cache()
+        if self.runner.kv_offload is not None:
+            self.runner.kv_offload.poll()  # saves that reached the host join the tier
         scheds = self.scheduler.schedule()  # one per data replica
         for req in (r for sched in scheds for r in sched.finished):  # no room in the pool even alone
             if self.kv_handoff is not None:  # never prefilled: nothing to offer
@@ -221,6 +229,30 @@ class Engine(Conveniences, DisaggregationFacade, MultiProcessFacade):
             return None
         shape = pick_bucket(self.shapes, max(sc.num_tokens for sc in scheds), max(len(sc.seqs) for sc in scheds))
         return Launch(scheds, shape, None)
+
+    def _restore(self, launch: Launch) -> Launch | None:
+        """[lock] Host-tier pages go back into their new device pages before the step reads
+        them. If that fails, their requests recompute instead (never wrong K/V) and the
+        blocks leave the tier; a cache lost on the way sends everyone back (_recover_cache)."""
+        rows = [sch for sc in launch.scheds for sch in sc.seqs if sch.restores]
+        if not rows:
+            return launch
+        try:
+            self.runner.restore([(sch.req.replica, r.page, r.block) for sch in rows for r in sch.restores])
+        except Exception:  # noqa: BLE001 - the requests recompute; the engine goes on
+            traceback.print_exc(file=sys.stderr)
+            for sch in rows:
+                self.runner.kv_offload.tier.discard(*(r.hash for r in sch.restores))
+                self.scheduler.restored(sch, ok=False)
+            for sc in launch.scheds:
+                sc.seqs = [sch for sch in sc.seqs if not sch.restores]
+            if not self.runner.cache_ok():
+                self._recover_cache()
+                return None
+            return launch if any(sc.seqs for sc in launch.scheds) else None
+        for sch in rows:
+            self.scheduler.restored(sch, ok=True)
+        return launch
 
     def _build(self, launch: Launch, outputs: list[RequestOutput]) -> Launch | None:
         s = self.settings

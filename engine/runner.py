@@ -96,6 +96,7 @@ class Runner:
         self.kv_cache = self.new_cache()
         m = config.model
         self.expert_load = ExpertLoad(m.num_layers, m.num_experts, self.stages) if m.num_experts else None
+        self.kv_offload = None  # engine/kv_offload.py when engine.host_kv_cache_gb > 0 (Engine sets it)
         self.lockstep = None
         if jax.process_count() > 1:
             self.lockstep = Lockstep([self.dummy(shape) for shape in self.shapes])
@@ -162,6 +163,7 @@ class Runner:
 
     def _launch(self, batch: StepBatch) -> PendingOutput:
         dev = self.put(batch)
+        self.save_evicted()
         with self.mesh_context():
             out, self.kv_cache, self.prev_tokens = self.step_fn(self.graphdef, self.state, self.kv_cache, dev,
                                                               self.prev_tokens)
@@ -183,7 +185,21 @@ class Runner:
         """Pulled rows scattered into `pages` of the cache (which is donated and replaced)."""
         from jaxfill.engine import kv_transfer as kvt
 
+        self.save_evicted()
         self.kv_cache = kvt.import_rows(self.kv_cache, values, scales, pages, num_tokens, self.page_size)
+
+    # ------------------------------------------------------------------ host KV tier
+    def save_evicted(self) -> None:
+        """Before any write to the cache: evicted pages still to save are gathered first."""
+        if self.kv_offload is not None:
+            self.kv_offload.save_evicted(self.kv_cache)
+
+    def restore(self, pages: list[tuple[int, int, object]]) -> None:
+        """(replica, page, KVBlock) triples: the blocks written into those pages (the
+        cache is donated and replaced)."""
+        ids = [replica * self.num_pages + page for replica, page, _ in pages]
+        new = self.kv_offload.restore(self.kv_cache, ids, [b for _, _, b in pages])
+        self.kv_cache = dataclasses.replace(self.kv_cache, pages=new)
 
     def cache_ok(self) -> bool:
         return not any(a.is_deleted() for a in self.kv_cache.arrays())
@@ -193,6 +209,8 @@ class Runner:
         (a collective allocation: followers are told to do the same)."""
         if self.lockstep is not None:
             self.lockstep.send(RESET)
+        if self.kv_offload is not None:
+            self.kv_offload.drop_queued()
         self.kv_cache = self.fresh_cache()
 
     def fresh_cache(self) -> KVCache:

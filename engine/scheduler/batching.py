@@ -10,6 +10,13 @@ Each step every running request's `num_computed` catches up to its `num_tokens` 
    that would still be unfinished after this step is a *partial* prefill; at most
    `max_num_partial_prefills` of those run at once; other prompts may pass it.
 
+The lookup walks the prompt's page hashes: a page cached on the device is shared; one
+missing there but kept in the host tier (engine/host_kv_tier.py, when
+engine.host_kv_cache_gb > 0) gets a fresh page and a `Restore`, which the engine writes
+back before the step (engine/kv_offload.py); the first page in neither ends the hit.
+Restored pages count as computed, and join the device's prefix cache only once written
+(`restored`).
+
 When pages run out for a running request, the lowest-priority (latest) running request
 is preempted: its pages are freed and it goes back to waiting with num_computed = 0,
 to be recomputed (prefix-cache hits make that cheap). A step that preempted admits no
@@ -30,10 +37,21 @@ from jaxfill.engine.scheduler.transitions import RequestTransitions
 
 
 @dataclasses.dataclass
+class Restore:
+    """A prefix page kept in the host tier, to be written into a fresh device page."""
+
+    hash: bytes
+    block: object  # engine.host_kv_tier.KVBlock
+    tier: str  # "host" or "disk": where it was found
+    page: int = -1  # the device page it goes to (set at admission)
+
+
+@dataclasses.dataclass
 class Scheduled:
     req: Request
     start: int  # num_computed when scheduled: first new token's position
     num_new: int
+    restores: list[Restore] = dataclasses.field(default_factory=list)  # pages to write before the step
     samples: bool = dataclasses.field(init=False)  # the chunk reaches the end: a token is drawn
 
     def __post_init__(self):
@@ -65,7 +83,7 @@ class SchedulerOutput:
 class Scheduler(RequestTransitions):
     """One data replica's queues and page pool; transitions.py changes its requests' progress."""
 
-    def __init__(self, settings, block_manager: BlockManager | None = None):
+    def __init__(self, settings, block_manager: BlockManager | None = None, tier=None):
         s = settings
         self.page_size = s.page_size
         self.max_tokens = s.max_num_batched_tokens
@@ -76,6 +94,7 @@ class Scheduler(RequestTransitions):
         self.policy = s.scheduling_policy
         self.chunked = s.chunked_prefill
         self.bm = block_manager or BlockManager(s.num_pages, s.page_size, s.enable_prefix_caching)
+        self.tier = tier  # engine.host_kv_tier.HostKVTier, shared by the replicas; None = off
         self.waiting: list[Request] = []  # sorted by _key
         self.running: list[Request] = []  # admission order
         self.num_preemptions = 0
@@ -133,6 +152,19 @@ class Scheduler(RequestTransitions):
         if not self.bm.enable_prefix_caching:
             return []
         return self.bm.lookup(self._hashes(req, req.num_tokens - 1))
+
+    def _prefix_hits(self, req: Request) -> list:
+        """Per page of the longest prefix cached in any tier: its device page, or a Restore."""
+        if not self.bm.enable_prefix_caching:
+            return []
+        hits: list = []
+        for h in self._hashes(req, req.num_tokens - 1):
+            page = self.bm.page_of(h)
+            got = None if page is not None or self.tier is None else self.tier.get(h)
+            if page is None and got is None:
+                break
+            hits.append(page if page is not None else Restore(h, *got))
+        return hits
 
     def recompute_all(self) -> None:
         """The KV cache was lost: every running request goes back to waiting, to be
@@ -209,7 +241,7 @@ class Scheduler(RequestTransitions):
             if req.in_flight:
                 i += 1  # preempted with a token still on its way: admitted once it is known
                 continue
-            hits = [] if req.pages else self.cached_prefix(req)
+            hits = [] if req.pages else self._prefix_hits(req)
             computed = len(hits) * self.page_size
             remaining = req.num_tokens - computed
             n = min(remaining, budget)
@@ -219,7 +251,7 @@ class Scheduler(RequestTransitions):
                 i += 1  # would become another partial prefill: let shorter prompts pass
                 continue
             need = self.bm.pages_for(computed + n) - len(hits)
-            if not self.bm.can_allocate(need, hits):
+            if not self._can_admit(need, hits):
                 break  # out of pages: stop admitting (running requests keep theirs)
             self.bm.queries += len(req.page_hashes)
             del self.waiting[i]
@@ -235,10 +267,25 @@ class Scheduler(RequestTransitions):
         return req.in_flight > 0 and (len(req.output_ids) + req.in_flight >= req.params.max_tokens
                                       or total_tokens(req) >= self.max_model_len)
 
-    def _admit(self, req, hits: list[int], need: int, computed: int, n: int, now: float) -> Scheduled:
-        """A waiting request starts running: cached pages shared, new pages allocated."""
-        self.bm.acquire(hits)
-        req.pages = hits + self.bm.allocate(need)
+    def _can_admit(self, need: int, hits: list) -> bool:
+        """Whether `need` new pages, plus one per Restore, fit beside the shared hits."""
+        device = [h for h in hits if not isinstance(h, Restore)]
+        return self.bm.can_allocate(need + len(hits) - len(device), device)
+
+    def _admit(self, req, hits: list, need: int, computed: int, n: int, now: float) -> Scheduled:
+        """A waiting request starts running: device hits shared, fresh pages for its
+        restores and new tokens."""
+        device = [h for h in hits if not isinstance(h, Restore)]
+        restores = [h for h in hits if isinstance(h, Restore)]
+        self.bm.acquire(device)
+        fresh = self.bm.allocate(len(restores) + need)
+        for r in restores:
+            r.page = fresh.pop(0)
+        req.pages = [h.page if isinstance(h, Restore) else h for h in hits] + fresh
+        if self.tier is not None and len(hits) < len(req.page_hashes[:(req.num_tokens - 1) // self.page_size]):
+            self._count_tier_queries(restores, missed=True)
+        elif restores:
+            self._count_tier_queries(restores, missed=False)
         req.num_computed = computed
         if req.cached_tokens is None:
             req.cached_tokens = computed
@@ -247,7 +294,18 @@ class Scheduler(RequestTransitions):
             req.first_scheduled = now
         req.status = Status.RUNNING
         self.running.append(req)
-        return Scheduled(req, computed, n)
+        return Scheduled(req, computed, n, restores)
+
+    def _count_tier_queries(self, restores: list[Restore], missed: bool) -> None:
+        """Pages asked of the host tier (and of its disk) at an admission, and served."""
+        c = self.tier.counts
+        on_disk = sum(1 for r in restores if r.tier == "disk")
+        c.queries += len(restores) + missed
+        c.hits += len(restores) - on_disk
+        if self.tier.disk is not None:
+            d = self.tier.disk.counts
+            d.queries += on_disk + missed
+            d.hits += on_disk
 
     def _schedule_prefill_first(self) -> SchedulerOutput | None:
         """Baseline (chunked_prefill = False): whole waiting prompts in a prefill-only step,
@@ -255,11 +313,11 @@ class Scheduler(RequestTransitions):
         budget, seqs, now = self.max_tokens, [], time.perf_counter()
         while self.waiting and len(seqs) + len(self.running) < self.max_seqs:
             req = self.waiting[0]
-            hits = self.cached_prefix(req)
+            hits = self._prefix_hits(req)
             computed = len(hits) * self.page_size
             n = req.num_tokens - computed
             need = self.bm.pages_for(req.num_tokens) - len(hits)
-            if n > budget or not self.bm.can_allocate(need, hits):
+            if n > budget or not self._can_admit(need, hits):
                 break
             self.waiting.pop(0)
             self.bm.queries += len(req.page_hashes)  # counted like the chunked path: hits never exceed queries

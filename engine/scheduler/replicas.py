@@ -21,10 +21,15 @@ from jaxfill.engine.scheduler.transitions import Sampled
 
 
 class ReplicaScheduler:
-    def __init__(self, settings, num_replicas: int = 1):
+    def __init__(self, settings, num_replicas: int = 1, tier=None, on_evict=None):
+        """`tier`: the host KV tier all replicas share (None: off); `on_evict(replica, page,
+        hash, parent, tokens)` hears the pages each replica's pool evicts (to save them)."""
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
-        self.replicas = [Scheduler(settings) for _ in range(num_replicas)]
+        self.replicas = [Scheduler(settings, tier=tier) for _ in range(num_replicas)]
+        if on_evict is not None:
+            for i, s in enumerate(self.replicas):
+                s.bm.on_evict = lambda *ev, _i=i: on_evict(_i, *ev)
         self.num_added = [0] * num_replicas  # new requests placed on each replica
         self.requests: dict[str, Request] = {}  # unfinished, by id: read it, never write it
 
@@ -79,6 +84,9 @@ class ReplicaScheduler:
 
     def update_from_output(self, sch, token: int, now: float) -> Sampled | None:
         return self.replicas[sch.req.replica].update_from_output(sch, token, now)
+
+    def restored(self, sch, ok: bool) -> None:
+        self.replicas[sch.req.replica].restored(sch, ok)
 
     def rewind(self, scheduled: Iterable, done: set[int]) -> None:
         self.replicas[0].rewind(scheduled, done)  # touches only the requests

@@ -5,6 +5,8 @@
                           a sampling chunk leaves one token in flight
     update_from_output()  one row of a finished step: pages published, the token recorded,
                           the stop the ids decide (EOS, stop ids, max_tokens, max_model_len)
+    restored()            host-tier pages written back (they join the prefix cache), or
+                          not (the request recomputes its prompt)
     rewind()              an interrupt lost steps: recompute from what the host knows
     finish()              stop / length / abort / error: out of the queues, pages freed
                           (or kept for a disaggregated pull), status FINISHED
@@ -74,6 +76,22 @@ class RequestTransitions:
         if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
             return "length"
         return None
+
+    def restored(self, sch, ok: bool) -> None:
+        """The engine wrote sch.restores into their pages (ok), which now join the device's
+        prefix cache; or it could not, and the request goes back to waiting to recompute
+        its prompt from the start: a restore that failed never serves K/V."""
+        req = sch.req
+        if ok:
+            self.register_computed(req, upto=sch.start)
+            return
+        if req in self.running:
+            self.running.remove(req)
+        self._release(req)
+        req.num_computed = 0
+        self.cached_tokens_total -= req.cached_tokens or 0
+        req.cached_tokens = None
+        self.add(req)
 
     def rewind(self, scheduled: Iterable, done: set[int]) -> None:
         """These Scheduled rows' results are lost (those whose id() is in `done` were

@@ -1,0 +1,127 @@
+"""The prefix cache's host-memory tier: full KV pages evicted from the device, kept by hash.
+
+A block is one page of one prompt prefix with all its layers side by side (the layout
+vLLM's offloading found 4x faster to move than a block per layer):
+
+    values [L, P, 2 * Hkv, D]   the cache's dtype (K of head h at 2h, V at 2h + 1)
+    scales [L, P, 2 * Hkv]      f32, only for an int8 / fp8 cache
+
+Blocks are keyed by the same hash chain as the device's prefix cache (engine/
+block_manager.py: parent hash, tokens and cache_salt), so a hit here is the same prefix
+a device hit would be. LRU within a byte budget; a block that does not fit the budget at
+all is never kept. A block pushed out goes to the disk tier when there is one (engine/
+disk_kv_tier.py), and a disk hit comes back through here.
+
+Pure numpy, no JAX: engine/kv_offload.py moves blocks between the device and here. One
+tier serves every data replica (a block is the same bytes wherever it was computed).
+`listener` hears ("stored", hash, parent, tokens, tier) and ("removed", hash, tier)
+on the stepping thread, as the block managers' listener does for the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from typing import Callable
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class KVBlock:
+    values: np.ndarray  # [L, P, 2*Hkv, D]
+    scales: np.ndarray | None  # [L, P, 2*Hkv] f32, or None
+    parent: bytes | None  # the previous page's hash (None for a prompt's first page)
+    tokens: tuple[int, ...]  # the page's token ids (for KV events)
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.nbytes + (0 if self.scales is None else self.scales.nbytes)
+
+
+@dataclasses.dataclass
+class TierCounts:
+    """Pages looked up in / served by one tier (after a device miss), and pages it took in."""
+
+    queries: int = 0
+    hits: int = 0
+    stored: int = 0
+    dropped: int = 0  # would not fit the budget, or the disk writer was full
+
+
+class HostKVTier:
+    def __init__(self, budget_bytes: int, disk=None):
+        self.budget_bytes = int(budget_bytes)
+        self.blocks: OrderedDict[bytes, KVBlock] = OrderedDict()  # least recently used first
+        self.nbytes = 0
+        self.disk = disk  # engine.disk_kv_tier.DiskKVTier or None
+        self.counts = TierCounts()
+        self.listener: Callable[..., None] | None = None
+
+    def __contains__(self, h: bytes) -> bool:
+        return h in self.blocks or (self.disk is not None and h in self.disk)
+
+    def put(self, h: bytes, block: KVBlock) -> None:
+        """Keeps a block (most recently used); older blocks make room, to disk if any."""
+        if h in self.blocks:
+            self.blocks.move_to_end(h)
+            return
+        if block.nbytes > self.budget_bytes:
+            self.counts.dropped += 1
+            return
+        while self.nbytes + block.nbytes > self.budget_bytes:
+            self._push_out()
+        self.blocks[h] = block
+        self.nbytes += block.nbytes
+        self.counts.stored += 1
+        if self.listener is not None:
+            self.listener("stored", h, block.parent, list(block.tokens), "host")
+
+    def _push_out(self) -> None:
+        h, block = self.blocks.popitem(last=False)
+        self.nbytes -= block.nbytes
+        if self.listener is not None:
+            self.listener("removed", h, "host")
+        if self.disk is not None and self.disk.put(h, block) and self.listener is not None:
+            self.listener("stored", h, block.parent, list(block.tokens), "disk")
+
+    def get(self, h: bytes) -> tuple[KVBlock, str] | None:
+        """(block, "host" or "disk") for a hash, or None. A disk block is checked (its
+        checksum) and brought into this tier first; a bad one is a miss."""
+        block = self.blocks.get(h)
+        if block is not None:
+            self.blocks.move_to_end(h)
+            return block, "host"
+        if self.disk is None:
+            return None
+        block = self.disk.get(h)
+        if block is None:
+            return None
+        self.put(h, block)
+        return block, "disk"
+
+    def discard(self, *hashes: bytes) -> None:
+        """Forgets these blocks (a restore of them failed: they will be recomputed)."""
+        for h in hashes:
+            block = self.blocks.pop(h, None)
+            if block is not None:
+                self.nbytes -= block.nbytes
+                if self.listener is not None:
+                    self.listener("removed", h, "host")
+
+    def clear(self) -> None:
+        """Forgets every block (the weights changed, say); the disk tier keeps its files."""
+        for h in list(self.blocks):
+            if self.listener is not None:
+                self.listener("removed", h, "host")
+        self.blocks.clear()
+        self.nbytes = 0
+
+    def stats(self) -> dict:
+        c = self.counts
+        out = {"host_kv_cache_bytes": self.nbytes, "host_kv_cache_budget_bytes": self.budget_bytes,
+               "host_kv_pages_used": len(self.blocks), "host_kv_queries": c.queries,
+               "host_kv_hits": c.hits, "host_kv_saved": c.stored, "host_kv_dropped": c.dropped}
+        if self.disk is not None:
+            out.update(self.disk.stats())
+        return out

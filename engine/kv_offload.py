@@ -1,0 +1,202 @@
+"""Moves prefix-cache pages between the device pool and the host tier (engine/host_kv_tier.py).
+
+Saves: when allocation evicts a full cached page (engine/block_manager.py `on_evict`),
+the page is queued here. Before anything next writes the cache (a step, a restore, a
+disaggregated import) `save_evicted` dispatches one gather of every queued page, all
+layers of a page side by side, and starts its copy to the host; device work is ordered,
+so the gather reads the pages before the write that reuses them. `poll` folds the
+copies that have arrived into the host tier; nothing ever waits for one. At most
+`max_staged_pages` pages are in transit: past that a save is dropped (counted), never
+waited for.
+
+Restores: the scheduler admits a request whose prefix continues in the host tier with
+fresh pages for those blocks (engine/scheduler/batching.py); `restore` scatters the blocks
+into them before the step that reads them (one scatter for the step's restores).
+
+Both pad the page count to a power of two (few shapes, few compiles) with the null page,
+whose gathered rows are dropped and whose scattered rows are skipped. Blocks carry the
+model's KV heads only, as kv_transfer's rows do (a cache repeating heads for mesh.tensor
+keeps one copy); under mesh.data the page ids are global (replica * pages + page).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxfill.engine import kv_transfer as kvt
+from jaxfill.engine.host_kv_tier import KVBlock
+
+log = logging.getLogger("jaxfill.kv_tier")
+
+def padded_count(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@functools.partial(jax.jit, static_argnames=("num_kv_heads", "stages"))
+def gather_blocks(pages: tuple,  # KVCache.pages: per layer [N, P, 2*Hc, D] or stacked [p, N, ...]
+                  page_ids: jax.Array,  # [n] int32
+                  num_kv_heads: int,
+                  stages: int = 1):
+    """-> values [n, L, P, 2*Hkv, D], scales [n, L, P, 2*Hkv] or None: one block per page."""
+    n = page_ids.shape[0]
+
+    def per_page(a):  # [L, n*P, ...] -> [n, L, P, ...]
+        a = a.reshape((a.shape[0], n, a.shape[1] // n) + a.shape[2:])
+        return jnp.moveaxis(a, 1, 0)
+
+    values, scales = kvt.gather_tokens(pages, page_ids, num_kv_heads=num_kv_heads, stages=stages)
+    return per_page(values), None if scales is None else per_page(scales)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,), static_argnames=("stages",))
+def scatter_blocks(pages: tuple,  # KVCache.pages (donated)
+                   values: jax.Array,  # [n, L, P, 2*Hkv, D]
+                   scales: jax.Array | None,  # [n, L, P, 2*Hkv] or None
+                   page_ids: jax.Array,  # [n] int32; -1 = skip this block
+                   stages: int = 1):
+    """Writes block i into page page_ids[i] (every layer), through kv_transfer's scatter."""
+    n, size = values.shape[0], values.shape[2]
+
+    def rows(a):  # [n, L, P, ...] -> [L, n*P, ...]
+        a = jnp.moveaxis(a, 0, 1)
+        return a.reshape((a.shape[0], n * size) + a.shape[3:])
+
+    offsets = jnp.arange(size, dtype=jnp.int32)
+    slots = jnp.where(page_ids[:, None] >= 0, page_ids[:, None] * size + offsets, -1).reshape(n * size)
+    return kvt.scatter_tokens(pages, rows(values), None if scales is None else rows(scales), slots, stages=stages)
+
+
+@dataclasses.dataclass
+class _Save:
+    hashes: list  # (hash, parent, tokens) per real page
+    values: jax.Array  # [n, L, P, 2*Hkv, D], on its way to the host
+    scales: jax.Array | None
+
+
+class KVOffload:
+    def __init__(self, tier, num_kv_heads: int, pages_per_replica: int, stages: int, max_staged_pages: int):
+        self.tier = tier  # HostKVTier
+        self.num_kv_heads = num_kv_heads
+        self.pages_per_replica = pages_per_replica
+        self.stages = stages
+        self.max_staged_pages = max(1, int(max_staged_pages))
+        self.queued: list[tuple[int, bytes, bytes | None, tuple]] = []  # (global page, hash, parent, tokens)
+        self.in_transit: list[_Save] = []
+        self.num_saves_dropped = 0  # staging full: the page is recomputed if it is asked for again
+        self.num_restored = 0  # pages written back into the device pool
+
+    def on_evict(self, replica: int, page: int, h: bytes, parent: bytes | None, tokens: tuple) -> None:
+        """A block manager's eviction callback: queue the page (still intact) for saving."""
+        if h in self.tier or any(q[1] == h for q in self.queued):
+            return  # already kept (the same prefix, computed twice or restored)
+        if self._staged() + len(self.queued) >= self.max_staged_pages:
+            self.poll()
+        if self._staged() + len(self.queued) >= self.max_staged_pages:
+            self.num_saves_dropped += 1
+            return
+        self.queued.append((replica * self.pages_per_replica + page, h, parent, tuple(tokens)))
+
+    def _staged(self) -> int:
+        return sum(len(s.hashes) for s in self.in_transit)
+
+    def save_evicted(self, cache) -> None:
+        """Dispatches the gather of every queued page and starts its copy to the host."""
+        if not self.queued:
+            return
+        queued, self.queued = self.queued, []
+        ids = np.zeros(padded_count(len(queued)), np.int32)  # the null page pads
+        ids[:len(queued)] = [q[0] for q in queued]
+        values, scales = gather_blocks(cache.pages, jnp.asarray(ids), num_kv_heads=self.num_kv_heads,
+                                       stages=self.stages)
+        for a in (values, scales):
+            if a is not None:
+                a.copy_to_host_async()
+        self.in_transit.append(_Save([q[1:] for q in queued], values, scales))
+
+    def poll(self, wait: bool = False) -> int:
+        """Folds the saves that reached the host into the tier (`wait`: all of them, for
+        tests and shutdown); returns the pages folded in."""
+        done = 0
+        while self.in_transit:
+            save = self.in_transit[0]
+            arrays = [a for a in (save.values, save.scales) if a is not None]
+            if not wait and not all(a.is_ready() for a in arrays):
+                break
+            self.in_transit.pop(0)
+            values = np.asarray(save.values)
+            scales = None if save.scales is None else np.asarray(save.scales)
+            for i, (h, parent, tokens) in enumerate(save.hashes):  # copies: a block owns its bytes
+                self.tier.put(h, KVBlock(values[i].copy(), None if scales is None else scales[i].copy(),
+                                         parent, tokens))
+            done += len(save.hashes)
+        return done
+
+    def drop_queued(self) -> None:
+        """The device cache was lost: pages queued for saving no longer hold their K/V."""
+        self.queued.clear()
+
+    def restore(self, cache, pages: list[int], blocks: list[KVBlock]):
+        """A new cache.pages with each block scattered into its (global) page; the old
+        pages are donated. Saves still queued are dispatched first, so they read the pages
+        before this write."""
+        self.save_evicted(cache)
+        n = padded_count(len(blocks))
+        ids = np.full(n, -1, np.int32)
+        ids[:len(blocks)] = pages
+        values = np.zeros((n,) + blocks[0].values.shape, blocks[0].values.dtype)
+        values[:len(blocks)] = [b.values for b in blocks]
+        scales = None
+        if blocks[0].scales is not None:
+            scales = np.zeros((n,) + blocks[0].scales.shape, np.float32)
+            scales[:len(blocks)] = [b.scales for b in blocks]
+        values, scales = _placed(cache, values), None if scales is None else _placed(cache, scales)
+        new_pages = scatter_blocks(cache.pages, values, scales, jnp.asarray(ids), stages=self.stages)
+        self.num_restored += len(blocks)
+        return new_pages
+
+    def stats(self) -> dict:
+        return {**self.tier.stats(), "host_kv_saves_in_transit": self._staged() + len(self.queued),
+                "host_kv_saves_dropped": self.num_saves_dropped, "host_kv_pages_restored": self.num_restored}
+
+
+def _placed(cache, a: np.ndarray) -> jax.Array:
+    """Host blocks onto the cache's devices: replicated over its mesh (the jitted scatter
+    reshards them), or onto its one device."""
+    sharding = jax.tree.leaves(cache.pages)[0].sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.device_put(a, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()))
+    return jax.device_put(a, next(iter(sharding.device_set)))
+
+
+def build_kv_offload(config, cache, stages: int) -> KVOffload | None:
+    """The host tier (and its disk tier) engine.host_kv_cache_gb asks for; None when off."""
+    s = config.engine
+    if not float(s.host_kv_cache_gb) > 0:
+        return None
+    if jax.process_count() > 1:
+        raise ValueError("engine.host_kv_cache_gb is for a single-process engine so far: in a multi-process "
+                         "run every process would have to gather and scatter in lockstep")
+    from jaxfill.engine.disk_kv_tier import DiskKVTier, fingerprint
+    from jaxfill.engine.host_kv_tier import HostKVTier
+    from jaxfill.models.kv_cache import kv_bytes_per_token
+
+    m = config.model
+    layout = kvt.Layout.of(config, cache)
+    block_bytes = s.page_size * kv_bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, s.kv_cache_dtype,
+                                                   m.jnp_dtype)
+    disk = None
+    if s.disk_kv_cache_dir:
+        disk = DiskKVTier(s.disk_kv_cache_dir, int(float(s.disk_kv_cache_gb) * 2**30),
+                          fingerprint(config, layout.to_json()))
+    tier = HostKVTier(int(float(s.host_kv_cache_gb) * 2**30), disk)
+    pages = tier.budget_bytes // block_bytes
+    log.info("host KV tier: %.2f GB hold %d pages (%d tokens, %d bytes a page)%s", float(s.host_kv_cache_gb),
+             pages, pages * s.page_size, block_bytes,
+             f"; disk tier {s.disk_kv_cache_dir}: {float(s.disk_kv_cache_gb):.2f} GB" if disk else "")
+    return KVOffload(tier, m.num_kv_heads, s.num_pages, stages, max_staged_pages=max(16, pages // 8))

@@ -1,0 +1,172 @@
+"""The prefix cache's host tier: evicted pages come back bit for bit, tokens never change.
+
+Engines run tiny_random with a 16-page pool (about three of the workload's six
+documents fit) and NaN-filled fresh pages, so a restore that missed a page, or wrote it
+wrong, poisons the logits instead of passing unseen.
+"""
+
+import numpy as np
+import pytest
+
+import kv_tier_workload as wl
+from jaxfill import Engine, SamplingParams
+from jaxfill.engine.block_manager import prefix_hashes
+from jaxfill.engine.host_kv_tier import HostKVTier, KVBlock
+from jaxfill.engine.kv_offload import gather_blocks
+from jaxfill.models.config import ConfigError
+
+TIER = {"engine.host_kv_cache_gb": 0.001}  # ~1 MB: every block of the workload fits
+
+
+def engine(**overrides) -> Engine:
+    return Engine.from_config("tiny_random", overrides={**wl.BASE, **overrides}, progress=False)
+
+
+@pytest.fixture(scope="module")
+def plain():
+    """The workload with the device prefix cache alone."""
+    return wl.run(engine())
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).view(np.uint8)  # NaN-safe, dtype-blind equality
+
+
+def test_host_tier_serves_evicted_prefixes_with_the_same_tokens(plain):
+    tiered = wl.run(engine(**TIER))
+    assert tiered["tokens"] == plain["tokens"]
+    st = tiered["stats"]
+    assert st["host_kv_hit_tokens"] > 0
+    assert st["host_kv_pages_restored"] == st["host_kv_hits"]
+    assert sum(tiered["cached"]) == sum(plain["cached"]) + st["host_kv_hit_tokens"]
+    assert st["host_kv_cache_bytes"] <= st["host_kv_cache_budget_bytes"]
+    assert st["pages_free"] == st["pages_total"]  # every page came back
+    salted = [c for c, s in zip(tiered["cached"], tiered["salted"]) if s]
+    assert salted == [0]  # the unsalted copies of its document, on device and host, are not its
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_restore_after_eviction_is_bit_exact(kv_dtype):
+    e = engine(**TIER, **{"engine.kv_cache_dtype": kv_dtype})
+    prompt = list(range(3, 36))  # 33 tokens: 4 full pages are cached
+    e.generate([prompt], SamplingParams(max_tokens=1))
+    bm, tier = e.scheduler.replicas[0].bm, e.runner.kv_offload.tier
+    hashes = prefix_hashes(prompt, 8)
+    pages = [bm.cached[h] for h in hashes]
+    before_v, before_s = gather_blocks(e.runner.kv_cache.pages, np.asarray(pages, np.int32), num_kv_heads=2)
+    before_v, before_s = np.asarray(before_v), None if before_s is None else np.asarray(before_s)
+    assert np.isfinite(before_v.astype(np.float32)).all()
+    assert (before_s is None) == (kv_dtype == "auto")
+    for i in range(4):  # other prompts push the document out of the pool
+        e.generate([[100 + i] * 40], SamplingParams(max_tokens=2))
+    e.runner.kv_offload.poll(wait=True)
+    assert not any(h in bm.cached for h in hashes)
+    for i, h in enumerate(hashes):
+        block = tier.blocks[h]
+        assert block.values.shape == (4, 8, 4, 32)  # [L, P, 2*Hkv, D]: all layers of the page
+        assert np.array_equal(bits(block.values), bits(before_v[i]))
+        if before_s is not None:
+            assert np.array_equal(bits(block.scales), bits(before_s[i]))
+    out = e.generate([prompt], SamplingParams(max_tokens=1))[0]
+    assert out.cached_tokens == 32
+    new_pages = [bm.cached[h] for h in hashes]
+    after_v, after_s = gather_blocks(e.runner.kv_cache.pages, np.asarray(new_pages, np.int32), num_kv_heads=2)
+    assert np.array_equal(bits(np.asarray(after_v)), bits(before_v))
+    if before_s is not None:
+        assert np.array_equal(bits(np.asarray(after_s)), bits(before_s))
+
+
+def test_budget_smaller_than_a_page_keeps_nothing(plain):
+    tiered = wl.run(engine(**{"engine.host_kv_cache_gb": 1e-9}))
+    assert tiered["tokens"] == plain["tokens"]
+    st = tiered["stats"]
+    assert st["host_kv_pages_used"] == 0 and st["host_kv_cache_bytes"] == 0 and st["host_kv_hit_tokens"] == 0
+    assert st["host_kv_dropped"] > 0
+
+
+def test_budget_of_two_pages_holds_two(plain):
+    block_bytes = 4 * 8 * 4 * 32 * 4  # [L, P, 2*Hkv, D] f32
+    tiered = wl.run(engine(**{"engine.host_kv_cache_gb": 2.5 * block_bytes / 2**30}))
+    assert tiered["tokens"] == plain["tokens"]
+    st = tiered["stats"]
+    assert st["host_kv_pages_used"] == 2 and st["host_kv_cache_bytes"] == 2 * block_bytes
+    assert st["host_kv_saved"] > 2  # older blocks made room for newer ones
+
+
+def _evicted_document(e: Engine, doc: list[int]) -> None:
+    e.generate([doc + [7]], SamplingParams(max_tokens=1))
+    for i in range(4):
+        e.generate([[120 + i] * 40], SamplingParams(max_tokens=2))
+    e.runner.kv_offload.poll(wait=True)
+
+
+def test_failed_restore_recomputes_and_forgets_the_blocks():
+    doc = list(range(40, 73))
+    params = SamplingParams(max_tokens=6, temperature=0.7, seed=5)
+    want = engine().generate([doc + [9]], params)[0].token_ids
+    e = engine(**TIER)
+    _evicted_document(e, doc)
+    tier = e.runner.kv_offload.tier
+    hashes = prefix_hashes(doc + [9], 8)
+    assert all(h in tier.blocks for h in hashes)
+
+    def broken(pages):
+        raise RuntimeError("host-to-device copy failed")
+
+    e.runner.restore = broken
+    out = e.generate([doc + [9]], params)[0]
+    assert out.token_ids == want and out.finish_reason == "length"
+    assert out.cached_tokens == 0  # recomputed, not served from the blocks that failed
+    assert not any(h in tier.blocks for h in hashes)
+    st = e.stats()
+    assert st["pages_free"] == st["pages_total"] and st["num_errors"] == 0
+
+
+def test_abort_right_after_a_restore_returns_the_pages():
+    doc = list(range(80, 113))
+    e = engine(**TIER)
+    _evicted_document(e, doc)
+    rid = e.add_request(doc + [9], SamplingParams(max_tokens=50))
+    e.step()  # admitted: blocks restored and its first chunk dispatched
+    req = e.requests[rid]
+    assert req.cached_tokens == 32 and e.runner.kv_offload.num_restored >= 4
+    assert e.abort(rid)
+    while e.has_unfinished():
+        e.step()
+    st = e.stats()
+    assert st["pages_free"] == st["pages_total"]
+    want = engine().generate([doc + [11]], SamplingParams(max_tokens=4))[0].token_ids
+    again = e.generate([doc + [11]], SamplingParams(max_tokens=4))[0]
+    assert again.token_ids == want and again.cached_tokens == 32
+
+
+def test_host_tier_lru_and_budget_unit():
+    def block(i):
+        return KVBlock(np.full((2, 4, 2, 8), i, np.float32), None, None, (i,) * 4)
+
+    nbytes = block(0).nbytes
+    events = []
+    tier = HostKVTier(3 * nbytes)
+    tier.listener = lambda *ev: events.append(ev[0] + ":" + ev[-1])
+    for i in range(3):
+        tier.put(bytes([i]), block(i))
+    assert tier.get(bytes([0]))[1] == "host"  # 0 is now the most recently used
+    tier.put(bytes([3]), block(3))  # pushes out 1, the least recently used
+    assert bytes([1]) not in tier and bytes([0]) in tier
+    assert tier.nbytes == 3 * nbytes and len(tier.blocks) == 3
+    assert events.count("removed:host") == 1 and events.count("stored:host") == 4
+    tier.put(b"big", KVBlock(np.zeros((1000,), np.float32), None, None, ()))  # over the budget alone
+    assert b"big" not in tier and tier.counts.dropped == 1
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ({"engine.host_kv_cache_gb": -1}, "host_kv_cache_gb"),
+    ({"engine.host_kv_cache_gb": 1, "engine.enable_prefix_caching": False}, "enable_prefix_caching"),
+    ({"engine.disk_kv_cache_dir": "/tmp/x"}, "disk_kv_cache_gb"),
+    ({"engine.disk_kv_cache_dir": "/tmp/x", "engine.disk_kv_cache_gb": 1}, "host_kv_cache_gb"),
+])
+def test_bad_tier_settings_are_refused(overrides, match):
+    from jaxfill import load_config
+
+    with pytest.raises(ConfigError, match=match):
+        load_config("tiny_random", overrides)
