@@ -137,6 +137,12 @@ class KVOffload:
             done += len(save.hashes)
         return done
 
+    def flush(self) -> None:
+        """Waits for every save in transit, and for the disk tier's writes (shutdown, tests)."""
+        self.poll(wait=True)
+        if self.tier.disk is not None:
+            self.tier.disk.flush()
+
     def drop_queued(self) -> None:
         """The device cache was lost: pages queued for saving no longer hold their K/V."""
         self.queued.clear()

@@ -285,7 +285,10 @@ class Runner:
             self.lockstep.heartbeat()
 
     def close(self) -> None:
-        """Leader: releases the followers (their follow() returns). Idempotent."""
+        """Leader: releases the followers (their follow() returns), and waits for the host
+        tier's saves and disk writes to land. Idempotent."""
+        if self.kv_offload is not None:
+            self.kv_offload.flush()
         if self.lockstep is not None and self.lockstep.is_leader and not self.lockstep.stopped:
             self.lockstep.send(STOP)
 

@@ -170,3 +170,24 @@ def test_bad_tier_settings_are_refused(overrides, match):
 
     with pytest.raises(ConfigError, match=match):
         load_config("tiny_random", overrides)
+
+
+@pytest.mark.parametrize("mesh", [{"mesh.tensor": 2}, {"mesh.data": 2}], ids=["tensor2", "data2"])
+def test_host_tier_under_a_mesh_gives_the_single_device_tokens(plain, mesh):
+    """Fake devices in a subprocess: tensor=2 splits each block's heads over two devices;
+    data=2 has two pools that evict into, and restore from, the one shared host tier."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    out = subprocess.run([sys.executable, os.path.join(root, "tests", "kv_tier_workload.py"),
+                          json.dumps({**TIER, **mesh})], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["tokens"] == plain["tokens"]
+    assert r["stats"]["host_kv_hit_tokens"] > 0
+    assert r["stats"]["pages_free"] == r["stats"]["pages_total"]
