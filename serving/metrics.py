@@ -31,7 +31,8 @@ TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0
 # deadline are streams whose client went away or ran out of time before the end.
 FINISHED_REASONS = ("stop", "length", "abort", "error", "cancelled", "deadline")
 # Engine.stats() counters -> whether they count pages (x page_size: tokens, as vLLM counts)
-_ENGINE_COUNTERS = {"prefix_cache_queries": True, "prefix_cache_hits": True, "num_preemptions": False}
+_ENGINE_COUNTERS = {"prefix_cache_queries": True, "prefix_cache_hits": True, "num_preemptions": False,
+                    "host_kv_queries": True, "host_kv_hits": True, "disk_kv_queries": True, "disk_kv_hits": True}
 
 
 def count_buckets(limit: int) -> tuple[int, ...]:
@@ -137,6 +138,15 @@ class ServerMetrics:
             "num_preemptions": Counter("jaxfill_num_preemptions", "Running requests preempted for pages.", m,
                                        registry=r).labels(model_name),
         }
+        for tier in ("host", "disk"):  # the prefix cache's tiers below the device (engine.host_kv_cache_gb)
+            self.engine_counters[f"{tier}_kv_queries"] = Counter(
+                f"jaxfill_{tier}_prefix_cache_queries", f"Prompt tokens looked up in the {tier} KV tier "
+                "after a device miss.", m, registry=r).labels(model_name)
+            self.engine_counters[f"{tier}_kv_hits"] = Counter(
+                f"jaxfill_{tier}_prefix_cache_hits", f"Prompt tokens restored from the {tier} KV tier.", m,
+                registry=r).labels(model_name)
+        self.tier_bytes = Gauge("jaxfill_kv_tier_usage_bytes", "Bytes of K/V kept in each tier below the device.",
+                                ["model_name", "tier"], registry=r)
         self.success = Counter("jaxfill_request_success", "Ended requests by finished reason.",
                                ["model_name", "finished_reason"], registry=r)
         for reason in FINISHED_REASONS:
@@ -160,6 +170,9 @@ class ServerMetrics:
                 if value > self._engine_seen[k]:
                     self.engine_counters[k].inc(value - self._engine_seen[k])
         self._engine_seen = seen
+        for tier in ("host", "disk"):
+            if f"{tier}_kv_cache_bytes" in stats:
+                self.tier_bytes.labels(self.model_name, tier).set(stats[f"{tier}_kv_cache_bytes"])
         if "moe_expert_tokens" in stats:
             self.expert_load.update(stats["moe_expert_tokens"])
 

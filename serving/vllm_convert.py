@@ -113,22 +113,25 @@ def hash_to_int64(h: bytes | None) -> int | None:
     return None if h is None else struct.unpack("<q", h[:8])[0]
 
 
+_TIERS = {"device": cpb.KV_CACHE_TIER_DEVICE, "host": cpb.KV_CACHE_TIER_HOST, "disk": cpb.KV_CACHE_TIER_DISK}
+
+
 def kv_batch_to_proto(batch, page_size: int) -> cpb.KvEventBatch:
     """(sequence, wall time, replica, events, first event id) from EngineLoop.subscribe_kv."""
     seq, t, replica, events, first_event_id = batch
     out = cpb.KvEventBatch(sequence_number=seq, timestamp=t, dp_rank=replica)
     for i, ev in enumerate(events):
         e = out.events.add(event_id=first_event_id + i)
-        if ev[0] == "stored":
-            _, h, parent, tokens = ev
+        if ev[0] == "stored":  # ("stored", hash, parent, tokens[, tier])
+            h, parent, tokens = ev[1:4]
             e.stored.blocks.add(block_hash=hash_to_int64(h), token_ids=tokens, block_size=page_size)
             if parent is not None:
                 e.stored.parent_block_hash = hash_to_int64(parent)
-            e.stored.tier = cpb.KV_CACHE_TIER_DEVICE
+            e.stored.tier = _TIERS[ev[4] if len(ev) > 4 else "device"]
             e.stored.locality = cpb.KV_CACHE_LOCALITY_LOCAL
-        elif ev[0] == "removed":
+        elif ev[0] == "removed":  # ("removed", hash[, tier])
             e.removed.block_hashes.append(hash_to_int64(ev[1]))
-            e.removed.tier = cpb.KV_CACHE_TIER_DEVICE
+            e.removed.tier = _TIERS[ev[2] if len(ev) > 2 else "device"]
             e.removed.locality = cpb.KV_CACHE_LOCALITY_LOCAL
         else:
             e.cleared.SetInParent()

@@ -191,3 +191,37 @@ def test_host_tier_under_a_mesh_gives_the_single_device_tokens(plain, mesh):
     assert r["tokens"] == plain["tokens"]
     assert r["stats"]["host_kv_hit_tokens"] > 0
     assert r["stats"]["pages_free"] == r["stats"]["pages_total"]
+
+
+def test_tier_events_and_metrics_name_the_tier():
+    """KV events tell a gateway which tier holds a block (vLLM protocol tiers); Prometheus
+    counts hits and queries per tier, in tokens."""
+    from smg_grpc_proto.generated import common_pb2 as cpb
+
+    from jaxfill.serving.metrics import ServerMetrics
+    from jaxfill.serving.vllm_convert import kv_batch_to_proto
+
+    e = engine(**TIER)
+    events = []
+    e.set_kv_event_listener(lambda replica, *ev: events.append((replica, ev)))
+    metrics = ServerMetrics(model_name="m")
+    metrics.update_stats(e.stats())  # the baseline
+    doc = list(range(10, 43))
+    _evicted_document(e, doc)
+    e.generate([doc + [5]], SamplingParams(max_tokens=1))
+    metrics.update_stats(e.stats())
+    host = [ev for _, ev in events if ev[-1] == "host"]
+    assert {ev[0] for ev in host} >= {"stored"} and all(r == 0 for r, ev in events if ev[-1] == "host")
+    batch = kv_batch_to_proto((1, 0.0, 0, [ev for _, ev in events], 1), page_size=8)
+    tiers = {(x.WhichOneof("data"), getattr(x, x.WhichOneof("data")).tier) for x in batch.events
+             if x.WhichOneof("data") != "cleared"}
+    assert ("stored", cpb.KV_CACHE_TIER_HOST) in tiers and ("stored", cpb.KV_CACHE_TIER_DEVICE) in tiers
+    stored_host = [x.stored for x in batch.events if x.WhichOneof("data") == "stored"
+                   and x.stored.tier == cpb.KV_CACHE_TIER_HOST]
+    pages = [list(x.blocks[0].token_ids) for x in stored_host]  # the page's tokens travel with it
+    assert all(doc[i:i + 8] in pages for i in range(0, 32, 8))
+    st = e.stats()
+    hits = metrics.registry.get_sample_value("jaxfill_host_prefix_cache_hits_total", {"model_name": "m"})
+    assert hits == st["host_kv_hit_tokens"] == 32
+    assert metrics.registry.get_sample_value("jaxfill_kv_tier_usage_bytes",
+                                             {"model_name": "m", "tier": "host"}) == st["host_kv_cache_bytes"] > 0
