@@ -51,11 +51,18 @@ def build_requests(args, vocab_size: int) -> list[BenchRequest]:
                 for i, (n, o) in enumerate(zip(ins, outs))]
     prefixes = [rng.integers(0, hi, size=args.prefix_repetition_prefix_len).tolist()
                 for _ in range(args.prefix_repetition_num_prefixes)]
+    zipf = float(getattr(args, "prefix_repetition_zipf", 0.0) or 0.0)
+    if zipf > 0:  # RAG-shaped: a few documents asked about often, a long tail rarely
+        weights = 1.0 / np.arange(1, len(prefixes) + 1) ** zipf
+        picks = rng.choice(len(prefixes), size=args.num_prompts, p=weights / weights.sum())
+    else:
+        picks = np.arange(args.num_prompts) % len(prefixes)
     reqs = []
-    for i in range(args.num_prompts):
+    for i in picks:
         suffix = rng.integers(0, hi, size=args.prefix_repetition_suffix_len).tolist()
-        reqs.append(BenchRequest(prefixes[i % len(prefixes)] + suffix, args.prefix_repetition_output_len))
-    rng.shuffle(reqs)
+        reqs.append(BenchRequest(prefixes[i] + suffix, args.prefix_repetition_output_len))
+    if zipf <= 0:
+        rng.shuffle(reqs)
     return reqs
 
 

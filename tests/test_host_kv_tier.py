@@ -76,6 +76,13 @@ def test_restore_after_eviction_is_bit_exact(kv_dtype):
         assert np.array_equal(bits(np.asarray(after_s)), bits(before_s))
 
 
+def test_host_tier_with_scanned_layers(plain):
+    """engine.scan_layers stacks the cache [L, ...]: blocks still hold every layer in order."""
+    tiered = wl.run(engine(**TIER, **{"engine.scan_layers": True}))
+    assert tiered["tokens"] == plain["tokens"]
+    assert tiered["stats"]["host_kv_hit_tokens"] > 0
+
+
 def test_budget_smaller_than_a_page_keeps_nothing(plain):
     tiered = wl.run(engine(**{"engine.host_kv_cache_gb": 1e-9}))
     assert tiered["tokens"] == plain["tokens"]

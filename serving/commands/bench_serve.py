@@ -48,6 +48,8 @@ def add_arguments(p) -> None:
     p.add_argument("--prefix-repetition-suffix-len", type=int, default=32)
     p.add_argument("--prefix-repetition-num-prefixes", type=int, default=4)
     p.add_argument("--prefix-repetition-output-len", type=int, default=16)
+    p.add_argument("--prefix-repetition-zipf", type=float, default=0.0,
+                   help="draw each request's prefix Zipf(s) over the prefixes (RAG-shaped); 0: round robin")
     p.add_argument("--request-rate", type=float, default=float("inf"))
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of inter-arrival times (1 = Poisson)")
     p.add_argument("--max-concurrency", type=int, default=None)
@@ -122,6 +124,7 @@ async def _bench(args) -> dict:
         await sender.close()
         if server_thread is not None:
             server_thread.stop(5)
+            out["engine_stats"] = _prefill_stats(engine.stats(), results)
     m = calculate_metrics(results, duration, percentiles, goodput)
     print_report("gRPC serving", m)
     runs["gRPC"] = (results, m)
@@ -160,6 +163,14 @@ async def _bench(args) -> dict:
     })
     out["_runs"] = runs
     return out
+
+
+def _prefill_stats(stats: dict, results: list[RequestResult]) -> dict:
+    """What the in-process server's prefix cache and its tiers saved: prompt tokens that
+    were actually prefilled (warm-ups and probes included), and the tiers' counters."""
+    keep = {k: v for k, v in stats.items() if k.startswith(("host_kv_", "disk_kv_", "prefix_cache_"))
+            or k in ("cached_tokens_total", "num_preemptions", "pages_total")}
+    return {**keep, "prompt_tokens_measured": sum(r.prompt_len for r in results)}
 
 
 def run(args) -> int:
