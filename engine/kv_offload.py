@@ -13,8 +13,9 @@ Restores: the scheduler admits a request whose prefix continues in the host tier
 fresh pages for those blocks (engine/scheduler/batching.py); `restore` scatters the blocks
 into them before the step that reads them (one scatter for the step's restores).
 
-Both pad the page count to a power of two (few shapes, few compiles) with the null page,
-whose gathered rows are dropped and whose scattered rows are skipped. Blocks carry the
+Both move at most MAX_PAGES_PER_CALL pages a call and pad the count to a power of two
+with the null page, whose gathered rows are dropped and whose scattered rows are
+skipped: 2 x 7 programs in all, compiled by `warmup` before the engine reports ready. Blocks carry the
 model's KV heads only, as kv_transfer's rows do (a cache repeating heads for mesh.tensor
 keeps one copy); under mesh.data the page ids are global (replica * pages + page).
 """
@@ -34,8 +35,16 @@ from jaxfill.engine.host_kv_tier import KVBlock
 
 log = logging.getLogger("jaxfill.kv_tier")
 
+MAX_PAGES_PER_CALL = 64  # larger saves and restores take several calls (no bigger shapes)
+
+
 def padded_count(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def call_sizes() -> list[int]:
+    """Every padded page count a gather or scatter is compiled for: 1, 2, 4, ... 64."""
+    return [1 << i for i in range(MAX_PAGES_PER_CALL.bit_length())]
 
 
 @functools.partial(jax.jit, static_argnames=("num_kv_heads", "stages"))
@@ -107,17 +116,18 @@ class KVOffload:
 
     def save_evicted(self, cache) -> None:
         """Dispatches the gather of every queued page and starts its copy to the host."""
-        if not self.queued:
-            return
-        queued, self.queued = self.queued, []
-        ids = np.zeros(padded_count(len(queued)), np.int32)  # the null page pads
-        ids[:len(queued)] = [q[0] for q in queued]
-        values, scales = gather_blocks(cache.pages, jnp.asarray(ids), num_kv_heads=self.num_kv_heads,
-                                       stages=self.stages)
-        for a in (values, scales):
-            if a is not None:
-                a.copy_to_host_async()
-        self.in_transit.append(_Save([q[1:] for q in queued], values, scales))
+        while self.queued:
+            queued, self.queued = self.queued[:MAX_PAGES_PER_CALL], self.queued[MAX_PAGES_PER_CALL:]
+            values, scales = self._gather(cache, [q[0] for q in queued])
+            for a in (values, scales):
+                if a is not None:
+                    a.copy_to_host_async()
+            self.in_transit.append(_Save([q[1:] for q in queued], values, scales))
+
+    def _gather(self, cache, pages: list[int]):
+        ids = np.zeros(padded_count(len(pages)), np.int32)  # the null page pads
+        ids[:len(pages)] = pages
+        return gather_blocks(cache.pages, jnp.asarray(ids), num_kv_heads=self.num_kv_heads, stages=self.stages)
 
     def poll(self, wait: bool = False) -> int:
         """Folds the saves that reached the host into the tier (`wait`: all of them, for
@@ -152,19 +162,43 @@ class KVOffload:
         pages are donated. Saves still queued are dispatched first, so they read the pages
         before this write."""
         self.save_evicted(cache)
-        n = padded_count(len(blocks))
-        ids = np.full(n, -1, np.int32)
-        ids[:len(blocks)] = pages
-        values = np.zeros((n,) + blocks[0].values.shape, blocks[0].values.dtype)
-        values[:len(blocks)] = [b.values for b in blocks]
-        scales = None
-        if blocks[0].scales is not None:
-            scales = np.zeros((n,) + blocks[0].scales.shape, np.float32)
-            scales[:len(blocks)] = [b.scales for b in blocks]
-        values, scales = _placed(cache, values), None if scales is None else _placed(cache, scales)
-        new_pages = scatter_blocks(cache.pages, values, scales, jnp.asarray(ids), stages=self.stages)
+        new_pages = cache.pages
+        for at in range(0, len(blocks), MAX_PAGES_PER_CALL):
+            part = blocks[at:at + MAX_PAGES_PER_CALL]
+            new_pages = self._scatter(cache, new_pages, pages[at:at + MAX_PAGES_PER_CALL], part[0],
+                                      [b.values for b in part], [b.scales for b in part])
         self.num_restored += len(blocks)
         return new_pages
+
+    def _scatter(self, cache, pages_tree, pages: list[int], like: KVBlock, values: list, scales: list):
+        n = padded_count(len(pages))
+        ids = np.full(n, -1, np.int32)
+        ids[:len(pages)] = pages
+        v = np.zeros((n,) + like.values.shape, like.values.dtype)
+        if values:
+            v[:len(values)] = values
+        s = None
+        if like.scales is not None:
+            s = np.zeros((n,) + like.scales.shape, np.float32)
+            if scales:
+                s[:len(scales)] = scales
+        v, s = _placed(cache, v), None if s is None else _placed(cache, s)
+        return scatter_blocks(pages_tree, v, s, jnp.asarray(ids), stages=self.stages)
+
+    def warmup(self, cache):
+        """Compiles every gather and scatter size on the real cache (the gathers read the
+        null page; the scatters write nothing); returns the cache's new pages."""
+        pages = cache.pages
+        for n in call_sizes():
+            values, scales = self._gather(cache, [0] * n)
+            block = KVBlock(np.asarray(values[0]), None if scales is None else np.asarray(scales[0]), None, ())
+            pages = self._scatter(cache, pages, [-1] * n, block, [], [])
+            cache = dataclasses.replace(cache, pages=pages)
+        return pages
+
+    @staticmethod
+    def cache_size() -> int:
+        return gather_blocks._cache_size() + scatter_blocks._cache_size()
 
     def stats(self) -> dict:
         return {**self.tier.stats(), "host_kv_saves_in_transit": self._staged() + len(self.queued),

@@ -246,6 +246,8 @@ class Runner:
         with count_cache_hits() as counts:
             for shape in it:
                 self.run(self.dummy(shape)).get()
+            if self.kv_offload is not None:  # the host tier's gathers and scatters
+                self.kv_cache = dataclasses.replace(self.kv_cache, pages=self.kv_offload.warmup(self.kv_cache))
         return counts["hits"], counts["requests"] - counts["hits"]
 
     def check_attention_impl(self) -> None:
@@ -318,4 +320,6 @@ class Runner:
     @staticmethod
     def cache_size() -> int:
         """Compiled programs held by the step jits (tests: no growth after warm-up)."""
-        return step._cache_size() + step_replicas._cache_size()
+        from jaxfill.engine.kv_offload import KVOffload
+
+        return step._cache_size() + step_replicas._cache_size() + KVOffload.cache_size()

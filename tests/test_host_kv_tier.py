@@ -33,9 +33,12 @@ def bits(a: np.ndarray) -> np.ndarray:
 
 
 def test_host_tier_serves_evicted_prefixes_with_the_same_tokens(plain):
-    tiered = wl.run(engine(**TIER))
+    e = engine(**TIER)
+    programs = e.stats()["compiled_programs"]
+    tiered = wl.run(e)
     assert tiered["tokens"] == plain["tokens"]
     st = tiered["stats"]
+    assert st["compiled_programs"] == programs  # warm-up compiled every save and restore size
     assert st["host_kv_hit_tokens"] > 0
     assert st["host_kv_pages_restored"] == st["host_kv_hits"]
     assert sum(tiered["cached"]) == sum(plain["cached"]) + st["host_kv_hit_tokens"]
@@ -232,3 +235,35 @@ def test_tier_events_and_metrics_name_the_tier():
     assert hits == st["host_kv_hit_tokens"] == 32
     assert metrics.registry.get_sample_value("jaxfill_kv_tier_usage_bytes",
                                              {"model_name": "m", "tier": "host"}) == st["host_kv_cache_bytes"] > 0
+
+
+def test_saves_and_restores_larger_than_one_call_split_and_stay_exact():
+    """70 pages: more than MAX_PAGES_PER_CALL, so two gathers and two scatters."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from jaxfill.engine.kv_offload import MAX_PAGES_PER_CALL, KVOffload
+
+    @dataclasses.dataclass
+    class Cache:
+        pages: tuple
+
+    n = 70
+    assert n > MAX_PAGES_PER_CALL
+    rng = np.random.default_rng(1)
+    pool = [rng.standard_normal((2 * n + 1, 4, 2, 8)).astype(np.float32) for _ in range(3)]  # 3 layers
+    cache = Cache(tuple(jnp.asarray(a) for a in pool))
+    offload = KVOffload(HostKVTier(1 << 30), num_kv_heads=1, pages_per_replica=2 * n + 1, stages=1,
+                        max_staged_pages=1000)
+    for p in range(1, n + 1):
+        offload.on_evict(0, p, bytes([p]), None, ())
+    offload.save_evicted(cache)
+    assert len(offload.in_transit) == 2
+    offload.poll(wait=True)
+    blocks = [offload.tier.blocks[bytes([p])] for p in range(1, n + 1)]
+    assert all(np.array_equal(b.values, np.stack([a[p] for a in pool])) for p, b in zip(range(1, n + 1), blocks))
+    new = offload.restore(cache, list(range(n + 1, 2 * n + 1)), blocks)
+    for layer, a in enumerate(new):
+        assert np.array_equal(np.asarray(a)[n + 1:], pool[layer][1:n + 1])
+        assert np.array_equal(np.asarray(a)[:n + 1], pool[layer][:n + 1])  # nothing else written
