@@ -96,6 +96,7 @@ def rag(mode: str, args) -> dict:
             "completed": r["completed"], "prompt_tokens": prompt,
             "prefilled_tokens": prompt - st["cached_tokens_total"], "cached_tokens": st["cached_tokens_total"],
             "host_hit_tokens": st.get("host_kv_hits", 0) * 16, "disk_hit_tokens": st.get("disk_kv_hits", 0) * 16,
+            "saves_dropped": st.get("host_kv_saves_dropped", 0), "disk_writes_dropped": st.get("disk_kv_dropped", 0),
             "duration_s": r["duration"], "overrides": sets}
 
 

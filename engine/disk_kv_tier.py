@@ -11,8 +11,10 @@ files it finds and serves them; files of another fingerprint are left alone (ano
 engine may own them) with one log line. A file that is short, unreadable or fails its
 checksum is deleted when read and counts as a miss: never served.
 
-Writes run on one background thread through a bounded queue, so the stepping thread
-never waits on the disk; when the queue is full the block is dropped (counted). Reads
+Writes run on one background thread through a queue bounded in bytes (by default the
+host tier's budget, so blocks waiting for the disk at most double the host memory used),
+so the stepping thread never waits on the disk; past the bound a block is dropped
+(counted). Reads
 happen on the stepping thread at admission, one block file per page hit. LRU within
 `engine.disk_kv_cache_gb` (a restart orders old files by modification time).
 """
@@ -35,7 +37,6 @@ from jaxfill.engine.host_kv_tier import KVBlock, TierCounts
 log = logging.getLogger("jaxfill.kv_tier")
 
 MAGIC = b"JFKV1\n"
-WRITE_QUEUE_BLOCKS = 64  # blocks waiting for the writer thread before new ones are dropped
 
 
 def fingerprint(config, layout: dict) -> str:
@@ -106,16 +107,18 @@ def decode(data: bytes, fp: str) -> KVBlock:
 
 
 class DiskKVTier:
-    def __init__(self, directory: str, budget_bytes: int, fp: str):
+    def __init__(self, directory: str, budget_bytes: int, fp: str, max_queued_bytes: int = 1 << 28):
         self.directory = directory
         self.budget_bytes = int(budget_bytes)
         self.fp = fp
+        self.max_queued_bytes = int(max_queued_bytes)
+        self.queued_bytes = 0  # blocks handed to the writer thread and not yet written
         self.counts = TierCounts()
         self.corrupt = 0  # files refused on read (short, unreadable, checksum)
         self.index: OrderedDict[bytes, int] = OrderedDict()  # hash -> file bytes, LRU first
         self.nbytes = 0
         self._lock = threading.Lock()  # index and nbytes: the writer thread adds, the stepper reads
-        self._queue: queue.Queue = queue.Queue(maxsize=WRITE_QUEUE_BLOCKS)
+        self._queue: queue.Queue = queue.Queue()
         os.makedirs(directory, exist_ok=True)
         self._scan()
         self._writer = threading.Thread(target=self._write_loop, name="jaxfill-disk-kv", daemon=True)
@@ -159,14 +162,15 @@ class DiskKVTier:
 
     def put(self, h: bytes, block: KVBlock) -> bool:
         """Queues the block for writing; False (dropped) when the writer is
-        WRITE_QUEUE_BLOCKS behind."""
+        max_queued_bytes behind."""
         if h in self:
             return True
-        try:
-            self._queue.put_nowait((h, block))
-        except queue.Full:
-            self.counts.dropped += 1
-            return False
+        with self._lock:
+            if self.queued_bytes + block.nbytes > self.max_queued_bytes:
+                self.counts.dropped += 1
+                return False
+            self.queued_bytes += block.nbytes
+        self._queue.put_nowait((h, block))
         return True
 
     def _write_loop(self) -> None:
@@ -181,6 +185,8 @@ class DiskKVTier:
                 log.warning("disk KV tier: could not write a block (%s)", e)
                 self.counts.dropped += 1
             finally:
+                with self._lock:
+                    self.queued_bytes -= block.nbytes
                 self._queue.task_done()
 
     def _write(self, h: bytes, block: KVBlock) -> None:
