@@ -232,27 +232,30 @@ class Engine(Conveniences, DisaggregationFacade, MultiProcessFacade):
 
     def _restore(self, launch: Launch) -> Launch | None:
         """[lock] Host-tier pages go back into their new device pages before the step reads
-        them. If that fails, their requests recompute instead (never wrong K/V) and the
-        blocks leave the tier; a cache lost on the way sends everyone back (_recover_cache)."""
+        them. A request whose blocks could not be read or written recomputes instead (never
+        wrong K/V) and its blocks leave the tier; a cache lost on the way sends everyone
+        back (_recover_cache)."""
         rows = [sch for sc in launch.scheds for sch in sc.seqs if sch.restores]
         if not rows:
             return launch
         try:
-            self.runner.restore([(sch.req.replica, r.page, r.block) for sch in rows for r in sch.restores])
+            failed = self.runner.restore([(sch.req.replica, r.page, r.hash) for sch in rows for r in sch.restores])
         except Exception:  # noqa: BLE001 - the requests recompute; the engine goes on
             traceback.print_exc(file=sys.stderr)
-            for sch in rows:
-                self.runner.kv_offload.tier.discard(*(r.hash for r in sch.restores))
-                self.scheduler.restored(sch, ok=False)
-            for sc in launch.scheds:
-                sc.seqs = [sch for sch in sc.seqs if not sch.restores]
-            if not self.runner.cache_ok():
-                self._recover_cache()
-                return None
-            return launch if any(sc.seqs for sc in launch.scheds) else None
+            failed = None
+        bad = [sch for sch in rows if failed is None or any(r.hash in failed for r in sch.restores)]
         for sch in rows:
-            self.scheduler.restored(sch, ok=True)
-        return launch
+            if sch in bad:
+                self.runner.kv_offload.tier.discard(*(r.hash for r in sch.restores))
+            self.scheduler.restored(sch, ok=sch not in bad)
+        if not bad:
+            return launch
+        for sc in launch.scheds:
+            sc.seqs = [sch for sch in sc.seqs if sch not in bad]
+        if not self.runner.cache_ok():
+            self._recover_cache()
+            return None
+        return launch if any(sc.seqs for sc in launch.scheds) else None
 
     def _build(self, launch: Launch, outputs: list[RequestOutput]) -> Launch | None:
         s = self.settings

@@ -85,20 +85,25 @@ class HostKVTier:
         if self.disk is not None and self.disk.put(h, block) and self.listener is not None:
             self.listener("stored", h, block.parent, list(block.tokens), "disk")
 
-    def get(self, h: bytes) -> tuple[KVBlock, str] | None:
-        """(block, "host" or "disk") for a hash, or None. A disk block is checked (its
-        checksum) and brought into this tier first; a bad one is a miss."""
+    def peek(self, h: bytes) -> str | None:
+        """Where a block is kept ("host", "disk") or None; changes nothing (the scheduler's
+        lookup: in a multi-process engine only process 0 looks up, so a lookup must not
+        move anything its followers' tiers would not)."""
+        if h in self.blocks:
+            return "host"
+        return "disk" if self.disk is not None and h in self.disk else None
+
+    def take(self, h: bytes) -> KVBlock | None:
+        """The block to restore (now the most recently used), or None. A disk block is
+        read, checked (its checksum) and brought into this tier; a bad one is None."""
         block = self.blocks.get(h)
         if block is not None:
             self.blocks.move_to_end(h)
-            return block, "host"
-        if self.disk is None:
-            return None
-        block = self.disk.get(h)
-        if block is None:
-            return None
-        self.put(h, block)
-        return block, "disk"
+            return block
+        block = None if self.disk is None else self.disk.get(h)
+        if block is not None:
+            self.put(h, block)
+        return block
 
     def discard(self, *hashes: bytes) -> None:
         """Forgets these blocks (a restore of them failed: they will be recomputed)."""

@@ -194,12 +194,17 @@ class Runner:
         if self.kv_offload is not None:
             self.kv_offload.save_evicted(self.kv_cache)
 
-    def restore(self, pages: list[tuple[int, int, object]]) -> None:
-        """(replica, page, KVBlock) triples: the blocks written into those pages (the
-        cache is donated and replaced)."""
-        ids = [replica * self.num_pages + page for replica, page, _ in pages]
-        new = self.kv_offload.restore(self.kv_cache, ids, [b for _, _, b in pages])
-        self.kv_cache = dataclasses.replace(self.kv_cache, pages=new)
+    def restore(self, entries: list[tuple[int, int, bytes]]) -> set[bytes]:
+        """(replica, page, block hash) triples: the host tier's blocks written into those
+        pages (the cache is donated and replaced). Returns the hashes whose block could
+        not be read (a damaged disk file): their pages were not written."""
+        offload = self.kv_offload
+        blocks = [offload.tier.take(h) for _, _, h in entries]
+        kept = [(replica * self.num_pages + page, b) for (replica, page, _), b in zip(entries, blocks) if b is not None]
+        if kept:
+            new = offload.restore(self.kv_cache, [k[0] for k in kept], [k[1] for k in kept])
+            self.kv_cache = dataclasses.replace(self.kv_cache, pages=new)
+        return {h for (_, _, h), b in zip(entries, blocks) if b is None}
 
     def cache_ok(self) -> bool:
         return not any(a.is_deleted() for a in self.kv_cache.arrays())

@@ -160,7 +160,7 @@ def test_host_tier_lru_and_budget_unit():
     tier.listener = lambda *ev: events.append(ev[0] + ":" + ev[-1])
     for i in range(3):
         tier.put(bytes([i]), block(i))
-    assert tier.get(bytes([0]))[1] == "host"  # 0 is now the most recently used
+    assert tier.peek(bytes([0])) == "host" and tier.take(bytes([0])).tokens == (0,) * 4  # now the most recent
     tier.put(bytes([3]), block(3))  # pushes out 1, the least recently used
     assert bytes([1]) not in tier and bytes([0]) in tier
     assert tier.nbytes == 3 * nbytes and len(tier.blocks) == 3

@@ -41,8 +41,7 @@ class Restore:
     """A prefix page kept in the host tier, to be written into a fresh device page."""
 
     hash: bytes
-    block: object  # engine.host_kv_tier.KVBlock
-    tier: str  # "host" or "disk": where it was found
+    tier: str  # "host" or "disk": where the lookup found it
     page: int = -1  # the device page it goes to (set at admission)
 
 
@@ -160,10 +159,10 @@ class Scheduler(RequestTransitions):
         hits: list = []
         for h in self._hashes(req, req.num_tokens - 1):
             page = self.bm.page_of(h)
-            got = None if page is not None or self.tier is None else self.tier.get(h)
-            if page is None and got is None:
+            tier = None if page is not None or self.tier is None else self.tier.peek(h)
+            if page is None and tier is None:
                 break
-            hits.append(page if page is not None else Restore(h, *got))
+            hits.append(page if page is not None else Restore(h, tier))
         return hits
 
     def recompute_all(self) -> None:
@@ -297,15 +296,11 @@ class Scheduler(RequestTransitions):
         return Scheduled(req, computed, n, restores)
 
     def _count_tier_queries(self, restores: list[Restore], missed: bool) -> None:
-        """Pages asked of the host tier (and of its disk) at an admission, and served."""
-        c = self.tier.counts
-        on_disk = sum(1 for r in restores if r.tier == "disk")
-        c.queries += len(restores) + missed
-        c.hits += len(restores) - on_disk
+        """Pages asked of the host tier (and of its disk) at an admission; their hits are
+        counted once written back (`restored`)."""
+        self.tier.counts.queries += len(restores) + missed
         if self.tier.disk is not None:
-            d = self.tier.disk.counts
-            d.queries += on_disk + missed
-            d.hits += on_disk
+            self.tier.disk.counts.queries += sum(1 for r in restores if r.tier == "disk") + missed
 
     def _schedule_prefill_first(self) -> SchedulerOutput | None:
         """Baseline (chunked_prefill = False): whole waiting prompts in a prefill-only step,

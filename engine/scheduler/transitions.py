@@ -84,6 +84,8 @@ class RequestTransitions:
         req = sch.req
         if ok:
             self.register_computed(req, upto=sch.start)
+            for r in sch.restores:
+                (self.tier.counts if r.tier == "host" else self.tier.disk.counts).hits += 1
             return
         if req in self.running:
             self.running.remove(req)
