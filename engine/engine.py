@@ -246,7 +246,7 @@ class Engine(Conveniences, DisaggregationFacade, MultiProcessFacade):
         bad = [sch for sch in rows if failed is None or any(r.hash in failed for r in sch.restores)]
         for sch in rows:
             if sch in bad:
-                self.runner.kv_offload.tier.discard(*(r.hash for r in sch.restores))
+                self.runner.kv_offload.discard(r.hash for r in sch.restores)
             self.scheduler.restored(sch, ok=sch not in bad)
         if not bad:
             return launch

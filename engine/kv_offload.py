@@ -13,6 +13,13 @@ Restores: the scheduler admits a request whose prefix continues in the host tier
 fresh pages for those blocks (engine/scheduler/batching.py); `restore` scatters the blocks
 into them before the step that reads them (one scatter for the step's restores).
 
+Multi-process (jax.distributed): every process keeps its own host tier of whole blocks
+(the gather is replicated, so each reads its copy from a local device). Process 0 alone
+looks up and decides; its saves and restores reach the others as lockstep messages
+(engine/runner.py), and every process folds arrived saves only at the same points of the
+message stream (`sync`), so all tiers hold the same blocks in the same LRU order and a
+block process 0 restores is there on every process. No disk tier there yet.
+
 Both move at most MAX_PAGES_PER_CALL pages a call and pad the count to a power of two
 with the null page, whose gathered rows are dropped and whose scattered rows are
 skipped: 2 x 7 programs in all, compiled by `warmup` before the engine reports ready. Blocks carry the
@@ -47,17 +54,19 @@ def call_sizes() -> list[int]:
     return [1 << i for i in range(MAX_PAGES_PER_CALL.bit_length())]
 
 
-@functools.partial(jax.jit, static_argnames=("num_kv_heads", "stages"))
+@functools.partial(jax.jit, static_argnames=("num_kv_heads", "stages", "replicate"))
 def gather_blocks(pages: tuple,  # KVCache.pages: per layer [N, P, 2*Hc, D] or stacked [p, N, ...]
                   page_ids: jax.Array,  # [n] int32
                   num_kv_heads: int,
-                  stages: int = 1):
+                  stages: int = 1,
+                  replicate: bool = False):  # True: a whole copy on every device (inside jax.set_mesh)
     """-> values [n, L, P, 2*Hkv, D], scales [n, L, P, 2*Hkv] or None: one block per page."""
     n = page_ids.shape[0]
 
     def per_page(a):  # [L, n*P, ...] -> [n, L, P, ...]
         a = a.reshape((a.shape[0], n, a.shape[1] // n) + a.shape[2:])
-        return jnp.moveaxis(a, 1, 0)
+        a = jnp.moveaxis(a, 1, 0)
+        return jax.lax.with_sharding_constraint(a, jax.sharding.PartitionSpec()) if replicate else a
 
     values, scales = kvt.gather_tokens(pages, page_ids, num_kv_heads=num_kv_heads, stages=stages)
     return per_page(values), None if scales is None else per_page(scales)
@@ -89,8 +98,10 @@ class _Save:
 
 
 class KVOffload:
-    def __init__(self, tier, num_kv_heads: int, pages_per_replica: int, stages: int, max_staged_pages: int):
+    def __init__(self, tier, num_kv_heads: int, pages_per_replica: int, stages: int, max_staged_pages: int,
+                 lockstep: bool = False):
         self.tier = tier  # HostKVTier
+        self.lockstep = lockstep  # a multi-process engine: fold only at `sync`, never discard alone
         self.num_kv_heads = num_kv_heads
         self.pages_per_replica = pages_per_replica
         self.stages = stages
@@ -119,6 +130,8 @@ class KVOffload:
         while self.queued:
             queued, self.queued = self.queued[:MAX_PAGES_PER_CALL], self.queued[MAX_PAGES_PER_CALL:]
             values, scales = self._gather(cache, [q[0] for q in queued])
+            if self.lockstep:  # this process's whole copy
+                values, scales = values.addressable_data(0), None if scales is None else scales.addressable_data(0)
             for a in (values, scales):
                 if a is not None:
                     a.copy_to_host_async()
@@ -127,11 +140,21 @@ class KVOffload:
     def _gather(self, cache, pages: list[int]):
         ids = np.zeros(padded_count(len(pages)), np.int32)  # the null page pads
         ids[:len(pages)] = pages
-        return gather_blocks(cache.pages, jnp.asarray(ids), num_kv_heads=self.num_kv_heads, stages=self.stages)
+        return gather_blocks(cache.pages, jnp.asarray(ids), num_kv_heads=self.num_kv_heads, stages=self.stages,
+                             replicate=self.lockstep)
+
+    def sync(self) -> None:
+        """Multi-process: every process folds its arrived saves here, at the same point of
+        the lockstep stream (a save, a restore, a step), so their tiers stay equal."""
+        if self.lockstep:
+            self._fold(wait=True)
 
     def poll(self, wait: bool = False) -> int:
         """Folds the saves that reached the host into the tier (`wait`: all of them, for
-        tests and shutdown); returns the pages folded in."""
+        tests and shutdown); returns the pages folded in. Multi-process: only `sync` folds."""
+        return 0 if self.lockstep else self._fold(wait)
+
+    def _fold(self, wait: bool) -> int:
         done = 0
         while self.in_transit:
             save = self.in_transit[0]
@@ -149,9 +172,16 @@ class KVOffload:
 
     def flush(self) -> None:
         """Waits for every save in transit, and for the disk tier's writes (shutdown, tests)."""
-        self.poll(wait=True)
+        if not self.lockstep:
+            self._fold(wait=True)
         if self.tier.disk is not None:
             self.tier.disk.flush()
+
+    def discard(self, hashes) -> None:
+        """Blocks whose restore failed leave the tier, so they are recomputed; not in a
+        multi-process engine, where process 0 alone dropping them would split the tiers."""
+        if not self.lockstep:
+            self.tier.discard(*hashes)
 
     def drop_queued(self) -> None:
         """The device cache was lost: pages queued for saving no longer hold their K/V."""
@@ -207,11 +237,25 @@ class KVOffload:
 
 def _placed(cache, a: np.ndarray) -> jax.Array:
     """Host blocks onto the cache's devices: replicated over its mesh (the jitted scatter
-    reshards them), or onto its one device."""
+    reshards them; in a multi-process run each process gives its local devices its own
+    copy), or onto its one device."""
     sharding = jax.tree.leaves(cache.pages)[0].sharding
     if isinstance(sharding, jax.sharding.NamedSharding):
-        return jax.device_put(a, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()))
+        replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+        return jax.make_array_from_callback(a.shape, replicated, lambda index: a[index])
     return jax.device_put(a, next(iter(sharding.device_set)))
+
+
+def encode_entries(pages: list[int], hashes: list[bytes]) -> np.ndarray:
+    """A lockstep message's words: [n, page ids..., 4 words of each 16-byte hash...]."""
+    words = np.frombuffer(b"".join(hashes), np.int32) if hashes else np.zeros(0, np.int32)
+    return np.concatenate([np.asarray([len(pages)] + list(pages), np.int32), words])
+
+
+def decode_entries(words: np.ndarray) -> tuple[list[int], list[bytes]]:
+    n = int(words[0])
+    raw = np.ascontiguousarray(words[1 + n:1 + n + 4 * n]).tobytes()
+    return [int(p) for p in words[1:1 + n]], [raw[16 * i:16 * (i + 1)] for i in range(n)]
 
 
 def build_kv_offload(config, cache, stages: int) -> KVOffload | None:
@@ -219,9 +263,10 @@ def build_kv_offload(config, cache, stages: int) -> KVOffload | None:
     s = config.engine
     if not float(s.host_kv_cache_gb) > 0:
         return None
-    if jax.process_count() > 1:
-        raise ValueError("engine.host_kv_cache_gb is for a single-process engine so far: in a multi-process "
-                         "run every process would have to gather and scatter in lockstep")
+    lockstep = jax.process_count() > 1
+    if lockstep and s.disk_kv_cache_dir:
+        raise ValueError("engine.disk_kv_cache_dir is for a single-process engine so far (a multi-process "
+                         "engine keeps a host tier in each process)")
     from jaxfill.engine.disk_kv_tier import DiskKVTier, fingerprint
     from jaxfill.engine.host_kv_tier import HostKVTier
     from jaxfill.models.kv_cache import kv_bytes_per_token
@@ -243,4 +288,4 @@ def build_kv_offload(config, cache, stages: int) -> KVOffload | None:
     # Staged saves hold device memory until they reach the host: enough for a long prompt's
     # admission (whose fresh pages can evict that many at once), never more than the tier holds.
     staged = min(max(pages // 8, 2 * s.max_pages_per_seq, 64), max(pages, 1))
-    return KVOffload(tier, m.num_kv_heads, s.num_pages, stages, max_staged_pages=staged)
+    return KVOffload(tier, m.num_kv_heads, s.num_pages, stages, max_staged_pages=staged, lockstep=lockstep)

@@ -31,6 +31,8 @@ import numpy as np
 from jaxfill.engine.batch import StepBatch
 
 RUN, STOP, HEARTBEAT, RESET, USE_XLA = 1, 2, 3, 4, 5
+KV_SAVE, KV_RESTORE, KV_WARMUP = 6, 7, 8  # the host KV tier's programs (engine/kv_offload.py): int32 words
+WORD_OPS = (KV_SAVE, KV_RESTORE)
 HEARTBEAT_S = 5.0
 HEADER = 3  # op, bucket, payload words
 FIRST_WORDS = 8192  # 32 KiB: a decode of 64 sequences x 100 pages (no penalties) fits in one broadcast
@@ -68,14 +70,16 @@ class Lockstep:
         return np.asarray(total.addressable_data(0))
 
     # ------------------------------------------------------------------ leader
-    def send(self, op: int, batch: StepBatch | None = None) -> None:
-        """[op, bucket, n, the first words of pack(batch)], then the rest if any."""
+    def send(self, op: int, batch: StepBatch | None = None, words: np.ndarray | None = None) -> None:
+        """[op, bucket, n, the first words of pack(batch) (or of `words`, for WORD_OPS)],
+        then the rest if any."""
         if not self.is_leader:
             raise RuntimeError("only process 0 sends batches")
         if self.stopped:
             raise RuntimeError("the followers were released (close() was called)")
         start = time.perf_counter()
-        words = pack(batch) if batch is not None else np.zeros(0, np.int32)
+        if words is None:
+            words = pack(batch) if batch is not None else np.zeros(0, np.int32)
         first = np.zeros(FIRST_WORDS, np.int32)
         first[:HEADER] = op, self.index[self._key(batch)] if batch is not None else 0, words.size
         inline = min(words.size, FIRST_WORDS - HEADER)
@@ -97,17 +101,18 @@ class Lockstep:
             self.send(HEARTBEAT)
 
     # ------------------------------------------------------------------ followers
-    def receive(self) -> tuple[int, StepBatch | None]:
-        """Blocks until the leader sends: (op, batch for RUN else None)."""
+    def receive(self) -> tuple[int, StepBatch | np.ndarray | None]:
+        """Blocks until the leader sends: (op, the batch for RUN, the words for WORD_OPS,
+        else None)."""
         first = self._broadcast(np.zeros(FIRST_WORDS, np.int32))
         op, bucket, n = (int(x) for x in first[:HEADER])
-        if op != RUN:
+        if op != RUN and op not in WORD_OPS:
             return op, None
         words = first[HEADER:HEADER + n]
         if n > words.size:
             rest = self._broadcast(np.zeros(rest_words(n - words.size, self.max_rest), np.int32))
             words = np.concatenate([words, rest[:n - words.size]])
-        return op, unpack(words, self.templates[bucket])
+        return op, (unpack(words, self.templates[bucket]) if op == RUN else words)
 
 
 def rest_words(n: int, most: int) -> int:

@@ -31,7 +31,8 @@ from flax import nnx
 
 from jaxfill.engine.batch import StepBatch, dummy_batch, stack_batches
 from jaxfill.engine.expert_load import ExpertLoad
-from jaxfill.engine.lockstep import HEARTBEAT, RESET, RUN, STOP, USE_XLA, Lockstep
+from jaxfill.engine.lockstep import HEARTBEAT, KV_RESTORE, KV_SAVE, KV_WARMUP, RESET, RUN, STOP, USE_XLA, Lockstep
+from jaxfill.engine.runner_kv_tier import RunnerKVTier
 from jaxfill.engine.step import step, step_replicas
 from jaxfill.models.kv_cache import KVCache
 from jaxfill.pallas_kernels import resolve_impl
@@ -64,7 +65,7 @@ class PendingOutput:
         return self._host
 
 
-class Runner:
+class Runner(RunnerKVTier):
     def __init__(self, config, model, mesh=None, shapes=()):
         self.config = config
         s = config.engine
@@ -157,6 +158,7 @@ class Runner:
     # ------------------------------------------------------------------ steps
     def run(self, batch: StepBatch) -> PendingOutput:
         """Dispatches one step; returns before it finishes (`.get()` waits)."""
+        self.save_evicted()  # before RUN: followers dispatch the same programs in the same order
         if self.lockstep is not None:
             self.lockstep.send(RUN, batch)
         return self._launch(batch)
@@ -164,6 +166,8 @@ class Runner:
     def _launch(self, batch: StepBatch) -> PendingOutput:
         dev = self.put(batch)
         self.save_evicted()
+        if self.kv_offload is not None:
+            self.kv_offload.sync()
         with self.mesh_context():
             out, self.kv_cache, self.prev_tokens = self.step_fn(self.graphdef, self.state, self.kv_cache, dev,
                                                               self.prev_tokens)
@@ -187,24 +191,6 @@ class Runner:
 
         self.save_evicted()
         self.kv_cache = kvt.import_rows(self.kv_cache, values, scales, pages, num_tokens, self.page_size)
-
-    # ------------------------------------------------------------------ host KV tier
-    def save_evicted(self) -> None:
-        """Before any write to the cache: evicted pages still to save are gathered first."""
-        if self.kv_offload is not None:
-            self.kv_offload.save_evicted(self.kv_cache)
-
-    def restore(self, entries: list[tuple[int, int, bytes]]) -> set[bytes]:
-        """(replica, page, block hash) triples: the host tier's blocks written into those
-        pages (the cache is donated and replaced). Returns the hashes whose block could
-        not be read (a damaged disk file): their pages were not written."""
-        offload = self.kv_offload
-        blocks = [offload.tier.take(h) for _, _, h in entries]
-        kept = [(replica * self.num_pages + page, b) for (replica, page, _), b in zip(entries, blocks) if b is not None]
-        if kept:
-            new = offload.restore(self.kv_cache, [k[0] for k in kept], [k[1] for k in kept])
-            self.kv_cache = dataclasses.replace(self.kv_cache, pages=new)
-        return {h for (_, _, h), b in zip(entries, blocks) if b is None}
 
     def cache_ok(self) -> bool:
         return not any(a.is_deleted() for a in self.kv_cache.arrays())
@@ -252,7 +238,9 @@ class Runner:
             for shape in it:
                 self.run(self.dummy(shape)).get()
             if self.kv_offload is not None:  # the host tier's gathers and scatters
-                self.kv_cache = dataclasses.replace(self.kv_cache, pages=self.kv_offload.warmup(self.kv_cache))
+                if self.lockstep is not None:
+                    self.lockstep.send(KV_WARMUP)
+                self._warm_kv_offload()
         return counts["hits"], counts["requests"] - counts["hits"]
 
     def check_attention_impl(self) -> None:
@@ -319,6 +307,10 @@ class Runner:
                     steps += 1
                 except Exception:  # noqa: BLE001 - the leader sees the same failure and decides
                     log.error("step failed on this follower:\n%s", traceback.format_exc())
+            elif op in (KV_SAVE, KV_RESTORE):
+                self._follow_kv(op, batch)
+            elif op == KV_WARMUP:
+                self._warm_kv_offload()
             elif op != HEARTBEAT:
                 raise RuntimeError(f"unknown lockstep op {op} from process 0")
 

@@ -5,8 +5,9 @@ jax.distributed over 127.0.0.1, one 8-device mesh, the same jitted steps in lock
 
 Runs (1) a model-level greedy loop (chunked prefill + decode with the sharded forward),
 (2) the Engine on tensor 2 x sequence 4, process 0 generating and process 1 following,
-(3) the same with two data replicas (one per process) x tensor 2 x sequence 2.
-Writes {"model": [...], "engine": {...}, "engine_dp": {...}} (an "error" key on failure).
+(3) the same with two data replicas (one per process) x tensor 2 x sequence 2, (4) int8,
+(5) a mixture of experts, (6) the host KV tier (each process its own).
+Writes {"model": [...], "engine": {...}, "engine_dp": {...}, ...} (an "error" key on failure).
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ PROMPT = [(37 * i + 11) % 500 for i in range(37)]
 PROMPT2 = [(53 * i + 5) % 500 for i in range(21)]
 MAX_TOKENS = 10
 QUANT = {"engine.kv_cache_dtype": "int8", "model.weight_dtype": "int8"}  # quantized weights and KV
+# the host KV tier: a 14-page pool that evicts each document before it is asked again
+TIER = {"engine.num_pages": 14, "engine.host_kv_cache_gb": 0.001, "engine.kv_fill_value": float("nan")}
+TIER_DOCS = [[(71 * i + 13 * j + 3) % 500 for j in range(32)] for i in range(3)]
+TIER_PROMPTS = [doc + [k] for k, doc in enumerate(TIER_DOCS * 2)]
 # a mixture of experts split over 'expert' = 4 across the two processes (x tensor 2)
 MOE = {"model.num_experts": 8, "model.experts_per_token": 2, "model.moe_intermediate_size": 64, "mesh.expert": 4}
 
@@ -139,10 +144,26 @@ def engine_run(settings, mesh_shape: tuple[int, int, int], prompts: list[list[in
         completions = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
                                                               ignore_eos=True))
         stats = engine.stats()
-        return {"tokens": [list(c.token_ids) for c in completions],
+        return {"tokens": [list(c.token_ids) for c in completions], "cached": [c.cached_tokens for c in completions],
+                "host_kv_hit_tokens": stats["host_kv_hit_tokens"],
                 "steps_run": engine.num_steps + len(engine.shapes),  # + one warm-up step per bucket
                 "per_replica": stats["requests_per_replica"], "free": stats["pages_free"],
                 "total": stats["pages_total"]}
+
+
+def tier_reference_tokens() -> list[list[int]]:
+    """TIER_PROMPTS on one device in one process, no host tier: what the tiered run must give."""
+    from jaxfill.engine.config import load_config
+    from jaxfill.engine.engine import Engine
+    from jaxfill.engine.request import SamplingParams
+
+    overrides = {f"model.{k}": v for k, v in MODEL.items()}
+    overrides.update({"engine.page_size": 8, "engine.num_pages": 64, "engine.max_model_len": 256,
+                      "engine.max_num_seqs": 1, "engine.max_num_batched_tokens": CHUNK,
+                      "engine.token_buckets": [CHUNK], "engine.seq_buckets": [1]})
+    engine = Engine(load_config("tiny_random", overrides), progress=False)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    return [list(c.token_ids) for c in engine.generate(TIER_PROMPTS, params)]
 
 
 def quant_reference_tokens(extra: dict | None = None) -> list[int]:
@@ -180,7 +201,8 @@ def main():
     for name, shape, prompts, extra in (("engine", (1, TENSOR, SEQUENCE), [PROMPT], None),
                                         ("engine_dp", (2, 2, 2), [PROMPT, PROMPT2], None),
                                         ("engine_quant", (1, TENSOR, SEQUENCE), [PROMPT], QUANT),
-                                        ("engine_moe", (1, TENSOR, 1), [PROMPT], MOE)):
+                                        ("engine_moe", (1, TENSOR, 1), [PROMPT], MOE),
+                                        ("engine_tier", (1, TENSOR, SEQUENCE), TIER_PROMPTS, TIER)):
         try:
             result[name] = engine_run(settings, shape, prompts, extra)
         except Exception:  # noqa: BLE001 - reported, the test decides

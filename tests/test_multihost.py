@@ -89,3 +89,16 @@ def test_experts_split_over_two_processes(runs):
 
 def test_data_replicas_split_over_processes(runs):
     assert runs[0]["engine_dp"]["per_replica"] == [1, 1]
+
+
+def test_host_kv_tier_over_two_processes(runs):
+    """Each process keeps its own host tier; process 0's saves and restores reach process 1
+    as lockstep messages, and the restored pages (NaN-filled pool) give the tokens of one
+    device without a tier."""
+    from multihost_worker import tier_reference_tokens
+
+    leader, follower = runs[0]["engine_tier"], runs[1]["engine_tier"]
+    assert "error" not in leader and "error" not in follower, leader.get("error") or follower.get("error")
+    assert leader["tokens"] == tier_reference_tokens()
+    assert leader["host_kv_hit_tokens"] > 0 and sum(leader["cached"][3:]) > 0
+    assert follower["steps_run"] == leader["steps_run"] and leader["free"] == leader["total"]
