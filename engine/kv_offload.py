@@ -282,9 +282,9 @@ def build_kv_offload(config, cache, stages: int) -> KVOffload | None:
                           max_queued_bytes=max(int(float(s.host_kv_cache_gb) * 2**30), 16 * block_bytes))
     tier = HostKVTier(int(float(s.host_kv_cache_gb) * 2**30), disk)
     pages = tier.budget_bytes // block_bytes
-    log.info("host KV tier: %.2f GB hold %d pages (%d tokens, %d bytes a page)%s", float(s.host_kv_cache_gb),
+    log.info("host KV tier: %.1f MiB hold %d pages (%d tokens, %d bytes a page)%s", tier.budget_bytes / 2**20,
              pages, pages * s.page_size, block_bytes,
-             f"; disk tier {s.disk_kv_cache_dir}: {float(s.disk_kv_cache_gb):.2f} GB" if disk else "")
+             f"; disk tier {s.disk_kv_cache_dir}: {disk.budget_bytes / 2**20:.1f} MiB" if disk else "")
     # Staged saves hold device memory until they reach the host: enough for a long prompt's
     # admission (whose fresh pages can evict that many at once), never more than the tier holds.
     staged = min(max(pages // 8, 2 * s.max_pages_per_seq, 64), max(pages, 1))

@@ -83,6 +83,9 @@ def test_files_of_another_layout_are_ignored(written, caplog):
         e = engine(directory, **{"engine.kv_cache_dtype": "int8"})
     assert e.stats()["disk_kv_pages_used"] == 0
     assert any(f"ignored {len(before)} files" in r.getMessage() for r in caplog.records)
+    # what serve logs at start: the host budget (3.5 f32 pages) in int8 pages of 4*8*4*(32+4) bytes
+    assert any("hold 12 pages (96 tokens, 4608 bytes a page)" in r.getMessage() for r in caplog.records), \
+        [r.getMessage() for r in caplog.records]
     assert files(directory) == before  # left alone: another engine may own them
 
 
