@@ -17,6 +17,7 @@ import dataclasses
 import jax
 import numpy as np
 
+from jaxfill.engine.request import LOGIT_BIAS_SLOTS
 from jaxfill.engine.sampler import SamplingArrays
 from jaxfill.engine.scheduler import SchedulerOutput
 from jaxfill.models.config import ConfigError
@@ -111,6 +112,8 @@ def build_batch(out: SchedulerOutput, shape: tuple[int, int], page_size: int, ma
     freq = np.zeros(s_pad, np.float32)
     hist = np.full((s_pad, penalty_window), -1, np.int32)
     want_lp = np.zeros(s_pad, np.bool_)
+    bias_ids = np.full((s_pad, LOGIT_BIAS_SLOTS), -1, np.int32)
+    bias_values = np.zeros((s_pad, LOGIT_BIAS_SLOTS), np.float32)
     prev_src = np.full(t_pad, -1, np.int32)
     hist_src = np.full(s_pad, -1, np.int32)
 
@@ -144,6 +147,12 @@ def build_batch(out: SchedulerOutput, shape: tuple[int, int], page_size: int, ma
             seed_hi[i], seed_lo[i] = _split_seed(req.seed)
             out_index[i] = len(req.output_ids) + req.in_flight
             want_lp[i] = p.logprobs is not None
+            bias = list(p.logit_bias)
+            if out_index[i] < p.min_tokens:
+                bias += [(t, -np.inf) for t in (*req.eos_token_ids, *p.stop_token_ids)]
+            if bias:
+                bias_ids[i, :len(bias)] = [t for t, _ in bias]
+                bias_values[i, :len(bias)] = [b for _, b in bias]
             if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
                 rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
                 pend = 1 if req.in_flight else 0  # slot 0 takes the in-flight token on the device
@@ -163,7 +172,7 @@ def build_batch(out: SchedulerOutput, shape: tuple[int, int], page_size: int, ma
     sampling = SamplingArrays(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
                               seed_hi=seed_hi, seed_lo=seed_lo, out_index=out_index,
                               repetition_penalty=rep, presence_penalty=pres, frequency_penalty=freq,
-                              hist=hist, want_logprobs=want_lp)
+                              hist=hist, want_logprobs=want_lp, bias_ids=bias_ids, bias_values=bias_values)
     return StepBatch(tokens, positions, meta, sampling, prev_src, hist_src)
 
 

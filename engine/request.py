@@ -20,6 +20,9 @@ class QueueFull(RuntimeError):
 
 
 MAX_TOP_K = 1 << 20
+MAX_LOGIT_BIAS = 300  # entries of SamplingParams.logit_bias (OpenAI's limit)
+MAX_MIN_TOKENS_BANS = 64  # EOS + stop token ids masked while min_tokens is not reached
+LOGIT_BIAS_SLOTS = MAX_LOGIT_BIAS + MAX_MIN_TOKENS_BANS  # the sampler's per-row bias table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,10 +41,19 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # None = off; N = chosen token's logprob + top-N
     cache_salt: str | None = None  # requests with different salts never share cached pages
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are out
+    # token id -> bias added to its logit before sampling (a dict, or (id, bias) pairs);
+    # logprobs stay those of the raw model distribution
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        try:
+            object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
+        except (TypeError, ValueError):
+            raise InvalidRequest("logit_bias", "must map token ids to numbers") from None
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         def bad(field, msg):
@@ -75,10 +87,20 @@ class SamplingParams:
             bad("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
         if any(not s for s in self.stop):
             bad("stop", "stop strings must be non-empty")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            bad("min_tokens", f"must be an integer in [0, max_tokens = {self.max_tokens}], got {self.min_tokens!r}")
+        if self.min_tokens and len(self.stop_token_ids) > MAX_MIN_TOKENS_BANS - 8:
+            bad("stop_token_ids", f"at most {MAX_MIN_TOKENS_BANS - 8} with min_tokens, got {len(self.stop_token_ids)}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            bad("logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
+        for t, b in self.logit_bias:
+            if not math.isfinite(b) or not -100.0 <= b <= 100.0:
+                bad("logit_bias", f"the bias of token {t} must be in [-100, 100], got {b}")
         if vocab_size is not None:
-            for t in self.stop_token_ids:
-                if not 0 <= t < vocab_size:
-                    bad("stop_token_ids", f"token id {t} is outside the vocabulary [0, {vocab_size})")
+            for field, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", [t for t, _ in self.logit_bias])):
+                for t in ids:
+                    if not 0 <= t < vocab_size:
+                        bad(field, f"token id {t} is outside the vocabulary [0, {vocab_size})")
         return self
 
 

@@ -19,7 +19,8 @@ Penalties need each row's token counts. The batch carries a fixed-shape history
 id + V, padding -1); counts are rebuilt here with one scatter-add. H is
 `engine.penalty_window` (static), so penalties see at most the last H tokens.
 
-Logprobs are those of the raw model distribution (before penalties and temperature):
+Logprobs are those of the raw model distribution (before penalties, logit_bias and
+temperature):
 the chosen token's and the top MAX_LOGPROBS (the host keeps the N each request asked for).
 """
 
@@ -48,6 +49,8 @@ class SamplingArrays:
     frequency_penalty: jax.Array  # [S] f32
     hist: jax.Array  # [S, H] i32: output id | prompt id + V | -1
     want_logprobs: jax.Array  # [S] bool
+    bias_ids: jax.Array  # [S, B] i32: logit_bias and min_tokens' masked ids, -1 = none
+    bias_values: jax.Array  # [S, B] f32: added to those logits (-inf masks)
 
 
 @jax.tree_util.register_dataclass
@@ -80,6 +83,18 @@ def apply_penalties(logits: jax.Array,  # [S, V] f32
     active = jnp.any((sp.repetition_penalty != 1.0) | (sp.presence_penalty != 0.0)
                      | (sp.frequency_penalty != 0.0))
     return jax.lax.cond(active, penalize, lambda x: x, logits)
+
+
+def apply_bias(logits: jax.Array,  # [S, V] f32
+               sp: SamplingArrays) -> jax.Array:
+    """logit_bias, and -inf on EOS / stop ids while a row is short of min_tokens; the
+    identity (one batch-wide check) when no row has any."""
+    def add(logits):
+        rows = jnp.broadcast_to(jnp.arange(logits.shape[0])[:, None], sp.bias_ids.shape)
+        used = sp.bias_ids >= 0
+        return logits.at[rows, jnp.where(used, sp.bias_ids, 0)].add(jnp.where(used, sp.bias_values, 0.0))
+
+    return jax.lax.cond(jnp.any(sp.bias_ids >= 0), add, lambda x: x, logits)
 
 
 def filter_mask(scaled: jax.Array,  # [S, V] f32, logits / temperature
@@ -130,7 +145,7 @@ def gumbel_noise(sp: SamplingArrays, vocab: int) -> jax.Array:  # [S, V] f32
 def sample(logits: jax.Array,  # [S, V] f32
            sp: SamplingArrays) -> SampleOutput:
     raw = jax.nn.log_softmax(logits, axis=-1)
-    logits = apply_penalties(logits, sp)
+    logits = apply_bias(apply_penalties(logits, sp), sp)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def draw(logits):

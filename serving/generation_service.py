@@ -27,7 +27,8 @@ def sampling_from_proto(s: pb.SamplingParams, room: int) -> SamplingParams:
         stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
         repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
         presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-        logprobs=s.logprobs if s.HasField("logprobs") else None)
+        logprobs=s.logprobs if s.HasField("logprobs") else None, min_tokens=s.min_tokens,
+        logit_bias=dict(s.logit_bias))
 
 
 def logprobs_to_proto(entries) -> list[pb.TokenLogprob]:

@@ -19,7 +19,8 @@ def arrays(s, h=8, **kw):
                 seed_hi=np.zeros(s, np.uint32), seed_lo=np.zeros(s, np.uint32),
                 out_index=np.zeros(s, np.int32), repetition_penalty=np.ones(s, np.float32),
                 presence_penalty=np.zeros(s, np.float32), frequency_penalty=np.zeros(s, np.float32),
-                hist=np.full((s, h), -1, np.int32), want_logprobs=np.zeros(s, bool))
+                hist=np.full((s, h), -1, np.int32), want_logprobs=np.zeros(s, bool),
+                bias_ids=np.full((s, 4), -1, np.int32), bias_values=np.zeros((s, 4), np.float32))
     for k, v in kw.items():
         base[k] = np.broadcast_to(np.asarray(v, base[k].dtype), base[k].shape).copy()
     return SamplingArrays(**base)
@@ -142,3 +143,22 @@ def test_logprobs_chosen_and_top_n():
         order = np.argsort(-ref[i])[:MAX_LOGPROBS]
         np.testing.assert_array_equal(np.asarray(out.top_ids[i]), order)
         np.testing.assert_allclose(np.asarray(out.top_logprobs[i]), ref[i, order], rtol=1e-5, atol=1e-6)
+
+
+def test_logit_bias_and_masks_move_only_their_rows_and_keep_raw_logprobs():
+    """Row 0: +30 on token 5 makes it the greedy pick; row 1: -inf on its argmax (a
+    min_tokens mask) makes the runner-up win; row 2: no bias, unchanged. Logprobs are the
+    raw model's, bias or not."""
+    rng = np.random.default_rng(3)
+    logits = jnp.asarray(rng.standard_normal((3, V)).astype(np.float32))
+    top2 = np.argsort(-np.asarray(logits), axis=1)[:, :2]
+    ids = np.full((3, 4), -1, np.int32)
+    vals = np.zeros((3, 4), np.float32)
+    ids[0, 0], vals[0, 0] = 5, 30.0
+    ids[1, :2], vals[1, :2] = [top2[1, 0], top2[1, 0]], [-np.inf, 2.0]  # a repeated id: the mask still wins
+    out = sample_jit(logits, arrays(3, bias_ids=ids, bias_values=vals, want_logprobs=True))
+    assert out.tokens.tolist() == [5, top2[1, 1], top2[2, 0]]
+    raw = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    np.testing.assert_allclose(np.asarray(out.logprob), raw[np.arange(3), out.tokens], rtol=1e-6)
+    none = sample_jit(logits, arrays(3, want_logprobs=True))
+    assert none.tokens.tolist() == top2[:, 0].tolist()

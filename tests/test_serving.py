@@ -106,6 +106,18 @@ def test_logprobs_streamed_when_asked(served):
         assert len(lp.top) == 2 and lp.logprob <= 0.0
 
 
+def test_logit_bias_and_min_tokens_over_jaxfill_v1(served):
+    st, *_ = served
+    with grpc.insecure_channel(st.address) as ch:
+        stub = pb_grpc.GenerationStub(ch)
+        def ids(req):
+            return [t for r in stub.Generate(req, timeout=60) if r.HasField("chunk") for t in r.chunk.token_ids]
+
+        assert ids(make_request([1, 2, 3], max_tokens=4, logit_bias={66: 100.0})) == [66] * 4
+        out = ids(make_request([1, 2, 3], max_tokens=8, logit_bias={257: 100.0}, min_tokens=2))  # 257: EOS
+        assert out[-1] == 257 and len(out) == 3
+
+
 def test_jetstream_decode_streams_same_tokens_and_honours_has_bos(served):
     st, _engine, _, js_reference = served
     # With BOS and without, this prompt gives other tokens: so the check below can tell.
@@ -299,6 +311,9 @@ BAD_GENERATE = [
     (dict(prompt="hi", frequency_penalty=float("inf")), "sampling.frequency_penalty"),
     (dict(prompt="hi", stop=[""]), "sampling.stop"),
     (dict(prompt="hi", stop_token_ids=[1000]), "sampling.stop_token_ids"),
+    (dict(prompt="hi", logit_bias={1000: 1.0}), "sampling.logit_bias"),
+    (dict(prompt="hi", logit_bias={5: -101.0}), "sampling.logit_bias"),
+    (dict(prompt="hi", max_tokens=4, min_tokens=5), "sampling.min_tokens"),
     (dict(prompt="hi", request_id="r" * 300), "request_id"),
     (dict(prompt=[7] * 4000, max_tokens=97), "sampling.max_tokens"),  # 4097 > max_model_len: refused, not cut
 ]

@@ -170,10 +170,8 @@ UNSUPPORTED = [
     ("sampling_params.regex", dict(regex="a+")),
     ("sampling_params.choice", dict(choice=vpb.ChoiceConstraint(choices=["a"]))),
     ("sampling_params.n", dict(n=2)),
-    ("sampling_params.logit_bias", dict(logit_bias={5: 1.0})),
     ("sampling_params.prompt_logprobs", dict(prompt_logprobs=1)),
     ("sampling_params.truncate_prompt_tokens", dict(truncate_prompt_tokens=4)),
-    ("sampling_params.min_tokens", dict(min_tokens=2)),
     ("sampling_params.logprobs", dict(logprobs=-1)),
 ]
 
@@ -185,6 +183,20 @@ def test_unsupported_sampling_field_is_refused_by_name(served, field, kw):
         _run(stub, _req([1, 2, 3], "bad", max_tokens=2, **kw))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert e.value.details().startswith(field + ":"), e.value.details()
+
+
+def test_logit_bias_and_min_tokens_are_honoured(served):
+    stub = served[2]
+    (r,) = _run(stub, _req([1, 2, 3], "bias", max_tokens=4, logit_bias={65: 100.0}))
+    assert list(r.complete.output_ids) == [65] * 4
+    eos = 257  # tiny_random's
+    (r,) = _run(stub, _req([1, 2, 3], "min-tokens", max_tokens=8, logit_bias={eos: 100.0}, min_tokens=3))
+    assert list(r.complete.output_ids)[-1] == eos and len(r.complete.output_ids) == 4
+    assert r.complete.finish_reason == "stop"
+    with pytest.raises(grpc.RpcError) as e:
+        _run(stub, _req([1, 2, 3], "bad-bias", max_tokens=2, logit_bias={5: 500.0}))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith("sampling_params.logit_bias:"), e.value.details()
 
 
 @pytest.mark.parametrize("field,extra", [
