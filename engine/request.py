@@ -45,6 +45,7 @@ class SamplingParams:
     # token id -> bias added to its logit before sampling (a dict, or (id, bias) pairs);
     # logprobs stay those of the raw model distribution
     logit_bias: tuple[tuple[int, float], ...] = ()
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last N tokens (None = all)
 
     def __post_init__(self):
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
@@ -91,6 +92,9 @@ class SamplingParams:
             bad("min_tokens", f"must be an integer in [0, max_tokens = {self.max_tokens}], got {self.min_tokens!r}")
         if self.min_tokens and len(self.stop_token_ids) > MAX_MIN_TOKENS_BANS - 8:
             bad("stop_token_ids", f"at most {MAX_MIN_TOKENS_BANS - 8} with min_tokens, got {len(self.stop_token_ids)}")
+        if self.truncate_prompt_tokens is not None and (
+                not isinstance(self.truncate_prompt_tokens, int) or self.truncate_prompt_tokens < 1):
+            bad("truncate_prompt_tokens", f"must be an integer >= 1 (or unset), got {self.truncate_prompt_tokens!r}")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             bad("logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
         for t, b in self.logit_bias:

@@ -32,6 +32,8 @@ class RequestFactory:
             raise InvalidRequest("params", f"must be SamplingParams, got {type(params).__name__}")
         params.validate(self.vocab_size)
         ids = self._encode(prompt)
+        if params.truncate_prompt_tokens is not None:
+            ids = ids[-params.truncate_prompt_tokens:]  # the caller asked to keep the end
         s = self.settings
         validate_prompt(ids, self.vocab_size, s.max_model_len)
         need = -(-(len(ids) + 1) // s.page_size)

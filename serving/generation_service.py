@@ -28,7 +28,8 @@ def sampling_from_proto(s: pb.SamplingParams, room: int) -> SamplingParams:
         repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
         presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
         logprobs=s.logprobs if s.HasField("logprobs") else None, min_tokens=s.min_tokens,
-        logit_bias=dict(s.logit_bias))
+        logit_bias=dict(s.logit_bias),
+        truncate_prompt_tokens=s.truncate_prompt_tokens if s.HasField("truncate_prompt_tokens") else None)
 
 
 def logprobs_to_proto(entries) -> list[pb.TokenLogprob]:
@@ -60,8 +61,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def _parse(self, request: pb.GenerateRequest) -> tuple[str, list[int], SamplingParams]:
         core = self.core
         rid = core.request_id(request.request_id)
+        s = request.sampling
+        keep = ("sampling.truncate_prompt_tokens", s.truncate_prompt_tokens) \
+            if s.HasField("truncate_prompt_tokens") else None
         ids = await core.prompt(request.WhichOneof("input"), request.text, request.token_ids.ids,
-                                "token_ids.ids", "text or token_ids")
+                                "token_ids.ids", "text or token_ids", keep)
         params = sampling_from_proto(request.sampling, core.max_model_len - len(ids))
         if len(request.cache_salt) > MAX_CACHE_SALT_LEN:
             raise BadField("cache_salt", f"longer than {MAX_CACHE_SALT_LEN} characters")

@@ -83,9 +83,11 @@ class RequestCore:
             raise BadField("request_id", f"longer than {MAX_REQUEST_ID_LEN} characters")
         return rid or uuid.uuid4().hex
 
-    async def prompt(self, which: str | None, text: str, ids, ids_field: str, choices: str) -> list[int]:
+    async def prompt(self, which: str | None, text: str, ids, ids_field: str, choices: str,
+                     keep_last: tuple[str, int] | None = None) -> list[int]:
         """The prompt of a message whose `input` oneof is text or token ids, validated.
-        which: the oneof's set field (None: neither); choices: how the message names them."""
+        which: the oneof's set field (None: neither); choices: how the message names them;
+        keep_last: (field, N) of a truncate_prompt_tokens the caller set: the last N only."""
         if which is None:
             raise BadField("input", f"set either {choices}")
         if which == "text":
@@ -93,6 +95,11 @@ class RequestCore:
                 raise BadField("text", "is empty")
             ids, ids_field = await self.encode(text), "text"
         ids = list(ids)
+        if keep_last is not None:
+            field, n = keep_last
+            if n < 1:
+                raise BadField(field, f"must be >= 1 (the prompt tokens to keep), got {n}")
+            ids = ids[-n:]
         self.check_prompt(ids, ids_field)
         return ids
 

@@ -51,9 +51,6 @@ def sampling_from_proto(s: vpb.SamplingParams, room: int, vocab_size: int) -> Sa
         raise BadField(SP + "n", f"only one sample per request is supported, got {s.n}")
     if s.HasField("prompt_logprobs"):
         raise BadField(SP + "prompt_logprobs", "is not supported by jaxfill")
-    if s.HasField("truncate_prompt_tokens"):
-        raise BadField(SP + "truncate_prompt_tokens", "is not supported: jaxfill refuses an over-long "
-                                                      "prompt rather than cutting it")
     if s.HasField("logprobs") and s.logprobs < 0:
         raise BadField(SP + "logprobs", f"-1 (every token) is not supported; ask for 0 to 20, got {s.logprobs}")
     if s.HasField("seed") and s.seed < 0:
@@ -73,7 +70,8 @@ def sampling_from_proto(s: vpb.SamplingParams, room: int, vocab_size: int) -> Sa
         repetition_penalty=s.repetition_penalty if s.repetition_penalty > 0 else 1.0,
         presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
         logprobs=s.logprobs if s.HasField("logprobs") else None, min_tokens=s.min_tokens,
-        logit_bias=dict(s.logit_bias))
+        logit_bias=dict(s.logit_bias),
+        truncate_prompt_tokens=s.truncate_prompt_tokens if s.HasField("truncate_prompt_tokens") else None)
 
 
 def logprobs_to_proto(entries) -> vpb.OutputLogProbs:

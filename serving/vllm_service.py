@@ -64,8 +64,11 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         core = self.core
         rid = core.request_id(request.request_id)
         conv.check_request_fields(request)
+        sp = request.sampling_params
+        keep = (conv.SP + "truncate_prompt_tokens", sp.truncate_prompt_tokens) \
+            if sp.HasField("truncate_prompt_tokens") else None
         ids = await core.prompt(request.WhichOneof("input"), request.text, request.tokenized.input_ids,
-                                "tokenized.input_ids", "tokenized.input_ids or text")
+                                "tokenized.input_ids", "tokenized.input_ids or text", keep)
         params = conv.sampling_from_proto(request.sampling_params, core.max_model_len - len(ids), core.vocab_size)
         core.check_params(params, conv.SP)
         core.check_fits(len(ids), params.max_tokens, conv.SP + "max_tokens")

@@ -1,6 +1,7 @@
 """Qwen3, OLMo 2, SmolLM3 and Granite: unchunked == chunked == prefix-cached == tensor=2
-== scan_layers == stage=2 through the Engine, int8 close (tests/family_layouts.py). Over a
-minute: seven engines per family, each compiling its buckets."""
+== scan_layers == stage=2 through the Engine, int8 close (tests/family_layouts.py). About
+35-50 s a family (2 cores, cold compile cache): seven engines, each compiling one bucket.
+Over a minute for the file, because it is four families."""
 
 import pytest
 

@@ -1,5 +1,5 @@
-"""min_tokens (EOS and stop ids masked until reached) and logit_bias, through the engine
-with async scheduling on (the default) and off."""
+"""min_tokens (EOS and stop ids masked until reached), logit_bias and
+truncate_prompt_tokens, through the engine with async scheduling on (the default) and off."""
 
 import pytest
 
@@ -37,7 +37,15 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached(engine):
     assert len(out.token_ids) == 4 and out.token_ids[-1] == 70 and 70 not in out.token_ids[:3]
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens(engine):
+    long = [(11 * i) % 250 + 1 for i in range(5000)]  # over max_model_len (4096)
+    cut = engine.generate([long], SamplingParams(max_tokens=5, truncate_prompt_tokens=30))[0]
+    alone = engine.generate([long[-30:]], SamplingParams(max_tokens=5))[0]
+    assert cut.token_ids == alone.token_ids and cut.prompt_tokens == 30
+
+
 @pytest.mark.parametrize("params,field", [
+    (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
     (dict(logit_bias={999: 1.0}), "logit_bias"),
     (dict(logit_bias={5: 101.0}), "logit_bias"),
     (dict(logit_bias={5: float("nan")}), "logit_bias"),

@@ -171,7 +171,6 @@ UNSUPPORTED = [
     ("sampling_params.choice", dict(choice=vpb.ChoiceConstraint(choices=["a"]))),
     ("sampling_params.n", dict(n=2)),
     ("sampling_params.prompt_logprobs", dict(prompt_logprobs=1)),
-    ("sampling_params.truncate_prompt_tokens", dict(truncate_prompt_tokens=4)),
     ("sampling_params.logprobs", dict(logprobs=-1)),
 ]
 
@@ -183,6 +182,20 @@ def test_unsupported_sampling_field_is_refused_by_name(served, field, kw):
         _run(stub, _req([1, 2, 3], "bad", max_tokens=2, **kw))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert e.value.details().startswith(field + ":"), e.value.details()
+
+
+def test_truncate_prompt_tokens_keeps_the_end(served):
+    """An over-long prompt with truncate_prompt_tokens = N runs as its last N tokens (the
+    same tokens as sending those alone); N < 1 is refused by name."""
+    stub = served[2]
+    long = [(7 * i) % 250 + 1 for i in range(5000)]  # over max_model_len
+    (cut,) = _run(stub, _req(long, "trunc", max_tokens=4, truncate_prompt_tokens=20))
+    (alone,) = _run(stub, _req(long[-20:], "trunc-ref", max_tokens=4))
+    assert list(cut.complete.output_ids) == list(alone.complete.output_ids)
+    assert cut.complete.prompt_tokens == 20
+    with pytest.raises(grpc.RpcError) as e:
+        _run(stub, _req([1, 2, 3], "trunc-bad", max_tokens=2, truncate_prompt_tokens=-1))
+    assert e.value.details().startswith("sampling_params.truncate_prompt_tokens:"), e.value.details()
 
 
 def test_logit_bias_and_min_tokens_are_honoured(served):
