@@ -81,6 +81,16 @@ def test_default_splits_heads_over_two_cores(one_device):
     same_outputs(r, one_device)
 
 
+@needs_two_cores
+def test_a_bf16_model_is_not_split():
+    """XLA:CPU aborts compiling bf16 all-reduces (AllReducePromotion), so the default split
+    leaves a bf16 model on one device instead of killing the process."""
+    r = run({"model.dtype": "bfloat16"})
+    assert r["devices"] == 2 and r["mesh"] is None and r["config_tensor"] == 1
+    assert len(r["log"]) == 1 and "aborts compiling a bf16 model's all-reduces" in r["log"][0]
+    assert all(len(t) == 6 for t in r["tokens"])
+
+
 def test_one_core_gets_one_device(one_device):
     r = run(cores=(0,))
     assert r["devices"] == 1 and r["mesh"] is None and not r["log"]
