@@ -243,15 +243,15 @@ class Engine(Conveniences, DisaggregationFacade, MultiProcessFacade):
         except Exception:  # noqa: BLE001 - the requests recompute; the engine goes on
             traceback.print_exc(file=sys.stderr)
             failed = None
-        bad = [sch for sch in rows if failed is None or any(r.hash in failed for r in sch.restores)]
+        bad = {id(sch) for sch in rows if failed is None or any(r.hash in failed for r in sch.restores)}
         for sch in rows:
-            if sch in bad:
+            if id(sch) in bad:
                 self.runner.kv_offload.discard(r.hash for r in sch.restores)
-            self.scheduler.restored(sch, ok=sch not in bad)
+            self.scheduler.restored(sch, ok=id(sch) not in bad)
         if not bad:
             return launch
         for sc in launch.scheds:
-            sc.seqs = [sch for sch in sc.seqs if sch not in bad]
+            sc.seqs = [sch for sch in sc.seqs if id(sch) not in bad]
         if not self.runner.cache_ok():
             self._recover_cache()
             return None

@@ -113,8 +113,8 @@ class KVOffload:
 
     def on_evict(self, replica: int, page: int, h: bytes, parent: bytes | None, tokens: tuple) -> None:
         """A block manager's eviction callback: queue the page (still intact) for saving."""
-        if h in self.tier or any(q[1] == h for q in self.queued):
-            return  # already kept (the same prefix, computed twice or restored)
+        if h in self.tier:
+            return  # already kept (restored from it, or saved from another replica's pool)
         if self._staged() + len(self.queued) >= self.max_staged_pages:
             self.poll()
         if self._staged() + len(self.queued) >= self.max_staged_pages:

@@ -278,13 +278,11 @@ class Scheduler(RequestTransitions):
         restores = [h for h in hits if isinstance(h, Restore)]
         self.bm.acquire(device)
         fresh = self.bm.allocate(len(restores) + need)
-        for r in restores:
-            r.page = fresh.pop(0)
-        req.pages = [h.page if isinstance(h, Restore) else h for h in hits] + fresh
-        if self.tier is not None and len(hits) < len(req.page_hashes[:(req.num_tokens - 1) // self.page_size]):
-            self._count_tier_queries(restores, missed=True)
-        elif restores:
-            self._count_tier_queries(restores, missed=False)
+        for r, page in zip(restores, fresh):
+            r.page = page
+        req.pages = [h.page if isinstance(h, Restore) else h for h in hits] + fresh[len(restores):]
+        if self.tier is not None:  # a hit that ended before the last full page asked the tier once more
+            self._count_tier_queries(restores, missed=len(hits) < len(self._hashes(req, req.num_tokens - 1)))
         req.num_computed = computed
         if req.cached_tokens is None:
             req.cached_tokens = computed
