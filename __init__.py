@@ -10,6 +10,7 @@ import importlib
 # The public API, imported on first use (PEP 562) so that `import jaxfill.serving.cli`
 # (every `jaxfill` command, `--help` included) does not pay for importing jax.
 _PUBLIC = {"Engine": "jaxfill.engine.engine", "SamplingParams": "jaxfill.engine.request",
+           "StructuredOutput": "jaxfill.engine.request",
            "load_config": "jaxfill.engine.config", "use_cpu_cores": "jaxfill.engine.cpu_devices"}
 
 __all__ = list(_PUBLIC)

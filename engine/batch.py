@@ -19,6 +19,7 @@ import numpy as np
 
 from jaxfill.engine.request import LOGIT_BIAS_SLOTS
 from jaxfill.engine.sampler import SamplingArrays
+from jaxfill.engine.structured_output import bitmask_words, fill_bitmask
 from jaxfill.engine.scheduler import SchedulerOutput
 from jaxfill.models.config import ConfigError
 from jaxfill.models.kv_cache import AttentionMetadata
@@ -114,6 +115,7 @@ def build_batch(out: SchedulerOutput, shape: tuple[int, int], page_size: int, ma
     want_lp = np.zeros(s_pad, np.bool_)
     bias_ids = np.full((s_pad, LOGIT_BIAS_SLOTS), -1, np.int32)
     bias_values = np.zeros((s_pad, LOGIT_BIAS_SLOTS), np.float32)
+    allowed = np.full((s_pad, bitmask_words(vocab_size)), -1, np.int32)
     prev_src = np.full(t_pad, -1, np.int32)
     hist_src = np.full(s_pad, -1, np.int32)
 
@@ -150,6 +152,8 @@ def build_batch(out: SchedulerOutput, shape: tuple[int, int], page_size: int, ma
             bias = list(p.logit_bias)
             if out_index[i] < p.min_tokens:
                 bias += [(t, -np.inf) for t in (*req.eos_token_ids, *p.stop_token_ids)]
+            if req.matcher is not None:
+                fill_bitmask(req.matcher, allowed[i])
             if bias:
                 bias_ids[i, :len(bias)] = [t for t, _ in bias]
                 bias_values[i, :len(bias)] = [b for _, b in bias]
@@ -172,17 +176,18 @@ def build_batch(out: SchedulerOutput, shape: tuple[int, int], page_size: int, ma
     sampling = SamplingArrays(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
                               seed_hi=seed_hi, seed_lo=seed_lo, out_index=out_index,
                               repetition_penalty=rep, presence_penalty=pres, frequency_penalty=freq,
-                              hist=hist, want_logprobs=want_lp, bias_ids=bias_ids, bias_values=bias_values)
+                              hist=hist, want_logprobs=want_lp, bias_ids=bias_ids, bias_values=bias_values,
+                              allowed=allowed)
     return StepBatch(tokens, positions, meta, sampling, prev_src, hist_src)
 
 
-def dummy_batch(shape: tuple[int, int], max_pages: int, penalty_window: int) -> StepBatch:
+def dummy_batch(shape: tuple[int, int], max_pages: int, penalty_window: int, vocab_size: int) -> StepBatch:
     """An all-padding batch of one bucket shape (warm-up): one live 1-token sequence on
     the null page whose write is skipped (slot -1)."""
     t_pad, s_pad = shape
     from jaxfill.engine.scheduler import SchedulerOutput
 
-    b = build_batch(SchedulerOutput([], [], []), shape, 1, max_pages, 1, penalty_window)
+    b = build_batch(SchedulerOutput([], [], []), shape, 1, max_pages, vocab_size, penalty_window)
     b.meta.cu_q_lens[1:] = 1
     b.meta.kv_lens[0] = 1
     b.meta.num_seqs[0] = 1

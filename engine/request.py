@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from typing import Any
 
@@ -23,6 +24,37 @@ MAX_TOP_K = 1 << 20
 MAX_LOGIT_BIAS = 300  # entries of SamplingParams.logit_bias (OpenAI's limit)
 MAX_MIN_TOKENS_BANS = 64  # EOS + stop token ids masked while min_tokens is not reached
 LOGIT_BIAS_SLOTS = MAX_LOGIT_BIAS + MAX_MIN_TOKENS_BANS  # the sampler's per-row bias table
+
+
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the output (engine/structured_output.py). spec: the JSON schema (text
+    or a dict), the regex, the Lark or GBNF grammar, the choices (strings); none for
+    json_object (any JSON object)."""
+
+    kind: str
+    spec: Any = None
+
+    def __post_init__(self):
+        if self.kind == "json_schema" and isinstance(self.spec, dict):
+            object.__setattr__(self, "spec", json.dumps(self.spec))
+        if self.kind == "choice" and isinstance(self.spec, (list, tuple)):
+            object.__setattr__(self, "spec", tuple(self.spec))
+
+    def validate(self) -> None:
+        field = f"structured_output.{self.kind}"
+        if self.kind not in STRUCTURED_KINDS:
+            raise InvalidRequest("structured_output", f"kind must be one of {', '.join(STRUCTURED_KINDS)}, "
+                                                      f"got {self.kind!r}")
+        if self.kind == "choice":
+            if not isinstance(self.spec, tuple) or not self.spec or not all(
+                    isinstance(c, str) and c for c in self.spec):
+                raise InvalidRequest(field, "must be a non-empty list of non-empty strings")
+        elif self.kind != "json_object" and (not isinstance(self.spec, str) or not self.spec.strip()):
+            raise InvalidRequest(field, "must be a non-empty string")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +78,7 @@ class SamplingParams:
     # logprobs stay those of the raw model distribution
     logit_bias: tuple[tuple[int, float], ...] = ()
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last N tokens (None = all)
+    structured_output: StructuredOutput | None = None  # the output must match this constraint
 
     def __post_init__(self):
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
@@ -100,6 +133,10 @@ class SamplingParams:
         for t, b in self.logit_bias:
             if not math.isfinite(b) or not -100.0 <= b <= 100.0:
                 bad("logit_bias", f"the bias of token {t} must be in [-100, 100], got {b}")
+        if self.structured_output is not None:
+            if not isinstance(self.structured_output, StructuredOutput):
+                bad("structured_output", "must be a StructuredOutput")
+            self.structured_output.validate()
         if vocab_size is not None:
             for field, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", [t for t, _ in self.logit_bias])):
                 for t in ids:
@@ -173,6 +210,7 @@ class Request:
         self.cached_tokens: int | None = None  # set at first admission
         self.num_preemptions = 0
         self.logprobs: list[dict[str, Any]] | None = [] if params.logprobs is not None else None
+        self.matcher = None  # llguidance LLMatcher of a structured_output request (engine/structured_output.py)
         # text
         self.detok = None
         self.text = ""  # emitted text (never includes a stop string)

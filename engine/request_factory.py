@@ -12,6 +12,7 @@ import random
 
 from jaxfill.engine.loading import validate_prompt
 from jaxfill.engine.request import InvalidRequest, Request, SamplingParams
+from jaxfill.engine.structured_output import GrammarCompiler
 
 
 class RequestFactory:
@@ -24,6 +25,7 @@ class RequestFactory:
         self._arrivals = itertools.count()
         self._ids = itertools.count()
         self._seeds = random.Random(self.settings.seed)
+        self.grammars = GrammarCompiler(self.vocab_size)
 
     def check(self, prompt, params: SamplingParams | None = None, priority: int = 0) -> tuple[list[int], SamplingParams]:
         """Everything about one request that needs no queue: (prompt ids, params)."""
@@ -42,6 +44,8 @@ class RequestFactory:
                                  f"(engine.num_pages x engine.page_size)")
         if not isinstance(priority, int):
             raise InvalidRequest("priority", f"must be an integer, got {priority!r}")
+        if params.structured_output is not None:
+            self.grammars.check(params.structured_output, self.tokenizer)
         return ids, params
 
     def _encode(self, prompt) -> list[int]:
@@ -68,4 +72,7 @@ class RequestFactory:
         req = Request(request_id, ids, params, priority, next(self._arrivals), seed,
                       eos_token_ids=self.eos_token_ids)
         req.detok = self.tokenizer.detokenizer(ids) if with_text else None
+        if params.structured_output is not None:
+            req.matcher = self.grammars.matcher(self.grammars.check(params.structured_output, self.tokenizer),
+                                                self.tokenizer)
         return req

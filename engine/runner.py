@@ -143,7 +143,7 @@ class Runner(RunnerKVTier):
     def dummy(self, shape: tuple[int, int]) -> StepBatch:
         """An all-padding batch of one bucket (warm-up, and what followers receive into)."""
         s = self.config.engine
-        one = dummy_batch(shape, s.max_pages_per_seq, s.penalty_window)
+        one = dummy_batch(shape, s.max_pages_per_seq, s.penalty_window, self.config.model.vocab_size)
         return stack_batches([one] * self.num_replicas)
 
     def mesh_context(self):

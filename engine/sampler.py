@@ -19,8 +19,10 @@ Penalties need each row's token counts. The batch carries a fixed-shape history
 id + V, padding -1); counts are rebuilt here with one scatter-add. H is
 `engine.penalty_window` (static), so penalties see at most the last H tokens.
 
-Logprobs are those of the raw model distribution (before penalties, logit_bias and
-temperature):
+A structured-output row's grammar mask (`allowed`) comes last, after penalties and bias.
+
+Logprobs are those of the raw model distribution (before penalties, logit_bias, the
+grammar mask and temperature):
 the chosen token's and the top MAX_LOGPROBS (the host keeps the N each request asked for).
 """
 
@@ -51,6 +53,7 @@ class SamplingArrays:
     want_logprobs: jax.Array  # [S] bool
     bias_ids: jax.Array  # [S, B] i32: logit_bias and min_tokens' masked ids, -1 = none
     bias_values: jax.Array  # [S, B] f32: added to those logits (-inf masks)
+    allowed: jax.Array  # [S, W] i32 packed bits (token t: word t // 32, bit t % 32); all ones = unconstrained
 
 
 @jax.tree_util.register_dataclass
@@ -95,6 +98,23 @@ def apply_bias(logits: jax.Array,  # [S, V] f32
         return logits.at[rows, jnp.where(used, sp.bias_ids, 0)].add(jnp.where(used, sp.bias_values, 0.0))
 
     return jax.lax.cond(jnp.any(sp.bias_ids >= 0), add, lambda x: x, logits)
+
+
+def apply_allowed(logits: jax.Array,  # [S, V] f32, after penalties and bias
+                  unbiased: jax.Array,  # [S, V] f32, before them
+                  sp: SamplingArrays) -> jax.Array:
+    """-inf on the tokens a row's grammar forbids (structured output). Should bias leave a
+    row nothing (min_tokens masking the EOS its grammar needs), the grammar wins over the
+    bias for that row. The identity (one batch-wide check) when no row is constrained."""
+    def mask(logits):
+        v = logits.shape[-1]
+        bits = (sp.allowed[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [S, W, 32]
+        ok = bits.reshape(bits.shape[0], -1)[:, :v] > 0
+        masked = jnp.where(ok, logits, -jnp.inf)
+        stuck = ~jnp.any(jnp.isfinite(masked), axis=-1, keepdims=True)
+        return jnp.where(stuck, jnp.where(ok, unbiased, -jnp.inf), masked)
+
+    return jax.lax.cond(jnp.any(sp.allowed != -1), mask, lambda x: x, logits)
 
 
 def filter_mask(scaled: jax.Array,  # [S, V] f32, logits / temperature
@@ -145,7 +165,7 @@ def gumbel_noise(sp: SamplingArrays, vocab: int) -> jax.Array:  # [S, V] f32
 def sample(logits: jax.Array,  # [S, V] f32
            sp: SamplingArrays) -> SampleOutput:
     raw = jax.nn.log_softmax(logits, axis=-1)
-    logits = apply_bias(apply_penalties(logits, sp), sp)
+    logits = apply_allowed(apply_bias(apply_penalties(logits, sp), sp), logits, sp)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def draw(logits):

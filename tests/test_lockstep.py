@@ -83,9 +83,10 @@ def test_malformed_message_is_refused():
 def test_decode_message_sized_by_content_not_largest_bucket():
     """llama3_1_8b's settings (no model built): page_indices [64, 8192] alone is 2 MiB.
     A 64-sequence decode at 1.5k context must be one FIRST_WORDS broadcast."""
-    s = load_config("llama3_1_8b", {"engine.num_pages": 8192}).engine  # the preset's 0 sizes from memory
-    templates = [dummy_batch(shape, s.max_pages_per_seq, s.penalty_window) for shape in bucket_shapes(s)]
-    b = dummy_batch((64, 64), s.max_pages_per_seq, s.penalty_window)
+    config = load_config("llama3_1_8b", {"engine.num_pages": 8192})  # the preset's 0 sizes from memory
+    s, vocab = config.engine, config.model.vocab_size
+    templates = [dummy_batch(shape, s.max_pages_per_seq, s.penalty_window, vocab) for shape in bucket_shapes(s)]
+    b = dummy_batch((64, 64), s.max_pages_per_seq, s.penalty_window, vocab)
     ctx = 1500
     npg = -(-ctx // s.page_size)
     rng = np.random.default_rng(7)
@@ -111,8 +112,8 @@ def test_send_then_receive_through_recorded_broadcasts(num_pages_used):
     the batch back exactly."""
     from jaxfill.engine.lockstep import RUN, Lockstep
 
-    templates = [dummy_batch(shape, 256, 8) for shape in [(16, 16), (64, 64)]]
-    batch = dummy_batch((64, 64), 256, 8)
+    templates = [dummy_batch(shape, 256, 8, 320) for shape in [(16, 16), (64, 64)]]
+    batch = dummy_batch((64, 64), 256, 8, 320)
     batch.meta.page_indices[:, :num_pages_used] = np.random.default_rng(8).integers(1, 999, (64, num_pages_used))
     sent = []
 

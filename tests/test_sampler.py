@@ -20,7 +20,8 @@ def arrays(s, h=8, **kw):
                 out_index=np.zeros(s, np.int32), repetition_penalty=np.ones(s, np.float32),
                 presence_penalty=np.zeros(s, np.float32), frequency_penalty=np.zeros(s, np.float32),
                 hist=np.full((s, h), -1, np.int32), want_logprobs=np.zeros(s, bool),
-                bias_ids=np.full((s, 4), -1, np.int32), bias_values=np.zeros((s, 4), np.float32))
+                bias_ids=np.full((s, 4), -1, np.int32), bias_values=np.zeros((s, 4), np.float32),
+                allowed=np.full((s, (V + 31) // 32), -1, np.int32))
     for k, v in kw.items():
         base[k] = np.broadcast_to(np.asarray(v, base[k].dtype), base[k].shape).copy()
     return SamplingArrays(**base)
@@ -162,3 +163,41 @@ def test_logit_bias_and_masks_move_only_their_rows_and_keep_raw_logprobs():
     np.testing.assert_allclose(np.asarray(out.logprob), raw[np.arange(3), out.tokens], rtol=1e-6)
     none = sample_jit(logits, arrays(3, want_logprobs=True))
     assert none.tokens.tolist() == top2[:, 0].tolist()
+
+
+def _packed(allowed_rows, s):
+    """Bool rows [s, V] -> the sampler's packed int32 words."""
+    words = np.zeros((s, (V + 31) // 32 * 32), np.uint8)
+    words[:, :V] = allowed_rows
+    return np.packbits(words, axis=-1, bitorder="little").view(np.int32)
+
+
+def test_grammar_mask_restricts_constrained_rows_only():
+    """Row 0 may draw only {3, 7, 20}; row 1 is unconstrained and draws what it would alone."""
+    rng = np.random.default_rng(5)
+    logits = rng.normal(size=(2, V)).astype(np.float32)
+    ok = np.ones((2, V), bool)
+    ok[0] = False
+    ok[0, [3, 7, 20]] = True
+    for seed in range(40):
+        sp = arrays(2, temperature=1.0, seed_lo=seed, allowed=_packed(ok, 2))
+        out = sample_jit(jnp.asarray(logits), sp)
+        alone = sample_jit(jnp.asarray(logits[1:]), arrays(1, temperature=1.0, seed_lo=seed))
+        assert int(out.tokens[0]) in (3, 7, 20)
+        assert int(out.tokens[1]) == int(alone.tokens[0])
+    greedy = sample_jit(jnp.asarray(logits), arrays(2, allowed=_packed(ok, 2)))
+    assert int(greedy.tokens[0]) == [3, 7, 20][int(np.argmax(logits[0, [3, 7, 20]]))]
+    # logprobs stay the raw model's
+    np.testing.assert_allclose(float(greedy.logprob[0]),
+                               jax.nn.log_softmax(logits[0])[int(greedy.tokens[0])], rtol=1e-6)
+
+
+def test_grammar_mask_wins_over_a_bias_that_leaves_nothing():
+    """min_tokens masks the EOS (token 5) that the grammar alone allows: the grammar wins."""
+    logits = np.linspace(-1, 1, V, dtype=np.float32)[None]
+    ok = np.zeros((1, V), bool)
+    ok[0, 5] = True
+    sp = arrays(1, allowed=_packed(ok, 1))
+    sp = SamplingArrays(**{**sp.__dict__, "bias_ids": np.asarray([[5, -1, -1, -1]], np.int32),
+                           "bias_values": np.asarray([[-np.inf, 0, 0, 0]], np.float32)})
+    assert int(sample_jit(jnp.asarray(logits), sp).tokens[0]) == 5

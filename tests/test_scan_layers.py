@@ -55,7 +55,7 @@ def _lowered_dots(num_layers: int, scan: bool) -> int:
     stages = num_layers if scan else 1
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(m, nnx.Rngs(0), stages=stages)))
     cache = jax.eval_shape(lambda: KVCache.create(m, 8, config.engine.page_size, stages=stages))
-    batch = dummy_batch((16, 4), config.engine.max_pages_per_seq, config.engine.penalty_window)
+    batch = dummy_batch((16, 4), config.engine.max_pages_per_seq, config.engine.penalty_window, m.vocab_size)
     prev = jax.ShapeDtypeStruct((config.engine.max_num_seqs,), jnp.int32)
     return step.lower(graphdef, state, cache, batch, prev).as_text().count("dot_general")
 
@@ -86,7 +86,7 @@ def _step_temp_bytes(stages: int, num_pages: int) -> tuple[int, int]:
     m = config.model
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(m, nnx.Rngs(0), stages=stages)))
     cache = jax.eval_shape(lambda: KVCache.create(m, num_pages, config.engine.page_size, stages=stages))
-    batch = dummy_batch((16, 4), config.engine.max_pages_per_seq, config.engine.penalty_window)
+    batch = dummy_batch((16, 4), config.engine.max_pages_per_seq, config.engine.penalty_window, m.vocab_size)
     prev = jax.ShapeDtypeStruct((config.engine.max_num_seqs,), jnp.int32)
     compiled = step.lower(graphdef, state, cache, batch, prev).compile()
     return compiled.memory_analysis().temp_size_in_bytes, sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(cache))

@@ -196,7 +196,9 @@ class Scheduler(RequestTransitions):
         finished: list[Request] = []
         now = time.perf_counter()
 
-        decodes = [r for r in self.running if to_compute(r) == 1 and not self._ends_in_flight(r)]
+        # A constrained row's next grammar mask needs the token still in flight: it waits.
+        decodes = [r for r in self.running if to_compute(r) == 1 and not self._ends_in_flight(r)
+                   and not (r.matcher is not None and r.in_flight)]
         prefills = [r for r in self.running if to_compute(r) > 1]
         for req in decodes + prefills:
             if req.status != Status.RUNNING:

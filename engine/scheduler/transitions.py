@@ -25,6 +25,7 @@ import time
 from typing import Iterable
 
 from jaxfill.engine.request import QueueFull, Request, Status
+from jaxfill.engine.structured_output import advance
 
 
 @dataclasses.dataclass
@@ -71,8 +72,11 @@ class RequestTransitions:
         if req.first_token is None:
             req.first_token = now
         req.last_token = now
+        grammar = advance(req.matcher, token) if req.matcher is not None else None
         if token in req.eos_token_ids or token in p.stop_token_ids:
             return "stop"
+        if grammar is not None:
+            return grammar
         if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
             return "length"
         return None
