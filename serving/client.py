@@ -30,6 +30,8 @@ def make_request(prompt, request_id: str = "", cache_salt: str = "", priority: i
     unknown = set(sampling) - SAMPLING_FIELDS
     if unknown:
         raise TypeError(f"unknown sampling fields {sorted(unknown)}; known: {sorted(SAMPLING_FIELDS)}")
+    if isinstance(sampling.get("choice"), (list, tuple)):
+        sampling["choice"] = pb.Choices(choices=sampling["choice"])
     sp = pb.SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
     req = pb.GenerateRequest(request_id=request_id, sampling=sp, cache_salt=cache_salt, priority=priority)
     if isinstance(prompt, str):

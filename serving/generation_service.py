@@ -9,7 +9,7 @@ import time
 import grpc
 
 from jaxfill.engine.request import SamplingParams
-from jaxfill.serving.request_core import BadField, RequestCore, served_name
+from jaxfill.serving.request_core import BadField, RequestCore, served_name, structured_from_proto
 from jaxfill.serving.proto.jaxfill.v1 import generation_pb2 as pb
 from jaxfill.serving.proto.jaxfill.v1 import generation_pb2_grpc as pb_grpc
 
@@ -29,7 +29,8 @@ def sampling_from_proto(s: pb.SamplingParams, room: int) -> SamplingParams:
         presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
         logprobs=s.logprobs if s.HasField("logprobs") else None, min_tokens=s.min_tokens,
         logit_bias=dict(s.logit_bias),
-        truncate_prompt_tokens=s.truncate_prompt_tokens if s.HasField("truncate_prompt_tokens") else None)
+        truncate_prompt_tokens=s.truncate_prompt_tokens if s.HasField("truncate_prompt_tokens") else None,
+        structured_output=structured_from_proto(s))
 
 
 def logprobs_to_proto(entries) -> list[pb.TokenLogprob]:

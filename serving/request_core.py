@@ -15,7 +15,7 @@ import uuid
 import grpc
 
 from jaxfill.engine.loading import validate_prompt
-from jaxfill.engine.request import InvalidRequest, QueueFull, SamplingParams
+from jaxfill.engine.request import InvalidRequest, QueueFull, SamplingParams, StructuredOutput
 from jaxfill.serving.engine_loop import DRAINING, FAILED, SERVING, STOPPED, WARMING, EngineLoop
 from jaxfill.serving.proto.jaxfill.v1 import generation_pb2 as pb
 
@@ -26,6 +26,18 @@ MAX_REQUEST_ID_LEN = 256
 DEADLINE_SLACK_S = 0.25
 OFFLOAD_TEXT_CHARS = 4096  # tokenize longer texts off the event loop
 
+
+
+def structured_from_proto(s) -> StructuredOutput | None:
+    """A sampling message's `constraint` oneof (jaxfill.v1 and vLLM's protocol spell it alike)."""
+    kind = s.WhichOneof("constraint")
+    if kind is None:
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json_object") if s.json_object else None
+    if kind == "choice":
+        return StructuredOutput("choice", tuple(s.choice.choices))
+    return StructuredOutput(kind, getattr(s, kind))
 
 
 def served_name(config) -> str:
@@ -113,8 +125,12 @@ class RequestCore:
         """field: where the sampling fields sit in the message ("sampling." or "" for JetStream)."""
         try:
             params.validate(self.vocab_size)
+            if params.structured_output is not None:  # compiles the grammar: malformed is refused here
+                self.engine.factory.grammars.check(params.structured_output, self.engine.tokenizer)
         except InvalidRequest as e:
-            raise BadField(f"{field}{e.field}", str(e).split(": ", 1)[-1]) from None
+            # structured_output.<kind> is the message's <kind> field (the constraint oneof)
+            name = e.field.removeprefix("structured_output.")
+            raise BadField(f"{field}{name}", str(e).split(": ", 1)[-1]) from None
         if params.max_tokens > self.max_model_len:
             raise BadField(f"{field}max_tokens",
                            f"{params.max_tokens} exceeds max_model_len ({self.max_model_len})")

@@ -19,7 +19,7 @@ from smg_grpc_proto.generated import common_pb2 as cpb
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 from jaxfill.engine.request import SamplingParams
-from jaxfill.serving.request_core import BadField
+from jaxfill.serving.request_core import BadField, structured_from_proto
 
 # vLLM's default when a request leaves temperature unset (OpenAI's too): sampling, not greedy.
 DEFAULT_TEMPERATURE = 1.0
@@ -44,9 +44,9 @@ def check_request_fields(request: vpb.GenerateRequest) -> None:
 
 def sampling_from_proto(s: vpb.SamplingParams, room: int, vocab_size: int) -> SamplingParams:
     """room: tokens left after the prompt, the bound of an unset max_tokens."""
-    constraint = s.WhichOneof("constraint")
-    if constraint is not None:
-        raise BadField(SP + constraint, "structured output constraints are not supported by jaxfill")
+    if s.WhichOneof("constraint") == "structural_tag":
+        raise BadField(SP + "structural_tag", "is not supported by jaxfill (json_schema, regex, grammar, "
+                                              "json_object and choice are)")
     if s.n > 1:
         raise BadField(SP + "n", f"only one sample per request is supported, got {s.n}")
     if s.HasField("prompt_logprobs"):
@@ -71,7 +71,8 @@ def sampling_from_proto(s: vpb.SamplingParams, room: int, vocab_size: int) -> Sa
         presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
         logprobs=s.logprobs if s.HasField("logprobs") else None, min_tokens=s.min_tokens,
         logit_bias=dict(s.logit_bias),
-        truncate_prompt_tokens=s.truncate_prompt_tokens if s.HasField("truncate_prompt_tokens") else None)
+        truncate_prompt_tokens=s.truncate_prompt_tokens if s.HasField("truncate_prompt_tokens") else None,
+        structured_output=structured_from_proto(s))
 
 
 def logprobs_to_proto(entries) -> vpb.OutputLogProbs:

@@ -118,6 +118,29 @@ def test_logit_bias_and_min_tokens_over_jaxfill_v1(served):
         assert out[-1] == 257 and len(out) == 3
 
 
+def test_structured_output_over_jaxfill_v1(served):
+    """The constraint oneof: regex and choice end in text they accept; a bad regex is
+    INVALID_ARGUMENT naming sampling.regex."""
+    import re
+
+    st, *_ = served
+    with grpc.insecure_channel(st.address) as ch:
+        stub = pb_grpc.GenerationStub(ch)
+
+        def text(req):
+            return "".join(r.chunk.text for r in stub.Generate(req, timeout=60) if r.HasField("chunk"))
+
+        for seed in range(3):
+            assert re.fullmatch("[a-c]{3}", text(make_request("hi", max_tokens=20, temperature=1.0, seed=seed,
+                                                              regex="[a-c]{3}")))
+            assert text(make_request("hi", max_tokens=20, temperature=1.0, seed=seed,
+                                     choice=["alpha", "beta"])) in ("alpha", "beta")
+        with pytest.raises(grpc.RpcError) as e:
+            text(make_request("hi", max_tokens=4, regex="(x"))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.details().startswith("sampling.regex:"), e.value.details()
+
+
 def test_jetstream_decode_streams_same_tokens_and_honours_has_bos(served):
     st, _engine, _, js_reference = served
     # With BOS and without, this prompt gives other tokens: so the check below can tell.

@@ -166,9 +166,7 @@ def test_logprobs_streamed_and_final(served):
 
 
 UNSUPPORTED = [
-    ("sampling_params.json_schema", dict(json_schema="{}")),
-    ("sampling_params.regex", dict(regex="a+")),
-    ("sampling_params.choice", dict(choice=vpb.ChoiceConstraint(choices=["a"]))),
+    ("sampling_params.structural_tag", dict(structural_tag="{}")),
     ("sampling_params.n", dict(n=2)),
     ("sampling_params.prompt_logprobs", dict(prompt_logprobs=1)),
     ("sampling_params.logprobs", dict(logprobs=-1)),
@@ -210,6 +208,32 @@ def test_logit_bias_and_min_tokens_are_honoured(served):
         _run(stub, _req([1, 2, 3], "bad-bias", max_tokens=2, logit_bias={5: 500.0}))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert e.value.details().startswith("sampling_params.logit_bias:"), e.value.details()
+
+
+def test_structured_output_constraints_are_honoured(served):
+    """Each constraint of the oneof ends in text it accepts (token ids: tiny_random's bytes);
+    a malformed one is INVALID_ARGUMENT naming its field and runs nothing."""
+    import json
+    import re
+
+    stub = served[2]
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["a"], "additionalProperties": False}
+    cases = {"regex": (dict(regex="[0-9]{2}-[a-z]"), lambda t: re.fullmatch("[0-9]{2}-[a-z]", t)),
+             "json_schema": (dict(json_schema=json.dumps(schema)), lambda t: json.loads(t).keys() == {"a"}),
+             "choice": (dict(choice=vpb.ChoiceConstraint(choices=["yes", "no"])), lambda t: t in ("yes", "no")),
+             "grammar": (dict(grammar='root ::= "x" [0-9] [0-9]'), lambda t: re.fullmatch("x[0-9]{2}", t))}
+    for kind, (kw, ok) in cases.items():
+        for seed in range(3):
+            (r,) = _run(stub, _req([1, 2, 3], f"so-{kind}-{seed}", max_tokens=40, temperature=1.0, seed=seed, **kw))
+            text = bytes(t for t in r.complete.output_ids if t < 256).decode()
+            assert r.complete.finish_reason == "stop" and ok(text), (kind, text)
+    for kw, field in ((dict(regex="([a-z"), "regex"), (dict(json_schema="{oops"), "json_schema"),
+                      (dict(choice=vpb.ChoiceConstraint()), "choice")):
+        with pytest.raises(grpc.RpcError) as e:
+            _run(stub, _req([1, 2, 3], "so-bad", max_tokens=4, **kw))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.details().startswith(f"sampling_params.{field}:"), e.value.details()
 
 
 @pytest.mark.parametrize("field,extra", [
