@@ -234,3 +234,30 @@ def test_killed_worker_fails_over_then_rejoins_after_restart(cluster):
         cluster.client.completions.create(model=cluster.gateway.model, prompt=f"{uuid.uuid4().hex} {i}",
                                           max_tokens=2, temperature=0)
     assert cluster.counters(replacement)["requests"] > before
+
+
+def test_response_format_json_schema_reaches_the_worker_as_a_constraint(cluster):
+    """OpenAI's response_format (chat and completions) arrives as the json_schema
+    constraint: every sample parses and fits the schema; a malformed schema is an HTTP 400."""
+    import json
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[a-z]{1,6}$"},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["name", "n"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}
+    for seed in range(3):
+        chat = cluster.client.chat.completions.create(
+            model=cluster.gateway.model, messages=[{"role": "user", "content": "Who?"}], max_tokens=60,
+            temperature=1.0, seed=seed, response_format=fmt)
+        value = json.loads(chat.choices[0].message.content)
+        assert set(value) == {"name", "n"} and 0 <= value["n"] <= 99, value
+        assert chat.choices[0].finish_reason == "stop"
+    obj = cluster.client.chat.completions.create(
+        model=cluster.gateway.model, messages=[{"role": "user", "content": "Any"}], max_tokens=60,
+        temperature=0.0, response_format={"type": "json_object"})
+    assert obj.choices[0].finish_reason != "stop" or isinstance(json.loads(obj.choices[0].message.content), dict)
+    bad = {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "objectx"}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        cluster.client.chat.completions.create(model=cluster.gateway.model, max_tokens=4, response_format=bad,
+                                               messages=[{"role": "user", "content": "x"}])
+    assert e.value.status_code == 400 and "json_schema" in str(e.value), str(e.value)
