@@ -58,7 +58,7 @@ def step_args(config, stages: int, bucket: tuple[int, int]) -> tuple:
     m, e = config.model, config.engine
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(m, nnx.Rngs(0), stages=stages)))
     cache = jax.eval_shape(lambda: KVCache.create(m, e.num_pages, e.page_size, stages=stages))
-    batch = _abstract(dummy_batch(bucket, e.max_pages_per_seq, e.penalty_window))
+    batch = _abstract(dummy_batch(bucket, e.max_pages_per_seq, e.penalty_window, config.model.vocab_size))
     prev_tokens = jax.ShapeDtypeStruct((e.max_num_seqs,), np.int32)
     return graphdef, state, cache, batch, prev_tokens
 

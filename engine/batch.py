@@ -34,6 +34,8 @@ class StepBatch:
     sampling: SamplingArrays
     prev_src: jax.Array  # [T] i32: row of the previous step's tokens to take this token from, or -1
     hist_src: jax.Array  # [S] i32: the same for hist[:, 0], or -1
+    lp_rows: jax.Array  # [P] i32: token rows scored for prompt_logprobs, -1 = none (engine/step.py)
+    lp_targets: jax.Array  # [P] i32: the prompt token each of those rows predicts
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -86,13 +88,22 @@ def pick_bucket(shapes: list[tuple[int, int]], num_tokens: int, num_seqs: int) -
     raise ValueError(f"no bucket holds {num_tokens} tokens / {num_seqs} seqs; buckets: {shapes}")
 
 
+def prompt_logprob_positions(sch) -> range:
+    """Positions p of a scheduled chunk whose row is scored for prompt_logprobs: the row of
+    p predicts prompt token p + 1, so the prompt's last position is not among them."""
+    req = sch.req
+    if req.params.prompt_logprobs is None:
+        return range(0)
+    return range(sch.start, max(sch.start, min(sch.start + sch.num_new, len(req.prompt_ids) - 1)))
+
+
 def _split_seed(seed: int) -> tuple[int, int]:
     seed &= (1 << 64) - 1
     return seed >> 32, seed & 0xFFFFFFFF
 
 
 def build_batch(out: SchedulerOutput, shape: tuple[int, int], page_size: int, max_pages: int,
-                vocab_size: int, penalty_window: int) -> StepBatch:
+                vocab_size: int, penalty_window: int, prompt_rows: int = 1) -> StepBatch:
     t_pad, s_pad = shape
     tokens = np.zeros(t_pad, np.int32)
     positions = np.zeros(t_pad, np.int32)
@@ -118,6 +129,9 @@ def build_batch(out: SchedulerOutput, shape: tuple[int, int], page_size: int, ma
     allowed = np.full((s_pad, bitmask_words(vocab_size)), -1, np.int32)
     prev_src = np.full(t_pad, -1, np.int32)
     hist_src = np.full(s_pad, -1, np.int32)
+    lp_rows = np.full(prompt_rows, -1, np.int32)
+    lp_targets = np.full(prompt_rows, -1, np.int32)
+    num_lp = 0
 
     pos_t = 0
     for i, sch in enumerate(out.seqs):
@@ -136,6 +150,14 @@ def build_batch(out: SchedulerOutput, shape: tuple[int, int], page_size: int, ma
             tokens[sl] = req.prompt_ids[start:end] + (req.output_ids[:end - npr] if end > npr else [])
         pos = np.arange(start, end, dtype=np.int32)
         positions[sl] = pos
+        scored = prompt_logprob_positions(sch)
+        if len(scored):
+            if num_lp + len(scored) > prompt_rows:
+                raise ValueError(f"{req.request_id}: {num_lp + len(scored)} prompt_logprobs rows in one step, "
+                                 f"over engine.prompt_logprobs_rows ({prompt_rows})")
+            lp_rows[num_lp:num_lp + len(scored)] = pos_t + np.arange(len(scored)) + (scored.start - start)
+            lp_targets[num_lp:num_lp + len(scored)] = req.prompt_ids[scored.start + 1:scored.stop + 1]
+            num_lp += len(scored)
         pages = np.asarray(req.pages, np.int32)
         slots[sl] = pages[pos // page_size] * page_size + pos % page_size
         pos_t += n
@@ -178,16 +200,17 @@ def build_batch(out: SchedulerOutput, shape: tuple[int, int], page_size: int, ma
                               repetition_penalty=rep, presence_penalty=pres, frequency_penalty=freq,
                               hist=hist, want_logprobs=want_lp, bias_ids=bias_ids, bias_values=bias_values,
                               allowed=allowed)
-    return StepBatch(tokens, positions, meta, sampling, prev_src, hist_src)
+    return StepBatch(tokens, positions, meta, sampling, prev_src, hist_src, lp_rows, lp_targets)
 
 
-def dummy_batch(shape: tuple[int, int], max_pages: int, penalty_window: int, vocab_size: int) -> StepBatch:
+def dummy_batch(shape: tuple[int, int], max_pages: int, penalty_window: int, vocab_size: int,
+                prompt_rows: int = 1) -> StepBatch:
     """An all-padding batch of one bucket shape (warm-up): one live 1-token sequence on
     the null page whose write is skipped (slot -1)."""
     t_pad, s_pad = shape
     from jaxfill.engine.scheduler import SchedulerOutput
 
-    b = build_batch(SchedulerOutput([], [], []), shape, 1, max_pages, vocab_size, penalty_window)
+    b = build_batch(SchedulerOutput([], [], []), shape, 1, max_pages, vocab_size, penalty_window, prompt_rows)
     b.meta.cu_q_lens[1:] = 1
     b.meta.kv_lens[0] = 1
     b.meta.num_seqs[0] = 1

@@ -42,6 +42,8 @@ class EngineSettings:
     seed: int = 0
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority" (lower priority value runs first)
     penalty_window: int = 256  # tokens of history the repetition/presence/frequency penalties see
+    # prompt rows a step scores for prompt_logprobs requests (their logits: rows x vocab x 4 bytes)
+    prompt_logprobs_rows: int = 256
     chunked_prefill: bool = True  # False: baseline, whole prompts in prefill-only steps, decodes wait
     # "auto": pages in the model's dtype; "int8" / "float8_e4m3fn": quantized pages with one
     # f32 scale per (token, K or V head) beside them (pallas_kernels/kv_quant.py)
@@ -80,6 +82,8 @@ class EngineSettings:
             raise ConfigError(f"engine.memory_utilization must be in (0, 1], got {self.memory_utilization}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ConfigError(f"engine.scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
+        if int(self.prompt_logprobs_rows) <= 0:
+            raise ConfigError(f"engine.prompt_logprobs_rows must be positive, got {self.prompt_logprobs_rows}")
         if int(self.penalty_window) <= 0:
             raise ConfigError(f"engine.penalty_window must be positive, got {self.penalty_window}")
         if not 0 < float(self.kv_transfer_max_held_share) <= 1:

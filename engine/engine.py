@@ -43,7 +43,7 @@ from jaxfill.engine.kv_offload import build_kv_offload
 from jaxfill.engine.loading import build_mesh, build_model, build_tokenizer
 from jaxfill.engine.mesh import with_mesh_shape
 from jaxfill.engine.multiprocess_facade import MultiProcessFacade
-from jaxfill.engine.output import token_output
+from jaxfill.engine.output import record_prompt_logprobs, token_output
 from jaxfill.engine.request import QueueFull, Request, RequestOutput, SamplingParams
 from jaxfill.engine.request_factory import RequestFactory
 from jaxfill.engine.runner import Runner
@@ -260,8 +260,9 @@ class Engine(Conveniences, DisaggregationFacade, MultiProcessFacade):
     def _build(self, launch: Launch, outputs: list[RequestOutput]) -> Launch | None:
         s = self.settings
         try:
-            launch.batch = stack_batches([build_batch(sc, launch.shape, s.page_size, self.max_pages,
-                                                      self.vocab_size, s.penalty_window) for sc in launch.scheds])
+            launch.batch = stack_batches([build_batch(sc, launch.shape, s.page_size, self.max_pages, self.vocab_size,
+                                                      s.penalty_window, self.runner.prompt_rows)
+                                          for sc in launch.scheds])
         except Exception as e:  # noqa: BLE001 - a bad request must not stop the engine
             outputs += self._fail(launch.scheds, e)
             return None
@@ -289,6 +290,8 @@ class Engine(Conveniences, DisaggregationFacade, MultiProcessFacade):
         with self._lock:
             self.num_steps += 1
             now = time.perf_counter()
+            if host.prompt is not None:
+                record_prompt_logprobs(launch.scheds, host.prompt, self.runner.prompt_rows)
             for sch, row in launch.rows():
                 req = sch.req
                 try:

@@ -45,8 +45,27 @@ def token_output(req: Request, sampled, host, row: int,  # host: HostOutput of t
     else:
         text, reason, lp = emit_text(req, sampled, host.logprob[row], host.top_ids[row], host.top_logprobs[row])
     out = RequestOutput(req.request_id, [sampled.token], text, logprobs=[lp] if lp else None, raw_logprobs=raw,
-                        num_cached_tokens=req.cached_tokens)
+                        num_cached_tokens=req.cached_tokens,
+                        prompt_logprobs=req.prompt_logprobs if len(req.output_ids) == 1 else None)
     return out, reason
+
+
+def record_prompt_logprobs(scheds, prompt: tuple, rows: int) -> None:
+    """A step's scored prompt rows (host arrays [R * rows], [R * rows, N] x 2, per replica
+    in engine.batch.build_batch's order) into each request's prompt_logprobs; an entry
+    already there (a preempted prompt computed again) is kept."""
+    from jaxfill.engine.batch import prompt_logprob_positions
+
+    logprob, top_ids, top_lps = prompt
+    for replica, sched in enumerate(scheds):
+        at = replica * rows
+        for sch in sched.seqs:
+            req = sch.req
+            for p in prompt_logprob_positions(sch):
+                if req.prompt_logprobs is not None and req.prompt_logprobs[p + 1] is None:
+                    req.prompt_logprobs[p + 1] = format_logprob(req.prompt_ids[p + 1], logprob[at], top_ids[at],
+                                                                top_lps[at], req.params.prompt_logprobs)
+                at += 1
 
 
 def feed_text(state, stops: tuple[str, ...], ids: list[int], final: bool) -> tuple[str, bool]:

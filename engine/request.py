@@ -79,6 +79,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last N tokens (None = all)
     structured_output: StructuredOutput | None = None  # the output must match this constraint
+    # None = off; k = each prompt token's logprob given the tokens before it, plus the top-k
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
@@ -119,6 +121,9 @@ class SamplingParams:
             bad("seed", f"must be a non-negative integer, got {self.seed!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             bad("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (
+                not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= 20):
+            bad("prompt_logprobs", f"must be an integer in [0, 20], got {self.prompt_logprobs!r}")
         if any(not s for s in self.stop):
             bad("stop", "stop strings must be non-empty")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
@@ -156,6 +161,8 @@ class Completion:
     metrics: dict[str, float]  # arrival_time, queue_s, ttft_s, prefill_s, tpot_s, e2e_s
     logprobs: list[dict[str, Any]] | None = None
     error: str | None = None
+    # params.prompt_logprobs: one entry per prompt token, None for the first (nothing before it)
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
 
 
 @dataclasses.dataclass
@@ -170,6 +177,7 @@ class RequestOutput:
     logprobs: list[dict[str, Any]] | None = None
     raw_logprobs: list[tuple] | None = None  # Engine.defer_text: (logprob, top ids, top logprobs) per token
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache (once admitted)
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # on the first token's output
 
 
 class Status:
@@ -210,6 +218,8 @@ class Request:
         self.cached_tokens: int | None = None  # set at first admission
         self.num_preemptions = 0
         self.logprobs: list[dict[str, Any]] | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list[dict[str, Any] | None] | None = (
+            [None] * len(self.prompt_ids) if params.prompt_logprobs is not None else None)
         self.matcher = None  # llguidance LLMatcher of a structured_output request (engine/structured_output.py)
         # text
         self.detok = None
@@ -259,4 +269,4 @@ class Request:
     def completion(self) -> Completion:
         return Completion(self.request_id, list(self.output_ids), self.text, self.finish_reason or "abort",
                           len(self.prompt_ids), self.cached_tokens or 0, self.metrics(),
-                          logprobs=self.logprobs, error=self.error)
+                          logprobs=self.logprobs, error=self.error, prompt_logprobs=self.prompt_logprobs)

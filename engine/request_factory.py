@@ -46,6 +46,10 @@ class RequestFactory:
             raise InvalidRequest("priority", f"must be an integer, got {priority!r}")
         if params.structured_output is not None:
             self.grammars.check(params.structured_output, self.tokenizer)
+        rows = min(s.prompt_logprobs_rows, s.max_num_batched_tokens)
+        if params.prompt_logprobs is not None and not s.chunked_prefill and len(ids) - 1 > rows:
+            raise InvalidRequest("prompt_logprobs", f"a prompt over {rows + 1} tokens needs chunked prefill "
+                                                    f"(engine.prompt_logprobs_rows = {s.prompt_logprobs_rows})")
         return ids, params
 
     def _encode(self, prompt) -> list[int]:

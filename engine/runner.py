@@ -46,6 +46,7 @@ class HostOutput:
     logprob: np.ndarray  # [R * S] f32
     top_ids: np.ndarray  # [R * S, N]
     top_logprobs: np.ndarray  # [R * S, N]
+    prompt: tuple | None = None  # a step that scored prompt rows: ([R * P] f32, [R * P, N] i32, [R * P, N] f32)
 
 
 class PendingOutput:
@@ -59,8 +60,9 @@ class PendingOutput:
     def get(self) -> HostOutput:
         if self._host is None:
             o = self._out
-            tokens, lp, ids, lps = jax.device_get((o.tokens, o.logprob, o.top_ids, o.top_logprobs))
-            self._host = HostOutput(np.asarray(tokens), np.asarray(lp), np.asarray(ids), np.asarray(lps))
+            tokens, lp, ids, lps, prompt = jax.device_get((o.tokens, o.logprob, o.top_ids, o.top_logprobs, o.prompt))
+            self._host = HostOutput(np.asarray(tokens), np.asarray(lp), np.asarray(ids), np.asarray(lps),
+                                    None if prompt is None else tuple(np.asarray(x) for x in prompt))
             self._out = None
         return self._host
 
@@ -88,6 +90,8 @@ class Runner(RunnerKVTier):
         self.attention_impl = resolve_impl(model.attention_impl)  # the impl that serves
         self.attention_check = "not checked yet (warmup checks it)"
         self.page_size = s.page_size
+        # rows of a step's prompt_logprobs scoring (the scheduler's cap; one static size)
+        self.prompt_rows = min(s.prompt_logprobs_rows, s.max_num_batched_tokens)
         self.shapes = list(shapes)
         self.prev_tokens = self._no_prev_tokens()  # [R * max_num_seqs] the last step's tokens
         self.pool = None  # engine.memory.PoolSize when engine.num_pages = 0 sized the pool
@@ -143,7 +147,8 @@ class Runner(RunnerKVTier):
     def dummy(self, shape: tuple[int, int]) -> StepBatch:
         """An all-padding batch of one bucket (warm-up, and what followers receive into)."""
         s = self.config.engine
-        one = dummy_batch(shape, s.max_pages_per_seq, s.penalty_window, self.config.model.vocab_size)
+        one = dummy_batch(shape, s.max_pages_per_seq, s.penalty_window, self.config.model.vocab_size,
+                          self.prompt_rows)
         return stack_batches([one] * self.num_replicas)
 
     def mesh_context(self):
@@ -164,13 +169,14 @@ class Runner(RunnerKVTier):
         return self._launch(batch)
 
     def _launch(self, batch: StepBatch) -> PendingOutput:
+        scores_prompt = bool((np.asarray(batch.lp_rows) >= 0).any())  # the other program (engine/step.py)
         dev = self.put(batch)
         self.save_evicted()
         if self.kv_offload is not None:
             self.kv_offload.sync()
         with self.mesh_context():
             out, self.kv_cache, self.prev_tokens = self.step_fn(self.graphdef, self.state, self.kv_cache, dev,
-                                                              self.prev_tokens)
+                                                              self.prev_tokens, scores_prompt)
             if self.expert_load is not None:
                 self.expert_load.snapshot(self.kv_cache)
         return PendingOutput(out)

@@ -63,6 +63,8 @@ class SampleOutput:
     logprob: jax.Array  # [S] f32, raw logprob of the chosen token
     top_ids: jax.Array  # [S, N] i32
     top_logprobs: jax.Array  # [S, N] f32
+    # a step that scores prompt rows (engine/step.py): (logprob [P], top ids [P, N], top logprobs [P, N])
+    prompt: tuple | None = None
 
 
 def apply_penalties(logits: jax.Array,  # [S, V] f32

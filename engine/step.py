@@ -9,6 +9,11 @@ stacked [R, ...] with the forward mapped over the mesh's 'data' axis; each repli
 writes only its own slice of the page axis, and the sampled rows come back replicated
 so every process of a multi-host run can read all of them.
 
+`scores_prompt` (static) picks a second program per bucket, compiled on first use: the
+last layer runs on every row and the logits also cover `batch.lp_rows`, whose log-softmax
+gives prompt_logprobs requests each prompt token's logprob and top-N. Steps without
+such a request keep the pruned program.
+
 Both take `prev_tokens`, the previous step's sampled tokens padded to R * max_num_seqs
 (one shape for every bucket, so no extra compiles), and return this step's: a decode
 whose input is still on the device (async scheduling) takes it from there by the row
@@ -27,7 +32,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxfill.engine.batch import StepBatch
-from jaxfill.engine.sampler import SampleOutput, sample
+from jaxfill.engine.sampler import MAX_LOGPROBS, SampleOutput, sample
 from jaxfill.models.kv_cache import KVCache
 from jaxfill.models.sharding import data_parallel_forward
 
@@ -55,43 +60,66 @@ def _pad_tokens(tokens: jax.Array,  # [n] i32
     return _replicated(jnp.pad(tokens, (0, size - tokens.shape[0])))
 
 
+def prompt_logprobs(logits: jax.Array,  # [P, V] f32
+                    targets: jax.Array,  # [P] i32, -1 = padding
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:  # [P], [P, N], [P, N]
+    lp = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(lp, jnp.maximum(targets, 0)[:, None], axis=-1)[:, 0]
+    top_lps, top_ids = jax.lax.top_k(lp, min(MAX_LOGPROBS, lp.shape[-1]))
+    return chosen, top_ids.astype(jnp.int32), top_lps
+
+
 def _step_body(forward, batch: StepBatch, prev_tokens: jax.Array,  # [P] i32
-               ) -> tuple[SampleOutput, KVCache, jax.Array]:
+               scores_prompt: bool = False) -> tuple[SampleOutput, KVCache, jax.Array]:
     """What every step does: the previous step's tokens in, forward, sample, tokens out.
     `forward(tokens [N], positions [N], meta) -> (logits [rows, V], cache)` with the
     batch's leaves flattened to one row axis (a no-op for one replica)."""
     batch = take_in_flight(batch, prev_tokens)
     n = batch.tokens.size
+    meta = batch.meta
+    s = meta.logits_indices.shape[-1]
+    if scores_prompt:  # more rows than one per sequence: the last layer is not pruned
+        meta = dataclasses.replace(meta, logits_indices=jnp.concatenate(
+            [meta.logits_indices, jnp.maximum(batch.lp_rows, 0)], axis=-1))
     with jax.named_scope("model"):
-        logits, kv_cache = forward(batch.tokens.reshape(n), batch.positions.reshape(n), batch.meta)
+        logits, kv_cache = forward(batch.tokens.reshape(n), batch.positions.reshape(n), meta)
+    prompt = None
+    if scores_prompt:  # [R * (S + P), V] replica-major -> sampled rows, scored rows
+        v = logits.shape[-1]
+        per = logits.reshape(-1, meta.logits_indices.shape[-1], v)
+        logits = per[:, :s].reshape(-1, v)
+        prompt = prompt_logprobs(per[:, s:].reshape(-1, v), batch.lp_targets.reshape(-1))
     with jax.named_scope("sampler"):
         sampling = batch.sampling
         if batch.tokens.ndim == 2:  # [R, ...] replicas: one row axis, replica-major
             sampling = jax.tree.map(lambda x: x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:]), sampling)
-        out = sample(logits, sampling)
+        out = dataclasses.replace(sample(logits, sampling), prompt=prompt)
     return out, kv_cache, _pad_tokens(out.tokens, prev_tokens.shape[0])
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+@functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=2)
 def step(graphdef: nnx.GraphDef,
          state: nnx.State,
          kv_cache: KVCache,
          batch: StepBatch,  # leaves [T] / [S, ...]
          prev_tokens: jax.Array,  # [P] i32, the previous step's tokens, padded
+         scores_prompt: bool = False,
          ) -> tuple[SampleOutput, KVCache, jax.Array]:  # [S] rows, cache, [P] tokens
     model = nnx.merge(graphdef, state)
-    return _step_body(lambda tokens, positions, meta: model(tokens, positions, kv_cache, meta), batch, prev_tokens)
+    return _step_body(lambda tokens, positions, meta: model(tokens, positions, kv_cache, meta), batch, prev_tokens,
+                      scores_prompt)
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+@functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=2)
 def step_replicas(graphdef: nnx.GraphDef,
                   state: nnx.State,
                   kv_cache: KVCache,  # pages [R * num_pages, ...], split over 'data'
                   batch: StepBatch,  # every leaf stacked [R, ...], split over 'data'
                   prev_tokens: jax.Array,  # [P] i32, the previous step's tokens, padded, replicated
+                  scores_prompt: bool = False,
                   ) -> tuple[SampleOutput, KVCache, jax.Array]:  # [R * S] rows, replica-major
     def forward(tokens, positions, meta):
         return data_parallel_forward(graphdef, state, tokens, positions, kv_cache, meta)
 
-    out, kv_cache, tokens = _step_body(forward, batch, prev_tokens)
+    out, kv_cache, tokens = _step_body(forward, batch, prev_tokens, scores_prompt)
     return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, PartitionSpec()), out), kv_cache, tokens

@@ -49,8 +49,9 @@ def sampling_from_proto(s: vpb.SamplingParams, room: int, vocab_size: int) -> Sa
                                               "json_object and choice are)")
     if s.n > 1:
         raise BadField(SP + "n", f"only one sample per request is supported, got {s.n}")
-    if s.HasField("prompt_logprobs"):
-        raise BadField(SP + "prompt_logprobs", "is not supported by jaxfill")
+    if s.HasField("prompt_logprobs") and s.prompt_logprobs < 0:
+        raise BadField(SP + "prompt_logprobs", f"-1 (every token) is not supported; ask for 0 to 20, "
+                                               f"got {s.prompt_logprobs}")
     if s.HasField("logprobs") and s.logprobs < 0:
         raise BadField(SP + "logprobs", f"-1 (every token) is not supported; ask for 0 to 20, got {s.logprobs}")
     if s.HasField("seed") and s.seed < 0:
@@ -72,7 +73,8 @@ def sampling_from_proto(s: vpb.SamplingParams, room: int, vocab_size: int) -> Sa
         logprobs=s.logprobs if s.HasField("logprobs") else None, min_tokens=s.min_tokens,
         logit_bias=dict(s.logit_bias),
         truncate_prompt_tokens=s.truncate_prompt_tokens if s.HasField("truncate_prompt_tokens") else None,
-        structured_output=structured_from_proto(s))
+        structured_output=structured_from_proto(s),
+        prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None)
 
 
 def logprobs_to_proto(entries) -> vpb.OutputLogProbs:
@@ -82,6 +84,19 @@ def logprobs_to_proto(entries) -> vpb.OutputLogProbs:
         out.token_ids.append(int(e["token_id"]))
         out.token_logprobs.append(float(e["logprob"]))
         top = e.get("top") or ()
+        out.top_logprobs.append(vpb.TopLogProbs(token_ids=[int(t) for t, _ in top],
+                                                values=[float(v) for _, v in top]))
+    return out
+
+
+def input_logprobs_to_proto(prompt_ids, entries) -> vpb.InputLogProbs:
+    """Completion.prompt_logprobs (None first, then {token_id, logprob, top}) -> InputLogProbs."""
+    out = vpb.InputLogProbs()
+    for token, e in zip(prompt_ids, entries):
+        out.token_ids.append(int(token))
+        out.token_logprobs.append(vpb.InputTokenLogProb() if e is None else
+                                  vpb.InputTokenLogProb(value=float(e["logprob"])))
+        top = (e or {}).get("top") or ()
         out.top_logprobs.append(vpb.TopLogProbs(token_ids=[int(t) for t, _ in top],
                                                 values=[float(v) for _, v in top]))
     return out

@@ -118,11 +118,15 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                         cached_tokens=stream.cached_tokens)
                     if params.logprobs is not None:
                         chunk.output_logprobs.CopyFrom(conv.logprobs_to_proto(out.logprobs))
+                    if out.prompt_logprobs is not None:  # the first chunk only
+                        chunk.input_logprobs.CopyFrom(conv.input_logprobs_to_proto(ids, out.prompt_logprobs))
                     yield vpb.GenerateResponse(chunk=chunk)
                 if out.finished:
                     c = out.completion
                     complete = self._complete(stream, c.finish_reason if c else "stop", output_ids, logprobs, c,
                                               params, with_logprobs=not request.stream)
+                    if not request.stream and c is not None and c.prompt_logprobs is not None:
+                        complete.input_logprobs.CopyFrom(conv.input_logprobs_to_proto(ids, c.prompt_logprobs))
                     if remote_decode:  # what the gateway relays to the decode worker
                         complete.kv_transfer_params_json = self.disagg.offer_json(rid)
                     yield vpb.GenerateResponse(complete=complete)

@@ -56,6 +56,7 @@ def served(tmp_path_factory):
     engine = Engine(load_config("tiny_random", OVERRIDES), progress=False, warmup=False)
     ref = engine.generate(PROMPTS, SamplingParams(max_tokens=MAX, ignore_eos=True))
     ref_lp = engine.generate([LP_PROMPT], SamplingParams(max_tokens=MAX, ignore_eos=True, logprobs=2))[0]
+    ref_plp = engine.generate([PROMPTS[3]], SamplingParams(max_tokens=2, prompt_logprobs=2))[0].prompt_logprobs
     engine.scheduler.replicas[0].bm.reset_prefix_cache()  # the server's cache tests start cold
     gate = threading.Event()
     real_warmup = engine.warmup
@@ -66,7 +67,7 @@ def served(tmp_path_factory):
         real_warmup(*a, **k)
 
     engine.warmup = gated_warmup
-    before = {}
+    before = {"prompt_logprobs": ref_plp}  # and, below, what the server said before warm-up
     with ServerThread(engine, host="127.0.0.1", port=0, served_model_name=SERVED_NAME) as st:
         with grpc.insecure_channel(st.address) as ch:
             stub = vpb_grpc.VllmEngineStub(ch)
@@ -168,7 +169,7 @@ def test_logprobs_streamed_and_final(served):
 UNSUPPORTED = [
     ("sampling_params.structural_tag", dict(structural_tag="{}")),
     ("sampling_params.n", dict(n=2)),
-    ("sampling_params.prompt_logprobs", dict(prompt_logprobs=1)),
+    ("sampling_params.prompt_logprobs", dict(prompt_logprobs=-1)),
     ("sampling_params.logprobs", dict(logprobs=-1)),
 ]
 
@@ -208,6 +209,22 @@ def test_logit_bias_and_min_tokens_are_honoured(served):
         _run(stub, _req([1, 2, 3], "bad-bias", max_tokens=2, logit_bias={5: 500.0}))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert e.value.details().startswith("sampling_params.logit_bias:"), e.value.details()
+
+
+def test_prompt_logprobs_come_back_as_input_logprobs(served):
+    """Streaming: in the first chunk; not streaming: in the complete message. Values equal
+    Engine.generate's; the first prompt token has none."""
+    _st, _engine, stub, _ref, _lp, before = served
+    ids, want = PROMPTS[3], before["prompt_logprobs"]
+    (r,) = _run(stub, _req(ids, "plp", max_tokens=2, prompt_logprobs=2))
+    chunks = _run(stub, _req(ids, "plp-stream", stream=True, max_tokens=2, prompt_logprobs=2))
+    streamed = [c.chunk.input_logprobs for c in chunks if c.HasField("chunk") and c.chunk.HasField("input_logprobs")]
+    assert len(streamed) == 1 and chunks[0].chunk.HasField("input_logprobs")
+    for got in (r.complete.input_logprobs, streamed[0]):
+        assert list(got.token_ids) == ids and not got.token_logprobs[0].HasField("value")
+        for e, g, top in zip(want[1:], got.token_logprobs[1:], got.top_logprobs[1:]):
+            assert math.isclose(g.value, e["logprob"], rel_tol=1e-5, abs_tol=1e-5)
+            assert list(top.token_ids) == [t for t, _ in e["top"]]
 
 
 def test_structured_output_constraints_are_honoured(served):

@@ -89,6 +89,7 @@ class Scheduler(RequestTransitions):
         self.max_seqs = s.max_num_seqs
         self.max_partial = max(1, s.max_num_partial_prefills)
         self.chunk_cap = s.long_prefill_token_threshold or None
+        self.prompt_rows = min(s.prompt_logprobs_rows, s.max_num_batched_tokens)  # scored rows per step
         self.max_model_len = s.max_model_len
         self.policy = s.scheduling_policy
         self.chunked = s.chunked_prefill
@@ -154,8 +155,8 @@ class Scheduler(RequestTransitions):
 
     def _prefix_hits(self, req: Request) -> list:
         """Per page of the longest prefix cached in any tier: its device page, or a Restore."""
-        if not self.bm.enable_prefix_caching:
-            return []
+        if not self.bm.enable_prefix_caching or req.params.prompt_logprobs is not None:
+            return []  # prompt_logprobs needs every prompt row's logits: a cached prefix is recomputed
         hits: list = []
         for h in self._hashes(req, req.num_tokens - 1):
             page = self.bm.page_of(h)
@@ -190,7 +191,7 @@ class Scheduler(RequestTransitions):
             out = self._schedule_prefill_first()
             if out is not None:
                 return out
-        budget = self.max_tokens
+        budget, lp_left = self.max_tokens, self.prompt_rows
         seqs: list[Scheduled] = []
         preempted: list[Request] = []
         finished: list[Request] = []
@@ -208,6 +209,9 @@ class Scheduler(RequestTransitions):
             n = min(to_compute(req), budget)
             if self.chunk_cap and to_compute(req) > 1:
                 n = min(n, self.chunk_cap)
+            n, scored = self._prompt_rows_cap(req, req.num_computed, n, lp_left)
+            if n == 0:
+                continue  # this step's prompt_logprobs rows are taken
             while not self._grow(req, req.num_computed + n):
                 victim = max(self.running, key=self._key)
                 if victim is req and len(self.running) == 1:
@@ -230,6 +234,7 @@ class Scheduler(RequestTransitions):
                 continue
             seqs.append(Scheduled(req, req.num_computed, n))
             budget -= n
+            lp_left -= scored
 
         if preempted:
             # Out of pages this step: admitting anyone now (the victim first of all, whose
@@ -248,6 +253,10 @@ class Scheduler(RequestTransitions):
             n = min(remaining, budget)
             if self.chunk_cap and remaining > 1:
                 n = min(n, self.chunk_cap)
+            n, scored = self._prompt_rows_cap(req, computed, n, lp_left)
+            if n == 0:
+                i += 1
+                continue
             if n < remaining and num_partial >= self.max_partial:
                 i += 1  # would become another partial prefill: let shorter prompts pass
                 continue
@@ -258,9 +267,19 @@ class Scheduler(RequestTransitions):
             del self.waiting[i]
             seqs.append(self._admit(req, hits, need, computed, n, now))
             budget -= n
+            lp_left -= scored
             if n < remaining:
                 num_partial += 1
         return SchedulerOutput(seqs, preempted, finished)
+
+    @staticmethod
+    def _prompt_rows_cap(req: Request, start: int, n: int, left: int) -> tuple[int, int]:
+        """(tokens to schedule, prompt rows they score): a prompt_logprobs chunk is cut to
+        the step's rows left (engine.prompt_logprobs_rows); 0 tokens when none are."""
+        if req.params.prompt_logprobs is None:
+            return n, 0
+        scored = max(0, min(start + n, len(req.prompt_ids) - 1) - start)
+        return (n, scored) if scored <= left else (left, left)
 
     def _ends_in_flight(self, req: Request) -> bool:
         """Async scheduling: the token in flight is its last (max_tokens / max_model_len),
@@ -305,17 +324,18 @@ class Scheduler(RequestTransitions):
     def _schedule_prefill_first(self) -> SchedulerOutput | None:
         """Baseline (chunked_prefill = False): whole waiting prompts in a prefill-only step,
         decodes paused meanwhile; None when no prompt can start (then decodes run)."""
-        budget, seqs, now = self.max_tokens, [], time.perf_counter()
+        budget, seqs, now, lp_left = self.max_tokens, [], time.perf_counter(), self.prompt_rows
         while self.waiting and len(seqs) + len(self.running) < self.max_seqs:
             req = self.waiting[0]
             hits = self._prefix_hits(req)
             computed = len(hits) * self.page_size
             n = req.num_tokens - computed
             need = self.bm.pages_for(req.num_tokens) - len(hits)
-            if n > budget or not self._can_admit(need, hits):
+            if n > budget or not self._can_admit(need, hits) or self._prompt_rows_cap(req, computed, n, lp_left)[0] < n:
                 break
             self.waiting.pop(0)
             self.bm.queries += len(req.page_hashes)  # counted like the chunked path: hits never exceed queries
             seqs.append(self._admit(req, hits, need, computed, n, now))
             budget -= n
+            lp_left -= self._prompt_rows_cap(req, computed, n, lp_left)[1]
         return SchedulerOutput(seqs, [], []) if seqs else None
