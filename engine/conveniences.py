@@ -28,10 +28,9 @@ class Conveniences:
         ids = set(request_ids)
         with self._lock:
             for rid in ids:
-                req = self.requests.get(rid)
-                if req is not None:
+                for req in self._requests_of(rid):
                     self._finish(req, "abort")
-            self._outbox = [o for o in self._outbox if o.request_id not in ids]
+            self._outbox = [o for o in self._outbox if o.request_id not in ids and o.parent_id not in ids]
 
     def stream(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                priority: int = 0) -> Iterator[RequestOutput]:
@@ -40,16 +39,18 @@ class Conveniences:
         stream is closed early or raises, its request is aborted and its outputs dropped."""
         self._guard.refuse_others()
         rid = self.add_request(prompt, params, request_id, priority)
+        left = (params.n if params else 1)  # samples not finished yet (outputs carry .index)
         done = False
         try:
             while not done:
                 outs = self.step()
-                others = [o for o in outs if o.request_id != rid]
+                others = [o for o in outs if o.request_id != rid and o.parent_id != rid]
                 if others:
                     with self._lock:
                         self._outbox.extend(others)
-                for out in (o for o in outs if o.request_id == rid):
-                    done = done or out.finished
+                for out in (o for o in outs if o.request_id == rid or o.parent_id == rid):
+                    left -= out.finished
+                    done = left == 0
                     yield out
         finally:
             if not done:
@@ -57,7 +58,8 @@ class Conveniences:
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  priority: int = 0) -> list[Completion]:
-        """Runs the prompts to completion. Every prompt is checked before any is added; on
+        """Runs the prompts to completion: one Completion per sample, a prompt's n samples
+        side by side (Completion.index). Every prompt is checked before any is added; on
         any exception (KeyboardInterrupt included) its requests are aborted and their
         outputs dropped, then the exception propagates."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
@@ -75,16 +77,19 @@ class Conveniences:
                 raise InvalidRequest(e.field, f"prompt {i}: {str(e).removeprefix(e.field + ': ')}") from None
         self._guard.refuse_others()
         rids: list[str] = []
+        samples: list[str] = []  # the ids outputs carry, per sample
         results: dict[str, Completion] = {}
+        total = sum(p.n for _, p in checked)
         try:
-            while len(rids) < len(checked) or len(results) < len(checked):
+            while len(rids) < len(checked) or len(results) < total:
                 while len(rids) < len(checked):
                     ids, p = checked[len(rids)]
                     try:
                         rids.append(self.add_request(ids, p, priority=priority))
                     except QueueFull:
                         break
-                mine = set(rids)
+                    samples += self.sample_ids(rids[-1], p.n)
+                mine = set(samples)
                 others = []
                 for out in self.step():
                     if out.request_id not in mine:
@@ -94,7 +99,7 @@ class Conveniences:
                 if others:
                     with self._lock:
                         self._outbox.extend(others)
-            return [results[r] for r in rids]
+            return [results[r] for r in samples]
         except BaseException:
             self._discard(rids)
             raise

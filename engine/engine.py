@@ -136,18 +136,36 @@ class Engine(Conveniences, DisaggregationFacade, MultiProcessFacade):
             waiting = self.scheduler.num_waiting()
             if waiting >= self.settings.max_waiting:
                 raise QueueFull(f"{waiting} requests waiting (engine.max_waiting)")
-            req = self.factory.new(ids, params, request_id, priority, with_text=not self.defer_text)
-            self.scheduler.add(req)
-        return req.request_id
+            if params.n == 1:
+                req = self.factory.new(ids, params, request_id, priority, with_text=not self.defer_text)
+                self.scheduler.add(req)
+                return req.request_id
+            samples = self.factory.new_samples(ids, params, request_id, priority, not self.defer_text,
+                                               share_prefill=self.settings.enable_prefix_caching)
+            for req in samples:
+                self.scheduler.add(req)
+            return samples[0].parent_id
+
+    @staticmethod
+    def sample_ids(request_id: str, n: int) -> list[str]:
+        """The ids the outputs of add_request(..., SamplingParams(n=n)) carry."""
+        return [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
 
     def abort(self, request_id: str) -> bool:
-        """Frees the request's pages now; it finishes with "abort" at the next step()."""
+        """Frees the request's pages now; it finishes with "abort" at the next step(). The id
+        add_request returned for n > 1 samples aborts them all; a sample's own id, that one."""
         with self._lock:
-            req = self.requests.get(request_id)
-            if req is None:
-                return False
-            self._outbox.append(self._finish(req, "abort"))
-            return True
+            reqs = self._requests_of(request_id)
+            for req in reqs:
+                self._outbox.append(self._finish(req, "abort"))
+            return bool(reqs)
+
+    def _requests_of(self, request_id: str) -> list[Request]:
+        """[lock] The unfinished request of that id, or the samples it names."""
+        req = self.requests.get(request_id)
+        if req is not None:
+            return [req]
+        return [r for r in self.requests.values() if r.parent_id == request_id]
 
     def has_unfinished(self) -> bool:
         with self._lock:
@@ -338,5 +356,6 @@ class Engine(Conveniences, DisaggregationFacade, MultiProcessFacade):
 
     @staticmethod
     def _finished_output(req: Request) -> RequestOutput:
-        return RequestOutput(req.request_id, [], "", finished=True, completion=req.completion())
+        return RequestOutput(req.request_id, [], "", finished=True, completion=req.completion(), index=req.index,
+                             parent_id=req.parent_id)
 

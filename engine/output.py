@@ -46,7 +46,8 @@ def token_output(req: Request, sampled, host, row: int,  # host: HostOutput of t
         text, reason, lp = emit_text(req, sampled, host.logprob[row], host.top_ids[row], host.top_logprobs[row])
     out = RequestOutput(req.request_id, [sampled.token], text, logprobs=[lp] if lp else None, raw_logprobs=raw,
                         num_cached_tokens=req.cached_tokens,
-                        prompt_logprobs=req.prompt_logprobs if len(req.output_ids) == 1 else None)
+                        prompt_logprobs=req.prompt_logprobs if len(req.output_ids) == 1 else None,
+                        index=req.index, parent_id=req.parent_id)
     return out, reason
 
 

@@ -21,6 +21,7 @@ class QueueFull(RuntimeError):
 
 
 MAX_TOP_K = 1 << 20
+MAX_SAMPLES = 64  # SamplingParams.n
 MAX_LOGIT_BIAS = 300  # entries of SamplingParams.logit_bias (OpenAI's limit)
 MAX_MIN_TOKENS_BANS = 64  # EOS + stop token ids masked while min_tokens is not reached
 LOGIT_BIAS_SLOTS = MAX_LOGIT_BIAS + MAX_MIN_TOKENS_BANS  # the sampler's per-row bias table
@@ -60,6 +61,9 @@ class StructuredOutput:
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
+    # samples of the prompt: one prefill, its full pages shared (engine/request_factory.py);
+    # sample i draws with seed + i
+    n: int = 1
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
@@ -99,6 +103,8 @@ class SamplingParams:
             if not isinstance(value, (int, float)) or not math.isfinite(value):
                 bad(field, f"must be a finite number, got {value!r}")
 
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_SAMPLES:
+            bad("n", f"must be an integer in [1, {MAX_SAMPLES}], got {self.n!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         for field in ("temperature", "top_p", "min_p", "repetition_penalty",
@@ -163,6 +169,7 @@ class Completion:
     error: str | None = None
     # params.prompt_logprobs: one entry per prompt token, None for the first (nothing before it)
     prompt_logprobs: list[dict[str, Any] | None] | None = None
+    index: int = 0  # which of the params.n samples
 
 
 @dataclasses.dataclass
@@ -178,6 +185,8 @@ class RequestOutput:
     raw_logprobs: list[tuple] | None = None  # Engine.defer_text: (logprob, top ids, top logprobs) per token
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache (once admitted)
     prompt_logprobs: list[dict[str, Any] | None] | None = None  # on the first token's output
+    index: int = 0  # which of the params.n samples (request_id is then "<parent_id>#<index>")
+    parent_id: str | None = None  # the id add_request returned for an n > 1 request
 
 
 class Status:
@@ -220,6 +229,9 @@ class Request:
         self.logprobs: list[dict[str, Any]] | None = [] if params.logprobs is not None else None
         self.prompt_logprobs: list[dict[str, Any] | None] | None = (
             [None] * len(self.prompt_ids) if params.prompt_logprobs is not None else None)
+        self.index = 0  # n > 1: which sample, and the id add_request returned for them all
+        self.parent_id: str | None = None
+        self.prefill_after: Request | None = None  # a sibling sample whose prompt pages it waits to share
         self.matcher = None  # llguidance LLMatcher of a structured_output request (engine/structured_output.py)
         # text
         self.detok = None
@@ -269,4 +281,5 @@ class Request:
     def completion(self) -> Completion:
         return Completion(self.request_id, list(self.output_ids), self.text, self.finish_reason or "abort",
                           len(self.prompt_ids), self.cached_tokens or 0, self.metrics(),
-                          logprobs=self.logprobs, error=self.error, prompt_logprobs=self.prompt_logprobs)
+                          logprobs=self.logprobs, error=self.error, prompt_logprobs=self.prompt_logprobs,
+                          index=self.index)

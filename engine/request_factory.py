@@ -7,6 +7,7 @@ admit_prefilled), so a refused request consumes no id and no seed.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -60,14 +61,39 @@ class RequestFactory:
         except (TypeError, ValueError):
             raise InvalidRequest("prompt", "must be a string or a list of token ids") from None
 
+    def new_samples(self, ids: list[int], params: SamplingParams, request_id: str | None, priority: int,
+                    with_text: bool, share_prefill: bool) -> list[Request]:
+        """[engine lock] params.n requests "<id>#<i>", sample i seeded params.seed + i (or
+        drawn). share_prefill (prefix caching on): samples 1.. wait until sample 0 has
+        prefilled, then take its full prompt pages from the prefix cache, so the prompt is
+        computed once and each sample only its last partial page."""
+        parent = request_id if request_id is not None else self._fresh_id()
+        if not isinstance(parent, str) or not parent:
+            raise InvalidRequest("request_id", "must be a non-empty string")
+        names = [f"{parent}#{i}" for i in range(params.n)]
+        if parent in self.unfinished or any(x in self.unfinished for x in names):
+            raise InvalidRequest("request_id", f"{parent!r} is already in flight")
+        samples = []
+        for i, name in enumerate(names):
+            seed = None if params.seed is None else (params.seed + i) % 2**63
+            req = self.new(ids, dataclasses.replace(params, n=1, seed=seed), name, priority, with_text)
+            req.index, req.parent_id = i, parent
+            req.prefill_after = samples[0] if samples and share_prefill else None
+            samples.append(req)
+        return samples
+
+    def _fresh_id(self) -> str:
+        request_id = f"req-{next(self._ids)}"
+        while request_id in self.unfinished:
+            request_id = f"req-{next(self._ids)}"
+        return request_id
+
     def new(self, ids: list[int], params: SamplingParams, request_id: str | None = None, priority: int = 0,
             with_text: bool = True) -> Request:
         """[engine lock] ids and params from check(); refuses an id in flight. with_text=False
         (Engine.defer_text): no detokenizer, the caller makes the text."""
         if request_id is None:
-            request_id = f"req-{next(self._ids)}"
-            while request_id in self.unfinished:
-                request_id = f"req-{next(self._ids)}"
+            request_id = self._fresh_id()
         elif not isinstance(request_id, str) or not request_id:
             raise InvalidRequest("request_id", "must be a non-empty string")
         if request_id in self.unfinished:

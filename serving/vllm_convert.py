@@ -48,7 +48,8 @@ def sampling_from_proto(s: vpb.SamplingParams, room: int, vocab_size: int) -> Sa
         raise BadField(SP + "structural_tag", "is not supported by jaxfill (json_schema, regex, grammar, "
                                               "json_object and choice are)")
     if s.n > 1:
-        raise BadField(SP + "n", f"only one sample per request is supported, got {s.n}")
+        raise BadField(SP + "n", f"only one sample per request is supported over gRPC, got {s.n} "
+                                 "(n > 1: the Python API, Engine.generate / stream)")
     if s.HasField("prompt_logprobs") and s.prompt_logprobs < 0:
         raise BadField(SP + "prompt_logprobs", f"-1 (every token) is not supported; ask for 0 to 20, "
                                                f"got {s.prompt_logprobs}")

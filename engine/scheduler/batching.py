@@ -244,8 +244,8 @@ class Scheduler(RequestTransitions):
         i = 0
         while i < len(self.waiting) and budget > 0 and len(seqs) < self.max_seqs:
             req = self.waiting[i]
-            if req.in_flight:
-                i += 1  # preempted with a token still on its way: admitted once it is known
+            if req.in_flight or self._waits_for_sibling(req):
+                i += 1  # preempted with a token still on its way, or a sample before its prompt is cached
                 continue
             hits = [] if req.pages else self._prefix_hits(req)
             computed = len(hits) * self.page_size
@@ -271,6 +271,13 @@ class Scheduler(RequestTransitions):
             if n < remaining:
                 num_partial += 1
         return SchedulerOutput(seqs, preempted, finished)
+
+    @staticmethod
+    def _waits_for_sibling(req: Request) -> bool:
+        """An n > 1 sample waits until sample 0 has a token: its prompt pages are then in the
+        prefix cache (published when the step's results came back)."""
+        first = req.prefill_after
+        return first is not None and first.status != Status.FINISHED and not first.output_ids
 
     @staticmethod
     def _prompt_rows_cap(req: Request, start: int, n: int, left: int) -> tuple[int, int]:
@@ -327,6 +334,8 @@ class Scheduler(RequestTransitions):
         budget, seqs, now, lp_left = self.max_tokens, [], time.perf_counter(), self.prompt_rows
         while self.waiting and len(seqs) + len(self.running) < self.max_seqs:
             req = self.waiting[0]
+            if self._waits_for_sibling(req):
+                break
             hits = self._prefix_hits(req)
             computed = len(hits) * self.page_size
             n = req.num_tokens - computed

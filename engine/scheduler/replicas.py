@@ -55,7 +55,10 @@ class ReplicaScheduler:
 
     def add(self, req: Request) -> None:
         self._register(req)
-        req.replica = self._place(req) if len(self.replicas) > 1 else 0
+        if req.prefill_after is not None:  # a sample beside the one whose prompt pages it shares
+            req.replica = req.prefill_after.replica
+        else:
+            req.replica = self._place(req) if len(self.replicas) > 1 else 0
         self.replicas[req.replica].add(req)
         self.num_added[req.replica] += 1
 
