@@ -129,7 +129,11 @@ class Engine(Conveniences, DisaggregationFacade, MultiProcessFacade):
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    priority: int = 0) -> str:
+                    priority: int = 0, after: str | None = None) -> str:
+        """Queues a request; returns its id (for n > 1, the id that names its samples).
+        after: the id of an unfinished request with the same prompt (a sample fanned out by
+        the caller): this one waits until that one has prefilled, then shares its cached
+        prompt pages."""
         ids, params = self.factory.check(prompt, params, priority)
         self._leader_only("add_request")
         with self._lock:
@@ -138,6 +142,9 @@ class Engine(Conveniences, DisaggregationFacade, MultiProcessFacade):
                 raise QueueFull(f"{waiting} requests waiting (engine.max_waiting)")
             if params.n == 1:
                 req = self.factory.new(ids, params, request_id, priority, with_text=not self.defer_text)
+                sibling = self.requests.get(after) if after is not None else None
+                if sibling is not None and self.settings.enable_prefix_caching and sibling.prompt_ids == ids:
+                    req.prefill_after = sibling
                 self.scheduler.add(req)
                 return req.request_id
             samples = self.factory.new_samples(ids, params, request_id, priority, not self.defer_text,

@@ -27,6 +27,12 @@ from jaxfill.engine.request import InvalidRequest, StructuredOutput
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+def _one_line(message: str, limit: int = 300) -> str:
+    """llguidance's multi-line diagnostics as one line (gRPC status details, HTTP 400s)."""
+    text = " ".join(line.strip() for line in message.strip().splitlines() if line.strip() and line.strip() != "^")
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
@@ -70,7 +76,7 @@ def grammar_text(so: StructuredOutput) -> str:
             return llguidance.grammar_from("choice", list(so.spec))
         return llguidance.grammar_from(so.kind, so.spec)  # regex; grammar: Lark or GBNF
     except (ValueError, TypeError) as e:
-        raise InvalidRequest(field, str(e).splitlines()[0] if str(e) else "is malformed") from None
+        raise InvalidRequest(field, _one_line(str(e)) or "is malformed") from None
 
 
 class GrammarCompiler:
@@ -94,7 +100,7 @@ class GrammarCompiler:
         grammar = grammar_text(so)
         error = llguidance.LLMatcher.validate_grammar(grammar, self._llg_for(tokenizer))
         if error:
-            raise InvalidRequest(f"structured_output.{so.kind}", error.strip().splitlines()[0])
+            raise InvalidRequest(f"structured_output.{so.kind}", _one_line(error))
         return grammar
 
     def matcher(self, grammar: str, tokenizer):
@@ -102,7 +108,7 @@ class GrammarCompiler:
 
         m = llguidance.LLMatcher(self._llg_for(tokenizer), grammar, log_level=0)
         if m.is_error():
-            raise InvalidRequest("structured_output", m.get_error().strip().splitlines()[0])
+            raise InvalidRequest("structured_output", _one_line(m.get_error()))
         return m
 
 

@@ -134,7 +134,7 @@ class EngineLoop(EngineThread):
 
     # ------------------------------------------------------------ event-loop API
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-               priority: int = 0, arrival: float | None = None) -> RequestStream:
+               priority: int = 0, arrival: float | None = None, after: str | None = None) -> RequestStream:
         """Queues a request for the engine thread. Runs on the event loop.
 
         Raises InvalidRequest for a request id already in flight and QueueFull when
@@ -152,7 +152,7 @@ class EngineLoop(EngineThread):
         except Exception:  # noqa: BLE001 - ids the tokenizer cannot prime on: add_request refuses them
             pass
         self._streams[request_id] = stream
-        self._inbox.append(Add(stream, prompt_ids, params, priority))
+        self._inbox.append(Add(stream, prompt_ids, params, priority, after))
         self._wake.set()
         return stream
 

@@ -32,6 +32,7 @@ class Add:
     prompt_ids: list[int]
     params: SamplingParams
     priority: int = 0
+    after: str | None = None  # a sibling sample's request id (Engine.add_request's `after`)
 
 
 @dataclasses.dataclass
@@ -163,7 +164,7 @@ class EngineThread:
                 admit(self.engine, add.prompt_ids, add.params, stream.request_id, add.priority)
             else:
                 self.engine.add_request(add.prompt_ids, add.params, request_id=stream.request_id,
-                                        priority=add.priority)
+                                        priority=add.priority, after=add.after)
             self._in_engine[stream.request_id] = stream
         except QueueFull:
             return False

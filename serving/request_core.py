@@ -145,11 +145,12 @@ class RequestCore:
                                   f"{num_prompt + max_tokens} tokens, over max_model_len ({self.max_model_len})")
 
     async def run(self, context, ids: list[int], params: SamplingParams, request_id: str, priority: int,
-                  arrival: float):
+                  arrival: float, after: str | None = None):
         """Submits and yields (kind, payload, stream, t) until the request ends; maps failures
-        to status codes. A handler that stops early (cancel, disconnect, deadline) aborts it."""
+        to status codes. A handler that stops early (cancel, disconnect, deadline) aborts it.
+        after: a sibling sample's id, whose prompt pages this one shares (n > 1)."""
         try:
-            stream = self.loop.submit(ids, params, request_id, priority, arrival)
+            stream = self.loop.submit(ids, params, request_id, priority, arrival, after)
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except QueueFull as e:

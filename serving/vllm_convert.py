@@ -47,9 +47,6 @@ def sampling_from_proto(s: vpb.SamplingParams, room: int, vocab_size: int) -> Sa
     if s.WhichOneof("constraint") == "structural_tag":
         raise BadField(SP + "structural_tag", "is not supported by jaxfill (json_schema, regex, grammar, "
                                               "json_object and choice are)")
-    if s.n > 1:
-        raise BadField(SP + "n", f"only one sample per request is supported over gRPC, got {s.n} "
-                                 "(n > 1: the Python API, Engine.generate / stream)")
     if s.HasField("prompt_logprobs") and s.prompt_logprobs < 0:
         raise BadField(SP + "prompt_logprobs", f"-1 (every token) is not supported; ask for 0 to 20, "
                                                f"got {s.prompt_logprobs}")
@@ -64,6 +61,7 @@ def sampling_from_proto(s: vpb.SamplingParams, room: int, vocab_size: int) -> Sa
     # only text, and this protocol returns token ids (the gateway detokenizes): any value is
     # honoured. A stop string ends the request the same way either way.
     return SamplingParams(
+        n=max(1, s.n),  # serving/vllm_service.py fans n > 1 out into one request per sample
         max_tokens=s.max_tokens if s.HasField("max_tokens") else room,
         temperature=s.temperature if s.HasField("temperature") else DEFAULT_TEMPERATURE,
         top_k=s.top_k, top_p=s.top_p if s.top_p > 0 else 1.0, min_p=s.min_p,

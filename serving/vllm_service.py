@@ -94,20 +94,33 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         try:
             if kv and kv.get("do_remote_prefill"):
                 await self.disagg.pull(rid, ids, kv, context)
+            if params.n > 1:
+                if kv:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                        f"{conv.SP}n: n > 1 is not served with disaggregated prefill")
+                gens = [self._generate(request, context, f"{rid}#{i}", ids, sample, arrival, False, index=i,
+                                       after=f"{rid}#0" if i else None)
+                        for i, sample in enumerate(samples_of(params))]
+                async for msg in merged(gens):
+                    yield msg
+                return
             async for msg in self._generate(request, context, rid, ids, params, arrival, remote_decode):
                 yield msg
         finally:
             self.disagg.forget(rid)
 
-    async def _generate(self, request, context, rid, ids, params, arrival, remote_decode: bool):
+    async def _generate(self, request, context, rid, ids, params, arrival, remote_decode: bool, index: int = 0,
+                        after: str | None = None):
+        """One sample's messages; index: which of n (the messages' `index`), after: sample 0's id."""
         core = self.core
         output_ids: list[int] = []
         logprobs: list = []
-        async with contextlib.aclosing(core.run(context, ids, params, rid, 0, arrival)) as events:
+        async with contextlib.aclosing(core.run(context, ids, params, rid, 0, arrival, after)) as events:
             async for kind, out, stream, _t in events:
                 if kind == "aborted":
-                    yield vpb.GenerateResponse(complete=self._complete(stream, "abort", output_ids, logprobs,
-                                                                       None, params))
+                    complete = self._complete(stream, "abort", output_ids, logprobs, None, params)
+                    complete.index = index
+                    yield vpb.GenerateResponse(complete=complete)
                     return
                 output_ids += out.new_token_ids
                 if out.logprobs and params.logprobs is not None:
@@ -115,7 +128,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                 if request.stream and out.new_token_ids:
                     chunk = vpb.GenerateStreamChunk(
                         token_ids=out.new_token_ids, prompt_tokens=len(ids), completion_tokens=len(output_ids),
-                        cached_tokens=stream.cached_tokens)
+                        cached_tokens=stream.cached_tokens, index=index)
                     if params.logprobs is not None:
                         chunk.output_logprobs.CopyFrom(conv.logprobs_to_proto(out.logprobs))
                     if out.prompt_logprobs is not None:  # the first chunk only
@@ -127,6 +140,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                                               params, with_logprobs=not request.stream)
                     if not request.stream and c is not None and c.prompt_logprobs is not None:
                         complete.input_logprobs.CopyFrom(conv.input_logprobs_to_proto(ids, c.prompt_logprobs))
+                    complete.index = index
                     if remote_decode:  # what the gateway relays to the decode worker
                         complete.kv_transfer_params_json = self.disagg.offer_json(rid)
                     yield vpb.GenerateResponse(complete=complete)
@@ -242,3 +256,42 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                 yield msg
         finally:
             loop.unsubscribe_kv(q)
+
+
+def samples_of(params):
+    """n > 1: one n = 1 request per sample, sample i seeded seed + i (as Engine's own n)."""
+    import dataclasses
+
+    return [dataclasses.replace(params, n=1, seed=None if params.seed is None else (params.seed + i) % 2**63)
+            for i in range(params.n)]
+
+
+async def merged(gens):
+    """The messages of several async generators as they come; one failing fails all."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(gen):
+        try:
+            async with contextlib.aclosing(gen):
+                async for msg in gen:
+                    await queue.put(msg)
+            await queue.put(done)
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
+            await queue.put(e)
+
+    tasks = [asyncio.ensure_future(pump(g)) for g in gens]
+    try:
+        left = len(tasks)
+        while left:
+            msg = await queue.get()
+            if msg is done:
+                left -= 1
+            elif isinstance(msg, BaseException):
+                raise msg
+            else:
+                yield msg
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -157,10 +157,11 @@ def test_cache_aware_routes_a_shared_prefix_to_the_worker_that_cached_it(cluster
 
 def test_unsupported_field_is_the_workers_invalid_argument_as_http_400(cluster):
     before = [cluster.counters(w)["requests"] for w in cluster.workers]
-    with pytest.raises(openai.BadRequestError) as e:
-        cluster.client.completions.create(model=cluster.gateway.model, prompt="Hello", max_tokens=4, n=2)
+    with pytest.raises(openai.BadRequestError) as e:  # smg forwards a top-level "regex" as the constraint
+        cluster.client.completions.create(model=cluster.gateway.model, prompt="Hello", max_tokens=4,
+                                          extra_body={"regex": "([a-z"})
     assert e.value.status_code == 400
-    assert "sampling_params.n" in str(e.value) and "only one sample" in str(e.value)
+    assert "sampling_params.regex" in str(e.value) and "unclosed" in str(e.value)
     assert [cluster.counters(w)["requests"] for w in cluster.workers] == before  # nothing ran
 
 
@@ -261,3 +262,34 @@ def test_response_format_json_schema_reaches_the_worker_as_a_constraint(cluster)
         cluster.client.chat.completions.create(model=cluster.gateway.model, max_tokens=4, response_format=bad,
                                                messages=[{"role": "user", "content": "x"}])
     assert e.value.status_code == 400 and "json_schema" in str(e.value), str(e.value)
+
+
+def test_n_samples_through_the_gateway(cluster, reference):
+    """n = 3 on completions: three choices (index 0..2), greedy ones equal to one request."""
+    out = cluster.client.completions.create(model=cluster.gateway.model, prompt="ROMEO:", max_tokens=MAX_TOKENS,
+                                            n=3, temperature=0.0)
+    assert sorted(c.index for c in out.choices) == [0, 1, 2]
+    _ids, text = reference(prompt_ids("ROMEO:"))
+    assert all(c.text == text for c in out.choices)
+    sampled = cluster.client.completions.create(model=cluster.gateway.model, prompt="ROMEO:", max_tokens=8, n=3,
+                                                temperature=1.0, seed=4)
+    assert len({c.text for c in sampled.choices}) > 1, [c.text for c in sampled.choices]
+    assert out.usage.prompt_tokens == len(prompt_ids("ROMEO:")), out.usage
+
+
+def test_chat_logprobs_arrive_streaming_and_not(cluster):
+    """Chat: logprobs / top_logprobs reach the client (tokens, values <= 0, k alternatives,
+    the chosen token's value among them for greedy). smg 1.13's /v1/completions returns
+    logprobs None although the worker sends output_logprobs (README's field table)."""
+    messages = [{"role": "user", "content": "Who is there?"}]
+    kw = dict(model=cluster.gateway.model, messages=messages, max_tokens=6, temperature=0, logprobs=True,
+              top_logprobs=3)
+    r = cluster.client.chat.completions.create(**kw)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 6 and "".join(t.token for t in content) == r.choices[0].message.content
+    for t in content:
+        assert t.logprob <= 0 and len(t.top_logprobs) == 3
+        assert abs(t.top_logprobs[0].logprob - t.logprob) < 1e-5  # greedy: the chosen token is the top one
+    streamed = [t for chunk in cluster.client.chat.completions.create(**kw, stream=True)
+                for ch in chunk.choices if ch.logprobs for t in ch.logprobs.content]
+    assert [(t.token, round(t.logprob, 4)) for t in streamed] == [(t.token, round(t.logprob, 4)) for t in content]

@@ -168,7 +168,6 @@ def test_logprobs_streamed_and_final(served):
 
 UNSUPPORTED = [
     ("sampling_params.structural_tag", dict(structural_tag="{}")),
-    ("sampling_params.n", dict(n=2)),
     ("sampling_params.prompt_logprobs", dict(prompt_logprobs=-1)),
     ("sampling_params.logprobs", dict(logprobs=-1)),
 ]
@@ -225,6 +224,25 @@ def test_prompt_logprobs_come_back_as_input_logprobs(served):
         for e, g, top in zip(want[1:], got.token_logprobs[1:], got.top_logprobs[1:]):
             assert math.isclose(g.value, e["logprob"], rel_tol=1e-5, abs_tol=1e-5)
             assert list(top.token_ids) == [t for t, _ in e["top"]]
+
+
+def test_n_samples_come_back_indexed_and_seeded(served):
+    """n = 3: three complete messages (index 0..2), sample i equal to one request seeded
+    seed + i; streaming chunks carry their sample's index."""
+    stub = served[2]
+    ids = PROMPTS[3]
+    got = _run(stub, _req(ids, "n3", max_tokens=6, temperature=1.0, seed=11, n=3))
+    completes = {r.complete.index: list(r.complete.output_ids) for r in got if r.HasField("complete")}
+    assert sorted(completes) == [0, 1, 2]
+    for i in range(3):
+        (alone,) = _run(stub, _req(ids, f"n3-ref{i}", max_tokens=6, temperature=1.0, seed=11 + i))
+        assert completes[i] == list(alone.complete.output_ids)
+    chunks = _run(stub, _req(ids, "n3-stream", stream=True, max_tokens=6, temperature=1.0, seed=11, n=3))
+    per = {}
+    for r in chunks:
+        if r.HasField("chunk"):
+            per.setdefault(r.chunk.index, []).extend(r.chunk.token_ids)
+    assert per == completes
 
 
 def test_structured_output_constraints_are_honoured(served):
