@@ -22,6 +22,7 @@ class QueueFull(RuntimeError):
 
 MAX_TOP_K = 1 << 20
 MAX_SAMPLES = 64  # SamplingParams.n
+MAX_LOGPROBS_PER_TOKEN = 20  # top-N logprobs the sampler returns (engine/sampler.py MAX_LOGPROBS)
 MAX_LOGIT_BIAS = 300  # entries of SamplingParams.logit_bias (OpenAI's limit)
 MAX_MIN_TOKENS_BANS = 64  # EOS + stop token ids masked while min_tokens is not reached
 LOGIT_BIAS_SLOTS = MAX_LOGIT_BIAS + MAX_MIN_TOKENS_BANS  # the sampler's per-row bias table
@@ -125,8 +126,13 @@ class SamplingParams:
                 bad(field, f"must be in [-2, 2], got {getattr(self, field)}")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
             bad("seed", f"must be a non-negative integer, got {self.seed!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            bad("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
+        if self.logprobs == -1 and (vocab_size is None or vocab_size > MAX_LOGPROBS_PER_TOKEN):
+            bad("logprobs", f"-1 (every token) needs a vocabulary of at most {MAX_LOGPROBS_PER_TOKEN} tokens, "
+                            f"the most the sampler returns; this model has {vocab_size}: ask for 0 to "
+                            f"{MAX_LOGPROBS_PER_TOKEN}")
+        if self.logprobs is not None and self.logprobs != -1 and (
+                not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS_PER_TOKEN):
+            bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS_PER_TOKEN}] (or -1: all), got {self.logprobs!r}")
         if self.prompt_logprobs is not None and (
                 not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= 20):
             bad("prompt_logprobs", f"must be an integer in [0, 20], got {self.prompt_logprobs!r}")

@@ -34,6 +34,8 @@ class RequestFactory:
         if not isinstance(params, SamplingParams):
             raise InvalidRequest("params", f"must be SamplingParams, got {type(params).__name__}")
         params.validate(self.vocab_size)
+        if params.logprobs == -1:  # every token: a vocabulary this small fits the sampler's top-N
+            params = dataclasses.replace(params, logprobs=self.vocab_size)
         ids = self._encode(prompt)
         if params.truncate_prompt_tokens is not None:
             ids = ids[-params.truncate_prompt_tokens:]  # the caller asked to keep the end

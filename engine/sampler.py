@@ -33,7 +33,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-MAX_LOGPROBS = 20
+from jaxfill.engine.request import MAX_LOGPROBS_PER_TOKEN
+
+MAX_LOGPROBS = MAX_LOGPROBS_PER_TOKEN  # top-N logprobs per row (the request layer validates against it)
 
 
 @jax.tree_util.register_dataclass

@@ -50,8 +50,6 @@ def sampling_from_proto(s: vpb.SamplingParams, room: int, vocab_size: int) -> Sa
     if s.HasField("prompt_logprobs") and s.prompt_logprobs < 0:
         raise BadField(SP + "prompt_logprobs", f"-1 (every token) is not supported; ask for 0 to 20, "
                                                f"got {s.prompt_logprobs}")
-    if s.HasField("logprobs") and s.logprobs < 0:
-        raise BadField(SP + "logprobs", f"-1 (every token) is not supported; ask for 0 to 20, got {s.logprobs}")
     if s.HasField("seed") and s.seed < 0:
         raise BadField(SP + "seed", f"must be non-negative, got {s.seed}")
     bad_stop = [t for t in s.stop_token_ids if t >= vocab_size]

@@ -59,3 +59,16 @@ def test_bad_values_are_refused_by_name(engine, params, field):
     assert e.value.field == field
     st = engine.stats()
     assert st["pages_free"] == st["pages_total"]
+
+
+def test_logprobs_minus_one_means_all_only_where_the_vocabulary_fits():
+    """-1 (every token): a vocabulary of at most 20 tokens (the sampler's top-N); over it,
+    refused naming the limit and the model's size."""
+    from jaxfill.engine.request import MAX_LOGPROBS_PER_TOKEN
+
+    SamplingParams(logprobs=-1).validate(vocab_size=MAX_LOGPROBS_PER_TOKEN)
+    with pytest.raises(InvalidRequest) as e:
+        SamplingParams(logprobs=-1).validate(vocab_size=320)
+    assert e.value.field == "logprobs" and "at most 20" in str(e.value) and "320" in str(e.value)
+    with pytest.raises(InvalidRequest):
+        SamplingParams(logprobs=-2).validate(vocab_size=10)
