@@ -30,7 +30,8 @@ def sampling_from_proto(s: pb.SamplingParams, room: int) -> SamplingParams:
         logprobs=s.logprobs if s.HasField("logprobs") else None, min_tokens=s.min_tokens,
         logit_bias=dict(s.logit_bias),
         truncate_prompt_tokens=s.truncate_prompt_tokens if s.HasField("truncate_prompt_tokens") else None,
-        structured_output=structured_from_proto(s))
+        structured_output=structured_from_proto(s),
+        prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None)
 
 
 def logprobs_to_proto(entries) -> list[pb.TokenLogprob]:
@@ -93,6 +94,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     chunk = pb.GenerateChunk(token_ids=out.new_token_ids, text=out.new_text, step_time=t)
                     if out.logprobs and params.logprobs is not None:
                         chunk.logprobs.extend(logprobs_to_proto(out.logprobs))
+                    if out.prompt_logprobs is not None:
+                        chunk.prompt_logprobs.extend(logprobs_to_proto(out.prompt_logprobs[1:]))
                     yield pb.GenerateResponse(chunk=chunk)
                 if out.finished:
                     c = out.completion

@@ -118,6 +118,27 @@ def test_logit_bias_and_min_tokens_over_jaxfill_v1(served):
         assert out[-1] == 257 and len(out) == 3
 
 
+def test_prompt_logprobs_over_jaxfill_v1_equal_vllm_protocols(served):
+    """The first chunk carries one entry per prompt token after the first; the same server's
+    vLLM protocol (input_logprobs) gives the same values."""
+    from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+    from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
+
+    st, *_ = served
+    ids = [(7 * j) % BYTES for j in range(30)]
+    with grpc.insecure_channel(st.address) as ch:
+        chunks = [r.chunk for r in pb_grpc.GenerationStub(ch).Generate(
+            make_request(ids, max_tokens=2, prompt_logprobs=3), timeout=60) if r.HasField("chunk")]
+        (done,) = [r for r in vpb_grpc.VllmEngineStub(ch).Generate(vpb.GenerateRequest(
+            request_id="plp-vllm", tokenized=vpb.TokenizedInput(input_ids=ids),
+            sampling_params=vpb.SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3)), timeout=60)]
+    first = chunks[0].prompt_logprobs
+    assert [e.token_id for e in first] == ids[1:] and all(len(e.top) == 3 for e in first)
+    assert not any(len(c.prompt_logprobs) for c in chunks[1:])
+    theirs = done.complete.input_logprobs.token_logprobs[1:]
+    assert [round(e.logprob, 5) for e in first] == [round(v.value, 5) for v in theirs]
+
+
 def test_structured_output_over_jaxfill_v1(served):
     """The constraint oneof: regex and choice end in text they accept; a bad regex is
     INVALID_ARGUMENT naming sampling.regex."""
