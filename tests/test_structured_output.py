@@ -152,3 +152,40 @@ def test_malformed_constraints_are_refused_by_name(engine, so, field):
     assert e.value.field == field, str(e.value)
     assert engine.stats()["pages_free"] == before
     assert engine.generate(["abc"], SamplingParams(max_tokens=3))[0].finish_reason == "length"
+
+
+def test_an_hf_bpe_tokenizer_with_a_padded_vocabulary(tmp_path):
+    """The HF path of llg_tokenizer: a byte-level BPE tokenizer.json, the model's vocabulary
+    padded past it. Random draws among the allowed tokens spell text the regex accepts, and
+    ids past the tokenizer's are never allowed."""
+    import llguidance.numpy as lln
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from jaxfill.engine.structured_output import fill_bitmask
+    from jaxfill.engine.tokenizer import HFTokenizer
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<eos>"])
+    tok.train_from_iterator(["name: 123-abc, the quick brown fox 42-xyz"] * 50, trainer)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    hf = HFTokenizer(str(tmp_path / "tokenizer.json"), eos_token_ids=(tok.token_to_id("<eos>"),))
+    vocab = 512  # the model's rows, past the tokenizer's ~400
+    grammars = GrammarCompiler(vocab)
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        matcher = grammars.matcher(grammars.check(StructuredOutput("regex", REGEX), hf), hf)
+        row = lln.allocate_token_bitmask(1, vocab)[0]
+        out = []
+        while not matcher.is_stopped() and len(out) < 40:
+            fill_bitmask(matcher, row)
+            ok = np.unpackbits(row.view(np.uint8), bitorder="little")[:vocab].astype(bool)
+            assert not ok[hf.vocab_size:].any()
+            token = int(rng.choice(np.flatnonzero(ok)))
+            if token in hf.eos_token_ids:
+                break
+            out.append(token)
+            matcher.consume_token(token)
+        assert accepts("regex", hf.decode(out)), hf.decode(out)
