@@ -72,6 +72,15 @@ class ModelConfig:
     nope_layers: tuple[int, ...] = ()  # layers without rotary embedding (SmolLM3)
     rotary_dim: int = 0  # rope over each head's first rotary_dim dims (partial rotary, GLM); 0: all
     attention_sinks: bool = False  # a learned per-head logit in each softmax denominator (gpt-oss)
+    # Multi-head latent attention (models/mla.py, DeepSeek); kv_lora_rank = 0: not MLA. The
+    # cache then holds one "head" per token: the normalised latent and the roped key,
+    # head_dim = kv_lora_rank + qk_rope_head_dim, num_kv_heads = 1.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0  # 0: q straight from the hidden state (V2-Lite)
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # the rope dims come in (even, odd) pairs (DeepSeek V3's layout)
     # Mixture of experts (models/moe.py); num_experts = 0: every layer's MLP is dense
     num_experts: int = 0
     experts_per_token: int = 0
@@ -116,6 +125,13 @@ class ModelConfig:
                 f"model.num_heads ({self.num_heads}) must be a multiple of "
                 f"model.num_kv_heads ({self.num_kv_heads})"
             )
+        if self.kv_lora_rank:
+            want = dict(num_kv_heads=1, head_dim=self.kv_lora_rank + self.qk_rope_head_dim,
+                        rotary_dim=self.qk_rope_head_dim)
+            bad = {k: getattr(self, k) for k, v in want.items() if getattr(self, k) != v}
+            if bad or not (self.qk_nope_head_dim > 0 and self.qk_rope_head_dim > 0 and self.v_head_dim > 0):
+                raise ConfigError(f"an MLA model (kv_lora_rank={self.kv_lora_rank}) needs {want} and positive "
+                                  f"qk_nope/qk_rope/v head dims; got {bad or 'zero head dims'}")
         if self.head_dim % 2:
             raise ConfigError(f"model.head_dim must be even (rotary pairs), got {self.head_dim}")
         if self.rotary_dim and (self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim):

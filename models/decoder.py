@@ -19,6 +19,7 @@ from jaxfill.models.attention import Attention
 from jaxfill.models.config import ModelConfig
 from jaxfill.models.kv_cache import AttentionMetadata, KVCache
 from jaxfill.models.layers import Embed, GatedMLP, RMSNorm, param
+from jaxfill.models.mla import LatentAttention
 from jaxfill.models.moe import MoE, is_moe_layer
 from jaxfill.models.pipeline import pipeline_layers, run_layers, stack_layers
 from jaxfill.models.sharding import constrain, rows_split_over_sequence
@@ -36,7 +37,7 @@ class DecoderLayer(nnx.Module):
             return RMSNorm(c.hidden_size, c.rms_norm_eps, dt, rngs, kind=c.norm_kind)
 
         self.attn_norm = norm() if c.norm_layout != "post" else None
-        self.attn = Attention(config, rngs)
+        self.attn = LatentAttention(config, rngs) if c.kv_lora_rank else Attention(config, rngs)
         self.attn_post_norm = norm() if c.norm_layout != "pre" else None
         self.mlp_norm = norm() if c.norm_layout != "post" else None
         self.mlp = (MoE(c, rngs) if is_moe_layer(c, index)

@@ -56,7 +56,7 @@ def _llama3(inv: np.ndarray, scaling: dict) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
@@ -69,9 +69,9 @@ def _yarn(dim: int, theta: float, scaling: dict, max_position_embeddings: int) -
     if attention is None:
         mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
         if mscale and mscale_all:
-            attention = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+            attention = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
         else:
-            attention = _yarn_mscale(factor)
+            attention = yarn_mscale(factor)
     beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
 
     def correction_dim(rotations):

@@ -47,6 +47,21 @@ MOE_KWARGS = {
                                  moe_intermediate_size=32, n_shared_experts=2, n_group=4, topk_group=2,
                                  routed_scaling_factor=1.8, first_k_dense_replace=1, attention_bias=True,
                                  use_qk_norm=True, head_dim=32)),
+    # DeepSeek V3 (MLA): low-rank q, interleaved rope, YaRN with the mscale correction,
+    # a dense first layer, then sigmoid grouped routing with shared experts
+    "deepseek_v3": ("DeepseekV3", dict(num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16,
+                                       qk_nope_head_dim=24, v_head_dim=20, n_routed_experts=8, num_experts_per_tok=3,
+                                       moe_intermediate_size=32, n_shared_experts=1, n_group=4, topk_group=2,
+                                       routed_scaling_factor=1.8, first_k_dense_replace=1,
+                                       rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                                                        "mscale": 0.707, "mscale_all_dim": 1.0,
+                                                        "beta_fast": 32.0, "beta_slow": 1.0,
+                                                        "original_max_position_embeddings": 64})),
+    # dense only, q straight from the hidden state (V2-Lite's shape), plain rope
+    "deepseek_v3_dense": ("DeepseekV3", dict(num_hidden_layers=2, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None,
+                                             qk_rope_head_dim=16, qk_nope_head_dim=24, v_head_dim=20,
+                                             n_routed_experts=8, first_k_dense_replace=2, num_experts_per_tok=2,
+                                             moe_intermediate_size=32)),
     # 4 layers: sliding (a 24-token window), full, sliding, full; a clamp low enough to bind
     "gpt_oss": ("GptOss", dict(num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=2,
                                intermediate_size=32, head_dim=16, sliding_window=24, swiglu_limit=0.5,

@@ -1,0 +1,109 @@
+"""Multi-head latent attention (DeepSeek V2/V3), absorbed form over a latent paged cache.
+
+Per token the cache holds one "head": the normalised latent c (kv_lora_rank) and the
+roped shared key k_pe (qk_rope_head_dim), side by side. Head h's key is
+[W_uk_h c, k_pe] and its value W_uv_h c (W_uk, W_uv: kv_b_proj's two halves), so
+
+    score_h = q_nope_h . W_uk_h c + q_pe_h . k_pe = [W_uk_h^T q_nope_h, q_pe_h] . [c, k_pe]
+    out_h   = W_uv_h (sum_j p_hj c_j)
+
+which is multi-query attention over the cache with queries [W_uk_h^T q_nope_h, q_pe_h]
+(width kv_lora_rank + qk_rope_head_dim), then W_uv_h on the first kv_lora_rank output
+dims. It runs through the same paged attention impls as every other model.
+
+The pages keep today's [num_pages, page_size, 2 * Hkv, D] layout with Hkv = 1: the V
+slot holds a copy of the K slot (its first kv_lora_rank dims are the value), so a token
+costs 2 x (kv_lora_rank + qk_rope_head_dim) values per layer, twice the latent's size.
+A layout without the copy needs every impl to read V out of K (not done yet).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxfill.models.config import ModelConfig
+from jaxfill.models.kv_cache import AttentionMetadata, sampled_rows_metadata
+from jaxfill.models.layer_settings import layer_settings
+from jaxfill.models.layers import RMSNorm, param
+from jaxfill.models.rope import apply_rope
+from jaxfill.models.sharding import constrain, kv_heads_for, sharded_attention
+from jaxfill.pallas_kernels import ragged_paged_attention, write_kv
+
+
+# The eps of q_a_layernorm and kv_a_layernorm: DeepSeek's code (and transformers') builds
+# them with the RMSNorm default, not config.rms_norm_eps.
+LATENT_NORM_EPS = 1e-6
+
+
+class LatentAttention(nnx.Module):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        c, dt = config, config.jnp_dtype
+        e, h, lat, rope = c.hidden_size, c.num_heads, c.kv_lora_rank, c.qk_rope_head_dim
+        nope, vd = c.qk_nope_head_dim, c.v_head_dim
+        if c.q_lora_rank:
+            self.q_a = param(rngs, (e, c.q_lora_rank), ("embed", None), dt)
+            self.q_a_norm = RMSNorm(c.q_lora_rank, LATENT_NORM_EPS, dt, rngs, kind=c.norm_kind)
+            self.q_b = param(rngs, (c.q_lora_rank, h, nope + rope), (None, "q_heads", "head_dim"), dt)
+        else:
+            self.q = param(rngs, (e, h, nope + rope), ("embed", "q_heads", "head_dim"), dt)
+        self.kv_a = param(rngs, (e, lat + rope), ("embed", None), dt)
+        self.kv_a_norm = RMSNorm(lat, LATENT_NORM_EPS, dt, rngs, kind=c.norm_kind)
+        # kv_b_proj: per head, W_uk (the first nope columns) and W_uv (the last v_head_dim)
+        self.w_ukv = param(rngs, (lat, h, nope + vd), (None, "q_heads", "head_dim"), dt)
+        self.o = param(rngs, (h, vd, e), ("q_heads", "head_dim", "embed"), dt)
+        self.config = c
+        self.sm_scale = c.query_scale if c.query_scale is not None else (nope + rope) ** -0.5
+
+    def _rope(self, x: jax.Array,  # [T, H, R]
+              positions: jax.Array,  # [T] int32
+              layer) -> jax.Array:
+        if self.config.rope_interleave:  # (x0, x1), (x2, x3) ... -> evens, then odds (rotate-half)
+            x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+        inv_freq, scale = layer_settings(self.config).rope(layer)
+        return apply_rope(x, positions, inv_freq, scale)
+
+    def __call__(self,
+                 x: jax.Array,  # [T, E]
+                 positions: jax.Array,  # [T] int32
+                 pages: jax.Array,  # [num_pages, page_size, 2, kv_lora_rank + qk_rope_head_dim]
+                 meta: AttentionMetadata,
+                 impl: str,
+                 layer,
+                 sampled_only: bool = False,
+                 ) -> tuple[jax.Array, jax.Array]:  # [T, E] ([S, E] if sampled_only), pages
+        c = self.config
+        lat, nope = c.kv_lora_rank, c.qk_nope_head_dim
+        kv = x @ self.kv_a[...]  # [T, lat + rope]
+        latent = self.kv_a_norm(kv[:, :lat])
+        k_pe = self._rope(kv[:, None, lat:], positions, layer)  # [T, 1, rope]
+        k = jnp.concatenate([latent[:, None, :], k_pe.astype(latent.dtype)], axis=-1)  # [T, 1, lat + rope]
+        q_pos = positions
+        if sampled_only:
+            x, q_pos = jnp.take(x, meta.logits_indices, axis=0), jnp.take(positions, meta.logits_indices)
+        if c.q_lora_rank:
+            q = jnp.einsum("tr,rhd->thd", self.q_a_norm(x @ self.q_a[...]), self.q_b[...])
+        else:
+            q = jnp.einsum("te,ehd->thd", x, self.q[...])
+        q_pe = self._rope(q[..., nope:], q_pos, layer)
+        w_ukv = self.w_ukv[...]
+        q_lat = jnp.einsum("thn,chn->thc", q[..., :nope], w_ukv[..., :nope])  # absorbed: [T, H, lat]
+        q = jnp.concatenate([q_lat, q_pe.astype(q_lat.dtype)], axis=-1)
+        r = kv_heads_for(pages.shape[2], 1)  # a cache laid out for 'tensor' repeats the one head
+        if r > 1:
+            k = jnp.repeat(k, r, axis=1)
+        q = constrain(q, ("tokens", "act_heads", None))
+        k = constrain(k, ("tokens", "act_kv_heads", None))
+        q_meta = sampled_rows_metadata(meta) if sampled_only else meta
+
+        def attend(q, k, v, pages, meta, sinks):  # per-device view under a mesh
+            pages = write_kv(pages, k, v, meta.slot_mapping)
+            out = ragged_paged_attention(q, pages, meta.kv_lens, meta.page_indices, meta.cu_q_lens, meta.num_seqs,
+                                         sm_scale=self.sm_scale, impl=impl)
+            return out, pages
+
+        out, pages = sharded_attention(attend, q, k, k, pages, q_meta, None)  # [T, H, lat + rope]
+        out = jnp.einsum("thc,chv->thv", out[..., :lat].astype(w_ukv.dtype), w_ukv[..., nope:])
+        out = jnp.einsum("thv,hve->te", out, self.o[...])  # all-reduce over tensor
+        return constrain(out, ("tokens", "act_embed")), pages

@@ -1,0 +1,34 @@
+"""DeepSeek V3's multi-head latent attention through the Engine (tests/family_layouts.py's
+check, from the HF checkpoints of tests/hf_models.py): unchunked == chunks of 1, 7, 16
+and 64 tokens == prefix-cached (vLLM had MLA wrong under chunked prefill: vllm#26042)
+== mesh.tensor=2 (the latent replicated, the heads split) == expert 2 x tensor 2 for the
+MoE model; an int8 latent cache stays close. One subprocess per model, on 2 and 4 fake
+CPU devices."""
+
+from family_layouts import LAYOUTS, check_layouts, run_layouts
+from hf_models import make_hf_checkpoint
+
+
+def chunks(n: int) -> dict:
+    return {"engine.enable_prefix_caching": False, "engine.max_num_batched_tokens": n, "engine.token_buckets": [n]}
+
+
+COMMON = {"whole": LAYOUTS["whole"], "chunk1": chunks(1), "chunk7": chunks(7), "chunk16": chunks(16),
+          "chunk64": chunks(64), "prefix": LAYOUTS["prefix"], "tensor2": {"mesh.tensor": 2},
+          "int8": {"engine.kv_cache_dtype": "int8"}}
+EXACT = ("chunk1", "chunk7", "chunk16", "chunk64", "prefix", "tensor2")
+
+
+def test_dense_mla(tmp_path):
+    """q straight from the hidden state, plain rope, every layer dense."""
+    model = make_hf_checkpoint(str(tmp_path / "dense"), "deepseek_v3_dense")
+    check_layouts(run_layouts(model, COMMON, devices=2), "deepseek_v3_dense", EXACT)
+
+
+def test_mla_with_experts(tmp_path):
+    """Low-rank q, YaRN with the mscale correction, a dense layer then grouped sigmoid
+    routing with a shared expert, split over experts and heads."""
+    model = make_hf_checkpoint(str(tmp_path / "moe"), "deepseek_v3", num_hidden_layers=2)
+    layouts = {name: COMMON[name] for name in ("whole", "chunk7", "prefix", "int8")}
+    layouts["expert2_tensor2"] = {"mesh.expert": 2, "mesh.tensor": 2}
+    check_layouts(run_layouts(model, layouts, devices=4), "deepseek_v3", ("chunk7", "prefix", "expert2_tensor2"))
