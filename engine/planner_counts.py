@@ -47,8 +47,8 @@ def layer_matmul_params(model: ModelConfig, layer: int | None = None) -> float:
 
 
 def kv_projection_params(model: ModelConfig) -> int:
-    """The k and v weights of one layer."""
-    return sum(n for path, n in layer_projection_params(model).items() if path[-1] in ("k", "v"))
+    """The k and v weights of one layer (MLA: the latent's kv_a)."""
+    return sum(n for path, n in layer_projection_params(model).items() if path[-1] in ("k", "v", "kv_a"))
 
 
 def matmul_flops(model: ModelConfig, num_tokens: int, logit_rows: int = 1, sampled_last_layer: bool = False) -> int:

@@ -125,6 +125,8 @@ class ModelConfig:
                 f"model.num_heads ({self.num_heads}) must be a multiple of "
                 f"model.num_kv_heads ({self.num_kv_heads})"
             )
+        if self.kv_lora_rank and self.weight_dtype != "auto":
+            raise ConfigError("model.weight_dtype int8 is not supported for multi-head latent attention yet")
         if self.kv_lora_rank:
             want = dict(num_kv_heads=1, head_dim=self.kv_lora_rank + self.qk_rope_head_dim,
                         rotary_dim=self.qk_rope_head_dim)

@@ -23,6 +23,7 @@ score matrix, not the causal triangle. So:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -34,6 +35,7 @@ from jaxfill.engine.hardware import Hardware, load_hardware
 from jaxfill.engine.planner import plan, plan_prefill, ttft_floor
 from jaxfill.engine.planner_counts import (attention_flops, kv_bytes_per_token, matmul_flops, prefill_flops,
                                            visible_pairs)
+from jaxfill.models.config import ModelConfig
 from jaxfill.models.kv_cache import KVCache, single_sequence_metadata
 from jaxfill.models.decoder import Decoder
 from jaxfill.pallas_kernels.ragged_paged_attention import IMPLS
@@ -50,7 +52,7 @@ def compiled_flops(config_name: str, num_tokens: int, impl: str, monkeypatch, st
     from jaxfill.models.forward import forward
 
     monkeypatch.setitem(IMPLS, "planner_test_stub", (__name__, "stub_attention"))
-    cfg = load_config(config_name).model
+    cfg = config_name if isinstance(config_name, ModelConfig) else load_config(config_name).model
     page = 16
     n_pages = -(-num_tokens // page)
     model = nnx.eval_shape(lambda: Decoder(cfg, attention_impl=impl, stages=stages))  # shapes only, no init
@@ -85,6 +87,30 @@ def test_flops_match_xla_cost_analysis(config_name, num_tokens, monkeypatch):
     causal = attention_flops(cfg, num_tokens)
     square = attention_flops(cfg, num_tokens, causal=False, kv_len=kv_len)
     assert causal == square * (num_tokens + 1) // (2 * kv_len)
+
+
+def test_latent_attention_flops_match_xla_cost_analysis(monkeypatch):
+    """MLA (models/mla.py): every projection (q_a, q_b, kv_a, the absorbed kv_b on queries
+    and outputs, o) once per token; attention as MQA over the 48-wide latent "head"."""
+    cfg = dataclasses.replace(load_config("tiny_random").model, architecture="DeepseekV3ForCausalLM",
+                              num_kv_heads=1, head_dim=48, rotary_dim=16, kv_lora_rank=32, q_lora_rank=40,
+                              qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=24, rope_interleave=True)
+    stub, kv_len = compiled_flops(cfg, 256, "planner_test_stub", monkeypatch)
+    planned = matmul_flops(cfg, 256, sampled_last_layer=True)
+    assert 1.0 <= stub / planned < 1.05, (stub, planned)
+    ref, _ = compiled_flops(cfg, 256, "reference", monkeypatch)
+    full = attention_flops(cfg, 256, causal=False, kv_len=kv_len, sampled_last_layer=True)
+    scores = cfg.num_heads * ((cfg.num_layers - 1) * 256 + 1) * kv_len
+    assert full <= ref - stub <= full + 8 * scores, (ref - stub, full, scores)
+
+
+def test_deepseek_v3_kv_bytes_are_twice_the_latent():
+    """61 layers x (512 + 64) x 2 bytes = 70,272 per token is the latent; the cache keeps a
+    copy in the V slot (models/mla.py), so it allocates twice that, and says so."""
+    cfg = load_config("deepseek_v3").model
+    assert kv_bytes_per_token(cfg) == 2 * 70272
+    assert KVCache.create(dataclasses.replace(cfg, num_layers=1, dense_layers=(0,)), num_pages=2, page_size=16,
+                          dtype=None).nbytes() == 2 * 16 * 2 * 576 * 2
 
 
 @pytest.mark.parametrize("layout", ["unrolled", "scan", "stages"])

@@ -166,4 +166,10 @@ def layer_projection_params(config, layer: int = 0) -> dict[tuple, float]:
     float_config = dataclasses.replace(config, weight_dtype="auto")
     share = expert_share(config)
     return {p.path: math.prod(p.shape) * (share if is_expert_param(p) else 1)
-            for p in layer_params(float_config, layer) if p.path[-1] in QUANTIZED_INPUT_AXES or p.path[-1] == "router"}
+            for p in layer_params(float_config, layer)
+            if p.path[-1] in QUANTIZED_INPUT_AXES or p.path[-1] in LATENT_PROJECTIONS or p.path[-1] == "router"}
+
+
+# Multi-head latent attention's projections (models/mla.py) beside q and o: each weight
+# multiplies every token once (w_ukv: W_uk on the queries, W_uv on the outputs)
+LATENT_PROJECTIONS = ("q_a", "q_b", "kv_a", "w_ukv")
