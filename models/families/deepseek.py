@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 from jaxfill.models.families.base import Family, HFTensor, activation, same
-from jaxfill.models.families.experts import expert_tensors, shared_expert_tensors
+from jaxfill.models.families.experts import grouped_sigmoid_moe_tensors
 from jaxfill.models.moe import is_moe_layer
 from jaxfill.models.rope import yarn_mscale
 
@@ -88,12 +88,7 @@ class DeepseekV3(Family):
     def mlp_tensors(self, c, p, layer):
         if not is_moe_layer(c, layer[1]):
             return super().mlp_tensors(c, p, layer)
-        table = expert_tensors(c, p, layer)
-        table[f"{p}mlp.gate.e_score_correction_bias"] = HFTensor(layer + ("mlp", "router_bias"), (c.num_experts,),
-                                                                 (c.num_experts,), (0,))
-        if c.shared_expert_size:
-            table.update(shared_expert_tensors(c, p, layer, name="shared_experts", gate=None))
-        return table
+        return grouped_sigmoid_moe_tensors(c, p, layer)
 
     ignored_prefixes = ("model.mtp.",)
 

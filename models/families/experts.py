@@ -36,3 +36,14 @@ def shared_expert_tensors(c, p: str, layer: tuple, block: str = "mlp", name: str
     if gate and c.shared_expert_gate:
         table[f"{p}{block}.{gate}.weight"] = HFTensor(layer + ("mlp", "shared_gate"), (1, e), (1, e), (1, 0))
     return table
+
+
+def grouped_sigmoid_moe_tensors(c, p: str, layer: tuple) -> dict:
+    """DeepSeek V3's MoE layer as GLM-4.5 has it too: the experts, the router's
+    `e_score_correction_bias` and the `shared_experts`."""
+    table = expert_tensors(c, p, layer)
+    table[f"{p}mlp.gate.e_score_correction_bias"] = HFTensor(layer + ("mlp", "router_bias"), (c.num_experts,),
+                                                             (c.num_experts,), (0,))
+    if c.shared_expert_size:
+        table.update(shared_expert_tensors(c, p, layer, name="shared_experts", gate=None))
+    return table

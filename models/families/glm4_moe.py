@@ -5,8 +5,8 @@ attention with q/k/v biases, optional q/k norms and rope over part of each head.
 
 from __future__ import annotations
 
-from jaxfill.models.families.base import Family, HFTensor, activation
-from jaxfill.models.families.experts import expert_tensors, shared_expert_tensors
+from jaxfill.models.families.base import Family, activation
+from jaxfill.models.families.experts import grouped_sigmoid_moe_tensors
 from jaxfill.models.moe import is_moe_layer
 
 
@@ -50,12 +50,7 @@ class Glm4Moe(Family):
     def mlp_tensors(self, c, p, layer):
         if not is_moe_layer(c, layer[1]):
             return super().mlp_tensors(c, p, layer)
-        table = expert_tensors(c, p, layer)
-        table[f"{p}mlp.gate.e_score_correction_bias"] = HFTensor(layer + ("mlp", "router_bias"), (c.num_experts,),
-                                                                 (c.num_experts,), (0,))
-        if c.shared_expert_size:
-            table.update(shared_expert_tensors(c, p, layer, name="shared_experts", gate=None))
-        return table
+        return grouped_sigmoid_moe_tensors(c, p, layer)
 
 
 FAMILIES = (Glm4Moe(),)
