@@ -62,6 +62,12 @@ MOE_KWARGS = {
                                              qk_rope_head_dim=16, qk_nope_head_dim=24, v_head_dim=20,
                                              n_routed_experts=8, first_k_dense_replace=2, num_experts_per_tok=2,
                                              moe_intermediate_size=32)),
+    # DeepSeek V2-Lite's shape: plain q, a dense first layer, softmax greedy routing x1.5
+    # (never renormalised) beside two shared experts
+    "deepseek_v2": ("DeepseekV2", dict(num_hidden_layers=2, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None,
+                                       qk_rope_head_dim=16, qk_nope_head_dim=24, v_head_dim=20, n_routed_experts=8,
+                                       num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=2,
+                                       first_k_dense_replace=1, routed_scaling_factor=1.5)),
     # 4 layers: sliding (a 24-token window), full, sliding, full; a clamp low enough to bind
     "gpt_oss": ("GptOss", dict(num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=2,
                                intermediate_size=32, head_dim=16, sliding_window=24, swiglu_limit=0.5,

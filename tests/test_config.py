@@ -9,7 +9,7 @@ from jaxfill.models.config import ConfigError
 from jaxfill.models.families.registry import config_from_hf, param_count
 
 PRESETS = ["tiny", "tiny_random", "bench", "llama2_7b", "llama3_8b", "llama3_70b", "llama3_1_8b", "mistral_7b", "qwen2_7b",
-           "deepseek_v3", "kimi_k2"]
+           "deepseek_v3", "kimi_k2", "deepseek_v2_lite"]
 PUBLISHED_PARAMS = {"llama2_7b": 6.74e9, "llama3_8b": 8.03e9, "llama3_70b": 70.55e9, "mistral_7b": 7.24e9,
                     "qwen2_7b": 7.62e9}
 

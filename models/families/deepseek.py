@@ -1,17 +1,18 @@
-"""DeepSeek V3 / R1 and Kimi K2 (DeepseekV3ForCausalLM): multi-head latent attention
+"""DeepSeek V3 / R1 and Kimi K2 (DeepseekV3ForCausalLM), DeepSeek V2 / V2-Lite
+(DeepseekV2ForCausalLM): multi-head latent attention
 (models/mla.py; q through a low-rank q_a/q_b pair or straight, the latent through
 kv_a_proj_with_mqa + kv_a_layernorm, kv_b_proj absorbed), rope on qk_rope_head_dim dims
 in DeepSeek's interleaved layout, YaRN with the mscale softmax correction; the first
 `first_k_dense_replace` layers dense, then sigmoid grouped routing with a correction
-bias beside shared experts (the router of GLM-4.5). The multi-token-prediction layer is
-not run."""
+bias beside shared experts (the router of GLM-4.5); V2: softmax routing, greedy top-k,
+no renormalisation. The multi-token-prediction layer is not run."""
 
 from __future__ import annotations
 
 import logging
 
 from jaxfill.models.families.base import Family, HFTensor, activation, same
-from jaxfill.models.families.experts import grouped_sigmoid_moe_tensors
+from jaxfill.models.families.experts import expert_tensors, grouped_sigmoid_moe_tensors, shared_expert_tensors
 from jaxfill.models.moe import is_moe_layer
 from jaxfill.models.rope import yarn_mscale
 
@@ -93,4 +94,30 @@ class DeepseekV3(Family):
     ignored_prefixes = ("model.mtp.",)
 
 
-FAMILIES = (DeepseekV3(),)
+class DeepseekV2(DeepseekV3):
+    """V2's attention is V3's (its complex-number rope turns interleaved pairs too); its
+    router is a softmax over every expert, the greedy top-k times routed_scaling_factor."""
+
+    name = "deepseek_v2"
+    architectures = ("DeepseekV2ForCausalLM",)
+    honoured = DeepseekV3.honoured - {"rope_interleave", "n_group", "topk_group"}
+    # norm_topk_prob: transformers' V2 router never renormalises, whatever the file says
+    inert = DeepseekV3.inert | {"norm_topk_prob", "n_group", "topk_group"}
+    fixed = {"attention_bias": False, "mlp_bias": False, "topk_method": "greedy"}
+    tested = "HF f32 logits and greedy tokens (V2-Lite's shape: plain q, softmax greedy routing, shared experts)"
+
+    def model_fields(self, hf):
+        fields = super().model_fields({**hf, "rope_interleave": True, "n_group": 1, "topk_group": 1})
+        if fields.get("num_experts"):
+            fields.update(router_scoring="softmax", router_bias=False, router_renormalize=False)
+        return fields
+
+    def mlp_tensors(self, c, p, layer):
+        if not is_moe_layer(c, layer[1]):
+            return Family.mlp_tensors(self, c, p, layer)
+        table = expert_tensors(c, p, layer)
+        table.update(shared_expert_tensors(c, p, layer, name="shared_experts", gate=None))
+        return table
+
+
+FAMILIES = (DeepseekV3(), DeepseekV2())
