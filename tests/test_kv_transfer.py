@@ -284,3 +284,24 @@ def test_stacked_and_per_layer_caches_move_the_same_rows(kv_dtype):
         np.testing.assert_array_equal(np.asarray(v)[:, :7], values[:, :7])
         if scales is not None:
             np.testing.assert_array_equal(np.asarray(s)[:, :7], scales[:, :7])
+
+
+MLA = {"model.architecture": "DeepseekV3ForCausalLM", "model.num_kv_heads": 1, "model.head_dim": 48,
+       "model.rotary_dim": 16, "model.kv_lora_rank": 32, "model.q_lora_rank": 40, "model.qk_nope_head_dim": 16,
+       "model.qk_rope_head_dim": 16, "model.v_head_dim": 24, "model.rope_interleave": True}
+
+
+def test_latent_rows_move_and_decode_continues_like_one_engine():
+    """Disaggregated prefill of a multi-head latent attention model (models/mla.py): the
+    latent "head" rows cross, and the decode side's tokens and logprobs are one engine's."""
+    src = make(16, **MLA, **{"engine.kv_transfer_timeout_s": 60})
+    dst = make(8, **MLA)
+    assert dst.stats()["kv_bytes_per_token"] == src.config.model.num_layers * 2 * 48 * 4  # K and its V copy
+    params = SamplingParams(max_tokens=10, temperature=0.9, seed=3, logprobs=2)
+    want = dst.generate([PROMPT], params)[0]
+    info = prefill(src)
+    got = run_one(dst, pull_and_admit(dst, info, PROMPT, params))
+    assert got.token_ids == want.token_ids
+    assert_same_logprobs(got.logprobs, want.logprobs)
+    assert src.release_held(info["transfer_id"])
+    assert dst.stats()["pages_free"] == dst.stats()["pages_total"]
