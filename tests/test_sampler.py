@@ -13,7 +13,7 @@ V = 24
 sample_jit = jax.jit(sample)
 
 
-def arrays(s, h=8, **kw):
+def arrays(s, h=8, vocab=V, **kw):
     base = dict(temperature=np.zeros(s, np.float32), top_k=np.zeros(s, np.int32),
                 top_p=np.ones(s, np.float32), min_p=np.zeros(s, np.float32),
                 seed_hi=np.zeros(s, np.uint32), seed_lo=np.zeros(s, np.uint32),
@@ -21,7 +21,7 @@ def arrays(s, h=8, **kw):
                 presence_penalty=np.zeros(s, np.float32), frequency_penalty=np.zeros(s, np.float32),
                 hist=np.full((s, h), -1, np.int32), want_logprobs=np.zeros(s, bool),
                 bias_ids=np.full((s, 4), -1, np.int32), bias_values=np.zeros((s, 4), np.float32),
-                allowed=np.full((s, (V + 31) // 32), -1, np.int32))
+                allowed=np.full((s, (vocab + 31) // 32), -1, np.int32))
     for k, v in kw.items():
         base[k] = np.broadcast_to(np.asarray(v, base[k].dtype), base[k].shape).copy()
     return SamplingArrays(**base)

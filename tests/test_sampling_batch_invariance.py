@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_sampler import arrays
+from test_sampler import arrays as sampler_arrays
 
 from jaxfill.engine.config import load_config
 from jaxfill.engine.engine import Engine
@@ -21,6 +21,10 @@ from jaxfill.engine.request import SamplingParams
 from jaxfill.engine.sampler import filter_mask, sample
 
 V = 4096
+
+
+def arrays(s, **kw):  # test_sampler's, sized for this file's vocabulary (the grammar bitmask)
+    return sampler_arrays(s, vocab=V, **kw)
 mask_jit = jax.jit(filter_mask)
 sample_jit = jax.jit(sample)
 
