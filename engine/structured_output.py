@@ -15,6 +15,7 @@ scheduler never gives it a decode while a token of it is still in flight.
 from __future__ import annotations
 
 import json
+import threading
 
 import numpy as np
 
@@ -25,6 +26,9 @@ from jaxfill.engine.request import InvalidRequest, StructuredOutput
 # max_tokens (seen with the tiny model: newline after newline); a schema's "x-guidance"
 # overrides this.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+CHECKED_GRAMMARS = 256  # checked constraints kept (repeated schemas skip the compile)
 
 
 def _one_line(message: str, limit: int = 300) -> str:
@@ -87,20 +91,32 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self._tokenizer = None
         self._llg = None
+        # constraint -> its checked grammar: serving's validation, the factory's check and the
+        # matcher would otherwise each compile the same schema
+        self._checked: dict[StructuredOutput, str] = {}
+        self._lock = threading.Lock()  # the serving event loop and the engine thread both check
 
     def _llg_for(self, tokenizer):
         if tokenizer is not self._tokenizer:
             self._llg, self._tokenizer = llg_tokenizer(tokenizer, self.vocab_size), tokenizer
+            self._checked.clear()
         return self._llg
 
     def check(self, so: StructuredOutput, tokenizer) -> str:
         """The constraint's grammar; InvalidRequest naming the field when it is malformed."""
         import llguidance
 
+        llg = self._llg_for(tokenizer)
+        if so in self._checked:
+            return self._checked[so]
         grammar = grammar_text(so)
-        error = llguidance.LLMatcher.validate_grammar(grammar, self._llg_for(tokenizer))
+        error = llguidance.LLMatcher.validate_grammar(grammar, llg)
         if error:
             raise InvalidRequest(f"structured_output.{so.kind}", _one_line(error))
+        with self._lock:
+            if len(self._checked) >= CHECKED_GRAMMARS:
+                self._checked.pop(next(iter(self._checked)))  # the oldest
+            self._checked[so] = grammar
         return grammar
 
     def matcher(self, grammar: str, tokenizer):
