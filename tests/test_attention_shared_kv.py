@@ -27,7 +27,7 @@ def batch(rng):
     return q, k, np.asarray(slots, np.int32), kv_lens, page_indices, cu
 
 
-@pytest.mark.parametrize("impl", ["reference"])
+@pytest.mark.parametrize("impl", ["reference", "xla"])
 def test_shared_pages_equal_pages_with_a_v_copy(impl):
     rng = np.random.default_rng(0)
     q, k, slots, kv_lens, page_indices, cu = batch(rng)
