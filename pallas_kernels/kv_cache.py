@@ -33,14 +33,15 @@ from jaxfill.pallas_kernels.kv_quant import QuantizedPages, is_quantized, quanti
 
 
 def init_kv_pages(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                  dtype=jnp.float32, fill_value: float = 0.0) -> jax.Array:
-    """Allocates one layer's pages: [num_pages, page_size, 2 * num_kv_heads, head_dim]."""
+                  dtype=jnp.float32, fill_value: float = 0.0, shared: bool = False) -> jax.Array:
+    """Allocates one layer's pages: [num_pages, page_size, 2 * num_kv_heads, head_dim]
+    ([.., num_kv_heads, ..] shared: K only)."""
     if min(num_pages, page_size, num_kv_heads, head_dim) <= 0:
         raise ValueError(
             f"init_kv_pages needs positive sizes, got num_pages={num_pages}, "
             f"page_size={page_size}, num_kv_heads={num_kv_heads}, head_dim={head_dim}"
         )
-    return jnp.full((num_pages, page_size, 2 * num_kv_heads, head_dim), fill_value, dtype)
+    return jnp.full((num_pages, page_size, kv_slots(num_kv_heads, shared), head_dim), fill_value, dtype)
 
 
 def merge_kv(k: jax.Array,  # [T, Hkv, D]
