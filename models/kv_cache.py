@@ -32,7 +32,7 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_cac
 
 def shares_kv(config) -> bool:
     """K-only pages (V is K): multi-head latent attention's one latent "head"."""
-    return bool(config.kv_lora_rank)
+    return bool(getattr(config, "kv_lora_rank", 0))
 
 
 def cache_entry(layer, stages: int):
