@@ -27,14 +27,22 @@ def batch(rng):
     return q, k, np.asarray(slots, np.int32), kv_lens, page_indices, cu
 
 
-@pytest.mark.parametrize("impl", ["reference", "xla"])
-def test_shared_pages_equal_pages_with_a_v_copy(impl):
+IMPLS = ["reference", "xla", "pallas_gpu", "pallas_tpu"]  # the Pallas ones interpreted on CPU
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["f32", "int8"])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_shared_pages_equal_pages_with_a_v_copy(impl, quantized):
     rng = np.random.default_rng(0)
     q, k, slots, kv_lens, page_indices, cu = batch(rng)
-    nan = float("nan")
-    copied = write_kv(jnp.full((PAGES, PAGE, 2 * HKV, D), nan), jnp.asarray(k), jnp.asarray(k), jnp.asarray(slots))
-    shared = write_kv(jnp.full((PAGES, PAGE, HKV, D), nan), jnp.asarray(k), None, jnp.asarray(slots))
-    np.testing.assert_array_equal(np.asarray(shared), np.asarray(copied)[:, :, 0::2])
+    if quantized:
+        copied = init_quantized_pages(PAGES, PAGE, HKV, D, "int8")
+        shared = QuantizedPages(copied.values[:, :, :HKV], copied.scales[:, :, :HKV])
+    else:
+        nan = float("nan")
+        copied, shared = jnp.full((PAGES, PAGE, 2 * HKV, D), nan), jnp.full((PAGES, PAGE, HKV, D), nan)
+    copied = write_kv(copied, jnp.asarray(k), jnp.asarray(k), jnp.asarray(slots))
+    shared = write_kv(shared, jnp.asarray(k), None, jnp.asarray(slots))
     args = (jnp.asarray(page_indices), jnp.asarray(cu), jnp.asarray([2], np.int32))
     qs = jnp.asarray(q)
     want = ragged_paged_attention(qs, copied, jnp.asarray(kv_lens), *args, sm_scale=D ** -0.5, impl=impl)
@@ -44,7 +52,7 @@ def test_shared_pages_equal_pages_with_a_v_copy(impl):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
 
 
-def test_quantized_shared_pages_hold_the_k_half():
+def test_shared_pages_hold_the_k_half():
     rng = np.random.default_rng(1)
     q, k, slots, *_ = batch(rng)
     copied = init_quantized_pages(PAGES, PAGE, HKV, D, "int8")
@@ -53,6 +61,10 @@ def test_quantized_shared_pages_hold_the_k_half():
     shared = write_kv(shared, jnp.asarray(k), None, jnp.asarray(slots))
     np.testing.assert_array_equal(np.asarray(shared.values), np.asarray(copied.values)[:, :, 0::2])
     np.testing.assert_array_equal(np.asarray(shared.scales), np.asarray(copied.scales)[:, :, 0::2])
+    nan = float("nan")
+    copied = write_kv(jnp.full((PAGES, PAGE, 2 * HKV, D), nan), jnp.asarray(k), jnp.asarray(k), jnp.asarray(slots))
+    shared = write_kv(jnp.full((PAGES, PAGE, HKV, D), nan), jnp.asarray(k), None, jnp.asarray(slots))
+    np.testing.assert_array_equal(np.asarray(shared), np.asarray(copied)[:, :, 0::2])
 
 
 def test_a_v_with_shared_pages_is_refused():
