@@ -269,12 +269,12 @@ def build_kv_offload(config, cache, stages: int) -> KVOffload | None:
                          "engine keeps a host tier in each process)")
     from jaxfill.engine.disk_kv_tier import DiskKVTier, fingerprint
     from jaxfill.engine.host_kv_tier import HostKVTier
-    from jaxfill.models.kv_cache import kv_bytes_per_token
+    from jaxfill.models.kv_cache import kv_bytes_per_token, shares_kv
 
     m = config.model
     layout = kvt.Layout.of(config, cache)
     block_bytes = s.page_size * kv_bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, s.kv_cache_dtype,
-                                                   m.jnp_dtype)
+                                                   m.jnp_dtype, shares_kv(m))
     disk = None
     if s.disk_kv_cache_dir:
         disk = DiskKVTier(s.disk_kv_cache_dir, int(float(s.disk_kv_cache_gb) * 2**30),

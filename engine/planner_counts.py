@@ -34,7 +34,7 @@ from jaxfill.engine.execution_plan import ExecutionPlan
 from jaxfill.engine.planner_layout import dtype_bytes, vocab_param_bytes, vocab_split
 from jaxfill.models.config import ModelConfig
 from jaxfill.models.families.registry import layer_params, layer_projection_params, param_count
-from jaxfill.models.kv_cache import kv_bytes_per_token as cache_bytes_per_token
+from jaxfill.models.kv_cache import kv_bytes_per_token as cache_bytes_per_token, shares_kv
 
 
 def layer_matmul_params(model: ModelConfig, layer: int | None = None) -> float:
@@ -135,7 +135,8 @@ def kv_bytes_per_token(model: ModelConfig, kv_heads: int | None = None,
     """K and V of every layer (int8 / fp8: plus their f32 scales), as the cache allocates
     them: the one formula lives beside KVCache (models/kv_cache.py)."""
     heads = model.num_kv_heads if kv_heads is None else kv_heads
-    return cache_bytes_per_token(model.num_layers, heads, model.head_dim, kv_cache_dtype, model.jnp_dtype)
+    return cache_bytes_per_token(model.num_layers, heads, model.head_dim, kv_cache_dtype, model.jnp_dtype,
+                                 shares_kv(model))
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:

@@ -22,12 +22,17 @@ def kv_storage_dtype(kv_cache_dtype: str, model_dtype):
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_cache_dtype: str,
-                       model_dtype) -> int:
+                       model_dtype, shared: bool = False) -> int:
     """Cache bytes one token costs over all layers: K and V values, plus one f32 scale per
     (K or V, head) when quantized. The planner and KVCache.nbytes agree on this."""
     dtype = kv_storage_dtype(kv_cache_dtype, model_dtype)
-    per_head = 2 * (head_dim * dtype.itemsize + (4 if kv_cache_dtype != "auto" else 0))
+    per_head = (1 if shared else 2) * (head_dim * dtype.itemsize + (4 if kv_cache_dtype != "auto" else 0))
     return num_layers * num_kv_heads * per_head
+
+
+def shares_kv(config) -> bool:
+    """K-only pages (V is K): multi-head latent attention's one latent "head"."""
+    return bool(getattr(config, "kv_lora_rank", 0))
 
 
 def cache_entry(layer, stages: int):
@@ -79,13 +84,14 @@ class KVCache:
         if mesh is not None:
             heads, replicas = kv_cache_heads(config, mesh), int(dict(mesh.shape).get(DATA, 1))
         pool = num_pages * replicas
+        shared = shares_kv(config)
         if kv_cache_dtype != "auto":
             dtype = kv_storage_dtype(kv_cache_dtype, config.jnp_dtype)
             layer = lambda: init_quantized_pages(pool, page_size, heads, config.head_dim, dtype,  # noqa: E731
-                                                 fill_value)
+                                                 fill_value, shared)
         else:
             dtype = dtype or config.jnp_dtype
-            layer = lambda: init_kv_pages(pool, page_size, heads, config.head_dim, dtype, fill_value)  # noqa: E731
+            layer = lambda: init_kv_pages(pool, page_size, heads, config.head_dim, dtype, fill_value, shared)  # noqa: E731
         make = lambda: cache_entry(layer, stages)  # noqa: E731
         counter = lambda: cache_entry(lambda: jnp.zeros((replicas * config.num_experts,), jnp.int32), stages)  # noqa: E731
         if mesh is not None:

@@ -11,10 +11,9 @@ which is multi-query attention over the cache with queries [W_uk_h^T q_nope_h, q
 (width kv_lora_rank + qk_rope_head_dim), then W_uv_h on the first kv_lora_rank output
 dims. It runs through the same paged attention impls as every other model.
 
-The pages keep today's [num_pages, page_size, 2 * Hkv, D] layout with Hkv = 1: the V
-slot holds a copy of the K slot (its first kv_lora_rank dims are the value), so a token
-costs 2 x (kv_lora_rank + qk_rope_head_dim) values per layer, twice the latent's size.
-A layout without the copy needs every impl to read V out of K (not done yet).
+The pages hold K only, [num_pages, page_size, Hkv = 1, D] (pallas_kernels/kv_cache.py
+"shared" pages): the value is the first kv_lora_rank dims of the same entry, so a token
+costs kv_lora_rank + qk_rope_head_dim values per layer, the latent's size.
 """
 
 from __future__ import annotations
@@ -90,17 +89,17 @@ class LatentAttention(nnx.Module):
         w_ukv = self.w_ukv[...]
         q_lat = jnp.einsum("thn,chn->thc", q[..., :nope], w_ukv[..., :nope])  # absorbed: [T, H, lat]
         q = jnp.concatenate([q_lat, q_pe.astype(q_lat.dtype)], axis=-1)
-        r = kv_heads_for(pages.shape[2], 1)  # a cache laid out for 'tensor' repeats the one head
+        r = kv_heads_for(2 * pages.shape[2], 1)  # a cache laid out for 'tensor' repeats the one head
         if r > 1:
             k = jnp.repeat(k, r, axis=1)
         q = constrain(q, ("tokens", "act_heads", None))
         k = constrain(k, ("tokens", "act_kv_heads", None))
         q_meta = sampled_rows_metadata(meta) if sampled_only else meta
 
-        def attend(q, k, v, pages, meta, sinks):  # per-device view under a mesh
-            pages = write_kv(pages, k, v, meta.slot_mapping)
+        def attend(q, k, v, pages, meta, sinks):  # per-device view under a mesh; v is k
+            pages = write_kv(pages, k, None, meta.slot_mapping)  # K-only pages: the value is the latent
             out = ragged_paged_attention(q, pages, meta.kv_lens, meta.page_indices, meta.cu_q_lens, meta.num_seqs,
-                                         sm_scale=self.sm_scale, impl=impl)
+                                         sm_scale=self.sm_scale, impl=impl, kv_shared=True)
             return out, pages
 
         out, pages = sharded_attention(attend, q, k, k, pages, q_meta, None)  # [T, H, lat + rope]

@@ -5,6 +5,11 @@ head h sit side by side at combined-head index 2h and 2h+1. Interleaving keeps a
 K and V in one block (one DMA per page on TPU, one shard per tensor-parallel rank) and
 keeps the last two dims (heads, D) dense, which is what TPU tiling wants.
 
+Shared pages (`kv_shared`, multi-head latent attention: models/mla.py): a head's value is
+its key (the first dims of it), so the pages hold K only, `[num_pages, page_size, Hkv, D]`,
+half the bytes; `write_kv(..., v=None)` writes them and the attention impls read V from
+the K slot.
+
 A token's slot is `page * page_size + offset`; a negative slot writes nothing, which is
 how padding tokens are dropped without a branch.
 
@@ -28,14 +33,15 @@ from jaxfill.pallas_kernels.kv_quant import QuantizedPages, is_quantized, quanti
 
 
 def init_kv_pages(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                  dtype=jnp.float32, fill_value: float = 0.0) -> jax.Array:
-    """Allocates one layer's pages: [num_pages, page_size, 2 * num_kv_heads, head_dim]."""
+                  dtype=jnp.float32, fill_value: float = 0.0, shared: bool = False) -> jax.Array:
+    """Allocates one layer's pages: [num_pages, page_size, 2 * num_kv_heads, head_dim]
+    ([.., num_kv_heads, ..] shared: K only)."""
     if min(num_pages, page_size, num_kv_heads, head_dim) <= 0:
         raise ValueError(
             f"init_kv_pages needs positive sizes, got num_pages={num_pages}, "
             f"page_size={page_size}, num_kv_heads={num_kv_heads}, head_dim={head_dim}"
         )
-    return jnp.full((num_pages, page_size, 2 * num_kv_heads, head_dim), fill_value, dtype)
+    return jnp.full((num_pages, page_size, kv_slots(num_kv_heads, shared), head_dim), fill_value, dtype)
 
 
 def merge_kv(k: jax.Array,  # [T, Hkv, D]
@@ -46,28 +52,33 @@ def merge_kv(k: jax.Array,  # [T, Hkv, D]
     return jnp.stack([k, v], axis=2).reshape(t, 2 * h, d)
 
 
-def split_kv(kv: jax.Array,  # [..., 2 * Hkv, D]
-             ) -> tuple[jax.Array, jax.Array]:  # K, V: [..., Hkv, D]
-    return kv[..., 0::2, :], kv[..., 1::2, :]
+def split_kv(kv: jax.Array,  # [..., 2 * Hkv, D], or [..., Hkv, D] shared
+             shared: bool = False) -> tuple[jax.Array, jax.Array]:  # K, V: [..., Hkv, D]
+    return (kv, kv) if shared else (kv[..., 0::2, :], kv[..., 1::2, :])
 
 
-def write_kv(pages,  # [num_pages, page_size, 2 * Hkv, D] array, or QuantizedPages
+def kv_slots(num_kv_heads: int, shared: bool = False) -> int:
+    """Entries per token of a layer's pages: K and V per head, or K only (shared)."""
+    return num_kv_heads if shared else 2 * num_kv_heads
+
+
+def _entries(k, v):  # [T, 2 * Hkv, D] interleaved, or K alone for shared pages (v None)
+    return k if v is None else merge_kv(k, v)
+
+
+def write_kv(pages,  # [num_pages, page_size, 2 * Hkv, D] array, or QuantizedPages; [.., Hkv, D] shared
              k: jax.Array,  # [T, Hkv, D]
-             v: jax.Array,  # [T, Hkv, D]
+             v: jax.Array | None,  # [T, Hkv, D]; None: shared pages, K only
              slot_mapping: jax.Array,  # [T] int32, page * page_size + offset; < 0 skips
              ):  # pages, same shape and type; donate the input to update in place
     if isinstance(pages, QuantizedPages):
         return QuantizedPages(*write_kv_quantized(pages.values, pages.scales, k, v, slot_mapping))
     num_pages, page_size, combined, head_dim = pages.shape
-    if k.shape != v.shape or k.ndim != 3 or 2 * k.shape[1] != combined or k.shape[2] != head_dim:
-        raise ValueError(
-            f"write_kv: k {k.shape} and v {v.shape} must be [T, {combined // 2}, {head_dim}] "
-            f"for pages {pages.shape}"
-        )
+    _check_entries("write_kv", pages.shape, k, v)
     if slot_mapping.shape != (k.shape[0],):
         raise ValueError(f"write_kv: slot_mapping {slot_mapping.shape} must be [{k.shape[0]}]")
     total = num_pages * page_size
-    kv = merge_kv(k, v).astype(pages.dtype)
+    kv = _entries(k, v).astype(pages.dtype)
     flat = pages.reshape(total, combined, head_dim)
     flat = flat.at[scatter_indices(slot_mapping, total)].set(kv, mode="drop", unique_indices=True)
     return flat.reshape(pages.shape)
@@ -82,10 +93,19 @@ def scatter_indices(slot_mapping: jax.Array,  # [T] int32; < 0 for padding
     return jnp.where(slot_mapping < 0, past_end, slot_mapping)
 
 
-def write_kv_quantized(pages: jax.Array,  # [num_pages, page_size, 2 * Hkv, D] int8 / fp8
-                       scales: jax.Array,  # [num_pages, page_size, 2 * Hkv] f32
+def _check_entries(name: str, shape: tuple, k, v) -> None:
+    combined, head_dim = shape[2], shape[3]
+    want = kv_slots(k.shape[1] if k.ndim == 3 else 0, v is None)
+    if k.ndim != 3 or (v is not None and v.shape != k.shape) or want != combined or k.shape[2] != head_dim:
+        heads = combined if v is None else combined // 2
+        raise ValueError(f"{name}: k {k.shape} and v {None if v is None else v.shape} must be "
+                         f"[T, {heads}, {head_dim}] for pages {shape}")
+
+
+def write_kv_quantized(pages: jax.Array,  # [num_pages, page_size, 2 * Hkv, D] int8 / fp8 ([.., Hkv, D] shared)
+                       scales: jax.Array,  # [num_pages, page_size, 2 * Hkv] f32 ([.., Hkv] shared)
                        k: jax.Array,  # [T, Hkv, D]
-                       v: jax.Array,  # [T, Hkv, D]
+                       v: jax.Array | None,  # [T, Hkv, D]; None: shared pages
                        slot_mapping: jax.Array,  # [T] int32; < 0 skips
                        ) -> tuple[jax.Array, jax.Array]:  # pages, scales; donate both
     """`write_kv` for quantized pages: quantizes each token-head and scatters values and
@@ -95,13 +115,11 @@ def write_kv_quantized(pages: jax.Array,  # [num_pages, page_size, 2 * Hkv, D] i
         raise ValueError(f"write_kv_quantized: pages must be int8 or float8_e4m3fn, got {pages.dtype}")
     if scales.shape != pages.shape[:3]:
         raise ValueError(f"write_kv_quantized: scales {scales.shape} must be {pages.shape[:3]}")
-    if k.shape != v.shape or k.ndim != 3 or 2 * k.shape[1] != combined or k.shape[2] != head_dim:
-        raise ValueError(f"write_kv_quantized: k {k.shape} and v {v.shape} must be "
-                         f"[T, {combined // 2}, {head_dim}] for pages {pages.shape}")
+    _check_entries("write_kv_quantized", pages.shape, k, v)
     if slot_mapping.shape != (k.shape[0],):
         raise ValueError(f"write_kv_quantized: slot_mapping {slot_mapping.shape} must be [{k.shape[0]}]")
     total = num_pages * page_size
-    stored, scale = quantize(merge_kv(k, v), pages.dtype)  # [T, 2Hkv, D], [T, 2Hkv]
+    stored, scale = quantize(_entries(k, v), pages.dtype)  # [T, slots, D], [T, slots]
     idx = scatter_indices(slot_mapping, total)
     flat = pages.reshape(total, combined, head_dim)
     flat = flat.at[idx].set(stored, mode="drop", unique_indices=True)

@@ -33,12 +33,12 @@ def is_quantized(dtype) -> bool:
 
 
 def init_kv_scales(num_pages: int, page_size: int, num_kv_heads: int,
-                   fill_value: float = 1.0) -> jax.Array:  # [num_pages, page_size, 2 * Hkv]
+                   fill_value: float = 1.0, shared: bool = False) -> jax.Array:  # [num_pages, page_size, 2 * Hkv]
     """One layer's scales, laid out like its pages minus head_dim."""
     if min(num_pages, page_size, num_kv_heads) <= 0:
         raise ValueError(f"init_kv_scales needs positive sizes, got num_pages={num_pages}, "
                          f"page_size={page_size}, num_kv_heads={num_kv_heads}")
-    return jnp.full((num_pages, page_size, 2 * num_kv_heads), fill_value, SCALE_DTYPE)
+    return jnp.full((num_pages, page_size, num_kv_heads if shared else 2 * num_kv_heads), fill_value, SCALE_DTYPE)
 
 
 def quantize(x: jax.Array,  # [..., D] float
@@ -84,12 +84,12 @@ class QuantizedPages:
 
 
 def init_quantized_pages(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                         dtype, fill_value: float = 0.0) -> QuantizedPages:
+                         dtype, fill_value: float = 0.0, shared: bool = False) -> QuantizedPages:
     """One quantized layer. A NaN fill leaves the values 0 (int8 has no NaN) and makes
     the scales NaN, so any read of an unwritten slot still turns into NaN."""
     if not is_quantized(dtype):
         raise ValueError(f"quantized KV pages must be int8 or float8_e4m3fn, got {dtype}")
     scales = init_kv_scales(num_pages, page_size, num_kv_heads,
-                            fill_value if fill_value != fill_value else 1.0)
-    values = jnp.zeros((num_pages, page_size, 2 * num_kv_heads, head_dim), dtype)
+                            fill_value if fill_value != fill_value else 1.0, shared)
+    values = jnp.zeros(scales.shape + (head_dim,), dtype)
     return QuantizedPages(values, scales)

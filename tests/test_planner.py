@@ -104,13 +104,14 @@ def test_latent_attention_flops_match_xla_cost_analysis(monkeypatch):
     assert full <= ref - stub <= full + 8 * scores, (ref - stub, full, scores)
 
 
-def test_deepseek_v3_kv_bytes_are_twice_the_latent():
-    """61 layers x (512 + 64) x 2 bytes = 70,272 per token is the latent; the cache keeps a
-    copy in the V slot (models/mla.py), so it allocates twice that, and says so."""
+def test_deepseek_v3_kv_bytes_are_the_latent():
+    """61 layers x (512 + 64) x 2 bytes = 70,272 per token: the pages hold the latent once
+    (K-only pages, models/mla.py); int8 adds one f32 scale per token and layer."""
     cfg = load_config("deepseek_v3").model
-    assert kv_bytes_per_token(cfg) == 2 * 70272
+    assert kv_bytes_per_token(cfg) == 70272
+    assert kv_bytes_per_token(cfg, kv_cache_dtype="int8") == 61 * (576 + 4)
     assert KVCache.create(dataclasses.replace(cfg, num_layers=1, dense_layers=(0,)), num_pages=2, page_size=16,
-                          dtype=None).nbytes() == 2 * 16 * 2 * 576 * 2
+                          dtype=None).nbytes() == 2 * 16 * 576 * 2
 
 
 @pytest.mark.parametrize("layout", ["unrolled", "scan", "stages"])

@@ -30,7 +30,8 @@ def resolve_impl(impl: str) -> str:
     return impl
 
 
-def validate(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales=None, sinks=None):
+def validate(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales=None, sinks=None,
+             kv_shared: bool = False):
     """Static shape checks at trace time, so mistakes fail here, not deep inside XLA."""
     if sinks is not None and sinks.shape != (q.shape[1],):
         raise ValueError(f"sinks must be [Hq] = [{q.shape[1]}] (one logit per query head), "
@@ -44,9 +45,9 @@ def validate(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales=
                          f"got {kv_scales.shape}")
     if q.ndim != 3:
         raise ValueError(f"q must be [T, Hq, D], got shape {q.shape}")
-    if kv_pages.ndim != 4 or kv_pages.shape[2] % 2:
+    if kv_pages.ndim != 4 or (kv_pages.shape[2] % 2 and not kv_shared):
         raise ValueError(f"kv_pages must be [num_pages, page_size, 2*Hkv, D], got {kv_pages.shape}")
-    num_kv_heads = kv_pages.shape[2] // 2
+    num_kv_heads = kv_pages.shape[2] if kv_shared else kv_pages.shape[2] // 2
     if q.shape[2] != kv_pages.shape[3]:
         raise ValueError(f"head_dim mismatch: q {q.shape[2]} vs kv_pages {kv_pages.shape[3]}")
     if q.shape[1] % num_kv_heads:
@@ -74,6 +75,7 @@ def ragged_paged_attention(
     impl: str = "auto",
     kv_scales: jax.Array | None = None,  # [num_pages, page_size, 2 * Hkv] f32 for int8/fp8 pages
     sinks: jax.Array | None = None,  # [Hq] f32, natural-log units
+    kv_shared: bool = False,  # pages [.., Hkv, D] hold K only; V is K (multi-head latent attention)
 ) -> jax.Array:  # [T, Hq, D]
     """`kv_pages` may be a QuantizedPages (or int8/fp8 values with `kv_scales`): every
     impl dequantizes block by block inside the kernel (kv_quant.py).
@@ -86,9 +88,10 @@ def ragged_paged_attention(
         if kv_scales is not None:
             raise ValueError("QuantizedPages carry their own scales: do not pass kv_scales too")
         kv_pages, kv_scales = kv_pages.values, kv_pages.scales
-    validate(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales, sinks)
+    validate(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales, sinks, kv_shared)
     module, fn = IMPLS[resolve_impl(impl)]
     kernel = getattr(importlib.import_module(module), fn)
+    extra = {"kv_shared": True} if kv_shared else {}  # impls without it refuse shared pages (TypeError)
     return kernel(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
                   sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                  kv_scales=kv_scales, sinks=sinks)
+                  kv_scales=kv_scales, sinks=sinks, **extra)

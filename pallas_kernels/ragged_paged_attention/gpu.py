@@ -14,7 +14,8 @@ diagonal or before the window), each KV block gathered from `block_kv / page_siz
 through the page table, online softmax in f32 (exp2 with log2(e) folded into q), and a
 masked store of only the rows that belong to the item's sequence (a query block that
 straddles two sequences is written by two programs, disjoint rows). K and V are two
-BlockSpec views of the same page array (combined head 2h and 2h+1), so nothing is copied.
+BlockSpec views of the same page array (combined head 2h and 2h+1; both entry h for shared
+pages, where V is K: latent attention), so nothing is copied.
 K/V past kv_len are zeroed with `where`: unused pages may hold NaN. Quantized pages
 (int8 / fp8) come with two more views, of the scales at combined head 2h and 2h + 1
 (`[num_pages, page_size]` each); each gathered KV block is dequantized in registers.
@@ -115,7 +116,7 @@ def _kernel(kv_lens_ref, pidx_ref, cu_ref, item_block_ref, item_seq_ref, num_ite
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap",
                                              "block_q", "block_kv", "interpret",
-                                             "num_warps", "num_stages"))
+                                             "num_warps", "num_stages", "kv_shared"))
 def ragged_paged_attention_gpu(
     q: jax.Array,  # [T, Hq, D]
     kv_pages: jax.Array,  # [num_pages, page_size, 2 * Hkv, D]
@@ -134,10 +135,12 @@ def ragged_paged_attention_gpu(
     num_stages: int | None = None,
     kv_scales: jax.Array | None = None,  # [num_pages, page_size, 2 * Hkv] f32 (int8/fp8 pages)
     sinks: jax.Array | None = None,  # [Hq] f32 attention sinks, natural-log units
+    kv_shared: bool = False,  # pages [.., Hkv, D] hold K only; V is K (latent attention)
 ) -> jax.Array:  # [T, Hq, D]
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, combined, _ = kv_pages.shape
-    num_kv_heads = combined // 2
+    per = 1 if kv_shared else 2  # page entries per KV head: V views the K entry when shared
+    num_kv_heads = combined // per
     group = num_q_heads // num_kv_heads
     gp = _next_pow2(group)
     num_slots, max_pages = page_indices.shape
@@ -174,14 +177,15 @@ def ragged_paged_attention_gpu(
     meta = [kv_lens, pidx, cu, item_block, item_seq, num_items.reshape(1)]
     in_specs = [whole(*a.shape) for a in meta] + [
         pl.BlockSpec((None, gp, t_pad, head_dim), lambda h, i: (h, 0, 0, 0)),
-        pl.BlockSpec((num_pages, page_size, None, head_dim), lambda h, i: (0, 0, 2 * h, 0)),
+        pl.BlockSpec((num_pages, page_size, None, head_dim), lambda h, i: (0, 0, per * h, 0)),
         pl.BlockSpec((num_pages, page_size, None, head_dim),
-                     lambda h, i: (0, 0, 2 * h + 1, 0)),
+                     lambda h, i: (0, 0, per * h + per - 1, 0)),
     ]
     operands = [*meta, qs, kv_pages, kv_pages]
     if kv_scales is not None:
-        in_specs += [pl.BlockSpec((num_pages, page_size, None), lambda h, i: (0, 0, 2 * h)),
-                     pl.BlockSpec((num_pages, page_size, None), lambda h, i: (0, 0, 2 * h + 1))]
+        in_specs += [pl.BlockSpec((num_pages, page_size, None), lambda h, i: (0, 0, per * h)),
+                     pl.BlockSpec((num_pages, page_size, None),
+                                  lambda h, i: (0, 0, per * h + per - 1))]
         operands += [kv_scales, kv_scales]
     if sinks is not None:
         # Per stacked row (g-major, like q's rows), in the scores' log2 units; padded heads

@@ -48,10 +48,11 @@ def ragged_paged_attention_reference(
     soft_cap: float | None = None,
     kv_scales: jax.Array | None = None,  # [num_pages, page_size, 2 * Hkv] f32 (int8/fp8 pages)
     sinks: jax.Array | None = None,  # [Hq] f32, natural-log units
+    kv_shared: bool = False,  # pages [.., Hkv, D]: K only, V is K
 ) -> jax.Array:  # [T, Hq, D]
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, combined, _ = kv_pages.shape
-    num_kv_heads = combined // 2
+    num_kv_heads = combined if kv_shared else combined // 2
     group = num_q_heads // num_kv_heads
     max_kv = page_indices.shape[1] * page_size
     seq_of, pos, valid = token_layout(cu_q_lens, kv_lens, num_seqs, num_tokens)
@@ -61,7 +62,7 @@ def ragged_paged_attention_reference(
     def one_sequence(s, out):
         kv = kv_pages[page_indices[s]].reshape(max_kv, combined, head_dim)
         scale = None if kv_scales is None else kv_scales[page_indices[s]].reshape(max_kv, combined)
-        k, v = split_kv(dequantize(kv, scale, jnp.float32))  # [K, Hkv, D]
+        k, v = split_kv(dequantize(kv, scale, jnp.float32), kv_shared)  # [K, Hkv, D]
         in_len = key_pos < kv_lens[s]
         # Unused page slots may hold anything (NaN in tests): zero them before any math.
         k = jnp.where(in_len[:, None, None], k, 0.0)

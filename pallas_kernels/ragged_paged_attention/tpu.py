@@ -70,7 +70,7 @@ def _kernel(kv_lens_ref, pidx_ref, cu_ref, num_seqs_ref, item_block_ref, item_se
                     # page_size, D] VMEM, [s_buf [2, ppb, page_size, 2*Hkv] f32], sems DMA
                     # [2 or 3 (k/v/scales), 2 (slot)]
             block_q, block_kv, pages_per_block, pages_per_seq, sliding_window, soft_cap,
-            quantized, sinks):
+            quantized, sinks, kv_shared):
     del num_seqs_ref  # folded into cu (sanitized) and the item table
     refs = list(refs)
     scales_hbm = refs.pop(0) if quantized else None
@@ -91,14 +91,18 @@ def _kernel(kv_lens_ref, pidx_ref, cu_ref, num_seqs_ref, item_block_ref, item_se
     def _zero():
         o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
+    per = 1 if kv_shared else 2  # page entries per KV head
+    k_col, v_col = per * h, per * h + per - 1
+
     def copies(j, slot):
         out = []
         for p in range(pages_per_block):
             page = pidx_ref[s * pages_per_seq + j * pages_per_block + p]
-            out.append(pltpu.make_async_copy(kv_hbm.at[page, :, 2 * h, :],
+            out.append(pltpu.make_async_copy(kv_hbm.at[page, :, k_col, :],
                                              k_buf.at[slot, p], sems.at[0, slot]))
-            out.append(pltpu.make_async_copy(kv_hbm.at[page, :, 2 * h + 1, :],
-                                             v_buf.at[slot, p], sems.at[1, slot]))
+            if not kv_shared:  # shared pages: V is the K block already copied
+                out.append(pltpu.make_async_copy(kv_hbm.at[page, :, v_col, :],
+                                                 v_buf.at[slot, p], sems.at[1, slot]))
             if quantized:
                 out.append(pltpu.make_async_copy(scales_hbm.at[page], s_buf.at[slot, p],
                                                  sems.at[2, slot]))
@@ -130,12 +134,12 @@ def _kernel(kv_lens_ref, pidx_ref, cu_ref, num_seqs_ref, item_block_ref, item_se
             for c in copies(j, slot):
                 c.wait()
             k = k_buf[slot].reshape(block_kv, head_dim)
-            v = v_buf[slot].reshape(block_kv, head_dim)
+            v = (k_buf if kv_shared else v_buf)[slot].reshape(block_kv, head_dim)
             if quantized:
                 sc_all = s_buf[slot].reshape(block_kv, s_buf.shape[-1])  # [bk, 2*Hkv]
                 col = lax.broadcasted_iota(jnp.int32, sc_all.shape, 1)
-                k_scale = jnp.sum(jnp.where(col == 2 * h, sc_all, 0.0), axis=1, keepdims=True)
-                v_scale = jnp.sum(jnp.where(col == 2 * h + 1, sc_all, 0.0), axis=1, keepdims=True)
+                k_scale = jnp.sum(jnp.where(col == k_col, sc_all, 0.0), axis=1, keepdims=True)
+                v_scale = jnp.sum(jnp.where(col == v_col, sc_all, 0.0), axis=1, keepdims=True)
                 k = (k.astype(jnp.float32) * k_scale).astype(q.dtype)
                 v = (v.astype(jnp.float32) * v_scale).astype(q.dtype)
             key_col = j * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0)
@@ -172,7 +176,7 @@ def _kernel(kv_lens_ref, pidx_ref, cu_ref, num_seqs_ref, item_block_ref, item_se
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap",
-                                             "block_q", "block_kv", "interpret"))
+                                             "block_q", "block_kv", "interpret", "kv_shared"))
 def ragged_paged_attention_tpu(
     q: jax.Array,  # [T, Hq, D]
     kv_pages: jax.Array,  # [num_pages, page_size, 2 * Hkv, D]
@@ -189,10 +193,11 @@ def ragged_paged_attention_tpu(
     interpret=None,  # None: auto (interpreter off TPU); False; or InterpretParams
     kv_scales: jax.Array | None = None,  # [num_pages, page_size, 2 * Hkv] f32 (int8/fp8 pages)
     sinks: jax.Array | None = None,  # [Hq] f32 attention sinks, natural-log units
+    kv_shared: bool = False,  # pages [.., Hkv, D] hold K only; V is K (latent attention)
 ) -> jax.Array:  # [T, Hq, D]
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, combined, _ = kv_pages.shape
-    num_kv_heads = combined // 2
+    num_kv_heads = combined if kv_shared else combined // 2
     group = num_q_heads // num_kv_heads
     num_slots, max_pages = page_indices.shape
     sizes = tpu_block_sizes(num_tokens, num_slots, head_dim, q.dtype.itemsize, page_size,
@@ -225,7 +230,7 @@ def ragged_paged_attention_tpu(
     kernel = functools.partial(
         _kernel, block_q=bq, block_kv=bk, pages_per_block=ppb, pages_per_seq=pages_per_seq,
         sliding_window=sliding_window, soft_cap=soft_cap, quantized=kv_scales is not None,
-        sinks=sinks is not None)
+        sinks=sinks is not None, kv_shared=kv_shared)
     kv_buf = pltpu.VMEM((2, ppb, page_size, head_dim), kv_pages.dtype)
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     if kv_scales is None:

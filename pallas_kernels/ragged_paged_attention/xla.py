@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxfill.pallas_kernels.kv_cache import kv_slots, split_kv
 from jaxfill.pallas_kernels.kv_quant import dequantize
 from jaxfill.pallas_kernels.ragged_paged_attention.block_sizes import (
     kv_block, xla_block_sizes, xla_diagonal_splits, xla_parallel_loops)
@@ -166,7 +167,8 @@ def _attend(q,  # [T_pad, Hkv', G', D] unscaled q, T_pad a multiple of bq; R = G
             pidx,  # [S, P'] int32 page table padded to whole KV blocks, plus one block
             cu, kv_lens, item_block, item_seq, num_items,
             seq_skip,  # [S] bool: sequences another path serves (their items do nothing)
-            *, q_scale, bq, bk, ppb, sliding_window, soft_cap, exp2_fn, sum_pad, diag_splits):
+            *, q_scale, bq, bk, ppb, sliding_window, soft_cap, exp2_fn, sum_pad, diag_splits,
+            kv_shared=False):
     """One independent loop over all items for a subset of heads: out [T_pad, Hkv', G', D] f32.
 
     Each item scales and stacks its own query block and writes its rows straight into
@@ -180,7 +182,7 @@ def _attend(q,  # [T_pad, Hkv', G', D] unscaled q, T_pad a multiple of bq; R = G
     """
     t_pad, num_kv_heads, group, head_dim = q.shape
     rows = group * bq
-    combined = 2 * num_kv_heads
+    combined = kv_slots(num_kv_heads, kv_shared)
     page_size = kv_pages.shape[1]
     cdt = q.dtype
     row_in_block = jnp.tile(jnp.arange(bq, dtype=jnp.int32), group)  # [R], g-major
@@ -194,8 +196,7 @@ def _attend(q,  # [T_pad, Hkv', G', D] unscaled q, T_pad a multiple of bq; R = G
         kv = kv_pages[ids].reshape(npages * page_size, combined, head_dim)
         if kv_scales is not None:
             kv = dequantize(kv, kv_scales[ids].reshape(npages * page_size, combined), cdt)
-        k = kv[:, 0::2, :].transpose(1, 0, 2)  # [Hkv', keys, D]
-        v = kv[:, 1::2, :].transpose(1, 0, 2)
+        k, v = (x.transpose(1, 0, 2) for x in split_kv(kv, kv_shared))  # [Hkv', keys, D]
         if sum_pad:  # ones columns: P @ [V | 1] also yields the row sums of P
             v = jnp.concatenate([v, jnp.ones(v.shape[:2] + (sum_pad,), v.dtype)], axis=-1)
         return k, v
@@ -294,12 +295,13 @@ def _attend_short(qs,  # [T, Hq, D] scaled q (log2 units unless soft_cap)
                   sinks,  # [Hkv, G] f32 attention sinks in log2 units, or None
                   pidx, cu, kv_lens, num_seqs,
                   seq_mask,  # [S] bool: the sequences this path serves (each <= q_max new tokens)
-                  *, q_max, bk, ppb, sliding_window, soft_cap, exp2_fn):
+                  *, q_max, bk, ppb, sliding_window, soft_cap, exp2_fn, kv_shared=False):
     """Sequence-batched path for sequences with <= q_max new tokens (decode, speculative
     decode): one loop over KV blocks, all of them at once, instead of one item per
     sequence. Returns out [T, Hq, D] f32, zeros on rows of other sequences and padding."""
     num_tokens, num_q_heads, head_dim = qs.shape
-    num_kv_heads = kv_pages.shape[2] // 2
+    combined = kv_pages.shape[2]
+    num_kv_heads = combined if kv_shared else combined // 2
     group = num_q_heads // num_kv_heads
     num_slots = kv_lens.shape[0]
     cdt = qs.dtype
@@ -328,14 +330,13 @@ def _attend_short(qs,  # [T, Hq, D] scaled q (log2 units unless soft_cap)
     def step(j, carry):
         m, l, acc = carry
         ids = lax.dynamic_slice_in_dim(pidx, j * ppb, ppb, axis=1)  # [S, ppb]
-        kv = kv_pages[ids].reshape(num_slots, bk, 2 * num_kv_heads, head_dim)
+        kv = kv_pages[ids].reshape(num_slots, bk, combined, head_dim)
         if kv_scales is not None:
-            kv = dequantize(kv, kv_scales[ids].reshape(num_slots, bk, 2 * num_kv_heads), cdt)
+            kv = dequantize(kv, kv_scales[ids].reshape(num_slots, bk, combined), cdt)
         key_pos = j * bk + key_iota
         in_len = key_pos[None, :] < kv_len[:, None]  # [S, bk]
         kv = jnp.where(in_len[:, :, None, None], kv, jnp.zeros((), kv.dtype))
-        k = kv[:, :, 0::2].transpose(0, 2, 1, 3)  # [S, Hkv, bk, D]
-        v = kv[:, :, 1::2].transpose(0, 2, 1, 3)
+        k, v = (x.transpose(0, 2, 1, 3) for x in split_kv(kv, kv_shared))  # [S, Hkv, bk, D]
         sc = jnp.einsum("shrd,shkd->shrk", qb, k, preferred_element_type=jnp.float32)
         if soft_cap is not None:
             sc = (soft_cap * LOG2E) * jnp.tanh(sc / soft_cap)
@@ -364,7 +365,7 @@ def _attend_short(qs,  # [T, Hq, D] scaled q (log2 units unless soft_cap)
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap",
                                              "block_q", "block_kv", "fast_exp", "sum_pad",
-                                             "par", "short_q", "diag_splits"))
+                                             "par", "short_q", "diag_splits", "kv_shared"))
 def ragged_paged_attention_xla(
     q: jax.Array,  # [T, Hq, D]
     kv_pages: jax.Array,  # [num_pages, page_size, 2 * Hkv, D]
@@ -385,10 +386,11 @@ def ragged_paged_attention_xla(
     diag_splits: int | None = None,  # row chunks of the causal diagonal; None: block_sizes' rule
     kv_scales: jax.Array | None = None,  # [num_pages, page_size, 2 * Hkv] f32 (int8/fp8 pages)
     sinks: jax.Array | None = None,  # [Hq] f32 attention sinks, natural-log units
+    kv_shared: bool = False,  # pages [.., Hkv, D]: K only, V is K
 ) -> jax.Array:  # [T, Hq, D]
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, combined, _ = kv_pages.shape
-    num_kv_heads = combined // 2
+    num_kv_heads = combined if kv_shared else combined // 2
     group = num_q_heads // num_kv_heads
     num_slots, max_pages = page_indices.shape
     sizes = xla_block_sizes(num_tokens, num_slots, group, head_dim, q.dtype.itemsize, page_size)
@@ -429,7 +431,7 @@ def ragged_paged_attention_xla(
         return _by_items(q, kv_pages, kv_scales, sinks2, pidx, cu, kv_lens, item_block, item_seq,
                          num_items, seq_skip, q_scale=q_scale, bq=bq, bk=bk, ppb=ppb, par=par,
                          sliding_window=sliding_window, soft_cap=soft_cap, exp2_fn=exp2_fn,
-                         sum_pad=sum_pad, diag_splits=diag_splits)
+                         sum_pad=sum_pad, diag_splits=diag_splits, kv_shared=kv_shared)
 
     q_max = min(short_q, num_tokens)
     if q_max <= 0 or num_tokens <= q_max:
@@ -445,7 +447,7 @@ def ragged_paged_attention_xla(
         return _attend_short(q_scaled, kv_pages, kv_scales, sinks2, pidx_short, cu, kv_lens, num_seqs, seq_mask,
                              q_max=q_max, bk=bk_short, ppb=ppb_short,
                              sliding_window=sliding_window, soft_cap=soft_cap,
-                             exp2_fn=exp2_fn)
+                             exp2_fn=exp2_fn, kv_shared=kv_shared)
 
     def mixed(q):
         """Prefill chunks by items, decodes batched: a decode row alone in its item would
@@ -464,10 +466,12 @@ def ragged_paged_attention_xla(
 def _by_items(q, kv_pages, kv_scales,
               sinks,  # [Hkv, G] f32 attention sinks in log2 units, or None
               pidx, cu, kv_lens, item_block, item_seq, num_items, seq_skip, *,
-              q_scale, bq, bk, ppb, par, sliding_window, soft_cap, exp2_fn, sum_pad, diag_splits):
+              q_scale, bq, bk, ppb, par, sliding_window, soft_cap, exp2_fn, sum_pad, diag_splits,
+              kv_shared=False):
     """The item path: q [T, Hq, D] unscaled; returns out [T, Hq, D] f32."""
     num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads = kv_pages.shape[2] // 2
+    per = 1 if kv_shared else 2  # page entries per KV head
+    num_kv_heads = kv_pages.shape[2] // per
     group = num_q_heads // num_kv_heads
     t_pad = -(-num_tokens // bq) * bq
     if t_pad != num_tokens:
@@ -485,13 +489,13 @@ def _by_items(q, kv_pages, kv_scales,
     for h0, nh, g0, ng in splits:
         outs.append(_attend(
             q if len(splits) == 1 else q[:, h0:h0 + nh, g0:g0 + ng],
-            kv_pages[:, :, 2 * h0:2 * (h0 + nh)] if nh < num_kv_heads else kv_pages,
-            kv_scales[:, :, 2 * h0:2 * (h0 + nh)]
+            kv_pages[:, :, per * h0:per * (h0 + nh)] if nh < num_kv_heads else kv_pages,
+            kv_scales[:, :, per * h0:per * (h0 + nh)]
             if kv_scales is not None and nh < num_kv_heads else kv_scales,
             sinks if sinks is None or len(splits) == 1 else sinks[h0:h0 + nh, g0:g0 + ng],
             pidx, cu, kv_lens, item_block, item_seq, num_items, seq_skip, q_scale=q_scale,
             bq=bq, bk=bk, ppb=ppb, sliding_window=sliding_window, soft_cap=soft_cap,
-            exp2_fn=exp2_fn, sum_pad=sum_pad, diag_splits=diag_splits))
+            exp2_fn=exp2_fn, sum_pad=sum_pad, diag_splits=diag_splits, kv_shared=kv_shared))
     out = outs[0] if len(outs) == 1 else jnp.concatenate(
         outs, axis=1 if splits[0][3] == group else 2)
     return out.reshape(t_pad, num_q_heads, head_dim)[:num_tokens]
