@@ -27,6 +27,7 @@ CHOICES = {
     "norm_layout": ("pre", "sandwich", "post"),
     # head: RMSNorm over each head's D (Qwen3, Gemma 3); projection: over all Hq*D (OLMo 2)
     "qk_norm": ("none", "head", "projection"),
+    "mla_form": ("auto", "absorbed", "expanded"),
     # softmax: softmax over experts, top k (Mixtral, Qwen3-MoE); sigmoid: sigmoid scores,
     # top k of score + bias within the best groups (DeepSeek-V3, GLM-4.5); topk_softmax:
     # top k of the logits, softmax over those k (gpt-oss); models/moe.py
@@ -81,6 +82,9 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False  # the rope dims come in (even, odd) pairs (DeepSeek V3's layout)
+    # absorbed: attend over the latent; expanded: K/V per head from it (models/mla_expanded.py);
+    # auto: per step, whichever costs fewer multiply-adds for the batch's lengths
+    mla_form: str = "auto"
     # Mixture of experts (models/moe.py); num_experts = 0: every layer's MLP is dense
     num_experts: int = 0
     experts_per_token: int = 0

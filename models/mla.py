@@ -26,9 +26,11 @@ from jaxfill.models.config import ModelConfig
 from jaxfill.models.kv_cache import AttentionMetadata, sampled_rows_metadata
 from jaxfill.models.layer_settings import layer_settings
 from jaxfill.models.layers import RMSNorm, param
+from jaxfill.models.mla_expanded import EXPAND_KEYS_PER_TOKEN, expanded_attention, prefers_expanded
 from jaxfill.models.rope import apply_rope
 from jaxfill.models.sharding import constrain, kv_heads_for, sharded_attention
 from jaxfill.pallas_kernels import ragged_paged_attention, write_kv
+from jaxfill.pallas_kernels.kv_quant import QuantizedPages
 
 
 # The eps of q_a_layernorm and kv_a_layernorm: DeepSeek's code (and transformers') builds
@@ -66,7 +68,7 @@ class LatentAttention(nnx.Module):
     def __call__(self,
                  x: jax.Array,  # [T, E]
                  positions: jax.Array,  # [T] int32
-                 pages: jax.Array,  # [num_pages, page_size, 2, kv_lora_rank + qk_rope_head_dim]
+                 pages: jax.Array,  # [num_pages, page_size, r, kv_lora_rank + qk_rope_head_dim] (r: tensor repeats)
                  meta: AttentionMetadata,
                  impl: str,
                  layer,
@@ -85,24 +87,51 @@ class LatentAttention(nnx.Module):
             q = jnp.einsum("tr,rhd->thd", self.q_a_norm(x @ self.q_a[...]), self.q_b[...])
         else:
             q = jnp.einsum("te,ehd->thd", x, self.q[...])
-        q_pe = self._rope(q[..., nope:], q_pos, layer)
-        w_ukv = self.w_ukv[...]
-        q_lat = jnp.einsum("thn,chn->thc", q[..., :nope], w_ukv[..., :nope])  # absorbed: [T, H, lat]
-        q = jnp.concatenate([q_lat, q_pe.astype(q_lat.dtype)], axis=-1)
+        q = jnp.concatenate([q[..., :nope], self._rope(q[..., nope:], q_pos, layer).astype(q.dtype)], axis=-1)
         r = kv_heads_for(2 * pages.shape[2], 1)  # a cache laid out for 'tensor' repeats the one head
         if r > 1:
             k = jnp.repeat(k, r, axis=1)
         q = constrain(q, ("tokens", "act_heads", None))
         k = constrain(k, ("tokens", "act_kv_heads", None))
         q_meta = sampled_rows_metadata(meta) if sampled_only else meta
+        w_ukv = self.w_ukv[...].transpose(1, 0, 2)  # [H, lat, nope + vd]: heads first, split like q's
 
-        def attend(q, k, v, pages, meta, sinks):  # per-device view under a mesh; v is k
+        def attend(q, k, v, pages, meta, w_ukv):  # per-device view under a mesh; v is k
             pages = write_kv(pages, k, None, meta.slot_mapping)  # K-only pages: the value is the latent
-            out = ragged_paged_attention(q, pages, meta.kv_lens, meta.page_indices, meta.cu_q_lens, meta.num_seqs,
-                                         sm_scale=self.sm_scale, impl=impl, kv_shared=True)
-            return out, pages
+            return self._attend(q, pages, meta, w_ukv[..., :nope], w_ukv[..., nope:], impl), pages
 
-        out, pages = sharded_attention(attend, q, k, k, pages, q_meta, None)  # [T, H, lat + rope]
-        out = jnp.einsum("thc,chv->thv", out[..., :lat].astype(w_ukv.dtype), w_ukv[..., nope:])
+        out, pages = sharded_attention(attend, q, k, k, pages, q_meta, w_ukv)  # [T, H, vd]
         out = jnp.einsum("thv,hve->te", out, self.o[...])  # all-reduce over tensor
         return constrain(out, ("tokens", "act_embed")), pages
+
+    def _attend(self, q: jax.Array,  # [T, H, nope + rope]
+                pages,  # [N, page_size, 1, lat + rope] K-only latent pages (or QuantizedPages)
+                meta: AttentionMetadata,
+                w_uk: jax.Array,  # [H, lat, nope]
+                w_uv: jax.Array,  # [H, lat, vd]
+                impl: str) -> jax.Array:  # [T, H, vd]
+        c = self.config
+        nope, lat = c.qk_nope_head_dim, c.kv_lora_rank
+
+        def absorbed():
+            q_lat = jnp.einsum("thn,hcn->thc", q[..., :nope], w_uk)  # [T, H, lat]
+            qa = jnp.concatenate([q_lat, q[..., nope:].astype(q_lat.dtype)], axis=-1)
+            out = ragged_paged_attention(qa, pages, meta.kv_lens, meta.page_indices, meta.cu_q_lens,
+                                         meta.num_seqs, sm_scale=self.sm_scale, impl=impl, kv_shared=True)
+            return jnp.einsum("thc,hcv->thv", out[..., :lat].astype(w_uv.dtype), w_uv)
+
+        page_size = (pages.values if isinstance(pages, QuantizedPages) else pages).shape[1]
+        s, p = meta.page_indices.shape
+        forced = c.mla_form == "expanded"
+        cap = s * p if forced else min(s * p, -(-EXPAND_KEYS_PER_TOKEN * q.shape[0] // page_size) + s)
+
+        def expanded():
+            out = expanded_attention(q, pages, meta, w_uk, w_uv, cap=cap, sm_scale=self.sm_scale, impl=impl)
+            return out.astype(w_uv.dtype)
+
+        if c.mla_form == "absorbed":
+            return absorbed()
+        if forced:
+            return expanded()
+        use = prefers_expanded(meta, page_size, cap, lat=lat, rope=c.qk_rope_head_dim, nope=nope, vd=c.v_head_dim)
+        return jax.lax.cond(use, expanded, absorbed)

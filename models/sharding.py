@@ -267,9 +267,11 @@ def rows_metadata(meta, lo: jax.Array, n: int):
 
 def sharded_attention(attend: Callable, q: jax.Array, k: jax.Array, v: jax.Array,
                       pages: jax.Array, meta,
-                      sinks: jax.Array | None = None,  # [Hq] f32 (attention sinks), split like q's heads
+                      sinks=None,  # [Hq] f32 (attention sinks); any per-head arrays, heads first
                       ) -> tuple[jax.Array, jax.Array]:
     """Runs `attend(q, k, v, pages, meta, sinks) -> (out, pages)` per device.
+
+    `sinks` (a pytree: attention sinks, or MLA's per-head kv_b_proj) is split like q's heads.
 
     `attend` writes k/v into pages at meta.slot_mapping (one row per k/v row) and attends q
     rows described by meta.cu_q_lens/kv_lens. Heads are split over 'tensor' (q, k, v and

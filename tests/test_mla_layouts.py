@@ -2,7 +2,8 @@
 check, from the HF checkpoints of tests/hf_models.py): unchunked == chunks of 1, 7, 16
 and 64 tokens == prefix-cached (vLLM had MLA wrong under chunked prefill: vllm#26042)
 == mesh.tensor=2 (the latent replicated, the heads split) == expert 2 x tensor 2 for the
-MoE model; an int8 latent cache stays close. One subprocess per model, on 2 and 4 fake
+MoE model == the absorbed or the expanded form forced on every step; an int8 latent
+cache stays close. One subprocess per model, on 2 and 4 fake
 CPU devices."""
 
 from family_layouts import LAYOUTS, check_layouts, run_layouts
@@ -15,8 +16,11 @@ def chunks(n: int) -> dict:
 
 COMMON = {"whole": LAYOUTS["whole"], "chunk1": chunks(1), "chunk7": chunks(7), "chunk16": chunks(16),
           "chunk64": chunks(64), "prefix": LAYOUTS["prefix"], "tensor2": {"mesh.tensor": 2},
-          "int8": {"engine.kv_cache_dtype": "int8"}}
-EXACT = ("chunk1", "chunk7", "chunk16", "chunk64", "prefix", "tensor2")
+          "int8": {"engine.kv_cache_dtype": "int8"},
+          # each form forced on every step (auto picks per step: models/mla_expanded.py)
+          "absorbed": {**chunks(16), "model.mla_form": "absorbed"},
+          "expanded": {**chunks(16), "model.mla_form": "expanded"}}
+EXACT = ("chunk1", "chunk7", "chunk16", "chunk64", "prefix", "tensor2", "absorbed", "expanded")
 
 
 def test_dense_mla(tmp_path):
