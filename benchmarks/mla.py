@@ -8,9 +8,8 @@
    bytes per token and how many 32k-token requests fit beside the weights, DeepSeek V3
    (configs/deepseek_v3.toml) vs Llama-3-70B (configs/llama3_70b.toml, its 8k position
    limit raised to 128k as in Llama 3.1: same shape, same KV bytes), on H100 and TPU v5e
-   at the smallest mesh the planner shows each fitting on. DeepSeek V3 is shown twice:
-   "today" (what jaxfill allocates: the V slot copies the latent, 2x) and "without the
-   copy (not implemented)" (the latent alone: half the bytes, computed here, not run).
+   at the smallest mesh the planner shows each fitting on (the cache holds the latent
+   once: K-only pages, pallas_kernels/kv_cache.py).
 2. CPU prefill, jaxfill vs transformers on the same random-init DeepSeek V3 checkpoint
    (tests/hf_models.py make_hf_checkpoint, a small shape), each framework in its own
    process: jaxfill one request through `Engine.generate(max_tokens=1)` (TTFT, compile
@@ -67,18 +66,10 @@ def planner_rows() -> list[dict]:
         base = {"config": cfg, "hardware": hw.name, "mesh": mesh, "devices": devices, "overrides": over,
                 "weight_gb_per_device": r["weight_bytes_per_device"] / 1e9,
                 "free_gb_per_device": r["free_bytes_per_device"] / 1e9}
-        variants = [("today", 1)] + ([("without the copy (not implemented)", 2)] if cfg == "deepseek_v3" else [])
-        for label, div in variants:
-            per_req_dev = r["kv_bytes_per_request_per_device"] // div
-            free = r["free_bytes_per_device"]
-            fit = max(0, int(free // per_req_dev)) * config.mesh.data if free > 0 else 0
-            if div == 1:
-                assert fit == r["max_concurrent_requests"], (fit, r["max_concurrent_requests"])
-            rows.append({**base, "variant": label if cfg == "deepseek_v3" else "today",
-                         "kv_bytes_per_token": r["kv_bytes_per_token"] // div,
-                         "kv_bytes_per_token_per_device": r["kv_bytes_per_token_per_device"] // div,
-                         "kv_gb_per_32k_request_per_device": per_req_dev / 1e9,
-                         "max_concurrent_32k_requests": fit})
+        rows.append({**base, "kv_bytes_per_token": r["kv_bytes_per_token"],
+                     "kv_bytes_per_token_per_device": r["kv_bytes_per_token_per_device"],
+                     "kv_gb_per_32k_request_per_device": r["kv_bytes_per_request_per_device"] / 1e9,
+                     "max_concurrent_32k_requests": r["max_concurrent_requests"]})
         print(f"plan {cfg} on {devices} x {hw.name}: {r['kv_bytes_per_token']:,} B/token, "
               f"{r['max_concurrent_requests']} x 32k fit", file=sys.stderr, flush=True)
     return rows
@@ -178,22 +169,21 @@ def plot(result: dict, path: str) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     rows = result["plan"]
     short = {"deepseek_v3": "DSV3", "llama3_70b": "L3-70B", "h100_sxm": "H100", "tpu_v5e": "v5e"}
-    labels = [f"{short.get(r['config'], r['config'])}\n{r['devices']}x{short.get(r['hardware'], r['hardware'])}\n"
-              f"{'no copy*' if 'without' in r['variant'] else 'today'}" for r in rows]
-    xs = range(len(rows))
-    colors = ["tab:green" if "without" in r["variant"] else ("tab:blue" if r["config"] == "deepseek_v3" else "tab:orange")
+    labels = [f"{short.get(r['config'], r['config'])}\n{r['devices']}x{short.get(r['hardware'], r['hardware'])}"
               for r in rows]
+    xs = range(len(rows))
+    colors = ["tab:blue" if r["config"] == "deepseek_v3" else "tab:orange" for r in rows]
     left.bar(xs, [r["max_concurrent_32k_requests"] for r in rows], color=colors)
     for x, r in zip(xs, rows):
         left.annotate(f"{r['kv_bytes_per_token'] / 1024:.0f} KiB/tok", (x, r["max_concurrent_32k_requests"]),
                       ha="center", va="bottom", fontsize=6)
     left.set_xticks(list(xs), labels, fontsize=7)
     left.set_ylabel("32k-token requests that fit beside the weights")
-    left.set_title("planner, bf16 (*without the V copy: not implemented)", fontsize=9)
+    left.set_title("planner, bf16", fontsize=9)
     if result.get("prefill"):
         pr = result["prefill"]["rows"]
         n = [r["prompt_len"] for r in pr]
-        right.plot(n, [r["jaxfill_ttft_s"] * 1e3 for r in pr], "o-", label="jaxfill (Engine, absorbed MLA)")
+        right.plot(n, [r["jaxfill_ttft_s"] * 1e3 for r in pr], "o-", label="jaxfill (Engine, MLA form auto)")
         right.plot(n, [r["hf_ttft_s"] * 1e3 for r in pr], "s--", label="transformers f32")
         for r in pr:
             right.annotate(f"HF/jaxfill {r['hf_over_jaxfill']:.2f}x", (r["prompt_len"], r["jaxfill_ttft_s"] * 1e3),
@@ -241,7 +231,7 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     plot(result, png)
-    print(json.dumps({"plan": [{k: r[k] for k in ("config", "hardware", "devices", "variant", "kv_bytes_per_token",
+    print(json.dumps({"plan": [{k: r[k] for k in ("config", "hardware", "devices", "kv_bytes_per_token",
                                                   "max_concurrent_32k_requests")} for r in result["plan"]],
                       "prefill": [{k: r[k] for k in ("prompt_len", "jaxfill_ttft_s", "hf_ttft_s", "hf_over_jaxfill",
                                                      "hf_over_jaxfill_min")}

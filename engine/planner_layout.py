@@ -27,7 +27,7 @@ import numpy as np
 from jaxfill.engine.config import MeshSettings
 from jaxfill.models.config import ModelConfig
 from jaxfill.models.families.registry import ParamShape, layer_params
-from jaxfill.models.kv_cache import kv_bytes_per_token as cache_bytes_per_token
+from jaxfill.models.kv_cache import kv_bytes_per_token as cache_bytes_per_token, shares_kv
 from jaxfill.models.pipeline import microbatch_count
 from jaxfill.models.sharding import MESH_AXES, RULES, head_repeat, logical_spec, mesh_axis_size
 
@@ -114,7 +114,7 @@ def kv_heads_per_device(model: ModelConfig, heads_split: int) -> int:
 def kv_bytes_per_token_per_device(model: ModelConfig, mesh: MeshSettings, kv_cache_dtype: str = "auto") -> int:
     """Cache bytes one token costs on one device: its stage's L / p layers, its heads."""
     return cache_bytes_per_token(model.num_layers // mesh.stage, kv_heads_per_device(model, mesh.heads),
-                                 model.head_dim, kv_cache_dtype, model.jnp_dtype)
+                                 model.head_dim, kv_cache_dtype, model.jnp_dtype, shares_kv(model))
 
 
 def pipeline_microbatches(mesh: MeshSettings, num_tokens: int) -> int:

@@ -112,6 +112,11 @@ def test_deepseek_v3_kv_bytes_are_the_latent():
     assert kv_bytes_per_token(cfg, kv_cache_dtype="int8") == 61 * (576 + 4)
     assert KVCache.create(dataclasses.replace(cfg, num_layers=1, dense_layers=(0,)), num_pages=2, page_size=16,
                           dtype=None).nbytes() == 2 * 16 * 576 * 2
+    # every device of a tensor x expert mesh holds the whole latent (once), its stage's layers
+    for mesh, per_device in [({"mesh.expert": 32}, 70272), ({"mesh.tensor": 8, "mesh.expert": 4}, 70272)]:
+        over = {**mesh, "engine.max_model_len": 65536}
+        plan = plan_prefill(load_config("deepseek_v3", over), load_hardware("h100"), 32768)
+        assert plan["kv_bytes_per_token_per_device"] == per_device, (mesh, plan["kv_bytes_per_token_per_device"])
 
 
 @pytest.mark.parametrize("layout", ["unrolled", "scan", "stages"])
