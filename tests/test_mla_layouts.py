@@ -1,7 +1,8 @@
 """DeepSeek V3's multi-head latent attention through the Engine (tests/family_layouts.py's
 check, from the HF checkpoints of tests/hf_models.py): unchunked == chunks of 1, 7, 16
 and 64 tokens == prefix-cached (vLLM had MLA wrong under chunked prefill: vllm#26042)
-== mesh.tensor=2 (the latent replicated, the heads split) == expert 2 x tensor 2 for the
+== mesh.tensor=2 (the latent replicated, the heads split) == mesh.sequence=2 == scanned
+layers == mesh.stage=2 == expert 2 x tensor 2 for the
 MoE model == the absorbed or the expanded form forced on every step; an int8 latent
 cache stays close. One subprocess per model, on 2 and 4 fake
 CPU devices."""
@@ -16,11 +17,13 @@ def chunks(n: int) -> dict:
 
 COMMON = {"whole": LAYOUTS["whole"], "chunk1": chunks(1), "chunk7": chunks(7), "chunk16": chunks(16),
           "chunk64": chunks(64), "prefix": LAYOUTS["prefix"], "tensor2": {"mesh.tensor": 2},
+          "sequence2": LAYOUTS["sequence2"], "scan": LAYOUTS["scan"], "stage2": LAYOUTS["stage2"],
           "int8": {"engine.kv_cache_dtype": "int8"},
           # each form forced on every step (auto picks per step: models/mla_expanded.py)
           "absorbed": {**chunks(16), "model.mla_form": "absorbed"},
           "expanded": {**chunks(16), "model.mla_form": "expanded"}}
-EXACT = ("chunk1", "chunk7", "chunk16", "chunk64", "prefix", "tensor2", "absorbed", "expanded")
+EXACT = ("chunk1", "chunk7", "chunk16", "chunk64", "prefix", "tensor2", "sequence2", "scan", "stage2",
+         "absorbed", "expanded")
 
 
 def test_dense_mla(tmp_path):
