@@ -34,6 +34,11 @@ TIER_DOCS = [[(71 * i + 13 * j + 3) % 500 for j in range(32)] for i in range(3)]
 TIER_PROMPTS = [doc + [k] for k, doc in enumerate(TIER_DOCS * 2)]
 # a mixture of experts split over 'expert' = 4 across the two processes (x tensor 2)
 MOE = {"model.num_experts": 8, "model.experts_per_token": 2, "model.moe_intermediate_size": 64, "mesh.expert": 4}
+# multi-head latent attention (DeepSeek V3's layer, random init): heads over tensor (across
+# the processes), the one latent head on every device, rows over sequence
+MLA = {"model.architecture": "DeepseekV3ForCausalLM", "model.kv_lora_rank": 32, "model.qk_rope_head_dim": 16,
+       "model.qk_nope_head_dim": 16, "model.v_head_dim": 16, "model.num_kv_heads": 1, "model.head_dim": 48,
+       "model.rotary_dim": 16, "model.rope_interleave": True}
 
 
 def model_config():
@@ -202,6 +207,7 @@ def main():
                                         ("engine_dp", (2, 2, 2), [PROMPT, PROMPT2], None),
                                         ("engine_quant", (1, TENSOR, SEQUENCE), [PROMPT], QUANT),
                                         ("engine_moe", (1, TENSOR, 1), [PROMPT], MOE),
+                                        ("engine_mla", (1, TENSOR, SEQUENCE), [PROMPT], MLA),
                                         ("engine_tier", (1, TENSOR, SEQUENCE), TIER_PROMPTS, TIER)):
         try:
             result[name] = engine_run(settings, shape, prompts, extra)

@@ -2,7 +2,8 @@
 all 8 devices (tensor=2 x sequence=4, collectives crossing processes over gloo) returns
 exactly the single-process tokens, through the model-level loop and through the Engine
 (process 0 owns the scheduler and broadcasts each batch; process 1 follows), also with
-one data replica per process, int8, and a mixture of experts over mesh.expert. Global
+one data replica per process, int8, a mixture of experts over mesh.expert, and
+multi-head latent attention. Global
 device ids are not contiguous across processes."""
 
 from __future__ import annotations
@@ -82,6 +83,20 @@ def test_experts_split_over_two_processes(runs):
     assert "error" not in leader, leader["error"]
     assert "error" not in follower, follower["error"]
     expected = quant_reference_tokens(MOE)
+    assert len(set(expected)) > 1
+    assert leader["tokens"] == [expected]
+    assert follower["steps_run"] == leader["steps_run"] > 0 and leader["free"] == leader["total"]
+
+
+def test_latent_attention_over_two_processes(runs):
+    """DeepSeek V3's multi-head latent attention, tensor 2 x sequence 4 over two processes
+    (the latent cache on every device, the heads split across the processes) = one device."""
+    from multihost_worker import MLA, quant_reference_tokens
+
+    leader, follower = runs[0]["engine_mla"], runs[1]["engine_mla"]
+    assert "error" not in leader, leader["error"]
+    assert "error" not in follower, follower["error"]
+    expected = quant_reference_tokens(MLA)
     assert len(set(expected)) > 1
     assert leader["tokens"] == [expected]
     assert follower["steps_run"] == leader["steps_run"] > 0 and leader["free"] == leader["total"]
