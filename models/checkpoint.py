@@ -226,13 +226,16 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
     table = hf_to_param(config)
     rename = getattr(family, "rename", lambda name: name)
     files = safetensors_files(model_dir)
+    hf_json = os.path.join(model_dir, "config.json")
+    with open(hf_json) if os.path.exists(hf_json) else open(os.devnull) as f:
+        skipped = family.skipped_prefixes(config, json.loads(f.read() or "{}"))
     todo: list[tuple[HFTensor, Callable]] = []  # (where, target dtype -> reader)
     seen: set[str] = set()
     packed: dict[str, dict] = {}  # MXFP4 tensors: name -> {suffix: stored}
     for path in files:
         for name, stored in read_safetensors(path):
             name = rename(name)
-            if name.endswith(family.ignored_tensors) or name.startswith(family.ignored_prefixes):
+            if name.endswith(family.ignored_tensors) or name.startswith(skipped):
                 continue
             if name == "lm_head.weight" and config.tie_word_embeddings:
                 continue  # some exports write the tied head too

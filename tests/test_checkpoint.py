@@ -131,3 +131,35 @@ def test_tensor_slices_cast_the_slice_and_reject_bad_input(tmp_path):
     _write_one(tmp_path / "short.safetensors", "w", w[:5], dtype="BF16", shape=w.shape)
     with pytest.raises(CheckpointError, match="data_offsets"):
         list(read_safetensors(str(tmp_path / "short.safetensors")))
+
+
+def test_deepseek_multi_token_prediction_layers_are_skipped(tmp_path, caplog):
+    """DeepSeek V3 checkpoints carry their MTP layer after the last decoder layer
+    (model.layers.61.* for 61 layers): skipped with one log line when config.json
+    announces it (num_nextn_predict_layers), refused by name when it does not."""
+    import json
+    import logging
+
+    model_dir = make_hf_checkpoint(str(tmp_path / "dsv3"), "deepseek_v3_dense")
+    config = config_from_hf(model_dir)
+    plain = leaves(load_hf_params(model_dir, config, progress=False))
+    path = os.path.join(model_dir, "model.safetensors")
+    tensors = load_file(path)
+    n = config.num_layers
+    tensors.update({f"model.layers.{n}.eh_proj.weight": torch.randn(config.hidden_size, 2 * config.hidden_size),
+                    f"model.layers.{n}.enorm.weight": torch.randn(config.hidden_size)})
+    save_file(tensors, path, metadata={"format": "pt"})
+    with open(os.path.join(model_dir, "config.json")) as f:
+        hf = json.load(f)
+    for mtp in (0, 1):  # transformers writes 1, DeepSeek's default
+        with open(os.path.join(model_dir, "config.json"), "w") as f:
+            json.dump({**hf, "num_nextn_predict_layers": mtp}, f)
+        if not mtp:
+            with pytest.raises(CheckpointError, match=f"model.layers.{n}."):
+                load_hf_params(model_dir, config, progress=False)
+    with caplog.at_level(logging.INFO):
+        with_mtp = leaves(load_hf_params(model_dir, config_from_hf(model_dir), progress=False))
+    assert [r for r in caplog.records if "multi-token-prediction" in r.getMessage()]
+    assert len(with_mtp) == len(plain)
+    for a, b in zip(with_mtp, plain):
+        np.testing.assert_array_equal(a, b)

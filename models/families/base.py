@@ -214,6 +214,11 @@ class Family:
     ignored_tensors: tuple[str, ...] = ("rotary_emb.inv_freq",)  # name suffixes never loaded
     ignored_prefixes: tuple[str, ...] = ()  # e.g. a vision tower beside the text model
 
+    def skipped_prefixes(self, config, hf: dict) -> tuple[str, ...]:
+        """Tensor name prefixes the loader skips: the family's, plus what this checkpoint's
+        config.json (`hf`, {} when absent) announces beside the model."""
+        return self.ignored_prefixes
+
     def model_class(self):
         from jaxfill.models.decoder import Decoder
 

@@ -58,8 +58,6 @@ class DeepseekV3(Family):
                           router_topk_groups=int(hf.get("topk_group") or 1),
                           routed_scaling=float(hf.get("routed_scaling_factor", 1.0)),
                           shared_expert_size=int(hf.get("n_shared_experts") or 0) * hf["moe_intermediate_size"])
-        if hf.get("num_nextn_predict_layers") or hf.get("num_mtp_layers"):
-            log.info("deepseek_v3: the multi-token-prediction layer in the checkpoint is not loaded or run")
         return fields
 
     def model_defaults(self, hidden_size):
@@ -92,6 +90,15 @@ class DeepseekV3(Family):
         return grouped_sigmoid_moe_tensors(c, p, layer)
 
     ignored_prefixes = ("model.mtp.",)
+
+    def skipped_prefixes(self, config, hf):
+        """DeepSeek's checkpoints store their multi-token-prediction layers after the last
+        decoder layer (V3: model.layers.61.*); they serve speculative decoding, not run here."""
+        n = int(hf.get("num_nextn_predict_layers") or hf.get("num_mtp_layers") or 0)
+        if n:
+            log.info("%s: skipping %d multi-token-prediction layer(s) in the checkpoint (model.layers.%d.*%s)",
+                     config.architecture, n, config.num_layers, "" if n == 1 else f" to {config.num_layers + n - 1}")
+        return self.ignored_prefixes + tuple(f"model.layers.{config.num_layers + i}." for i in range(n))
 
 
 class DeepseekV2(DeepseekV3):
