@@ -252,6 +252,10 @@ def load_config(config: str = "tiny", overrides: Mapping[str, Any] | list[str] |
     engine_values = _fit_max_model_len(engine_values, "max_model_len" in extra.get("engine", {}), model)
     engine = _build(EngineSettings, engine_values)
     mesh = _build(MeshSettings, {**data.get("mesh", {}), **extra.get("mesh", {})})
+    if model.linear_layers:
+        raise ConfigError(f"{model.architecture} has linear-attention (Gated DeltaNet) layers "
+                          f"{list(model.linear_layers)}: it runs at the model level (engine/simple.py); the Engine "
+                          "and the planner refuse it until the scheduler's state slot pool lands")
     if model.num_layers % mesh.stage:
         raise ConfigError(f"mesh.stage={mesh.stage} must divide the model's {model.num_layers} layers")
     if engine.scan_layers and mesh.stage > 1:

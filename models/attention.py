@@ -20,7 +20,9 @@ class Attention(nnx.Module):
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         c, dt = config, config.jnp_dtype
         e, hq, hk, d, wd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.weight_dtype
-        self.q, self.q_scale = projection(rngs, (e, hq, d), ("embed", "q_heads", "head_dim"), dt, 1, wd)
+        # with an output gate (Qwen3.5) q_proj gives each head [q, gate]: 2D columns
+        q_cols = 2 * d if c.attn_output_gate else d
+        self.q, self.q_scale = projection(rngs, (e, hq, q_cols), ("embed", "q_heads", "head_dim"), dt, 1, wd)
         self.k, self.k_scale = projection(rngs, (e, hk, d), ("embed", "kv_heads", "head_dim"), dt, 1, wd)
         self.v, self.v_scale = projection(rngs, (e, hk, d), ("embed", "kv_heads", "head_dim"), dt, 1, wd)
         self.o, self.o_scale = projection(rngs, (hq, d, e), ("q_heads", "head_dim", "embed"), dt, 2, wd)
@@ -62,6 +64,9 @@ class Attention(nnx.Module):
         if sampled_only:
             x, q_pos = jnp.take(x, meta.logits_indices, axis=0), jnp.take(positions, meta.logits_indices)
         q = qeinsum("te,ehd->thd", x, self.q[...], self.q_scale)
+        gate = None
+        if self.config.attn_output_gate:
+            q, gate = q[..., :self.config.head_dim], q[..., self.config.head_dim:]  # [T, Hq, D] each
         if self.config.attention_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if self.config.qk_norm != "none":
@@ -92,6 +97,8 @@ class Attention(nnx.Module):
         sinks = None if self.sinks is None else self.sinks[...].astype(jnp.float32)
         out, pages = by_window(settings, layer, lambda w: sharded_attention(
             lambda *a: attend(*a, window=w), q, k, v, pages, q_meta, sinks))
+        if gate is not None:
+            out = out * jax.nn.sigmoid(gate).astype(out.dtype)
         out = qeinsum("thd,hde->te", out, self.o[...], self.o_scale)  # all-reduce over tensor
         if self.config.attention_out_bias:
             out = out + self.o_bias[...]

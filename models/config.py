@@ -85,6 +85,15 @@ class ModelConfig:
     # absorbed: attend over the latent; expanded: K/V per head from it (models/mla_expanded.py);
     # auto: per step, whichever costs fewer multiply-adds for the batch's lengths
     mla_form: str = "auto"
+    # Linear-attention hybrids (models/gated_deltanet.py; Qwen3.5): these layers run Gated
+    # DeltaNet, a recurrent state per sequence instead of attention over the KV cache
+    linear_layers: tuple[int, ...] = ()
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 4  # the short causal convolution over q, k, v
+    attn_output_gate: bool = False  # attention output times sigmoid(a per-head gate q_proj also gives) (Qwen3.5)
     # Mixture of experts (models/moe.py); num_experts = 0: every layer's MLP is dense
     num_experts: int = 0
     experts_per_token: int = 0
@@ -151,7 +160,15 @@ class ModelConfig:
                                   f"({self.num_layers}), got {list(self.layer_types)}")
             if "sliding" in self.layer_types and self.sliding_window is None:
                 raise ConfigError("model.layer_types has sliding layers but model.sliding_window is not set")
-        for name in ("nope_layers", "dense_layers"):
+        if self.linear_layers:
+            dims = (self.linear_num_key_heads, self.linear_num_value_heads, self.linear_key_head_dim,
+                    self.linear_value_head_dim, self.linear_conv_kernel - 1)
+            if self.weight_dtype != "auto":
+                raise ConfigError("model.weight_dtype int8 is not supported for linear-attention hybrids yet")
+            if min(dims) <= 0 or self.linear_num_value_heads % self.linear_num_key_heads:
+                raise ConfigError("model.linear_layers needs positive linear_* head counts and dims (value heads "
+                                  f"a multiple of key heads) and linear_conv_kernel >= 2; got {dims}")
+        for name in ("nope_layers", "dense_layers", "linear_layers"):
             bad = [n for n in getattr(self, name) if not 0 <= n < self.num_layers]
             if bad:
                 raise ConfigError(f"model.{name} {bad} are not layers of a {self.num_layers}-layer model")
@@ -209,7 +226,7 @@ class ModelConfig:
             d["rope_scaling"] = freeze(d["rope_scaling"])
         if "eos_token_id" in d:
             d["eos_token_id"] = as_tuple(d["eos_token_id"])
-        for name in ("layer_types", "nope_layers", "dense_layers"):
+        for name in ("layer_types", "nope_layers", "dense_layers", "linear_layers"):
             if name in d:
                 d[name] = tuple(d[name])
         if d.get("sliding_window") in (0, -1):

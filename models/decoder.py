@@ -17,6 +17,7 @@ from flax import nnx
 
 from jaxfill.models.attention import Attention
 from jaxfill.models.config import ModelConfig
+from jaxfill.models.gated_deltanet import GatedDeltaNet
 from jaxfill.models.kv_cache import AttentionMetadata, KVCache
 from jaxfill.models.layers import Embed, GatedMLP, RMSNorm, param
 from jaxfill.models.mla import LatentAttention
@@ -37,7 +38,10 @@ class DecoderLayer(nnx.Module):
             return RMSNorm(c.hidden_size, c.rms_norm_eps, dt, rngs, kind=c.norm_kind)
 
         self.attn_norm = norm() if c.norm_layout != "post" else None
-        self.attn = LatentAttention(config, rngs) if c.kv_lora_rank else Attention(config, rngs)
+        if index in c.linear_layers:
+            self.attn = GatedDeltaNet(config, rngs)
+        else:
+            self.attn = LatentAttention(config, rngs) if c.kv_lora_rank else Attention(config, rngs)
         self.attn_post_norm = norm() if c.norm_layout != "pre" else None
         self.mlp_norm = norm() if c.norm_layout != "post" else None
         self.mlp = (MoE(c, rngs) if is_moe_layer(c, index)

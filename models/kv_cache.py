@@ -72,12 +72,15 @@ class KVCache:
 
     @classmethod
     def create(cls, config, num_pages: int, page_size: int, dtype=None, fill_value: float = 0.0,
-               kv_cache_dtype: str = "auto", stages: int = 1, mesh: jax.sharding.Mesh | None = None) -> "KVCache":
+               kv_cache_dtype: str = "auto", stages: int = 1, mesh: jax.sharding.Mesh | None = None,
+               state_slots: int = 1) -> "KVCache":
         """The one cache builder. With a mesh the cache is allocated in its shards (never
         whole on one device): `num_pages` is per data replica (as engine.num_pages), the
         global page axis holds data * num_pages, the heads are the model's KV heads
         repeated up to 'tensor' (models/sharding.py), and quantized scales are split like
-        the pages' first three axes. With `stages` > 1 each entry is [stages, ...]."""
+        the pages' first three axes. With `stages` > 1 each entry is [stages, ...]. A
+        linear-attention layer's entry is its LinearState (models/gated_deltanet.py) with
+        `state_slots` slots; hybrids run unstaged and on one device for now."""
         if config.num_layers % stages:
             raise ValueError(f"{config.num_layers} layers do not split into {stages} equal stages")
         heads, replicas = config.num_kv_heads, 1
@@ -98,6 +101,13 @@ class KVCache:
             make = jax.jit(make, out_shardings=_cache_shardings(mesh, stages > 1, kv_cache_dtype != "auto"))
             counter = jax.jit(counter, out_shardings=kv_cache_sharding(mesh, staged=stages > 1, axes=KV_CACHE_AXES[:1]))
         entries = range(config.num_layers // stages)
+        if config.linear_layers:
+            if stages > 1 or mesh is not None:
+                raise ValueError("linear-attention hybrids run on one device, unstaged, for now")
+            from jaxfill.models.gated_deltanet import init_linear_state
+
+            return cls(tuple(init_linear_state(config, state_slots, fill_value) if j in config.linear_layers
+                             else make() for j in entries), stages)
         counters = None
         if config.num_experts:  # stacked layouts hold one layer kind per entry (engine/config.check_stackable)
             counters = tuple(counter() if is_moe_layer(config, j) else None for j in entries)
@@ -112,8 +122,12 @@ class KVCache:
                        tuple(None if old is None else old + new for old, new in zip(self.expert_tokens, counts)))
 
     @property
+    def _paged(self):  # the first entry that holds pages (a hybrid's linear layers hold states)
+        return next(p for p in self.pages if not hasattr(p, "recurrent"))
+
+    @property
     def _values_shape(self) -> tuple[int, ...]:  # one layer's [num_pages, page_size, 2H, D]
-        shape = self.pages[0].shape
+        shape = self._paged.shape
         return shape[1:] if self.stages > 1 else shape
 
     @property
@@ -126,7 +140,7 @@ class KVCache:
 
     @property
     def dtype(self):
-        return self.pages[0].dtype
+        return self._paged.dtype
 
     def arrays(self) -> list[jax.Array]:
         """Every array the cache holds (values and scales)."""
@@ -154,6 +168,7 @@ class AttentionMetadata:
     slot_mapping: jax.Array  # [T] int32, page * page_size + offset; -1 for padding tokens
     logits_indices: jax.Array  # [S] int32, the row whose logits each sequence samples: its last new token
     # (any [R] rows may be asked for, e.g. every row for evaluation; then the last layer runs on all rows)
+    state_slots: jax.Array | None = None  # [S] int32, each sequence's linear-layer state slot; None: its row
 
 
 def sampled_rows_metadata(meta: AttentionMetadata) -> AttentionMetadata:

@@ -31,6 +31,17 @@ FAMILY_KWARGS = {
     "granite": ("Granite", dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.3,
                                 logits_scaling=2.0)),
 }
+# Linear-attention hybrids: Qwen3.5's 3:1 pattern (DeltaNet x3, gated full attention), two
+# key heads each serving two value heads, a quarter of each attention head roped
+HYBRID_KWARGS = {
+    "qwen3_5": (("Qwen3_5Text", "Qwen3_5"), dict(num_hidden_layers=4, head_dim=32, linear_num_key_heads=2,
+                                                 linear_num_value_heads=4, linear_key_head_dim=16,
+                                                 linear_value_head_dim=24, linear_conv_kernel_dim=4,
+                                                 rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                                  "partial_rotary_factor": 0.25,
+                                                                  "mrope_section": [2, 1, 1],
+                                                                  "mrope_interleaved": True})),
+}
 ARCHS = ("llama", "mistral", "qwen2") + tuple(FAMILY_KWARGS)
 # Mixtures of experts (tests/test_moe_parity.py): 8 experts, top 2, so with expert=4 each
 # rank holds two and short prompts leave some ranks' experts without a token; Qwen3-MoE
@@ -94,8 +105,8 @@ def make_hf_checkpoint(directory: str, arch: str, dtype: torch.dtype = torch.flo
     elif arch == "qwen2":
         kw.setdefault("tie_word_embeddings", True)
         cfg, cls = tf.Qwen2Config(**kw), tf.Qwen2ForCausalLM
-    elif arch in FAMILY_KWARGS or arch in MOE_KWARGS:
-        name, extra = {**FAMILY_KWARGS, **MOE_KWARGS}[arch]
+    elif arch in FAMILY_KWARGS or arch in MOE_KWARGS or arch in HYBRID_KWARGS:
+        name, extra = {**FAMILY_KWARGS, **MOE_KWARGS, **HYBRID_KWARGS}[arch]
         kw = dict(HF_SMALL, **extra)
         kw.update(overrides)
         config_name, model_name = (name, name) if isinstance(name, str) else name

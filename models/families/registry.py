@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 from jaxfill.models.config import ConfigError
 
 MODULES = ("llama", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "smollm3", "granite",
-           "mixtral", "qwen3_moe", "glm4_moe", "gpt_oss", "deepseek")
+           "mixtral", "qwen3_moe", "glm4_moe", "gpt_oss", "deepseek", "qwen3_5")
 
 
 @functools.lru_cache(maxsize=1)
@@ -113,7 +113,8 @@ def is_expert_param(p: "ParamShape") -> bool:
 def layer_kind(config, layer: int) -> str:
     from jaxfill.models.moe import is_moe_layer
 
-    return "moe" if is_moe_layer(config, layer) else "dense"
+    mixer = "linear_" if layer in config.linear_layers else ""
+    return mixer + ("moe" if is_moe_layer(config, layer) else "dense")
 
 
 @functools.lru_cache(maxsize=64)
@@ -135,7 +136,8 @@ def _abstract_sizes(config) -> tuple[int, dict]:
     for kind in sorted({layer_kind(config, n) for n in range(config.num_layers)}):
         one = dataclasses.replace(config, num_layers=1, layer_types=config.layer_types[:1],
                                   nope_layers=tuple(n for n in config.nope_layers if n == 0),
-                                  dense_layers=(0,) if kind == "dense" and config.num_experts else ())
+                                  dense_layers=(0,) if kind.endswith("dense") and config.num_experts else (),
+                                  linear_layers=(0,) if kind.startswith("linear_") else ())
         state = nnx.state(nnx.eval_shape(lambda: new_model(one, nnx.Rngs(0))))
         kinds[kind] = tuple(ParamShape(tuple(path[2:]), tuple(var.shape), tuple(var_axes(var)), var.dtype)
                             for path, var in nnx.to_flat_state(state) if path[:2] == ("layers", 0))

@@ -1,0 +1,79 @@
+"""Qwen3.5 (text): three Gated DeltaNet layers for every full-attention layer
+(`layer_types`: "linear_attention" / "full_attention"; models/gated_deltanet.py). The
+full-attention layers gate their output per head (q_proj gives [q, gate] per head), norm
+q and k per head, and turn only the first `partial_rotary_factor` of each head with rope.
+Every RMSNorm but the DeltaNet's own is Gemma's (1 + w) in f32. Text positions make
+Qwen3.5's multimodal rope (mrope) the plain one, so its sections are inert here."""
+
+from __future__ import annotations
+
+from jaxfill.models.config import ConfigError
+from jaxfill.models.families.base import Family, HFTensor, activation, same
+from jaxfill.models.gated_deltanet import conv_dim
+
+LAYER_KINDS = ("linear_attention", "full_attention")
+
+
+class Qwen3_5(Family):
+    name = "qwen3_5"
+    architectures = ("Qwen3_5ForCausalLM",)
+    honoured = frozenset({"hidden_act", "layer_types", "linear_conv_kernel_dim", "linear_key_head_dim",
+                          "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
+                          "partial_rotary_factor"})
+    fixed = {"attention_bias": False}
+    partial_rotary = True
+    supports = ("model-level forward (the Engine refuses hybrids until the state slot pool lands)",)
+    tested = "HF f32 logits and greedy tokens (model level: prefill in chunks carrying the state, then decode)"
+
+    def model_fields(self, hf):
+        layers = hf["num_hidden_layers"]
+        types = hf.get("layer_types") or [("full_attention" if (n + 1) % 4 == 0 else "linear_attention")
+                                          for n in range(layers)]
+        if len(types) != layers or set(types) - set(LAYER_KINDS):
+            raise ConfigError(f"config.json layer_types must name {list(LAYER_KINDS)} once per layer, got {types}")
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+        rope = hf.get("rope_parameters") or {}
+        partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+        return dict(hidden_act=activation(hf), qk_norm="head", norm_kind="rms_one_plus", attn_output_gate=True,
+                    rotary_dim=int(head_dim * partial),
+                    linear_layers=tuple(n for n, t in enumerate(types) if t == "linear_attention"),
+                    linear_num_key_heads=hf["linear_num_key_heads"],
+                    linear_num_value_heads=hf["linear_num_value_heads"],
+                    linear_key_head_dim=hf["linear_key_head_dim"], linear_value_head_dim=hf["linear_value_head_dim"],
+                    linear_conv_kernel=hf.get("linear_conv_kernel_dim", 4))
+
+    def model_defaults(self, hidden_size):
+        return dict(qk_norm="head", norm_kind="rms_one_plus", attn_output_gate=True, linear_num_key_heads=2,
+                    linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
+
+    def layer_tensors(self, c, p, layer):
+        if layer[1] not in c.linear_layers:
+            return super().layer_tensors(c, p, layer)
+        e = c.hidden_size
+        hv, dv, k = c.linear_num_value_heads, c.linear_value_head_dim, c.linear_conv_kernel
+        a, la = layer + ("attn",), p + "linear_attn."
+        cd = conv_dim(c)
+        return {
+            **self.mlp_tensors(c, p, layer),
+            **{p + hf + ".weight": same(layer + (ours, "weight"), (e,)) for ours, hf in self.norm_names.items()},
+            la + "in_proj_qkv.weight": HFTensor(a + ("qkv",), (cd, e), (cd, e), (1, 0)),
+            la + "in_proj_z.weight": HFTensor(a + ("z",), (hv * dv, e), (hv, dv, e), (2, 0, 1)),
+            la + "in_proj_b.weight": HFTensor(a + ("b",), (hv, e), (hv, e), (1, 0)),
+            la + "in_proj_a.weight": HFTensor(a + ("a",), (hv, e), (hv, e), (1, 0)),
+            la + "conv1d.weight": HFTensor(a + ("conv",), (cd, 1, k), (cd, k), (0, 1)),
+            la + "dt_bias": same(a + ("dt_bias",), (hv,)),
+            la + "A_log": same(a + ("a_log",), (hv,)),
+            la + "norm.weight": same(a + ("norm",), (dv,)),
+            la + "out_proj.weight": HFTensor(a + ("out",), (e, hv * dv), (e, hv, dv), (1, 2, 0)),
+        }
+
+    def attention_tensors(self, c, p, layer):
+        table = super().attention_tensors(c, p, layer)
+        e, d, hq = c.hidden_size, c.head_dim, c.num_heads
+        # [Hq * 2D, E]: per head D query rows, then D gate rows
+        table[p + "self_attn.q_proj.weight"] = HFTensor(layer + ("attn", "q"), (hq * 2 * d, e), (hq, 2 * d, e),
+                                                        (2, 0, 1))
+        return table
+
+
+FAMILIES = (Qwen3_5(),)

@@ -1,0 +1,123 @@
+"""Qwen3.5 (Gated DeltaNet x3 + gated full attention) against Hugging Face transformers on
+a random-init checkpoint (tests/hf_models.py HYBRID_KWARGS), at the model level
+(engine/simple.py): f32 last-row logits within 1e-5 relative, greedy tokens equal to HF's
+generate; a prefill cut into chunks (the state carried through its slot) equals it whole;
+two sequences in one ragged batch, each in its own slot, equal each alone; a fresh
+sequence ignores whatever its slot holds (a reused slot cannot leak state: the failure of
+tpu-inference #3412); unused pages and slots are NaN-filled throughout."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from hf_models import load_hf, make_hf_checkpoint
+from jaxfill.engine.simple import prefill_chunks
+from jaxfill.models.checkpoint import load_hf_params
+from jaxfill.models.config import ConfigError
+from jaxfill.models.families.registry import config_from_hf, param_count
+from jaxfill.models.forward import forward
+from jaxfill.models.kv_cache import AttentionMetadata, KVCache
+from test_model_parity import PAGE, check_greedy_matches_hf, hf_last_logits, ours_last_logits, prompts, rel_l2
+
+NAN = float("nan")
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(tmp_path_factory):
+    directory = make_hf_checkpoint(str(tmp_path_factory.mktemp("hybrid") / "qwen3_5"), "qwen3_5")
+    config = config_from_hf(directory)
+    return directory, config, load_hf_params(directory, config, progress=False)
+
+
+def test_f32_logits_and_greedy_tokens_match_hf(qwen3_5):
+    directory, config, model = qwen3_5
+    assert config.linear_layers == (0, 1, 2) and config.attn_output_gate and config.rotary_dim == 8
+    hf = load_hf(directory)
+    assert param_count(config) == sum(p.numel() for p in hf.parameters())
+    for length, tokens in prompts(config.vocab_size):
+        err = rel_l2(ours_last_logits(model, config, tokens), hf_last_logits(hf, tokens))
+        assert err <= 1e-5, (length, err)
+    check_greedy_matches_hf(model, config, hf, 16)
+
+
+def fresh_cache(config, pages: int = 16, slots: int = 2) -> KVCache:
+    return KVCache.create(config, num_pages=pages, page_size=PAGE, fill_value=NAN, state_slots=slots)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 16, 64])
+def test_chunked_prefill_equals_whole(qwen3_5, chunk):
+    _, config, model = qwen3_5
+    prompt = [int(t) for t in np.random.default_rng(4).integers(0, config.vocab_size, 90)]
+    pages = list(range(1, 8))
+    whole, _ = prefill_chunks(model, prompt, fresh_cache(config), pages)
+    cut, _ = prefill_chunks(model, prompt, fresh_cache(config), pages, chunk=chunk)
+    assert np.isfinite(np.asarray(cut)).all()
+    np.testing.assert_allclose(np.asarray(cut), np.asarray(whole), rtol=1e-5, atol=1e-5)
+
+
+def batch_meta(rows: list[tuple[int, int, list[int], int]], total: int) -> AttentionMetadata:
+    """rows: (start, new tokens, pages, state slot) per sequence, in one flat batch of `total`."""
+    cu, slots, width = [0], np.full(total, -1, np.int32), max(len(r[2]) for r in rows)
+    for start, n, pages, _ in rows:
+        pos = np.arange(start, start + n)
+        slots[cu[-1]:cu[-1] + n] = np.asarray(pages)[pos // PAGE] * PAGE + pos % PAGE
+        cu.append(cu[-1] + n)
+    table = np.zeros((len(rows), width), np.int32)
+    for s, r in enumerate(rows):
+        table[s, :len(r[2])] = r[2]
+    return AttentionMetadata(cu_q_lens=jnp.asarray(cu, jnp.int32),
+                             kv_lens=jnp.asarray([r[0] + r[1] for r in rows], jnp.int32),
+                             page_indices=jnp.asarray(table), num_seqs=jnp.asarray([len(rows)], jnp.int32),
+                             slot_mapping=jnp.asarray(slots), logits_indices=jnp.asarray(np.asarray(cu[1:]) - 1),
+                             state_slots=jnp.asarray([r[3] for r in rows], jnp.int32))
+
+
+def run(model, tokens, positions, cache, meta):
+    graphdef, state = nnx.split(model)
+    total = meta.slot_mapping.shape[0]
+    tok = np.zeros(total, np.int32)
+    pos = np.zeros(total, np.int32)
+    tok[:len(tokens)], pos[:len(positions)] = tokens, positions
+    return forward(graphdef, state, jnp.asarray(tok), jnp.asarray(pos), cache, meta)
+
+
+def test_two_sequences_in_one_batch_equal_each_alone(qwen3_5):
+    """Sequence A continues 12 cached tokens in slot 1 while sequence B starts fresh in
+    slot 0, in one ragged batch with padding rows: each equals its own single run."""
+    _, config, model = qwen3_5
+    rng = np.random.default_rng(5)
+    a, b = [int(t) for t in rng.integers(0, config.vocab_size, 20)], [int(t) for t in rng.integers(0, config.vocab_size, 9)]
+    pages_a, pages_b = [1, 2], [5, 6]
+    cache = fresh_cache(config)
+    _, cache = run(model, a[:12], range(12), cache, batch_meta([(0, 12, pages_a, 1)], 16))
+    logits, _ = run(model, a[12:] + b, list(range(12, 20)) + list(range(9)), cache,
+                    batch_meta([(12, 8, pages_a, 1), (0, 9, pages_b, 0)], 32))
+    alone_a, _ = prefill_chunks(model, a, fresh_cache(config), [3, 4])
+    alone_b, _ = prefill_chunks(model, b, fresh_cache(config), [3, 4])
+    assert np.isfinite(np.asarray(logits[:2])).all()
+    np.testing.assert_allclose(np.asarray(logits[0]), np.asarray(alone_a), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(logits[1]), np.asarray(alone_b), rtol=1e-5, atol=1e-5)
+
+
+def test_a_fresh_sequence_ignores_what_its_slot_holds(qwen3_5):
+    _, config, model = qwen3_5
+    rng = np.random.default_rng(6)
+    a, b = [int(t) for t in rng.integers(0, config.vocab_size, 40)], [int(t) for t in rng.integers(0, config.vocab_size, 25)]
+    _, used = prefill_chunks(model, a, fresh_cache(config, slots=1), [1, 2, 3])  # slot 0 now holds a's state
+    assert all(np.isfinite(np.asarray(e.recurrent)).all() for e in used.pages if hasattr(e, "recurrent"))
+    reused, _ = prefill_chunks(model, b, used, [4, 5])
+    clean, _ = prefill_chunks(model, b, fresh_cache(config, slots=1), [4, 5])
+    np.testing.assert_array_equal(np.asarray(reused), np.asarray(clean))
+
+
+def test_the_engine_refuses_hybrids_by_name(qwen3_5):
+    from jaxfill.engine.engine import Engine
+
+    directory, config, _ = qwen3_5
+    with pytest.raises(ConfigError, match="linear-attention"):
+        Engine.from_config("tiny", model_path=directory, progress=False)
+    with pytest.raises(ConfigError, match="int8"):
+        dataclasses.replace(config, weight_dtype="int8")
