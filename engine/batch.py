@@ -103,7 +103,8 @@ def _split_seed(seed: int) -> tuple[int, int]:
 
 
 def build_batch(out: SchedulerOutput, shape: tuple[int, int], page_size: int, max_pages: int,
-                vocab_size: int, penalty_window: int, prompt_rows: int = 1) -> StepBatch:
+                vocab_size: int, penalty_window: int, prompt_rows: int = 1, state_slots: bool = False) -> StepBatch:
+    """`state_slots`: the batch names each sequence's recurrent-state slot (linear-attention hybrids)."""
     t_pad, s_pad = shape
     tokens = np.zeros(t_pad, np.int32)
     positions = np.zeros(t_pad, np.int32)
@@ -112,6 +113,7 @@ def build_batch(out: SchedulerOutput, shape: tuple[int, int], page_size: int, ma
     kv_lens = np.zeros(s_pad, np.int32)
     page_indices = np.zeros((s_pad, max_pages), np.int32)
     logits_idx = np.zeros(s_pad, np.int32)
+    seq_slots = np.zeros(s_pad, np.int32) if state_slots else None
     temp = np.zeros(s_pad, np.float32)
     top_k = np.zeros(s_pad, np.int32)
     top_p = np.ones(s_pad, np.float32)
@@ -165,6 +167,8 @@ def build_batch(out: SchedulerOutput, shape: tuple[int, int], page_size: int, ma
         kv_lens[i] = end
         page_indices[i, :len(pages)] = pages
         logits_idx[i] = pos_t - 1
+        if state_slots:
+            seq_slots[i] = req.state_slot
         if sch.samples:
             p = req.params
             temp[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
@@ -194,7 +198,7 @@ def build_batch(out: SchedulerOutput, shape: tuple[int, int], page_size: int, ma
     cu[num + 1:] = pos_t
     meta = AttentionMetadata(cu_q_lens=cu, kv_lens=kv_lens, page_indices=page_indices,
                              num_seqs=np.asarray([num], np.int32), slot_mapping=slots,
-                             logits_indices=logits_idx)
+                             logits_indices=logits_idx, state_slots=seq_slots)
     sampling = SamplingArrays(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
                               seed_hi=seed_hi, seed_lo=seed_lo, out_index=out_index,
                               repetition_penalty=rep, presence_penalty=pres, frequency_penalty=freq,
@@ -204,13 +208,14 @@ def build_batch(out: SchedulerOutput, shape: tuple[int, int], page_size: int, ma
 
 
 def dummy_batch(shape: tuple[int, int], max_pages: int, penalty_window: int, vocab_size: int,
-                prompt_rows: int = 1) -> StepBatch:
+                prompt_rows: int = 1, state_slots: bool = False) -> StepBatch:
     """An all-padding batch of one bucket shape (warm-up): one live 1-token sequence on
     the null page whose write is skipped (slot -1)."""
     t_pad, s_pad = shape
     from jaxfill.engine.scheduler import SchedulerOutput
 
-    b = build_batch(SchedulerOutput([], [], []), shape, 1, max_pages, vocab_size, penalty_window, prompt_rows)
+    b = build_batch(SchedulerOutput([], [], []), shape, 1, max_pages, vocab_size, penalty_window, prompt_rows,
+                    state_slots)
     b.meta.cu_q_lens[1:] = 1
     b.meta.kv_lens[0] = 1
     b.meta.num_seqs[0] = 1

@@ -70,6 +70,10 @@ class EngineSettings:
     host_kv_cache_gb: float = 0.0
     disk_kv_cache_dir: str = ""
     disk_kv_cache_gb: float = 0.0
+    # Linear-attention hybrids (models/gated_deltanet.py): recurrent-state slots, one per
+    # running request (the scheduler hands them out). Set by load_config for such models
+    # (= max_num_seqs); 0 for every other model.
+    state_slots: int = 0
 
     def __post_init__(self):
         for name in ("page_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
@@ -253,9 +257,7 @@ def load_config(config: str = "tiny", overrides: Mapping[str, Any] | list[str] |
     engine = _build(EngineSettings, engine_values)
     mesh = _build(MeshSettings, {**data.get("mesh", {}), **extra.get("mesh", {})})
     if model.linear_layers:
-        raise ConfigError(f"{model.architecture} has linear-attention (Gated DeltaNet) layers "
-                          f"{list(model.linear_layers)}: it runs at the model level (engine/simple.py); the Engine "
-                          "and the planner refuse it until the scheduler's state slot pool lands")
+        engine, mesh = hybrid_settings(model, engine, mesh, {**extra.get("engine", {}), **extra.get("mesh", {})})
     if model.num_layers % mesh.stage:
         raise ConfigError(f"mesh.stage={mesh.stage} must divide the model's {model.num_layers} layers")
     if engine.scan_layers and mesh.stage > 1:
@@ -263,6 +265,26 @@ def load_config(config: str = "tiny", overrides: Mapping[str, Any] | list[str] |
                           "each stage runs its own layers: choose one")
     check_stackable(model, model.num_layers if engine.scan_layers else mesh.stage)
     return Config(name=name, model=model, engine=engine, mesh=mesh, model_path=model_path)
+
+
+def hybrid_settings(model: ModelConfig, engine: EngineSettings, mesh: MeshSettings,
+                    chosen: Mapping[str, Any]) -> tuple[EngineSettings, MeshSettings]:
+    """A linear-attention hybrid's engine today: one device, a state slot per running
+    request, no prefix-cache hits (a cached prefix would need the recurrent state at its
+    end: snapshots, not built). What it cannot do yet is refused by name."""
+    unsupported = {"mesh.data/tensor/sequence/stage/expert > 1": mesh.size > 1 or mesh.num_processes > 1,
+                   "engine.scan_layers": engine.scan_layers,
+                   "engine.host_kv_cache_gb": float(engine.host_kv_cache_gb) > 0,
+                   "engine.kv_cache_dtype int8/fp8": engine.kv_cache_dtype != "auto",
+                   "engine.enable_prefix_caching = true (set explicitly)": chosen.get("enable_prefix_caching") is True}
+    bad = [name for name, on in unsupported.items() if on]
+    if bad:
+        raise ConfigError(f"{model.architecture} has linear-attention layers {list(model.linear_layers)}; "
+                          f"not supported with them yet: {', '.join(bad)}")
+    if engine.enable_prefix_caching:
+        log.info("linear-attention hybrid: prefix caching off (no recurrent-state snapshots yet)")
+    return (dataclasses.replace(engine, enable_prefix_caching=False, state_slots=engine.max_num_seqs),
+            dataclasses.replace(mesh, cpu_split=False))
 
 
 def check_stackable(model: ModelConfig, groups: int) -> None:

@@ -286,7 +286,7 @@ class Engine(Conveniences, DisaggregationFacade, MultiProcessFacade):
         s = self.settings
         try:
             launch.batch = stack_batches([build_batch(sc, launch.shape, s.page_size, self.max_pages, self.vocab_size,
-                                                      s.penalty_window, self.runner.prompt_rows)
+                                                      s.penalty_window, self.runner.prompt_rows, s.state_slots > 0)
                                           for sc in launch.scheds])
         except Exception as e:  # noqa: BLE001 - a bad request must not stop the engine
             outputs += self._fail(launch.scheds, e)

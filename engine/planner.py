@@ -149,6 +149,9 @@ def plan_prefill(config: Config, hw: Hardware, prompt_len: int, link_gbps: float
     """Everything `jaxfill plan` reports for one prompt length (JSON-ready); with
     `link_gbps`, also the prefill-to-decode KV transfer time over that link."""
     model, engine, mesh = config.model, config.engine, config.mesh
+    if model.linear_layers:  # KV of the attention layers only, plus a fixed state: not counted yet
+        raise ValueError(f"the planner does not count linear-attention layers' recurrent state yet "
+                         f"({model.architecture}, layers {list(model.linear_layers)})")
     check_link_gbps(link_gbps)
     check_mesh(model, mesh)
     check_prompt_len(prompt_len, engine)

@@ -238,6 +238,7 @@ class Request:
         self.index = 0  # n > 1: which sample, and the id add_request returned for them all
         self.parent_id: str | None = None
         self.prefill_after: Request | None = None  # a sibling sample whose prompt pages it waits to share
+        self.state_slot: int | None = None  # its recurrent-state slot while running (linear-attention hybrids)
         self.matcher = None  # llguidance LLMatcher of a structured_output request (engine/structured_output.py)
         # text
         self.detok = None

@@ -114,7 +114,8 @@ class Runner(RunnerKVTier):
         c = self.config
         num_pages = num_pages or c.engine.num_pages
         cache = KVCache.create(c.model, num_pages, c.engine.page_size, fill_value=float(c.engine.kv_fill_value),
-                               kv_cache_dtype=c.engine.kv_cache_dtype, stages=self.stages, mesh=self.mesh)
+                               kv_cache_dtype=c.engine.kv_cache_dtype, stages=self.stages, mesh=self.mesh,
+                               state_slots=max(1, c.engine.state_slots))
         if self.mesh is not None:
             return cache  # allocated in its shards
         # Committed, as the step returns it: an uncommitted first cache compiles the first
@@ -148,7 +149,7 @@ class Runner(RunnerKVTier):
         """An all-padding batch of one bucket (warm-up, and what followers receive into)."""
         s = self.config.engine
         one = dummy_batch(shape, s.max_pages_per_seq, s.penalty_window, self.config.model.vocab_size,
-                          self.prompt_rows)
+                          self.prompt_rows, s.state_slots > 0)
         return stack_batches([one] * self.num_replicas)
 
     def mesh_context(self):

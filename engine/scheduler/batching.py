@@ -95,6 +95,9 @@ class Scheduler(RequestTransitions):
         self.chunked = s.chunked_prefill
         self.bm = block_manager or BlockManager(s.num_pages, s.page_size, s.enable_prefix_caching)
         self.tier = tier  # engine.host_kv_tier.HostKVTier, shared by the replicas; None = off
+        # linear-attention hybrids: a recurrent-state slot per running request (engine.state_slots)
+        self.slots_used = s.state_slots > 0
+        self.free_slots = list(range(s.state_slots - 1, -1, -1))
         self.waiting: list[Request] = []  # sorted by _key
         self.running: list[Request] = []  # admission order
         self.num_preemptions = 0
@@ -112,6 +115,9 @@ class Scheduler(RequestTransitions):
     def _release(self, req: Request) -> None:
         self.bm.free(req.pages)
         req.pages = []
+        if req.state_slot is not None:
+            self.free_slots.append(req.state_slot)
+            req.state_slot = None
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -263,6 +269,8 @@ class Scheduler(RequestTransitions):
             need = self.bm.pages_for(computed + n) - len(hits)
             if not self._can_admit(need, hits):
                 break  # out of pages: stop admitting (running requests keep theirs)
+            if self.slots_used and not self.free_slots:
+                break  # every recurrent-state slot is held (linear-attention hybrids)
             self.bm.queries += len(req.page_hashes)
             del self.waiting[i]
             seqs.append(self._admit(req, hits, need, computed, n, now))
@@ -317,6 +325,8 @@ class Scheduler(RequestTransitions):
             self.cached_tokens_total += computed
         if req.first_scheduled is None:
             req.first_scheduled = now
+        if self.slots_used:
+            req.state_slot = self.free_slots.pop()
         req.status = Status.RUNNING
         self.running.append(req)
         return Scheduled(req, computed, n, restores)

@@ -107,7 +107,8 @@ class RequestTransitions:
             req.in_flight = 0
             req.pending_row = -1
             if id(sch) not in done and req.status == Status.RUNNING:
-                req.num_computed = min(req.num_computed, sch.start)
+                # a recurrent state (linear-attention hybrids) may hold the lost rows: start over
+                req.num_computed = 0 if req.state_slot is not None else min(req.num_computed, sch.start)
 
     def finish(self, req: Request, reason: str, error: str | None = None, keep_pages: bool = False,
                num_output_tokens: int | None = None) -> None:
