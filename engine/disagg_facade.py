@@ -15,6 +15,9 @@ class DisaggregationFacade:
         """Starts this engine's transfer server (engine/kv_handoff.py); idempotent."""
         from jaxfill.engine.kv_handoff import KVHandoff  # jax.experimental.transfer only when asked
 
+        if self.settings.state_slots:
+            raise InvalidRequest("kv_transfer_params", "disaggregated prefill of a linear-attention hybrid is not "
+                                 "supported yet: its recurrent state would have to move with the KV rows")
         with self._lock:
             if self.kv_handoff is None:
                 self.kv_handoff = KVHandoff(self.settings.kv_transfer_timeout_s, self.config, self.runner,

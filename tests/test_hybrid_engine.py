@@ -13,7 +13,7 @@ from jaxfill.engine.config import load_config
 from jaxfill.engine.engine import Engine
 from jaxfill.engine.hardware import load_hardware
 from jaxfill.engine.planner import plan_prefill
-from jaxfill.engine.request import SamplingParams
+from jaxfill.engine.request import InvalidRequest, SamplingParams
 from jaxfill.engine.simple import generate_one
 from jaxfill.models.checkpoint import load_hf_params
 from jaxfill.models.config import ConfigError
@@ -85,3 +85,5 @@ def test_what_hybrids_cannot_do_yet_is_refused_by_name(hybrid):
             load_config("tiny", override, model_path=directory)
     with pytest.raises(ValueError, match="recurrent state"):
         plan_prefill(load_config("tiny", model_path=directory), load_hardware("h100"), 1024)
+    with pytest.raises(InvalidRequest, match="recurrent state"):
+        engine(directory).enable_kv_transfer()
