@@ -39,6 +39,7 @@ for name, overrides in layouts.items():
     out[name] = {"tokens": [c.token_ids for c in done], "cached": [c.cached_tokens for c in done],
                  "logprob": [c.logprobs[0]["logprob"] for c in done],
                  "pages_back": st["pages_free"] == st["pages_total"],
+                 "kv_bytes_per_token": st["kv_bytes_per_token"],
                  # MoE: pairs per expert per layer, and the token rows the forwards ran
                  "experts": {str(k): v.tolist() for k, v in engine.expert_tokens(refresh=True).items()},
                  "rows": sum(len(p) - c.cached_tokens + len(c.token_ids) - 1 for p, c in zip(prompts, done)),

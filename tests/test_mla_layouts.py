@@ -29,7 +29,10 @@ EXACT = ("chunk1", "chunk7", "chunk16", "chunk64", "prefix", "tensor2", "sequenc
 def test_dense_mla(tmp_path):
     """q straight from the hidden state, plain rope, every layer dense."""
     model = make_hf_checkpoint(str(tmp_path / "dense"), "deepseek_v3_dense")
-    check_layouts(run_layouts(model, COMMON, devices=2), "deepseek_v3_dense", EXACT)
+    r = run_layouts(model, COMMON, devices=2)
+    check_layouts(r, "deepseek_v3_dense", EXACT)
+    # the cache holds the latent once: layers x (kv_lora_rank + qk_rope_head_dim) x 4 bytes (f32)
+    assert r["whole"]["kv_bytes_per_token"] == 2 * (32 + 16) * 4
 
 
 def test_mla_with_experts(tmp_path):
