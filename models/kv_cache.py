@@ -104,7 +104,7 @@ class KVCache:
         if config.linear_layers:
             if stages > 1 or mesh is not None:
                 raise ValueError("linear-attention hybrids run on one device, unstaged, for now")
-            from jaxfill.models.gated_deltanet import init_linear_state
+            from jaxfill.models.linear_state import init_linear_state
 
             return cls(tuple(init_linear_state(config, state_slots, fill_value) if j in config.linear_layers
                              else make() for j in entries), stages)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from jaxfill.models.config import ConfigError
 from jaxfill.models.families.base import Family, HFTensor, activation, same
-from jaxfill.models.gated_deltanet import conv_dim
+from jaxfill.models.linear_state import conv_dim
 
 LAYER_KINDS = ("linear_attention", "full_attention")
 
