@@ -74,6 +74,18 @@ class EngineSettings:
     # running request (the scheduler hands them out). Set by load_config for such models
     # (= max_num_seqs); 0 for every other model.
     state_slots: int = 0
+    # Their prefix caching (engine/scheduler/state_snapshots.py): the recurrent state is
+    # snapshotted every state_snapshot_tokens tokens (a multiple of page_size; 0 = no
+    # prefix caching for hybrids) into state_snapshot_slots slots (0 = max_num_seqs).
+    # One snapshot of Qwen3.5-9B's 24 linear layers holds 48 MiB: the KV of ~1.5k tokens.
+    state_snapshot_tokens: int = 512
+    state_snapshot_slots: int = 0
+
+    @property
+    def state_pool_slots(self) -> int:
+        """Slots of each linear layer's state array: working, snapshots, and one null slot
+        last (the target of padded copies)."""
+        return self.state_slots + self.state_snapshot_slots + 1
 
     def __post_init__(self):
         for name in ("page_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
@@ -257,7 +269,7 @@ def load_config(config: str = "tiny", overrides: Mapping[str, Any] | list[str] |
     engine = _build(EngineSettings, engine_values)
     mesh = _build(MeshSettings, {**data.get("mesh", {}), **extra.get("mesh", {})})
     if model.linear_layers:
-        engine, mesh = hybrid_settings(model, engine, mesh, {**extra.get("engine", {}), **extra.get("mesh", {})})
+        engine, mesh = hybrid_settings(model, engine, mesh)
     if model.num_layers % mesh.stage:
         raise ConfigError(f"mesh.stage={mesh.stage} must divide the model's {model.num_layers} layers")
     if engine.scan_layers and mesh.stage > 1:
@@ -267,23 +279,29 @@ def load_config(config: str = "tiny", overrides: Mapping[str, Any] | list[str] |
     return Config(name=name, model=model, engine=engine, mesh=mesh, model_path=model_path)
 
 
-def hybrid_settings(model: ModelConfig, engine: EngineSettings, mesh: MeshSettings,
-                    chosen: Mapping[str, Any]) -> tuple[EngineSettings, MeshSettings]:
+def hybrid_settings(model: ModelConfig, engine: EngineSettings,
+                    mesh: MeshSettings) -> tuple[EngineSettings, MeshSettings]:
     """A linear-attention hybrid's engine today: one device, a state slot per running
-    request, no prefix-cache hits (a cached prefix would need the recurrent state at its
-    end: snapshots, not built). What it cannot do yet is refused by name."""
+    request, prefix caching through state snapshots (engine/scheduler/state_snapshots.py).
+    What it cannot do yet is refused by name."""
     unsupported = {"mesh.data/tensor/sequence/stage/expert > 1": mesh.size > 1 or mesh.num_processes > 1,
                    "engine.scan_layers": engine.scan_layers,
                    "engine.host_kv_cache_gb": float(engine.host_kv_cache_gb) > 0,
-                   "engine.kv_cache_dtype int8/fp8": engine.kv_cache_dtype != "auto",
-                   "engine.enable_prefix_caching = true (set explicitly)": chosen.get("enable_prefix_caching") is True}
+                   "engine.kv_cache_dtype int8/fp8": engine.kv_cache_dtype != "auto"}
     bad = [name for name, on in unsupported.items() if on]
     if bad:
         raise ConfigError(f"{model.architecture} has linear-attention layers {list(model.linear_layers)}; "
                           f"not supported with them yet: {', '.join(bad)}")
-    if engine.enable_prefix_caching:
-        log.info("linear-attention hybrid: prefix caching off (no recurrent-state snapshots yet)")
-    return (dataclasses.replace(engine, enable_prefix_caching=False, state_slots=engine.max_num_seqs),
+    interval, slots = int(engine.state_snapshot_tokens), int(engine.state_snapshot_slots)
+    if interval < 0 or interval % engine.page_size or slots < 0:
+        raise ConfigError(f"engine.state_snapshot_tokens must be a multiple of engine.page_size "
+                          f"({engine.page_size}) and state_snapshot_slots >= 0; got {interval}, {slots}")
+    caching = engine.enable_prefix_caching and interval > 0
+    if engine.enable_prefix_caching and not caching:
+        log.info("linear-attention hybrid: prefix caching off (engine.state_snapshot_tokens = 0)")
+    slots = (slots or engine.max_num_seqs) if caching else 0
+    return (dataclasses.replace(engine, enable_prefix_caching=caching, state_slots=engine.max_num_seqs,
+                                state_snapshot_slots=slots),
             dataclasses.replace(mesh, cpu_split=False))
 
 

@@ -250,10 +250,28 @@ class Engine(Conveniences, DisaggregationFacade, MultiProcessFacade):
             if self.kv_handoff is not None:  # never prefilled: nothing to offer
                 self.kv_handoff.hold.discard(req.request_id)
             outputs.append(self._finished_output(req))
-        if not any(sched.seqs for sched in scheds):
+        if not self._copy_states(scheds) or not any(sched.seqs for sched in scheds):
             return None
         shape = pick_bucket(self.shapes, max(sc.num_tokens for sc in scheds), max(len(sc.seqs) for sc in scheds))
         return Launch(scheds, shape, None)
+
+    def _copy_states(self, scheds) -> bool:
+        """[lock] Linear-attention state snapshots taken and restored before the step (even
+        when nothing runs now: a snapshot is findable from now on). If the copy fails the
+        cache is rebuilt and every request recomputes (no snapshot is then trusted)."""
+        first = [c for sc in scheds for c in sc.state_copies]
+        then = [c for sc in scheds for c in sc.state_restores]
+        if not first and not then:
+            return True
+        try:
+            self.runner.copy_states(first, then)
+            return True
+        except Exception:  # noqa: BLE001 - the requests recompute; the engine goes on
+            traceback.print_exc(file=sys.stderr)
+            self.runner.reset_cache()
+            self.scheduler.recompute_all()
+            self.num_cache_resets += 1
+            return False
 
     def _restore(self, launch: Launch) -> Launch | None:
         """[lock] Host-tier pages go back into their new device pages before the step reads

@@ -115,7 +115,7 @@ class Runner(RunnerKVTier):
         num_pages = num_pages or c.engine.num_pages
         cache = KVCache.create(c.model, num_pages, c.engine.page_size, fill_value=float(c.engine.kv_fill_value),
                                kv_cache_dtype=c.engine.kv_cache_dtype, stages=self.stages, mesh=self.mesh,
-                               state_slots=max(1, c.engine.state_slots))
+                               state_slots=c.engine.state_pool_slots)
         if self.mesh is not None:
             return cache  # allocated in its shards
         # Committed, as the step returns it: an uncommitted first cache compiles the first
@@ -198,6 +198,18 @@ class Runner(RunnerKVTier):
 
         self.save_evicted()
         self.kv_cache = kvt.import_rows(self.kv_cache, values, scales, pages, num_tokens, self.page_size)
+
+    def copy_states(self, first: list[tuple[int, int]], then: list[tuple[int, int]]) -> None:
+        """Linear-attention state slots copied (src, dst), `first` before `then` (state
+        snapshots taken, then restored: engine/scheduler/state_snapshots.py). One process,
+        one device (hybrids refuse meshes); pairs pad to a power of two, so few programs."""
+        from jaxfill.models.linear_state import copy_state_slots
+
+        null = self.config.engine.state_pool_slots - 1
+        size = 1 << (max(len(first), len(then), 1) - 1).bit_length()
+        pad = lambda pairs: np.asarray(list(pairs) + [(null, null)] * (size - len(pairs)), np.int32).T  # noqa: E731
+        (fs, fd), (ts, td) = pad(first), pad(then)
+        self.kv_cache = copy_state_slots(self.kv_cache, fs, fd, ts, td)
 
     def cache_ok(self) -> bool:
         return not any(a.is_deleted() for a in self.kv_cache.arrays())

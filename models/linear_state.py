@@ -4,6 +4,7 @@ slots, beside the attention layers' pages in the KVCache."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -28,3 +29,23 @@ def init_linear_state(c: ModelConfig, slots: int, fill_value: float = 0.0) -> Li
     hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
     return LinearState(jnp.full((slots, hv, dk, dv), fill_value, jnp.float32),
                        jnp.full((slots, conv_dim(c), c.linear_conv_kernel - 1), fill_value, c.jnp_dtype))
+
+
+def _copy(entry, src, dst):  # src, dst: [N] int32 slots
+    if not isinstance(entry, LinearState):
+        return entry  # an attention layer's pages
+    return LinearState(entry.recurrent.at[dst].set(entry.recurrent[src]), entry.conv.at[dst].set(entry.conv[src]))
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def copy_state_slots(cache,
+                     first_src: jax.Array,  # [N] int32
+                     first_dst: jax.Array,  # [N] int32
+                     then_src: jax.Array,  # [N] int32
+                     then_dst: jax.Array,  # [N] int32
+                     ):
+    """Every linear layer's slots copied src -> dst, the `first` pairs before the `then`
+    pairs (state snapshots taken, then restored into working slots: a restore may read a
+    snapshot written by the first round). Padding pairs copy the null slot onto itself."""
+    pages = tuple(_copy(_copy(e, first_src, first_dst), then_src, then_dst) for e in cache.pages)
+    return dataclasses.replace(cache, pages=pages)

@@ -52,7 +52,7 @@ def all_back(e: Engine) -> bool:
 def test_more_requests_than_slots_in_shared_steps(hybrid, async_scheduling):
     directory, prompts, want = hybrid
     e = engine(directory, **{"engine.async_scheduling": async_scheduling})
-    assert e.config.engine.state_slots == 2 and not e.config.engine.enable_prefix_caching
+    assert e.config.engine.state_slots == 2 and e.config.engine.enable_prefix_caching  # snapshots every 512
     got = e.generate(prompts, GREEDY)
     assert [c.token_ids for c in got] == want
     assert all_back(e)
@@ -78,8 +78,7 @@ def test_abort_mid_prefill_and_preemption(hybrid):
 
 def test_what_hybrids_cannot_do_yet_is_refused_by_name(hybrid):
     directory = hybrid[0]
-    for override, name in [({"mesh.tensor": 2}, "mesh"), ({"engine.enable_prefix_caching": True}, "prefix"),
-                           ({"engine.kv_cache_dtype": "int8"}, "kv_cache_dtype"),
+    for override, name in [({"mesh.tensor": 2}, "mesh"), ({"engine.kv_cache_dtype": "int8"}, "kv_cache_dtype"),
                            ({"engine.scan_layers": True}, "scan_layers")]:
         with pytest.raises(ConfigError, match=name):
             load_config("tiny", override, model_path=directory)

@@ -17,6 +17,10 @@ back before the step (engine/kv_offload.py); the first page in neither ends the 
 Restored pages count as computed, and join the device's prefix cache only once written
 (`restored`).
 
+Linear-attention hybrids (engine.state_slots > 0) hold a recurrent-state slot while
+running; with prefix caching, chunks are cut at state snapshot boundaries and a hit
+resumes only where a snapshot is kept (state_snapshots.py).
+
 When pages run out for a running request, the lowest-priority (latest) running request
 is preempted: its pages are freed and it goes back to waiting with num_computed = 0,
 to be recomputed (prefix-cache hits make that cheap). A step that preempted admits no
@@ -33,6 +37,7 @@ import time
 
 from jaxfill.engine.block_manager import BlockManager, prefix_hashes
 from jaxfill.engine.request import Request, Status
+from jaxfill.engine.scheduler.state_snapshots import StateSnapshots
 from jaxfill.engine.scheduler.transitions import RequestTransitions
 
 
@@ -51,6 +56,7 @@ class Scheduled:
     start: int  # num_computed when scheduled: first new token's position
     num_new: int
     restores: list[Restore] = dataclasses.field(default_factory=list)  # pages to write before the step
+    state_from: int | None = None  # a snapshot slot to copy into the request's state slot first (hybrids)
     samples: bool = dataclasses.field(init=False)  # the chunk reaches the end: a token is drawn
 
     def __post_init__(self):
@@ -73,6 +79,13 @@ class SchedulerOutput:
     seqs: list[Scheduled]
     preempted: list[Request]
     finished: list[Request]  # finished here with "length": no room even alone
+    # (working slot, snapshot slot) copies to run before the step (state_snapshots.py)
+    state_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+
+    @property
+    def state_restores(self) -> list[tuple[int, int]]:
+        """(snapshot slot, working slot) copies to run after state_copies, before the step."""
+        return [(s.state_from, s.req.state_slot) for s in self.seqs if s.state_from is not None]
 
     @property
     def num_tokens(self) -> int:
@@ -98,6 +111,10 @@ class Scheduler(RequestTransitions):
         # linear-attention hybrids: a recurrent-state slot per running request (engine.state_slots)
         self.slots_used = s.state_slots > 0
         self.free_slots = list(range(s.state_slots - 1, -1, -1))
+        # their states at prefix boundaries, so prefix-cache hits can resume (None: no prefix caching)
+        self.snapshots = None
+        if s.state_slots and s.enable_prefix_caching and s.state_snapshot_slots:
+            self.snapshots = StateSnapshots(s.state_snapshot_tokens, s.state_slots, s.state_snapshot_slots)
         self.waiting: list[Request] = []  # sorted by _key
         self.running: list[Request] = []  # admission order
         self.num_preemptions = 0
@@ -170,6 +187,8 @@ class Scheduler(RequestTransitions):
             if page is None and tier is None:
                 break
             hits.append(page if page is not None else Restore(h, tier))
+        if self.snapshots is not None:  # a hybrid resumes only where a state snapshot is kept
+            hits = hits[:self.snapshots.resume_pages(req.page_hashes[:len(hits)], self.page_size)]
         return hits
 
     def recompute_all(self) -> None:
@@ -178,6 +197,8 @@ class Scheduler(RequestTransitions):
         for req in list(self.running):
             self._preempt(req)
         self.bm.reset_prefix_cache()
+        if self.snapshots is not None:
+            self.snapshots.clear()
 
     def register_computed(self, req: Request, upto: int | None = None, start: int = 0) -> None:
         """Publishes the request's full pages computed up to `upto` tokens (default: all
@@ -193,6 +214,24 @@ class Scheduler(RequestTransitions):
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
+        """This step's plan; first the snapshots the steps dispatched since the last plan
+        left (they must be copied even when nothing runs now)."""
+        copies = []
+        if self.snapshots is not None:
+            copies = self.snapshots.take_copies(lambda h: self.bm.page_of(h) is not None)
+        out = self._schedule()
+        out.state_copies = copies
+        return out
+
+    def _chunk(self, req: Request, start: int, n: int) -> int:
+        """n new tokens from `start`, cut by the long-prefill cap and at a state snapshot boundary."""
+        if self.chunk_cap and total_tokens(req) - start > 1:
+            n = min(n, self.chunk_cap)
+        if self.snapshots is not None:
+            n = self.snapshots.cut(start, n, req.num_tokens)
+        return n
+
+    def _schedule(self) -> SchedulerOutput:
         if not self.chunked:
             out = self._schedule_prefill_first()
             if out is not None:
@@ -212,9 +251,7 @@ class Scheduler(RequestTransitions):
                 continue  # preempted by an earlier request of this loop
             if budget == 0 or len(seqs) >= self.max_seqs:
                 break
-            n = min(to_compute(req), budget)
-            if self.chunk_cap and to_compute(req) > 1:
-                n = min(n, self.chunk_cap)
+            n = self._chunk(req, req.num_computed, min(to_compute(req), budget))
             n, scored = self._prompt_rows_cap(req, req.num_computed, n, lp_left)
             if n == 0:
                 continue  # this step's prompt_logprobs rows are taken
@@ -256,9 +293,7 @@ class Scheduler(RequestTransitions):
             hits = [] if req.pages else self._prefix_hits(req)
             computed = len(hits) * self.page_size
             remaining = req.num_tokens - computed
-            n = min(remaining, budget)
-            if self.chunk_cap and remaining > 1:
-                n = min(n, self.chunk_cap)
+            n = self._chunk(req, computed, min(remaining, budget))
             n, scored = self._prompt_rows_cap(req, computed, n, lp_left)
             if n == 0:
                 i += 1
@@ -325,11 +360,14 @@ class Scheduler(RequestTransitions):
             self.cached_tokens_total += computed
         if req.first_scheduled is None:
             req.first_scheduled = now
+        state_from = None
         if self.slots_used:
             req.state_slot = self.free_slots.pop()
+            if computed:  # resumes from a snapshot, copied into its own slot (never read in place)
+                state_from = self.snapshots.slot_of(req.page_hashes[len(hits) - 1])
         req.status = Status.RUNNING
         self.running.append(req)
-        return Scheduled(req, computed, n, restores)
+        return Scheduled(req, computed, n, restores, state_from)
 
     def _count_tier_queries(self, restores: list[Restore], missed: bool) -> None:
         """Pages asked of the host tier (and of its disk) at an admission; their hits are

@@ -130,4 +130,14 @@ class ReplicaScheduler:
             "prefix_cache_queries": sum(b.queries for b in bms),
             "cached_tokens_total": sum(s.cached_tokens_total for s in self.replicas),
             "num_preemptions": sum(s.num_preemptions for s in self.replicas),
+            **self._snapshot_stats(),
         }
+
+    def _snapshot_stats(self) -> dict:
+        """Linear-attention state snapshots (prefix caching of hybrids); {} for other models."""
+        snaps = [s.snapshots for s in self.replicas if s.snapshots is not None]
+        if not snaps:
+            return {}
+        return {"state_snapshots_kept": sum(len(x.slots) for x in snaps),
+                "state_snapshots_taken": sum(x.taken for x in snaps),
+                "state_snapshot_hits": sum(x.hits for x in snaps)}

@@ -48,6 +48,10 @@ class RequestTransitions:
             if req.status != Status.RUNNING:
                 continue
             req.num_computed = sch.start + sch.num_new
+            if self.snapshots is not None:
+                end = self.snapshots.boundary(sch.start, sch.num_new, req.num_tokens)
+                if end is not None:
+                    self.snapshots.record(req.state_slot, self._hashes(req, end)[-1])
             if sch.samples:
                 req.in_flight += 1
                 req.pending_row = first_row + i
@@ -102,6 +106,8 @@ class RequestTransitions:
     def rewind(self, scheduled: Iterable, done: set[int]) -> None:
         """These Scheduled rows' results are lost (those whose id() is in `done` were
         taken): their requests recompute from the tokens the host knows."""
+        if self.snapshots is not None:
+            self.snapshots.drop_pending()
         for sch in scheduled:
             req = sch.req
             req.in_flight = 0

@@ -1,0 +1,99 @@
+"""Recurrent-state snapshots: what makes prefix caching safe for linear-attention hybrids.
+
+A Gated DeltaNet layer keeps one state per sequence, not a row per token, so a cached
+prefix's KV pages alone cannot resume a request: it also needs the state exactly at the
+prefix's end. Every `interval` tokens (engine.state_snapshot_tokens, a multiple of the
+page size) a request's working slot is copied into a snapshot slot, keyed by the page
+hash that ends there (the same chain that keys the KV pages: equal hash, equal prefix
+and salt). A later request whose cached pages reach such a boundary takes a copy of that
+snapshot into its *own* working slot and resumes there; it never reads a slot another
+request owns (the tpu-inference #3412 failure: state indexed by a reused request slot).
+
+The scheduler cuts prefill chunks at boundaries so a step ends exactly on one. Snapshots
+are recorded when the step is dispatched (`record`) and copied before the next step
+runs (`take_copies`): the device runs the copy after the step that computed the state
+and before any later step writes that working slot. A snapshot whose boundary page has
+left the prefix cache goes first when a slot is needed, then the least recently used.
+
+Pure Python: the copies are (source slot, destination slot) pairs for the runner.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class StateSnapshots:
+    def __init__(self, interval: int, first_slot: int, num_slots: int):
+        if interval <= 0 or num_slots <= 0:
+            raise ValueError(f"need a positive interval and slot count, got {interval}, {num_slots}")
+        self.interval = interval
+        self.slots = OrderedDict()  # hash -> snapshot slot, least recently used first
+        self.free = list(range(first_slot + num_slots - 1, first_slot - 1, -1))
+        self.pending: list[tuple[int, bytes]] = []  # (working slot, hash) of dispatched steps
+        self.taken = 0  # snapshots copied
+        self.hits = 0  # admissions that resumed from one
+
+    # ------------------------------------------------------------------ chunks
+    def cut(self, start: int, n: int, known: int) -> int:
+        """The chunk [start, start + n) ends at the first boundary inside it, when that
+        boundary's tokens are known (a state snapshot needs its page hashes)."""
+        b = (start // self.interval + 1) * self.interval
+        return b - start if b < start + n and b <= known else n
+
+    def boundary(self, start: int, n: int, known: int) -> int | None:
+        """The boundary the chunk ends on, if it ends on one whose tokens are known."""
+        end = start + n
+        return end if end % self.interval == 0 and 0 < end <= known else None
+
+    # ------------------------------------------------------------------ snapshots
+    def record(self, working_slot: int, h: bytes) -> None:
+        """A dispatched step leaves the state at a boundary (hash h) in working_slot."""
+        if h not in self.slots and all(h != p for _, p in self.pending):
+            self.pending.append((working_slot, h))
+
+    def take_copies(self, is_cached) -> list[tuple[int, int]]:
+        """(working slot, snapshot slot) copies for the pending snapshots, to run before
+        the next step; `is_cached(h)` says whether a boundary page is still cached."""
+        copies = []
+        for working, h in self.pending:
+            if h in self.slots:
+                continue
+            slot = self._free_slot(is_cached)
+            self.slots[h] = slot
+            copies.append((working, slot))
+        self.taken += len(copies)
+        self.pending = []
+        return copies
+
+    def _free_slot(self, is_cached) -> int:
+        if self.free:
+            return self.free.pop()
+        stale = next((h for h in self.slots if not is_cached(h)), None)
+        _, slot = self.slots.popitem(last=False) if stale is None else (stale, self.slots.pop(stale))
+        return slot
+
+    def resume_pages(self, hashes: list[bytes], page_size: int) -> int:
+        """How many of these cached pages (hashes of a request's prefix) it can resume
+        after: the longest prefix ending on a boundary with a snapshot; 0 when none."""
+        per = self.interval // page_size
+        for k in range(len(hashes) // per * per, 0, -per):
+            if hashes[k - 1] in self.slots:
+                return k
+        return 0
+
+    def slot_of(self, h: bytes) -> int:
+        """The snapshot slot of hash h, now the most recently used."""
+        self.slots.move_to_end(h)
+        self.hits += 1
+        return self.slots[h]
+
+    def clear(self) -> None:
+        """The state arrays were lost (a cache reset): no snapshot can be trusted."""
+        self.free += list(self.slots.values())
+        self.slots.clear()
+        self.pending = []
+
+    def drop_pending(self) -> None:
+        """Steps were lost (an interrupt): their states are not what the host thinks."""
+        self.pending = []
