@@ -93,6 +93,7 @@ class ModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel: int = 4  # the short causal convolution over q, k, v
+    linear_grouped_proj: bool = False  # q, k, v, z (and b, a) fused per key head (Qwen3-Next), not apart
     attn_output_gate: bool = False  # attention output times sigmoid(a per-head gate q_proj also gives) (Qwen3.5)
     # Mixture of experts (models/moe.py); num_experts = 0: every layer's MLP is dense
     num_experts: int = 0

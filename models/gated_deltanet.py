@@ -63,17 +63,38 @@ def causal_conv(x: jax.Array,  # [T, C]
 class GatedDeltaNet(nnx.Module):
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         c, dt = config, config.jnp_dtype
-        e, hv, dv = c.hidden_size, c.linear_num_value_heads, c.linear_value_head_dim
-        self.qkv = param(rngs, (e, conv_dim(c)), ("embed", None), dt)
-        self.z = param(rngs, (e, hv, dv), ("embed", None, None), dt)
-        self.b = param(rngs, (e, hv), ("embed", None), dt)
-        self.a = param(rngs, (e, hv), ("embed", None), dt)
+        e, hk, hv, dv = c.hidden_size, c.linear_num_key_heads, c.linear_num_value_heads, c.linear_value_head_dim
+        if c.linear_grouped_proj:  # per key head [q, k, v, z] and [b, a] (Qwen3-Next's in_proj_qkvz / _ba)
+            r = hv // hk
+            self.qkvz = param(rngs, (e, hk, 2 * c.linear_key_head_dim + 2 * r * dv), ("embed", None, None), dt)
+            self.ba = param(rngs, (e, hk, 2 * r), ("embed", None, None), dt)
+        else:
+            self.qkv = param(rngs, (e, conv_dim(c)), ("embed", None), dt)
+            self.z = param(rngs, (e, hv, dv), ("embed", None, None), dt)
+            self.b = param(rngs, (e, hv), ("embed", None), dt)
+            self.a = param(rngs, (e, hv), ("embed", None), dt)
         self.conv = param(rngs, (conv_dim(c), c.linear_conv_kernel), (None, None), dt, scale=0.3)
         self.dt_bias = param(rngs, (hv,), (None,), dt, init="one_plus_normal", scale=0.1)
         self.a_log = param(rngs, (hv,), (None,), dt, scale=1.0)
         self.norm = param(rngs, (dv,), (None,), dt, init="one_plus_normal", scale=0.1)
         self.out = param(rngs, (hv, dv, e), (None, None, "embed"), dt)
         self.config = c
+
+    def project(self, x: jax.Array,  # [T, E]
+                ) -> tuple[jax.Array, ...]:  # qkv [T, conv_dim], z [T, Hv, Dv], b [T, Hv], a [T, Hv]
+        """The input projections, in Qwen3.5's channel order (q, k, v heads in turn) whatever
+        the checkpoint's layout."""
+        c = self.config
+        if not c.linear_grouped_proj:
+            return x @ self.qkv[...], jnp.einsum("te,ehd->thd", x, self.z[...]), x @ self.b[...], x @ self.a[...]
+        t, dk, dv = x.shape[0], c.linear_key_head_dim, c.linear_value_head_dim
+        rdv = c.linear_num_value_heads // c.linear_num_key_heads * dv
+        p = jnp.einsum("te,egw->tgw", x, self.qkvz[...])  # [T, Hk, 2 Dk + 2 r Dv]
+        q, k, v, z = p[..., :dk], p[..., dk:2 * dk], p[..., 2 * dk:2 * dk + rdv], p[..., 2 * dk + rdv:]
+        ba = jnp.einsum("te,egw->tgw", x, self.ba[...])  # [T, Hk, 2r]
+        r = ba.shape[-1] // 2
+        qkv = jnp.concatenate([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], axis=-1)
+        return qkv, z.reshape(t, -1, dv), ba[..., :r].reshape(t, -1), ba[..., r:].reshape(t, -1)
 
     def __call__(self,
                  x: jax.Array,  # [T, E]
@@ -97,21 +118,21 @@ class GatedDeltaNet(nnx.Module):
         history = jnp.where(keep, state.conv[slots], jnp.zeros((), state.conv.dtype))
         recurrent = jnp.where(keep[..., None], state.recurrent[slots], 0.0)
 
-        mixed, history = causal_conv(x @ self.qkv[...], self.conv[...], history, meta.cu_q_lens, seq)
+        qkv, z, b, a = self.project(x)
+        mixed, history = causal_conv(qkv, self.conv[...], history, meta.cu_q_lens, seq)
         mixed = jax.nn.silu(mixed.astype(jnp.float32)).astype(x.dtype)
         q = mixed[:, :hk * dk].reshape(t, hk, dk).astype(jnp.float32)
         k = mixed[:, hk * dk:2 * hk * dk].reshape(t, hk, dk).astype(jnp.float32)
         v = mixed[:, 2 * hk * dk:].reshape(t, hv, dv)
         q, k = _l2norm(q) * dk ** -0.5, _l2norm(k)
         q, k = jnp.repeat(q, hv // hk, axis=1), jnp.repeat(k, hv // hk, axis=1)
-        beta = jax.nn.sigmoid((x @ self.b[...]).astype(jnp.float32))
+        beta = jax.nn.sigmoid(b.astype(jnp.float32))
         g = -jnp.exp(self.a_log[...].astype(jnp.float32)) * jax.nn.softplus(
-            (x @ self.a[...]).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
+            a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
         o, recurrent = gated_delta_rule_chunked(q, k, v.astype(jnp.float32), g, beta, meta.cu_q_lens,
                                                 meta.num_seqs, recurrent)
 
         # RMSNorm per head, then times silu(z): transformers' RMSNormGated cast order
-        z = jnp.einsum("te,ehd->thd", x, self.z[...])
         o = o.astype(x.dtype).astype(jnp.float32)  # the rule's output in the model dtype, as transformers has it
         o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + c.rms_norm_eps)
         o = (self.norm[...] * o.astype(x.dtype)).astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))

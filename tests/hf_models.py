@@ -41,6 +41,15 @@ HYBRID_KWARGS = {
                                                                   "partial_rotary_factor": 0.25,
                                                                   "mrope_section": [2, 1, 1],
                                                                   "mrope_interleaved": True})),
+    # Qwen3-Next: the same stack, DeltaNet projections fused per key head, 8 experts top 2 with
+    # a gated shared expert; layer 1 keeps a dense MLP (mlp_only_layers)
+    "qwen3_next": ("Qwen3Next", dict(num_hidden_layers=4, head_dim=32, linear_num_key_heads=2,
+                                     linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=24,
+                                     linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
+                                     moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                     norm_topk_prob=True, mlp_only_layers=[1],
+                                     rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                      "partial_rotary_factor": 0.25})),
 }
 ARCHS = ("llama", "mistral", "qwen2") + tuple(FAMILY_KWARGS)
 # Mixtures of experts (tests/test_moe_parity.py): 8 experts, top 2, so with expert=4 each

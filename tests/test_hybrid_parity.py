@@ -116,3 +116,29 @@ def test_a_fresh_sequence_ignores_what_its_slot_holds(qwen3_5):
 def test_int8_weights_are_refused_by_name(qwen3_5):
     with pytest.raises(ConfigError, match="int8"):
         dataclasses.replace(qwen3_5[1], weight_dtype="int8")
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory):
+    directory = make_hf_checkpoint(str(tmp_path_factory.mktemp("hybrid") / "qwen3_next"), "qwen3_next")
+    config = config_from_hf(directory)
+    return directory, config, load_hf_params(directory, config, progress=False)
+
+
+def test_qwen3_next_matches_hf_and_chunks_equal_whole(qwen3_next):
+    """Qwen3-Next: the fused per-key-head projections split in Qwen3.5's channel order, the
+    MoE layers (gated shared expert) beside a dense one; f32 logits, greedy tokens, and a
+    prefill in 7-token chunks equal to it whole."""
+    directory, config, model = qwen3_next
+    assert config.linear_grouped_proj and config.num_experts == 8 and config.dense_layers == (1,)
+    hf = load_hf(directory)
+    assert param_count(config) == sum(p.numel() for p in hf.parameters())
+    for length, tokens in prompts(config.vocab_size):
+        err = rel_l2(ours_last_logits(model, config, tokens), hf_last_logits(hf, tokens))
+        assert err <= 1e-5, (length, err)
+    check_greedy_matches_hf(model, config, hf, 16)
+    prompt = [int(t) for t in np.random.default_rng(8).integers(0, config.vocab_size, 50)]
+    whole, _ = prefill_chunks(model, prompt, fresh_cache(config), list(range(1, 5)))
+    cut, _ = prefill_chunks(model, prompt, fresh_cache(config), list(range(1, 5)), chunk=7)
+    assert np.isfinite(np.asarray(cut)).all()
+    np.testing.assert_allclose(np.asarray(cut), np.asarray(whole), rtol=1e-5, atol=1e-5)

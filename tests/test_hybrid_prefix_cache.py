@@ -138,3 +138,20 @@ def test_resume_needs_a_snapshot_at_a_boundary_and_eviction_prefers_stale():
     assert s.resume_pages(hashes, 8) == 8
     s.clear()
     assert s.resume_pages(hashes, 8) == 0 and sorted(s.free) == [4, 5]
+
+
+def test_qwen3_next_through_the_engine_with_snapshots(tmp_path):
+    """Qwen3-Next (MoE hybrid): prompts sharing a 32-token root, in two waves so the second
+    resumes from snapshots, equal the model-level loop alone."""
+    directory = make_hf_checkpoint(str(tmp_path / "qwen3_next"), "qwen3_next")
+    config = config_from_hf(directory)
+    model = load_hf_params(directory, config, progress=False)
+    rng = np.random.default_rng(12)
+    root = [int(t) for t in rng.integers(0, config.vocab_size, 32)]
+    prompts = [root + [int(t) for t in rng.integers(0, config.vocab_size, n)] for n in (7, 18, 1, 12)]
+    want = [generate_one(model, p, KVCache.create(config, 8, 16, fill_value=float("nan")), NEW)[0] for p in prompts]
+    e = engine(directory)
+    got = [c.token_ids for c in e.generate(prompts[:2], GREEDY) + e.generate(prompts[2:], GREEDY)]
+    assert got == want
+    assert e.stats()["state_snapshot_hits"] >= 2
+    assert all_back(e)

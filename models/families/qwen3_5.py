@@ -22,8 +22,9 @@ class Qwen3_5(Family):
                           "partial_rotary_factor"})
     fixed = {"attention_bias": False}
     partial_rotary = True
-    supports = ("model-level forward (the Engine refuses hybrids until the state slot pool lands)",)
-    tested = "HF f32 logits and greedy tokens (model level: prefill in chunks carrying the state, then decode)"
+    supports = ("one device", "prefix caching (recurrent-state snapshots)")
+    tested = ("HF f32 logits and greedy tokens (model level: prefill in chunks carrying the state, then "
+              "decode); through the Engine: state slots reused, prefix-cached = uncached, sync and async")
 
     def model_fields(self, hf):
         layers = hf["num_hidden_layers"]
