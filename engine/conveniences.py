@@ -117,8 +117,9 @@ class Conveniences:
                 "attention_impl": self.runner.attention_impl,  # what serves, after the warm-up check
                 "weight_bytes": param_bytes(self.runner.state),  # all params, global shapes
                 "kv_cache_dtype": self.settings.kv_cache_dtype,
-                "kv_cache_bytes": self.runner.kv_cache.nbytes(),  # values + scales, all shards
+                "kv_cache_bytes": self.runner.kv_cache.nbytes(),  # values + scales (+ state slots), all shards
                 "kv_bytes_per_token": self.runner.kv_cache.bytes_per_token(),
+                "state_bytes": self.runner.kv_cache.state_bytes(),  # linear-attention slots (hybrids)
                 "compiled_programs": self.runner.cache_size(),
                 **(self.runner.expert_load.summary() if self.runner.expert_load else {}),
                 **self._host_tier_stats(),

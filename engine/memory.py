@@ -111,11 +111,14 @@ def size_pool(runner, probe_cache, probe_pages: int) -> PoolSize:
     s = runner.config.engine
     devices = [d for d in runner.mesh.devices.flat if d.process_index == jax.process_index()] \
         if runner.mesh is not None else [jax.local_devices()[0]]
-    page_bytes = max(shard_bytes(probe_cache, d) for d in devices) // probe_pages
+    states = [e for e in probe_cache.pages if hasattr(e, "recurrent")]  # a hybrid's fixed state slots
+    state_bytes = max(shard_bytes(states, d) for d in devices)
+    page_bytes = (max(shard_bytes(probe_cache, d) for d in devices) - state_bytes) // probe_pages
     activation = activation_peak(runner, probe_cache)
     best = None
     for d in devices:
         capacity, in_use, source = device_memory(d, runner.state, len(devices))
+        in_use += state_bytes  # allocated beside the pages whatever their number
         pages = pool_pages(capacity, in_use, activation, page_bytes, s.memory_utilization)
         if best is None or pages < best.num_pages:
             best = PoolSize(pages, s.page_size, page_bytes, capacity, in_use, activation,

@@ -150,10 +150,16 @@ class KVCache:
         """Bytes of all layers, scales included (global shapes, all shards together)."""
         return sum(a.size * a.dtype.itemsize for a in self.arrays())
 
+    def state_bytes(self) -> int:
+        """Bytes of the linear-attention layers' state slots (a hybrid's; 0 otherwise): fixed,
+        whatever the number of pages."""
+        states = [e for e in self.pages if hasattr(e, "recurrent")]
+        return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(states))
+
     def bytes_per_token(self) -> int:
-        """nbytes per page slot: what one cached token costs (over every data replica's
+        """Page bytes per page slot: what one cached token costs (over every data replica's
         pool and every KV head the layout holds, repeated heads included)."""
-        return self.nbytes() // (self.num_pages * self.page_size)
+        return (self.nbytes() - self.state_bytes()) // (self.num_pages * self.page_size)
 
 
 @jax.tree_util.register_dataclass

@@ -86,3 +86,27 @@ def test_what_hybrids_cannot_do_yet_is_refused_by_name(hybrid):
         plan_prefill(load_config("tiny", model_path=directory), load_hardware("h100"), 1024)
     with pytest.raises(InvalidRequest, match="recurrent state"):
         engine(directory).enable_kv_transfer()
+
+
+def test_state_bytes_apart_from_page_bytes(hybrid, monkeypatch):
+    """The state slots (working + snapshots + the null slot) are fixed bytes: they count
+    neither in kv_bytes_per_token nor in the per-page bytes a memory-sized pool divides by."""
+    from jaxfill.engine import memory
+
+    directory = hybrid[0]
+    e = engine(directory, **{"engine.state_snapshot_tokens": 32})
+    c, s = e.config.model, e.config.engine
+    st = e.stats()
+    attention_layers = c.num_layers - len(c.linear_layers)
+    assert st["kv_bytes_per_token"] == attention_layers * 2 * c.num_kv_heads * c.head_dim * 4
+    per_slot = (c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
+                + (2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim)
+                * (c.linear_conv_kernel - 1)) * 4
+    assert s.state_pool_slots == 2 + 2 + 1
+    assert st["state_bytes"] == len(c.linear_layers) * s.state_pool_slots * per_slot
+    assert st["kv_cache_bytes"] == st["state_bytes"] + s.num_pages * s.page_size * st["kv_bytes_per_token"]
+    monkeypatch.setattr(memory, "host_memory_available", lambda: 24 << 20)
+    sized = Engine(load_config("tiny", {**BASE, "engine.num_pages": 0, "engine.memory_utilization": 0.5},
+                               model_path=directory), progress=False, warmup=False)
+    assert sized.runner.pool.page_bytes == s.page_size * st["kv_bytes_per_token"]
+    assert sized.runner.pool.in_use_bytes > st["state_bytes"]
