@@ -36,7 +36,8 @@ from jaxfill.engine.hardware import Hardware
 from jaxfill.engine.planner_counts import (attention_flops, check_link_gbps, check_prompt_len,
                                            end_bytes_read_per_device, kv_bytes_per_token, kv_transfer_bytes,
                                            kv_transfer_seconds, last_layer_matmul_saving, layer_matmul_params,
-                                           matmul_flops, pages_for, prunes_last_layer, weight_bytes)
+                                           linear_mixer_flops, matmul_flops, pages_for, prunes_last_layer,
+                                           state_bytes, weight_bytes)
 from jaxfill.engine.planner_layout import (bubble_fraction, check_mesh, dtype_bytes,
                                            kv_bytes_per_token_per_device, kv_repeat, layer_bytes_per_device,
                                            pipeline_microbatches, vocab_split, weight_bytes_per_device)
@@ -112,8 +113,9 @@ def device_costs(model: ModelConfig, mesh: MeshSettings, hw: Hardware, num_token
     ticks = m + p - 1
     e, b = model.hidden_size, dtype_bytes(model)
     attention = attention_flops(model, num_tokens, context)
+    mixing = attention + linear_mixer_flops(model, num_tokens)  # a hybrid's linear layers too
     layers = model.num_layers // p
-    flops, tick_bytes, coll = layer_work(model, mesh, num_tokens / m, attention / m, layers, kv_cache_dtype)
+    flops, tick_bytes, coll = layer_work(model, mesh, num_tokens / m, mixing / m, layers, kv_cache_dtype)
     kv_written = tick_bytes - layer_bytes_per_device(model, mesh, layers)  # only valid ticks write K/V
     flops = ticks * flops + 2 * e * model.vocab_size / vocab_split(model, mesh)
     nbytes = ticks * (tick_bytes - kv_written) + m * kv_written + end_bytes_read_per_device(model, mesh, num_tokens)
@@ -149,9 +151,6 @@ def plan_prefill(config: Config, hw: Hardware, prompt_len: int, link_gbps: float
     """Everything `jaxfill plan` reports for one prompt length (JSON-ready); with
     `link_gbps`, also the prefill-to-decode KV transfer time over that link."""
     model, engine, mesh = config.model, config.engine, config.mesh
-    if model.linear_layers:  # KV of the attention layers only, plus a fixed state: not counted yet
-        raise ValueError(f"the planner does not count linear-attention layers' recurrent state yet "
-                         f"({model.architecture}, layers {list(model.linear_layers)})")
     check_link_gbps(link_gbps)
     check_mesh(model, mesh)
     check_prompt_len(prompt_len, engine)
@@ -166,12 +165,15 @@ def plan_prefill(config: Config, hw: Hardware, prompt_len: int, link_gbps: float
     hbm = hw.hbm_bytes / (mesh.size if hw.shared_by_mesh else 1)
     free = hbm - weights_dev
     per_token_dev = kv_bytes_per_token_per_device(model, mesh, engine.kv_cache_dtype)
-    per_request_dev = pages * engine.page_size * per_token_dev
+    # a hybrid's working state (the same at any prompt length); its snapshots come on top
+    state, state_dev = state_bytes(model), state_bytes(model, mesh.tensor)
+    per_request_dev = pages * engine.page_size * per_token_dev + state_dev
     fit = max(0, int(free // per_request_dev)) * mesh.data if free > 0 else 0
     t2 = ttft_floor(model, mesh, hw, 2 * prompt_len, scan_layers=engine.scan_layers)
     pruned = prunes_last_layer(model, mesh, engine.scan_layers)
     mm = matmul_flops(model, prompt_len, sampled_last_layer=pruned)
     att = attention_flops(model, prompt_len, sampled_last_layer=pruned)
+    mixer = linear_mixer_flops(model, prompt_len)
     moved = kv_transfer_bytes(model, prompt_len, engine.kv_cache_dtype)
     transfer = {} if link_gbps is None else {
         "link_gbps": link_gbps,
@@ -180,14 +182,17 @@ def plan_prefill(config: Config, hw: Hardware, prompt_len: int, link_gbps: float
     }
     return {
         "prompt_len": prompt_len,
-        "prefill_flops": mm + att,
+        "prefill_flops": mm + att + mixer,
         "matmul_flops": mm,
         "attention_flops": att,
+        "linear_mixer_flops": mixer,
         "weight_bytes": weight_bytes(model),
         "kv_bytes_written": prompt_len * per_token,
         "kv_bytes_per_token": per_token,
         "kv_cache_dtype": engine.kv_cache_dtype,
         "kv_bytes_per_request": per_request,
+        "state_bytes_per_request": state,
+        "state_bytes_per_request_per_device": state_dev,
         "kv_bytes_per_token_per_device": per_token_dev,  # L / stage layers, Hkv * r heads / tensor
         "kv_bytes_per_request_per_device": per_request_dev,
         "pages_per_request": pages,

@@ -35,6 +35,7 @@ from jaxfill.engine.planner_layout import dtype_bytes, vocab_param_bytes, vocab_
 from jaxfill.models.config import ModelConfig
 from jaxfill.models.families.registry import layer_params, layer_projection_params, param_count
 from jaxfill.models.kv_cache import kv_bytes_per_token as cache_bytes_per_token, shares_kv
+from jaxfill.models.linear_state import state_bytes_per_sequence
 
 
 def layer_matmul_params(model: ModelConfig, layer: int | None = None) -> float:
@@ -84,6 +85,8 @@ def attention_flops(model: ModelConfig, num_tokens: int, context: int = 0, causa
     per_pair = 4 * model.num_heads * model.head_dim
     total = 0
     for layer in range(model.num_layers):  # each layer with its own window (Gemma's full/sliding)
+        if layer in model.linear_layers:
+            continue  # a hybrid's linear layers: linear_mixer_flops
         window = model.layer_window(layer)
         if not causal:
             keys = kv_len if kv_len is not None else context + num_tokens
@@ -95,6 +98,27 @@ def attention_flops(model: ModelConfig, num_tokens: int, context: int = 0, causa
     return per_pair * total
 
 
+# The chunk of the chunked gated delta rule (pallas_kernels/gated_delta_rule.py)
+DELTA_RULE_CHUNK = 64
+
+
+def linear_mixer_flops(model: ModelConfig, num_tokens: int) -> int:
+    """The gated delta rule's FLOPs over a hybrid's linear layers (0 for other models): per
+    token and value head, reading, correcting and writing the [Dk, Dv] state (3 matmuls),
+    plus the within-chunk [C, C] scores against keys and values. Linear in the prompt."""
+    if not model.linear_layers:
+        return 0
+    dk, dv, c = model.linear_key_head_dim, model.linear_value_head_dim, DELTA_RULE_CHUNK
+    per_token = model.linear_num_value_heads * (6 * dk * dv + 2 * c * (dk + dv))
+    return len(model.linear_layers) * num_tokens * per_token
+
+
+def state_bytes(model: ModelConfig, heads_split: int = 1) -> int:
+    """A hybrid's recurrent + convolution state of one request (0 for other models), on one
+    of `heads_split` tensor ranks."""
+    return state_bytes_per_sequence(model, heads_split) if model.linear_layers else 0
+
+
 def prunes_last_layer(model: ModelConfig, mesh: MeshSettings, scan_layers: bool = False) -> bool:
     """Whether the engine runs the last layer on the sampled rows only (engine/execution_plan.py)."""
     return ExecutionPlan.of(model.num_layers, mesh, scan_layers).prunes_last_layer
@@ -102,7 +126,8 @@ def prunes_last_layer(model: ModelConfig, mesh: MeshSettings, scan_layers: bool 
 
 def prefill_flops(model: ModelConfig, num_tokens: int, context: int = 0, sampled_last_layer: bool = True) -> int:
     return (matmul_flops(model, num_tokens, sampled_last_layer=sampled_last_layer)
-            + attention_flops(model, num_tokens, context, sampled_last_layer=sampled_last_layer))
+            + attention_flops(model, num_tokens, context, sampled_last_layer=sampled_last_layer)
+            + linear_mixer_flops(model, num_tokens))
 
 
 def weight_bytes(model: ModelConfig) -> int:
@@ -132,10 +157,10 @@ def end_bytes_read_per_device(model: ModelConfig, mesh: MeshSettings, num_tokens
 
 def kv_bytes_per_token(model: ModelConfig, kv_heads: int | None = None,
                        kv_cache_dtype: str = "auto") -> int:
-    """K and V of every layer (int8 / fp8: plus their f32 scales), as the cache allocates
-    them: the one formula lives beside KVCache (models/kv_cache.py)."""
+    """K and V of every attention layer (int8 / fp8: plus their f32 scales), as the cache
+    allocates them: the one formula lives beside KVCache (models/kv_cache.py)."""
     heads = model.num_kv_heads if kv_heads is None else kv_heads
-    return cache_bytes_per_token(model.num_layers, heads, model.head_dim, kv_cache_dtype, model.jnp_dtype,
+    return cache_bytes_per_token(model.kv_layers, heads, model.head_dim, kv_cache_dtype, model.jnp_dtype,
                                  shares_kv(model))
 
 

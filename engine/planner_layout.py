@@ -113,7 +113,7 @@ def kv_heads_per_device(model: ModelConfig, heads_split: int) -> int:
 
 def kv_bytes_per_token_per_device(model: ModelConfig, mesh: MeshSettings, kv_cache_dtype: str = "auto") -> int:
     """Cache bytes one token costs on one device: its stage's L / p layers, its heads."""
-    return cache_bytes_per_token(model.num_layers // mesh.stage, kv_heads_per_device(model, mesh.heads),
+    return cache_bytes_per_token(model.kv_layers // mesh.stage, kv_heads_per_device(model, mesh.heads),
                                  model.head_dim, kv_cache_dtype, model.jnp_dtype, shares_kv(model))
 
 

@@ -207,6 +207,11 @@ class ModelConfig:
         return self.rotary_dim or self.head_dim
 
     @property
+    def kv_layers(self) -> int:
+        """Layers that hold KV pages (a hybrid's linear layers hold a fixed state instead)."""
+        return self.num_layers - len(self.linear_layers)
+
+    @property
     def q_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 

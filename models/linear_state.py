@@ -25,6 +25,14 @@ def conv_dim(c: ModelConfig) -> int:
     return 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
 
 
+def state_bytes_per_sequence(c: ModelConfig, heads_split: int = 1) -> int:
+    """One sequence's state over every linear layer (recurrent f32 + conv history in the
+    model dtype), on one of `heads_split` ranks when the value heads split."""
+    recurrent = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+    conv = conv_dim(c) * (c.linear_conv_kernel - 1) * jnp.dtype(c.jnp_dtype).itemsize
+    return len(c.linear_layers) * (recurrent + conv) // heads_split
+
+
 def init_linear_state(c: ModelConfig, slots: int, fill_value: float = 0.0) -> LinearState:
     hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
     return LinearState(jnp.full((slots, hv, dk, dv), fill_value, jnp.float32),

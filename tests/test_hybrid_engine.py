@@ -5,6 +5,8 @@ fresh NaN-filled cache) when requests share 16-token steps, outnumber the state 
 small page pool; sync and async scheduling; every page and slot comes back. What the
 hybrid engine cannot do yet is refused by name."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -82,10 +84,30 @@ def test_what_hybrids_cannot_do_yet_is_refused_by_name(hybrid):
                            ({"engine.scan_layers": True}, "scan_layers")]:
         with pytest.raises(ConfigError, match=name):
             load_config("tiny", override, model_path=directory)
-    with pytest.raises(ValueError, match="recurrent state"):
-        plan_prefill(load_config("tiny", model_path=directory), load_hardware("h100"), 1024)
     with pytest.raises(InvalidRequest, match="recurrent state"):
         engine(directory).enable_kv_transfer()
+
+
+def test_planner_counts_attention_pages_and_one_state(hybrid):
+    """The planner's KV bytes per token and state bytes per request are what the engine
+    allocates; its linear-layer FLOPs grow linearly; its predicted decay coefficient for
+    Qwen3.5-9B stays below an all-attention model's and nears 2 at short prompts."""
+    directory = hybrid[0]
+    config = load_config("tiny", {**BASE, "engine.max_model_len": 1024}, model_path=directory)
+    e = engine(directory)
+    st, slots = e.stats(), e.config.engine.state_pool_slots
+    hw = load_hardware("h100")
+    p = plan_prefill(config, hw, 256)
+    assert p["kv_bytes_per_token"] == st["kv_bytes_per_token"]
+    assert p["state_bytes_per_request"] * slots == st["state_bytes"]
+    assert p["linear_mixer_flops"] > 0 and plan_prefill(config, hw, 512)["linear_mixer_flops"] == 2 * p["linear_mixer_flops"]
+    big = load_config("qwen3_5_9b")
+    attention_only = dataclasses.replace(big, model=dataclasses.replace(big.model, linear_layers=()))
+    for s in (32768, 131072):
+        hybrid_plan, dense_plan = plan_prefill(big, hw, s), plan_prefill(attention_only, hw, s)
+        assert 2 < hybrid_plan["decay_coefficient"] < dense_plan["decay_coefficient"] < 4
+        assert hybrid_plan["kv_bytes_per_token"] * 4 == dense_plan["kv_bytes_per_token"]  # 8 of 32 layers
+    assert plan_prefill(big, hw, 2048)["decay_coefficient"] < 2.1
 
 
 def test_state_bytes_apart_from_page_bytes(hybrid, monkeypatch):

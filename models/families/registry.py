@@ -169,9 +169,12 @@ def layer_projection_params(config, layer: int = 0) -> dict[tuple, float]:
     share = expert_share(config)
     return {p.path: math.prod(p.shape) * (share if is_expert_param(p) else 1)
             for p in layer_params(float_config, layer)
-            if p.path[-1] in QUANTIZED_INPUT_AXES or p.path[-1] in LATENT_PROJECTIONS or p.path[-1] == "router"}
+            if p.path[-1] in QUANTIZED_INPUT_AXES or p.path[-1] in LATENT_PROJECTIONS or p.path[-1] == "router"
+            or (layer in config.linear_layers and p.path[-1] in LINEAR_PROJECTIONS)}
 
 
 # Multi-head latent attention's projections (models/mla.py) beside q and o: each weight
 # multiplies every token once (w_ukv: W_uk on the queries, W_uv on the outputs)
 LATENT_PROJECTIONS = ("q_a", "q_b", "kv_a", "w_ukv")
+# A Gated DeltaNet layer's projections (models/gated_deltanet.py), either layout
+LINEAR_PROJECTIONS = ("qkv", "z", "b", "a", "out", "qkvz", "ba")
