@@ -142,3 +142,31 @@ def test_qwen3_next_matches_hf_and_chunks_equal_whole(qwen3_next):
     cut, _ = prefill_chunks(model, prompt, fresh_cache(config), list(range(1, 5)), chunk=7)
     assert np.isfinite(np.asarray(cut)).all()
     np.testing.assert_allclose(np.asarray(cut), np.asarray(whole), rtol=1e-5, atol=1e-5)
+
+
+def test_image_text_checkpoint_loads_as_its_text_tower(tmp_path):
+    """Qwen3_5ForConditionalGeneration as save_pretrained writes it (the text model under
+    `model.language_model.`, a vision tower beside it): text-only prompts give HF's
+    logits; the vision weights are skipped."""
+    import torch
+    import transformers as tf
+
+    from hf_models import HF_SMALL, HYBRID_KWARGS
+
+    text = dict(HF_SMALL, **HYBRID_KWARGS["qwen3_5"][1])
+    cfg = tf.Qwen3_5Config(text_config=text, vision_config=dict(depth=1, hidden_size=16, intermediate_size=32,
+                                                                num_heads=2, out_hidden_size=text["hidden_size"],
+                                                                patch_size=14, num_position_embeddings=16))
+    torch.manual_seed(0)
+    hf = tf.Qwen3_5ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    hf.save_pretrained(str(tmp_path))
+    config = config_from_hf(str(tmp_path))
+    assert config.architecture == "Qwen3_5ForConditionalGeneration" and config.linear_layers == (0, 1, 2)
+    model = load_hf_params(str(tmp_path), config, progress=False)
+    for length, tokens in prompts(config.vocab_size)[1:]:
+        err = rel_l2(ours_last_logits(model, config, tokens), hf_last_logits(hf, tokens))
+        assert err <= 1e-5, (length, err)

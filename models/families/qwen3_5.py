@@ -19,8 +19,11 @@ class Qwen3_5(Family):
     architectures = ("Qwen3_5ForCausalLM",)
     honoured = frozenset({"hidden_act", "layer_types", "linear_conv_kernel_dim", "linear_key_head_dim",
                           "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
-                          "partial_rotary_factor"})
-    fixed = {"attention_bias": False}
+                          "partial_rotary_factor", "full_attention_interval"})
+    fixed = {"attention_bias": False, "attn_output_gate": True, "mamba_ssm_dtype": "float32"}
+    # multi-token-prediction layers (`mtp.*`) serve speculative decoding, not the forward
+    inert = frozenset({"mtp_num_hidden_layers", "mtp_use_dedicated_embeddings"})
+    ignored_prefixes = ("mtp.",)
     partial_rotary = True
     supports = ("one device", "prefix caching (recurrent-state snapshots)")
     tested = ("HF f32 logits and greedy tokens (model level: prefill in chunks carrying the state, then "
@@ -28,7 +31,8 @@ class Qwen3_5(Family):
 
     def model_fields(self, hf):
         layers = hf["num_hidden_layers"]
-        types = hf.get("layer_types") or [("full_attention" if (n + 1) % 4 == 0 else "linear_attention")
+        every = int(hf.get("full_attention_interval") or 4)
+        types = hf.get("layer_types") or [("full_attention" if (n + 1) % every == 0 else "linear_attention")
                                           for n in range(layers)]
         if len(types) != layers or set(types) - set(LAYER_KINDS):
             raise ConfigError(f"config.json layer_types must name {list(LAYER_KINDS)} once per layer, got {types}")
@@ -77,4 +81,25 @@ class Qwen3_5(Family):
         return table
 
 
-FAMILIES = (Qwen3_5(),)
+class Qwen3_5Multimodal(Qwen3_5):
+    """The text tower of an image-text Qwen3.5 checkpoint (what Qwen/Qwen3.5-* publish): the
+    config's `text_config`, the weights under `model.language_model.`; the vision tower and
+    the MTP layers are skipped. Text-only prompts give every mrope section the same
+    position, the plain rope."""
+    architectures = ("Qwen3_5ForConditionalGeneration",)
+    prefix = "model.language_model."
+    ignored_prefixes = ("model.visual.", "mtp.")
+    tested = "HF f32 logits of the text tower (text-only prompts), vision weights skipped"
+
+    def to_model_config(self, hf, architecture):
+        text = dict(hf.get("text_config") or {})
+        if not text:
+            raise ConfigError("Qwen3_5ForConditionalGeneration config.json has no text_config")
+        text["tie_word_embeddings"] = hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+        for key in ("dtype", "torch_dtype"):
+            if key in hf and key not in text:
+                text[key] = hf[key]
+        return super().to_model_config(text, architecture)
+
+
+FAMILIES = (Qwen3_5(), Qwen3_5Multimodal())

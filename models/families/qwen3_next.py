@@ -17,7 +17,7 @@ class Qwen3Next(Qwen3_5):
     name = "qwen3_next"
     architectures = ("Qwen3NextForCausalLM",)
     honoured = Qwen3_5.honoured | SPARSE_FIELDS | {"shared_expert_intermediate_size"}
-    inert = TRAINING_ONLY
+    inert = TRAINING_ONLY | Qwen3_5.inert
     tested = ("HF f32 logits and greedy tokens (model level); through the Engine: prefix-cached = uncached "
               "with state snapshots")
 
