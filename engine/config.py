@@ -281,10 +281,12 @@ def load_config(config: str = "tiny", overrides: Mapping[str, Any] | list[str] |
 
 def hybrid_settings(model: ModelConfig, engine: EngineSettings,
                     mesh: MeshSettings) -> tuple[EngineSettings, MeshSettings]:
-    """A linear-attention hybrid's engine today: one device, a state slot per running
-    request, prefix caching through state snapshots (engine/scheduler/state_snapshots.py).
+    """A linear-attention hybrid's engine today: heads split over mesh.tensor, a state slot
+    per running request, prefix caching through state snapshots (engine/scheduler/state_snapshots.py).
     What it cannot do yet is refused by name."""
-    unsupported = {"mesh.data/tensor/sequence/stage/expert > 1": mesh.size > 1 or mesh.num_processes > 1,
+    unsupported = {"mesh.data/sequence/stage/expert > 1": mesh.size > mesh.tensor or mesh.num_processes > 1,
+                   f"mesh.tensor = {mesh.tensor} (must divide the {model.linear_num_key_heads} linear key heads)":
+                       model.linear_num_key_heads % mesh.tensor != 0,
                    "engine.scan_layers": engine.scan_layers,
                    "engine.host_kv_cache_gb": float(engine.host_kv_cache_gb) > 0,
                    "engine.kv_cache_dtype int8/fp8": engine.kv_cache_dtype != "auto"}

@@ -201,15 +201,16 @@ class Runner(RunnerKVTier):
 
     def copy_states(self, first: list[tuple[int, int]], then: list[tuple[int, int]]) -> None:
         """Linear-attention state slots copied (src, dst), `first` before `then` (state
-        snapshots taken, then restored: engine/scheduler/state_snapshots.py). One process,
-        one device (hybrids refuse meshes); pairs pad to a power of two, so few programs."""
+        snapshots taken, then restored: engine/scheduler/state_snapshots.py). One process
+        (hybrids refuse several); pairs pad to a power of two, so few programs."""
         from jaxfill.models.linear_state import copy_state_slots
 
         null = self.config.engine.state_pool_slots - 1
         size = 1 << (max(len(first), len(then), 1) - 1).bit_length()
         pad = lambda pairs: np.asarray(list(pairs) + [(null, null)] * (size - len(pairs)), np.int32).T  # noqa: E731
         (fs, fd), (ts, td) = pad(first), pad(then)
-        self.kv_cache = copy_state_slots(self.kv_cache, fs, fd, ts, td)
+        with self.mesh_context():
+            self.kv_cache = copy_state_slots(self.kv_cache, fs, fd, ts, td)
 
     def cache_ok(self) -> bool:
         return not any(a.is_deleted() for a in self.kv_cache.arrays())

@@ -23,7 +23,8 @@ from flax import nnx
 from jaxfill.models.config import ModelConfig
 from jaxfill.models.kv_cache import AttentionMetadata
 from jaxfill.models.layers import param
-from jaxfill.models.linear_state import LinearState, conv_dim
+from jaxfill.models.linear_state import LinearState
+from jaxfill.models.sharding import constrain, split_over_heads
 from jaxfill.pallas_kernels.gated_delta_rule import gated_delta_rule_chunked, token_sequences
 
 L2_EPS = 1e-6  # transformers' and flash-linear-attention's l2norm: x * rsqrt(sum(x^2) + eps)
@@ -61,40 +62,51 @@ def causal_conv(x: jax.Array,  # [T, C]
 
 
 class GatedDeltaNet(nnx.Module):
+    """Params split by head so 'tensor' ranks each hold whole key-head groups: a group is
+    key head g, its q and k, and the value heads g r .. g r + r - 1 (r = Hv / Hk) with their
+    v, z, b, a, decay and output rows. The convolution's channels run group by group, [q_g,
+    k_g, v_g], and so does its state (models/linear_state.py), so a rank's share is one
+    contiguous block."""
+
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         c, dt = config, config.jnp_dtype
-        e, hk, hv, dv = c.hidden_size, c.linear_num_key_heads, c.linear_num_value_heads, c.linear_value_head_dim
+        e, hk, hv, dk, dv = (c.hidden_size, c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
+                             c.linear_value_head_dim)
+        r = hv // hk
         if c.linear_grouped_proj:  # per key head [q, k, v, z] and [b, a] (Qwen3-Next's in_proj_qkvz / _ba)
-            r = hv // hk
-            self.qkvz = param(rngs, (e, hk, 2 * c.linear_key_head_dim + 2 * r * dv), ("embed", None, None), dt)
-            self.ba = param(rngs, (e, hk, 2 * r), ("embed", None, None), dt)
+            self.qkvz = param(rngs, (e, hk, 2 * dk + 2 * r * dv), ("embed", "kv_heads", None), dt)
+            self.ba = param(rngs, (e, hk, 2 * r), ("embed", "kv_heads", None), dt)
         else:
-            self.qkv = param(rngs, (e, conv_dim(c)), ("embed", None), dt)
-            self.z = param(rngs, (e, hv, dv), ("embed", None, None), dt)
-            self.b = param(rngs, (e, hv), ("embed", None), dt)
-            self.a = param(rngs, (e, hv), ("embed", None), dt)
-        self.conv = param(rngs, (conv_dim(c), c.linear_conv_kernel), (None, None), dt, scale=0.3)
-        self.dt_bias = param(rngs, (hv,), (None,), dt, init="one_plus_normal", scale=0.1)
-        self.a_log = param(rngs, (hv,), (None,), dt, scale=1.0)
+            self.q = param(rngs, (e, hk, dk), ("embed", "kv_heads", None), dt)
+            self.k = param(rngs, (e, hk, dk), ("embed", "kv_heads", None), dt)
+            self.v = param(rngs, (e, hk, r * dv), ("embed", "kv_heads", None), dt)
+            self.z = param(rngs, (e, hv, dv), ("embed", "q_heads", None), dt)
+            self.b = param(rngs, (e, hv), ("embed", "q_heads"), dt)
+            self.a = param(rngs, (e, hv), ("embed", "q_heads"), dt)
+        k = c.linear_conv_kernel
+        self.conv_q = param(rngs, (hk, dk, k), ("kv_heads", None, None), dt, scale=0.3)
+        self.conv_k = param(rngs, (hk, dk, k), ("kv_heads", None, None), dt, scale=0.3)
+        self.conv_v = param(rngs, (hk, r * dv, k), ("kv_heads", None, None), dt, scale=0.3)
+        self.dt_bias = param(rngs, (hv,), ("q_heads",), dt, init="one_plus_normal", scale=0.1)
+        self.a_log = param(rngs, (hv,), ("q_heads",), dt, scale=1.0)
         self.norm = param(rngs, (dv,), (None,), dt, init="one_plus_normal", scale=0.1)
-        self.out = param(rngs, (hv, dv, e), (None, None, "embed"), dt)
+        self.out = param(rngs, (hv, dv, e), ("q_heads", None, "embed"), dt)
         self.config = c
 
     def project(self, x: jax.Array,  # [T, E]
-                ) -> tuple[jax.Array, ...]:  # qkv [T, conv_dim], z [T, Hv, Dv], b [T, Hv], a [T, Hv]
-        """The input projections, in Qwen3.5's channel order (q, k, v heads in turn) whatever
-        the checkpoint's layout."""
+                ) -> tuple[jax.Array, ...]:  # q, k [T, Hk, Dk], v [T, Hk, r Dv], z [T, Hv, Dv], b, a [T, Hv]
+        """The input projections, whatever the checkpoint's layout."""
         c = self.config
         if not c.linear_grouped_proj:
-            return x @ self.qkv[...], jnp.einsum("te,ehd->thd", x, self.z[...]), x @ self.b[...], x @ self.a[...]
+            proj = lambda w: jnp.einsum("te,e...->t...", x, w[...])  # noqa: E731
+            return tuple(proj(w) for w in (self.q, self.k, self.v, self.z, self.b, self.a))
         t, dk, dv = x.shape[0], c.linear_key_head_dim, c.linear_value_head_dim
-        rdv = c.linear_num_value_heads // c.linear_num_key_heads * dv
         p = jnp.einsum("te,egw->tgw", x, self.qkvz[...])  # [T, Hk, 2 Dk + 2 r Dv]
+        rdv = (p.shape[-1] - 2 * dk) // 2
         q, k, v, z = p[..., :dk], p[..., dk:2 * dk], p[..., 2 * dk:2 * dk + rdv], p[..., 2 * dk + rdv:]
         ba = jnp.einsum("te,egw->tgw", x, self.ba[...])  # [T, Hk, 2r]
         r = ba.shape[-1] // 2
-        qkv = jnp.concatenate([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], axis=-1)
-        return qkv, z.reshape(t, -1, dv), ba[..., :r].reshape(t, -1), ba[..., r:].reshape(t, -1)
+        return q, k, v, z.reshape(t, -1, dv), ba[..., :r].reshape(t, -1), ba[..., r:].reshape(t, -1)
 
     def __call__(self,
                  x: jax.Array,  # [T, E]
@@ -106,42 +118,66 @@ class GatedDeltaNet(nnx.Module):
                  sampled_only: bool = False,
                  ) -> tuple[jax.Array, LinearState]:  # [T, E] ([S, E] if sampled_only), state
         c = self.config
-        hk, hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
-        t, s = x.shape[0], meta.kv_lens.shape[0]
-        seq = token_sequences(meta.cu_q_lens, meta.num_seqs, t)
-        q_lens = jnp.diff(meta.cu_q_lens)
-        live = jnp.arange(s) < meta.num_seqs[0]
-        fresh = meta.kv_lens == q_lens  # nothing cached before this step's rows
-        slots = meta.state_slots if meta.state_slots is not None else jnp.arange(s, dtype=jnp.int32)
-        slots = jnp.clip(slots, 0, state.recurrent.shape[0] - 1)
-        keep = (live & ~fresh)[:, None, None]
-        history = jnp.where(keep, state.conv[slots], jnp.zeros((), state.conv.dtype))
-        recurrent = jnp.where(keep[..., None], state.recurrent[slots], 0.0)
-
-        qkv, z, b, a = self.project(x)
-        mixed, history = causal_conv(qkv, self.conv[...], history, meta.cu_q_lens, seq)
-        mixed = jax.nn.silu(mixed.astype(jnp.float32)).astype(x.dtype)
-        q = mixed[:, :hk * dk].reshape(t, hk, dk).astype(jnp.float32)
-        k = mixed[:, hk * dk:2 * hk * dk].reshape(t, hk, dk).astype(jnp.float32)
-        v = mixed[:, 2 * hk * dk:].reshape(t, hv, dv)
-        q, k = _l2norm(q) * dk ** -0.5, _l2norm(k)
-        q, k = jnp.repeat(q, hv // hk, axis=1), jnp.repeat(k, hv // hk, axis=1)
-        beta = jax.nn.sigmoid(b.astype(jnp.float32))
-        g = -jnp.exp(self.a_log[...].astype(jnp.float32)) * jax.nn.softplus(
-            a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
-        o, recurrent = gated_delta_rule_chunked(q, k, v.astype(jnp.float32), g, beta, meta.cu_q_lens,
-                                                meta.num_seqs, recurrent)
-
-        # RMSNorm per head, then times silu(z): transformers' RMSNormGated cast order
-        o = o.astype(x.dtype).astype(jnp.float32)  # the rule's output in the model dtype, as transformers has it
-        o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + c.rms_norm_eps)
-        o = (self.norm[...] * o.astype(x.dtype)).astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
-        o = o.astype(x.dtype)
+        q, k, v, z, b, a = self.project(x)
+        conv = (self.conv_q[...], self.conv_k[...], self.conv_v[...])
+        decay = (self.a_log[...], self.dt_bias[...])
+        o, state = split_over_heads(
+            lambda *args: mix(*args, eps=c.rms_norm_eps),
+            (q, k, v, b, a, z, conv, decay, self.norm[...], state, meta),
+            (1, 1, 1, 1, 1, 1, 0, 0, None, LinearState(1, 1), None), (1, LinearState(1, 1)))
         if sampled_only:
             o = jnp.take(o, meta.logits_indices, axis=0)
         out = jnp.einsum("thd,hde->te", o, self.out[...])
+        return constrain(out, ("tokens", "act_embed")), state  # an all-reduce over 'tensor'
 
-        dropped = jnp.where(live, slots, state.recurrent.shape[0])  # padding rows write nowhere
-        state = LinearState(state.recurrent.at[dropped].set(recurrent, mode="drop"),
-                            state.conv.at[dropped].set(history.astype(state.conv.dtype), mode="drop"))
-        return out, state
+
+def mix(q: jax.Array,  # [T, Hk, Dk]  (one rank's heads throughout)
+        k: jax.Array,  # [T, Hk, Dk]
+        v: jax.Array,  # [T, Hk, r Dv]
+        b: jax.Array,  # [T, Hv]
+        a: jax.Array,  # [T, Hv]
+        z: jax.Array,  # [T, Hv, Dv]
+        conv: tuple,  # [Hk, Dk, K], [Hk, Dk, K], [Hk, r Dv, K]
+        decay: tuple,  # a_log [Hv], dt_bias [Hv]
+        norm: jax.Array,  # [Dv]
+        state: LinearState,  # recurrent [slots, Hv, Dk, Dv], conv [slots, Hk (2 Dk + r Dv), K-1]
+        meta: AttentionMetadata,
+        eps: float,
+        ) -> tuple[jax.Array, LinearState]:  # [T, Hv, Dv] in the model dtype, the new state
+    """Convolution, gated delta rule and gated RMSNorm over a rank's key-head groups."""
+    t, hk, dk = q.shape
+    hv, dv = z.shape[1:]
+    s, dtype = meta.kv_lens.shape[0], q.dtype
+    seq = token_sequences(meta.cu_q_lens, meta.num_seqs, t)
+    live = jnp.arange(s) < meta.num_seqs[0]
+    fresh = meta.kv_lens == jnp.diff(meta.cu_q_lens)  # nothing cached before this step's rows
+    slots = meta.state_slots if meta.state_slots is not None else jnp.arange(s, dtype=jnp.int32)
+    slots = jnp.clip(slots, 0, state.recurrent.shape[0] - 1)
+    keep = (live & ~fresh)[:, None, None]
+    history = jnp.where(keep, state.conv[slots], jnp.zeros((), state.conv.dtype))
+    recurrent = jnp.where(keep[..., None], state.recurrent[slots], 0.0)
+
+    width = 2 * dk + v.shape[-1]  # one group's channels
+    weight = jnp.concatenate(conv, axis=1).reshape(hk * width, -1)
+    mixed, history = causal_conv(jnp.concatenate([q, k, v], axis=-1).reshape(t, hk * width), weight, history,
+                                 meta.cu_q_lens, seq)
+    mixed = jax.nn.silu(mixed.astype(jnp.float32)).astype(dtype).reshape(t, hk, width)
+    q, k = mixed[..., :dk].astype(jnp.float32), mixed[..., dk:2 * dk].astype(jnp.float32)
+    v = mixed[..., 2 * dk:].reshape(t, hv, dv)
+    q, k = _l2norm(q) * dk ** -0.5, _l2norm(k)
+    q, k = jnp.repeat(q, hv // hk, axis=1), jnp.repeat(k, hv // hk, axis=1)
+    a_log, dt_bias = decay
+    beta = jax.nn.sigmoid(b.astype(jnp.float32))
+    g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
+    o, recurrent = gated_delta_rule_chunked(q, k, v.astype(jnp.float32), g, beta, meta.cu_q_lens,
+                                            meta.num_seqs, recurrent)
+
+    # RMSNorm per head, then times silu(z): transformers' RMSNormGated cast order
+    o = o.astype(dtype).astype(jnp.float32)  # the rule's output in the model dtype, as transformers has it
+    o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + eps)
+    o = (norm * o.astype(dtype)).astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
+
+    dropped = jnp.where(live, slots, state.recurrent.shape[0])  # padding rows write nowhere
+    state = LinearState(state.recurrent.at[dropped].set(recurrent, mode="drop"),
+                        state.conv.at[dropped].set(history.astype(state.conv.dtype), mode="drop"))
+    return o.astype(dtype), state

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxfill.models.moe import is_moe_layer
-from jaxfill.models.sharding import DATA, KV_CACHE_AXES, kv_cache_heads, kv_cache_sharding
+from jaxfill.models.sharding import DATA, KV_CACHE_AXES, kv_cache_heads, kv_cache_sharding, linear_state_sharding
 from jaxfill.pallas_kernels import QUANT_DTYPES, QuantizedPages, init_kv_pages, init_quantized_pages
 
 
@@ -80,7 +80,7 @@ class KVCache:
         repeated up to 'tensor' (models/sharding.py), and quantized scales are split like
         the pages' first three axes. With `stages` > 1 each entry is [stages, ...]. A
         linear-attention layer's entry is its LinearState (models/gated_deltanet.py) with
-        `state_slots` slots; hybrids run unstaged and on one device for now."""
+        `state_slots` slots, split by heads over 'tensor'; hybrids run unstaged for now."""
         if config.num_layers % stages:
             raise ValueError(f"{config.num_layers} layers do not split into {stages} equal stages")
         heads, replicas = config.num_kv_heads, 1
@@ -102,12 +102,14 @@ class KVCache:
             counter = jax.jit(counter, out_shardings=kv_cache_sharding(mesh, staged=stages > 1, axes=KV_CACHE_AXES[:1]))
         entries = range(config.num_layers // stages)
         if config.linear_layers:
-            if stages > 1 or mesh is not None:
-                raise ValueError("linear-attention hybrids run on one device, unstaged, for now")
+            if stages > 1:
+                raise ValueError("linear-attention hybrids run unstaged for now")
             from jaxfill.models.linear_state import init_linear_state
 
-            return cls(tuple(init_linear_state(config, state_slots, fill_value) if j in config.linear_layers
-                             else make() for j in entries), stages)
+            state = lambda: init_linear_state(config, state_slots, fill_value)  # noqa: E731
+            if mesh is not None:
+                state = jax.jit(state, out_shardings=linear_state_sharding(mesh))
+            return cls(tuple(state() if j in config.linear_layers else make() for j in entries), stages)
         counters = None
         if config.num_experts:  # stacked layouts hold one layer kind per entry (engine/config.check_stackable)
             counters = tuple(counter() if is_moe_layer(config, j) else None for j in entries)

@@ -80,7 +80,8 @@ def test_abort_mid_prefill_and_preemption(hybrid):
 
 def test_what_hybrids_cannot_do_yet_is_refused_by_name(hybrid):
     directory = hybrid[0]
-    for override, name in [({"mesh.tensor": 2}, "mesh"), ({"engine.kv_cache_dtype": "int8"}, "kv_cache_dtype"),
+    for override, name in [({"mesh.sequence": 2}, "mesh"), ({"mesh.tensor": 4}, "linear key heads"),
+                           ({"engine.kv_cache_dtype": "int8"}, "kv_cache_dtype"),
                            ({"engine.scan_layers": True}, "scan_layers")]:
         with pytest.raises(ConfigError, match=name):
             load_config("tiny", override, model_path=directory)

@@ -155,3 +155,4 @@ def test_qwen3_next_through_the_engine_with_snapshots(tmp_path):
     assert got == want
     assert e.stats()["state_snapshot_hits"] >= 2
     assert all_back(e)
+

@@ -54,18 +54,22 @@ class Qwen3_5(Family):
     def layer_tensors(self, c, p, layer):
         if layer[1] not in c.linear_layers:
             return super().layer_tensors(c, p, layer)
-        e = c.hidden_size
-        hv, dv, k = c.linear_num_value_heads, c.linear_value_head_dim, c.linear_conv_kernel
+        e, hk, hv, dk, dv, k = (c.hidden_size, c.linear_num_key_heads, c.linear_num_value_heads,
+                                c.linear_key_head_dim, c.linear_value_head_dim, c.linear_conv_kernel)
         a, la = layer + ("attn",), p + "linear_attn."
-        cd = conv_dim(c)
+        cd, qk, vw = conv_dim(c), hk * dk, hv // hk * dv  # channels q | k | v; v per key-head group
+        # in_proj_qkv and conv1d hold q, k, v heads in turn: each part is its own rows, split by key head
+        parts = (("q", (0, qk), dk), ("k", (qk, 2 * qk), dk), ("v", (2 * qk, cd), vw))
         return {
             **self.mlp_tensors(c, p, layer),
             **{p + hf + ".weight": same(layer + (ours, "weight"), (e,)) for ours, hf in self.norm_names.items()},
-            la + "in_proj_qkv.weight": HFTensor(a + ("qkv",), (cd, e), (cd, e), (1, 0)),
+            la + "in_proj_qkv.weight": tuple(HFTensor(a + (n,), (cd, e), (hk, w, e), (2, 0, 1), rows)
+                                             for n, rows, w in parts),
+            la + "conv1d.weight": tuple(HFTensor(a + ("conv_" + n,), (cd, 1, k), (hk, w, k), (0, 1, 2), rows)
+                                        for n, rows, w in parts),
             la + "in_proj_z.weight": HFTensor(a + ("z",), (hv * dv, e), (hv, dv, e), (2, 0, 1)),
             la + "in_proj_b.weight": HFTensor(a + ("b",), (hv, e), (hv, e), (1, 0)),
             la + "in_proj_a.weight": HFTensor(a + ("a",), (hv, e), (hv, e), (1, 0)),
-            la + "conv1d.weight": HFTensor(a + ("conv",), (cd, 1, k), (cd, k), (0, 1)),
             la + "dt_bias": same(a + ("dt_bias",), (hv,)),
             la + "A_log": same(a + ("a_log",), (hv,)),
             la + "norm.weight": same(a + ("norm",), (dv,)),

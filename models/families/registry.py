@@ -177,4 +177,4 @@ def layer_projection_params(config, layer: int = 0) -> dict[tuple, float]:
 # multiplies every token once (w_ukv: W_uk on the queries, W_uv on the outputs)
 LATENT_PROJECTIONS = ("q_a", "q_b", "kv_a", "w_ukv")
 # A Gated DeltaNet layer's projections (models/gated_deltanet.py), either layout
-LINEAR_PROJECTIONS = ("qkv", "z", "b", "a", "out", "qkvz", "ba")
+LINEAR_PROJECTIONS = ("q", "k", "v", "z", "b", "a", "out", "qkvz", "ba")
