@@ -8,9 +8,10 @@ Both are Qwen3.5-family models with random weights (`Engine.from_config("tiny", 
 {model.architecture = Qwen3_5ForCausalLM, ...})`), 8 layers of hidden 256: the hybrid
 with Qwen3.5's 3:1 pattern (layers 3 and 7 gated full attention, the rest Gated
 DeltaNet), the other with every layer full attention. f32, one CPU device, chunked
-prefill with a 2048-token budget, prefix caching off (the hybrid has none). TTFT: one
+prefill with a 2048-token budget, prefix caching off. TTFT: one
 request through `Engine.generate(max_tokens=1)`, compile excluded by a warm-up per
-length, median of --repeats. Each model in its own process, one after the other.
+length, median of --repeats. Each model in its own process, one after the other. Memory
+per request: its pages at the allocated bytes per token plus one state slot (Engine.stats).
 
 Writes benchmarks/results/hybrid_decay.json and hybrid_decay.png.
 """
@@ -49,7 +50,10 @@ def worker(name: str, lengths: list[int], repeats: int) -> None:
             "mesh.cpu_split": False}
     e = Engine.from_config("tiny_random", overrides=over, progress=False)
     rng = np.random.default_rng(0)
-    out = {"model": name, "params": param_count(e.config.model), "lengths": {}}
+    st = e.stats()  # allocation, read from the cache's arrays: pages by the token, states by the slot
+    per_slot = st["state_bytes"] // e.config.engine.state_pool_slots if e.config.model.linear_layers else 0
+    out = {"model": name, "params": param_count(e.config.model), "lengths": {}, "bytes_per_request": {
+        str(n): -(-n // 16) * 16 * st["kv_bytes_per_token"] + per_slot for n in lengths}}
     for n in lengths:
         times = []
         for i in range(repeats + 1):  # the first: compile and warm-up
@@ -68,6 +72,7 @@ def summarize(runs: list[dict], lengths: list[int]) -> list[dict]:
     for r in runs:
         med = [statistics.median(r["lengths"][str(n)]) for n in lengths]
         rows.append({"model": r["model"], "params": r["params"], "ttft_s": dict(zip(map(str, lengths), med)),
+                     "bytes_per_request": r["bytes_per_request"],
                      "decay": {f"{a}->{b}": mb / ma for a, b, ma, mb in zip(lengths, lengths[1:], med, med[1:])}})
     return rows
 
@@ -78,11 +83,16 @@ def plot(result: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (left, right, mem) = plt.subplots(1, 3, figsize=(15, 4.2))
     lengths = result["lengths"]
     for row in result["rows"]:
         left.plot(lengths, [row["ttft_s"][str(n)] for n in lengths], "o-", label=row["model"])
         right.plot(lengths[1:], list(row["decay"].values()), "o-", label=row["model"])
+        mem.plot(lengths, [row["bytes_per_request"][str(n)] / 2**20 for n in lengths], "o-", label=row["model"])
+    mem.set_xscale("log", base=2)
+    mem.set_yscale("log")
+    mem.set_xlabel("prompt tokens S")
+    mem.set_ylabel("KV pages + state per request, MiB")
     left.set_xscale("log", base=2)
     left.set_yscale("log")
     left.set_xlabel("prompt tokens S")
