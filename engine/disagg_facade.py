@@ -15,9 +15,6 @@ class DisaggregationFacade:
         """Starts this engine's transfer server (engine/kv_handoff.py); idempotent."""
         from jaxfill.engine.kv_handoff import KVHandoff  # jax.experimental.transfer only when asked
 
-        if self.settings.state_slots:
-            raise InvalidRequest("kv_transfer_params", "disaggregated prefill of a linear-attention hybrid is not "
-                                 "supported yet: its recurrent state would have to move with the KV rows")
         with self._lock:
             if self.kv_handoff is None:
                 self.kv_handoff = KVHandoff(self.settings.kv_transfer_timeout_s, self.config, self.runner,
@@ -29,6 +26,8 @@ class DisaggregationFacade:
         `take_kv_offer` then gives what the decode side needs."""
         with self._lock:
             self.enable_kv_transfer().hold.add(request_id)
+            if self.settings.state_slots:  # a hybrid also sends its state at the rows' end
+                self.scheduler.hold_state(request_id)
 
     def held_page_share(self) -> float:
         """Prefill side: the share of the pool held for transfers not yet pulled, plus the
@@ -67,11 +66,11 @@ class DisaggregationFacade:
         with self._lock:
             if request_id in self.requests:
                 raise InvalidRequest("request_id", f"{request_id!r} is already in flight")
-            pages = handoff.import_pulled(arrays, num_tokens)
+            pages, slot = handoff.import_pulled(arrays, num_tokens)
             try:
                 req = self.factory.new(ids, params, request_id, priority, with_text=not self.defer_text)
             except BaseException:
-                self.scheduler.free_pages(pages)
+                self.scheduler.free_pages(pages, state_slot=slot)
                 raise
-            self.scheduler.admit_prefilled(req, pages, num_tokens, cached_tokens)
+            self.scheduler.admit_prefilled(req, pages, num_tokens, cached_tokens, slot)
         return request_id

@@ -249,6 +249,7 @@ class Engine(Conveniences, DisaggregationFacade, MultiProcessFacade):
         for req in (r for sched in scheds for r in sched.finished):  # no room in the pool even alone
             if self.kv_handoff is not None:  # never prefilled: nothing to offer
                 self.kv_handoff.hold.discard(req.request_id)
+                self.kv_handoff.states.pop(req.request_id, None)
             outputs.append(self._finished_output(req))
         if not self._copy_states(scheds) or not any(sched.seqs for sched in scheds):
             return None
@@ -256,15 +257,20 @@ class Engine(Conveniences, DisaggregationFacade, MultiProcessFacade):
         return Launch(scheds, shape, None)
 
     def _copy_states(self, scheds) -> bool:
-        """[lock] Linear-attention state snapshots taken and restored before the step (even
-        when nothing runs now: a snapshot is findable from now on). If the copy fails the
+        """[lock] Linear-attention state snapshots taken and restored, and held prefills'
+        states exported, before the step (even when nothing runs now: a snapshot is
+        findable from now on). If the copy fails the
         cache is rebuilt and every request recomputes (no snapshot is then trusted)."""
         first = [c for sc in scheds for c in sc.state_copies]
         then = [c for sc in scheds for c in sc.state_restores]
-        if not first and not then:
+        exports = [e for sc in scheds for e in sc.state_exports]  # held prefills' states (engine/kv_handoff.py)
+        if not first and not then and not exports:
             return True
         try:
-            self.runner.copy_states(first, then)
+            if first or then:
+                self.runner.copy_states(first, then)
+            for request_id, slot in exports:
+                self.kv_handoff.keep_state(request_id, self.runner.export_state(slot))
             return True
         except Exception:  # noqa: BLE001 - the requests recompute; the engine goes on
             traceback.print_exc(file=sys.stderr)

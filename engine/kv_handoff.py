@@ -8,8 +8,12 @@ token is never sent: the decode side computes it as a one-token chunk, which dra
 first output token with the request's own seed, output index and logprobs, exactly as
 an engine doing both would.
 
-Decode side: `import_pulled` reserves pages for the pulled rows and scatters them into
-its own pool; the engine then has the scheduler admit the request with those tokens
+A linear-attention hybrid also sends its recurrent state at those rows' end: the
+scheduler ends a held prompt's chunk at len(prompt) - 1 and the state is exported
+(`keep_state`) before the next step moves on; it travels after the rows.
+
+Decode side: `import_pulled` reserves pages (and a hybrid's state slot) for the pulled
+rows and writes them into its own pool; the engine then has the scheduler admit the request with those tokens
 counted as computed (Engine.add_prefilled_request). Offers, releases and imports run
 under the engine lock, and export and import on the stepping thread, since both touch
 the donated KV cache; `pull` only starts the transfer (off the lock) and never touches
@@ -50,6 +54,7 @@ class KVHandoff:
         self.hold: set[str] = set()  # request ids whose pages outlive their finish
         self.held: dict[int, Held] = {}  # transfer id -> pages kept for the pull
         self.offers: dict[str, dict] = {}  # request id -> what the decode side needs
+        self.states: dict[str, list] = {}  # request id -> a hybrid's exported state arrays (keep_state)
         self.num_released = 0
         self.num_expired = 0
         # The cache's layout never changes: computed once, compared with every offer.
@@ -60,6 +65,7 @@ class KVHandoff:
         """[lock, stepping thread] Called as a request finishes, before the scheduler frees
         its pages: a held one that computed its prompt has its rows offered and True says
         the pages stay allocated (kept here until released); otherwise False."""
+        state = self.states.pop(req.request_id, None)  # a hybrid's, whatever happens next
         if req.request_id not in self.hold:
             return False
         self.hold.discard(req.request_id)
@@ -73,14 +79,20 @@ class KVHandoff:
         if n == 0:
             self.offers[req.request_id] = info
             return False
+        if layout.state and state is None:
+            return False  # a hybrid's state at n was never exported: nothing consistent to offer
         values, scales = self.runner.export_rows(req.pages, n, layout.num_kv_heads)
-        arrays = [values] + ([] if scales is None else [scales])
+        arrays = [values] + ([] if scales is None else [scales]) + (state or [])
         tid = self.agent.offer(arrays, self.timeout_s)
         info["transfer_id"] = tid
         info["arrays"] = [[list(a.shape), str(a.dtype)] for a in arrays]
         self.held[tid] = Held(req.request_id, list(req.pages), time.monotonic() + self.timeout_s)
         self.offers[req.request_id] = info
         return True
+
+    def keep_state(self, request_id: str, arrays: list) -> None:
+        """[lock, stepping thread] A held hybrid prefill's state at len(prompt) - 1 (Runner.export_state)."""
+        self.states[request_id] = arrays
 
     def release(self, tid: int) -> bool:
         """[lock] The pull is done (or given up): the pages go back to the pool."""
@@ -118,17 +130,21 @@ class KVHandoff:
         specs = [(tuple(s), d) for s, d in info["arrays"]]
         return self.agent.pull(info["transfer_address"], int(info["transfer_id"]), specs), n
 
-    def import_pulled(self, arrays: list, num_tokens: int) -> list[int]:
-        """[lock, stepping thread] Pages reserved for the pulled rows (ready arrays), the
-        rows scattered in; returns the pages, which the scheduler then admits with."""
+    def import_pulled(self, arrays: list, num_tokens: int) -> tuple[list[int], int | None]:
+        """[lock, stepping thread] Pages (and a hybrid's state slot) reserved for the pulled
+        rows (ready arrays), the rows and state written in; returns what the scheduler then
+        admits with."""
         if num_tokens and arrays[0].shape[1] < num_tokens:
             raise kvt.TransferFailed(f"the pulled rows hold {arrays[0].shape[1]} tokens, not {num_tokens}")
-        pages = self.scheduler.reserve_prefilled(num_tokens)
+        pages, slot = self.scheduler.reserve_prefilled(num_tokens)
         if num_tokens:
-            values, scales = arrays[0], (arrays[1] if len(arrays) > 1 else None)
+            rows = 2 if self.layout.quantized else 1
+            values, scales = arrays[0], (arrays[1] if rows == 2 else None)
             try:
                 self.runner.import_rows(values, scales, pages, num_tokens)
+                if slot is not None:
+                    self.runner.import_state(arrays[rows:rows + 2], slot)
             except BaseException:
-                self.scheduler.free_pages(pages)
+                self.scheduler.free_pages(pages, state_slot=slot)
                 raise
-        return pages
+        return pages, slot

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
+import json
 import threading
 import time
 import uuid as uuidlib
@@ -53,16 +54,33 @@ class Layout:
     head_dim: int
     dtype: str  # the values' dtype (the cache dtype: f32 / bf16 / int8 / float8_e4m3fn)
     quantized: bool
+    # a hybrid's state per sequence: recurrent [Lin, Hv, Dk, Dv] and conv [Lin, C, K-1] shapes; () otherwise
+    state: tuple = ()
 
     @classmethod
     def of(cls, config, cache) -> "Layout":  # either layout: both send [L, T, ...] rows
-        leaf = cache.pages[0]
+        leaf = paged_entries(cache)[0]
         values = leaf.values if isinstance(leaf, QuantizedPages) else leaf
         m = config.model
-        return cls(m.num_layers, m.num_kv_heads, m.head_dim, str(values.dtype), isinstance(leaf, QuantizedPages))
+        states = [e for e in cache.pages if hasattr(e, "recurrent")]
+        state = tuple((len(states),) + tuple(a.shape[1:]) for a in (states[0].recurrent, states[0].conv)) \
+            if states else ()
+        return cls(m.kv_layers, m.num_kv_heads, m.head_dim, str(values.dtype), isinstance(leaf, QuantizedPages),
+                   state)
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        return json.loads(json.dumps(dataclasses.asdict(self)))  # tuples as lists: as the other side reads it
+
+
+def paged_entries(cache) -> tuple:
+    """The entries that hold pages (a hybrid's linear layers hold a state instead)."""
+    return tuple(e for e in cache.pages if not hasattr(e, "recurrent"))
+
+
+def _with_paged(cache, paged: tuple):
+    """The cache with its paged entries replaced, in order."""
+    it = iter(paged)
+    return dataclasses.replace(cache, pages=tuple(e if hasattr(e, "recurrent") else next(it) for e in cache.pages))
 
 
 def padded_tokens(num_tokens: int, page_size: int) -> int:
@@ -163,7 +181,8 @@ def export_rows(cache, page_ids: list[int], num_tokens: int, page_size: int, num
     total = padded_tokens(num_tokens, page_size)
     ids = np.zeros(total // page_size, np.int32)  # null page for the padding rows
     ids[:len(page_ids)] = page_ids[:len(ids)]
-    values, scales = gather_tokens(cache.pages, jnp.asarray(ids), num_kv_heads=num_kv_heads, stages=cache.stages)
+    values, scales = gather_tokens(paged_entries(cache), jnp.asarray(ids), num_kv_heads=num_kv_heads,
+                                   stages=cache.stages)
     dev = jax.local_devices()[0]
     values = jax.device_put(values, dev)
     scales = None if scales is None else jax.device_put(scales, dev)
@@ -175,13 +194,51 @@ def import_rows(cache, values, scales, pages: list[int], num_tokens: int, page_s
     rows sit on one device; a cache split over several (mesh.tensor > 1) gets them
     replicated onto its devices first, since jit refuses arguments committed elsewhere."""
     slots = slots_for(pages, num_tokens, values.shape[1], page_size)
+    values, scales = _onto(cache, values), None if scales is None else _onto(cache, scales)
+    pages = scatter_tokens(paged_entries(cache), values, scales, jnp.asarray(slots), stages=cache.stages)
+    return _with_paged(cache, pages)
+
+
+def _onto(cache, a: jax.Array) -> jax.Array:
+    """A pulled array (on one device) replicated onto a cache split over several
+    (mesh.tensor > 1): jit refuses arguments committed elsewhere."""
     sharding = jax.tree.leaves(cache.pages)[0].sharding
     if isinstance(sharding, jax.sharding.NamedSharding):
-        replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-        values = jax.device_put(values, replicated)
-        scales = None if scales is None else jax.device_put(scales, replicated)
-    pages = scatter_tokens(cache.pages, values, scales, jnp.asarray(slots), stages=cache.stages)
-    return dataclasses.replace(cache, pages=pages)
+        return jax.device_put(a, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()))
+    return a
+
+
+@jax.jit
+def _gather_state(pages: tuple, slot: jax.Array):  # slot: [] int32
+    states = [e for e in pages if hasattr(e, "recurrent")]
+    return jnp.stack([e.recurrent[slot] for e in states]), jnp.stack([e.conv[slot] for e in states])
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _scatter_state(pages: tuple,  # KVCache.pages (donated)
+                   recurrent: jax.Array,  # [Lin, Hv, Dk, Dv] f32
+                   conv: jax.Array,  # [Lin, C, K-1]
+                   slot: jax.Array):  # [] int32
+    out, i = [], 0
+    for e in pages:
+        if hasattr(e, "recurrent"):
+            e = type(e)(e.recurrent.at[slot].set(recurrent[i]), e.conv.at[slot].set(conv[i].astype(e.conv.dtype)))
+            i += 1
+        out.append(e)
+    return tuple(out)
+
+
+def export_state(cache, slot: int) -> list:
+    """A hybrid's state in `slot`, as one-device arrays [recurrent [Lin, Hv, Dk, Dv], conv
+    [Lin, C, K-1]]: new buffers, so the slot may be reused once this is dispatched."""
+    dev = jax.local_devices()[0]
+    return [jax.device_put(a, dev) for a in _gather_state(cache.pages, jnp.int32(slot))]
+
+
+def import_state(cache, arrays: list, slot: int):
+    """A new cache with the pulled state written into `slot` (the old one is donated)."""
+    recurrent, conv = (_onto(cache, a) for a in arrays)
+    return dataclasses.replace(cache, pages=_scatter_state(cache.pages, recurrent, conv, jnp.int32(slot)))
 
 
 def wait_ready(arrays, deadline: float, poll_s: float = 0.002) -> bool:

@@ -212,6 +212,20 @@ class Runner(RunnerKVTier):
         with self.mesh_context():
             self.kv_cache = copy_state_slots(self.kv_cache, fs, fd, ts, td)
 
+    def export_state(self, slot: int) -> list:
+        """A hybrid's state slot as one-device arrays, for a disaggregated pull."""
+        from jaxfill.engine import kv_transfer as kvt
+
+        with self.mesh_context():
+            return kvt.export_state(self.kv_cache, slot)
+
+    def import_state(self, arrays: list, slot: int) -> None:
+        """A pulled state written into `slot` (the cache is donated and replaced)."""
+        from jaxfill.engine import kv_transfer as kvt
+
+        with self.mesh_context():
+            self.kv_cache = kvt.import_state(self.kv_cache, arrays, slot)
+
     def cache_ok(self) -> bool:
         return not any(a.is_deleted() for a in self.kv_cache.arrays())
 

@@ -15,7 +15,7 @@ from jaxfill.engine.config import load_config
 from jaxfill.engine.engine import Engine
 from jaxfill.engine.hardware import load_hardware
 from jaxfill.engine.planner import plan_prefill
-from jaxfill.engine.request import InvalidRequest, SamplingParams
+from jaxfill.engine.request import SamplingParams
 from jaxfill.engine.simple import generate_one
 from jaxfill.models.checkpoint import load_hf_params
 from jaxfill.models.config import ConfigError
@@ -85,8 +85,6 @@ def test_what_hybrids_cannot_do_yet_is_refused_by_name(hybrid):
                            ({"engine.scan_layers": True}, "scan_layers")]:
         with pytest.raises(ConfigError, match=name):
             load_config("tiny", override, model_path=directory)
-    with pytest.raises(InvalidRequest, match="recurrent state"):
-        engine(directory).enable_kv_transfer()
 
 
 def test_planner_counts_attention_pages_and_one_state(hybrid):

@@ -81,6 +81,9 @@ class SchedulerOutput:
     finished: list[Request]  # finished here with "length": no room even alone
     # (working slot, snapshot slot) copies to run before the step (state_snapshots.py)
     state_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    # (request id, working slot): a held prefill's state at its last prompt row but one, to
+    # export after the copies, before the step (engine/kv_handoff.py)
+    state_exports: list[tuple[str, int]] = dataclasses.field(default_factory=list)
 
     @property
     def state_restores(self) -> list[tuple[int, int]]:
@@ -115,6 +118,10 @@ class Scheduler(RequestTransitions):
         self.snapshots = None
         if s.state_slots and s.enable_prefix_caching and s.state_snapshot_slots:
             self.snapshots = StateSnapshots(s.state_snapshot_tokens, s.state_slots, s.state_snapshot_slots)
+        # held prefills of a hybrid (disaggregation): their chunks end at len(prompt) - 1,
+        # where the state the decode side resumes from is exported
+        self.state_holds: set[str] = set()
+        self.state_exports: list[tuple[str, int]] = []
         self.waiting: list[Request] = []  # sorted by _key
         self.running: list[Request] = []  # admission order
         self.num_preemptions = 0
@@ -221,6 +228,7 @@ class Scheduler(RequestTransitions):
             copies = self.snapshots.take_copies(lambda h: self.bm.page_of(h) is not None)
         out = self._schedule()
         out.state_copies = copies
+        out.state_exports, self.state_exports = self.state_exports, []
         return out
 
     def _chunk(self, req: Request, start: int, n: int) -> int:
@@ -229,7 +237,15 @@ class Scheduler(RequestTransitions):
             n = min(n, self.chunk_cap)
         if self.snapshots is not None:
             n = self.snapshots.cut(start, n, req.num_tokens)
+        end = self._state_export_at(req)
+        if start < end < start + n:
+            n = end - start
         return n
+
+    def _state_export_at(self, req: Request) -> int:
+        """Where a held hybrid prefill's state is exported (its rows the decode side gets);
+        -1 for every other request."""
+        return len(req.prompt_ids) - 1 if req.request_id in self.state_holds else -1
 
     def _schedule(self) -> SchedulerOutput:
         if not self.chunked:
@@ -365,6 +381,8 @@ class Scheduler(RequestTransitions):
             req.state_slot = self.free_slots.pop()
             if computed:  # resumes from a snapshot, copied into its own slot (never read in place)
                 state_from = self.snapshots.slot_of(req.page_hashes[len(hits) - 1])
+            if computed and computed == self._state_export_at(req):  # held, and every row it sends was cached
+                self.state_exports.append((req.request_id, req.state_slot))
         req.status = Status.RUNNING
         self.running.append(req)
         return Scheduled(req, computed, n, restores, state_from)

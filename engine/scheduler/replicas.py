@@ -99,16 +99,21 @@ class ReplicaScheduler:
         self.replicas[req.replica].finish(req, reason, error, keep_pages, num_output_tokens)
         self.requests.pop(req.request_id, None)
 
-    def reserve_prefilled(self, num_tokens: int) -> list[int]:
+    def reserve_prefilled(self, num_tokens: int) -> tuple[list[int], int | None]:
         return self.replicas[0].reserve_prefilled(num_tokens)
 
-    def free_pages(self, pages: list[int], replica: int = 0) -> None:
-        self.replicas[replica].free_pages(pages)
+    def free_pages(self, pages: list[int], replica: int = 0, state_slot: int | None = None) -> None:
+        self.replicas[replica].free_pages(pages, state_slot)
 
-    def admit_prefilled(self, req: Request, pages: list[int], num_tokens: int, cached_tokens: int) -> None:
-        """Replica 0 (disaggregation needs mesh.data = 1); pages from reserve_prefilled."""
+    def hold_state(self, request_id: str) -> None:
+        """A hybrid's held prefill: its state at len(prompt) - 1 is exported (replica 0)."""
+        self.replicas[0].state_holds.add(request_id)
+
+    def admit_prefilled(self, req: Request, pages: list[int], num_tokens: int, cached_tokens: int,
+                        state_slot: int | None = None) -> None:
+        """Replica 0 (disaggregation needs mesh.data = 1); pages and slot from reserve_prefilled."""
         self._register(req)
-        self.replicas[0].admit_prefilled(req, pages, num_tokens, cached_tokens)
+        self.replicas[0].admit_prefilled(req, pages, num_tokens, cached_tokens, state_slot)
         self.num_added[0] += 1
 
     def set_listener(self, listener) -> None:

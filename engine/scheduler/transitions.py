@@ -52,6 +52,8 @@ class RequestTransitions:
                 end = self.snapshots.boundary(sch.start, sch.num_new, req.num_tokens)
                 if end is not None:
                     self.snapshots.record(req.state_slot, self._hashes(req, end)[-1])
+            if 0 < sch.start + sch.num_new == self._state_export_at(req):
+                self.state_exports.append((req.request_id, req.state_slot))
             if sch.samples:
                 req.in_flight += 1
                 req.pending_row = first_row + i
@@ -127,34 +129,40 @@ class RequestTransitions:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        self.state_holds.discard(req.request_id)
         if keep_pages:
-            req.pages = []
-        else:
-            self._release(req)
+            req.pages = []  # held: whoever read them owns them (a hybrid's slot goes back: its state was exported)
+        self._release(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.error = error
         req.finished_at = time.perf_counter()
 
     # ------------------------------------------------------------------ disaggregation
-    def reserve_prefilled(self, num_tokens: int) -> list[int]:
-        """Pages for a prefilled prompt's rows, before they are scattered in; QueueFull
-        when the batch or the pool has no room."""
+    def reserve_prefilled(self, num_tokens: int) -> tuple[list[int], int | None]:
+        """Pages for a prefilled prompt's rows, and a hybrid's state slot (else None),
+        before they are written; QueueFull when the batch, the pool or the slots have no room."""
         if len(self.running) >= self.max_seqs:
             raise QueueFull(f"{len(self.running)} requests running (engine.max_num_seqs)")
+        if self.slots_used and not self.free_slots:
+            raise QueueFull("every recurrent-state slot is held (engine.max_num_seqs)")
         need = self.bm.pages_for(num_tokens)
         if not self.bm.can_allocate(need):
             raise QueueFull(f"{need} pages for a prefilled prompt; {self.bm.num_free} free")
-        return self.bm.allocate(need)
+        return self.bm.allocate(need), (self.free_slots.pop() if self.slots_used else None)
 
-    def free_pages(self, pages: list[int]) -> None:
-        """Pages held outside any request (reserved, or kept for a pull) go back."""
+    def free_pages(self, pages: list[int], state_slot: int | None = None) -> None:
+        """Pages (and a state slot) held outside any request (reserved, or kept for a pull) go back."""
         self.bm.free(pages)
+        if state_slot is not None:
+            self.free_slots.append(state_slot)
 
-    def admit_prefilled(self, req: Request, pages: list[int], num_tokens: int, cached_tokens: int) -> None:
+    def admit_prefilled(self, req: Request, pages: list[int], num_tokens: int, cached_tokens: int,
+                        state_slot: int | None = None) -> None:
         """The request runs on from its last prompt token; its first num_tokens rows are
-        already in `pages` (reserve_prefilled)."""
+        already in `pages`, a hybrid's state in `state_slot` (reserve_prefilled)."""
         req.pages = pages
+        req.state_slot = state_slot
         req.num_computed = num_tokens
         req.cached_tokens = cached_tokens
         req.first_scheduled = time.perf_counter()
