@@ -308,10 +308,18 @@ def hybrid_settings(model: ModelConfig, engine: EngineSettings,
 def check_stackable(model: ModelConfig, groups: int) -> None:
     """Stacked layouts (mesh.stage, engine.scan_layers) stack layer j of every group into
     one module, so those layers must have the same params: in a MoE model with dense
-    layers, layer n's kind must depend on n mod (layers per group) only."""
-    if groups <= 1 or not model.num_experts or not model.dense_layers:
+    layers, layer n's kind must depend on n mod (layers per group) only; so must a
+    single-block layer's block (Nemotron-H's mixer-only and MLP-only layers)."""
+    if groups <= 1:
         return
     k = model.num_layers // groups
+    for name in ("no_mlp_layers", "no_mixer_layers"):
+        named = set(getattr(model, name))
+        if any((n in named) != (n % k in named) for n in range(model.num_layers)):
+            raise ConfigError(f"the model's {name} {sorted(named)} differ between the {groups} stacked layer "
+                              "groups (mesh.stage / engine.scan_layers); use the unrolled layout")
+    if not model.num_experts or not model.dense_layers:
+        return
     dense = set(model.dense_layers)
     if any((n in dense) != (n % k in dense) for n in range(model.num_layers)):
         raise ConfigError(f"the model's dense layers {sorted(dense)} differ between the {groups} stacked layer "
