@@ -287,6 +287,7 @@ def hybrid_settings(model: ModelConfig, engine: EngineSettings,
     unsupported = {"mesh.data/sequence/stage/expert > 1": mesh.size > mesh.tensor or mesh.num_processes > 1,
                    f"mesh.tensor = {mesh.tensor} (must divide the {model.linear_num_key_heads} linear key heads)":
                        model.linear_num_key_heads % mesh.tensor != 0,
+                   "mesh.tensor > 1 with Mamba2 layers": model.linear_kind == "mamba2" and mesh.tensor > 1,
                    "engine.scan_layers": engine.scan_layers,
                    "engine.host_kv_cache_gb": float(engine.host_kv_cache_gb) > 0,
                    "engine.kv_cache_dtype int8/fp8": engine.kv_cache_dtype != "auto"}
@@ -310,10 +311,18 @@ def hybrid_settings(model: ModelConfig, engine: EngineSettings,
 def check_stackable(model: ModelConfig, groups: int) -> None:
     """Stacked layouts (mesh.stage, engine.scan_layers) stack layer j of every group into
     one module, so those layers must have the same params: in a MoE model with dense
-    layers, layer n's kind must depend on n mod (layers per group) only."""
-    if groups <= 1 or not model.num_experts or not model.dense_layers:
+    layers, layer n's kind must depend on n mod (layers per group) only; so must a
+    single-block layer's block (Nemotron-H's mixer-only and MLP-only layers)."""
+    if groups <= 1:
         return
     k = model.num_layers // groups
+    for name in ("no_mlp_layers", "no_mixer_layers"):
+        named = set(getattr(model, name))
+        if any((n in named) != (n % k in named) for n in range(model.num_layers)):
+            raise ConfigError(f"the model's {name} {sorted(named)} differ between the {groups} stacked layer "
+                              "groups (mesh.stage / engine.scan_layers); use the unrolled layout")
+    if not model.num_experts or not model.dense_layers:
+        return
     dense = set(model.dense_layers)
     if any((n in dense) != (n % k in dense) for n in range(model.num_layers)):
         raise ConfigError(f"the model's dense layers {sorted(dense)} differ between the {groups} stacked layer "

@@ -73,14 +73,16 @@ class Layout:
 
 
 def paged_entries(cache) -> tuple:
-    """The entries that hold pages (a hybrid's linear layers hold a state instead)."""
-    return tuple(e for e in cache.pages if not hasattr(e, "recurrent"))
+    """The entries that hold pages (a hybrid's linear layers hold a state instead, its
+    MLP-only layers nothing)."""
+    return tuple(e for e in cache.pages if e is not None and not hasattr(e, "recurrent"))
 
 
 def _with_paged(cache, paged: tuple):
     """The cache with its paged entries replaced, in order."""
     it = iter(paged)
-    return dataclasses.replace(cache, pages=tuple(e if hasattr(e, "recurrent") else next(it) for e in cache.pages))
+    return dataclasses.replace(cache, pages=tuple(e if e is None or hasattr(e, "recurrent") else next(it)
+                                                  for e in cache.pages))
 
 
 def padded_tokens(num_tokens: int, page_size: int) -> int:

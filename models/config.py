@@ -18,7 +18,7 @@ from typing import Any
 DTYPES = ("float32", "bfloat16", "float16")  # jax.numpy names; jax is imported only when one is used
 WEIGHT_DTYPES = ("auto", "int8")  # auto: projections stored in `dtype`; int8: see models/quant.py
 CHOICES = {
-    "hidden_act": ("silu", "gelu_tanh"),
+    "hidden_act": ("silu", "gelu_tanh", "relu2"),  # relu2: relu(x)^2 (Nemotron-H's MLP)
     # rms: w * cast(x * rsqrt) (Llama); rms_f32: cast(w * x * rsqrt) (OLMo 2);
     # rms_one_plus: cast((1 + w) * x * rsqrt), all in f32 (Gemma)
     "norm_kind": ("rms", "rms_f32", "rms_one_plus"),
@@ -32,6 +32,9 @@ CHOICES = {
     # top k of score + bias within the best groups (DeepSeek-V3, GLM-4.5); topk_softmax:
     # top k of the logits, softmax over those k (gpt-oss); models/moe.py
     "router_scoring": ("softmax", "sigmoid", "topk_softmax"),
+    # the rule of the linear layers: Gated DeltaNet (models/gated_deltanet.py, Qwen3.5) or
+    # Mamba2's SSD (models/mamba2.py, Nemotron-H)
+    "linear_kind": ("gated_deltanet", "mamba2"),
 }
 LAYER_TYPES = ("full", "sliding")
 
@@ -85,15 +88,26 @@ class ModelConfig:
     # absorbed: attend over the latent; expanded: K/V per head from it (models/mla_expanded.py);
     # auto: per step, whichever costs fewer multiply-adds for the batch's lengths
     mla_form: str = "auto"
-    # Linear-attention hybrids (models/gated_deltanet.py; Qwen3.5): these layers run Gated
-    # DeltaNet, a recurrent state per sequence instead of attention over the KV cache
+    # Linear-attention hybrids: these layers run a recurrent rule (linear_kind), a state per
+    # sequence instead of attention over the KV cache. Mamba2 is linear attention with C as
+    # the query, B as the key and x as the value, so the shapes below name both: for mamba2,
+    # key heads = n_groups (B and C per group), key head dim = ssm_state_size, value heads =
+    # the SSM heads, value head dim = their head_dim; the state is [value heads, Dk, Dv].
     linear_layers: tuple[int, ...] = ()
+    linear_kind: str = "gated_deltanet"
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
-    linear_conv_kernel: int = 4  # the short causal convolution over q, k, v
+    linear_conv_kernel: int = 4  # the short causal convolution over q, k, v (Mamba2: x, B, C)
     linear_grouped_proj: bool = False  # q, k, v, z (and b, a) fused per key head (Qwen3-Next), not apart
+    linear_conv_bias: bool = False  # the convolution adds a bias (Mamba2)
+    linear_dt_limit: tuple[float, float] | None = None  # Mamba2's time steps clipped to [lo, hi]; None: not
+    # Single-block layers (Nemotron-H): a layer is its mixer (attention or linear) and its MLP,
+    # each behind its norm, unless named here; an MLP-only layer holds no cache entry (None)
+    no_mlp_layers: tuple[int, ...] = ()
+    no_mixer_layers: tuple[int, ...] = ()
+    mlp_gated: bool = True  # act(x W_gate) * (x W_up) -> W_down; False: act(x W_up) -> W_down
     attn_output_gate: bool = False  # attention output times sigmoid(a per-head gate q_proj also gives) (Qwen3.5)
     # Mixture of experts (models/moe.py); num_experts = 0: every layer's MLP is dense
     num_experts: int = 0
@@ -169,12 +183,27 @@ class ModelConfig:
             if min(dims) <= 0 or self.linear_num_value_heads % self.linear_num_key_heads:
                 raise ConfigError("model.linear_layers needs positive linear_* head counts and dims (value heads "
                                   f"a multiple of key heads) and linear_conv_kernel >= 2; got {dims}")
-        for name in ("nope_layers", "dense_layers", "linear_layers"):
+        self._check_linear_kind()
+        if set(self.no_mixer_layers) & (set(self.no_mlp_layers) | set(self.linear_layers)):
+            raise ConfigError(f"model.no_mixer_layers {list(self.no_mixer_layers)} must be neither no_mlp_layers "
+                              f"{list(self.no_mlp_layers)} (a layer with no block) nor linear_layers")
+        for name in ("nope_layers", "dense_layers", "linear_layers", "no_mlp_layers", "no_mixer_layers"):
             bad = [n for n in getattr(self, name) if not 0 <= n < self.num_layers]
             if bad:
                 raise ConfigError(f"model.{name} {bad} are not layers of a {self.num_layers}-layer model")
         if self.num_experts:
             self._check_moe()
+
+    def _check_linear_kind(self):
+        mamba = {"linear_conv_bias": self.linear_conv_bias, "linear_dt_limit": self.linear_dt_limit is not None}
+        if self.linear_kind != "mamba2" and any(mamba.values()):
+            raise ConfigError(f"model.{', '.join(k for k, on in mamba.items() if on)} apply to linear_kind mamba2 "
+                              f"only, not {self.linear_kind}")
+        if self.linear_kind == "mamba2" and self.linear_grouped_proj:
+            raise ConfigError("model.linear_grouped_proj is Qwen3-Next's DeltaNet layout, not mamba2's")
+        limit = self.linear_dt_limit
+        if limit is not None and not (len(limit) == 2 and 0 <= limit[0] < limit[1]):
+            raise ConfigError(f"model.linear_dt_limit must be [lo, hi] with 0 <= lo < hi, got {list(limit)}")
 
     def _check_moe(self):
         if self.num_experts < 0 or not 1 <= self.experts_per_token <= self.num_experts:
@@ -208,8 +237,9 @@ class ModelConfig:
 
     @property
     def kv_layers(self) -> int:
-        """Layers that hold KV pages (a hybrid's linear layers hold a fixed state instead)."""
-        return self.num_layers - len(self.linear_layers)
+        """Layers that hold KV pages (a hybrid's linear layers hold a fixed state instead, its
+        MLP-only layers nothing)."""
+        return self.num_layers - len(self.linear_layers) - len(self.no_mixer_layers)
 
     @property
     def q_per_kv(self) -> int:
@@ -232,9 +262,12 @@ class ModelConfig:
             d["rope_scaling"] = freeze(d["rope_scaling"])
         if "eos_token_id" in d:
             d["eos_token_id"] = as_tuple(d["eos_token_id"])
-        for name in ("layer_types", "nope_layers", "dense_layers", "linear_layers"):
+        for name in ("layer_types", "nope_layers", "dense_layers", "linear_layers", "no_mlp_layers",
+                     "no_mixer_layers"):
             if name in d:
                 d[name] = tuple(d[name])
+        if d.get("linear_dt_limit") is not None:
+            d["linear_dt_limit"] = tuple(float(v) for v in d["linear_dt_limit"])
         if d.get("sliding_window") in (0, -1):
             d["sliding_window"] = None
         return cls(**d)

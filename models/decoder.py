@@ -19,34 +19,56 @@ from jaxfill.models.attention import Attention
 from jaxfill.models.config import ModelConfig
 from jaxfill.models.gated_deltanet import GatedDeltaNet
 from jaxfill.models.kv_cache import AttentionMetadata, KVCache
-from jaxfill.models.layers import Embed, GatedMLP, RMSNorm, param
+from jaxfill.models.layers import MLP, Embed, GatedMLP, RMSNorm, param
+from jaxfill.models.mamba2 import Mamba2
 from jaxfill.models.mla import LatentAttention
 from jaxfill.models.moe import MoE, is_moe_layer
 from jaxfill.models.pipeline import pipeline_layers, run_layers, stack_layers
 from jaxfill.models.sharding import constrain, rows_split_over_sequence
 
 
+LINEAR_MIXERS = {"gated_deltanet": GatedDeltaNet, "mamba2": Mamba2}  # by config.linear_kind
+
+
+def mixer(c: ModelConfig, rngs: nnx.Rngs, index: int):
+    """Layer `index`'s mixer (attention, latent attention or a linear rule), None in an
+    MLP-only layer."""
+    if index in c.no_mixer_layers:
+        return None
+    if index in c.linear_layers:
+        return LINEAR_MIXERS[c.linear_kind](c, rngs)
+    return LatentAttention(c, rngs) if c.kv_lora_rank else Attention(c, rngs)
+
+
+def mlp(c: ModelConfig, rngs: nnx.Rngs, index: int):
+    """Layer `index`'s MLP (a mixture of experts in a MoE model's sparse layers), None in
+    a mixer-only layer."""
+    if index in c.no_mlp_layers:
+        return None
+    if is_moe_layer(c, index):
+        return MoE(c, rngs)
+    dense = GatedMLP if c.mlp_gated else MLP
+    return dense(c.hidden_size, c.intermediate_size, c.jnp_dtype, rngs, c.weight_dtype, c.hidden_act)
+
+
 class DecoderLayer(nnx.Module):
-    """Attention and MLP blocks with their norms where config.norm_layout puts them:
-    before each block (pre), before and after (sandwich), or after only (post). The MLP
-    is a mixture of experts in a MoE model's sparse layers (models/moe.py)."""
+    """Mixer (attention) and MLP blocks with their norms where config.norm_layout puts
+    them: before each block (pre), before and after (sandwich), or after only (post). A
+    single-block layer (Nemotron-H's) has the one block and its norms only."""
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs, index: int = 0):
         c, dt = config, config.jnp_dtype
+        has_mixer, has_mlp = index not in c.no_mixer_layers, index not in c.no_mlp_layers
 
-        def norm():
-            return RMSNorm(c.hidden_size, c.rms_norm_eps, dt, rngs, kind=c.norm_kind)
+        def norm(present: bool, placed: bool):
+            return RMSNorm(c.hidden_size, c.rms_norm_eps, dt, rngs, kind=c.norm_kind) if present and placed else None
 
-        self.attn_norm = norm() if c.norm_layout != "post" else None
-        if index in c.linear_layers:
-            self.attn = GatedDeltaNet(config, rngs)
-        else:
-            self.attn = LatentAttention(config, rngs) if c.kv_lora_rank else Attention(config, rngs)
-        self.attn_post_norm = norm() if c.norm_layout != "pre" else None
-        self.mlp_norm = norm() if c.norm_layout != "post" else None
-        self.mlp = (MoE(c, rngs) if is_moe_layer(c, index)
-                    else GatedMLP(c.hidden_size, c.intermediate_size, dt, rngs, c.weight_dtype, c.hidden_act))
-        self.mlp_post_norm = norm() if c.norm_layout != "pre" else None
+        self.attn_norm = norm(has_mixer, c.norm_layout != "post")
+        self.attn = mixer(c, rngs, index)
+        self.attn_post_norm = norm(has_mixer, c.norm_layout != "pre")
+        self.mlp_norm = norm(has_mlp, c.norm_layout != "post")
+        self.mlp = mlp(c, rngs, index)
+        self.mlp_post_norm = norm(has_mlp, c.norm_layout != "pre")
         self.residual_scale = c.residual_scale
 
     def __call__(self,
@@ -58,10 +80,14 @@ class DecoderLayer(nnx.Module):
                  layer,  # the layer's number (models/layer_settings.py)
                  sampled_only: bool = False,
                  ):  # ([T, E] or [S, E], pages, expert token counts [experts] int32 or None)
-        h, pages = self.attn(_maybe(self.attn_norm, x), positions, pages, meta, impl, layer, sampled_only)
+        if self.attn is not None:
+            h, pages = self.attn(_maybe(self.attn_norm, x), positions, pages, meta, impl, layer, sampled_only)
         if sampled_only:  # only the sampled rows go on (see Attention)
             x = jnp.take(x, meta.logits_indices, axis=0)
-        x = x + self._scaled(_maybe(self.attn_post_norm, h))
+        if self.attn is not None:
+            x = x + self._scaled(_maybe(self.attn_post_norm, h))
+        if self.mlp is None:
+            return x, pages, None
         h, counts = _maybe(self.mlp_norm, x), None
         if isinstance(self.mlp, MoE):
             valid = meta.slot_mapping >= 0  # real token rows: padding is computed, never counted

@@ -9,9 +9,7 @@ gated by silu(z); the output projection.
 
 What a sequence carries between steps (`LinearState`, this layer's cache entry): the
 recurrent state and the convolution's last `kernel - 1` inputs, in a slot per sequence
-(`meta.state_slots`, or the batch row when absent). A sequence with nothing cached
-(kv_len == its new rows) starts from zeros whatever its slot holds, so a reused slot can
-never leak another request's state into a fresh one.
+(models/linear_slots.py: a fresh sequence starts from zeros whatever its slot holds).
 """
 
 from __future__ import annotations
@@ -20,9 +18,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxfill.models.causal_conv import causal_conv
 from jaxfill.models.config import ModelConfig
 from jaxfill.models.kv_cache import AttentionMetadata
 from jaxfill.models.layers import param
+from jaxfill.models.linear_slots import read_slots, write_slots
 from jaxfill.models.linear_state import LinearState
 from jaxfill.models.sharding import constrain, split_over_heads
 from jaxfill.pallas_kernels.gated_delta_rule import gated_delta_rule_chunked, token_sequences
@@ -32,33 +32,6 @@ L2_EPS = 1e-6  # transformers' and flash-linear-attention's l2norm: x * rsqrt(su
 
 def _l2norm(x: jax.Array) -> jax.Array:  # [..., D] f32
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
-
-
-def causal_conv(x: jax.Array,  # [T, C]
-                weight: jax.Array,  # [C, K]
-                history: jax.Array,  # [S, C, K-1] each batch sequence's last K-1 inputs (zeros if fresh)
-                cu_q_lens: jax.Array,  # [S+1] int32
-                seq: jax.Array,  # [T] int32 (token_sequences; -1 padding)
-                ) -> tuple[jax.Array, jax.Array]:  # y [T, C] (before the activation), history [S, C, K-1]
-    """y_t = sum_i weight[:, i] * input_{t - (K-1) + i}, where inputs before a sequence's
-    first new row come from its history; returns each sequence's new last K-1 inputs."""
-    t, k = x.shape[0], weight.shape[1]
-    sc = jnp.clip(seq, 0)
-    start = cu_q_lens[sc]  # [T]
-    rows = jnp.arange(t)
-
-    def tap(src, s, start):  # the input at row `src` of sequence s (history when before `start`)
-        back = start - src  # >= 1: that many rows before the sequence's first new row
-        hist = history[s, :, jnp.clip(k - 1 - back, 0, k - 2)]  # [.., C]
-        return jnp.where((back >= 1)[..., None], hist, x[jnp.clip(src, 0, t - 1)])
-
-    y = sum(weight[:, i].astype(jnp.float32) * tap(rows - (k - 1) + i, sc, start).astype(jnp.float32)
-            for i in range(k))
-    s = history.shape[0]
-    ends = cu_q_lens[1:]  # [S]
-    cols = ends[:, None] - (k - 1) + jnp.arange(k - 1)[None, :]  # [S, K-1] rows of the new history
-    new = tap(cols, jnp.arange(s)[:, None], cu_q_lens[:-1][:, None])  # [S, K-1, C]
-    return y.astype(x.dtype), new.transpose(0, 2, 1)
 
 
 class GatedDeltaNet(nnx.Module):
@@ -147,19 +120,13 @@ def mix(q: jax.Array,  # [T, Hk, Dk]  (one rank's heads throughout)
     """Convolution, gated delta rule and gated RMSNorm over a rank's key-head groups."""
     t, hk, dk = q.shape
     hv, dv = z.shape[1:]
-    s, dtype = meta.kv_lens.shape[0], q.dtype
+    dtype = q.dtype
     seq = token_sequences(meta.cu_q_lens, meta.num_seqs, t)
-    live = jnp.arange(s) < meta.num_seqs[0]
-    fresh = meta.kv_lens == jnp.diff(meta.cu_q_lens)  # nothing cached before this step's rows
-    slots = meta.state_slots if meta.state_slots is not None else jnp.arange(s, dtype=jnp.int32)
-    slots = jnp.clip(slots, 0, state.recurrent.shape[0] - 1)
-    keep = (live & ~fresh)[:, None, None]
-    history = jnp.where(keep, state.conv[slots], jnp.zeros((), state.conv.dtype))
-    recurrent = jnp.where(keep[..., None], state.recurrent[slots], 0.0)
+    read = read_slots(state, meta)
 
     width = 2 * dk + v.shape[-1]  # one group's channels
     weight = jnp.concatenate(conv, axis=1).reshape(hk * width, -1)
-    mixed, history = causal_conv(jnp.concatenate([q, k, v], axis=-1).reshape(t, hk * width), weight, history,
+    mixed, history = causal_conv(jnp.concatenate([q, k, v], axis=-1).reshape(t, hk * width), weight, read.conv,
                                  meta.cu_q_lens, seq)
     mixed = jax.nn.silu(mixed.astype(jnp.float32)).astype(dtype).reshape(t, hk, width)
     q, k = mixed[..., :dk].astype(jnp.float32), mixed[..., dk:2 * dk].astype(jnp.float32)
@@ -170,14 +137,11 @@ def mix(q: jax.Array,  # [T, Hk, Dk]  (one rank's heads throughout)
     beta = jax.nn.sigmoid(b.astype(jnp.float32))
     g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
     o, recurrent = gated_delta_rule_chunked(q, k, v.astype(jnp.float32), g, beta, meta.cu_q_lens,
-                                            meta.num_seqs, recurrent)
+                                            meta.num_seqs, read.recurrent)
 
     # RMSNorm per head, then times silu(z): transformers' RMSNormGated cast order
     o = o.astype(dtype).astype(jnp.float32)  # the rule's output in the model dtype, as transformers has it
     o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + eps)
     o = (norm * o.astype(dtype)).astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
 
-    dropped = jnp.where(live, slots, state.recurrent.shape[0])  # padding rows write nowhere
-    state = LinearState(state.recurrent.at[dropped].set(recurrent, mode="drop"),
-                        state.conv.at[dropped].set(history.astype(state.conv.dtype), mode="drop"))
-    return o.astype(dtype), state
+    return o.astype(dtype), write_slots(state, read, recurrent, history)

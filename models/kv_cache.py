@@ -79,8 +79,9 @@ class KVCache:
         global page axis holds data * num_pages, the heads are the model's KV heads
         repeated up to 'tensor' (models/sharding.py), and quantized scales are split like
         the pages' first three axes. With `stages` > 1 each entry is [stages, ...]. A
-        linear-attention layer's entry is its LinearState (models/gated_deltanet.py) with
-        `state_slots` slots, split by heads over 'tensor'; hybrids run unstaged for now."""
+        linear-attention layer's entry is its LinearState (models/linear_state.py) with
+        `state_slots` slots, split by heads over 'tensor'; hybrids run unstaged for now.
+        An MLP-only layer (config.no_mixer_layers) holds nothing: its entry is None."""
         if config.num_layers % stages:
             raise ValueError(f"{config.num_layers} layers do not split into {stages} equal stages")
         heads, replicas = config.num_kv_heads, 1
@@ -109,11 +110,12 @@ class KVCache:
             state = lambda: init_linear_state(config, state_slots, fill_value)  # noqa: E731
             if mesh is not None:
                 state = jax.jit(state, out_shardings=linear_state_sharding(mesh))
-            return cls(tuple(state() if j in config.linear_layers else make() for j in entries), stages)
+            return cls(tuple(None if j in config.no_mixer_layers else state() if j in config.linear_layers
+                             else make() for j in entries), stages)
         counters = None
         if config.num_experts:  # stacked layouts hold one layer kind per entry (engine/config.check_stackable)
             counters = tuple(counter() if is_moe_layer(config, j) else None for j in entries)
-        return cls(tuple(make() for _ in entries), stages, counters)
+        return cls(tuple(None if j in config.no_mixer_layers else make() for j in entries), stages, counters)
 
     def updated(self, pages, counts: tuple) -> "KVCache":
         """The cache after a forward: its new pages, and the forward's expert token counts
@@ -124,8 +126,8 @@ class KVCache:
                        tuple(None if old is None else old + new for old, new in zip(self.expert_tokens, counts)))
 
     @property
-    def _paged(self):  # the first entry that holds pages (a hybrid's linear layers hold states)
-        return next(p for p in self.pages if not hasattr(p, "recurrent"))
+    def _paged(self):  # the first entry that holds pages (a hybrid's linear layers hold states, MLP-only ones None)
+        return next(p for p in self.pages if p is not None and not hasattr(p, "recurrent"))
 
     @property
     def _values_shape(self) -> tuple[int, ...]:  # one layer's [num_pages, page_size, 2H, D]

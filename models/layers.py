@@ -64,7 +64,8 @@ class RMSNorm(nnx.Module):
         return (xf * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
 
 
-ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+               "relu2": lambda x: jnp.square(jax.nn.relu(x))}
 
 
 class GatedMLP(nnx.Module):
@@ -84,6 +85,23 @@ class GatedMLP(nnx.Module):
             out = qeinsum("ti,ie->te", h, self.down[...], self.down_scale)
             return constrain(out, ("tokens", "act_embed"))  # all-reduce over tensor
 
+
+class MLP(nnx.Module):
+    """The ungated MLP, act(x W_up) W_down (Nemotron-H's squared ReLU)."""
+
+    def __init__(self, hidden: int, intermediate: int, dtype, rngs: nnx.Rngs, weight_dtype: str = "auto",
+                 activation: str = "relu2"):
+        wd = weight_dtype
+        self.activation = activation
+        self.up, self.up_scale = projection(rngs, (hidden, intermediate), ("embed", "mlp"), dtype, 1, wd)
+        self.down, self.down_scale = projection(rngs, (intermediate, hidden), ("mlp", "embed"), dtype, 1, wd)
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # [T, E] -> [T, E]
+        with jax.named_scope("mlp"):
+            h = ACTIVATIONS[self.activation](qeinsum("te,ei->ti", x, self.up[...], self.up_scale))
+            h = constrain(h, ("tokens", "act_mlp"))
+            out = qeinsum("ti,ie->te", h, self.down[...], self.down_scale)
+            return constrain(out, ("tokens", "act_embed"))
 
 
 class Embed(nnx.Module):

@@ -193,5 +193,6 @@ def _value(p):
 
 
 def is_moe_layer(config: ModelConfig, layer: int) -> bool:
-    return config.num_experts > 0 and layer not in config.dense_layers
+    """A layer whose MLP is the mixture of experts (not a dense layer, nor one without an MLP)."""
+    return config.num_experts > 0 and layer not in config.dense_layers and layer not in config.no_mlp_layers
 

@@ -32,39 +32,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxfill.pallas_kernels.ragged_scan import chunk_table, scan_chunks, scan_tokens, token_sequences
 
-def token_sequences(cu_q_lens: jax.Array,  # [S+1] int32
-                    num_seqs: jax.Array,  # [1] int32
-                    num_tokens: int) -> jax.Array:  # [T] int32: each row's sequence, -1 for padding
-    t = jnp.arange(num_tokens)
-    seq = jnp.searchsorted(cu_q_lens[1:], t, side="right").astype(jnp.int32)
-    live = (seq < num_seqs[0]) & (t < cu_q_lens[num_seqs[0]])
-    return jnp.where(live, seq, -1)
-
-
-def chunk_table(cu_q_lens: jax.Array,  # [S+1] int32
-                num_seqs: jax.Array,  # [1] int32
-                num_tokens: int,
-                chunk: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Cuts every live sequence into chunks of `chunk` tokens, in sequence order: returns
-    rows [N, chunk] (token row, -1 past a sequence's end), seq [N] (the chunk's sequence,
-    -1 for unused chunks) and first [N] (the sequence's first chunk). N = T // chunk + S,
-    enough for any split of T tokens over S sequences."""
-    s = cu_q_lens.shape[0] - 1
-    n = num_tokens // chunk + s
-    live = jnp.arange(s) < num_seqs[0]
-    lens = jnp.where(live, jnp.diff(cu_q_lens), 0)
-    per_seq = -(-lens // chunk)  # [S]
-    ends = jnp.cumsum(per_seq)
-    c = jnp.arange(n)
-    seq = jnp.searchsorted(ends, c, side="right").astype(jnp.int32)
-    used = c < ends[-1]
-    seq_c = jnp.clip(seq, 0, s - 1)
-    j = c - (ends[seq_c] - per_seq[seq_c])  # chunk index within its sequence
-    start = cu_q_lens[seq_c] + j * chunk
-    rows = start[:, None] + jnp.arange(chunk)[None, :]
-    rows = jnp.where(used[:, None] & (rows < cu_q_lens[seq_c + 1][:, None]), rows, -1)
-    return rows.astype(jnp.int32), jnp.where(used, seq_c, -1), used & (j == 0)
+__all__ = ["chunk_table", "gated_delta_rule_chunked", "gated_delta_rule_recurrent", "token_sequences",
+           "unit_lower_inverse"]
 
 
 def gated_delta_rule_recurrent(q: jax.Array,  # [T, H, K]
@@ -76,26 +47,14 @@ def gated_delta_rule_recurrent(q: jax.Array,  # [T, H, K]
                                num_seqs: jax.Array,  # [1] int32
                                states: jax.Array,  # [S, H, K, V] each sequence's state before its rows
                                ) -> tuple[jax.Array, jax.Array]:  # o [T, H, V], states [S, H, K, V]
-    f32 = jnp.float32
-    seq = token_sequences(cu_q_lens, num_seqs, q.shape[0])
-    first = (seq >= 0) & (jnp.arange(q.shape[0]) == cu_q_lens[jnp.clip(seq, 0)])
-
-    def step(carry, x):
-        state, out_states = carry
-        qt, kt, vt, gt, bt, s, is_first = x
-        sc = jnp.clip(s, 0)
-        state = jnp.where(is_first, out_states[sc].astype(f32), state)
+    def step(state, qt, kt, vt, gt, bt):  # state [H, K, V] f32; one row's inputs
         state = state * jnp.exp(gt)[:, None, None]
         delta = bt[:, None] * (vt - jnp.einsum("hkv,hk->hv", state, kt))
         state = state + kt[:, :, None] * delta[:, None, :]
-        o = jnp.einsum("hkv,hk->hv", state, qt)
-        out_states = jnp.where(s >= 0, out_states.at[sc].set(state.astype(out_states.dtype)), out_states)
-        return (state, out_states), o
+        return jnp.einsum("hkv,hk->hv", state, qt), state
 
-    xs = (q.astype(f32), k.astype(f32), v.astype(f32), g.astype(f32), beta.astype(f32), seq, first)
-    init = (jnp.zeros(states.shape[1:], f32), states)
-    (_, states), o = jax.lax.scan(step, init, xs)
-    return jnp.where((seq >= 0)[:, None, None], o, 0).astype(v.dtype), states
+    o, states = scan_tokens(step, (q, k, v, g, beta), cu_q_lens, num_seqs, states)
+    return o.astype(v.dtype), states
 
 
 def unit_lower_inverse(a: jax.Array) -> jax.Array:  # [..., C, C] strictly lower -> (I + a)^-1
@@ -145,26 +104,5 @@ def gated_delta_rule_chunked(q: jax.Array,  # [T, H, K]
                              states: jax.Array,  # [S, H, K, V]
                              chunk: int = 64,
                              ) -> tuple[jax.Array, jax.Array]:  # o [T, H, V], states [S, H, K, V]
-    f32 = jnp.float32
-    t = q.shape[0]
-    rows, seq, first = chunk_table(cu_q_lens, num_seqs, t, chunk)
-    valid = rows >= 0
-    take = lambda x: jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 1)),
-                               jnp.take(x.astype(f32), jnp.clip(rows, 0), axis=0), 0.0)
-
-    xs = (take(q), take(k), take(v), take(g), take(beta))  # [N, C, ...] each
-
-    def step(c, carry):  # chunk c of the used ones: a while loop, so unused chunks cost nothing
-        state, out_states, o_all = carry
-        s, is_first = seq[c], first[c]
-        state = jnp.where(is_first, out_states[s].astype(f32), state)
-        o, state = _chunk(state, *(x[c] for x in xs))
-        out_states = out_states.at[s].set(state.astype(out_states.dtype))
-        return state, out_states, o_all.at[c].set(o)
-
-    o_all = jnp.zeros(rows.shape + v.shape[1:], f32)  # [N, C, H, V]
-    init = (jnp.zeros(states.shape[1:], f32), states, o_all)
-    _, states, o = jax.lax.fori_loop(0, jnp.sum(seq >= 0), step, init)
-    flat_rows = jnp.where(valid, rows, t).reshape(-1)  # unused slots scatter past the end (dropped)
-    out = jnp.zeros((t,) + o.shape[2:], f32).at[flat_rows].set(o.reshape((-1,) + o.shape[2:]), mode="drop")
-    return out.astype(v.dtype), states
+    o, states = scan_chunks(_chunk, (q, k, v, g, beta), cu_q_lens, num_seqs, states, chunk, v.shape[1:])
+    return o.astype(v.dtype), states

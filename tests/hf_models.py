@@ -50,6 +50,12 @@ HYBRID_KWARGS = {
                                      norm_topk_prob=True, mlp_only_layers=[1],
                                      rope_parameters={"rope_type": "default", "rope_theta": 1e4,
                                                       "partial_rotary_factor": 0.25})),
+    # Nemotron-H: single-block layers M(amba2) -(MLP) M * (attention, no rope) - M; 8 SSM
+    # heads of 12 in 2 groups (B, C per group), a 16-wide state, attention heads of 24 (not
+    # hidden / heads); the SSD's chunks (16) shorter than the 64- and 300-token prompts
+    "nemotron_h": ("NemotronH", dict(hybrid_override_pattern="M-M*-M", num_hidden_layers=6, head_dim=24,
+                                     mamba_num_heads=8, mamba_head_dim=12, n_groups=2, ssm_state_size=16,
+                                     conv_kernel=4, chunk_size=16, layer_norm_epsilon=1e-5)),
 }
 ARCHS = ("llama", "mistral", "qwen2") + tuple(FAMILY_KWARGS)
 # Mixtures of experts (tests/test_moe_parity.py): 8 experts, top 2, so with expert=4 each
@@ -130,6 +136,8 @@ def make_hf_checkpoint(directory: str, arch: str, dtype: torch.dtype = torch.flo
                 p.add_(0.1 * torch.randn_like(p))
             if name.endswith("sinks"):  # gpt-oss: sink logits large enough to move the softmax
                 p.add_(torch.randn_like(p))
+            if name.endswith(("mixer.D", "mixer.A_log")):  # Nemotron-H inits them per head alike or in order
+                p.add_(0.3 * torch.randn_like(p))
         for name, b in model.named_buffers():  # a router's selection bias (GLM) starts at 0
             if name.endswith("correction_bias"):
                 b.add_(0.3 * torch.randn_like(b))

@@ -9,7 +9,7 @@ from jaxfill.models.config import ConfigError
 from jaxfill.models.families.registry import config_from_hf, param_count
 
 PRESETS = ["tiny", "tiny_random", "bench", "llama2_7b", "llama3_8b", "llama3_70b", "llama3_1_8b", "mistral_7b", "qwen2_7b",
-           "deepseek_v3", "kimi_k2", "deepseek_v2_lite", "qwen3_5_9b", "qwen3_next_80b_a3b"]
+           "deepseek_v3", "kimi_k2", "deepseek_v2_lite", "qwen3_5_9b", "qwen3_next_80b_a3b", "nemotron_h_8b"]
 PUBLISHED_PARAMS = {"llama2_7b": 6.74e9, "llama3_8b": 8.03e9, "llama3_70b": 70.55e9, "mistral_7b": 7.24e9,
                     "qwen2_7b": 7.62e9, "qwen3_5_9b": 8.95e9}  # Qwen3.5-9B: its text model (GGUF metadata)
 
@@ -20,6 +20,20 @@ def test_presets_load(name):
     assert config.name == name
     if name in PUBLISHED_PARAMS:
         assert abs(param_count(config.model) - PUBLISHED_PARAMS[name]) / PUBLISHED_PARAMS[name] < 0.005
+
+
+def test_nemotron_h_8b_counts_its_published_shape_by_hand():
+    """Nemotron-H-8B ("8B"): embeddings and head, 24 Mamba2 layers (in_proj to z, x B C and
+    dt; conv weight and bias; dt_bias, A_log, D; the gated norm; out_proj), 24 MLP layers
+    (up, down), 4 attention layers, a norm per layer and the final one."""
+    e, v, i, h, p, g, n, k, d = 4096, 131072, 21504, 128, 64, 8, 128, 4, 128
+    conv = h * p + 2 * g * n
+    mamba = e * (h * p + conv + h) + conv * k + conv + 3 * h + h * p + h * p * e + e
+    mlp = 2 * e * i + e
+    attention = e * 32 * d + 2 * e * 8 * d + 32 * d * e + e
+    want = 2 * v * e + 24 * mamba + 24 * mlp + 4 * attention + e
+    assert want == 8_100_852_736
+    assert param_count(load_config("nemotron_h_8b").model) == want
 
 
 def test_tiny_is_a_gqa_byte_model_with_page_size_16():

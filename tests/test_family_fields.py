@@ -24,7 +24,7 @@ CLASSES = {  # architecture -> transformers config class
     "SmolLM3ForCausalLM": tf.SmolLM3Config, "GraniteForCausalLM": tf.GraniteConfig,
     "MixtralForCausalLM": tf.MixtralConfig, "Qwen3MoeForCausalLM": tf.Qwen3MoeConfig,
     "Qwen2MoeForCausalLM": tf.Qwen2MoeConfig, "Glm4MoeForCausalLM": tf.Glm4MoeConfig,
-    "GptOssForCausalLM": tf.GptOssConfig,
+    "GptOssForCausalLM": tf.GptOssConfig, "NemotronHForCausalLM": tf.NemotronHConfig,
 }
 SKIP = {"self", "kwargs"}
 # Values for fields whose default is None (the walker cannot guess a type).
@@ -48,6 +48,9 @@ def small_kwargs(arch):
                                             {"num_experts": 4, "moe_intermediate_size": 32}))
     kw.pop("initializer_range")
     kw.update(num_hidden_layers=4)
+    if arch == "NemotronHForCausalLM":  # dense blocks (its default pattern has an "E"), 4 SSM heads in 2 groups
+        kw.update(layers_block_type=["linear_attention", "mlp", "full_attention", "mlp"], mamba_num_heads=4,
+                  mamba_head_dim=16, n_groups=2, ssm_state_size=16, head_dim=16)
     if name == "phi3":
         kw.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
     return kw
@@ -66,7 +69,8 @@ def other_value(name, value):
         return "relu"
     if isinstance(value, list) and value:
         first = value[0]
-        swap = {"full_attention": "sliding_attention", "sliding_attention": "full_attention", 0: 1, 1: 0}
+        swap = {"full_attention": "sliding_attention", "sliding_attention": "full_attention", 0: 1, 1: 0,
+                "linear_attention": "full_attention"}
         return [swap.get(first, first)] + list(value[1:])
     return None  # dicts (rope_parameters): tests/test_family_fields.py::test_rope_types
 

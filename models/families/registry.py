@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 from jaxfill.models.config import ConfigError
 
 MODULES = ("llama", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "smollm3", "granite",
-           "mixtral", "qwen3_moe", "glm4_moe", "gpt_oss", "deepseek", "qwen3_5", "qwen3_next")
+           "mixtral", "qwen3_moe", "glm4_moe", "gpt_oss", "deepseek", "qwen3_5", "qwen3_next", "nemotron_h")
 
 
 @functools.lru_cache(maxsize=1)
@@ -111,10 +111,13 @@ def is_expert_param(p: "ParamShape") -> bool:
 
 
 def layer_kind(config, layer: int) -> str:
+    """The layer's blocks: its mixer ("" attention, "linear_", "nomixer_") and its MLP
+    ("dense", "moe", "nomlp")."""
     from jaxfill.models.moe import is_moe_layer
 
-    mixer = "linear_" if layer in config.linear_layers else ""
-    return mixer + ("moe" if is_moe_layer(config, layer) else "dense")
+    mixer = "nomixer_" if layer in config.no_mixer_layers else "linear_" if layer in config.linear_layers else ""
+    mlp = "nomlp" if layer in config.no_mlp_layers else "moe" if is_moe_layer(config, layer) else "dense"
+    return mixer + mlp
 
 
 @functools.lru_cache(maxsize=64)
@@ -137,7 +140,9 @@ def _abstract_sizes(config) -> tuple[int, dict]:
         one = dataclasses.replace(config, num_layers=1, layer_types=config.layer_types[:1],
                                   nope_layers=tuple(n for n in config.nope_layers if n == 0),
                                   dense_layers=(0,) if kind.endswith("dense") and config.num_experts else (),
-                                  linear_layers=(0,) if kind.startswith("linear_") else ())
+                                  linear_layers=(0,) if kind.startswith("linear_") else (),
+                                  no_mixer_layers=(0,) if kind.startswith("nomixer_") else (),
+                                  no_mlp_layers=(0,) if kind.endswith("nomlp") else ())
         state = nnx.state(nnx.eval_shape(lambda: new_model(one, nnx.Rngs(0))))
         kinds[kind] = tuple(ParamShape(tuple(path[2:]), tuple(var.shape), tuple(var_axes(var)), var.dtype)
                             for path, var in nnx.to_flat_state(state) if path[:2] == ("layers", 0))
@@ -176,5 +181,6 @@ def layer_projection_params(config, layer: int = 0) -> dict[tuple, float]:
 # Multi-head latent attention's projections (models/mla.py) beside q and o: each weight
 # multiplies every token once (w_ukv: W_uk on the queries, W_uv on the outputs)
 LATENT_PROJECTIONS = ("q_a", "q_b", "kv_a", "w_ukv")
-# A Gated DeltaNet layer's projections (models/gated_deltanet.py), either layout
-LINEAR_PROJECTIONS = ("q", "k", "v", "z", "b", "a", "out", "qkvz", "ba")
+# A linear layer's projections: Gated DeltaNet's (models/gated_deltanet.py, either layout)
+# and Mamba2's (models/mamba2.py)
+LINEAR_PROJECTIONS = ("q", "k", "v", "z", "b", "a", "out", "qkvz", "ba", "xbc", "dt")
