@@ -25,11 +25,16 @@ from test_model_parity import PAGE, check_greedy_matches_hf, hf_last_logits, our
 NAN = float("nan")
 
 
-@pytest.fixture(scope="module")
-def qwen3_5(tmp_path_factory):
-    directory = make_hf_checkpoint(str(tmp_path_factory.mktemp("hybrid") / "qwen3_5"), "qwen3_5")
+def checkpoint(tmp_path_factory, arch: str) -> tuple:
+    """(directory, config, our model) of a random-init HF checkpoint of `arch`."""
+    directory = make_hf_checkpoint(str(tmp_path_factory.mktemp("hybrid") / arch), arch)
     config = config_from_hf(directory)
     return directory, config, load_hf_params(directory, config, progress=False)
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(tmp_path_factory):
+    return checkpoint(tmp_path_factory, "qwen3_5")
 
 
 def test_f32_logits_and_greedy_tokens_match_hf(qwen3_5):
@@ -47,15 +52,19 @@ def fresh_cache(config, pages: int = 16, slots: int = 2) -> KVCache:
     return KVCache.create(config, num_pages=pages, page_size=PAGE, fill_value=NAN, state_slots=slots)
 
 
-@pytest.mark.parametrize("chunk", [1, 7, 16, 64])
-def test_chunked_prefill_equals_whole(qwen3_5, chunk):
-    _, config, model = qwen3_5
+def check_chunked_equals_whole(model, config, chunk: int) -> None:
+    """A 90-token prefill cut into `chunk`-token steps (the state carried through its slot) == whole."""
     prompt = [int(t) for t in np.random.default_rng(4).integers(0, config.vocab_size, 90)]
     pages = list(range(1, 8))
     whole, _ = prefill_chunks(model, prompt, fresh_cache(config), pages)
     cut, _ = prefill_chunks(model, prompt, fresh_cache(config), pages, chunk=chunk)
     assert np.isfinite(np.asarray(cut)).all()
     np.testing.assert_allclose(np.asarray(cut), np.asarray(whole), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 16, 64])
+def test_chunked_prefill_equals_whole(qwen3_5, chunk):
+    check_chunked_equals_whole(qwen3_5[2], qwen3_5[1], chunk)
 
 
 def batch_meta(rows: list[tuple[int, int, list[int], int]], total: int) -> AttentionMetadata:
@@ -102,8 +111,8 @@ def test_two_sequences_in_one_batch_equal_each_alone(qwen3_5):
     np.testing.assert_allclose(np.asarray(logits[1]), np.asarray(alone_b), rtol=1e-5, atol=1e-5)
 
 
-def test_a_fresh_sequence_ignores_what_its_slot_holds(qwen3_5):
-    _, config, model = qwen3_5
+def check_fresh_sequence_ignores_its_slot(model, config) -> None:
+    """A fresh prompt in a slot another prompt filled == in a clean one, bit for bit."""
     rng = np.random.default_rng(6)
     a, b = [int(t) for t in rng.integers(0, config.vocab_size, 40)], [int(t) for t in rng.integers(0, config.vocab_size, 25)]
     _, used = prefill_chunks(model, a, fresh_cache(config, slots=1), [1, 2, 3])  # slot 0 now holds a's state
@@ -113,6 +122,10 @@ def test_a_fresh_sequence_ignores_what_its_slot_holds(qwen3_5):
     np.testing.assert_array_equal(np.asarray(reused), np.asarray(clean))
 
 
+def test_a_fresh_sequence_ignores_what_its_slot_holds(qwen3_5):
+    check_fresh_sequence_ignores_its_slot(qwen3_5[2], qwen3_5[1])
+
+
 def test_int8_weights_are_refused_by_name(qwen3_5):
     with pytest.raises(ConfigError, match="int8"):
         dataclasses.replace(qwen3_5[1], weight_dtype="int8")
@@ -120,9 +133,7 @@ def test_int8_weights_are_refused_by_name(qwen3_5):
 
 @pytest.fixture(scope="module")
 def qwen3_next(tmp_path_factory):
-    directory = make_hf_checkpoint(str(tmp_path_factory.mktemp("hybrid") / "qwen3_next"), "qwen3_next")
-    config = config_from_hf(directory)
-    return directory, config, load_hf_params(directory, config, progress=False)
+    return checkpoint(tmp_path_factory, "qwen3_next")
 
 
 def test_qwen3_next_matches_hf_and_chunks_equal_whole(qwen3_next):

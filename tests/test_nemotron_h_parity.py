@@ -23,20 +23,16 @@ from jaxfill.models.checkpoint import load_hf_params
 from jaxfill.models.config import ConfigError
 from jaxfill.models.families.registry import config_from_hf, param_count
 from jaxfill.models.kv_cache import KVCache
-from test_model_parity import PAGE, check_greedy_matches_hf, hf_last_logits, ours_last_logits, prompts, rel_l2
+from test_hybrid_parity import (check_chunked_equals_whole, check_fresh_sequence_ignores_its_slot, checkpoint,
+                                fresh_cache)
+from test_model_parity import check_greedy_matches_hf, hf_last_logits, ours_last_logits, prompts, rel_l2
 
 NAN = float("nan")
 
 
 @pytest.fixture(scope="module")
 def nemotron_h(tmp_path_factory):
-    directory = make_hf_checkpoint(str(tmp_path_factory.mktemp("nemotron_h") / "nemotron_h"), "nemotron_h")
-    config = config_from_hf(directory)
-    return directory, config, load_hf_params(directory, config, progress=False)
-
-
-def fresh_cache(config, pages: int = 16, slots: int = 2) -> KVCache:
-    return KVCache.create(config, num_pages=pages, page_size=PAGE, fill_value=NAN, state_slots=slots)
+    return checkpoint(tmp_path_factory, "nemotron_h")
 
 
 def test_f32_logits_and_greedy_tokens_match_hf(nemotron_h):
@@ -66,24 +62,11 @@ def test_cache_entries_by_block(nemotron_h):
 
 @pytest.mark.parametrize("chunk", [1, 7, 16])
 def test_chunked_prefill_equals_whole(nemotron_h, chunk):
-    _, config, model = nemotron_h
-    prompt = [int(t) for t in np.random.default_rng(4).integers(0, config.vocab_size, 90)]
-    pages = list(range(1, 8))
-    whole, _ = prefill_chunks(model, prompt, fresh_cache(config), pages)
-    cut, _ = prefill_chunks(model, prompt, fresh_cache(config), pages, chunk=chunk)
-    assert np.isfinite(np.asarray(cut)).all()
-    np.testing.assert_allclose(np.asarray(cut), np.asarray(whole), rtol=1e-5, atol=1e-5)
+    check_chunked_equals_whole(nemotron_h[2], nemotron_h[1], chunk)
 
 
 def test_a_fresh_sequence_ignores_what_its_slot_holds(nemotron_h):
-    _, config, model = nemotron_h
-    rng = np.random.default_rng(6)
-    a, b = [int(t) for t in rng.integers(0, config.vocab_size, 40)], [int(t) for t in rng.integers(0, config.vocab_size, 25)]
-    _, used = prefill_chunks(model, a, fresh_cache(config, slots=1), [1, 2, 3])  # slot 0 now holds a's state
-    assert all(np.isfinite(np.asarray(e.recurrent)).all() for e in used.pages if hasattr(e, "recurrent"))
-    reused, _ = prefill_chunks(model, b, used, [4, 5])
-    clean, _ = prefill_chunks(model, b, fresh_cache(config, slots=1), [4, 5])
-    np.testing.assert_array_equal(np.asarray(reused), np.asarray(clean))
+    check_fresh_sequence_ignores_its_slot(nemotron_h[2], nemotron_h[1])
 
 
 def test_mlp_first_and_last_four_groups_and_a_binding_time_step_limit(tmp_path):
