@@ -35,6 +35,9 @@ CHOICES = {
     # the rule of the linear layers: Gated DeltaNet (models/gated_deltanet.py, Qwen3.5) or
     # Mamba2's SSD (models/mamba2.py, Nemotron-H)
     "linear_kind": ("gated_deltanet", "mamba2"),
+    # the gated delta rule's chunk loop: XLA's, or the Pallas TPU kernel
+    # (pallas_kernels/gated_delta_rule_tpu.py); auto = xla until a TPU measurement says otherwise
+    "linear_impl": ("auto", "xla", "pallas_tpu"),
 }
 LAYER_TYPES = ("full", "sliding")
 
@@ -95,6 +98,7 @@ class ModelConfig:
     # the SSM heads, value head dim = their head_dim; the state is [value heads, Dk, Dv].
     linear_layers: tuple[int, ...] = ()
     linear_kind: str = "gated_deltanet"
+    linear_impl: str = "auto"
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
     linear_key_head_dim: int = 0

@@ -26,6 +26,7 @@ from jaxfill.models.linear_slots import read_slots, write_slots
 from jaxfill.models.linear_state import LinearState
 from jaxfill.models.sharding import constrain, split_over_heads
 from jaxfill.pallas_kernels.gated_delta_rule import gated_delta_rule_chunked, token_sequences
+from jaxfill.pallas_kernels.gated_delta_rule_tpu import gated_delta_rule_tpu
 
 L2_EPS = 1e-6  # transformers' and flash-linear-attention's l2norm: x * rsqrt(sum(x^2) + eps)
 
@@ -86,7 +87,7 @@ class GatedDeltaNet(nnx.Module):
                  positions: jax.Array,  # [T] int32 (unused: the state carries position)
                  state: LinearState,
                  meta: AttentionMetadata,
-                 impl: str,  # unused (one algorithm today)
+                 impl: str,  # the attention impl (unused: model.linear_impl picks the rule's)
                  layer,
                  sampled_only: bool = False,
                  ) -> tuple[jax.Array, LinearState]:  # [T, E] ([S, E] if sampled_only), state
@@ -95,7 +96,7 @@ class GatedDeltaNet(nnx.Module):
         conv = (self.conv_q[...], self.conv_k[...], self.conv_v[...])
         decay = (self.a_log[...], self.dt_bias[...])
         o, state = split_over_heads(
-            lambda *args: mix(*args, eps=c.rms_norm_eps),
+            lambda *args: mix(*args, eps=c.rms_norm_eps, kernel=c.linear_impl == "pallas_tpu"),
             (q, k, v, b, a, z, conv, decay, self.norm[...], state, meta),
             (1, 1, 1, 1, 1, 1, 0, 0, None, LinearState(1, 1), None), (1, LinearState(1, 1)))
         if sampled_only:
@@ -116,6 +117,7 @@ def mix(q: jax.Array,  # [T, Hk, Dk]  (one rank's heads throughout)
         state: LinearState,  # recurrent [slots, Hv, Dk, Dv], conv [slots, Hk (2 Dk + r Dv), K-1]
         meta: AttentionMetadata,
         eps: float,
+        kernel: bool = False,  # the chunk loop as the Pallas TPU kernel
         ) -> tuple[jax.Array, LinearState]:  # [T, Hv, Dv] in the model dtype, the new state
     """Convolution, gated delta rule and gated RMSNorm over a rank's key-head groups."""
     t, hk, dk = q.shape
@@ -136,8 +138,8 @@ def mix(q: jax.Array,  # [T, Hk, Dk]  (one rank's heads throughout)
     a_log, dt_bias = decay
     beta = jax.nn.sigmoid(b.astype(jnp.float32))
     g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
-    o, recurrent = gated_delta_rule_chunked(q, k, v.astype(jnp.float32), g, beta, meta.cu_q_lens,
-                                            meta.num_seqs, read.recurrent)
+    rule = gated_delta_rule_tpu if kernel else gated_delta_rule_chunked
+    o, recurrent = rule(q, k, v.astype(jnp.float32), g, beta, meta.cu_q_lens, meta.num_seqs, read.recurrent)
 
     # RMSNorm per head, then times silu(z): transformers' RMSNormGated cast order
     o = o.astype(dtype).astype(jnp.float32)  # the rule's output in the model dtype, as transformers has it

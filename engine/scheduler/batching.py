@@ -204,6 +204,7 @@ class Scheduler(RequestTransitions):
         for req in list(self.running):
             self._preempt(req)
         self.bm.reset_prefix_cache()
+        self.state_exports = []  # read from the lost cache; the held prefills recompute and export again
         if self.snapshots is not None:
             self.snapshots.clear()
 
