@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jaxfill.pallas_kernels.gated_delta_rule import unit_lower_inverse
-from jaxfill.pallas_kernels.ragged_scan import chunk_table
+from jaxfill.pallas_kernels.ragged_scan import chunk_table, gather_chunks, scatter_chunks
 
 
 def _prepare(q, k, v, g, beta):  # [N, C, H, ...] f32 each -> per chunk, heads second: [N, H, ...]
@@ -88,10 +88,7 @@ def gated_delta_rule_tpu(q: jax.Array,  # [T, H, K]
     dv = v.shape[-1]
     rows, seq, first = chunk_table(cu_q_lens, num_seqs, t, chunk)  # [N, C], [N], [N]
     n = rows.shape[0]
-    valid = rows >= 0
-    take = lambda x: jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 1)),  # noqa: E731
-                               jnp.take(x.astype(f32), jnp.clip(rows, 0), axis=0), 0.0)
-    u, w, qk, qg, k_out_t, dec = _prepare(*(take(x) for x in (q, k, v, g, beta)))
+    u, w, qk, qg, k_out_t, dec = _prepare(*gather_chunks((q, k, v, g, beta), rows))
     used = jnp.sum(seq >= 0).astype(jnp.int32)
     # unused chunks point at the last used chunk's sequence: their blocks stay where they were
     seq_map = jnp.where(seq >= 0, seq, seq[jnp.maximum(used - 1, 0)]).astype(jnp.int32)
@@ -116,7 +113,4 @@ def gated_delta_rule_tpu(q: jax.Array,  # [T, H, K]
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=interpret,
     )(seq_map, first.astype(jnp.int32), used[None], states.astype(f32), u, w, qk, qg, k_out_t, dec)
-    o = o.transpose(0, 2, 1, 3)  # [N, C, H, V]
-    flat_rows = jnp.where(valid, rows, t).reshape(-1)
-    out = jnp.zeros((t, h, dv), f32).at[flat_rows].set(o.reshape(-1, h, dv), mode="drop")
-    return out.astype(v.dtype), states
+    return scatter_chunks(o.transpose(0, 2, 1, 3), rows, t).astype(v.dtype), states

@@ -91,10 +91,7 @@ def scan_chunks(step: Callable,  # (state f32, *chunk inputs [C, ...]) -> (out [
     f32 = jnp.float32
     t = xs[0].shape[0]
     rows, seq, first = chunk_table(cu_q_lens, num_seqs, t, chunk)
-    valid = rows >= 0
-    take = lambda x: jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 1)),  # noqa: E731
-                               jnp.take(x.astype(f32), jnp.clip(rows, 0), axis=0), 0.0)
-    xs = tuple(take(x) for x in xs)  # [N, C, ...] each
+    xs = gather_chunks(xs, rows)  # [N, C, ...] each
 
     def body(c, carry):  # chunk c of the used ones: a while loop, so unused chunks cost nothing
         state, out_states, o_all = carry
@@ -107,6 +104,20 @@ def scan_chunks(step: Callable,  # (state f32, *chunk inputs [C, ...]) -> (out [
     o_all = jnp.zeros(rows.shape + tuple(out_shape), f32)  # [N, C, ...]
     init = (jnp.zeros(states.shape[1:], f32), states, o_all)
     _, states, o = jax.lax.fori_loop(0, jnp.sum(seq >= 0), body, init)
-    flat_rows = jnp.where(valid, rows, t).reshape(-1)  # unused slots scatter past the end (dropped)
-    out = jnp.zeros((t,) + tuple(out_shape), f32).at[flat_rows].set(o.reshape((-1,) + tuple(out_shape)), mode="drop")
-    return out, states
+    return scatter_chunks(o, rows, t), states
+
+
+def gather_chunks(xs: tuple,  # [T, ...] each
+                  rows: jax.Array,  # [N, C] int32 (chunk_table; -1 past a sequence's end)
+                  ) -> tuple:  # [N, C, ...] f32 each, zero where rows < 0
+    valid = rows >= 0
+    return tuple(jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 1)),
+                           jnp.take(x.astype(jnp.float32), jnp.clip(rows, 0), axis=0), 0.0) for x in xs)
+
+
+def scatter_chunks(o: jax.Array,  # [N, C, ...] per chunk row
+                   rows: jax.Array,  # [N, C] int32 (chunk_table)
+                   num_tokens: int) -> jax.Array:  # [T, ...] f32, zero on rows no chunk holds
+    flat_rows = jnp.where(rows >= 0, rows, num_tokens).reshape(-1)  # unused slots scatter past the end (dropped)
+    shape = o.shape[2:]
+    return jnp.zeros((num_tokens,) + shape, jnp.float32).at[flat_rows].set(o.reshape((-1,) + shape), mode="drop")
