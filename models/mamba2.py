@@ -1,10 +1,10 @@
 """Mamba2, the state-space mixer of Nemotron-H.
 
-Per token: one input projection gives the gate z [H, P], the convolved channels
-x [H, P], B [G, N], C [G, N] (one short causal depthwise convolution with bias over
-the three, SiLU) and a raw time step per head; the SSD rule (pallas_kernels/ssd.py)
-over an [H, N, P] state, with the D skip; the output times silu(z), then an RMSNorm
-over each of the G groups of H / G heads (not per head, not over all: Nemotron-H's
+Per token: input projections give the gate z [H, P], the convolved channels x [H, P],
+B [G, N], C [G, N] (one short causal depthwise convolution with bias over the three,
+SiLU) and a raw time step per head; the SSD rule (pallas_kernels/ssd.py) over an
+[H, N, P] state, with the D skip; the output times silu(z), then an RMSNorm over each of
+the G groups of H / G heads (not per head, not over all: Nemotron-H's
 `NemotronHRMSNormGated`), in f32 with the weight applied before the one cast; the
 output projection.
 
@@ -25,25 +25,38 @@ from jaxfill.models.config import ModelConfig
 from jaxfill.models.kv_cache import AttentionMetadata
 from jaxfill.models.layers import param
 from jaxfill.models.linear_slots import read_slots, write_slots
-from jaxfill.models.linear_state import LinearState, conv_dim
+from jaxfill.models.linear_state import LinearState
+from jaxfill.models.sharding import constrain, split_over_heads
 from jaxfill.pallas_kernels.ragged_scan import token_sequences
 from jaxfill.pallas_kernels.ssd import ssd_chunked, time_steps
 
+CONV_PARTS = ("x", "b", "c")  # one group's convolved channels, in order
+
 
 class Mamba2(nnx.Module):
+    """Params split by group so 'tensor' ranks each hold whole groups: group g is its B and
+    C and its H / G heads with their x, z, dt, dt_bias, a_log, D, norm and output rows. The
+    convolution's channels run group by group, [x_g, B_g, C_g], and so does its state
+    (models/linear_state.py), so a rank's share is one contiguous block. The gated RMSNorm
+    is per group too: ranks never talk before the output projection's all-reduce."""
+
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         c, dt = config, config.jnp_dtype
-        e, h, p, k = c.hidden_size, c.linear_num_value_heads, c.linear_value_head_dim, c.linear_conv_kernel
-        self.z = param(rngs, (e, h, p), ("embed", None, None), dt)
-        self.xbc = param(rngs, (e, conv_dim(c)), ("embed", None), dt)
-        self.dt = param(rngs, (e, h), ("embed", None), dt)
-        self.conv = param(rngs, (conv_dim(c), k), (None, None), dt, scale=0.3)
-        self.conv_bias = param(rngs, (conv_dim(c),), (None,), dt, scale=0.1) if c.linear_conv_bias else None
-        self.dt_bias = param(rngs, (h,), (None,), dt, init="one_plus_normal", scale=0.1)
-        self.a_log = param(rngs, (h,), (None,), dt, scale=1.0)
-        self.d = param(rngs, (h,), (None,), dt, init="one_plus_normal", scale=0.1)
-        self.norm = param(rngs, (h, p), (None, None), dt, init="one_plus_normal", scale=0.1)
-        self.out = param(rngs, (h, p, e), (None, None, "embed"), dt)
+        e, g, n, h, p, k = (c.hidden_size, c.linear_num_key_heads, c.linear_key_head_dim, c.linear_num_value_heads,
+                            c.linear_value_head_dim, c.linear_conv_kernel)
+        widths = {"x": h // g * p, "b": n, "c": n}
+        self.z = param(rngs, (e, h, p), ("embed", "q_heads", None), dt)
+        for part, w in widths.items():
+            setattr(self, part, param(rngs, (e, g, w), ("embed", "kv_heads", None), dt))
+            setattr(self, "conv_" + part, param(rngs, (g, w, k), ("kv_heads", None, None), dt, scale=0.3))
+            if c.linear_conv_bias:
+                setattr(self, "conv_bias_" + part, param(rngs, (g, w), ("kv_heads", None), dt, scale=0.1))
+        self.dt = param(rngs, (e, h), ("embed", "q_heads"), dt)
+        self.dt_bias = param(rngs, (h,), ("q_heads",), dt, init="one_plus_normal", scale=0.1)
+        self.a_log = param(rngs, (h,), ("q_heads",), dt, scale=1.0)
+        self.d = param(rngs, (h,), ("q_heads",), dt, init="one_plus_normal", scale=0.1)
+        self.norm = param(rngs, (h, p), ("q_heads", None), dt, init="one_plus_normal", scale=0.1)
+        self.out = param(rngs, (h, p, e), ("q_heads", None, "embed"), dt)
         self.config = c
 
     def __call__(self,
@@ -55,28 +68,56 @@ class Mamba2(nnx.Module):
                  layer,
                  sampled_only: bool = False,
                  ) -> tuple[jax.Array, LinearState]:  # [T, E] ([S, E] if sampled_only), state
-        c, f32 = self.config, jnp.float32
-        g, n, h, p = c.linear_num_key_heads, c.linear_key_head_dim, c.linear_num_value_heads, c.linear_value_head_dim
-        t = x.shape[0]
-        seq = token_sequences(meta.cu_q_lens, meta.num_seqs, t)
-        read = read_slots(state, meta)
-
-        z = jnp.einsum("te,ehp->thp", x, self.z[...])
-        bias = None if self.conv_bias is None else self.conv_bias[...]
-        xbc, history = causal_conv(x @ self.xbc[...], self.conv[...], read.conv, meta.cu_q_lens, seq, bias)
-        xbc = jax.nn.silu(xbc.astype(f32)).astype(x.dtype)
-        xs = xbc[:, :h * p].reshape(t, h, p)
-        b = xbc[:, h * p:h * p + g * n].reshape(t, g, n)
-        cc = xbc[:, h * p + g * n:].reshape(t, g, n)
-        dt = time_steps(x @ self.dt[...], self.dt_bias[...], c.linear_dt_limit)
-        a = -jnp.exp(self.a_log[...].astype(f32))
-        y, recurrent = ssd_chunked(xs, dt, a, b, cc, self.d[...], meta.cu_q_lens, meta.num_seqs, read.recurrent)
-
-        # gate, then RMSNorm over each group of h / g heads, in f32; the weight before the cast
-        y = (y * jax.nn.silu(z.astype(f32))).reshape(t, g, h // g * p)
-        y = y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + c.rms_norm_eps)
-        y = (self.norm[...].astype(f32) * y.reshape(t, h, p)).astype(x.dtype)
+        c = self.config
+        proj = lambda w: jnp.einsum("te,e...->t...", x, w[...])  # noqa: E731
+        xs, b, cc, z, dt = (proj(w) for w in (self.x, self.b, self.c, self.z, self.dt))
+        conv = (tuple(getattr(self, "conv_" + part)[...] for part in CONV_PARTS),
+                tuple(getattr(self, "conv_bias_" + part)[...] for part in CONV_PARTS) if c.linear_conv_bias else None)
+        heads = (self.dt_bias[...], self.a_log[...], self.d[...], self.norm[...])
+        y, state = split_over_heads(
+            lambda *args: mix(*args, eps=c.rms_norm_eps, dt_limit=c.linear_dt_limit),
+            (xs, b, cc, z, dt, conv, heads, state, meta),
+            (1, 1, 1, 1, 1, 0, 0, LinearState(1, 1), None), (1, LinearState(1, 1)))
         if sampled_only:
             y = jnp.take(y, meta.logits_indices, axis=0)
         out = jnp.einsum("thp,hpe->te", y, self.out[...])
-        return out, write_slots(state, read, recurrent, history)
+        return constrain(out, ("tokens", "act_embed")), state  # an all-reduce over 'tensor'
+
+
+def mix(x: jax.Array,  # [T, G, H/G P]  (one rank's groups throughout)
+        b: jax.Array,  # [T, G, N]
+        c: jax.Array,  # [T, G, N]
+        z: jax.Array,  # [T, H, P]
+        dt: jax.Array,  # [T, H] the raw time steps
+        conv: tuple,  # weights ([G, H/G P, K], [G, N, K], [G, N, K]), biases ([G, H/G P], [G, N], [G, N]) or None
+        heads: tuple,  # dt_bias, a_log, D [H], norm [H, P]
+        state: LinearState,  # recurrent [slots, H, N, P], conv [slots, G (H/G P + 2N), K-1]
+        meta: AttentionMetadata,
+        eps: float,
+        dt_limit: tuple | None,
+        ) -> tuple[jax.Array, LinearState]:  # [T, H, P] in the model dtype, the new state
+    """Convolution, SSD and gated per-group RMSNorm over a rank's groups."""
+    f32, dtype = jnp.float32, x.dtype
+    t, g, w = x.shape
+    n, (h, p) = b.shape[-1], z.shape[1:]
+    seq = token_sequences(meta.cu_q_lens, meta.num_seqs, t)
+    read = read_slots(state, meta)
+
+    weights, biases = conv
+    width = w + 2 * n  # one group's channels
+    weight = jnp.concatenate(weights, axis=1).reshape(g * width, -1)
+    bias = None if biases is None else jnp.concatenate(biases, axis=1).reshape(g * width)
+    xbc, history = causal_conv(jnp.concatenate([x, b, c], axis=-1).reshape(t, g * width), weight, read.conv,
+                               meta.cu_q_lens, seq, bias)
+    xbc = jax.nn.silu(xbc.astype(f32)).astype(dtype).reshape(t, g, width)
+    xs, b, c = xbc[..., :w].reshape(t, h, p), xbc[..., w:w + n], xbc[..., w + n:]
+    dt_bias, a_log, d, norm = heads
+    a = -jnp.exp(a_log.astype(f32))
+    y, recurrent = ssd_chunked(xs, time_steps(dt, dt_bias, dt_limit), a, b, c, d, meta.cu_q_lens, meta.num_seqs,
+                               read.recurrent)
+
+    # gate, then RMSNorm over each group of h / g heads, in f32; the weight before the cast
+    y = (y * jax.nn.silu(z.astype(f32))).reshape(t, g, w)
+    y = y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + eps)
+    y = (norm.astype(f32) * y.reshape(t, h, p)).astype(dtype)
+    return y, write_slots(state, read, recurrent, history)

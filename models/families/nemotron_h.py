@@ -147,15 +147,21 @@ def _number(v) -> float:
 
 def mamba2_tensors(c, m: str, a: tuple) -> dict:
     """One Mamba2 mixer's tensors (HF names under `m`) -> its params under `a`. in_proj
-    holds [z (H*P), x B C (conv_dim), dt (H)] rows, split into three params."""
-    e, h, p, k, cd = (c.hidden_size, c.linear_num_value_heads, c.linear_value_head_dim, c.linear_conv_kernel,
-                      conv_dim(c))
+    holds [z (H*P), x (H*P), B (G*N), C (G*N), dt (H)] rows and conv1d the x, B, C channels
+    in that order; each part becomes its own param, split by group (models/mamba2.py)."""
+    e, g, n, h, p, k, cd = (c.hidden_size, c.linear_num_key_heads, c.linear_key_head_dim, c.linear_num_value_heads,
+                            c.linear_value_head_dim, c.linear_conv_kernel, conv_dim(c))
     width, total = h * p, h * p + cd + h
+    # the convolved parts: channels [start, stop) of conv1d (in_proj rows start + width), per group w wide
+    parts = (("x", (0, width), h // g * p), ("b", (width, width + g * n), n), ("c", (width + g * n, cd), n))
+    in_proj = (HFTensor(a + ("z",), (total, e), (h, p, e), (2, 0, 1), rows=(0, width)),
+               *(HFTensor(a + (part,), (total, e), (g, w, e), (2, 0, 1), rows=(lo + width, hi + width))
+                 for part, (lo, hi), w in parts),
+               HFTensor(a + ("dt",), (total, e), (h, e), (1, 0), rows=(width + cd, total)))
     table = {
-        m + "in_proj.weight": (HFTensor(a + ("z",), (total, e), (h, p, e), (2, 0, 1), rows=(0, width)),
-                               HFTensor(a + ("xbc",), (total, e), (cd, e), (1, 0), rows=(width, width + cd)),
-                               HFTensor(a + ("dt",), (total, e), (h, e), (1, 0), rows=(width + cd, total))),
-        m + "conv1d.weight": HFTensor(a + ("conv",), (cd, 1, k), (cd, k), (0, 1)),
+        m + "in_proj.weight": in_proj,
+        m + "conv1d.weight": tuple(HFTensor(a + ("conv_" + part,), (cd, 1, k), (g, w, k), (0, 1, 2), rows)
+                                   for part, rows, w in parts),
         m + "dt_bias": same(a + ("dt_bias",), (h,)),
         m + "A_log": same(a + ("a_log",), (h,)),
         m + "D": same(a + ("d",), (h,)),
@@ -163,7 +169,8 @@ def mamba2_tensors(c, m: str, a: tuple) -> dict:
         m + "out_proj.weight": HFTensor(a + ("out",), (e, width), (e, h, p), (1, 2, 0)),
     }
     if c.linear_conv_bias:
-        table[m + "conv1d.bias"] = same(a + ("conv_bias",), (cd,))
+        table[m + "conv1d.bias"] = tuple(HFTensor(a + ("conv_bias_" + part,), (cd,), (g, w), (0, 1), rows)
+                                         for part, rows, w in parts)
     return table
 
 

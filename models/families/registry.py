@@ -183,4 +183,4 @@ def layer_projection_params(config, layer: int = 0) -> dict[tuple, float]:
 LATENT_PROJECTIONS = ("q_a", "q_b", "kv_a", "w_ukv")
 # A linear layer's projections: Gated DeltaNet's (models/gated_deltanet.py, either layout)
 # and Mamba2's (models/mamba2.py)
-LINEAR_PROJECTIONS = ("q", "k", "v", "z", "b", "a", "out", "qkvz", "ba", "xbc", "dt")
+LINEAR_PROJECTIONS = ("q", "k", "v", "z", "b", "a", "out", "qkvz", "ba", "x", "c", "dt")
