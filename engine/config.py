@@ -284,10 +284,10 @@ def hybrid_settings(model: ModelConfig, engine: EngineSettings,
     """A linear-attention hybrid's engine today: heads split over mesh.tensor, a state slot
     per running request, prefix caching through state snapshots (engine/scheduler/state_snapshots.py).
     What it cannot do yet is refused by name."""
+    groups = "Mamba2 groups (n_groups)" if model.linear_kind == "mamba2" else "linear key heads"
     unsupported = {"mesh.data/sequence/stage/expert > 1": mesh.size > mesh.tensor or mesh.num_processes > 1,
-                   f"mesh.tensor = {mesh.tensor} (must divide the {model.linear_num_key_heads} linear key heads)":
+                   f"mesh.tensor = {mesh.tensor} (must divide the {model.linear_num_key_heads} {groups})":
                        model.linear_num_key_heads % mesh.tensor != 0,
-                   "mesh.tensor > 1 with Mamba2 layers": model.linear_kind == "mamba2" and mesh.tensor > 1,
                    "engine.scan_layers": engine.scan_layers,
                    "engine.host_kv_cache_gb": float(engine.host_kv_cache_gb) > 0,
                    "engine.kv_cache_dtype int8/fp8": engine.kv_cache_dtype != "auto"}

@@ -32,6 +32,10 @@ prompts = [long, long[:72] + [int(t) for t in rng.integers(3, 500, 12)], [7, 9, 
 out = {}
 for name, overrides in layouts.items():
     engine = Engine.from_config("tiny", model_path=model_dir, overrides={**base, **overrides}, progress=False)
+    # a hybrid's first linear layer as a fresh cache allocates it (warm-up steps return the
+    # engine's own cache in the step's output shardings): each state array's shape on one device
+    state_shard = [list(a.addressable_shards[0].data.shape) for e in engine.runner.new_cache(2).pages
+                   if hasattr(e, "recurrent") for a in (e.recurrent, e.conv)][:2]
     first = engine.generate([prompts[0]], SamplingParams(max_tokens=6, logprobs=1))
     rest = engine.generate(prompts[1:], SamplingParams(max_tokens=6, logprobs=1))
     st = engine.stats()
@@ -44,7 +48,7 @@ for name, overrides in layouts.items():
                  "experts": {str(k): v.tolist() for k, v in engine.expert_tokens(refresh=True).items()},
                  "rows": sum(len(p) - c.cached_tokens + len(c.token_ids) - 1 for p, c in zip(prompts, done)),
                  "top_k": engine.config.model.experts_per_token,
-                 "last_layer": engine.config.model.num_layers - 1}
+                 "last_layer": engine.config.model.num_layers - 1, "state_shard": state_shard}
 print("RESULT " + json.dumps(out))
 """
 LAYOUTS = {

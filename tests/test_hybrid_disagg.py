@@ -1,9 +1,10 @@
-"""Disaggregated prefill of a linear-attention hybrid (Qwen3.5, random init): the prefill
-engine ends a held prompt's chunk at len(prompt) - 1, exports the recurrent state there
-and offers it after the KV rows; the decode engine (another page size, NaN-filled pages
-and slots) writes both into its own pool and slot and must give exactly the tokens and
-logprobs of the decode engine doing the whole request itself, with and without
-prefix-cache hits on either side. Nothing leaks: pages and slots come back."""
+"""Disaggregated prefill of a linear-attention hybrid (Qwen3.5's Gated DeltaNet, and
+Nemotron-H's Mamba2; random init): the prefill engine ends a held prompt's chunk at
+len(prompt) - 1, exports the recurrent state there and offers it after the KV rows; the
+decode engine (another page size, NaN-filled pages and slots) writes both into its own
+pool and slot and must give exactly the tokens and logprobs of the decode engine doing
+the whole request itself, with and without prefix-cache hits on either side. Nothing
+leaks: pages and slots come back."""
 
 import time
 
@@ -22,12 +23,17 @@ PREFILL_ONLY = SamplingParams(max_tokens=1, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=8, temperature=0.9, seed=3, logprobs=2, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def engines(tmp_path_factory):
-    directory = make_hf_checkpoint(str(tmp_path_factory.mktemp("hybrid_disagg") / "qwen3_5"), "qwen3_5")
+def make_engines(tmp_path_factory, arch: str) -> tuple[Engine, Engine]:
+    """The prefill engine (16-token pages) and the decode engine (8-token pages)."""
+    directory = make_hf_checkpoint(str(tmp_path_factory.mktemp("hybrid_disagg") / arch), arch)
     make = lambda page, **extra: Engine.from_config("tiny", model_path=directory, progress=False,  # noqa: E731
                                                     overrides={**BASE, "engine.page_size": page, **extra})
     return make(16, **{"engine.kv_transfer_timeout_s": 60}), make(8)
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    return make_engines(tmp_path_factory, "qwen3_5")
 
 
 def all_back(e: Engine) -> bool:
@@ -73,6 +79,21 @@ def test_prefix_hits_on_both_sides(engines):
     for i, prompt in enumerate((first, second)):
         want = dst.generate([prompt], SAMPLED)[0]
         got, info = move(src, dst, prompt, f"p{i}")
+        assert got.token_ids == want.token_ids
+        assert_same_logprobs(got.logprobs, want.logprobs)
+    assert info["cached_tokens"] == 32 and src.stats()["state_snapshot_hits"] > 0
+    assert all_back(src) and all_back(dst)
+
+
+def test_nemotron_h_mamba2_state_moves_too(tmp_path_factory):
+    """Nemotron-H (Mamba2's [H, N, P] states and group-by-group conv histories): a prompt
+    ending inside a page, then one sharing its first 40 tokens, so both sides resume
+    from their snapshots at 32."""
+    src, dst = make_engines(tmp_path_factory, "nemotron_h")
+    root = [(5 * i + 1) % 250 for i in range(40)]
+    for i, prompt in enumerate((root + [9, 8, 7, 6, 5], root + [1, 2, 3])):
+        want = dst.generate([prompt], SAMPLED)[0]
+        got, info = move(src, dst, prompt, f"n{i}")
         assert got.token_ids == want.token_ids
         assert_same_logprobs(got.logprobs, want.logprobs)
     assert info["cached_tokens"] == 32 and src.stats()["state_snapshot_hits"] > 0

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from hf_models import load_hf, make_hf_checkpoint, torch
+from jaxfill.engine.config import load_config
 from jaxfill.engine.engine import Engine
 from jaxfill.engine.request import SamplingParams
 from jaxfill.engine.simple import generate_one, prefill_chunks
@@ -107,6 +108,13 @@ def test_moe_blocks_and_biases_are_refused_by_name(nemotron_h):
     legacy.update(hybrid_override_pattern="M-M*-M", num_hidden_layers=6,
                   time_step_limit=[0.0, math.inf])
     assert config_from_hf(legacy) == config_from_hf(hf)  # the original configs' spelling
+
+
+def test_a_tensor_split_that_cuts_a_group_is_refused_by_name(nemotron_h):
+    """Ranks hold whole Mamba2 groups: mesh.tensor must divide n_groups (2 here)."""
+    with pytest.raises(ConfigError, match=r"mesh.tensor = 4 \(must divide the 2 Mamba2 groups"):
+        load_config("tiny", {"mesh.tensor": 4}, model_path=nemotron_h[0])
+    assert load_config("tiny", {"mesh.tensor": 2}, model_path=nemotron_h[0]).mesh.tensor == 2
 
 
 # ------------------------------------------------------------------- through the engine
