@@ -1,5 +1,9 @@
-"""A linear-attention layer's cache entry (models/gated_deltanet.py): per-sequence state in
-slots, beside the attention layers' pages in the KVCache."""
+"""A linear layer's cache entry (models/gated_deltanet.py, models/mamba2.py): per-sequence
+state in slots, beside the attention layers' pages in the KVCache. Both arrays split over
+'tensor' on axis 1 (models/sharding.linear_state_sharding): the recurrent state by head,
+the conv history by channel, which both mixers lay out group by group (Gated DeltaNet's
+key-head groups [q_g, k_g, v_g], Mamba2's groups [x_g, B_g, C_g]) so a rank's share is
+one contiguous block."""
 
 from __future__ import annotations
 
@@ -17,8 +21,8 @@ from jaxfill.models.config import ModelConfig
 class LinearState:
     """One linear layer's per-sequence state, in slots."""
 
-    recurrent: jax.Array  # [slots, Hv, Dk, Dv] f32
-    conv: jax.Array  # [slots, conv_dim, kernel - 1] in the model dtype
+    recurrent: jax.Array  # [slots, Hv, Dk, Dv] f32 (Mamba2: [slots, H, N, P])
+    conv: jax.Array  # [slots, conv_dim, kernel - 1] in the model dtype, channels group by group
 
 
 def conv_dim(c: ModelConfig) -> int:

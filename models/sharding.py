@@ -311,7 +311,8 @@ def sharded_attention(attend: Callable, q: jax.Array, k: jax.Array, v: jax.Array
 
 def linear_state_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
     """A linear layer's state, recurrent [slots, Hv, Dk, Dv] and conv [slots, channels, K-1]
-    (channels by key-head group): heads split over 'tensor', like the layer's params."""
+    (channels group by group: Gated DeltaNet's key-head groups, Mamba2's groups): heads
+    split over 'tensor', like the layer's params."""
     return NamedSharding(mesh, P(None, TENSOR))
 
 
