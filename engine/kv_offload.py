@@ -141,8 +141,8 @@ class KVOffload:
     def _gather(self, cache, pages: list[int]):
         ids = np.zeros(padded_count(len(pages)), np.int32)  # the null page pads
         ids[:len(pages)] = pages
-        return gather_blocks(kvt.paged_entries(cache), jnp.asarray(ids), num_kv_heads=self.num_kv_heads, stages=self.stages,
-                             replicate=self.lockstep)
+        return gather_blocks(kvt.paged_entries(cache), jnp.asarray(ids), num_kv_heads=self.num_kv_heads,
+                             stages=self.stages, replicate=self.lockstep)
 
     def sync(self) -> None:
         """Multi-process: every process folds its arrived saves here, at the same point of
