@@ -282,15 +282,16 @@ def load_config(config: str = "tiny", overrides: Mapping[str, Any] | list[str] |
 def hybrid_settings(model: ModelConfig, engine: EngineSettings,
                     mesh: MeshSettings) -> tuple[EngineSettings, MeshSettings]:
     """A linear-attention hybrid's engine today: heads split over mesh.tensor, a state slot
-    per running request, prefix caching through state snapshots (engine/scheduler/state_snapshots.py).
-    What it cannot do yet is refused by name."""
+    per running request, prefix caching through state snapshots (engine/scheduler/state_snapshots.py),
+    which the host tier keeps too (engine/snapshot_offload.py), and an int8 / fp8 KV cache
+    for the attention layers (the linear layers' state stays f32). What it cannot do yet is
+    refused by name."""
     groups = "Mamba2 groups (n_groups)" if model.linear_kind == "mamba2" else "linear key heads"
     unsupported = {"mesh.data/sequence/stage/expert > 1": mesh.size > mesh.tensor or mesh.num_processes > 1,
                    f"mesh.tensor = {mesh.tensor} (must divide the {model.linear_num_key_heads} {groups})":
                        model.linear_num_key_heads % mesh.tensor != 0,
                    "engine.scan_layers": engine.scan_layers,
-                   "engine.host_kv_cache_gb": float(engine.host_kv_cache_gb) > 0,
-                   "engine.kv_cache_dtype int8/fp8": engine.kv_cache_dtype != "auto"}
+                   "engine.disk_kv_cache_dir": bool(engine.disk_kv_cache_dir)}
     bad = [name for name, on in unsupported.items() if on]
     if bad:
         raise ConfigError(f"{model.architecture} has linear-attention layers {list(model.linear_layers)}; "

@@ -264,9 +264,11 @@ class Engine(Conveniences, DisaggregationFacade, MultiProcessFacade):
         first = [c for sc in scheds for c in sc.state_copies]
         then = [c for sc in scheds for c in sc.state_restores]
         exports = [e for sc in scheds for e in sc.state_exports]  # held prefills' states (engine/kv_handoff.py)
-        if not first and not then and not exports:
+        saves = [x for sc in scheds for x in sc.state_saves]  # snapshots the copies push out, to the host tier
+        if not first and not then and not exports and not saves:
             return True
         try:
+            self.runner.save_states(saves)  # before the copies overwrite their slots
             if first or then:
                 self.runner.copy_states(first, then)
             for request_id, slot in exports:
@@ -280,15 +282,17 @@ class Engine(Conveniences, DisaggregationFacade, MultiProcessFacade):
             return False
 
     def _restore(self, launch: Launch) -> Launch | None:
-        """[lock] Host-tier pages go back into their new device pages before the step reads
-        them. A request whose blocks could not be read or written recomputes instead (never
-        wrong K/V) and its blocks leave the tier; a cache lost on the way sends everyone
-        back (_recover_cache)."""
-        rows = [sch for sc in launch.scheds for sch in sc.seqs if sch.restores]
+        """[lock] Host-tier pages (and a hybrid's state snapshot) go back into their new device
+        pages (and the request's own state slot) before the step reads them. A request whose
+        blocks could not be read or written recomputes instead (never wrong K/V) and its blocks
+        leave the tier; so does one whose snapshot left the tier meanwhile (never a state that
+        is not its prefix's); a cache lost on the way sends everyone back (_recover_cache)."""
+        rows = [sch for sc in launch.scheds for sch in sc.seqs if sch.restores or sch.state_host is not None]
         if not rows:
             return launch
+        paged = [(sch.req.replica, r.page, r.hash) for sch in rows for r in sch.restores]
         try:
-            failed = self.runner.restore([(sch.req.replica, r.page, r.hash) for sch in rows for r in sch.restores])
+            failed = self.runner.restore(paged) if paged else set()
         except Exception:  # noqa: BLE001 - the requests recompute; the engine goes on
             traceback.print_exc(file=sys.stderr)
             failed = None
@@ -296,6 +300,8 @@ class Engine(Conveniences, DisaggregationFacade, MultiProcessFacade):
         for sch in rows:
             if id(sch) in bad:
                 self.runner.kv_offload.discard(r.hash for r in sch.restores)
+        bad |= self._restore_states([sch for sch in rows if id(sch) not in bad])
+        for sch in rows:
             self.scheduler.restored(sch, ok=id(sch) not in bad)
         if not bad:
             return launch
@@ -305,6 +311,20 @@ class Engine(Conveniences, DisaggregationFacade, MultiProcessFacade):
             self._recover_cache()
             return None
         return launch if any(sc.seqs for sc in launch.scheds) else None
+
+    def _restore_states(self, rows: list) -> set[int]:
+        """[lock] Hybrids: the host tier's snapshots written into their requests' own slots;
+        the id() of each row whose snapshot is gone from the tier or failed to write."""
+        bad = set()
+        for sch in (sch for sch in rows if sch.state_host is not None):
+            try:
+                ok = self.runner.restore_state(sch.state_host, sch.req.state_slot)
+            except Exception:  # noqa: BLE001 - the request recomputes
+                traceback.print_exc(file=sys.stderr)
+                ok = False
+            if not ok:
+                bad.add(id(sch))
+        return bad
 
     def _build(self, launch: Launch, outputs: list[RequestOutput]) -> Launch | None:
         s = self.settings

@@ -12,6 +12,12 @@ a device hit would be. LRU within a byte budget; a block that does not fit the b
 all is never kept. A block pushed out goes to the disk tier when there is one (engine/
 disk_kv_tier.py), and a disk hit comes back through here.
 
+A linear-attention hybrid's state snapshot at a page (engine/scheduler/state_snapshots.py)
+is kept here too, under the same byte budget and LRU, keyed by that page's hash plus a
+suffix (`snapshot_key`): a host hit resumes only where its snapshot is here or on the
+device. Snapshots never go to disk (the disk tier keeps KV blocks only; hybrids refuse it)
+and make no KV events.
+
 Pure numpy, no JAX: engine/kv_offload.py moves blocks between the device and here. One
 tier serves every data replica (a block is the same bytes wherever it was computed).
 `listener` hears ("stored", hash, parent, tokens, tier) and ("removed", hash, tier)
@@ -40,6 +46,23 @@ class KVBlock:
 
 
 @dataclasses.dataclass
+class StateSnapshot:
+    """Every linear layer's state of one sequence at a snapshot boundary."""
+
+    recurrent: np.ndarray  # [Lin, Hv, Dk, Dv] f32 (Mamba2: [Lin, H, P, N])
+    conv: np.ndarray  # [Lin, C, K-1] in the model dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.recurrent.nbytes + self.conv.nbytes
+
+
+def snapshot_key(h: bytes) -> bytes:
+    """A snapshot's key: its page's hash and a suffix (page hashes are 16 bytes, so no clash)."""
+    return h + b"state"
+
+
+@dataclasses.dataclass
 class TierCounts:
     """Pages looked up in / served by one tier (after a device miss), and pages it took in."""
 
@@ -57,11 +80,12 @@ class HostKVTier:
         self.disk = disk  # engine.disk_kv_tier.DiskKVTier or None
         self.counts = TierCounts()
         self.listener: Callable[..., None] | None = None
+        self.num_snapshots = 0  # StateSnapshots among the blocks
 
     def __contains__(self, h: bytes) -> bool:
         return h in self.blocks or (self.disk is not None and h in self.disk)
 
-    def put(self, h: bytes, block: KVBlock) -> None:
+    def put(self, h: bytes, block: KVBlock | StateSnapshot) -> None:
         """Keeps a block (most recently used); older blocks make room, to disk if any."""
         if h in self.blocks:
             self.blocks.move_to_end(h)
@@ -73,6 +97,9 @@ class HostKVTier:
             self._push_out()
         self.blocks[h] = block
         self.nbytes += block.nbytes
+        if isinstance(block, StateSnapshot):
+            self.num_snapshots += 1
+            return
         self.counts.stored += 1
         if self.listener is not None:
             self.listener("stored", h, block.parent, list(block.tokens), "host")
@@ -80,6 +107,9 @@ class HostKVTier:
     def _push_out(self) -> None:
         h, block = self.blocks.popitem(last=False)
         self.nbytes -= block.nbytes
+        if isinstance(block, StateSnapshot):
+            self.num_snapshots -= 1
+            return
         if self.listener is not None:
             self.listener("removed", h, "host")
         if self.disk is not None and self.disk.put(h, block) and self.listener is not None:
@@ -105,28 +135,45 @@ class HostKVTier:
             self.put(h, block)
         return block
 
+    def put_snapshot(self, h: bytes, snapshot: StateSnapshot) -> None:
+        self.put(snapshot_key(h), snapshot)
+
+    def has_snapshot(self, h: bytes) -> bool:
+        return snapshot_key(h) in self.blocks
+
+    def take_snapshot(self, h: bytes) -> StateSnapshot | None:
+        """The state snapshot at page hash h (now the most recently used), or None."""
+        key = snapshot_key(h)
+        if key not in self.blocks:
+            return None
+        self.blocks.move_to_end(key)
+        return self.blocks[key]
+
     def discard(self, *hashes: bytes) -> None:
         """Forgets these blocks (a restore of them failed: they will be recomputed)."""
         for h in hashes:
             block = self.blocks.pop(h, None)
             if block is not None:
                 self.nbytes -= block.nbytes
-                if self.listener is not None:
+                self.num_snapshots -= isinstance(block, StateSnapshot)
+                if self.listener is not None and isinstance(block, KVBlock):
                     self.listener("removed", h, "host")
 
     def clear(self) -> None:
         """Forgets every block (the weights changed, say); the disk tier keeps its files."""
-        for h in list(self.blocks):
-            if self.listener is not None:
+        for h, block in self.blocks.items():
+            if self.listener is not None and isinstance(block, KVBlock):
                 self.listener("removed", h, "host")
         self.blocks.clear()
         self.nbytes = 0
+        self.num_snapshots = 0
 
     def stats(self) -> dict:
         c = self.counts
         out = {"host_kv_cache_bytes": self.nbytes, "host_kv_cache_budget_bytes": self.budget_bytes,
-               "host_kv_pages_used": len(self.blocks), "host_kv_queries": c.queries,
-               "host_kv_hits": c.hits, "host_kv_saved": c.stored, "host_kv_dropped": c.dropped}
+               "host_kv_pages_used": len(self.blocks) - self.num_snapshots, "host_kv_queries": c.queries,
+               "host_kv_hits": c.hits, "host_kv_saved": c.stored, "host_kv_dropped": c.dropped,
+               "host_state_snapshots": self.num_snapshots}
         if self.disk is not None:
             out.update(self.disk.stats())
         return out

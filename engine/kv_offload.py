@@ -110,6 +110,7 @@ class KVOffload:
         self.in_transit: list[_Save] = []
         self.num_saves_dropped = 0  # staging full: the page is recomputed if it is asked for again
         self.num_restored = 0  # pages written back into the device pool
+        self.states = None  # a hybrid's state snapshots (engine/snapshot_offload.py), or None
 
     def on_evict(self, replica: int, page: int, h: bytes, parent: bytes | None, tokens: tuple) -> None:
         """A block manager's eviction callback: queue the page (still intact) for saving."""
@@ -140,8 +141,8 @@ class KVOffload:
     def _gather(self, cache, pages: list[int]):
         ids = np.zeros(padded_count(len(pages)), np.int32)  # the null page pads
         ids[:len(pages)] = pages
-        return gather_blocks(cache.pages, jnp.asarray(ids), num_kv_heads=self.num_kv_heads, stages=self.stages,
-                             replicate=self.lockstep)
+        return gather_blocks(kvt.paged_entries(cache), jnp.asarray(ids), num_kv_heads=self.num_kv_heads,
+                             stages=self.stages, replicate=self.lockstep)
 
     def sync(self) -> None:
         """Multi-process: every process folds its arrived saves here, at the same point of
@@ -152,6 +153,8 @@ class KVOffload:
     def poll(self, wait: bool = False) -> int:
         """Folds the saves that reached the host into the tier (`wait`: all of them, for
         tests and shutdown); returns the pages folded in. Multi-process: only `sync` folds."""
+        if self.states is not None:
+            self.states.poll(wait)
         return 0 if self.lockstep else self._fold(wait)
 
     def _fold(self, wait: bool) -> int:
@@ -174,6 +177,8 @@ class KVOffload:
         """Waits for every save in transit, and for the disk tier's writes (shutdown, tests)."""
         if not self.lockstep:
             self._fold(wait=True)
+        if self.states is not None:
+            self.states.poll(wait=True)
         if self.tier.disk is not None:
             self.tier.disk.flush()
 
@@ -189,16 +194,16 @@ class KVOffload:
 
     def restore(self, cache, pages: list[int], blocks: list[KVBlock]):
         """A new cache.pages with each block scattered into its (global) page; the old
-        pages are donated. Saves still queued are dispatched first, so they read the pages
-        before this write."""
+        pages are donated (a hybrid's state slots pass through). Saves still queued are
+        dispatched first, so they read the pages before this write."""
         self.save_evicted(cache)
-        new_pages = cache.pages
+        new_pages = kvt.paged_entries(cache)
         for at in range(0, len(blocks), MAX_PAGES_PER_CALL):
             part = blocks[at:at + MAX_PAGES_PER_CALL]
             new_pages = self._scatter(cache, new_pages, pages[at:at + MAX_PAGES_PER_CALL], part[0],
                                       [b.values for b in part], [b.scales for b in part])
         self.num_restored += len(blocks)
-        return new_pages
+        return kvt.with_paged(cache, new_pages).pages
 
     def _scatter(self, cache, pages_tree, pages: list[int], like: KVBlock, values: list, scales: list):
         n = padded_count(len(pages))
@@ -218,13 +223,11 @@ class KVOffload:
     def warmup(self, cache):
         """Compiles every gather and scatter size on the real cache (the gathers read the
         null page; the scatters write nothing); returns the cache's new pages."""
-        pages = cache.pages
         for n in call_sizes():
             values, scales = self._gather(cache, [0] * n)
             block = KVBlock(np.asarray(values[0]), None if scales is None else np.asarray(scales[0]), None, ())
-            pages = self._scatter(cache, pages, [-1] * n, block, [], [])
-            cache = dataclasses.replace(cache, pages=pages)
-        return pages
+            cache = kvt.with_paged(cache, self._scatter(cache, kvt.paged_entries(cache), [-1] * n, block, [], []))
+        return cache.pages
 
     @staticmethod
     def cache_size() -> int:
@@ -232,7 +235,8 @@ class KVOffload:
 
     def stats(self) -> dict:
         return {**self.tier.stats(), "host_kv_saves_in_transit": self._staged() + len(self.queued),
-                "host_kv_saves_dropped": self.num_saves_dropped, "host_kv_pages_restored": self.num_restored}
+                "host_kv_saves_dropped": self.num_saves_dropped, "host_kv_pages_restored": self.num_restored,
+                **(self.states.stats() if self.states is not None else {})}
 
 
 def _placed(cache, a: np.ndarray) -> jax.Array:
@@ -273,7 +277,8 @@ def build_kv_offload(config, cache, stages: int) -> KVOffload | None:
 
     m = config.model
     layout = kvt.Layout.of(config, cache)
-    block_bytes = s.page_size * kv_bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, s.kv_cache_dtype,
+    attention_layers = len(kvt.paged_entries(cache)) * cache.stages  # a hybrid's linear layers hold no pages
+    block_bytes = s.page_size * kv_bytes_per_token(attention_layers, m.num_kv_heads, m.head_dim, s.kv_cache_dtype,
                                                    m.jnp_dtype, shares_kv(m))
     disk = None
     if s.disk_kv_cache_dir:
@@ -288,4 +293,9 @@ def build_kv_offload(config, cache, stages: int) -> KVOffload | None:
     # Staged saves hold device memory until they reach the host: enough for a long prompt's
     # admission (whose fresh pages can evict that many at once), never more than the tier holds.
     staged = min(max(pages // 8, 2 * s.max_pages_per_seq, 64), max(pages, 1))
-    return KVOffload(tier, m.num_kv_heads, s.num_pages, stages, max_staged_pages=staged, lockstep=lockstep)
+    offload = KVOffload(tier, m.num_kv_heads, s.num_pages, stages, max_staged_pages=staged, lockstep=lockstep)
+    if s.state_slots and s.enable_prefix_caching and s.state_snapshot_slots:  # a hybrid's snapshots go too
+        from jaxfill.engine.snapshot_offload import SnapshotOffload
+
+        offload.states = SnapshotOffload(tier)
+    return offload

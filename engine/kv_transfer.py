@@ -78,7 +78,7 @@ def paged_entries(cache) -> tuple:
     return tuple(e for e in cache.pages if e is not None and not hasattr(e, "recurrent"))
 
 
-def _with_paged(cache, paged: tuple):
+def with_paged(cache, paged: tuple):
     """The cache with its paged entries replaced, in order."""
     it = iter(paged)
     return dataclasses.replace(cache, pages=tuple(e if e is None or hasattr(e, "recurrent") else next(it)
@@ -198,7 +198,7 @@ def import_rows(cache, values, scales, pages: list[int], num_tokens: int, page_s
     slots = slots_for(pages, num_tokens, values.shape[1], page_size)
     values, scales = _onto(cache, values), None if scales is None else _onto(cache, scales)
     pages = scatter_tokens(paged_entries(cache), values, scales, jnp.asarray(slots), stages=cache.stages)
-    return _with_paged(cache, pages)
+    return with_paged(cache, pages)
 
 
 def _onto(cache, a: jax.Array) -> jax.Array:

@@ -46,6 +46,24 @@ class RunnerKVTier:
             self._write_blocks([k[0] for k in kept], [k[2] for k in kept])
         return {h for (_, _, h), b in zip(entries, blocks) if b is None}
 
+    def save_states(self, saves: list[tuple[int, bytes]]) -> None:
+        """(snapshot slot, hash): a hybrid's snapshots about to lose their slots, gathered
+        for the host tier before the copies that reuse the slots (engine/snapshot_offload.py)."""
+        states = self.kv_offload.states if self.kv_offload is not None else None
+        if saves and states is not None:
+            with self.mesh_context():
+                states.save(self.kv_cache, saves)
+
+    def restore_state(self, h: bytes, slot: int) -> bool:
+        """The host tier's snapshot at page hash h written into working slot `slot`; False
+        when the tier no longer holds it (nothing written)."""
+        with self.mesh_context():
+            new = self.kv_offload.states.restore(self.kv_cache, h, slot)
+        if new is None:
+            return False
+        self.kv_cache = new
+        return True
+
     def _write_blocks(self, pages: list[int], blocks: list) -> None:
         with self.mesh_context():
             new = self.kv_offload.restore(self.kv_cache, pages, blocks)
@@ -69,3 +87,8 @@ class RunnerKVTier:
     def _warm_kv_offload(self) -> None:
         with self.mesh_context():
             self.kv_cache = dataclasses.replace(self.kv_cache, pages=self.kv_offload.warmup(self.kv_cache))
+            if self.kv_offload.states is not None:  # a snapshot's gather and write, on the null slot
+                from jaxfill.engine import kv_transfer as kvt
+
+                null = self.config.engine.state_pool_slots - 1
+                self.kv_cache = kvt.import_state(self.kv_cache, kvt.export_state(self.kv_cache, null), null)

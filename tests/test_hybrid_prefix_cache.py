@@ -129,7 +129,7 @@ def test_resume_needs_a_snapshot_at_a_boundary_and_eviction_prefers_stale():
     assert s.resume_pages(hashes, 8) == 0  # not copied yet
     assert s.take_copies(lambda h: True) == [(0, 4), (1, 5)]
     assert s.resume_pages(hashes, 8) == 8 and s.resume_pages(hashes[:7], 8) == 4
-    assert s.slot_of(hashes[3]) == 4  # now most recent
+    assert s.source(hashes[3]) == (4, None)  # now most recent
     s.record(2, hashes[11])
     assert s.take_copies(lambda h: True) == [(2, 5)]  # LRU: hashes[7] goes
     assert s.resume_pages(hashes, 8) == 12

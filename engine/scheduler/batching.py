@@ -19,7 +19,9 @@ Restored pages count as computed, and join the device's prefix cache only once w
 
 Linear-attention hybrids (engine.state_slots > 0) hold a recurrent-state slot while
 running; with prefix caching, chunks are cut at state snapshot boundaries and a hit
-resumes only where a snapshot is kept (state_snapshots.py).
+resumes only where a snapshot is kept (state_snapshots.py), on the device or, with the
+host tier, in host memory (`Scheduled.state_host`: written into the request's slot with
+its restores).
 
 When pages run out for a running request, the lowest-priority (latest) running request
 is preempted: its pages are freed and it goes back to waiting with num_computed = 0,
@@ -57,6 +59,7 @@ class Scheduled:
     num_new: int
     restores: list[Restore] = dataclasses.field(default_factory=list)  # pages to write before the step
     state_from: int | None = None  # a snapshot slot to copy into the request's state slot first (hybrids)
+    state_host: bytes | None = None  # or the hash of a snapshot in the host tier to write there
     samples: bool = dataclasses.field(init=False)  # the chunk reaches the end: a token is drawn
 
     def __post_init__(self):
@@ -81,6 +84,8 @@ class SchedulerOutput:
     finished: list[Request]  # finished here with "length": no room even alone
     # (working slot, snapshot slot) copies to run before the step (state_snapshots.py)
     state_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    # (snapshot slot, hash): snapshots those copies push out, to save to the host tier first
+    state_saves: list[tuple[int, bytes]] = dataclasses.field(default_factory=list)
     # (request id, working slot): a held prefill's state at its last prompt row but one, to
     # export after the copies, before the step (engine/kv_handoff.py)
     state_exports: list[tuple[str, int]] = dataclasses.field(default_factory=list)
@@ -117,7 +122,8 @@ class Scheduler(RequestTransitions):
         # their states at prefix boundaries, so prefix-cache hits can resume (None: no prefix caching)
         self.snapshots = None
         if s.state_slots and s.enable_prefix_caching and s.state_snapshot_slots:
-            self.snapshots = StateSnapshots(s.state_snapshot_tokens, s.state_slots, s.state_snapshot_slots)
+            self.snapshots = StateSnapshots(s.state_snapshot_tokens, s.state_slots, s.state_snapshot_slots,
+                                            on_host=tier and tier.has_snapshot)
         # held prefills of a hybrid (disaggregation): their chunks end at len(prompt) - 1,
         # where the state the decode side resumes from is exported
         self.state_holds: set[str] = set()
@@ -224,11 +230,12 @@ class Scheduler(RequestTransitions):
     def schedule(self) -> SchedulerOutput:
         """This step's plan; first the snapshots the steps dispatched since the last plan
         left (they must be copied even when nothing runs now)."""
-        copies = []
+        copies, saves = [], []
         if self.snapshots is not None:
             copies = self.snapshots.take_copies(lambda h: self.bm.page_of(h) is not None)
+            saves = self.snapshots.take_evicted()
         out = self._schedule()
-        out.state_copies = copies
+        out.state_copies, out.state_saves = copies, saves
         out.state_exports, self.state_exports = self.state_exports, []
         return out
 
@@ -377,16 +384,16 @@ class Scheduler(RequestTransitions):
             self.cached_tokens_total += computed
         if req.first_scheduled is None:
             req.first_scheduled = now
-        state_from = None
+        state_from = state_host = None
         if self.slots_used:
             req.state_slot = self.free_slots.pop()
             if computed:  # resumes from a snapshot, copied into its own slot (never read in place)
-                state_from = self.snapshots.slot_of(req.page_hashes[len(hits) - 1])
+                state_from, state_host = self.snapshots.source(req.page_hashes[len(hits) - 1])
             if computed and computed == self._state_export_at(req):  # held, and every row it sends was cached
                 self.state_exports.append((req.request_id, req.state_slot))
         req.status = Status.RUNNING
         self.running.append(req)
-        return Scheduled(req, computed, n, restores, state_from)
+        return Scheduled(req, computed, n, restores, state_from, state_host)
 
     def _count_tier_queries(self, restores: list[Restore], missed: bool) -> None:
         """Pages asked of the host tier (and of its disk) at an admission; their hits are

@@ -15,6 +15,12 @@ runs (`take_copies`): the device runs the copy after the step that computed the 
 and before any later step writes that working slot. A snapshot whose boundary page has
 left the prefix cache goes first when a slot is needed, then the least recently used.
 
+With the host tier (engine/host_kv_tier.py) a snapshot leaving its slot is saved there
+(`take_evicted`: gathered before the copy that reuses the slot), so prefix pages that
+come back from the host can resume too: `resume_pages` also counts a boundary whose
+snapshot the host holds (`on_host`), and the admission writes that snapshot into the
+request's own slot before its step (engine/engine.py `_restore`).
+
 Pure Python: the copies are (source slot, destination slot) pairs for the runner.
 """
 
@@ -24,7 +30,7 @@ from collections import OrderedDict
 
 
 class StateSnapshots:
-    def __init__(self, interval: int, first_slot: int, num_slots: int):
+    def __init__(self, interval: int, first_slot: int, num_slots: int, on_host=None):
         if interval <= 0 or num_slots <= 0:
             raise ValueError(f"need a positive interval and slot count, got {interval}, {num_slots}")
         self.interval = interval
@@ -33,6 +39,10 @@ class StateSnapshots:
         self.pending: list[tuple[int, bytes]] = []  # (working slot, hash) of dispatched steps
         self.taken = 0  # snapshots copied
         self.hits = 0  # admissions that resumed from one
+        # on_host(h): the host tier holds the snapshot at h (None: no host tier)
+        self.on_host = on_host
+        self.evicted: list[tuple[int, bytes]] = []  # (snapshot slot, hash) leaving the device, to save
+        self.host_hits = 0  # admissions that resumed from a snapshot the host tier kept
 
     # ------------------------------------------------------------------ chunks
     def cut(self, start: int, n: int, known: int) -> int:
@@ -55,44 +65,60 @@ class StateSnapshots:
     def take_copies(self, is_cached) -> list[tuple[int, int]]:
         """(working slot, snapshot slot) copies for the pending snapshots, to run before
         the next step; `is_cached(h)` says whether a boundary page is still cached."""
-        copies = []
+        copies: dict[int, int] = {}  # snapshot slot -> working slot
         for working, h in self.pending:
             if h in self.slots:
                 continue
-            slot = self._free_slot(is_cached)
+            slot, old = self._free_slot(is_cached)
+            # a snapshot taken in this same call is not in its slot yet: no save, and its copy is void
+            if old is not None and slot not in copies and self.on_host is not None:
+                self.evicted.append((slot, old))
             self.slots[h] = slot
-            copies.append((working, slot))
+            copies[slot] = working
         self.taken += len(copies)
         self.pending = []
-        return copies
+        return [(working, slot) for slot, working in copies.items()]
 
-    def _free_slot(self, is_cached) -> int:
+    def _free_slot(self, is_cached) -> tuple[int, bytes | None]:
+        """A slot for a new snapshot, and the hash of the snapshot it held (None: a free one)."""
         if self.free:
-            return self.free.pop()
+            return self.free.pop(), None
         stale = next((h for h in self.slots if not is_cached(h)), None)
-        _, slot = self.slots.popitem(last=False) if stale is None else (stale, self.slots.pop(stale))
-        return slot
+        old, slot = self.slots.popitem(last=False) if stale is None else (stale, self.slots.pop(stale))
+        return slot, old
+
+    def take_evicted(self) -> list[tuple[int, bytes]]:
+        """(snapshot slot, hash) of the snapshots take_copies pushed out, to save to the
+        host before the copies run."""
+        out, self.evicted = self.evicted, []
+        return out
 
     def resume_pages(self, hashes: list[bytes], page_size: int) -> int:
         """How many of these cached pages (hashes of a request's prefix) it can resume
-        after: the longest prefix ending on a boundary with a snapshot; 0 when none."""
+        after: the longest prefix ending on a boundary with a snapshot on the device or the
+        host; 0 when none."""
         per = self.interval // page_size
         for k in range(len(hashes) // per * per, 0, -per):
-            if hashes[k - 1] in self.slots:
+            if hashes[k - 1] in self.slots or (self.on_host is not None and self.on_host(hashes[k - 1])):
                 return k
         return 0
 
-    def slot_of(self, h: bytes) -> int:
-        """The snapshot slot of hash h, now the most recently used."""
-        self.slots.move_to_end(h)
+    def source(self, h: bytes) -> tuple[int | None, bytes | None]:
+        """Where a resume at hash h copies its state from: (snapshot slot, None), now the
+        most recently used; or (None, h) when only the host tier holds it."""
         self.hits += 1
-        return self.slots[h]
+        if h in self.slots:
+            self.slots.move_to_end(h)
+            return self.slots[h], None
+        self.host_hits += 1
+        return None, h
 
     def clear(self) -> None:
         """The state arrays were lost (a cache reset): no snapshot can be trusted."""
         self.free += list(self.slots.values())
         self.slots.clear()
         self.pending = []
+        self.evicted = []  # their slots' contents were lost with the arrays
 
     def drop_pending(self) -> None:
         """Steps were lost (an interrupt): their states are not what the host thinks."""
