@@ -98,7 +98,7 @@ def _kernel(meta_ref,  # [M, 9] int32 (GMEM)
             qo_smem,  # [ROWS, D]: q, then the output tile
             k_smem, v_smem,  # [2, BLOCK_KV, D] each: the KV ring
             q_bar, k_bars, v_bars,
-            *, block_q, page_size, pages_per_seq, sliding_window, soft_cap):
+            *, block_q, page_size, pages_per_seq, sliding_window, soft_cap, interpret):
     h = lax.axis_index("h")
     i = lax.axis_index("i")
     head_dim = qo_smem.shape[-1]
@@ -121,8 +121,12 @@ def _kernel(meta_ref,  # [M, 9] int32 (GMEM)
         fetch(kv_lo, 0)
 
     plgpu.barrier_wait(q_bar.at[0])
+    # Register layouts: the WGMMA fragment layout for tiles, its row reduction for m and l.
+    # The interpreter has no layouts (no layout_cast rule on CPU): plain arrays there.
     wg = plgpu.Layout.WGMMA
-    iota = lambda shape, dim: plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=wg)
+    cast = (lambda x, layout: x) if interpret else plgpu.layout_cast
+    iota = lambda shape, dim: plgpu.broadcasted_iota(jnp.int32, shape, dim,
+                                                     layout=None if interpret else wg)
     row_pos = r0 + lax.rem(iota((ROWS, BLOCK_KV), 0), jnp.int32(block_q)) + off  # [ROWS, bk]
 
     def step(j, carry):
@@ -138,7 +142,13 @@ def _kernel(meta_ref,  # [M, 9] int32 (GMEM)
         def qk(acc_ref):
             plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
             return acc_ref[...]
-        sc = pl.run_scoped(qk, plgpu.ACC((ROWS, BLOCK_KV), jnp.float32))  # log2 units
+        # The interpreter's wgmma takes neither a transposed operand, nor a register LHS,
+        # nor run_state: interpreted, both matmuls are plain dots of the same operands.
+        if interpret:
+            sc = lax.dot_general(qo_smem[...], k_smem.at[slot][...], (((1,), (1,)), ((), ())),
+                                 preferred_element_type=jnp.float32)
+        else:
+            sc = pl.run_scoped(qk, plgpu.ACC((ROWS, BLOCK_KV), jnp.float32))  # log2 units
         if soft_cap is not None:
             sc = (soft_cap * LOG2E) * jnp.tanh(sc / soft_cap)
         key_pos = j * BLOCK_KV + iota((ROWS, BLOCK_KV), 1)
@@ -156,18 +166,21 @@ def _kernel(meta_ref,  # [M, 9] int32 (GMEM)
 
         @pl.when((j + 1) * BLOCK_KV > kv_len)
         def _():  # the sequence ends inside this block: V rows past it may be NaN
-            v = plgpu.load(v_smem.at[slot], (), layout=wg)
+            v = v_smem.at[slot][...]
             key = j * BLOCK_KV + iota((BLOCK_KV, head_dim), 0)
             v_smem.at[slot][...] = jnp.where(key < kv_len, v, jnp.zeros((), v.dtype))
             plgpu.commit_smem()
 
-        acc = pl.run_state(lambda a: plgpu.wgmma(a, p.astype(v_smem.dtype), v_smem.at[slot]))(
-            plgpu.ACC.init(acc))
+        p16 = p.astype(v_smem.dtype)
+        if interpret:
+            acc = acc + jnp.dot(p16, v_smem.at[slot][...], preferred_element_type=jnp.float32)
+        else:  # wgmma accumulates into the rescaled acc in place (FA3)
+            acc = pl.run_state(lambda a: plgpu.wgmma(a, p16, v_smem.at[slot]))(plgpu.ACC.init(acc))
         return acc, m_new, l
 
-    acc = plgpu.layout_cast(jnp.zeros((ROWS, head_dim), jnp.float32), wg)
-    m = plgpu.layout_cast(jnp.full((ROWS,), MASK_VALUE, jnp.float32), wg.reduce(1))
-    l = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), wg.reduce(1))
+    acc = cast(jnp.zeros((ROWS, head_dim), jnp.float32), wg)
+    m = cast(jnp.full((ROWS,), MASK_VALUE, jnp.float32), wg.reduce(1))
+    l = cast(jnp.zeros((ROWS,), jnp.float32), wg.reduce(1))
     acc, m, l = lax.fori_loop(kv_lo, kv_hi, step, (acc, m, l))
     l = jnp.where(l > 0, l, 1.0)
     o = acc / lax.broadcast_in_dim(l, acc.shape, [0])
@@ -179,7 +192,18 @@ def _kernel(meta_ref,  # [M, 9] int32 (GMEM)
     plgpu.wait_smem_to_gmem(0)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "kv_shared"))
+def interpret_params():
+    """Mosaic GPU's CPU interpreter (simulated SMEM, TMA, barriers, wgmma): how CI runs
+    this kernel against the oracle without a GPU. jax 0.11 exports it as
+    plgpu.InterpretGPUParams; 0.10 only under jax._src."""
+    cls = getattr(plgpu, "InterpretGPUParams", None)
+    if cls is None:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as cls
+    return cls()
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "kv_shared",
+                                             "interpret"))
 def ragged_paged_attention_mosaic_gpu(
     q: jax.Array,  # [T, Hq, D] bf16/f16
     kv_pages: jax.Array,  # [num_pages, page_size, 2 * Hkv, D]
@@ -194,6 +218,7 @@ def ragged_paged_attention_mosaic_gpu(
     kv_scales: jax.Array | None = None,  # refused
     sinks: jax.Array | None = None,  # refused
     kv_shared: bool = False,  # refused
+    interpret: bool = False,  # True: run in Mosaic GPU's CPU interpreter (tests)
 ) -> jax.Array:  # [T, Hq, D]
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, combined, _ = kv_pages.shape
@@ -225,8 +250,11 @@ def ragged_paged_attention_mosaic_gpu(
 
     swizzle = 128  # bytes: head_dim is a multiple of 64 bf16 elements
     tiles = (plgpu.TilingTransform((8, swizzle // q.dtype.itemsize)), plgpu.SwizzleTransform(swizzle))
+    if interpret:  # smem layout transforms are hardware detail the interpreter cannot model
+        tiles = ()
     kernel = functools.partial(_kernel, block_q=bq, page_size=page_size, pages_per_seq=pages_per_seq,
-                               sliding_window=sliding_window, soft_cap=soft_cap)
+                               sliding_window=sliding_window, soft_cap=soft_cap,
+                               interpret=interpret)
     out = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((num_kv_heads, num_items, ROWS, head_dim), q.dtype),
@@ -241,6 +269,7 @@ def ragged_paged_attention_mosaic_gpu(
         grid=(num_kv_heads, num_items),
         grid_names=("h", "i"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret_params() if interpret else None,
     )(meta, pidx, qs, kv_pages)
     # Items of one query block own disjoint rows (the rest are zero): sum them per block.
     out = jax.ops.segment_sum(out.transpose(1, 0, 2, 3), meta[:, _BLK], num_segments=num_blocks)
