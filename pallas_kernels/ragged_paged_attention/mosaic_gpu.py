@@ -222,7 +222,7 @@ def ragged_paged_attention_mosaic_gpu(
 ) -> jax.Array:  # [T, Hq, D]
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, combined, _ = kv_pages.shape
-    num_kv_heads = combined // 2
+    num_kv_heads = combined if kv_shared else combined // 2
     group = num_q_heads // num_kv_heads
     _refuse(q.dtype, head_dim, group, page_size, kv_scales is not None, sinks is not None, kv_shared)
     if kv_pages.dtype != q.dtype:
