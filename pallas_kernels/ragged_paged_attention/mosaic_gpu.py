@@ -140,7 +140,7 @@ def _kernel(meta_ref,  # [M, 9] int32 (GMEM)
         plgpu.barrier_wait(k_bars.at[slot])
 
         def qk(acc_ref):
-            plgpu.wgmma(acc_ref, qo_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+            plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
             return acc_ref[...]
         # The interpreter's wgmma takes neither a transposed operand, nor a register LHS,
         # nor run_state: interpreted, both matmuls are plain dots of the same operands.
