@@ -110,7 +110,7 @@ def _mosaic_gpu_refuses(key) -> str | None:
     head_dim, dtype, page_size, group = key[:4]
     if dtype != "bfloat16":
         return f"q dtype {dtype}"
-    if head_dim % 64 or head_dim > 256:
+    if head_dim % 32 or head_dim > 256:
         return f"head_dim {head_dim}"
     if group > 64:
         return f"query group {group}"
@@ -136,12 +136,26 @@ def test_mosaic_gpu_lowers_for_cuda(case):
     assert exp.out_avals[0].shape == (t, key[3], key[0])
 
 
+@pytest.mark.parametrize("bucket", [0, -1], ids=["decode", "prefill"])
+def test_mosaic_gpu_lowers_with_sinks(bucket):
+    """gpt-oss's attention sinks (the only preset with them) at its shape."""
+    c = load_config("gpt_oss_120b")
+    assert c.model.attention_sinks
+    key = next(k for k, name in _preset_shapes().items() if name == "gpt_oss_120b")
+    t, s = _buckets("gpt_oss_120b")[bucket]
+    fn = functools.partial(ragged_paged_attention_mosaic_gpu, sm_scale=key[0] ** -0.5,
+                           sliding_window=key[5])
+    sinks = jax.ShapeDtypeStruct((key[3],), jnp.float32)
+    exp = export.export(jax.jit(fn), platforms=["cuda"])(*_args(key, t, s), sinks=sinks)
+    assert MOSAIC_GPU_CALL in exp.mlir_module()
+
+
 def test_mosaic_gpu_lowers_most_bf16_preset_shapes():
-    """The refusals stay the exception: every bf16 preset shape with head_dim 64/128/256
+    """The refusals stay the exception: every bf16 preset shape with head_dim 64/96/128/256
     and a group up to 64 lowers (test_mosaic_gpu_lowers_for_cuda), and those are most."""
     keys = set(_preset_shapes())
     lowered = {k for k in keys if not _mosaic_gpu_refuses(k)}
-    assert {k[0] for k in lowered} == {64, 128, 256}
+    assert {k[0] for k in lowered} == {64, 96, 128, 256}
     assert {k[3] for k in lowered} >= {1, 2, 4, 7, 8}
     assert len(lowered) >= len(keys) // 2
 

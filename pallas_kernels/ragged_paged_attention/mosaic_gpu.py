@@ -23,10 +23,13 @@ work items (query block, sequence), see `xla.work_items`. One CTA, one warpgroup
 Unused pages may hold NaN: scores past kv_len are masked with `where`, and V rows past
 kv_len in a block are zeroed in shared memory before the PV matmul (0 * NaN = NaN).
 
+Attention sinks (gpt-oss): one more f32 operand per KV head, each stacked row's sink
+logit in log2 units, TMA-copied beside q; exp2(sink - m) joins the denominator at the end.
+
 Refused by name (ValueError; use pallas_gpu or xla): q not bf16/f16, head_dim not a
-multiple of 64 or above 256 (wgmma K tiles; the f32 accumulator lives in registers),
+multiple of 32 or above 256 (wgmma K tiles; the f32 accumulator lives in registers),
 a query group above 64, page_size not a multiple of 8 dividing the KV block,
-quantized (int8/fp8) pages, attention sinks, shared K/V pages (latent attention).
+quantized (int8/fp8) pages, shared K/V pages (latent attention).
 """
 
 from __future__ import annotations
@@ -54,22 +57,19 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
-def _refuse(q_dtype, head_dim: int, group: int, page_size: int, quantized: bool, sinks: bool,
-            kv_shared: bool):
+def _refuse(q_dtype, head_dim: int, group: int, page_size: int, quantized: bool, kv_shared: bool):
     """The shapes and features this kernel does not handle, each by name."""
     why = None
     if jnp.dtype(q_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         why = f"q dtype {jnp.dtype(q_dtype).name} (wgmma operands here are bf16/f16)"
-    elif head_dim % 64 or head_dim > 256:
-        why = f"head_dim {head_dim} (needs a multiple of 64, at most 256)"
+    elif head_dim % 32 or head_dim > 256:
+        why = f"head_dim {head_dim} (needs a multiple of 32, at most 256)"
     elif _next_pow2(group) > ROWS:
         why = f"query group {group} (at most {ROWS} query heads per KV head)"
     elif page_size % 8 or BLOCK_KV % page_size:
         why = f"page_size {page_size} (needs a multiple of 8 dividing {BLOCK_KV})"
     elif quantized:
         why = "int8/fp8 KV pages"
-    elif sinks:
-        why = "attention sinks"
     elif kv_shared:
         why = "shared K/V pages (latent attention)"
     if why:
@@ -94,11 +94,16 @@ def _kernel(meta_ref,  # [M, 9] int32 (GMEM)
             pidx_ref,  # [S * P'] int32 page ids (GMEM)
             q_ref,  # [Hkv, num_blocks, ROWS, D] pre-scaled, g-major rows (GMEM)
             kv_ref,  # [num_pages, page_size, 2 * Hkv, D] (GMEM)
-            o_ref,  # [Hkv, M, ROWS, D] (GMEM)
-            qo_smem,  # [ROWS, D]: q, then the output tile
-            k_smem, v_smem,  # [2, BLOCK_KV, D] each: the KV ring
-            q_bar, k_bars, v_bars,
-            *, block_q, page_size, pages_per_seq, sliding_window, soft_cap, interpret):
+            *refs,  # [sink_ref [Hkv, ROWS] f32 log2 units if sinks], o_ref [Hkv, M, ROWS, D]
+                    # (GMEM); qo_smem [ROWS, D] (q, then the output tile), k_smem and
+                    # v_smem [2, BLOCK_KV, D] (the KV ring), [sink_smem [ROWS] f32],
+                    # q_bar, k_bars, v_bars
+            block_q, page_size, pages_per_seq, sliding_window, soft_cap, sinks, interpret):
+    refs = list(refs)
+    sink_ref = refs.pop(0) if sinks else None
+    o_ref, qo_smem, k_smem, v_smem = refs[:4]
+    sink_smem = refs.pop(4) if sinks else None
+    q_bar, k_bars, v_bars = refs[4:]
     h = lax.axis_index("h")
     i = lax.axis_index("i")
     head_dim = qo_smem.shape[-1]
@@ -115,6 +120,8 @@ def _kernel(meta_ref,  # [M, 9] int32 (GMEM)
             plgpu.copy_gmem_to_smem(kv_ref.at[page, :, 2 * h + 1, :], v_smem.at[slot, dst], v_bars.at[slot])
 
     plgpu.copy_gmem_to_smem(q_ref.at[h, m_(_BLK)], qo_smem, q_bar.at[0])
+    if sinks:  # the same barrier, two arrivals
+        plgpu.copy_gmem_to_smem(sink_ref.at[h], sink_smem, q_bar.at[0])
 
     @pl.when(kv_lo < kv_hi)
     def _():
@@ -127,7 +134,6 @@ def _kernel(meta_ref,  # [M, 9] int32 (GMEM)
     cast = (lambda x, layout: x) if interpret else plgpu.layout_cast
     iota = lambda shape, dim: plgpu.broadcasted_iota(jnp.int32, shape, dim,
                                                      layout=None if interpret else wg)
-    row_pos = r0 + lax.rem(iota((ROWS, BLOCK_KV), 0), jnp.int32(block_q)) + off  # [ROWS, bk]
 
     def step(j, carry):
         acc, m, l = carry
@@ -152,6 +158,7 @@ def _kernel(meta_ref,  # [M, 9] int32 (GMEM)
         if soft_cap is not None:
             sc = (soft_cap * LOG2E) * jnp.tanh(sc / soft_cap)
         key_pos = j * BLOCK_KV + iota((ROWS, BLOCK_KV), 1)
+        row_pos = r0 + lax.rem(iota((ROWS, BLOCK_KV), 0), jnp.int32(block_q)) + off
         vis = (key_pos <= row_pos) & (key_pos < kv_len)
         if sliding_window is not None:
             vis &= key_pos > row_pos - sliding_window
@@ -182,7 +189,11 @@ def _kernel(meta_ref,  # [M, 9] int32 (GMEM)
     m = cast(jnp.full((ROWS,), MASK_VALUE, jnp.float32), wg.reduce(1))
     l = cast(jnp.zeros((ROWS,), jnp.float32), wg.reduce(1))
     acc, m, l = lax.fori_loop(kv_lo, kv_hi, step, (acc, m, l))
-    l = jnp.where(l > 0, l, 1.0)
+    if sinks:  # exp2(sink - m) joins each live row's denominator (m: the scores' max)
+        sink = cast(sink_smem[...], wg.reduce(1))
+        l = jnp.where(l > 0, l + jnp.exp2(sink - m), 1.0)
+    else:
+        l = jnp.where(l > 0, l, 1.0)
     o = acc / lax.broadcast_in_dim(l, acc.shape, [0])
     tok = r0 + lax.rem(iota((ROWS, head_dim), 0), jnp.int32(block_q))
     o = jnp.where((tok >= lo) & (tok < hi), o, 0.0)
@@ -216,7 +227,7 @@ def ragged_paged_attention_mosaic_gpu(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     kv_scales: jax.Array | None = None,  # refused
-    sinks: jax.Array | None = None,  # refused
+    sinks: jax.Array | None = None,  # [Hq] f32 attention sinks, natural-log units
     kv_shared: bool = False,  # refused
     interpret: bool = False,  # True: run in Mosaic GPU's CPU interpreter (tests)
 ) -> jax.Array:  # [T, Hq, D]
@@ -224,7 +235,7 @@ def ragged_paged_attention_mosaic_gpu(
     num_pages, page_size, combined, _ = kv_pages.shape
     num_kv_heads = combined if kv_shared else combined // 2
     group = num_q_heads // num_kv_heads
-    _refuse(q.dtype, head_dim, group, page_size, kv_scales is not None, sinks is not None, kv_shared)
+    _refuse(q.dtype, head_dim, group, page_size, kv_scales is not None, kv_shared)
     if kv_pages.dtype != q.dtype:
         raise ValueError(f"mosaic_gpu needs kv_pages in q's dtype {q.dtype}, got {kv_pages.dtype}")
     gp = _next_pow2(group)
@@ -248,13 +259,24 @@ def ragged_paged_attention_mosaic_gpu(
     qs = jnp.pad(qs, ((0, 0), (0, 0), (0, 0), (0, gp - group), (0, 0)))
     qs = qs.transpose(2, 0, 3, 1, 4).reshape(num_kv_heads, num_blocks, ROWS, head_dim)
 
-    swizzle = 128  # bytes: head_dim is a multiple of 64 bf16 elements
+    # SMEM rows of head_dim elements, swizzled in the widest of 128/64/32 bytes that
+    # divides a row (wgmma operands): 128 for head_dim 64/128/256, 64 for 96 (Phi-3).
+    swizzle = next(b for b in (128, 64, 32) if (head_dim * q.dtype.itemsize) % b == 0)
     tiles = (plgpu.TilingTransform((8, swizzle // q.dtype.itemsize)), plgpu.SwizzleTransform(swizzle))
     if interpret:  # smem layout transforms are hardware detail the interpreter cannot model
         tiles = ()
+    operands = [meta, pidx, qs, kv_pages]
+    sink_scratch = []
+    if sinks is not None:
+        # Per stacked row (g-major, as q's rows), in the scores' log2 units; padded heads
+        # (group..Gp) get 0, their rows are never kept.
+        sink_rows = (sinks.astype(jnp.float32) * LOG2E).reshape(num_kv_heads, group)
+        sink_rows = jnp.pad(sink_rows, ((0, 0), (0, gp - group)))
+        operands.append(jnp.repeat(sink_rows, bq, axis=1))  # [Hkv, ROWS]
+        sink_scratch = [plgpu.SMEM((ROWS,), jnp.float32)]
     kernel = functools.partial(_kernel, block_q=bq, page_size=page_size, pages_per_seq=pages_per_seq,
                                sliding_window=sliding_window, soft_cap=soft_cap,
-                               interpret=interpret)
+                               sinks=sinks is not None, interpret=interpret)
     out = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((num_kv_heads, num_items, ROWS, head_dim), q.dtype),
@@ -262,7 +284,8 @@ def ragged_paged_attention_mosaic_gpu(
             plgpu.SMEM((ROWS, head_dim), q.dtype, transforms=tiles),
             plgpu.SMEM((2, BLOCK_KV, head_dim), q.dtype, transforms=tiles),
             plgpu.SMEM((2, BLOCK_KV, head_dim), q.dtype, transforms=tiles),
-            plgpu.Barrier(num_barriers=1),
+            *sink_scratch,
+            plgpu.Barrier(num_arrivals=2 if sinks is not None else 1, num_barriers=1),
             plgpu.Barrier(num_arrivals=ppb, num_barriers=2),
             plgpu.Barrier(num_arrivals=ppb, num_barriers=2),
         ],
@@ -270,7 +293,7 @@ def ragged_paged_attention_mosaic_gpu(
         grid_names=("h", "i"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret_params() if interpret else None,
-    )(meta, pidx, qs, kv_pages)
+    )(*operands)
     # Items of one query block own disjoint rows (the rest are zero): sum them per block.
     out = jax.ops.segment_sum(out.transpose(1, 0, 2, 3), meta[:, _BLK], num_segments=num_blocks)
     out = out.reshape(num_blocks, num_kv_heads, gp, bq, head_dim)[:, :, :group]
