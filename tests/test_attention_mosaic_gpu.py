@@ -23,37 +23,42 @@ from jaxfill.pallas_kernels.ragged_paged_attention.mosaic_gpu import ragged_page
 TOL = 8e-3  # max |out - ref| / max |ref| against the exact oracle (as for every bf16 impl)
 BF16_MISMATCH_TOL = 1.5e-2  # against the oracle with the kernel's cast order (test_attention_oracle)
 
-# name: (seqs [(q_len, kv_len)], hq, hkv, d, page_size, window, cap, extra padding tokens, sinks)
+# name: (seqs [(q_len, kv_len)], hq, hkv, d, page_size, window, cap, extra padding tokens, sinks,
+#        KV page dtype (None: bf16))
 CASES = {
     # Two sequences share query blocks (block_q = 64 / 4 = 16 tokens): items sum per block.
-    "mixed_gqa4_straddling": ([(5, 20), (1, 70), (0, 3), (9, 9)], 4, 1, 64, 16, None, None, 1, False),
+    "mixed_gqa4_straddling": ([(5, 20), (1, 70), (0, 3), (9, 9)], 4, 1, 64, 16, None, None, 1, False, None),
     # One KV block per sequence and several (300 keys: 5 blocks, the ring wraps twice).
-    "multi_block_decode_gqa8": ([(1, 300), (1, 64), (1, 65), (1, 1)], 8, 1, 128, 8, None, None, 2, False),
-    "prefill_mha_window_cap": ([(40, 100), (3, 3)], 2, 2, 64, 16, 37, 20.0, 5, False),
+    "multi_block_decode_gqa8": ([(1, 300), (1, 64), (1, 65), (1, 1)], 8, 1, 128, 8, None, None, 2, False, None),
+    "prefill_mha_window_cap": ([(40, 100), (3, 3)], 2, 2, 64, 16, 37, 20.0, 5, False, None),
     # gpt-oss: sinks with a window, GQA 8 (its shape family); Phi-3's head_dim 96 (64-byte swizzle).
-    "sinks_window_gqa8": ([(7, 90), (1, 33)], 8, 1, 64, 16, 40, None, 1, True),
-    "head_dim_96": ([(6, 70), (1, 12)], 2, 1, 96, 16, None, None, 1, False),
+    "sinks_window_gqa8": ([(7, 90), (1, 33)], 8, 1, 64, 16, 40, None, 1, True, None),
+    # Quantized pages: NaN scales (fp8: NaN values too) wherever no sequence owns a slot.
+    "int8_multi_block": ([(3, 150), (1, 20), (2, 2)], 4, 2, 64, 16, None, None, 1, False, "int8"),
+    "fp8_window": ([(20, 80), (1, 9)], 2, 1, 128, 8, 50, None, 2, False, "float8_e4m3fn"),
+    "head_dim_96": ([(6, 70), (1, 12)], 2, 1, 96, 16, None, None, 1, False, None),
 }
 
 
 def _run(batch, sinks=None, **kw):
     args = [jnp.asarray(a) for a in batch.args()]
     sinks = None if sinks is None else jnp.asarray(sinks)
-    out = ragged_paged_attention_mosaic_gpu(*args, interpret=True, sinks=sinks, **kw)
+    scales = None if batch.kv_scales is None else jnp.asarray(batch.kv_scales)
+    out = ragged_paged_attention_mosaic_gpu(*args, interpret=True, sinks=sinks, kv_scales=scales, **kw)
     return np.asarray(out.astype(jnp.float32))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_interpreted_kernel_matches_the_oracle(case):
-    seqs, hq, hkv, d, ps, window, cap, pad, with_sinks = CASES[case]
+    seqs, hq, hkv, d, ps, window, cap, pad, with_sinks, kv_dtype = CASES[case]
     batch = make_batch(seqs, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=ps,
                        dtype=jnp.bfloat16, num_tokens=sum(q for q, _ in seqs) + pad,
-                       num_slots=len(seqs) + 1, seed=len(case))
+                       num_slots=len(seqs) + 1, seed=len(case), kv_dtype=kv_dtype)
     kw = dict(sm_scale=d ** -0.5, sliding_window=window, soft_cap=cap)
     # Sinks around the scores' scale (some rows dominated by the sink, some not).
     sinks = np.random.default_rng(1).normal(0.0, 2.0, hq).astype(np.float32) if with_sinks else None
     out = _run(batch, sinks=sinks, **kw)
-    kw["sinks"] = sinks
+    kw.update(sinks=sinks, kv_scales=batch.kv_scales)
     ref, live = oracle(*batch.args(), **kw)
     assert np.isfinite(out).all(), "NaN garbage reached an output row"
     assert not out[~live].any(), "padding rows must be zero"
@@ -88,7 +93,6 @@ def test_dispatcher_serves_it_only_when_asked():
     ("head_dim_576", dict(head_dim=576), "head_dim 576"),
     ("page_size_4", dict(page_size=4), "page_size 4"),
     ("group_128", dict(num_q_heads=128), "query group 128"),
-    ("int8", dict(kv_dtype="int8"), "int8/fp8 KV pages"),
 ])
 def test_refuses_by_name(what, kw, match):
     shape = dict(num_q_heads=4, num_kv_heads=1, head_dim=64, page_size=16, dtype=jnp.bfloat16)

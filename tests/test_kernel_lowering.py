@@ -150,6 +150,20 @@ def test_mosaic_gpu_lowers_with_sinks(bucket):
     assert MOSAIC_GPU_CALL in exp.mlir_module()
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+def test_mosaic_gpu_lowers_with_quantized_pages(head_dim, kv_dtype):
+    """int8 / fp8 pages (dequantized into a bf16 SMEM operand per KV block) at each
+    lowered head_dim, GQA 4, the engine's smallest bucket (16 tokens x 16 sequences)."""
+    key = (head_dim, "bfloat16", 16, 4, 1, None)
+    q, kv, *meta = _args(key, 16, 16)
+    kv = jax.ShapeDtypeStruct(kv.shape, jnp.dtype(kv_dtype))
+    scales = jax.ShapeDtypeStruct(kv.shape[:3], jnp.float32)
+    fn = functools.partial(ragged_paged_attention_mosaic_gpu, sm_scale=head_dim ** -0.5)
+    exp = export.export(jax.jit(fn), platforms=["cuda"])(q, kv, *meta, kv_scales=scales)
+    assert MOSAIC_GPU_CALL in exp.mlir_module()
+
+
 def test_mosaic_gpu_lowers_most_bf16_preset_shapes():
     """The refusals stay the exception: every bf16 preset shape with head_dim 64/96/128/256
     and a group up to 64 lowers (test_mosaic_gpu_lowers_for_cuda), and those are most."""

@@ -23,13 +23,18 @@ work items (query block, sequence), see `xla.work_items`. One CTA, one warpgroup
 Unused pages may hold NaN: scores past kv_len are masked with `where`, and V rows past
 kv_len in a block are zeroed in shared memory before the PV matmul (0 * NaN = NaN).
 
+Quantized pages (int8 / fp8 with per token-head f32 scales): the ring holds the stored
+bytes; each block is dequantized in registers (stored * scale in f32, rounded to bf16)
+into one bf16 SMEM operand per K and V. The scales are gathered per sequence in XLA
+first (page-table order, per combined head), so a block's scales are one TMA copy.
+
 Attention sinks (gpt-oss): one more f32 operand per KV head, each stacked row's sink
 logit in log2 units, TMA-copied beside q; exp2(sink - m) joins the denominator at the end.
 
 Refused by name (ValueError; use pallas_gpu or xla): q not bf16/f16, head_dim not a
 multiple of 32 or above 256 (wgmma K tiles; the f32 accumulator lives in registers),
 a query group above 64, page_size not a multiple of 8 dividing the KV block,
-quantized (int8/fp8) pages, shared K/V pages (latent attention).
+shared K/V pages (latent attention).
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
-def _refuse(q_dtype, head_dim: int, group: int, page_size: int, quantized: bool, kv_shared: bool):
+def _refuse(q_dtype, head_dim: int, group: int, page_size: int, kv_dtype, kv_shared: bool):
     """The shapes and features this kernel does not handle, each by name."""
     why = None
     if jnp.dtype(q_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
@@ -68,8 +73,8 @@ def _refuse(q_dtype, head_dim: int, group: int, page_size: int, quantized: bool,
         why = f"query group {group} (at most {ROWS} query heads per KV head)"
     elif page_size % 8 or BLOCK_KV % page_size:
         why = f"page_size {page_size} (needs a multiple of 8 dividing {BLOCK_KV})"
-    elif quantized:
-        why = "int8/fp8 KV pages"
+    elif kv_dtype is not None and jnp.dtype(kv_dtype).itemsize != 1:
+        why = f"quantized KV pages of dtype {jnp.dtype(kv_dtype).name} (int8/fp8 only)"
     elif kv_shared:
         why = "shared K/V pages (latent attention)"
     if why:
@@ -93,17 +98,21 @@ def _item_meta(cu, kv_lens, num_seqs, num_blocks: int, block_q: int, sliding_win
 def _kernel(meta_ref,  # [M, 9] int32 (GMEM)
             pidx_ref,  # [S * P'] int32 page ids (GMEM)
             q_ref,  # [Hkv, num_blocks, ROWS, D] pre-scaled, g-major rows (GMEM)
-            kv_ref,  # [num_pages, page_size, 2 * Hkv, D] (GMEM)
-            *refs,  # [sink_ref [Hkv, ROWS] f32 log2 units if sinks], o_ref [Hkv, M, ROWS, D]
-                    # (GMEM); qo_smem [ROWS, D] (q, then the output tile), k_smem and
-                    # v_smem [2, BLOCK_KV, D] (the KV ring), [sink_smem [ROWS] f32],
-                    # q_bar, k_bars, v_bars
-            block_q, page_size, pages_per_seq, sliding_window, soft_cap, sinks, interpret):
-    refs = list(refs)
-    sink_ref = refs.pop(0) if sinks else None
-    o_ref, qo_smem, k_smem, v_smem = refs[:4]
-    sink_smem = refs.pop(4) if sinks else None
-    q_bar, k_bars, v_bars = refs[4:]
+            kv_ref,  # [num_pages, page_size, 2 * Hkv, D] bf16, or int8/fp8 (GMEM)
+            *refs,  # see `names` below; [..] only with sinks / quantized pages
+            block_q, page_size, pages_per_seq, sliding_window, soft_cap, sinks, quantized,
+            interpret):
+    names = (["sink_ref"] * sinks  # [Hkv, ROWS] f32 sink logits in log2 units (GMEM)
+             + ["scale_ref"] * quantized  # [2 * Hkv, S * P' * page_size] f32 (GMEM)
+             + ["o_ref",  # [Hkv, M, ROWS, D] (GMEM)
+                "qo_smem",  # [ROWS, D]: q, then the output tile
+                "k_ring", "v_ring"]  # [2, BLOCK_KV, D] page dtype: the KV ring
+             + ["sink_smem"] * sinks  # [ROWS] f32
+             + ["k_scales", "v_scales", "k_op", "v_op"] * quantized  # [2, BLOCK_KV] f32
+             # rings of scales; [BLOCK_KV, D] bf16: the dequantized matmul operands
+             + ["q_bar", "k_bars", "v_bars"])
+    r = dict(zip(names, refs, strict=True))
+    qo_smem = r["qo_smem"]
     h = lax.axis_index("h")
     i = lax.axis_index("i")
     head_dim = qo_smem.shape[-1]
@@ -113,27 +122,55 @@ def _kernel(meta_ref,  # [M, 9] int32 (GMEM)
     kv_len, kv_lo, kv_hi = m_(_KV_LEN), m_(_KV_LO), m_(_KV_HI)
 
     def fetch(j, slot):  # KV block j (global index) into ring slot `slot`, page by page
-        for p in range(ppb):
-            page = pidx_ref[seq * pages_per_seq + j * ppb + p]
-            dst = pl.ds(p * page_size, page_size)
-            plgpu.copy_gmem_to_smem(kv_ref.at[page, :, 2 * h, :], k_smem.at[slot, dst], k_bars.at[slot])
-            plgpu.copy_gmem_to_smem(kv_ref.at[page, :, 2 * h + 1, :], v_smem.at[slot, dst], v_bars.at[slot])
+        first = seq * pages_per_seq + j * ppb
+        for x, c in (("k", 0), ("v", 1)):
+            bar = r[f"{x}_bars"].at[slot]
+            for p in range(ppb):
+                plgpu.copy_gmem_to_smem(kv_ref.at[pidx_ref[first + p], :, 2 * h + c, :],
+                                        r[f"{x}_ring"].at[slot, pl.ds(p * page_size, page_size)], bar)
+            if quantized:  # the block's scales, contiguous in the gathered scale array
+                plgpu.copy_gmem_to_smem(r["scale_ref"].at[2 * h + c, pl.ds(first * page_size, BLOCK_KV)],
+                                        r[f"{x}_scales"].at[slot], bar)
 
-    plgpu.copy_gmem_to_smem(q_ref.at[h, m_(_BLK)], qo_smem, q_bar.at[0])
+    plgpu.copy_gmem_to_smem(q_ref.at[h, m_(_BLK)], qo_smem, r["q_bar"].at[0])
     if sinks:  # the same barrier, two arrivals
-        plgpu.copy_gmem_to_smem(sink_ref.at[h], sink_smem, q_bar.at[0])
+        plgpu.copy_gmem_to_smem(r["sink_ref"].at[h], r["sink_smem"], r["q_bar"].at[0])
 
     @pl.when(kv_lo < kv_hi)
     def _():
         fetch(kv_lo, 0)
 
-    plgpu.barrier_wait(q_bar.at[0])
+    plgpu.barrier_wait(r["q_bar"].at[0])
     # Register layouts: the WGMMA fragment layout for tiles, its row reduction for m and l.
     # The interpreter has no layouts (no layout_cast rule on CPU): plain arrays there.
     wg = plgpu.Layout.WGMMA
     cast = (lambda x, layout: x) if interpret else plgpu.layout_cast
     iota = lambda shape, dim: plgpu.broadcasted_iota(jnp.int32, shape, dim,
                                                      layout=None if interpret else wg)
+
+    def operand(x, j, slot):
+        """K or V block j as the matmul's bf16 SMEM operand. Quantized: stored * scale per
+        key in f32, rounded to bf16 (the oracle's order), into the one operand buffer.
+        V rows past kv_len are zeroed (unused pages may hold NaN; 0 * NaN = NaN)."""
+        ring = r[f"{x}_ring"].at[slot]
+        if not quantized:
+            if x == "v":
+                @pl.when((j + 1) * BLOCK_KV > kv_len)
+                def _():  # the sequence ends inside this block
+                    v = ring[...]
+                    key = j * BLOCK_KV + iota((BLOCK_KV, head_dim), 0)
+                    ring[...] = jnp.where(key < kv_len, v, jnp.zeros((), v.dtype))
+                    plgpu.commit_smem()
+            return ring
+        scale = cast(r[f"{x}_scales"].at[slot][...], wg.reduce(1))
+        val = cast(ring[...], wg).astype(jnp.float32) * lax.broadcast_in_dim(scale, ring.shape, [0])
+        if x == "v":
+            key = j * BLOCK_KV + iota((BLOCK_KV, head_dim), 0)
+            val = jnp.where(key < kv_len, val, 0.0)
+        dst = r[f"{x}_op"]
+        dst[...] = val.astype(dst.dtype)
+        plgpu.commit_smem()
+        return dst
 
     def step(j, carry):
         acc, m, l = carry
@@ -143,15 +180,16 @@ def _kernel(meta_ref,  # [M, 9] int32 (GMEM)
         def _():  # slot 1 - slot was last read by step j - 1, whose matmuls have finished
             fetch(j + 1, 1 - slot)
 
-        plgpu.barrier_wait(k_bars.at[slot])
+        plgpu.barrier_wait(r["k_bars"].at[slot])
+        k = operand("k", j, slot)
 
         def qk(acc_ref):
-            plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+            plgpu.wgmma(acc_ref, qo_smem, k.transpose((1, 0)))
             return acc_ref[...]
         # The interpreter's wgmma takes neither a transposed operand, nor a register LHS,
         # nor run_state: interpreted, both matmuls are plain dots of the same operands.
         if interpret:
-            sc = lax.dot_general(qo_smem[...], k_smem.at[slot][...], (((1,), (1,)), ((), ())),
+            sc = lax.dot_general(qo_smem[...], k[...], (((1,), (1,)), ((), ())),
                                  preferred_element_type=jnp.float32)
         else:
             sc = pl.run_scoped(qk, plgpu.ACC((ROWS, BLOCK_KV), jnp.float32))  # log2 units
@@ -169,20 +207,13 @@ def _kernel(meta_ref,  # [M, 9] int32 (GMEM)
         l = l * alpha + p.sum(axis=1)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
-        plgpu.barrier_wait(v_bars.at[slot])
-
-        @pl.when((j + 1) * BLOCK_KV > kv_len)
-        def _():  # the sequence ends inside this block: V rows past it may be NaN
-            v = v_smem.at[slot][...]
-            key = j * BLOCK_KV + iota((BLOCK_KV, head_dim), 0)
-            v_smem.at[slot][...] = jnp.where(key < kv_len, v, jnp.zeros((), v.dtype))
-            plgpu.commit_smem()
-
-        p16 = p.astype(v_smem.dtype)
+        plgpu.barrier_wait(r["v_bars"].at[slot])
+        v = operand("v", j, slot)
+        p16 = p.astype(qo_smem.dtype)
         if interpret:
-            acc = acc + jnp.dot(p16, v_smem.at[slot][...], preferred_element_type=jnp.float32)
+            acc = acc + jnp.dot(p16, v[...], preferred_element_type=jnp.float32)
         else:  # wgmma accumulates into the rescaled acc in place (FA3)
-            acc = pl.run_state(lambda a: plgpu.wgmma(a, p16, v_smem.at[slot]))(plgpu.ACC.init(acc))
+            acc = pl.run_state(lambda a: plgpu.wgmma(a, p16, v))(plgpu.ACC.init(acc))
         return acc, m_new, l
 
     acc = cast(jnp.zeros((ROWS, head_dim), jnp.float32), wg)
@@ -190,7 +221,7 @@ def _kernel(meta_ref,  # [M, 9] int32 (GMEM)
     l = cast(jnp.zeros((ROWS,), jnp.float32), wg.reduce(1))
     acc, m, l = lax.fori_loop(kv_lo, kv_hi, step, (acc, m, l))
     if sinks:  # exp2(sink - m) joins each live row's denominator (m: the scores' max)
-        sink = cast(sink_smem[...], wg.reduce(1))
+        sink = cast(r["sink_smem"][...], wg.reduce(1))
         l = jnp.where(l > 0, l + jnp.exp2(sink - m), 1.0)
     else:
         l = jnp.where(l > 0, l, 1.0)
@@ -199,7 +230,7 @@ def _kernel(meta_ref,  # [M, 9] int32 (GMEM)
     o = jnp.where((tok >= lo) & (tok < hi), o, 0.0)
     qo_smem[...] = o.astype(qo_smem.dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[h, i])
+    plgpu.copy_smem_to_gmem(qo_smem, r["o_ref"].at[h, i])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -226,7 +257,7 @@ def ragged_paged_attention_mosaic_gpu(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-    kv_scales: jax.Array | None = None,  # refused
+    kv_scales: jax.Array | None = None,  # [num_pages, page_size, 2 * Hkv] f32 (int8/fp8 pages)
     sinks: jax.Array | None = None,  # [Hq] f32 attention sinks, natural-log units
     kv_shared: bool = False,  # refused
     interpret: bool = False,  # True: run in Mosaic GPU's CPU interpreter (tests)
@@ -235,8 +266,9 @@ def ragged_paged_attention_mosaic_gpu(
     num_pages, page_size, combined, _ = kv_pages.shape
     num_kv_heads = combined if kv_shared else combined // 2
     group = num_q_heads // num_kv_heads
-    _refuse(q.dtype, head_dim, group, page_size, kv_scales is not None, kv_shared)
-    if kv_pages.dtype != q.dtype:
+    quantized = kv_scales is not None
+    _refuse(q.dtype, head_dim, group, page_size, kv_pages.dtype if quantized else None, kv_shared)
+    if not quantized and kv_pages.dtype != q.dtype:
         raise ValueError(f"mosaic_gpu needs kv_pages in q's dtype {q.dtype}, got {kv_pages.dtype}")
     gp = _next_pow2(group)
     bq = ROWS // gp
@@ -259,35 +291,45 @@ def ragged_paged_attention_mosaic_gpu(
     qs = jnp.pad(qs, ((0, 0), (0, 0), (0, 0), (0, gp - group), (0, 0)))
     qs = qs.transpose(2, 0, 3, 1, 4).reshape(num_kv_heads, num_blocks, ROWS, head_dim)
 
-    # SMEM rows of head_dim elements, swizzled in the widest of 128/64/32 bytes that
-    # divides a row (wgmma operands): 128 for head_dim 64/128/256, 64 for 96 (Phi-3).
-    swizzle = next(b for b in (128, 64, 32) if (head_dim * q.dtype.itemsize) % b == 0)
-    tiles = (plgpu.TilingTransform((8, swizzle // q.dtype.itemsize)), plgpu.SwizzleTransform(swizzle))
-    if interpret:  # smem layout transforms are hardware detail the interpreter cannot model
-        tiles = ()
+    def smem(shape, dtype):
+        """SMEM tile of rows of head_dim elements, swizzled in the widest of 128/64/32 bytes
+        dividing a row (wgmma operands; bf16: 128 for head_dim 64/128/256, 64 for 96).
+        The interpreter cannot model layout transforms: none there."""
+        row = head_dim * jnp.dtype(dtype).itemsize
+        swizzle = next(b for b in (128, 64, 32) if row % b == 0)
+        tiles = (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+                 plgpu.SwizzleTransform(swizzle))
+        return plgpu.SMEM(shape, dtype, transforms=() if interpret else tiles)
+
     operands = [meta, pidx, qs, kv_pages]
-    sink_scratch = []
+    scratch = [smem((ROWS, head_dim), q.dtype)] + [smem((2, BLOCK_KV, head_dim), kv_pages.dtype)] * 2
     if sinks is not None:
         # Per stacked row (g-major, as q's rows), in the scores' log2 units; padded heads
         # (group..Gp) get 0, their rows are never kept.
         sink_rows = (sinks.astype(jnp.float32) * LOG2E).reshape(num_kv_heads, group)
         sink_rows = jnp.pad(sink_rows, ((0, 0), (0, gp - group)))
         operands.append(jnp.repeat(sink_rows, bq, axis=1))  # [Hkv, ROWS]
-        sink_scratch = [plgpu.SMEM((ROWS,), jnp.float32)]
+        scratch.append(plgpu.SMEM((ROWS,), jnp.float32))
+    if quantized:
+        # Each sequence's scales in page-table order, per combined head: a KV block's
+        # scales are then BLOCK_KV contiguous f32 (one TMA copy). Costs a gather of the
+        # live context's scales (1/D of its K/V bytes x 4) per call.
+        scales = kv_scales.astype(jnp.float32)[pidx]  # [S * P', page_size, 2 * Hkv]
+        operands.append(scales.transpose(2, 0, 1).reshape(combined, -1))
+        scratch += [plgpu.SMEM((2, BLOCK_KV), jnp.float32)] * 2
+        scratch += [smem((BLOCK_KV, head_dim), q.dtype)] * 2
     kernel = functools.partial(_kernel, block_q=bq, page_size=page_size, pages_per_seq=pages_per_seq,
                                sliding_window=sliding_window, soft_cap=soft_cap,
-                               sinks=sinks is not None, interpret=interpret)
+                               sinks=sinks is not None, quantized=quantized, interpret=interpret)
     out = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((num_kv_heads, num_items, ROWS, head_dim), q.dtype),
         scratch_types=[
-            plgpu.SMEM((ROWS, head_dim), q.dtype, transforms=tiles),
-            plgpu.SMEM((2, BLOCK_KV, head_dim), q.dtype, transforms=tiles),
-            plgpu.SMEM((2, BLOCK_KV, head_dim), q.dtype, transforms=tiles),
-            *sink_scratch,
+            *scratch,
             plgpu.Barrier(num_arrivals=2 if sinks is not None else 1, num_barriers=1),
-            plgpu.Barrier(num_arrivals=ppb, num_barriers=2),
-            plgpu.Barrier(num_arrivals=ppb, num_barriers=2),
+            # One arrival per TMA copy: a page each, and the block's scales if quantized.
+            plgpu.Barrier(num_arrivals=ppb + quantized, num_barriers=2),
+            plgpu.Barrier(num_arrivals=ppb + quantized, num_barriers=2),
         ],
         grid=(num_kv_heads, num_items),
         grid_names=("h", "i"),
