@@ -2,7 +2,8 @@
 CPU interpreter, and what it refuses by name.
 
 Interpreted, the kernel runs its real control flow, TMA page gathers into the two-slot
-ring, barriers, masks, online softmax and the per-block sum of items; only its two
+ring, barriers (race detector on, none found), masks, online softmax and the per-block
+sum of items; only its two
 matmuls are plain dots there (the interpreter's wgmma takes no transposed or register
 operand). The wgmma path itself is only lowered here (test_kernel_lowering.py); the
 "compiled" cases run it on a Hopper GPU and skip anywhere else: they have never run.
@@ -19,7 +20,8 @@ import pytest
 from attention_cast_orders import bf16_mismatch, cast_order, wrong_orders
 from attention_oracle import make_batch, oracle, rel_err
 from jaxfill.pallas_kernels import ragged_paged_attention, resolve_impl
-from jaxfill.pallas_kernels.ragged_paged_attention.mosaic_gpu import ragged_paged_attention_mosaic_gpu
+from jaxfill.pallas_kernels.ragged_paged_attention.mosaic_gpu import (
+    races_found, ragged_paged_attention_mosaic_gpu)
 
 TOL = 8e-3  # max |out - ref| / max |ref| against the exact oracle (as for every bf16 impl)
 BF16_MISMATCH_TOL = 1.5e-2  # against the oracle with the kernel's cast order (test_attention_oracle)
@@ -73,6 +75,8 @@ def test_kernel_matches_the_oracle(case, mode):
     out = _run(batch, sinks=sinks, interpret=mode == "interpret", **kw)
     kw.update(sinks=sinks, kv_scales=batch.kv_scales)
     ref, live = oracle(*batch.args(), **kw)
+    if mode == "interpret":
+        assert not races_found(), "the interpreter's race detector fired"
     assert np.isfinite(out).all(), "NaN garbage reached an output row"
     assert not out[~live].any(), "padding rows must be zero"
     assert rel_err(out, ref, live) <= TOL

@@ -91,13 +91,20 @@ def _item_meta(cu, kv_lens, num_seqs, num_blocks: int, block_q: int, sliding_win
 
 
 def interpret_params():
-    """Mosaic GPU's CPU interpreter (simulated SMEM, TMA, barriers, wgmma): how CI runs
-    this kernel against the oracle without a GPU. jax 0.11 exports it as
-    plgpu.InterpretGPUParams; 0.10 only under jax._src."""
+    """Mosaic GPU's CPU interpreter (simulated SMEM, TMA, barriers; a barrier waited out of
+    phase raises) with its happen-before race detector on: how CI runs this kernel
+    against the oracle without a GPU. jax 0.11 exports it as plgpu.InterpretGPUParams;
+    0.10 only under jax._src."""
     cls = getattr(plgpu, "InterpretGPUParams", None)
     if cls is None:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as cls
-    return cls()
+    return cls(detect_races=True)
+
+
+def races_found() -> bool:
+    """Whether any interpreted run in this process had a data race (SMEM, GMEM)."""
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+    return bool(get_races().races_found)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "kv_shared",

@@ -118,9 +118,10 @@ def kernel(meta_ref,  # [M, 9] int32 (GMEM)
             return acc_ref[...]
         # The interpreter's wgmma takes neither a transposed operand, nor a register LHS,
         # nor run_state: interpreted, both matmuls are plain dots of the same operands.
-        if interpret:
+        if interpret:  # plain SMEM reads: fenced before a later TMA refills the slot
             sc = lax.dot_general(qo_smem[...], k[...], (((1,), (1,)), ((), ())),
                                  preferred_element_type=jnp.float32)
+            plgpu.commit_smem()
         else:
             sc = pl.run_scoped(qk, plgpu.ACC((ROWS, BLOCK_KV), jnp.float32))  # log2 units
         if soft_cap is not None:
@@ -142,6 +143,7 @@ def kernel(meta_ref,  # [M, 9] int32 (GMEM)
         p16 = p.astype(qo_smem.dtype)
         if interpret:
             acc = acc + jnp.dot(p16, v[...], preferred_element_type=jnp.float32)
+            plgpu.commit_smem()
         else:  # wgmma accumulates into the rescaled acc in place (FA3)
             acc = pl.run_state(lambda a: plgpu.wgmma(a, p16, v))(plgpu.ACC.init(acc))
         return acc, m_new, l
