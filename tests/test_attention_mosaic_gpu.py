@@ -36,6 +36,8 @@ CASES = {
     "prefill_mha_window_cap": ([(40, 100), (3, 3)], 2, 2, 64, 16, 37, 20.0, 5, False, None),
     # gpt-oss: sinks with a window, GQA 8 (its shape family); Phi-3's head_dim 96 (64-byte swizzle).
     "sinks_window_gqa8": ([(7, 90), (1, 33)], 8, 1, 64, 16, 40, None, 1, True, None),
+    # Prefill-sized: tiles of 2 of the 4 heads x 32 tokens (two tiles per KV head), sinks.
+    "prefill_split_heads_sinks": ([(40, 60), (30, 30), (1, 5)], 8, 2, 64, 16, None, None, 1, True, None),
     # Quantized pages: NaN scales (fp8: NaN values too) wherever no sequence owns a slot.
     "int8_multi_block": ([(3, 150), (1, 20), (2, 2)], 4, 2, 64, 16, None, None, 1, False, "int8"),
     "fp8_window": ([(20, 80), (1, 9)], 2, 1, 128, 8, 50, None, 2, False, "float8_e4m3fn"),

@@ -10,10 +10,12 @@ The body is in mosaic_gpu_kernel.py; this file prepares its operands.
 Why a Mosaic twin of gpu.py: JAX 0.11 deprecated Pallas' Triton lowering; Mosaic GPU is
 the backend JAX keeps, and it exposes Hopper's TMA copies and warpgroup matmuls (wgmma).
 
-Work split (same items as the other impls): grid (Hkv, M) with M = num_blocks + S static
-work items (query block, sequence), see `xla.work_items`. One CTA, one warpgroup:
-- its query block as a [64, D] operand: Gp (G padded to a power of two) query heads
-  of one KV head times block_q = 64 / Gp tokens, g-major rows, TMA-copied once;
+Work split (same items as the other impls): grid (Hkv * n, M) with M = num_blocks + S
+static work items (query block, sequence), see `xla.work_items`. One CTA, one warpgroup:
+- its q tile as a [64, D] operand: gt query heads of one KV head times block_q = 64 / gt
+  tokens, g-major rows, TMA-copied once. Decode-sized buckets stack all Gp heads (G padded
+  to a power of two; n = 1), prefill-sized ones take up to 64 tokens of fewer heads
+  (n = Gp / gt tiles per KV head), so K/V are read once per 64 query tokens;
 - a loop over KV blocks [kv_lo, kv_hi) of block_kv = 64 keys: each block is
   block_kv / page_size TMA copies, one per page through the page table, into a
   two-slot ring, block j + 1 in flight while block j is computed;
@@ -134,7 +136,13 @@ def ragged_paged_attention_mosaic_gpu(
     if not quantized and kv_pages.dtype != q.dtype:
         raise ValueError(f"mosaic_gpu needs kv_pages in q's dtype {q.dtype}, got {kv_pages.dtype}")
     gp = _next_pow2(group)
-    bq = ROWS // gp
+    # A tile is 64 rows = gt query heads x bq tokens. Decode-sized buckets stack all Gp
+    # heads (bq = 64/Gp: one token of many sequences); prefill-sized ones take bq = 64
+    # tokens of fewer heads, so each KV block is read per 64 tokens, not per 64/Gp.
+    avg = -(-num_tokens // max(1, page_indices.shape[0]))
+    bq = min(ROWS, max(ROWS // gp, _next_pow2(avg)))
+    gt = ROWS // bq
+    nt = gp // gt  # tiles per KV head
     num_blocks = -(-num_tokens // bq)
     t_pad = num_blocks * bq
     num_slots, max_pages = page_indices.shape
@@ -152,7 +160,8 @@ def ragged_paged_attention_mosaic_gpu(
     qs = jnp.pad(qs, ((0, t_pad - num_tokens), (0, 0), (0, 0)))
     qs = qs.reshape(num_blocks, bq, num_kv_heads, group, head_dim)
     qs = jnp.pad(qs, ((0, 0), (0, 0), (0, 0), (0, gp - group), (0, 0)))
-    qs = qs.transpose(2, 0, 3, 1, 4).reshape(num_kv_heads, num_blocks, ROWS, head_dim)
+    qs = qs.reshape(num_blocks, bq, num_kv_heads, nt, gt, head_dim).transpose(2, 3, 0, 4, 1, 5)
+    qs = qs.reshape(num_kv_heads * nt, num_blocks, ROWS, head_dim)  # rows: gt heads x bq tokens
 
     def smem(shape, dtype):
         """SMEM tile of rows of head_dim elements, swizzled in the widest of 128/64/32 bytes
@@ -171,7 +180,7 @@ def ragged_paged_attention_mosaic_gpu(
         # (group..Gp) get 0, their rows are never kept.
         sink_rows = (sinks.astype(jnp.float32) * LOG2E).reshape(num_kv_heads, group)
         sink_rows = jnp.pad(sink_rows, ((0, 0), (0, gp - group)))
-        operands.append(jnp.repeat(sink_rows, bq, axis=1))  # [Hkv, ROWS]
+        operands.append(jnp.repeat(sink_rows.reshape(num_kv_heads * nt, gt), bq, axis=1))  # [Hkv*nt, ROWS]
         scratch.append(plgpu.SMEM((ROWS,), jnp.float32))
     if quantized:
         # Each sequence's scales in page-table order, per combined head: a KV block's
@@ -181,12 +190,12 @@ def ragged_paged_attention_mosaic_gpu(
         operands.append(scales.transpose(2, 0, 1).reshape(combined, -1))
         scratch += [plgpu.SMEM((2, BLOCK_KV), jnp.float32)] * 2
         scratch += [smem((BLOCK_KV, head_dim), q.dtype)] * 2
-    body = functools.partial(kernel, block_q=bq, page_size=page_size, pages_per_seq=pages_per_seq,
+    body = functools.partial(kernel, block_q=bq, tiles_per_kv_head=nt, page_size=page_size, pages_per_seq=pages_per_seq,
                                sliding_window=sliding_window, soft_cap=soft_cap,
                                sinks=sinks is not None, quantized=quantized, interpret=interpret)
     out = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((num_kv_heads, num_items, ROWS, head_dim), q.dtype),
+        out_type=jax.ShapeDtypeStruct((num_kv_heads * nt, num_items, ROWS, head_dim), q.dtype),
         scratch_types=[
             *scratch,
             plgpu.Barrier(num_arrivals=2 if sinks is not None else 1, num_barriers=1),
@@ -194,14 +203,14 @@ def ragged_paged_attention_mosaic_gpu(
             plgpu.Barrier(num_arrivals=ppb + quantized, num_barriers=2),
             plgpu.Barrier(num_arrivals=ppb + quantized, num_barriers=2),
         ],
-        grid=(num_kv_heads, num_items),
-        grid_names=("h", "i"),
+        grid=(num_kv_heads * nt, num_items),
+        grid_names=("t", "i"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret_params() if interpret else None,
     )(*operands)
     # Items of one query block own disjoint rows (the rest are zero): sum them per block.
     out = jax.ops.segment_sum(out.transpose(1, 0, 2, 3), meta[:, _BLK], num_segments=num_blocks)
-    out = out.reshape(num_blocks, num_kv_heads, gp, bq, head_dim)[:, :, :group]
+    out = out.reshape(num_blocks, num_kv_heads, gp, bq, head_dim)[:, :, :group]  # (nt, gt) = gp
     out = out.transpose(0, 3, 1, 2, 4).reshape(t_pad, num_q_heads, head_dim)[:num_tokens]
     live = jnp.arange(num_tokens, dtype=jnp.int32) < cu[num_seqs[0]]
     return jnp.where(live[:, None, None], out, jnp.zeros((), out.dtype))

@@ -27,14 +27,14 @@ _BLK, _SEQ, _R0, _LO, _HI, _OFF, _KV_LEN, _KV_LO, _KV_HI = range(9)
 
 def kernel(meta_ref,  # [M, 9] int32 (GMEM)
             pidx_ref,  # [S * P'] int32 page ids (GMEM)
-            q_ref,  # [Hkv, num_blocks, ROWS, D] pre-scaled, g-major rows (GMEM)
+            q_ref,  # [Hkv * n, num_blocks, ROWS, D] pre-scaled, g-major rows (GMEM)
             kv_ref,  # [num_pages, page_size, 2 * Hkv, D] bf16, or int8/fp8 (GMEM)
             *refs,  # see `names` below; [..] only with sinks / quantized pages
-            block_q, page_size, pages_per_seq, sliding_window, soft_cap, sinks, quantized,
-            interpret):
-    names = (["sink_ref"] * sinks  # [Hkv, ROWS] f32 sink logits in log2 units (GMEM)
+            block_q, tiles_per_kv_head, page_size, pages_per_seq, sliding_window, soft_cap, sinks,
+            quantized, interpret):
+    names = (["sink_ref"] * sinks  # [Hkv * n, ROWS] f32 sink logits in log2 units (GMEM)
              + ["scale_ref"] * quantized  # [2 * Hkv, S * P' * page_size] f32 (GMEM)
-             + ["o_ref",  # [Hkv, M, ROWS, D] (GMEM)
+             + ["o_ref",  # [Hkv * n, M, ROWS, D] (GMEM)
                 "qo_smem",  # [ROWS, D]: q, then the output tile
                 "k_ring", "v_ring"]  # [2, BLOCK_KV, D] page dtype: the KV ring
              + ["sink_smem"] * sinks  # [ROWS] f32
@@ -43,7 +43,8 @@ def kernel(meta_ref,  # [M, 9] int32 (GMEM)
              + ["q_bar", "k_bars", "v_bars"])
     r = dict(zip(names, refs, strict=True))
     qo_smem = r["qo_smem"]
-    h = lax.axis_index("h")
+    t = lax.axis_index("t")  # the q tile: query heads [t % n * 64/block_q, ...) of KV head h
+    h = lax.div(t, jnp.int32(tiles_per_kv_head))
     i = lax.axis_index("i")
     head_dim = qo_smem.shape[-1]
     ppb = BLOCK_KV // page_size
@@ -62,9 +63,9 @@ def kernel(meta_ref,  # [M, 9] int32 (GMEM)
                 plgpu.copy_gmem_to_smem(r["scale_ref"].at[2 * h + c, pl.ds(first * page_size, BLOCK_KV)],
                                         r[f"{x}_scales"].at[slot], bar)
 
-    plgpu.copy_gmem_to_smem(q_ref.at[h, m_(_BLK)], qo_smem, r["q_bar"].at[0])
+    plgpu.copy_gmem_to_smem(q_ref.at[t, m_(_BLK)], qo_smem, r["q_bar"].at[0])
     if sinks:  # the same barrier, two arrivals
-        plgpu.copy_gmem_to_smem(r["sink_ref"].at[h], r["sink_smem"], r["q_bar"].at[0])
+        plgpu.copy_gmem_to_smem(r["sink_ref"].at[t], r["sink_smem"], r["q_bar"].at[0])
 
     @pl.when(kv_lo < kv_hi)
     def _():
@@ -162,5 +163,5 @@ def kernel(meta_ref,  # [M, 9] int32 (GMEM)
     o = jnp.where((tok >= lo) & (tok < hi), o, 0.0)
     qo_smem[...] = o.astype(qo_smem.dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(qo_smem, r["o_ref"].at[h, i])
+    plgpu.copy_smem_to_gmem(qo_smem, r["o_ref"].at[t, i])
     plgpu.wait_smem_to_gmem(0)
