@@ -2,7 +2,8 @@
 # The device check, in order of value, inside one 8-minute device call (set-up included):
 #   0. set-up: the wheels of benchmarks/device_wheels.sh installed offline if carried
 #      (.whl/), and jaxfill imported from this checkout without installing it;
-#   a. the attention oracle tests on the GPU (xla, pallas_gpu, reference) -> $OUT/oracle.xml
+#   a. the attention oracle tests on the GPU (xla, pallas_gpu, reference) -> $OUT/oracle.xml,
+#      and mosaic_gpu's compiled oracle cases -> $OUT/oracle_mosaic_gpu.xml
 #   b. kernel time vs cuDNN at 4k/16k/32k prefill and a mixed batch (gpu_attention.py)
 #   c. Llama-3-8B-shaped bf16 prefill through Engine.generate at 2k/8k/32k (TTFT, tok/s,
 #      MFU) and decode tok/s at batch 64 (gpu_engine.py)
@@ -37,6 +38,10 @@ status=0
 sel="xla or pallas_gpu or reference"; [[ -n "$DRY" ]] && sel="xla and corner_cases and decode_only"
 timeout "${ORACLE_S:-110}" "$PY" -m pytest -q -p no:cacheprovider tests/test_attention_oracle.py \
   -k "$sel" --junitxml="$OUT/oracle.xml" -x -q 2>&1 | tail -15 || status=1
+# a2. mosaic_gpu compiled on the GPU (never run before; Hopper only, skips elsewhere and
+#     in the dry run) against the same oracle
+timeout "${MOSAIC_S:-90}" "$PY" -m pytest -q -p no:cacheprovider tests/test_attention_mosaic_gpu.py \
+  -k compiled -rs --junitxml="$OUT/oracle_mosaic_gpu.xml" -q 2>&1 | tail -15 || status=1
 
 # b. kernels vs cuDNN
 BUDGET_S="${ATTENTION_S:-110}" timeout $(( ${ATTENTION_S:-110} + 20 )) "$PY" benchmarks/gpu_attention.py $DRY || status=1

@@ -5,6 +5,7 @@ Read off the impls (pallas_kernels/ragged_paged_attention/):
   xla, gpu    q * sm_scale * log2(e) (sm_scale alone with a soft cap) in f32, rounded to
               bf16, then the QK matmul; P rounded before the PV matmul against the running
               max of an online softmax; row sums of the unrounded P; output rounded.
+  mosaic_gpu  the same (KV blocks of 64 keys).
   pallas_tpu  the same with q * sm_scale (natural-log units).
 KV block sizes come from block_sizes.py; the xla impl serves decode sequences (one new
 token, when the batch has more than one token) on its sequence-batched path, whose KV
@@ -41,6 +42,8 @@ def _block_kv(impl, batch):
     if impl == "pallas_gpu":
         gp = 1 << (group - 1).bit_length()
         return (max(bs.gpu_block_sizes(t, slots, gp, d, item, ps).block_kv, ps),) * slots
+    if impl == "mosaic_gpu":  # KV blocks of 64 keys (mosaic_gpu.BLOCK_KV), whatever the shape
+        return (64,) * slots
     raise ValueError(impl)
 
 

@@ -23,7 +23,7 @@ BLOCKED = {"xla": ragged_paged_attention_xla, "pallas_tpu": ragged_paged_attenti
 
 
 def test_resolve_impl():
-    assert set(IMPLS) == {"reference", "xla", "pallas_tpu", "pallas_gpu"}
+    assert set(IMPLS) == {"reference", "xla", "pallas_tpu", "pallas_gpu", "mosaic_gpu"}
     expected = {"tpu": "pallas_tpu", "gpu": "xla", "cpu": "xla"}[jax.default_backend()]
     assert resolve_impl("auto") == expected
     for name in IMPLS:

@@ -1,7 +1,9 @@
 """The Pallas kernels lower for the hardware they target, checked from this CPU machine.
 
 `jax.export` with `platforms=["tpu"]` runs the real Mosaic TPU lowering of pallas_tpu,
-and `platforms=["cuda"]` the real Triton lowering of pallas_gpu, without the hardware.
+and `platforms=["cuda"]` the real Triton lowering of pallas_gpu and the real Mosaic GPU
+lowering of mosaic_gpu (down to NVVM: TMA and wgmma ops; arch sm_90 because no device
+names another, jax.experimental.mosaic.gpu's `_infer_arch`), without the hardware.
 Lowering is not compiling (Mosaic's and Triton's final compiles happen on the device),
 but a kernel that fails here would fail on every TPU/GPU: this catches it first.
 Cases: every preset's (head_dim, dtype, page_size, query group) at the engine's
@@ -20,9 +22,11 @@ from jax import export
 from jaxfill.engine.batch import bucket_shapes
 from jaxfill.engine.config import load_config, preset_names
 from jaxfill.pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
+from jaxfill.pallas_kernels.ragged_paged_attention.mosaic_gpu import ragged_paged_attention_mosaic_gpu
 from jaxfill.pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention_tpu
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
+MOSAIC_GPU_CALL = "mosaic_gpu_v2"
 
 
 def _preset_shapes() -> dict[tuple, str]:
@@ -99,6 +103,75 @@ def test_pallas_gpu_lowers_with_triton(case):
         exp = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*_args(key, t, s))
     assert TRITON_CALL in exp.mlir_module(), "no Triton kernel in the lowered module"
     assert exp.out_avals[0].shape == (t, key[3], key[0])
+
+
+def _mosaic_gpu_refuses(key) -> str | None:
+    """What mosaic_gpu refuses in this preset shape (its docstring's list), else None."""
+    head_dim, dtype, page_size, group = key[:4]
+    if dtype != "bfloat16":
+        return f"q dtype {dtype}"
+    if head_dim % 32 or head_dim > 256:
+        return f"head_dim {head_dim}"
+    if group > 64:
+        return f"query group {group}"
+    return None
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_ids(c) for c in CASES])
+def test_mosaic_gpu_lowers_for_cuda(case):
+    """Exported from this CPU host on jax 0.10.2 and 0.11.2 alike (no CUDA plugin, no
+    abstract device needed). Never run on a GPU: lowering is all this proves."""
+    _, key, t, s = case
+    fn = functools.partial(ragged_paged_attention_mosaic_gpu, sm_scale=key[0] ** -0.5,
+                           sliding_window=key[5], soft_cap=30.0 if key[5] else None)
+    refused = _mosaic_gpu_refuses(key)
+    if refused:
+        with pytest.raises(ValueError, match=f"does not support {refused}"):
+            export.export(jax.jit(fn), platforms=["cuda"])(*_args(key, t, s))
+        return
+    exp = export.export(jax.jit(fn), platforms=["cuda"])(*_args(key, t, s))
+    text = exp.mlir_module()
+    assert MOSAIC_GPU_CALL in text, "no Mosaic GPU kernel in the lowered module"
+    assert "nvvm.wgmma" in text and "nvvm.cp.async.bulk.tensor" in text, "no wgmma / TMA ops"
+    assert exp.out_avals[0].shape == (t, key[3], key[0])
+
+
+@pytest.mark.parametrize("bucket", [0, -1], ids=["decode", "prefill"])
+def test_mosaic_gpu_lowers_with_sinks(bucket):
+    """gpt-oss's attention sinks (the only preset with them) at its shape."""
+    c = load_config("gpt_oss_120b")
+    assert c.model.attention_sinks
+    key = next(k for k, name in _preset_shapes().items() if name == "gpt_oss_120b")
+    t, s = _buckets("gpt_oss_120b")[bucket]
+    fn = functools.partial(ragged_paged_attention_mosaic_gpu, sm_scale=key[0] ** -0.5,
+                           sliding_window=key[5])
+    sinks = jax.ShapeDtypeStruct((key[3],), jnp.float32)
+    exp = export.export(jax.jit(fn), platforms=["cuda"])(*_args(key, t, s), sinks=sinks)
+    assert MOSAIC_GPU_CALL in exp.mlir_module()
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+def test_mosaic_gpu_lowers_with_quantized_pages(head_dim, kv_dtype):
+    """int8 / fp8 pages (dequantized into a bf16 SMEM operand per KV block) at each
+    lowered head_dim, GQA 4, the engine's smallest bucket (16 tokens x 16 sequences)."""
+    key = (head_dim, "bfloat16", 16, 4, 1, None)
+    q, kv, *meta = _args(key, 16, 16)
+    kv = jax.ShapeDtypeStruct(kv.shape, jnp.dtype(kv_dtype))
+    scales = jax.ShapeDtypeStruct(kv.shape[:3], jnp.float32)
+    fn = functools.partial(ragged_paged_attention_mosaic_gpu, sm_scale=head_dim ** -0.5)
+    exp = export.export(jax.jit(fn), platforms=["cuda"])(q, kv, *meta, kv_scales=scales)
+    assert MOSAIC_GPU_CALL in exp.mlir_module()
+
+
+def test_mosaic_gpu_lowers_most_bf16_preset_shapes():
+    """The refusals stay the exception: every bf16 preset shape with head_dim 64/96/128/256
+    and a group up to 64 lowers (test_mosaic_gpu_lowers_for_cuda), and those are most."""
+    keys = set(_preset_shapes())
+    lowered = {k for k in keys if not _mosaic_gpu_refuses(k)}
+    assert {k[0] for k in lowered} == {64, 96, 128, 256}
+    assert {k[3] for k in lowered} >= {1, 2, 4, 7, 8}
+    assert len(lowered) >= len(keys) // 2
 
 
 def test_the_cases_cover_every_preset_shape():

@@ -16,6 +16,10 @@ IMPLS = {
     "xla": ("jaxfill.pallas_kernels.ragged_paged_attention.xla", "ragged_paged_attention_xla"),
     "pallas_tpu": ("jaxfill.pallas_kernels.ragged_paged_attention.tpu", "ragged_paged_attention_tpu"),
     "pallas_gpu": ("jaxfill.pallas_kernels.ragged_paged_attention.gpu", "ragged_paged_attention_gpu"),
+    # Hopper-only, never run on a GPU (lowered for CUDA and interpreted on CPU only):
+    # explicit opt-in, never picked by "auto" until the GPU oracle tests pass.
+    "mosaic_gpu": ("jaxfill.pallas_kernels.ragged_paged_attention.mosaic_gpu",
+                   "ragged_paged_attention_mosaic_gpu"),
 }
 
 
@@ -23,7 +27,8 @@ def resolve_impl(impl: str) -> str:
     """Maps "auto" to the backend's best impl; validates explicit names."""
     if impl == "auto":
         # TPU: the Mosaic kernel. GPU: XLA's blocked loop until benchmarks/gpu_kernels.sh
-        # shows the Pallas GPU kernel ahead on real hardware. CPU: the XLA loop.
+        # shows the Pallas GPU kernel ahead on real hardware. CPU: the XLA loop. Never
+        # mosaic_gpu: it has never run on a GPU.
         return "pallas_tpu" if jax.default_backend() == "tpu" else "xla"
     if impl not in IMPLS:
         raise ValueError(f"unknown attention impl {impl!r}; choose from auto, {', '.join(IMPLS)}")
