@@ -45,10 +45,15 @@ def token_step(state: jax.Array,  # [H, K, V] f32
                vt,  # [H, V]
                gt, bt,  # [H]
                ) -> tuple[jax.Array, jax.Array]:  # o [H, V], state [H, K, V]
-    state = state * jnp.exp(gt)[:, None, None]
-    delta = bt[:, None] * (vt - jnp.einsum("hkv,hk->hv", state, kt))
-    state = state + kt[:, :, None] * delta[:, None, :]
-    return jnp.einsum("hkv,hk->hv", state, qt), state
+    """The recurrence, rearranged so the old state is read once (S^T k and S^T q, before
+    the decay) and the new one written once: a decode is bound by the state's bytes.
+    With d = exp(g): delta = beta (v - d S^T k), S' = d S + k delta^T,
+    o = S'^T q = d S^T q + (k.q) delta."""
+    d = jnp.exp(gt)[:, None]  # [H, 1]
+    sk, sq = jnp.einsum("hkv,jhk->jhv", state, jnp.stack([kt, qt]))  # [H, V] each
+    delta = bt[:, None] * (vt - d * sk)
+    o = d * sq + jnp.sum(kt * qt, axis=-1, keepdims=True) * delta
+    return o, state * d[:, :, None] + kt[:, :, None] * delta[:, None, :]
 
 
 def gated_delta_rule_recurrent(q: jax.Array,  # [T, H, K]

@@ -46,10 +46,14 @@ def _by_head(groups: jax.Array, heads: int) -> jax.Array:  # [..., G, N] -> [...
 
 def _token_step(a: jax.Array, d: jax.Array):  # a, d [H] f32
     def step(state, x, dt, b, c):  # state [H, N, P]; x [H, P], dt [H], b, c [G, N]
+        """The old state read once, the new one written once (a decode is bound by the
+        state's bytes): y = S'^T c = exp(dt a) S^T c + dt (b.c) x, plus D x."""
         h = x.shape[0]
         b, c = _by_head(b, h), _by_head(c, h)  # [H, N]
-        state = state * jnp.exp(dt * a)[:, None, None] + (dt[:, None] * b)[:, :, None] * x[:, None, :]
-        return jnp.einsum("hnp,hn->hp", state, c) + d[:, None] * x, state
+        decay = jnp.exp(dt * a)[:, None]  # [H, 1]
+        skip = dt[:, None] * jnp.sum(b * c, axis=-1, keepdims=True) + d[:, None]  # [H, 1]
+        y = decay * jnp.einsum("hnp,hn->hp", state, c) + skip * x
+        return y, state * decay[:, :, None] + (dt[:, None] * b)[:, :, None] * x[:, None, :]
     return step
 
 

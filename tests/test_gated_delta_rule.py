@@ -95,7 +95,7 @@ def test_decodes_never_reach_the_chunk_loop(monkeypatch):
         return jnp.full((q.shape[0],) + v.shape[1:], jnp.nan), jnp.full_like(state, jnp.nan)
 
     monkeypatch.setattr(gdr, "_chunk", poisoned)
-    wrapped = gdr.gated_delta_rule_chunked.__wrapped__  # a new function, so traced anew (with the poison), not from jit's cache
+    wrapped = gdr.gated_delta_rule_chunked.__wrapped__  # in a new function: traced anew (poisoned), not from the cache
     fn = jax.jit(lambda *a, chunk: wrapped(*a, chunk=chunk), static_argnames="chunk")
     args = inputs(np.random.default_rng(2), *BATCHES["decodes_only"])
     check(*run(fn, *args, chunk=16), *oracle(*args))

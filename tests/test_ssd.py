@@ -99,7 +99,7 @@ def test_decodes_never_reach_the_chunk_loop(monkeypatch):
         return lambda state, x, dt, b, c: (jnp.full_like(x, jnp.nan), jnp.full_like(state, jnp.nan))
 
     monkeypatch.setattr(ssd, "_chunk_step", poisoned)
-    wrapped = ssd.ssd_chunked.__wrapped__  # a new function, so traced anew (with the poison), not from jit's cache
+    wrapped = ssd.ssd_chunked.__wrapped__  # in a new function: traced anew (poisoned), not from the cache
     fn = jax.jit(lambda *a, chunk: wrapped(*a, chunk=chunk), static_argnames="chunk")
     args = inputs(np.random.default_rng(2), *BATCHES["decodes_only"])
     check(*run(16, *args, fn=fn), *oracle(*args))
