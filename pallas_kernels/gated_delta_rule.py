@@ -11,18 +11,20 @@ in `cu_q_lens` (prefill chunks and decodes side by side), each sequence starting
 its own state (`states [S, H, K, V]`, from the slot pool) and leaving its final one.
 
 Two algorithms, the same function of their inputs:
-* `gated_delta_rule_recurrent`: one token at a time (a `lax.scan` over T). The decode
-  path, and the oracle's twin in JAX.
-* `gated_delta_rule_chunked`: chunks of `chunk` tokens of one sequence each (a chunk
-  never spans two sequences: `chunk_table`). Within a chunk the C sequential rank-one
+* `gated_delta_rule_recurrent`: one token at a time (a `lax.scan` over T), the oracle's
+  twin in JAX.
+* `gated_delta_rule_chunked`: each decode (a sequence with one token in the step) by the
+  per-token `token_step`, all decodes at once; every longer sequence in chunks of
+  `chunk` tokens of one sequence each (a chunk never spans two sequences: `chunk_table`;
+  `scan_ragged` in ragged_scan.py does the split). Within a chunk the C sequential rank-one
   updates become matmuls: with G the chunk's cumulative log decay and
   L_ij = exp(G_i - G_j) (j <= i), the UT transform T = (I + strict_lower(beta_i k_i.k_j L_ij))^-1
   (a product of log2(C) matmul rounds, `unit_lower_inverse`) turns the delta corrections into U = T (beta v) and W = T (beta exp(G) k); then
     o     = exp(G) q S + (q k^T * L) (U - W S)
     S_out = exp(G_C) S + (exp(G_C - G) k)^T (U - W S)
   (the WY/UT form of the chunked delta rule, as in flash-linear-attention). Chunks are
-  visited in order by a `lax.scan` carrying S; a sequence's first chunk starts from
-  its slot's state.
+  visited in order by a loop carrying S; a sequence's first chunk starts from its
+  slot's state.
 """
 
 from __future__ import annotations
@@ -32,10 +34,26 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxfill.pallas_kernels.ragged_scan import chunk_table, scan_chunks, scan_tokens, token_sequences
+from jaxfill.pallas_kernels.ragged_scan import chunk_table, scan_ragged, scan_tokens, token_sequences
 
-__all__ = ["chunk_table", "gated_delta_rule_chunked", "gated_delta_rule_recurrent", "token_sequences",
+__all__ = ["chunk_table", "gated_delta_rule_chunked", "gated_delta_rule_recurrent", "token_sequences", "token_step",
            "unit_lower_inverse"]
+
+
+def token_step(state: jax.Array,  # [H, K, V] f32
+               qt, kt,  # [H, K] one row's inputs
+               vt,  # [H, V]
+               gt, bt,  # [H]
+               ) -> tuple[jax.Array, jax.Array]:  # o [H, V], state [H, K, V]
+    """The recurrence, rearranged so the old state is read once (S^T k and S^T q, before
+    the decay) and the new one written once: a decode is bound by the state's bytes.
+    With d = exp(g): delta = beta (v - d S^T k), S' = d S + k delta^T,
+    o = S'^T q = d S^T q + (k.q) delta."""
+    d = jnp.exp(gt)[:, None]  # [H, 1]
+    sk, sq = jnp.einsum("hkv,jhk->jhv", state, jnp.stack([kt, qt]))  # [H, V] each
+    delta = bt[:, None] * (vt - d * sk)
+    o = d * sq + jnp.sum(kt * qt, axis=-1, keepdims=True) * delta
+    return o, state * d[:, :, None] + kt[:, :, None] * delta[:, None, :]
 
 
 def gated_delta_rule_recurrent(q: jax.Array,  # [T, H, K]
@@ -47,13 +65,7 @@ def gated_delta_rule_recurrent(q: jax.Array,  # [T, H, K]
                                num_seqs: jax.Array,  # [1] int32
                                states: jax.Array,  # [S, H, K, V] each sequence's state before its rows
                                ) -> tuple[jax.Array, jax.Array]:  # o [T, H, V], states [S, H, K, V]
-    def step(state, qt, kt, vt, gt, bt):  # state [H, K, V] f32; one row's inputs
-        state = state * jnp.exp(gt)[:, None, None]
-        delta = bt[:, None] * (vt - jnp.einsum("hkv,hk->hv", state, kt))
-        state = state + kt[:, :, None] * delta[:, None, :]
-        return jnp.einsum("hkv,hk->hv", state, qt), state
-
-    o, states = scan_tokens(step, (q, k, v, g, beta), cu_q_lens, num_seqs, states)
+    o, states = scan_tokens(token_step, (q, k, v, g, beta), cu_q_lens, num_seqs, states)
     return o.astype(v.dtype), states
 
 
@@ -104,5 +116,5 @@ def gated_delta_rule_chunked(q: jax.Array,  # [T, H, K]
                              states: jax.Array,  # [S, H, K, V]
                              chunk: int = 64,
                              ) -> tuple[jax.Array, jax.Array]:  # o [T, H, V], states [S, H, K, V]
-    o, states = scan_chunks(_chunk, (q, k, v, g, beta), cu_q_lens, num_seqs, states, chunk, v.shape[1:])
+    o, states = scan_ragged(token_step, _chunk, (q, k, v, g, beta), cu_q_lens, num_seqs, states, chunk, v.shape[1:])
     return o.astype(v.dtype), states

@@ -11,6 +11,8 @@ kernel does the second: one grid row per head, the chunks in order, each sequenc
 
 Each sequence's entry of `states` is read and written through a block whose index comes
 from the scalar-prefetched chunk table, so a sequence never sees another's state.
+Decodes (one token in the step) never reach the kernel: XLA steps them all at once
+(ragged_scan's `step_decodes`) before it, and the chunk table leaves them out.
 Off TPU it runs under the TPU interpreter (tests); `auto` keeps the XLA loop until a TPU
 measurement says otherwise.
 """
@@ -24,8 +26,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxfill.pallas_kernels.gated_delta_rule import unit_lower_inverse
-from jaxfill.pallas_kernels.ragged_scan import chunk_table, gather_chunks, scatter_chunks
+from jaxfill.pallas_kernels.gated_delta_rule import token_step, unit_lower_inverse
+from jaxfill.pallas_kernels.ragged_scan import chunk_table, gather_chunks, scatter_chunks, step_decodes
 
 
 def _prepare(q, k, v, g, beta):  # [N, C, H, ...] f32 each -> per chunk, heads second: [N, H, ...]
@@ -51,6 +53,10 @@ def _kernel(seq_ref, first_ref, used_ref,  # scalar prefetch: [N] int32 each, [1
             state_in, u_ref, w_ref, qk_ref, qg_ref, k_out_ref, dec_ref,  # blocks of one (chunk, head)
             o_ref, state_out, s_scratch):  # o [C, V], the sequence's state [K, V], S [K, V] f32 VMEM
     c = pl.program_id(1)
+
+    @pl.when((c == 0) & (used_ref[0] == 0))  # no chunk at all: the block written back must hold its input
+    def _():
+        state_out[...] = state_in[...]
 
     @pl.when(c < used_ref[0])
     def _():
@@ -86,7 +92,8 @@ def gated_delta_rule_tpu(q: jax.Array,  # [T, H, K]
     f32 = jnp.float32
     t, h, dk = q.shape
     dv = v.shape[-1]
-    rows, seq, first = chunk_table(cu_q_lens, num_seqs, t, chunk)  # [N, C], [N], [N]
+    o_dec, states, dec_rows = step_decodes(token_step, (q, k, v, g, beta), cu_q_lens, num_seqs, states)
+    rows, seq, first = chunk_table(cu_q_lens, num_seqs, t, chunk, skip_decodes=True)  # [N, C], [N], [N]
     n = rows.shape[0]
     u, w, qk, qg, k_out_t, dec = _prepare(*gather_chunks((q, k, v, g, beta), rows))
     used = jnp.sum(seq >= 0).astype(jnp.int32)
@@ -113,4 +120,5 @@ def gated_delta_rule_tpu(q: jax.Array,  # [T, H, K]
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=interpret,
     )(seq_map, first.astype(jnp.int32), used[None], states.astype(f32), u, w, qk, qg, k_out_t, dec)
-    return scatter_chunks(o.transpose(0, 2, 1, 3), rows, t).astype(v.dtype), states
+    o = scatter_chunks(o.transpose(0, 2, 1, 3), rows, t).at[dec_rows].set(o_dec, mode="drop")
+    return o.astype(v.dtype), states

@@ -12,7 +12,9 @@ dt = softplus(dt_raw + dt_bias), clipped to the checkpoint's `time_step_limit`
 
 Two algorithms, the same function of their inputs:
 * `ssd_recurrent`: one token at a time; the oracle's twin.
-* `ssd_chunked`: chunks of `chunk` tokens of one sequence. With G_i the chunk's
+* `ssd_chunked`: each decode by the per-token step, all decodes at once; every longer
+  sequence in chunks of `chunk` tokens of one sequence (ragged_scan's `scan_ragged`
+  does the split). With G_i the chunk's
   cumulative log decay (sum of dt A up to row i), every exponent below is <= 0:
     y     = (C B^T * exp(G_i - G_j) [j <= i] * dt_j) x + exp(G) C S + D x
     S_out = exp(G_last) S + (exp(G_last - G) dt B)^T x
@@ -27,7 +29,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxfill.pallas_kernels.ragged_scan import scan_chunks, scan_tokens
+from jaxfill.pallas_kernels.ragged_scan import scan_ragged, scan_tokens
 
 
 def time_steps(dt_raw: jax.Array,  # [T, H] the projection's output
@@ -44,10 +46,14 @@ def _by_head(groups: jax.Array, heads: int) -> jax.Array:  # [..., G, N] -> [...
 
 def _token_step(a: jax.Array, d: jax.Array):  # a, d [H] f32
     def step(state, x, dt, b, c):  # state [H, N, P]; x [H, P], dt [H], b, c [G, N]
+        """The old state read once, the new one written once (a decode is bound by the
+        state's bytes): y = S'^T c = exp(dt a) S^T c + dt (b.c) x, plus D x."""
         h = x.shape[0]
         b, c = _by_head(b, h), _by_head(c, h)  # [H, N]
-        state = state * jnp.exp(dt * a)[:, None, None] + (dt[:, None] * b)[:, :, None] * x[:, None, :]
-        return jnp.einsum("hnp,hn->hp", state, c) + d[:, None] * x, state
+        decay = jnp.exp(dt * a)[:, None]  # [H, 1]
+        skip = dt[:, None] * jnp.sum(b * c, axis=-1, keepdims=True) + d[:, None]  # [H, 1]
+        y = decay * jnp.einsum("hnp,hn->hp", state, c) + skip * x
+        return y, state * decay[:, :, None] + (dt[:, None] * b)[:, :, None] * x[:, None, :]
     return step
 
 
@@ -101,5 +107,6 @@ def ssd_chunked(x: jax.Array,  # [T, H, P]
                 chunk: int = 64,
                 ) -> tuple[jax.Array, jax.Array]:  # y [T, H, P] f32, states [S, H, N, P]
     f32 = jnp.float32
-    return scan_chunks(_chunk_step(a.astype(f32), d.astype(f32)), (x, dt, b, c), cu_q_lens, num_seqs, states,
+    a, d = a.astype(f32), d.astype(f32)
+    return scan_ragged(_token_step(a, d), _chunk_step(a, d), (x, dt, b, c), cu_q_lens, num_seqs, states,
                        chunk, x.shape[1:])

@@ -2,7 +2,9 @@
 the TPU interpreter (uninitialized memory NaN, out-of-bounds reads raising) against the
 float64 oracle of tests/test_gated_delta_rule.py: the same ragged batch (a long chunk, a
 short one, two decodes, NaN padding rows and a NaN unused state slot), chunks of 8 and
-16 (the interpreter is slow: small cases); the unused slot stays untouched. And the
+16 (the interpreter is slow: small cases); the unused slot stays untouched. Decodes
+between chunks and a decode-only step (no chunk for the kernel: each state block must
+come back as XLA's decode step left it, not as uninitialised NaN). And the
 kernel lowers for TPU with Mosaic (jax.export) at Qwen3.5's shapes."""
 
 import jax
@@ -12,7 +14,7 @@ import pytest
 from jax import export
 
 from jaxfill.pallas_kernels.gated_delta_rule_tpu import gated_delta_rule_tpu
-from test_gated_delta_rule import LENS, inputs, oracle, run
+from test_gated_delta_rule import BATCHES, LENS, check, inputs, oracle, run
 
 
 @pytest.mark.parametrize("chunk", [8, 16])
@@ -25,6 +27,12 @@ def test_equals_the_float64_recurrence(chunk):
     np.testing.assert_allclose(o[:live], want_o, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(st[:len(LENS)], want_states[:len(LENS)], rtol=1e-4, atol=1e-4)
     assert np.isnan(st[len(LENS)]).all()  # the unused slot: never read, never written
+
+
+@pytest.mark.parametrize("batch", ["decodes_between_chunks", "decodes_only"])
+def test_decodes_beside_and_without_chunks(batch):
+    args = inputs(np.random.default_rng(0), *BATCHES[batch])
+    check(*run(gated_delta_rule_tpu, *args, chunk=8), *oracle(*args))
 
 
 def test_lowers_for_tpu_at_qwen3_5_shapes():
