@@ -2,9 +2,10 @@
 
 Per token: one input projection gives the gate z [H, P], the convolved channels
 x [H, P], B [G, N], C [G, N] (one short causal depthwise convolution with bias over
-the three, SiLU) and a raw time step per head; the SSD rule (pallas_kernels/ssd.py)
-over an [H, N, P] state, with the D skip; the output times silu(z), then an RMSNorm
-over each of the G groups of H / G heads (not per head, not over all: Nemotron-H's
+the three, SiLU) and a raw time step per head; the SSD rule (pallas_kernels/ssd.py;
+its chunk loop in XLA, or the Pallas TPU kernel of ssd_tpu.py with model.linear_impl =
+pallas_tpu) over an [H, N, P] state, with the D skip; the output times silu(z), then an
+RMSNorm over each of the G groups of H / G heads (not per head, not over all: Nemotron-H's
 `NemotronHRMSNormGated`), in f32 with the weight applied before the one cast; the
 output projection.
 
@@ -28,6 +29,7 @@ from jaxfill.models.linear_slots import read_slots, write_slots
 from jaxfill.models.linear_state import LinearState, conv_dim
 from jaxfill.pallas_kernels.ragged_scan import token_sequences
 from jaxfill.pallas_kernels.ssd import ssd_chunked, time_steps
+from jaxfill.pallas_kernels.ssd_tpu import ssd_tpu
 
 
 class Mamba2(nnx.Module):
@@ -51,7 +53,7 @@ class Mamba2(nnx.Module):
                  positions: jax.Array,  # [T] int32 (unused: the state carries position)
                  state: LinearState,
                  meta: AttentionMetadata,
-                 impl: str,  # unused (one algorithm today)
+                 impl: str,  # the attention impl (unused: model.linear_impl picks the scan's)
                  layer,
                  sampled_only: bool = False,
                  ) -> tuple[jax.Array, LinearState]:  # [T, E] ([S, E] if sampled_only), state
@@ -70,7 +72,8 @@ class Mamba2(nnx.Module):
         cc = xbc[:, h * p + g * n:].reshape(t, g, n)
         dt = time_steps(x @ self.dt[...], self.dt_bias[...], c.linear_dt_limit)
         a = -jnp.exp(self.a_log[...].astype(f32))
-        y, recurrent = ssd_chunked(xs, dt, a, b, cc, self.d[...], meta.cu_q_lens, meta.num_seqs, read.recurrent)
+        scan = ssd_tpu if c.linear_impl == "pallas_tpu" else ssd_chunked  # auto: XLA, never measured on TPU
+        y, recurrent = scan(xs, dt, a, b, cc, self.d[...], meta.cu_q_lens, meta.num_seqs, read.recurrent)
 
         # gate, then RMSNorm over each group of h / g heads, in f32; the weight before the cast
         y = (y * jax.nn.silu(z.astype(f32))).reshape(t, g, h // g * p)

@@ -12,6 +12,7 @@ import pytest
 from jax import export
 
 from jaxfill.pallas_kernels.gated_delta_rule_tpu import gated_delta_rule_tpu
+from scan_checks import check_against_oracle
 from test_gated_delta_rule import LENS, inputs, oracle, run
 
 
@@ -20,11 +21,7 @@ def test_equals_the_float64_recurrence(chunk):
     args = inputs(np.random.default_rng(0))
     want_o, want_states = oracle(*args)
     o, st = run(gated_delta_rule_tpu, *args, chunk=chunk)
-    live = sum(LENS)
-    assert np.isfinite(o[:live]).all() and np.isfinite(st[:len(LENS)]).all()
-    np.testing.assert_allclose(o[:live], want_o, rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(st[:len(LENS)], want_states[:len(LENS)], rtol=1e-4, atol=1e-4)
-    assert np.isnan(st[len(LENS)]).all()  # the unused slot: never read, never written
+    check_against_oracle(o, st, want_o, want_states, LENS, 1e-4)
 
 
 def test_lowers_for_tpu_at_qwen3_5_shapes():
