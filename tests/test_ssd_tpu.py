@@ -7,8 +7,6 @@ the unused slot stays untouched, and a step with no live sequence writes no stat
 Nemotron-H model with it == the XLA loop; the kernel lowers for TPU with Mosaic
 (jax.export) at Nemotron-H-8B's shapes."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +14,7 @@ import pytest
 from jax import export
 
 from jaxfill.pallas_kernels.ssd_tpu import ssd_tpu
-from scan_checks import check_against_oracle
+from scan_checks import check_against_oracle, check_kernel_model_equals_xla
 from test_ssd import LENS, inputs, oracle, run
 
 
@@ -62,32 +60,13 @@ def test_lowers_for_tpu_at_nemotron_h_8b_shapes():
 
 
 def test_the_model_with_the_kernel_equals_the_xla_loop(monkeypatch):
-    """A random Nemotron-H (pattern M*: a Mamba2 layer of 2 groups, 4 heads of 8 over an
-    8-wide state, then attention) with model.linear_impl = pallas_tpu: a 48-token prefill
-    in three 16-token steps (one compile; the state carried through its slot, so the third
-    step sees the second's decay of the first's state) gives the XLA loop's logits."""
-    from flax import nnx
-
-    from jaxfill.engine.config import load_config
-    from jaxfill.engine.simple import prefill_chunks
+    """A random Nemotron-H of pattern M* (a Mamba2 layer of 2 groups, 4 heads of 8 over an
+    8-wide state, then attention)."""
     from jaxfill.models import mamba2
-    from jaxfill.models.families.registry import new_model
-    from jaxfill.models.kv_cache import KVCache
 
-    config = load_config("tiny_random", {
+    check_kernel_model_equals_xla({
         "model.architecture": "NemotronHForCausalLM", "model.hidden_size": 64, "model.intermediate_size": 128,
         "model.num_layers": 2, "model.num_heads": 4, "model.num_kv_heads": 2, "model.head_dim": 16,
         "model.linear_layers": [0], "model.no_mlp_layers": [0, 1], "model.no_mixer_layers": [],
         "model.nope_layers": [1], "model.linear_num_key_heads": 2, "model.linear_num_value_heads": 4,
-        "model.linear_key_head_dim": 8, "model.linear_value_head_dim": 8}).model
-    prompt = [int(t) for t in np.random.default_rng(3).integers(0, config.vocab_size, 48)]
-    calls = []
-    monkeypatch.setattr(mamba2, "ssd_tpu", lambda *a, **kw: calls.append(1) or ssd_tpu(*a, **kw))
-    out = {}
-    for impl in ("xla", "pallas_tpu"):
-        c = dataclasses.replace(config, linear_impl=impl)
-        cache = KVCache.create(c, num_pages=8, page_size=16, fill_value=float("nan"), state_slots=2)
-        out[impl], _ = prefill_chunks(new_model(c, nnx.Rngs(0)), prompt, cache, [1, 2, 3], chunk=16)
-    assert calls  # the kernel ran (traced once per layer and step shape)
-    assert np.isfinite(np.asarray(out["pallas_tpu"])).all()
-    np.testing.assert_allclose(np.asarray(out["pallas_tpu"]), np.asarray(out["xla"]), rtol=1e-5, atol=1e-5)
+        "model.linear_key_head_dim": 8, "model.linear_value_head_dim": 8}, mamba2, "ssd_tpu", monkeypatch)
