@@ -18,6 +18,8 @@ Two algorithms, the same function of their inputs:
     S_out = exp(G_last) S + (exp(G_last - G) dt B)^T x
   the intra-chunk part one decay-masked [C, C] matmul per head, the state passed
   between chunks by the loop.
+The chunk-local terms (`chunk_terms`) are shared with ssd_tpu.py, where XLA computes
+them for all chunks at once and a Pallas TPU kernel carries the state between chunks.
 """
 
 from __future__ import annotations
