@@ -32,11 +32,11 @@ def check_kernel_model_equals_xla(overrides: dict,  # tiny_random's model.* over
                                   module, name: str,  # the layer module and the kernel's name in it
                                   monkeypatch) -> None:
     """With model.linear_impl = pallas_tpu the model gives the XLA loop's logits on a
-    48-token prefill in three 16-token steps (one compile; the state carried through its
-    slot, so the third step sees the second's decay of the first's state), and the kernel
-    ran (traced once per layer)."""
+    40-token prefill in steps of 16, 16 and 8 tokens (8 padding rows; one compile) with the
+    state carried through its slot, so the third step sees the second's decay of the
+    first's state; and the kernel ran (traced once per layer)."""
     config = load_config("tiny_random", overrides).model
-    prompt = [int(t) for t in np.random.default_rng(3).integers(0, config.vocab_size, 48)]
+    prompt = [int(t) for t in np.random.default_rng(3).integers(0, config.vocab_size, 40)]
     kernel, calls = getattr(module, name), []
     monkeypatch.setattr(module, name, lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     out = {}
