@@ -35,8 +35,8 @@ CHOICES = {
     # the rule of the linear layers: Gated DeltaNet (models/gated_deltanet.py, Qwen3.5) or
     # Mamba2's SSD (models/mamba2.py, Nemotron-H)
     "linear_kind": ("gated_deltanet", "mamba2"),
-    # the gated delta rule's chunk loop: XLA's, or the Pallas TPU kernel
-    # (pallas_kernels/gated_delta_rule_tpu.py); auto = xla until a TPU measurement says otherwise
+    # the linear layers' chunk loop: XLA's, or the Pallas TPU kernel (pallas_kernels/
+    # gated_delta_rule_tpu.py, ssd_tpu.py); auto = xla until a TPU measurement says otherwise
     "linear_impl": ("auto", "xla", "pallas_tpu"),
 }
 LAYER_TYPES = ("full", "sliding")

@@ -1,10 +1,11 @@
 """Mamba2, the state-space mixer of Nemotron-H.
 
-Per token: input projections give the gate z [H, P], the convolved channels x [H, P],
-B [G, N], C [G, N] (one short causal depthwise convolution with bias over the three,
-SiLU) and a raw time step per head; the SSD rule (pallas_kernels/ssd.py) over an
-[H, N, P] state, with the D skip; the output times silu(z), then an RMSNorm over each of
-the G groups of H / G heads (not per head, not over all: Nemotron-H's
+Per token: input projections give the gate z [H, P], the convolved channels
+x [H, P], B [G, N], C [G, N] (one short causal depthwise convolution with bias over
+the three, SiLU) and a raw time step per head; the SSD rule (pallas_kernels/ssd.py;
+its chunk loop in XLA, or the Pallas TPU kernel of ssd_tpu.py with model.linear_impl =
+pallas_tpu) over an [H, N, P] state, with the D skip; the output times silu(z), then an
+RMSNorm over each of the G groups of H / G heads (not per head, not over all: Nemotron-H's
 `NemotronHRMSNormGated`), in f32 with the weight applied before the one cast; the
 output projection.
 
@@ -29,6 +30,7 @@ from jaxfill.models.linear_state import LinearState
 from jaxfill.models.sharding import constrain, split_over_heads
 from jaxfill.pallas_kernels.ragged_scan import token_sequences
 from jaxfill.pallas_kernels.ssd import ssd_chunked, time_steps
+from jaxfill.pallas_kernels.ssd_tpu import ssd_tpu
 
 CONV_PARTS = ("x", "b", "c")  # one group's convolved channels, in order
 
@@ -64,7 +66,7 @@ class Mamba2(nnx.Module):
                  positions: jax.Array,  # [T] int32 (unused: the state carries position)
                  state: LinearState,
                  meta: AttentionMetadata,
-                 impl: str,  # unused (one algorithm today)
+                 impl: str,  # the attention impl (unused: model.linear_impl picks the scan's)
                  layer,
                  sampled_only: bool = False,
                  ) -> tuple[jax.Array, LinearState]:  # [T, E] ([S, E] if sampled_only), state
@@ -75,7 +77,8 @@ class Mamba2(nnx.Module):
                 tuple(getattr(self, "conv_bias_" + part)[...] for part in CONV_PARTS) if c.linear_conv_bias else None)
         heads = (self.dt_bias[...], self.a_log[...], self.d[...], self.norm[...])
         y, state = split_over_heads(
-            lambda *args: mix(*args, eps=c.rms_norm_eps, dt_limit=c.linear_dt_limit),
+            lambda *args: mix(*args, eps=c.rms_norm_eps, dt_limit=c.linear_dt_limit,
+                              kernel=c.linear_impl == "pallas_tpu"),
             (xs, b, cc, z, dt, conv, heads, state, meta),
             (1, 1, 1, 1, 1, 0, 0, LinearState(1, 1), None), (1, LinearState(1, 1)))
         if sampled_only:
@@ -95,6 +98,7 @@ def mix(x: jax.Array,  # [T, G, H/G P]  (one rank's groups throughout)
         meta: AttentionMetadata,
         eps: float,
         dt_limit: tuple | None,
+        kernel: bool = False,  # the chunk loop as the Pallas TPU kernel (auto: XLA, never measured on TPU)
         ) -> tuple[jax.Array, LinearState]:  # [T, H, P] in the model dtype, the new state
     """Convolution, SSD and gated per-group RMSNorm over a rank's groups."""
     f32, dtype = jnp.float32, x.dtype
@@ -113,8 +117,9 @@ def mix(x: jax.Array,  # [T, G, H/G P]  (one rank's groups throughout)
     xs, b, c = xbc[..., :w].reshape(t, h, p), xbc[..., w:w + n], xbc[..., w + n:]
     dt_bias, a_log, d, norm = heads
     a = -jnp.exp(a_log.astype(f32))
-    y, recurrent = ssd_chunked(xs, time_steps(dt, dt_bias, dt_limit), a, b, c, d, meta.cu_q_lens, meta.num_seqs,
-                               read.recurrent)
+    scan = ssd_tpu if kernel else ssd_chunked
+    y, recurrent = scan(xs, time_steps(dt, dt_bias, dt_limit), a, b, c, d, meta.cu_q_lens, meta.num_seqs,
+                        read.recurrent)
 
     # gate, then RMSNorm over each group of h / g heads, in f32; the weight before the cast
     y = (y * jax.nn.silu(z.astype(f32))).reshape(t, g, w)

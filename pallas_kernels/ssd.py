@@ -20,6 +20,8 @@ Two algorithms, the same function of their inputs:
     S_out = exp(G_last) S + (exp(G_last - G) dt B)^T x
   the intra-chunk part one decay-masked [C, C] matmul per head, the state passed
   between chunks by the loop.
+The chunk-local terms (`chunk_terms`) are shared with ssd_tpu.py, where XLA computes
+them for all chunks at once and a Pallas TPU kernel carries the state between chunks.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def _by_head(groups: jax.Array, heads: int) -> jax.Array:  # [..., G, N] -> [...
     return jnp.repeat(groups, heads // groups.shape[-2], axis=-2)
 
 
-def _token_step(a: jax.Array, d: jax.Array):  # a, d [H] f32
+def token_step(a: jax.Array, d: jax.Array):  # a, d [H] f32
     def step(state, x, dt, b, c):  # state [H, N, P]; x [H, P], dt [H], b, c [G, N]
         """The old state read once, the new one written once (a decode is bound by the
         state's bytes): y = S'^T c = exp(dt a) S^T c + dt (b.c) x, plus D x."""
@@ -57,25 +59,36 @@ def _token_step(a: jax.Array, d: jax.Array):  # a, d [H] f32
     return step
 
 
+def chunk_terms(x: jax.Array,  # [C, H, P] (rows past the sequence's end zero: no decay, no write)
+                dt: jax.Array,  # [C, H]
+                a: jax.Array,  # [H] f32
+                b: jax.Array,  # [C, G, N]
+                c: jax.Array,  # [C, G, N]
+                d: jax.Array,  # [H] f32
+                ) -> tuple:  # heads first: y_free [H, C, P], c_in [H, C, N], write [H, C, N], decay [H], x [H, C, P]
+    """One chunk's state-free terms: its output from its own rows (y_free), the readout of
+    the incoming state (y = y_free + c_in S), and the state update (S = decay S + write^T x)."""
+    n, h = x.shape[0], x.shape[1]
+    g = jnp.cumsum(dt * a, axis=0).T  # [H, C] cumulative log decay
+    lower = jnp.tril(jnp.ones((n, n), bool))
+    decay = jnp.where(lower, jnp.exp(jnp.where(lower, g[:, :, None] - g[:, None, :], 0.0)), 0.0)  # [H, C, C]
+    cb = jnp.einsum("ign,jgn->gij", c, b)  # [G, C, C]
+    cb = jnp.repeat(cb, h // cb.shape[0], axis=0)  # [H, C, C]
+    xh = x.transpose(1, 0, 2)  # [H, C, P]
+    bh, ch = _by_head(b, h).transpose(1, 0, 2), _by_head(c, h).transpose(1, 0, 2)  # [H, C, N]
+    y_free = jnp.einsum("hij,hjp->hip", cb * decay * dt.T[:, None, :], xh) + d[:, None, None] * xh
+    last = g[:, -1]  # [H]
+    write = bh * (jnp.exp(last[:, None] - g) * dt.T)[:, :, None]
+    return y_free, ch * jnp.exp(g)[:, :, None], write, jnp.exp(last), xh
+
+
 def _chunk_step(a: jax.Array, d: jax.Array):  # a, d [H] f32
     def step(state,  # [H, N, P] f32
-             x,  # [C, H, P] (rows past the sequence's end zero: no decay, no write)
-             dt,  # [C, H]
-             b, c,  # [C, G, N]
+             x, dt, b, c,  # one chunk's: [C, H, P], [C, H], [C, G, N] each
              ):  # -> y [C, H, P], state [H, N, P]
-        n, h = x.shape[0], x.shape[1]
-        g = jnp.cumsum(dt * a, axis=0).T  # [H, C] cumulative log decay
-        lower = jnp.tril(jnp.ones((n, n), bool))
-        decay = jnp.where(lower, jnp.exp(jnp.where(lower, g[:, :, None] - g[:, None, :], 0.0)), 0.0)  # [H, C, C]
-        cb = jnp.einsum("ign,jgn->gij", c, b)  # [G, C, C]
-        cb = jnp.repeat(cb, h // cb.shape[0], axis=0)  # [H, C, C]
-        xh = x.transpose(1, 0, 2)  # [H, C, P]
-        bh, ch = _by_head(b, h).transpose(1, 0, 2), _by_head(c, h).transpose(1, 0, 2)  # [H, C, N]
-        y = (jnp.einsum("hij,hjp->hip", cb * decay * dt.T[:, None, :], xh)
-             + jnp.einsum("hcn,hnp->hcp", ch * jnp.exp(g)[:, :, None], state) + d[:, None, None] * xh)
-        last = g[:, -1]  # [H]
-        write = bh * (jnp.exp(last[:, None] - g) * dt.T)[:, :, None]  # [H, C, N]
-        state = state * jnp.exp(last)[:, None, None] + jnp.einsum("hcn,hcp->hnp", write, xh)
+        y_free, c_in, write, decay, xh = chunk_terms(x, dt, a, b, c, d)
+        y = y_free + jnp.einsum("hcn,hnp->hcp", c_in, state)
+        state = state * decay[:, None, None] + jnp.einsum("hcn,hcp->hnp", write, xh)
         return y.transpose(1, 0, 2), state
     return step
 
@@ -91,7 +104,7 @@ def ssd_recurrent(x: jax.Array,  # [T, H, P]
                   states: jax.Array,  # [S, H, N, P] each sequence's state before its rows
                   ) -> tuple[jax.Array, jax.Array]:  # y [T, H, P] f32, states [S, H, N, P]
     f32 = jnp.float32
-    return scan_tokens(_token_step(a.astype(f32), d.astype(f32)), (x, dt, b, c), cu_q_lens, num_seqs, states)
+    return scan_tokens(token_step(a.astype(f32), d.astype(f32)), (x, dt, b, c), cu_q_lens, num_seqs, states)
 
 
 @functools.partial(jax.jit, static_argnames=("chunk",))
@@ -108,5 +121,5 @@ def ssd_chunked(x: jax.Array,  # [T, H, P]
                 ) -> tuple[jax.Array, jax.Array]:  # y [T, H, P] f32, states [S, H, N, P]
     f32 = jnp.float32
     a, d = a.astype(f32), d.astype(f32)
-    return scan_ragged(_token_step(a, d), _chunk_step(a, d), (x, dt, b, c), cu_q_lens, num_seqs, states,
+    return scan_ragged(token_step(a, d), _chunk_step(a, d), (x, dt, b, c), cu_q_lens, num_seqs, states,
                        chunk, x.shape[1:])

@@ -14,7 +14,8 @@ import pytest
 from jax import export
 
 from jaxfill.pallas_kernels.gated_delta_rule_tpu import gated_delta_rule_tpu
-from test_gated_delta_rule import BATCHES, LENS, check, inputs, oracle, run
+from scan_checks import check_against_oracle, check_kernel_model_equals_xla
+from test_gated_delta_rule import BATCHES, check, inputs, oracle, run
 
 
 @pytest.mark.parametrize("chunk", [8, 16])
@@ -22,11 +23,7 @@ def test_equals_the_float64_recurrence(chunk):
     args = inputs(np.random.default_rng(0))
     want_o, want_states = oracle(*args)
     o, st = run(gated_delta_rule_tpu, *args, chunk=chunk)
-    live = sum(LENS)
-    assert np.isfinite(o[:live]).all() and np.isfinite(st[:len(LENS)]).all()
-    np.testing.assert_allclose(o[:live], want_o, rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(st[:len(LENS)], want_states[:len(LENS)], rtol=1e-4, atol=1e-4)
-    assert np.isnan(st[len(LENS)]).all()  # the unused slot: never read, never written
+    check_against_oracle(o, st, want_o, want_states, 1e-4)
 
 
 @pytest.mark.parametrize("batch", ["decodes_between_chunks", "decodes_only"])
@@ -49,34 +46,12 @@ def test_lowers_for_tpu_at_qwen3_5_shapes():
 
 
 def test_the_model_with_the_kernel_equals_the_xla_loop(monkeypatch):
-    """A random Qwen3.5-shaped hybrid (4 layers, DeltaNet 2 key / 4 value heads of 16) with
-    model.linear_impl = pallas_tpu: a 40-token prefill in 16-token steps (the state carried
-    through its slot between steps) gives the XLA loop's logits."""
-    import dataclasses
+    """A random Qwen3.5-shaped hybrid (4 layers, DeltaNet 2 key / 4 value heads of 16)."""
+    from jaxfill.models import gated_deltanet
 
-    from flax import nnx
-
-    from jaxfill.engine.config import load_config
-    from jaxfill.engine.simple import prefill_chunks
-    from jaxfill.models.families.registry import new_model
-    from jaxfill.models.kv_cache import KVCache
-
-    config = load_config("tiny_random", {
+    check_kernel_model_equals_xla({
         "model.architecture": "Qwen3_5ForCausalLM", "model.hidden_size": 64, "model.intermediate_size": 128,
         "model.num_layers": 4, "model.num_heads": 4, "model.num_kv_heads": 2, "model.head_dim": 16,
         "model.rotary_dim": 4, "model.linear_layers": [0, 1, 2], "model.linear_num_key_heads": 2,
-        "model.linear_num_value_heads": 4, "model.linear_key_head_dim": 16, "model.linear_value_head_dim": 16}).model
-    prompt = [int(t) for t in np.random.default_rng(3).integers(0, config.vocab_size, 40)]
-    from jaxfill.models import gated_deltanet
-
-    calls = []
-    monkeypatch.setattr(gated_deltanet, "gated_delta_rule_tpu",
-                        lambda *a, **kw: calls.append(1) or gated_delta_rule_tpu(*a, **kw))
-    out = {}
-    for impl in ("xla", "pallas_tpu"):
-        c = dataclasses.replace(config, linear_impl=impl)
-        cache = KVCache.create(c, num_pages=8, page_size=16, fill_value=float("nan"), state_slots=2)
-        out[impl], _ = prefill_chunks(new_model(c, nnx.Rngs(0)), prompt, cache, [1, 2, 3], chunk=16)
-    assert calls  # the kernel ran (traced once per layer and step shape)
-    assert np.isfinite(np.asarray(out["pallas_tpu"])).all()
-    np.testing.assert_allclose(np.asarray(out["pallas_tpu"]), np.asarray(out["xla"]), rtol=1e-5, atol=1e-5)
+        "model.linear_num_value_heads": 4, "model.linear_key_head_dim": 16, "model.linear_value_head_dim": 16},
+        gated_deltanet, "gated_delta_rule_tpu", monkeypatch)
