@@ -25,16 +25,20 @@ def bucket(n: int, minimum: int = 16) -> int:
 
 
 def prefill_chunks(model, prompt: list[int], cache: KVCache, pages: list[int],
-                   chunk: int | None = None, start: int = 0):
-    """Runs `prompt[start:]` through the model in chunks; returns (last logits [V], cache)."""
+                   chunk: int | None = None, start: int = 0, step_rows: int | None = None):
+    """Runs `prompt[start:]` through the model in chunks; returns (last logits [V], cache).
+    `step_rows`: every step padded to that many rows instead of its bucket, so prompts of
+    any length (up to `chunk` <= step_rows per step) share one compiled program."""
     graphdef, state = nnx.split(model)
     page_size = cache.page_size
     chunk = chunk or len(prompt) - start
+    if step_rows:
+        chunk = min(chunk, step_rows)
     logits = None
     pos = start
     while pos < len(prompt):
         n = min(chunk, len(prompt) - pos)
-        padded = bucket(n)
+        padded = step_rows or bucket(n)
         tokens = np.zeros(padded, np.int32)
         tokens[:n] = prompt[pos:pos + n]
         positions = np.zeros(padded, np.int32)
@@ -47,10 +51,11 @@ def prefill_chunks(model, prompt: list[int], cache: KVCache, pages: list[int],
 
 def generate_one(model, prompt: list[int], cache: KVCache, max_tokens: int,
                  pages: list[int] | None = None, eos_token_ids=(), chunk: int | None = None,
-                 sample=None):
+                 sample=None, step_rows: int | None = None):
     """Greedy (or `sample(logits) -> id`) generation; returns (token ids, cache).
 
-    Pages default to 1.. in order; page 0 stays the null page.
+    Pages default to 1.. in order; page 0 stays the null page. `step_rows`: prefill_chunks'
+    (decode steps too: the prompt and every new token then run one compiled program).
     """
     page_size = cache.page_size
     needed = -(-(len(prompt) + max_tokens) // page_size)
@@ -58,7 +63,7 @@ def generate_one(model, prompt: list[int], cache: KVCache, max_tokens: int,
     if len(pages) < needed:
         raise ValueError(f"need {needed} pages for {len(prompt)}+{max_tokens} tokens, got {len(pages)}")
     pick = sample or (lambda logits: int(jnp.argmax(logits)))
-    logits, cache = prefill_chunks(model, prompt, cache, pages, chunk)
+    logits, cache = prefill_chunks(model, prompt, cache, pages, chunk, step_rows=step_rows)
     out: list[int] = []
     seq = list(prompt)
     while len(out) < max_tokens:
@@ -67,5 +72,5 @@ def generate_one(model, prompt: list[int], cache: KVCache, max_tokens: int,
         seq.append(token)
         if token in eos_token_ids or len(out) == max_tokens:
             break
-        logits, cache = prefill_chunks(model, seq, cache, pages, start=len(seq) - 1)
+        logits, cache = prefill_chunks(model, seq, cache, pages, start=len(seq) - 1, step_rows=step_rows)
     return out, cache
