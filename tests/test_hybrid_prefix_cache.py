@@ -133,9 +133,25 @@ def test_resume_needs_a_snapshot_at_a_boundary_and_eviction_prefers_stale():
     s.record(2, hashes[11])
     assert s.take_copies(lambda h: True) == [(2, 5)]  # LRU: hashes[7] goes
     assert s.resume_pages(hashes, 8) == 12
+    assert s.take_copies(lambda h: True) == []  # nothing pending; hashes[11]'s page seen cached
     s.record(3, hashes[7])
     assert s.take_copies(lambda h: h != hashes[11]) == [(3, 5)]  # stale first, though more recent
     assert s.resume_pages(hashes, 8) == 8
+
+
+def test_a_snapshot_whose_page_is_not_cached_yet_is_not_stale():
+    """Async scheduling: a snapshot taken for the step in flight has a boundary page the
+    prefix cache registers only when that step's results return. Evicting it as stale
+    would drop the newest snapshot every time (prefix hits then depend on luck with 2 slots)."""
+    hashes = prefix_hashes(list(range(96)), 8)
+    s = StateSnapshots(interval=32, first_slot=4, num_slots=2)
+    registered = {hashes[3]}
+    s.record(0, hashes[3])
+    s.record(1, hashes[7])  # its page not registered yet
+    assert s.take_copies(registered.__contains__) == [(0, 4), (1, 5)]
+    s.record(2, hashes[11])
+    assert s.take_copies(registered.__contains__) == [(2, 4)]  # LRU: hashes[3], not the young hashes[7]
+    assert hashes[7] in s.slots
     s.clear()
     assert s.resume_pages(hashes, 8) == 0 and sorted(s.free) == [4, 5]
 

@@ -14,6 +14,8 @@ are recorded when the step is dispatched (`record`) and copied before the next s
 runs (`take_copies`): the device runs the copy after the step that computed the state
 and before any later step writes that working slot. A snapshot whose boundary page has
 left the prefix cache goes first when a slot is needed, then the least recently used.
+"Left" means it was cached once: under async scheduling a fresh snapshot's page joins the
+cache only when its step's results come back, and must not count as stale before that.
 
 With the host tier (engine/host_kv_tier.py) a snapshot leaving its slot is saved there
 (`take_evicted`: gathered before the copy that reuses the slot), so prefix pages that
@@ -43,6 +45,7 @@ class StateSnapshots:
         self.on_host = on_host
         self.evicted: list[tuple[int, bytes]] = []  # (snapshot slot, hash) leaving the device, to save
         self.host_hits = 0  # admissions that resumed from a snapshot the host tier kept
+        self.seen_cached: set[bytes] = set()  # snapshots whose boundary page the prefix cache has held
 
     # ------------------------------------------------------------------ chunks
     def cut(self, start: int, n: int, known: int) -> int:
@@ -66,6 +69,7 @@ class StateSnapshots:
         """(working slot, snapshot slot) copies for the pending snapshots, to run before
         the next step; `is_cached(h)` says whether a boundary page is still cached."""
         copies: dict[int, int] = {}  # snapshot slot -> working slot
+        self.seen_cached.update(h for h in self.slots if is_cached(h))
         for working, h in self.pending:
             if h in self.slots:
                 continue
@@ -83,8 +87,9 @@ class StateSnapshots:
         """A slot for a new snapshot, and the hash of the snapshot it held (None: a free one)."""
         if self.free:
             return self.free.pop(), None
-        stale = next((h for h in self.slots if not is_cached(h)), None)
+        stale = next((h for h in self.slots if h in self.seen_cached and not is_cached(h)), None)
         old, slot = self.slots.popitem(last=False) if stale is None else (stale, self.slots.pop(stale))
+        self.seen_cached.discard(old)
         return slot, old
 
     def take_evicted(self) -> list[tuple[int, bytes]]:
@@ -117,6 +122,7 @@ class StateSnapshots:
         """The state arrays were lost (a cache reset): no snapshot can be trusted."""
         self.free += list(self.slots.values())
         self.slots.clear()
+        self.seen_cached.clear()
         self.pending = []
         self.evicted = []  # their slots' contents were lost with the arrays
 
