@@ -141,7 +141,7 @@ class HostKVTier:
     def has_snapshot(self, h: bytes) -> bool:
         return snapshot_key(h) in self.blocks
 
-    def take_snapshot(self, h: bytes) -> StateSnapshot | None:
+    def get_snapshot(self, h: bytes) -> StateSnapshot | None:
         """The state snapshot at page hash h (now the most recently used), or None."""
         key = snapshot_key(h)
         if key not in self.blocks:

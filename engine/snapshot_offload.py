@@ -54,7 +54,7 @@ class SnapshotOffload:
     def restore(self, cache, h: bytes, slot: int):
         """A new cache with the host's snapshot at h written into `slot` (the old cache is
         donated), or None when the tier no longer holds it (the cache is untouched)."""
-        snap = self.tier.take_snapshot(h)
+        snap = self.tier.get_snapshot(h)
         if snap is None:
             return None
         self.num_restored += 1

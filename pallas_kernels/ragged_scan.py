@@ -103,13 +103,19 @@ def step_decodes(step: Callable,  # (state f32, *row inputs) -> (out row, state)
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:  # out [S, ...] f32, states [S, ...], rows [S]
     """The token step for every decode at once: each sequence's row gathered, one step
     vmapped over [S, ...], the others' states kept. `rows` (T for non-decodes) says where
-    each output goes: `out_all.at[rows].set(out, mode="drop")`."""
+    each output goes: `out_all.at[rows].set(out, mode="drop")`. A step without decodes
+    skips the pass over the states (lax.cond): prefill-only steps pay nothing for it."""
     t = xs[0].shape[0]
     rows = decodes(cu_q_lens, num_seqs, t)
     one = rows < t
     row_xs = tuple(jnp.take(x.astype(jnp.float32), jnp.minimum(rows, t - 1), axis=0) for x in xs)  # [S, ...]
-    o, new = jax.vmap(step)(states.astype(jnp.float32), *row_xs)
-    new = jnp.where(one.reshape((-1,) + (1,) * (states.ndim - 1)), new.astype(states.dtype), states)
+
+    def stepped(states):
+        o, new = jax.vmap(step)(states.astype(jnp.float32), *row_xs)
+        return o, jnp.where(one.reshape((-1,) + (1,) * (states.ndim - 1)), new.astype(states.dtype), states)
+
+    o_shape = jax.eval_shape(stepped, states)[0]
+    o, new = jax.lax.cond(jnp.any(one), stepped, lambda st: (jnp.zeros(o_shape.shape, o_shape.dtype), st), states)
     return o, new, rows
 
 

@@ -126,9 +126,9 @@ def test_snapshots_share_the_tier_budget_and_make_no_kv_events():
     tier.put_snapshot(b"a" * 16, snap)
     assert tier.has_snapshot(b"a" * 16) and tier.peek(b"a" * 16) == "host"
     tier.put(b"b" * 16, small)  # 3168 bytes: the least recently used (the page) goes
-    assert tier.peek(b"a" * 16) is None and tier.take_snapshot(b"a" * 16) is snap
+    assert tier.peek(b"a" * 16) is None and tier.get_snapshot(b"a" * 16) is snap
     st = tier.stats()
     assert st["host_kv_pages_used"] == 1 and st["host_state_snapshots"] == 1 and st["host_kv_cache_bytes"] == 2144
     assert events == ["stored", "removed", "stored"]
     tier.clear()
-    assert tier.stats()["host_state_snapshots"] == 0 and tier.take_snapshot(b"a" * 16) is None
+    assert tier.stats()["host_state_snapshots"] == 0 and tier.get_snapshot(b"a" * 16) is None
