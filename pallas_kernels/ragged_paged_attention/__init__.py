@@ -81,22 +81,36 @@ def ragged_paged_attention(
     kv_scales: jax.Array | None = None,  # [num_pages, page_size, 2 * Hkv] f32 for int8/fp8 pages
     sinks: jax.Array | None = None,  # [Hq] f32, natural-log units
     kv_shared: bool = False,  # pages [.., Hkv, D] hold K only; V is K (multi-head latent attention)
-) -> jax.Array:  # [T, Hq, D]
+    kv_stride: int = 1,  # context parallelism: these pages hold logical pages kv_offset + i * kv_stride
+    kv_offset: jax.Array | None = None,  # int32 scalar: this rank (stripes.py)
+    return_lse: bool = False,  # also each row's log-sum-exp [T, Hq] f32; out in f32
+):  # [T, Hq, D] (and [T, Hq] with return_lse)
     """`kv_pages` may be a QuantizedPages (or int8/fp8 values with `kv_scales`): every
     impl dequantizes block by block inside the kernel (kv_quant.py).
 
     `sinks` (gpt-oss attention sinks): one learned logit per query head, an extra term
     exp(sinks[h]) in every row's softmax denominator with no value vector, so a head can
     put weight on "nothing": p_j = exp(s_j) / (sum_k exp(s_k) + exp(sinks[h])), s_j the
-    scores after sm_scale and soft cap. Online softmax impls add it once, at the end."""
+    scores after sm_scale and soft cap. Online softmax impls add it once, at the end.
+
+    `kv_stride` / `kv_offset` / `return_lse` serve context parallelism (models/sharding.py):
+    one rank's share of every sequence's keys, and what it takes to merge the ranks'
+    partial outputs. Only `xla` and `reference` take them so far ("auto" picks xla)."""
     if isinstance(kv_pages, QuantizedPages):
         if kv_scales is not None:
             raise ValueError("QuantizedPages carry their own scales: do not pass kv_scales too")
         kv_pages, kv_scales = kv_pages.values, kv_pages.scales
     validate(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales, sinks, kv_shared)
-    module, fn = IMPLS[resolve_impl(impl)]
+    context = kv_stride > 1 or return_lse
+    name = "xla" if context and impl == "auto" else resolve_impl(impl)
+    if context and name not in ("xla", "reference"):
+        raise ValueError(f"attention impl {name!r} does not take a context-parallel share of the pages "
+                         f"(mesh.sequence > 1) yet: use impl='xla' (or 'auto')")
+    module, fn = IMPLS[name]
     kernel = getattr(importlib.import_module(module), fn)
     extra = {"kv_shared": True} if kv_shared else {}  # impls without it refuse shared pages (TypeError)
+    if context:
+        extra.update(kv_stride=kv_stride, kv_offset=kv_offset, return_lse=return_lse)
     return kernel(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
                   sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                   kv_scales=kv_scales, sinks=sinks, **extra)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from jaxfill.pallas_kernels.kv_cache import split_kv
 from jaxfill.pallas_kernels.kv_quant import dequantize
+from jaxfill.pallas_kernels.ragged_paged_attention.stripes import stripes
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: no inf - inf = NaN
 
@@ -49,7 +50,10 @@ def ragged_paged_attention_reference(
     kv_scales: jax.Array | None = None,  # [num_pages, page_size, 2 * Hkv] f32 (int8/fp8 pages)
     sinks: jax.Array | None = None,  # [Hq] f32, natural-log units
     kv_shared: bool = False,  # pages [.., Hkv, D]: K only, V is K
-) -> jax.Array:  # [T, Hq, D]
+    kv_stride: int = 1,  # context parallelism: pages hold logical pages kv_offset + i * kv_stride
+    kv_offset: jax.Array | None = None,  # int32 scalar (stripes.py)
+    return_lse: bool = False,  # also each row's log-sum-exp [T, Hq] f32 (-inf: no key), out in f32
+):  # [T, Hq, D] (and [T, Hq] with return_lse)
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, combined, _ = kv_pages.shape
     num_kv_heads = combined if kv_shared else combined // 2
@@ -57,7 +61,7 @@ def ragged_paged_attention_reference(
     max_kv = page_indices.shape[1] * page_size
     seq_of, pos, valid = token_layout(cu_q_lens, kv_lens, num_seqs, num_tokens)
     qf = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
-    key_pos = jnp.arange(max_kv, dtype=jnp.int32)
+    key_pos = stripes(kv_stride, kv_offset, page_size).to_global(jnp.arange(max_kv, dtype=jnp.int32))
 
     def one_sequence(s, out):
         kv = kv_pages[page_indices[s]].reshape(max_kv, combined, head_dim)
@@ -74,16 +78,21 @@ def ragged_paged_attention_reference(
         if sliding_window is not None:
             visible &= key_pos[None, :] > pos[:, None] - sliding_window
         scores = jnp.where(visible[:, None, None, :], scores, MASK_VALUE)
+        seen = jnp.any(visible, axis=-1)[:, None, None]  # [T, 1, 1]
+        lse = jnp.where(seen, jax.nn.logsumexp(scores, axis=-1), -jnp.inf)  # [T, Hkv, G]
         if sinks is None:
             probs = jax.nn.softmax(scores, axis=-1)
         else:
             sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(num_kv_heads, group, 1),
                                     scores.shape[:-1] + (1,))
             probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
-        o = jnp.einsum("thgk,khd->thgd", probs, v)
+        o = jnp.where(seen[..., None], jnp.einsum("thgk,khd->thgd", probs, v), 0.0)
         mine = (seq_of == s) & valid
-        return jnp.where(mine[:, None, None, None], o, out)
+        return (jnp.where(mine[:, None, None, None], o, out[0]), jnp.where(mine[:, None, None], lse, out[1]))
 
-    out = jnp.zeros_like(qf)
-    out = jax.lax.fori_loop(0, num_seqs[0], one_sequence, out)
-    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+    out = (jnp.zeros_like(qf), jnp.full(qf.shape[:3], -jnp.inf, jnp.float32))
+    out, lse = jax.lax.fori_loop(0, num_seqs[0], one_sequence, out)
+    out = out.reshape(num_tokens, num_q_heads, head_dim)
+    if return_lse:
+        return out, lse.reshape(num_tokens, num_q_heads)
+    return out.astype(q.dtype)

@@ -43,6 +43,7 @@ from jax import lax
 
 from jaxfill.pallas_kernels.kv_cache import kv_slots, split_kv
 from jaxfill.pallas_kernels.kv_quant import dequantize
+from jaxfill.pallas_kernels.ragged_paged_attention.stripes import stripes
 from jaxfill.pallas_kernels.ragged_paged_attention.block_sizes import (
     kv_block, xla_block_sizes, xla_diagonal_splits, xla_parallel_loops)
 
@@ -91,8 +92,11 @@ def work_items(cu_q_lens,  # [S+1] int32, sanitized
     return blk, seq, num_items
 
 
-def item_bounds(b, s, cu, kv_lens, block_q: int, block_kv: int, sliding_window):
-    """Rows, positions and KV block ranges of one item; all int32 scalars."""
+def item_bounds(b, s, cu, kv_lens, block_q: int, block_kv: int, sliding_window, stripes=None):
+    """Rows, positions and KV block ranges of one item; all int32 scalars. Positions are
+    the sequence's; KV blocks count this rank's keys (`stripes`, see stripes.py: the same
+    thing without context parallelism)."""
+    count = (lambda x: jnp.maximum(x, 0)) if stripes is None else stripes.local_count
     q_start, q_end = cu[s], cu[s + 1]
     kv_len = kv_lens[s]
     ctx = kv_len - (q_end - q_start)  # position of the sequence's first new token
@@ -105,18 +109,18 @@ def item_bounds(b, s, cu, kv_lens, block_q: int, block_kv: int, sliding_window):
     # lax.div on clamped non-negative operands: plain truncating division, which every
     # backend (XLA, Mosaic scalar core, Triton) lowers; `//` would add sign fix-ups.
     div = lambda x, y: lax.div(jnp.maximum(x, 0), jnp.int32(y))
-    kv_hi = jnp.where(empty, 0, div(jnp.minimum(pmax + 1, kv_len) + block_kv - 1, block_kv))
+    kv_hi = jnp.where(empty, 0, div(count(jnp.minimum(pmax + 1, kv_len)) + block_kv - 1, block_kv))
     if sliding_window is None:
         kv_lo = jnp.int32(0)
         a = jnp.int32(0)
     else:
         w = sliding_window
-        kv_lo = div(pmin - w + 1, block_kv)
+        kv_lo = div(count(pmin - w + 1), block_kv)
         # Blocks from `a` on have every key newer than pmax - W: visible to all rows.
-        a = div(pmax - w + 1 + block_kv - 1, block_kv)
+        a = div(count(pmax - w + 1) + block_kv - 1, block_kv)
     kv_lo = jnp.minimum(kv_lo, kv_hi)
     a = jnp.clip(a, kv_lo, kv_hi)
-    c = jnp.clip(div(pmin + 1, block_kv), a, kv_hi)  # blocks before c end at or below pmin
+    c = jnp.clip(div(count(pmin + 1), block_kv), a, kv_hi)  # blocks before c end at or below pmin
     return dict(q_start=q_start, ctx=ctx, kv_len=kv_len, r0=r0, lo=lo, hi=hi,
                 kv_lo=kv_lo, a=a, c=c, kv_hi=kv_hi)
 
@@ -159,6 +163,12 @@ def _normalize(acc,  # [..., R, D'] f32
     return acc / jnp.where(l > 0, l, 1.0)[..., None]
 
 
+def _lse(m,  # [..., R] f32 running max (log2 units)
+         l):  # [..., R] f32 denominator
+    """Natural-log log-sum-exp of a row's scores; -inf for a row that saw no key."""
+    return jnp.where(l > 0, (m + jnp.log2(jnp.where(l > 0, l, 1.0))) / LOG2E, -jnp.inf)
+
+
 # --------------------------------------------------------------------------- kernel
 def _attend(q,  # [T_pad, Hkv', G', D] unscaled q, T_pad a multiple of bq; R = G' * bq
             kv_pages,  # [num_pages, page_size, 2 * Hkv', D]
@@ -168,8 +178,9 @@ def _attend(q,  # [T_pad, Hkv', G', D] unscaled q, T_pad a multiple of bq; R = G
             cu, kv_lens, item_block, item_seq, num_items,
             seq_skip,  # [S] bool: sequences another path serves (their items do nothing)
             *, q_scale, bq, bk, ppb, sliding_window, soft_cap, exp2_fn, sum_pad, diag_splits,
-            kv_shared=False):
-    """One independent loop over all items for a subset of heads: out [T_pad, Hkv', G', D] f32.
+            kv_shared=False, stripes=None, want_lse=False):
+    """One independent loop over all items for a subset of heads: out [T_pad, Hkv', G', D] f32,
+    and with `want_lse` each row's log-sum-exp [T_pad, Hkv', G'] f32 (-inf: no key seen).
 
     Each item scales and stacks its own query block and writes its rows straight into
     token layout, so no [T, Hq, D]-sized pass runs before or after the loop.
@@ -220,7 +231,7 @@ def _attend(q,  # [T_pad, Hkv', G', D] unscaled q, T_pad a multiple of bq; R = G
     def masked_update(carry, s, qb, row_pos, key0, nkeys, key_end):
         """One masked step over keys [key0, key0 + nkeys); keys >= key_end are zeroed."""
         k, v = load_kv(s, key0 // page_size, nkeys // page_size)
-        key_pos = key0 + jnp.arange(nkeys, dtype=jnp.int32)
+        key_pos = stripes.to_global(key0 + jnp.arange(nkeys, dtype=jnp.int32))
         in_len = (key_pos < key_end)[None, :, None]
         k = jnp.where(in_len, k, jnp.zeros((), k.dtype))
         v = jnp.where(in_len, v, jnp.zeros((), v.dtype))
@@ -237,9 +248,9 @@ def _attend(q,  # [T_pad, Hkv', G', D] unscaled q, T_pad a multiple of bq; R = G
         y = lax.index_in_dim(y, chunk, axis + 1, keepdims=False)
         return y.reshape(shape[:axis] + (group * bq_sub,) + shape[axis + 1:])
 
-    def one_item(i, out):
+    def one_item(i, outs_so_far):
         b, s = item_block[i], item_seq[i]
-        ib = item_bounds(b, s, cu, kv_lens, bq, bk, sliding_window)
+        ib = item_bounds(b, s, cu, kv_lens, bq, bk, sliding_window, stripes)
         skip = seq_skip[s]
         for edge in ("a", "c", "kv_hi"):  # a skipped item runs no KV block at all
             ib[edge] = jnp.where(skip, ib["kv_lo"], ib[edge])
@@ -263,12 +274,12 @@ def _attend(q,  # [T_pad, Hkv', G', D] unscaled q, T_pad a multiple of bq; R = G
         carry = lax.fori_loop(ib["a"], ib["c"], full_step, carry)
         tail0 = ib["c"] * bk
         tail_len = (ib["kv_hi"] - ib["c"]) * bk
-        outs = []
+        outs, lses = [], []
         for chunk in range(nsub):  # static: each chunk has its own window width
             width = (chunk + 1) * (bk // nsub)
             c_hi = jnp.minimum(ib["r0"] + (chunk + 1) * bq_sub, ib["hi"])
             key_end = jnp.minimum(ib["ctx"] + c_hi - ib["q_start"], ib["kv_len"])
-            need = jnp.clip(key_end - tail0, 0, tail_len)
+            need = jnp.clip(stripes.local_count(key_end) - tail0, 0, tail_len)
             steps = lax.div(need + width - 1, jnp.int32(width))
             q_c, pos_c = rows_of(qb, chunk, 1), rows_of(row_pos, chunk, 0)
             c_carry = tuple(rows_of(x, chunk, 1) for x in carry)
@@ -279,15 +290,27 @@ def _attend(q,  # [T_pad, Hkv', G', D] unscaled q, T_pad a multiple of bq; R = G
             if sum_pad:
                 l, acc = acc[..., head_dim], acc[..., :head_dim]
             outs.append(_normalize(acc, l, m, sink_rows))
+            lses.append(_lse(m, l))
         o = jnp.stack([x.reshape(num_kv_heads, group, bq_sub, head_dim) for x in outs], axis=2)
         o = o.reshape(num_kv_heads, group, bq, head_dim).transpose(2, 0, 1, 3)  # [bq, Hkv', G', D]
+        new = (o,)
+        if want_lse:
+            e = jnp.stack([x.reshape(num_kv_heads, group, bq_sub) for x in lses], axis=2)
+            new += (e.reshape(num_kv_heads, group, bq).transpose(2, 0, 1),)  # [bq, Hkv', G']
         tok = ib["r0"] + jnp.arange(bq, dtype=jnp.int32)
         mine = (tok >= ib["lo"]) & (tok < ib["hi"]) & ~skip
-        o = jnp.where(mine[:, None, None, None], o, lax.dynamic_slice_in_dim(out, b * bq, bq))
-        return lax.dynamic_update_slice_in_dim(out, o, b * bq, 0)
 
-    out = jnp.zeros((t_pad, num_kv_heads, group, head_dim), jnp.float32)
-    return lax.fori_loop(0, num_items, one_item, out)
+        def put(out, o):
+            keep = mine.reshape((bq,) + (1,) * (o.ndim - 1))
+            o = jnp.where(keep, o, lax.dynamic_slice_in_dim(out, b * bq, bq))
+            return lax.dynamic_update_slice_in_dim(out, o, b * bq, 0)
+        return tuple(put(out, o) for out, o in zip(outs_so_far, new))
+
+    init = (jnp.zeros((t_pad, num_kv_heads, group, head_dim), jnp.float32),)
+    if want_lse:
+        init += (jnp.full((t_pad, num_kv_heads, group), -jnp.inf, jnp.float32),)
+    res = lax.fori_loop(0, num_items, one_item, init)
+    return res if want_lse else res[0]
 
 
 def _attend_short(qs,  # [T, Hq, D] scaled q (log2 units unless soft_cap)
@@ -295,10 +318,12 @@ def _attend_short(qs,  # [T, Hq, D] scaled q (log2 units unless soft_cap)
                   sinks,  # [Hkv, G] f32 attention sinks in log2 units, or None
                   pidx, cu, kv_lens, num_seqs,
                   seq_mask,  # [S] bool: the sequences this path serves (each <= q_max new tokens)
-                  *, q_max, bk, ppb, sliding_window, soft_cap, exp2_fn, kv_shared=False):
+                  *, q_max, bk, ppb, sliding_window, soft_cap, exp2_fn, kv_shared=False,
+                  stripes, want_lse=False):
     """Sequence-batched path for sequences with <= q_max new tokens (decode, speculative
     decode): one loop over KV blocks, all of them at once, instead of one item per
-    sequence. Returns out [T, Hq, D] f32, zeros on rows of other sequences and padding."""
+    sequence. Returns out [T, Hq, D] f32, zeros on rows of other sequences and padding
+    (and with `want_lse` the rows' log-sum-exp [T, Hq] f32, -inf there)."""
     num_tokens, num_q_heads, head_dim = qs.shape
     combined = kv_pages.shape[2]
     num_kv_heads = combined if kv_shared else combined // 2
@@ -318,12 +343,12 @@ def _attend_short(qs,  # [T, Hq, D] scaled q (log2 units unless soft_cap)
     rows = group * q_max
     qb = qb.reshape(num_slots, num_kv_heads, rows, head_dim)
     row_pos = jnp.tile(pos, (1, group))  # [S, R] g-major, like qb's rows
-    nkb = -(-kv_len // bk)
+    nkb = -(-stripes.local_count(kv_len) // bk)
     j_hi = jnp.max(nkb)
     if sliding_window is None:
         j_lo = jnp.int32(0)
     else:
-        first = jnp.maximum(pos[:, 0] - sliding_window + 1, 0) // bk
+        first = stripes.local_count(pos[:, 0] - sliding_window + 1) // bk
         j_lo = jnp.min(jnp.where(q_len > 0, first, j_hi))
     key_iota = jnp.arange(bk, dtype=jnp.int32)
 
@@ -333,7 +358,7 @@ def _attend_short(qs,  # [T, Hq, D] scaled q (log2 units unless soft_cap)
         kv = kv_pages[ids].reshape(num_slots, bk, combined, head_dim)
         if kv_scales is not None:
             kv = dequantize(kv, kv_scales[ids].reshape(num_slots, bk, combined), cdt)
-        key_pos = j * bk + key_iota
+        key_pos = stripes.to_global(j * bk + key_iota)
         in_len = key_pos[None, :] < kv_len[:, None]  # [S, bk]
         kv = jnp.where(in_len[:, :, None, None], kv, jnp.zeros((), kv.dtype))
         k, v = (x.transpose(0, 2, 1, 3) for x in split_kv(kv, kv_shared))  # [S, Hkv, bk, D]
@@ -360,12 +385,18 @@ def _attend_short(qs,  # [T, Hq, D] scaled q (log2 units unless soft_cap)
     o = o.reshape(num_slots, num_kv_heads, group, q_max, head_dim).transpose(0, 3, 1, 2, 4)
     o = o.reshape(num_slots * q_max, num_q_heads, head_dim)
     out = jnp.zeros((num_tokens, num_q_heads, head_dim), jnp.float32)
-    return out.at[tok.reshape(-1)].set(o, mode="drop")
+    out = out.at[tok.reshape(-1)].set(o, mode="drop")
+    if not want_lse:
+        return out
+    e = _lse(m, l).reshape(num_slots, num_kv_heads, group, q_max).transpose(0, 3, 1, 2)
+    lse = jnp.full((num_tokens, num_q_heads), -jnp.inf, jnp.float32)
+    return out, lse.at[tok.reshape(-1)].set(e.reshape(num_slots * q_max, num_q_heads), mode="drop")
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap",
                                              "block_q", "block_kv", "fast_exp", "sum_pad",
-                                             "par", "short_q", "diag_splits", "kv_shared"))
+                                             "par", "short_q", "diag_splits", "kv_shared",
+                                             "kv_stride", "return_lse"))
 def ragged_paged_attention_xla(
     q: jax.Array,  # [T, Hq, D]
     kv_pages: jax.Array,  # [num_pages, page_size, 2 * Hkv, D]
@@ -387,9 +418,13 @@ def ragged_paged_attention_xla(
     kv_scales: jax.Array | None = None,  # [num_pages, page_size, 2 * Hkv] f32 (int8/fp8 pages)
     sinks: jax.Array | None = None,  # [Hq] f32 attention sinks, natural-log units
     kv_shared: bool = False,  # pages [.., Hkv, D]: K only, V is K
-) -> jax.Array:  # [T, Hq, D]
+    kv_stride: int = 1,  # context parallelism: this rank holds logical pages kv_offset + i * kv_stride
+    kv_offset: jax.Array | None = None,  # int32 scalar, the rank (stripes.py)
+    return_lse: bool = False,  # also each row's log-sum-exp [T, Hq] f32 (-inf: no key), out in f32
+):  # [T, Hq, D] (and [T, Hq] with return_lse)
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, combined, _ = kv_pages.shape
+    keys = stripes(kv_stride, kv_offset, page_size)
     num_kv_heads = combined if kv_shared else combined // 2
     group = num_q_heads // num_kv_heads
     num_slots, max_pages = page_indices.shape
@@ -431,11 +466,15 @@ def ragged_paged_attention_xla(
         return _by_items(q, kv_pages, kv_scales, sinks2, pidx, cu, kv_lens, item_block, item_seq,
                          num_items, seq_skip, q_scale=q_scale, bq=bq, bk=bk, ppb=ppb, par=par,
                          sliding_window=sliding_window, soft_cap=soft_cap, exp2_fn=exp2_fn,
-                         sum_pad=sum_pad, diag_splits=diag_splits, kv_shared=kv_shared)
+                         sum_pad=sum_pad, diag_splits=diag_splits, kv_shared=kv_shared,
+                         stripes=keys, want_lse=return_lse)
+
+    def finish(res):  # the output in q's dtype; with its LSE, both f32 (they are merged next)
+        return res if return_lse else res.astype(q.dtype)
 
     q_max = min(short_q, num_tokens)
     if q_max <= 0 or num_tokens <= q_max:
-        return by_items(q).astype(q.dtype)
+        return finish(by_items(q))
     bk_short = kv_block(page_size, 128)
     ppb_short = bk_short // page_size
     pidx_short = jnp.pad(pidx, ((0, 0), (0, -pidx.shape[1] % ppb_short)))
@@ -447,28 +486,29 @@ def ragged_paged_attention_xla(
         return _attend_short(q_scaled, kv_pages, kv_scales, sinks2, pidx_short, cu, kv_lens, num_seqs, seq_mask,
                              q_max=q_max, bk=bk_short, ppb=ppb_short,
                              sliding_window=sliding_window, soft_cap=soft_cap,
-                             exp2_fn=exp2_fn, kv_shared=kv_shared)
+                             exp2_fn=exp2_fn, kv_shared=kv_shared, stripes=keys, want_lse=return_lse)
 
     def mixed(q):
         """Prefill chunks by items, decodes batched: a decode row alone in its item would
         cost a whole block_q-row query block."""
         row_seq = jnp.searchsorted(cu[1:], jnp.arange(num_tokens, dtype=jnp.int32), side="right")
         short_row = is_short[jnp.minimum(row_seq, num_slots - 1)]  # [T]
-        return jnp.where(short_row[:, None, None], short(q, is_short), by_items(q, is_short))
+        return jax.tree.map(lambda a, b: jnp.where(short_row.reshape((-1,) + (1,) * (a.ndim - 1)), a, b),
+                            short(q, is_short), by_items(q, is_short))
 
     # All short: the batched path alone; none short (a prefill): the items alone, so a
     # prefill pays for neither the batched path's [T, Hq, D] output nor the merge.
     branch = jnp.where(jnp.all(is_short), 0, jnp.where(jnp.any(is_short), 1, 2))
-    out = lax.switch(branch, [short, mixed, by_items], q)
-    return out.astype(q.dtype)
+    return finish(lax.switch(branch, [short, mixed, by_items], q))
 
 
 def _by_items(q, kv_pages, kv_scales,
               sinks,  # [Hkv, G] f32 attention sinks in log2 units, or None
               pidx, cu, kv_lens, item_block, item_seq, num_items, seq_skip, *,
               q_scale, bq, bk, ppb, par, sliding_window, soft_cap, exp2_fn, sum_pad, diag_splits,
-              kv_shared=False):
-    """The item path: q [T, Hq, D] unscaled; returns out [T, Hq, D] f32."""
+              kv_shared=False, stripes, want_lse=False):
+    """The item path: q [T, Hq, D] unscaled; returns out [T, Hq, D] f32 (and its LSE
+    [T, Hq] f32 with want_lse)."""
     num_tokens, num_q_heads, head_dim = q.shape
     per = 1 if kv_shared else 2  # page entries per KV head
     num_kv_heads = kv_pages.shape[2] // per
@@ -495,7 +535,12 @@ def _by_items(q, kv_pages, kv_scales,
             sinks if sinks is None or len(splits) == 1 else sinks[h0:h0 + nh, g0:g0 + ng],
             pidx, cu, kv_lens, item_block, item_seq, num_items, seq_skip, q_scale=q_scale,
             bq=bq, bk=bk, ppb=ppb, sliding_window=sliding_window, soft_cap=soft_cap,
-            exp2_fn=exp2_fn, sum_pad=sum_pad, diag_splits=diag_splits, kv_shared=kv_shared))
-    out = outs[0] if len(outs) == 1 else jnp.concatenate(
-        outs, axis=1 if splits[0][3] == group else 2)
-    return out.reshape(t_pad, num_q_heads, head_dim)[:num_tokens]
+            exp2_fn=exp2_fn, sum_pad=sum_pad, diag_splits=diag_splits, kv_shared=kv_shared,
+            stripes=stripes, want_lse=want_lse))
+    axis = 1 if splits[0][3] == group else 2
+    join = lambda parts: parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=axis)
+    if not want_lse:
+        return join(outs).reshape(t_pad, num_q_heads, head_dim)[:num_tokens]
+    out, lse = join([o for o, _ in outs]), join([e for _, e in outs])
+    return (out.reshape(t_pad, num_q_heads, head_dim)[:num_tokens],
+            lse.reshape(t_pad, num_q_heads)[:num_tokens])
