@@ -17,6 +17,13 @@ so equal hashes mean equal whole prefixes (and equal salts).
 ("removed", hash) when allocation evicts it, ("cleared",) on a reset. It must only
 record (the serving loop queues the events and publishes them after the step).
 
+`ranks` > 1 (context parallelism, mesh.sequence): the pool is dealt over the ranks, rank
+r owning ids [r * P/N, (r + 1) * P/N), and a request's logical page j must come from
+rank j mod N (models/context_parallel.py). Each rank has its own free queue (its own
+LRU); `allocate` and `can_allocate` take the logical index of the first page asked for,
+or the logical indices themselves. A prefix-cache hit needs no rule: a cached page was
+allocated at the same logical index it is found at.
+
 `on_evict` (None by default; the host tier's engine/kv_offload.py) hears
 (page, hash, parent hash, tokens) as allocation evicts a cached page, before the page is
 handed out: its K/V are still intact until the next write to the cache.
@@ -54,16 +61,22 @@ def prefix_hashes(tokens: Sequence[int], page_size: int, salt: str | None = None
 
 
 class BlockManager:
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
-        if num_pages < 2:
-            raise ValueError("need at least 2 pages (page 0 is the null page)")
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True, ranks: int = 1):
+        if num_pages < 2 * ranks or num_pages % ranks:
+            raise ValueError(f"need a multiple of {ranks} pages, at least 2 per rank (page 0 is the null page), "
+                             f"got {num_pages}")
         self.num_pages = num_pages
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.ranks = ranks
+        self.per_rank = num_pages // ranks
         self.ref_counts = [0] * num_pages
         self.page_hash: list[bytes | None] = [None] * num_pages
         self.cached: dict[bytes, int] = {}  # hash -> page
-        self.free_queue: OrderedDict[int, None] = OrderedDict((p, None) for p in range(1, num_pages))
+        # one LRU queue per rank (one in all without context parallelism)
+        self.free_queues: list[OrderedDict[int, None]] = [
+            OrderedDict((p, None) for p in range(r * self.per_rank, (r + 1) * self.per_rank) if p != NULL_PAGE)
+            for r in range(ranks)]
         self.hits = 0  # pages served from the prefix cache
         self.queries = 0  # pages looked up
         self.listener: Callable[..., None] | None = None  # prefix-cache events (see the module doc)
@@ -74,7 +87,20 @@ class BlockManager:
     @property
     def num_free(self) -> int:
         """Pages that can be allocated now (free, including evictable cached pages)."""
-        return len(self.free_queue)
+        return sum(len(q) for q in self.free_queues)
+
+    @property
+    def free_queue(self) -> OrderedDict:
+        """The one free queue (no context parallelism)."""
+        if self.ranks > 1:
+            raise AttributeError("a pool dealt over ranks has one free queue per rank: free_queues")
+        return self.free_queues[0]
+
+    def rank_of(self, page: int) -> int:
+        return page // self.per_rank
+
+    def _logical(self, n_or_indices, first: int) -> list[int]:
+        return list(range(first, first + n_or_indices)) if isinstance(n_or_indices, int) else list(n_or_indices)
 
     @property
     def num_usable(self) -> int:
@@ -95,27 +121,36 @@ class BlockManager:
             pages.append(page)
         return pages
 
-    def can_allocate(self, num_new: int, hit_pages: Sequence[int] = ()) -> bool:
-        """Whether `num_new` fresh pages fit after taking `hit_pages` out of the free queue."""
-        taken = sum(1 for p in hit_pages if self.ref_counts[p] == 0)
-        return self.num_free - taken >= num_new
+    def can_allocate(self, num_new: int | Sequence[int], hit_pages: Sequence[int] = (), first: int = 0) -> bool:
+        """Whether fresh pages fit after taking `hit_pages` out of the free queues: `num_new`
+        pages at logical indices first, first + 1, ..., or at the indices given."""
+        free = [len(q) for q in self.free_queues]
+        for p in hit_pages:
+            if self.ref_counts[p] == 0:
+                free[self.rank_of(p)] -= 1
+        for j in self._logical(num_new, first):
+            free[j % self.ranks] -= 1
+        return min(free) >= 0
 
     # ------------------------------------------------------------------ changes
     def acquire(self, pages: Sequence[int]) -> None:
         """Takes a reference on cached pages (prefix hits)."""
         for p in pages:
             if self.ref_counts[p] == 0:
-                del self.free_queue[p]
+                del self.free_queues[self.rank_of(p)][p]
             self.ref_counts[p] += 1
         self.hits += len(pages)
 
-    def allocate(self, n: int) -> list[int]:
-        """n fresh pages from the head of the free queue, evicting their cached hashes."""
-        if n > len(self.free_queue):
-            raise MemoryError(f"need {n} pages, {len(self.free_queue)} free")
+    def allocate(self, n: int | Sequence[int], first: int = 0) -> list[int]:
+        """Fresh pages for logical indices first, first + 1, ... (n of them), or for the
+        indices given, each from the head of its rank's free queue, evicting cached hashes."""
+        logical = self._logical(n, first)
+        if not self.can_allocate(logical):
+            raise MemoryError(f"need {len(logical)} pages, {self.num_free} free"
+                              + (f" ({[len(q) for q in self.free_queues]} per rank)" if self.ranks > 1 else ""))
         out = []
-        for _ in range(n):
-            page, _ = self.free_queue.popitem(last=False)
+        for j in logical:
+            page, _ = self.free_queues[j % self.ranks].popitem(last=False)
             h = self.page_hash[page]
             if h is not None:
                 if self.cached.get(h) == page:
@@ -138,7 +173,7 @@ class BlockManager:
             assert self.ref_counts[p] > 0, f"double free of page {p}"
             self.ref_counts[p] -= 1
             if self.ref_counts[p] == 0:
-                self.free_queue[p] = None
+                self.free_queues[self.rank_of(p)][p] = None
 
     def register(self, page: int, h: bytes, parent: bytes | None = None,
                  token_at: Callable[[int], int] | None = None, first: int = 0) -> None:
@@ -173,7 +208,8 @@ class BlockManager:
     def check(self) -> None:
         """Invariants (tests): every page is exactly one of free / referenced."""
         for p in range(1, self.num_pages):
-            assert (self.ref_counts[p] == 0) == (p in self.free_queue), p
-        assert NULL_PAGE not in self.free_queue
+            assert (self.ref_counts[p] == 0) == (p in self.free_queues[self.rank_of(p)]), p
+        assert all(self.rank_of(p) == r for r, q in enumerate(self.free_queues) for p in q)
+        assert NULL_PAGE not in self.free_queues[0]
         for h, p in self.cached.items():
             assert self.page_hash[p] == h

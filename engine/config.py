@@ -276,6 +276,9 @@ def load_config(config: str = "tiny", overrides: Mapping[str, Any] | list[str] |
         raise ConfigError("engine.scan_layers stacks all layers on every device; with mesh.stage > 1 "
                           "each stage runs its own layers: choose one")
     check_stackable(model, model.num_layers if engine.scan_layers else mesh.stage)
+    if engine.num_pages and (engine.num_pages % mesh.sequence or engine.num_pages < 2 * mesh.sequence):
+        raise ConfigError(f"engine.num_pages={engine.num_pages} is the pool's total, dealt over mesh.sequence="
+                          f"{mesh.sequence} ranks: it must be a multiple of {mesh.sequence}, at least 2 per rank")
     return Config(name=name, model=model, engine=engine, mesh=mesh, model_path=model_path)
 
 

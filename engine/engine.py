@@ -76,7 +76,8 @@ class Engine(Conveniences, DisaggregationFacade, MultiProcessFacade):
         # engine.host_kv_cache_gb > 0: evicted prefix pages kept in host memory (and on disk)
         self.runner.kv_offload = offload = build_kv_offload(config, self.runner.kv_cache, self.runner.stages)
         self.scheduler = ReplicaScheduler(s, self.runner.num_replicas,  # one per mesh.data replica
-                                          tier=offload and offload.tier, on_evict=offload and offload.on_evict)
+                                          tier=offload and offload.tier, on_evict=offload and offload.on_evict,
+                                          page_ranks=config.mesh.sequence)
         self.max_pages = s.max_pages_per_seq
         # True: step() leaves text and logprob formatting to the caller (a serving loop does
         # them off this thread, serving/text_stage.py); outputs carry ids and raw_logprobs.

@@ -127,7 +127,7 @@ class Runner(RunnerKVTier):
         carries the number, which the engine's scheduler and checks read."""
         from jaxfill.engine.memory import size_pool
 
-        probe_pages = 2
+        probe_pages = 2 * self.config.mesh.sequence  # two pages on each rank the pool is dealt over
         probe = self.new_cache(probe_pages)
         self.pool = size_pool(self, probe, probe_pages)
         del probe

@@ -12,7 +12,8 @@ from jaxfill.models.layer_settings import by_window, layer_settings
 from jaxfill.models.layers import RMSNorm, param, projection
 from jaxfill.models.rope import apply_rope
 from jaxfill.models.quant import qeinsum
-from jaxfill.models.sharding import constrain, kv_heads_for, sharded_attention
+from jaxfill.models.context_parallel import sharded_attention
+from jaxfill.models.sharding import constrain, kv_heads_for
 from jaxfill.pallas_kernels import ragged_paged_attention, write_kv
 
 
@@ -85,18 +86,18 @@ class Attention(nnx.Module):
         v = constrain(v, ("tokens", "act_kv_heads", None))
         q_meta = sampled_rows_metadata(meta) if sampled_only else meta
 
-        def attend(q, k, v, pages, meta, sinks, window):  # per-device view under a mesh
+        def attend(q, k, v, pages, meta, sinks, share, window):  # per-device view under a mesh
             pages = write_kv(pages, k, v, meta.slot_mapping)
             extra = {} if sinks is None else {"sinks": sinks}
             out = ragged_paged_attention(
                 q, pages, meta.kv_lens, meta.page_indices, meta.cu_q_lens, meta.num_seqs,
                 sm_scale=self.sm_scale, sliding_window=window, soft_cap=self.config.attn_soft_cap, impl=impl,
-                **extra)
+                **extra, **share)
             return out, pages
 
         sinks = None if self.sinks is None else self.sinks[...].astype(jnp.float32)
         out, pages = by_window(settings, layer, lambda w: sharded_attention(
-            lambda *a: attend(*a, window=w), q, k, v, pages, q_meta, sinks))
+            lambda *a: attend(*a, window=w), q, k, v, pages, q_meta, sinks, sinks=sinks is not None))
         if gate is not None:
             out = out * jax.nn.sigmoid(gate).astype(out.dtype)
         out = qeinsum("thd,hde->te", out, self.o[...], self.o_scale)  # all-reduce over tensor

@@ -100,7 +100,7 @@ class KVCache:
         counter = lambda: cache_entry(lambda: jnp.zeros((replicas * config.num_experts,), jnp.int32), stages)  # noqa: E731
         if mesh is not None:
             make = jax.jit(make, out_shardings=_cache_shardings(mesh, stages > 1, kv_cache_dtype != "auto"))
-            counter = jax.jit(counter, out_shardings=kv_cache_sharding(mesh, staged=stages > 1, axes=KV_CACHE_AXES[:1]))
+            counter = jax.jit(counter, out_shardings=kv_cache_sharding(mesh, staged=stages > 1, axes=("replicas",)))
         entries = range(config.num_layers // stages)
         if config.linear_layers:
             if stages > 1:

@@ -28,7 +28,8 @@ from jaxfill.models.layer_settings import layer_settings
 from jaxfill.models.layers import RMSNorm, param
 from jaxfill.models.mla_expanded import EXPAND_KEYS_PER_TOKEN, expanded_attention, prefers_expanded
 from jaxfill.models.rope import apply_rope
-from jaxfill.models.sharding import constrain, kv_heads_for, sharded_attention
+from jaxfill.models.context_parallel import sharded_attention
+from jaxfill.models.sharding import constrain, kv_heads_for
 from jaxfill.pallas_kernels import ragged_paged_attention, write_kv
 from jaxfill.pallas_kernels.kv_quant import QuantizedPages
 
@@ -96,9 +97,9 @@ class LatentAttention(nnx.Module):
         q_meta = sampled_rows_metadata(meta) if sampled_only else meta
         w_ukv = self.w_ukv[...].transpose(1, 0, 2)  # [H, lat, nope + vd]: heads first, split like q's
 
-        def attend(q, k, v, pages, meta, w_ukv):  # per-device view under a mesh; v is k
+        def attend(q, k, v, pages, meta, w_ukv, share):  # per-device view under a mesh; v is k
             pages = write_kv(pages, k, None, meta.slot_mapping)  # K-only pages: the value is the latent
-            return self._attend(q, pages, meta, w_ukv[..., :nope], w_ukv[..., nope:], impl), pages
+            return self._attend(q, pages, meta, w_ukv[..., :nope], w_ukv[..., nope:], impl, share), pages
 
         out, pages = sharded_attention(attend, q, k, k, pages, q_meta, w_ukv)  # [T, H, vd]
         out = jnp.einsum("thv,hve->te", out, self.o[...])  # all-reduce over tensor
@@ -109,7 +110,10 @@ class LatentAttention(nnx.Module):
                 meta: AttentionMetadata,
                 w_uk: jax.Array,  # [H, lat, nope]
                 w_uv: jax.Array,  # [H, lat, vd]
-                impl: str) -> jax.Array:  # [T, H, vd]
+                impl: str,
+                share: dict) -> jax.Array:  # [T, H, vd] (and its LSE [T, H] with a context-parallel share)
+        """A context-parallel share (models/context_parallel.py) takes the absorbed form:
+        the expanded one sizes its copy by whole sequences, not by a rank's stripe."""
         c = self.config
         nope, lat = c.qk_nope_head_dim, c.kv_lora_rank
 
@@ -117,8 +121,12 @@ class LatentAttention(nnx.Module):
             q_lat = jnp.einsum("thn,hcn->thc", q[..., :nope], w_uk)  # [T, H, lat]
             qa = jnp.concatenate([q_lat, q[..., nope:].astype(q_lat.dtype)], axis=-1)
             out = ragged_paged_attention(qa, pages, meta.kv_lens, meta.page_indices, meta.cu_q_lens,
-                                         meta.num_seqs, sm_scale=self.sm_scale, impl=impl, kv_shared=True)
-            return jnp.einsum("thc,hcv->thv", out[..., :lat].astype(w_uv.dtype), w_uv)
+                                         meta.num_seqs, sm_scale=self.sm_scale, impl=impl, kv_shared=True,
+                                         **share)
+            out, lse = out if share else (out, None)
+            # w_uv is linear, so ranks' projected partial outputs still merge by their LSEs
+            out = jnp.einsum("thc,hcv->thv", out[..., :lat].astype(w_uv.dtype), w_uv)
+            return out if lse is None else (out.astype(jnp.float32), lse)
 
         page_size = (pages.values if isinstance(pages, QuantizedPages) else pages).shape[1]
         s, p = meta.page_indices.shape
@@ -129,7 +137,7 @@ class LatentAttention(nnx.Module):
             out = expanded_attention(q, pages, meta, w_uk, w_uv, cap=cap, sm_scale=self.sm_scale, impl=impl)
             return out.astype(w_uv.dtype)
 
-        if c.mla_form == "absorbed":
+        if c.mla_form == "absorbed" or share:
             return absorbed()
         if forced:
             return expanded()

@@ -3,7 +3,8 @@ models/pipeline.py names a mesh axis, 'stage' (through STAGE), for its shard_map
 axis_index and ppermute over the stages.
 
 Model code labels arrays with logical names ('vocab', 'embed', 'q_heads', ...; see
-RULES) and calls `constrain` / `sharded_attention` / `vocab_parallel_embed`; with no mesh
+RULES) and calls `constrain` / `vocab_parallel_embed` / models/context_parallel.py's
+`sharded_attention`; with no mesh
 in context those are no-ops, so the single-device model is exactly the unsharded one.
 Put a mesh in context with `jax.set_mesh(mesh)` around the jitted call (the mesh's axes
 are AxisType.Auto, see engine/mesh.py) and the same model code runs:
@@ -19,15 +20,17 @@ are AxisType.Auto, see engine/mesh.py) and the same model code runs:
   rank, instead of a replicated Hkv-head cache on every rank. Query head j still reads
   original KV head j // (Hq/Hkv): repeating head h into r consecutive heads keeps GQA's
   contiguous grouping. `kv_cache_heads(config, mesh)` says how many heads to allocate.
-* sequence parallel over 'sequence': the flat token axis is split; every matmul is local.
-  Attention all-gathers this layer's new K/V over 'sequence' (not a ring): every
-  sequence rank writes all new K/V into its replica of the pages (pages are replicated
-  over 'sequence'), so decode finds everything locally with no sequence awareness, and
-  each rank then attends its own query rows against the paged cache with the ragged
-  kernel (metadata re-cut per rank, causal bound kept, so attention FLOPs split too).
-  With GQA the gathered K/V are Hq/Hkv times smaller than Q; a ring would move the
-  same bytes and only buys overlap, which XLA CPU does not give, and a ring would still
-  have to leave a full copy in the pages for decode.
+* context parallel over 'sequence': the flat token axis is split, so every matmul is
+  local, and so is the page pool: each rank holds num_pages / N of it, and logical page
+  j of every sequence lives on rank j mod N (the block manager deals pages by that rule;
+  page ids are global, rank r owning ids [r * P/N, (r + 1) * P/N)). Attention is pass-Q
+  (`context_attention`): every rank all-gathers the layer's Q and new K/V, writes the
+  rows whose pages it owns, attends all query rows against its own pages (a round-robin
+  1/N of every sequence's keys, so the causal work is balanced to a page), and the
+  partial outputs merge by log-sum-exp: one all-max of the LSEs and one reduce-scatter
+  that hands each rank its own rows back. Decode is the same code (a decode row's keys
+  are spread over the ranks too). KV memory per device is O(S / N). The attention side
+  lives in models/context_parallel.py.
 * pipeline parallel over 'stage' (models/pipeline.py): layer params stacked [stage, ...]
   and cache entries [stage, pages, ...] split over 'stage', so a stage holds only its
   layers; the embedding and LM head split their vocab over 'stage' as well as 'tensor'.
@@ -83,7 +86,8 @@ RULES: dict[str, Any] = {
     "seqs": None,
     # one layer's KV pages [num_pages, page_size, 2*Hkv, D] ([stage, ...] when pipelined)
     "cache_stage": STAGE,
-    "cache_pages": DATA,
+    "cache_pages": (DATA, SEQUENCE),  # one pool per replica, dealt over its sequence ranks
+    "replicas": DATA,  # per data replica counters (a MoE layer's expert token counts)
     "cache_slots": None,
     "cache_heads": HEADS,
     "cache_head_dim": None,
@@ -179,7 +183,8 @@ def kv_cache_heads(config, mesh) -> int:
 def kv_cache_sharding(mesh: jax.sharding.Mesh, rules: Mapping[str, Any] | None = None,
                       staged: bool = False, axes: Sequence[str] = KV_CACHE_AXES) -> NamedSharding:
     """One layer's pages [num_pages, page_size, 2*H, D]: pages split over 'data' (one pool
-    per replica), heads over 'tensor' (K/V pairs stay together), replicated over 'sequence'.
+    per replica) and within it over 'sequence' (context parallelism), heads over 'tensor'
+    (K/V pairs stay together).
     A pipelined model's entry has a leading [stage] axis, split over 'stage'. `axes`: the
     leading ones only, for a quantized layer's scales [num_pages, page_size, 2*H]."""
     return NamedSharding(mesh, logical_spec((("cache_stage",) if staged else ()) + tuple(axes), rules, mesh))
@@ -209,7 +214,7 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
 def rows_split_over_sequence() -> bool:
     """True when the context mesh splits the flat token rows over 'sequence'."""
     mesh = context_mesh()
-    return mesh is not None and bool(_free_axes(mesh, SEQUENCE))
+    return mesh is not None and bool(free_axes(mesh, SEQUENCE))
 
 
 def kv_heads_for(pages_heads: int, num_kv_heads: int) -> int:
@@ -220,7 +225,8 @@ def kv_heads_for(pages_heads: int, num_kv_heads: int) -> int:
     return r
 
 
-def _free_axes(mesh, *names):
+def free_axes(mesh, *names):
+    """Mesh axes among `names` that are not manual here and have size > 1."""
     manual = _manual(mesh)
     return tuple(n for n in names if n in mesh.axis_names and n not in manual and mesh_axis_size(mesh, n) > 1)
 
@@ -237,7 +243,7 @@ def vocab_parallel_embed(table: jax.Array,  # [V, E] logical ('vocab', 'embed')
     vocab = tuple(a for a in ((spec,) if isinstance(spec, str) else spec or ()) if mesh_axis_size(mesh, a) > 1)
     if not vocab:
         return constrain(jnp.take(table, tokens, axis=0), ("tokens", "act_embed"))
-    tok_axis = SEQUENCE if (_free_axes(mesh, SEQUENCE)
+    tok_axis = SEQUENCE if (free_axes(mesh, SEQUENCE)
                             and tokens.shape[0] % mesh_axis_size(mesh, SEQUENCE) == 0) else None
 
     def local(tab, tok):  # tab [V / vocab shards, E], tok [T/sp]
@@ -265,50 +271,6 @@ def rows_metadata(meta, lo: jax.Array, n: int):
                       logits_indices=meta.logits_indices)
 
 
-def sharded_attention(attend: Callable, q: jax.Array, k: jax.Array, v: jax.Array,
-                      pages: jax.Array, meta,
-                      sinks=None,  # [Hq] f32 (attention sinks); any per-head arrays, heads first
-                      ) -> tuple[jax.Array, jax.Array]:
-    """Runs `attend(q, k, v, pages, meta, sinks) -> (out, pages)` per device.
-
-    `sinks` (a pytree: attention sinks, or MLA's per-head kv_b_proj) is split like q's heads.
-
-    `attend` writes k/v into pages at meta.slot_mapping (one row per k/v row) and attends q
-    rows described by meta.cu_q_lens/kv_lens. Heads are split over 'tensor' (q, k, v and
-    the pages' head axis); with 'sequence', q rows are split, k/v and slot_mapping are
-    all-gathered so every rank writes the whole chunk into its replica of the pages, and
-    each rank gets metadata re-cut to its own rows. Without a mesh: attend(...) as is.
-    """
-    mesh = context_mesh()
-    axes = () if mesh is None else _free_axes(mesh, *HEADS, SEQUENCE)
-    if not axes:
-        return attend(q, k, v, pages, meta, sinks)
-    heads = tuple(a for a in HEADS if a in axes)
-    tp = (heads[0] if len(heads) == 1 else heads) if heads else None
-    sp = SEQUENCE if SEQUENCE in axes else None
-    if tp and (q.shape[1] % mesh_axis_size(mesh, tp) or k.shape[1] % mesh_axis_size(mesh, tp)):
-        raise ValueError(f"heads q={q.shape[1]} k={k.shape[1]} must split over tensor x expert "
-                         f"= {mesh_axis_size(mesh, tp)}")
-    if sp and q.shape[0] % mesh_axis_size(mesh, sp):
-        raise ValueError(f"{q.shape[0]} tokens must split over sequence={mesh_axis_size(mesh, sp)}; pad the batch")
-
-    def local(q, k, v, pages, meta, sinks):
-        if sp:
-            n = q.shape[0]
-            k = jax.lax.all_gather(k, sp, axis=0, tiled=True)
-            v = jax.lax.all_gather(v, sp, axis=0, tiled=True)
-            meta = rows_metadata(meta, jax.lax.axis_index(sp) * n, n)
-        return attend(q, k, v, pages, meta, sinks)
-
-    tok = P(sp, tp, None)
-    # per leaf: pages [N, ps, 2H, D] and, for a quantized layer, scales [N, ps, 2H]
-    page_spec = jax.tree.map(lambda a: P(None, None, tp, *([None] * (a.ndim - 3))), pages)
-    sink_spec = None if sinks is None else P(tp)
-    return jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, page_spec, P(), sink_spec),
-                         out_specs=(tok, page_spec), axis_names=set(axes),
-                         check_vma=False)(q, k, v, pages, meta, sinks)
-
-
 def linear_state_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
     """A linear layer's state, recurrent [slots, Hv, Dk, Dv] and conv [slots, channels, K-1]
     (channels group by group: Gated DeltaNet's key-head groups, Mamba2's groups): heads
@@ -323,7 +285,7 @@ def split_over_heads(fn: Callable, args: tuple, in_axes: tuple, out_axes) -> Any
     each other (a linear-attention mixer) runs as it would on one device. Without a mesh,
     or with tensor = 1: fn(*args)."""
     mesh = context_mesh()
-    if mesh is None or TENSOR not in _free_axes(mesh, TENSOR) or mesh_axis_size(mesh, TENSOR) == 1:
+    if mesh is None or TENSOR not in free_axes(mesh, TENSOR) or mesh_axis_size(mesh, TENSOR) == 1:
         return fn(*args)
 
     def specs(axes, tree):
@@ -351,7 +313,7 @@ def expert_parallel(experts: Callable,
     `lead` is true on one rank of each 'tensor' group: the rank that adds what must be
     added once per pair (an expert's output bias). Without those axes: first_expert=0."""
     mesh = context_mesh()
-    mesh_axes = () if mesh is None else _free_axes(mesh, EXPERT, TENSOR, SEQUENCE)
+    mesh_axes = () if mesh is None else free_axes(mesh, EXPERT, TENSOR, SEQUENCE)
     if not mesh_axes:
         return experts(x, weights, ids, params, 0, True).astype(x.dtype)
     live = {name: a for name, a in params.items() if a is not None}
@@ -393,7 +355,7 @@ def data_parallel_forward(graphdef: nnx.GraphDef, state: nnx.State,
     'data'. Without 'data' in the context mesh it is the plain forward of replica 0.
     """
     mesh = context_mesh()
-    if mesh is None or DATA not in _free_axes(mesh, DATA):
+    if mesh is None or DATA not in free_axes(mesh, DATA):
         if tokens.shape[0] != meta.slot_mapping.shape[-1]:
             raise ValueError("no 'data' axis > 1 in the context mesh: pass one replica's batch")
         return nnx.merge(graphdef, state)(tokens, positions, kv_cache, jax.tree.map(lambda x: x[0], meta))

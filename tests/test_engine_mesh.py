@@ -55,6 +55,7 @@ def test_sharded_engine_equals_one_device(single):
     assert sharded["embed_rows_per_device"] * 2 == sharded["vocab"]  # vocab split over tensor=2
     assert sharded["tokens"] == single["tokens"]
     assert sharded["free"] == sharded["total"]
+    assert sharded["pages_per_device"] * 4 == sharded["pages_global"] == BASE["engine.num_pages"]
 
 
 @pytest.mark.parametrize("mesh,devices", [((2, 1, 1), 2), ((2, 2, 2), 8)], ids=["d2", "d2t2s2"])
@@ -64,7 +65,7 @@ def test_data_replicas_equal_one_device(single, mesh, devices):
     assert r["mesh"] == {"stage": 1, "data": d, "tensor": t, "expert": 1, "sequence": s}
     assert r["tokens"] == single["tokens"]
     assert abs(r["logprob"] - single["logprob"]) < 1e-4
-    # Each replica has its own pool of engine.num_pages pages, on its own devices.
-    assert r["pages_global"] == d * BASE["engine.num_pages"] and r["pages_per_device"] == BASE["engine.num_pages"]
+    # Each replica has its own pool of engine.num_pages pages, dealt over its sequence ranks.
+    assert r["pages_global"] == d * BASE["engine.num_pages"] and r["pages_per_device"] == BASE["engine.num_pages"] // s
     assert r["total"] == d * (BASE["engine.num_pages"] - 1) and r["free"] == r["total"]
     assert r["per_replica"] == [3, 2]  # placed on the least-loaded replica

@@ -103,8 +103,8 @@ def test_params_placed_in_shards_never_whole(results):
 def test_data_parallel_replicas_match_one_device(results):
     r = _get(results, "dp/d2t2s2")
     assert r["rel_err"] <= 1e-5, r
-    assert r["pages_shape"][0] == 2 * 24, r  # one 24-page pool per replica
-    assert "data" in r["pages_spec"], r
+    assert r["pages_shape"][0] == 2 * 96, r  # one 96-page pool per replica
+    assert "('data', 'sequence')" in r["pages_spec"], r  # dealt over its sequence ranks
 
 
 def test_make_mesh_rejects_wrong_size(results):
@@ -133,7 +133,8 @@ def _worker():  # noqa: C901 - one script, many checks
     assert len(jax.devices()) == 8, jax.devices()
     cfg = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
                       num_heads=8, num_kv_heads=2, head_dim=16, max_position_embeddings=16384, seed=3)
-    page_size, num_pages = 8, 24
+    page_size, num_pages = 8, 96
+    ranks = {"sequence": 1}  # the mesh being checked: pages are dealt over its sequence ranks
     out: dict = {}
 
     def mesh_of(d, t, s):
@@ -159,6 +160,12 @@ def _worker():  # noqa: C901 - one script, many checks
     # so each mesh compiles the forward once (AOT) and reuses it for all its checks.
     n_tok, n_slots, max_pages = 16, 4, 7
 
+    def deal(pages):
+        """One device's page ids -> the same pages under mesh.sequence = N: logical page j
+        on rank j mod N (whose pool slice starts at id rank * num_pages / N)."""
+        n = ranks["sequence"]
+        return [(j % n) * (num_pages // n) + p for j, p in enumerate(pages)]
+
     def batch(parts):
         """parts: (token ids of the sequence, its pages, start, count) per live sequence."""
         tokens, positions = np.zeros(n_tok, np.int32), np.zeros(n_tok, np.int32)
@@ -166,7 +173,7 @@ def _worker():  # noqa: C901 - one script, many checks
         cu, kv_lens, logit_idx = [0], [], []
         page_idx = np.zeros((n_slots, max_pages), np.int32)
         for i, (ids, pages, start, n) in enumerate(parts):
-            o, p, pages = cu[-1], np.arange(start, start + n), np.asarray(pages)
+            o, p, pages = cu[-1], np.arange(start, start + n), np.asarray(deal(pages))
             tokens[o:o + n] = ids[start:start + n]
             positions[o:o + n] = p
             slot_map[o:o + n] = pages[p // page_size] * page_size + p % page_size
@@ -212,14 +219,16 @@ def _worker():  # noqa: C901 - one script, many checks
     # sequence=4 the 16-row batch is cut every 4 rows, through A and B.
     seqs = {"A": [9, 10, 11], "B": [12, 13, 14], "C": [15, 16, 17, 18, 19]}
     toks = {k: [int(x) for x in rng.randint(0, cfg.vocab_size, 40)] for k in seqs}
-    steps = [batch([(toks["B"], seqs["B"], 0, 7), (toks["C"], seqs["C"], 0, 9)]),
-             batch([(toks["A"], seqs["A"], 0, 5), (toks["B"], seqs["B"], 7, 6), (toks["C"], seqs["C"], 9, 1)])]
     used = {"A": 5, "B": 13, "C": 10}  # tokens each sequence has in the cache after step 2
-    live_slots = np.asarray([seqs[k][p // page_size] * page_size + p % page_size
-                             for k in seqs for p in range(used[k])])
+
+    def live_slots():
+        return np.asarray([deal(seqs[k])[p // page_size] * page_size + p % page_size
+                           for k in seqs for p in range(used[k])])
 
     def run_steps(compiled, state, cache):
         logits = []
+        steps = [batch([(toks["B"], seqs["B"], 0, 7), (toks["C"], seqs["C"], 0, 9)]),
+                 batch([(toks["A"], seqs["A"], 0, 5), (toks["B"], seqs["B"], 7, 6), (toks["C"], seqs["C"], 9, 1)])]
         for tokens, positions, meta in steps:
             lg, cache = compiled(state, tokens, positions, cache, meta)
             logits.append(np.asarray(lg)[: int(meta.num_seqs[0])])
@@ -227,8 +236,9 @@ def _worker():  # noqa: C901 - one script, many checks
 
     def cache_rows(cache, r):
         """Live slots of layer-0 pages, KV heads folded back to the model's Hkv (repeats dropped)."""
-        pages = np.asarray(cache.pages[0]).reshape(num_pages * page_size, -1, cfg.head_dim)[live_slots]
-        pages = pages.reshape(len(live_slots), cfg.num_kv_heads, r, 2, cfg.head_dim)
+        slots = live_slots()
+        pages = np.asarray(cache.pages[0]).reshape(num_pages * page_size, -1, cfg.head_dim)[slots]
+        pages = pages.reshape(len(slots), cfg.num_kv_heads, r, 2, cfg.head_dim)
         assert np.array_equal(pages, np.repeat(pages[:, :, :1], r, axis=2))  # repeats identical
         return pages[:, :, 0]
 
@@ -240,19 +250,21 @@ def _worker():  # noqa: C901 - one script, many checks
     ref_compiled = compile_forward(ref_state, nan_cache())
     ref_logits, ref_tokens = generate(ref_compiled, ref_state, nan_cache())
     ref_ragged, ref_cache = run_steps(ref_compiled, ref_state, nan_cache())
+    ref_rows = cache_rows(ref_cache, 1)
 
     def kv_layout(cache):
         ref = np.asarray(ref_cache.pages[0]).reshape(num_pages * page_size, cfg.num_kv_heads, 2, cfg.head_dim)
         ok = True
         shards = sorted(cache.pages[0].addressable_shards, key=lambda sh: sh.index[2].start)
         for rank, sh in enumerate(shards):
-            local = np.asarray(sh.data).reshape(num_pages * page_size, 1, 2, cfg.head_dim)[live_slots]
-            ok &= bool(np.allclose(local[:, 0], ref[live_slots, rank // 2], rtol=1e-5, atol=1e-6))
+            local = np.asarray(sh.data).reshape(num_pages * page_size, 1, 2, cfg.head_dim)[live_slots()]
+            ok &= bool(np.allclose(local[:, 0], ref[live_slots(), rank // 2], rtol=1e-5, atol=1e-6))
         return {"pages_shape": list(cache.pages[0].shape), "shard_shape": list(shards[0].data.shape),
                 "rank_heads_match": ok}
 
     for (d, t, s), name in zip(MESHES, MESH_IDS):
         def gen(d=d, t=t, s=s, name=name):
+            ranks["sequence"] = s
             mesh = mesh_of(d, t, s)
             state = sharding.shard_params(ref_state, mesh)
             compiled = compile_forward(state, nan_cache(mesh), mesh)
@@ -263,7 +275,7 @@ def _worker():  # noqa: C901 - one script, many checks
                 logits, cache = run_steps(compiled, state, nan_cache(mesh))
                 r = sharding.kv_repeat(cfg.num_kv_heads, mesh)
                 out[f"ragged/{name}"] = {"rel_err": rel(logits, ref_ragged),
-                                         "cache_err": rel(cache_rows(cache, r), cache_rows(ref_cache, 1))}
+                                         "cache_err": rel(cache_rows(cache, r), ref_rows)}
                 if name == "t4s1":
                     record("kv_layout", lambda: kv_layout(cache))
                     ops = collective_ops(compiled.as_text())
@@ -277,6 +289,7 @@ def _worker():  # noqa: C901 - one script, many checks
     def data_parallel():
         """data=2 x tensor=2 x sequence=2: two replicas, each its own batch and page pool
         (page ids local to the pool and overlapping across replicas), two steps."""
+        ranks["sequence"] = 2
         per_replica = [[batch([(toks["A"], [1, 2], 0, 13)]), batch([(toks["A"], [1, 2], 13, 1)])],
                        [batch([(toks["C"], [2, 4], 0, 9), (toks["B"], [5], 0, 4)]),
                         batch([(toks["C"], [2, 4], 9, 1), (toks["B"], [5], 4, 1)])]]
@@ -319,7 +332,7 @@ def _worker():  # noqa: C901 - one script, many checks
             graphdef, state = placement.abstract_state(cfg)
             shard = sharding.param_shardings(state, mesh)
             state = jax.tree.map(lambda v, sh: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh), state, shard)
-            pages = jax.ShapeDtypeStruct((n // 64 + 2, 64, 2 * cfg.num_kv_heads, cfg.head_dim), jnp.float32,
+            pages = jax.ShapeDtypeStruct((n // 64 + 4, 64, 2 * cfg.num_kv_heads, cfg.head_dim), jnp.float32,
                                          sharding=sharding.kv_cache_sharding(mesh))
             cache = KVCache(tuple(pages for _ in range(cfg.num_layers)))
             with jax.set_mesh(mesh):

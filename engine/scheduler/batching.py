@@ -103,7 +103,7 @@ class SchedulerOutput:
 class Scheduler(RequestTransitions):
     """One data replica's queues and page pool; transitions.py changes its requests' progress."""
 
-    def __init__(self, settings, block_manager: BlockManager | None = None, tier=None):
+    def __init__(self, settings, block_manager: BlockManager | None = None, tier=None, page_ranks: int = 1):
         s = settings
         self.page_size = s.page_size
         self.max_tokens = s.max_num_batched_tokens
@@ -114,7 +114,7 @@ class Scheduler(RequestTransitions):
         self.max_model_len = s.max_model_len
         self.policy = s.scheduling_policy
         self.chunked = s.chunked_prefill
-        self.bm = block_manager or BlockManager(s.num_pages, s.page_size, s.enable_prefix_caching)
+        self.bm = block_manager or BlockManager(s.num_pages, s.page_size, s.enable_prefix_caching, page_ranks)
         self.tier = tier  # engine.host_kv_tier.HostKVTier, shared by the replicas; None = off
         # linear-attention hybrids: a recurrent-state slot per running request (engine.state_slots)
         self.slots_used = s.state_slots > 0
@@ -158,9 +158,9 @@ class Scheduler(RequestTransitions):
         need = self.bm.pages_for(upto) - len(req.pages)
         if need <= 0:
             return True
-        if not self.bm.can_allocate(need):
+        if not self.bm.can_allocate(need, first=len(req.pages)):
             return False
-        req.pages += self.bm.allocate(need)
+        req.pages += self.bm.allocate(need, first=len(req.pages))
         return True
 
     def _preempt(self, req: Request) -> None:
@@ -361,10 +361,15 @@ class Scheduler(RequestTransitions):
         return req.in_flight > 0 and (len(req.output_ids) + req.in_flight >= req.params.max_tokens
                                       or total_tokens(req) >= self.max_model_len)
 
+    @staticmethod
+    def _fresh_pages(need: int, hits: list) -> list[int]:
+        """Logical indices of an admission's fresh pages: each Restore's, then the `need` new ones."""
+        return [j for j, h in enumerate(hits) if isinstance(h, Restore)] + list(range(len(hits), len(hits) + need))
+
     def _can_admit(self, need: int, hits: list) -> bool:
         """Whether `need` new pages, plus one per Restore, fit beside the shared hits."""
         device = [h for h in hits if not isinstance(h, Restore)]
-        return self.bm.can_allocate(need + len(hits) - len(device), device)
+        return self.bm.can_allocate(self._fresh_pages(need, hits), device)
 
     def _admit(self, req, hits: list, need: int, computed: int, n: int, now: float) -> Scheduled:
         """A waiting request starts running: device hits shared, fresh pages for its
@@ -372,7 +377,7 @@ class Scheduler(RequestTransitions):
         device = [h for h in hits if not isinstance(h, Restore)]
         restores = [h for h in hits if isinstance(h, Restore)]
         self.bm.acquire(device)
-        fresh = self.bm.allocate(len(restores) + need)
+        fresh = self.bm.allocate(self._fresh_pages(need, hits))
         for r, page in zip(restores, fresh):
             r.page = page
         req.pages = [h.page if isinstance(h, Restore) else h for h in hits] + fresh[len(restores):]

@@ -21,12 +21,13 @@ from jaxfill.engine.scheduler.transitions import Sampled
 
 
 class ReplicaScheduler:
-    def __init__(self, settings, num_replicas: int = 1, tier=None, on_evict=None):
+    def __init__(self, settings, num_replicas: int = 1, tier=None, on_evict=None, page_ranks: int = 1):
         """`tier`: the host KV tier all replicas share (None: off); `on_evict(replica, page,
-        hash, parent, tokens)` hears the pages each replica's pool evicts (to save them)."""
+        hash, parent, tokens)` hears the pages each replica's pool evicts (to save them);
+        `page_ranks`: mesh.sequence, the ranks each replica's pool is dealt over."""
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
-        self.replicas = [Scheduler(settings, tier=tier) for _ in range(num_replicas)]
+        self.replicas = [Scheduler(settings, tier=tier, page_ranks=page_ranks) for _ in range(num_replicas)]
         if on_evict is not None:
             for i, s in enumerate(self.replicas):
                 s.bm.on_evict = lambda *ev, _i=i: on_evict(_i, *ev)
