@@ -118,6 +118,7 @@ class Conveniences:
                 "weight_bytes": param_bytes(self.runner.state),  # all params, global shapes
                 "kv_cache_dtype": self.settings.kv_cache_dtype,
                 "kv_cache_bytes": self.runner.kv_cache.nbytes(),  # values + scales (+ state slots), all shards
+                "kv_cache_bytes_per_device": self.runner.kv_cache.nbytes_on(),  # what one device holds
                 "kv_bytes_per_token": self.runner.kv_cache.bytes_per_token(),
                 "state_bytes": self.runner.kv_cache.state_bytes(),  # linear-attention slots (hybrids)
                 "compiled_programs": self.runner.cache_size(),

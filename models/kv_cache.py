@@ -154,6 +154,13 @@ class KVCache:
         """Bytes of all layers, scales included (global shapes, all shards together)."""
         return sum(a.size * a.dtype.itemsize for a in self.arrays())
 
+    def nbytes_on(self, device=None) -> int:
+        """Bytes one device holds (default: this process's first), read from the arrays'
+        shards: under mesh.sequence = N a 1/N share of the pool (tensor splits heads too)."""
+        arrays = [a for a in self.arrays() if hasattr(a, "addressable_shards")]
+        device = device or (arrays[0].addressable_shards[0].device if arrays else None)
+        return sum(sh.data.nbytes for a in arrays for sh in a.addressable_shards if sh.device == device)
+
     def state_bytes(self) -> int:
         """Bytes of the linear-attention layers' state slots (a hybrid's; 0 otherwise): fixed,
         whatever the number of pages."""
