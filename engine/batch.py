@@ -66,10 +66,11 @@ def seq_buckets(settings) -> tuple[int, ...]:
     return (m,)
 
 
-def bucket_shapes(settings) -> list[tuple[int, int]]:
-    """Every (T, S) a step can take; S <= T since each sequence brings at least one token."""
+def bucket_shapes(settings, multiple_of: int = 1) -> list[tuple[int, int]]:
+    """Every (T, S) a step can take; S <= T since each sequence brings at least one token.
+    `multiple_of`: mesh.sequence, which splits a step's rows evenly (T rounded up to it)."""
     shapes = []
-    for t in token_buckets(settings):
+    for t in sorted({-(-t // multiple_of) * multiple_of for t in token_buckets(settings)}):
         for s in sorted({min(s, t) for s in seq_buckets(settings)}):
             shapes.append((t, s))
     return shapes

@@ -69,7 +69,7 @@ class Engine(Conveniences, DisaggregationFacade, MultiProcessFacade):
         if model is None:
             model = build_model(config, mesh, progress=progress)
         self.vocab_size = config.model.vocab_size
-        self.shapes = bucket_shapes(config.engine)
+        self.shapes = bucket_shapes(config.engine, multiple_of=config.mesh.sequence)
         self.runner = Runner(config, model, mesh, self.shapes)
         self.config = config = self.runner.config  # engine.num_pages = 0 is resolved there
         self.settings = s = config.engine

@@ -13,6 +13,7 @@ from jaxfill.models.layers import RMSNorm, param, projection
 from jaxfill.models.rope import apply_rope
 from jaxfill.models.quant import qeinsum
 from jaxfill.models.context_parallel import sharded_attention
+from jaxfill.models.ring_attention import RingSpec
 from jaxfill.models.sharding import constrain, kv_heads_for
 from jaxfill.pallas_kernels import ragged_paged_attention, write_kv
 
@@ -96,8 +97,11 @@ class Attention(nnx.Module):
             return out, pages
 
         sinks = None if self.sinks is None else self.sinks[...].astype(jnp.float32)
+        ring = lambda w: (None if self.config.context_attention == "pass_q"  # noqa: E731
+                          else RingSpec(self.sm_scale, self.config.attn_soft_cap, w))
         out, pages = by_window(settings, layer, lambda w: sharded_attention(
-            lambda *a: attend(*a, window=w), q, k, v, pages, q_meta, sinks, sinks=sinks is not None))
+            lambda *a: attend(*a, window=w), q, k, v, pages, q_meta, sinks, sinks=sinks is not None,
+            ring=ring(w)))
         if gate is not None:
             out = out * jax.nn.sigmoid(gate).astype(out.dtype)
         out = qeinsum("thd,hde->te", out, self.o[...], self.o_scale)  # all-reduce over tensor

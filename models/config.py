@@ -38,6 +38,9 @@ CHOICES = {
     # the linear layers' chunk loop: XLA's, or the Pallas TPU kernel (pallas_kernels/
     # gated_delta_rule_tpu.py, ssd_tpu.py); auto = xla until a TPU measurement says otherwise
     "linear_impl": ("auto", "xla", "pallas_tpu"),
+    # mesh.sequence > 1 (models/context_parallel.py): auto = the pass-KV ring for a step
+    # with nothing cached (unquantized pages), pass-Q otherwise; pass_q = always pass-Q
+    "context_attention": ("auto", "pass_q"),
 }
 LAYER_TYPES = ("full", "sliding")
 
@@ -91,6 +94,7 @@ class ModelConfig:
     # absorbed: attend over the latent; expanded: K/V per head from it (models/mla_expanded.py);
     # auto: per step, whichever costs fewer multiply-adds for the batch's lengths
     mla_form: str = "auto"
+    context_attention: str = "auto"  # under mesh.sequence: see the choices above
     # Linear-attention hybrids: these layers run a recurrent rule (linear_kind), a state per
     # sequence instead of attention over the KV cache. Mamba2 is linear attention with C as
     # the query, B as the key and x as the value, so the shapes below name both: for mamba2,

@@ -29,7 +29,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxfill.models.ring_attention import RingSpec, no_cached_keys, ring_attention
 from jaxfill.models.sharding import HEADS, SEQUENCE, context_mesh, free_axes, mesh_axis_size
+from jaxfill.pallas_kernels.kv_quant import QuantizedPages
 from jaxfill.pallas_kernels.ragged_paged_attention.stripes import local_page_table, local_slots
 
 
@@ -37,6 +39,7 @@ def sharded_attention(attend: Callable, q: jax.Array, k: jax.Array, v: jax.Array
                       pages, meta,
                       head_args=None,  # a pytree of per-head arrays, heads first, split like q's heads
                       sinks: bool = False,  # head_args are attention sinks [Hq] f32: the merge adds them
+                      ring: RingSpec | None = None,  # the pass-KV ring's settings; None: pass-Q only
                       ) -> tuple[jax.Array, jax.Array]:
     """Runs `attend(q, k, v, pages, meta, head_args, share) -> (result, pages)` per device.
 
@@ -45,6 +48,8 @@ def sharded_attention(attend: Callable, q: jax.Array, k: jax.Array, v: jax.Array
     `share` is {} unless pages are split over 'sequence'; then it carries the rank's
     stripe and asks for the LSE, and `result` must be (out, lse). Heads are split over
     'tensor' (q, k, v, the pages' head axis, head_args). Without a mesh: attend as is.
+    With `ring` and unquantized pages, a step with nothing cached takes the pass-KV ring
+    instead (models/ring_attention.py; `lax.cond` on the metadata, the same on every rank).
     """
     mesh = context_mesh()
     axes = () if mesh is None else free_axes(mesh, *HEADS, SEQUENCE)
@@ -62,8 +67,13 @@ def sharded_attention(attend: Callable, q: jax.Array, k: jax.Array, v: jax.Array
     def local(q, k, v, pages, meta, head_args):
         if not sp:
             return attend(q, k, v, pages, meta, head_args, {})
-        return context_attention(attend, q, k, v, pages, meta, head_args, sinks, sp,
-                                 mesh_axis_size(mesh, sp))
+        count = mesh_axis_size(mesh, sp)
+        pass_q = lambda: context_attention(attend, q, k, v, pages, meta, head_args, sinks, sp, count)  # noqa: E731
+        if ring is None or isinstance(pages, QuantizedPages):
+            return pass_q()
+        pass_kv = lambda: ring_attention(q, k, v, pages, meta, ring, sp, count,  # noqa: E731
+                                         head_args if sinks else None)
+        return jax.lax.cond(no_cached_keys(meta), pass_kv, pass_q)
 
     tok = P(sp, tp, None)
     # per leaf: pages [N, ps, 2H, D] and, for a quantized layer, scales [N, ps, 2H]

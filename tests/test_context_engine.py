@@ -1,0 +1,105 @@
+"""Context parallelism end to end: the KV pool split over mesh.sequence serves what one
+device serves, token for token.
+
+Each configuration runs tests/context_worker.py in its own process (fake CPU devices):
+a 1536-token prompt (one unchunked step), a prompt sharing its first 1024 tokens (a
+prefix-cache hit of 64 pages, so pass-Q: the first prompt took the pass-KV ring), and
+with `long` a 16000-token prompt (8 chunks of 2048: the first by the ring)
+whose 1000 pages exceed what one device holds under sequence=4 (1152 / 4 = 288), then an
+abort after the first chunk of a 4608-token prefill. Compared with one device holding
+the whole pool: greedy tokens, first-token logprobs, prefix hits, and the pool's bytes
+per device read from the shards (a 1/N share on every device). Why this file takes over
+a minute: six engines, two of them through a 16k-token prefill.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = {"model.max_position_embeddings": 16384, "engine.max_model_len": 16384,
+        "engine.max_num_batched_tokens": 2048, "engine.max_num_seqs": 4, "engine.num_pages": 1152}
+PAGES_OF_LONG = 16000 // 16
+
+
+def run(devices: int, overrides: dict, long: bool = False) -> dict:
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    spec = json.dumps({"overrides": {**BASE, **overrides}, "long": long})
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "context_worker.py"), spec],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-4000:]
+    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    return run(1, {}, long=True)
+
+
+def same_answers(got: dict, want: dict) -> None:
+    """Equal on the prompts both ran (`want` may have run the long one too)."""
+    n = len(got["tokens"])
+    assert got["tokens"] == want["tokens"][:n]
+    assert max(abs(a - b) for a, b in zip(got["logprob"], want["logprob"])) < 1e-4
+    assert got["cached"] == want["cached"][:n] and got["cached"][1] == 1024  # the prefix hit
+    assert got["free_after"] == got["pages_total"]  # finished requests hold nothing
+
+
+def split_evenly(r: dict, n: int) -> None:
+    assert r["kv_bytes_device"] * n == r["kv_bytes"], r
+    assert r["device_shares"] == [r["kv_bytes_device"]], r  # every device the same share
+
+
+@pytest.fixture(scope="module")
+def sequence4():
+    return run(4, {"mesh.sequence": 4}, long=True)
+
+
+def test_sequence4_serves_a_prompt_larger_than_a_device_share(one_device, sequence4):
+    r = sequence4
+    assert BASE["engine.num_pages"] // 4 < PAGES_OF_LONG < BASE["engine.num_pages"]
+    same_answers(r, one_device)
+    split_evenly(r, 4)
+    assert one_device["kv_bytes_device"] == one_device["kv_bytes"] == r["kv_bytes"]
+
+
+def test_abort_mid_prefill_gives_every_page_back(one_device, sequence4):
+    for r in (one_device, sequence4):
+        assert r["free_mid_prefill"] < r["pages_total"]  # the first chunk holds pages
+        assert r["free_after_abort"] == r["pages_total"]
+
+
+def test_pass_q_alone_equals_one_device(one_device):
+    """The fresh prompts above took the pass-KV ring (model.context_attention = auto);
+    forcing pass-Q everywhere gives the same answers (and so the same as the ring)."""
+    same_answers(run(4, {"mesh.sequence": 4, "model.context_attention": "pass_q"}), one_device)
+
+
+def test_odd_rank_count(one_device):
+    """sequence=3: pages dealt over three ranks (1152 = 3 x 384), bucket rows rounded up
+    to a multiple of 3; aborts free per rank."""
+    r = run(3, {"mesh.sequence": 3})
+    same_answers(r, one_device)
+    split_evenly(r, 3)
+    assert r["free_mid_prefill"] < r["pages_total"] == r["free_after_abort"]
+
+
+def test_int8_kv_with_tensor2_sequence2():
+    over = {"engine.kv_cache_dtype": "int8"}
+    ref = run(1, over)
+    r = run(4, {**over, "mesh.tensor": 2, "mesh.sequence": 2})
+    same_answers(r, ref)
+    split_evenly(r, 4)  # heads over tensor, pages over sequence: a quarter each
+
+
+def test_pool_must_split_over_sequence():
+    from jaxfill.engine.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="multiple of 4"):
+        load_config("tiny_random", {"mesh.sequence": 4, "engine.num_pages": 1150})
