@@ -19,6 +19,9 @@ triangle to within a page), for prefill chunks, prefix-cache hits and decodes al
 one code path. Per layer it moves Q and the new K/V in (all-gather) and the outputs out
 (reduce-scatter), O(T) bytes, never the cached keys. Attention sinks (gpt-oss) enter once,
 at the merge, not in each rank's partial softmax.
+
+A step with nothing cached may instead take the pass-KV ring (models/ring_attention.py):
+`sharded_attention(..., ring=RingSpec(...))` picks it per step with `lax.cond`.
 """
 
 from __future__ import annotations

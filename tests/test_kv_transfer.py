@@ -194,14 +194,17 @@ print(json.dumps({"released": e.release_held(tid), "free": e.stats()["pages_free
 """
 
 
-@pytest.mark.parametrize("tensor", [2, 4])  # 4: each of the 2 KV heads repeated twice
-def test_prefill_in_another_process_on_another_mesh(engines, tensor):
-    """Prefill in a subprocess on tensor=2 or 4 (fake CPU devices), decode here on one."""
+# tensor 4: each of the 2 KV heads repeated twice; sequence 4: the prompt's pages dealt
+# over four ranks (context parallelism), gathered into rows for a one-device decode
+@pytest.mark.parametrize("mesh", [{"mesh.tensor": 2}, {"mesh.tensor": 4}, {"mesh.sequence": 4}],
+                         ids=["tensor2", "tensor4", "sequence4"])
+def test_prefill_in_another_process_on_another_mesh(engines, mesh):
+    """Prefill in a subprocess on 2 or 4 fake CPU devices, decode here on one."""
     _, dst = engines
     params = SamplingParams(max_tokens=10, temperature=0.7, seed=3)
     want = dst.generate([PROMPT], params)[0]
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={tensor}")
-    over = {**BASE, "engine.page_size": 16, "mesh.tensor": tensor}
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={max(mesh.values())}")
+    over = {**BASE, "engine.page_size": 16, **mesh}
     proc = subprocess.Popen([sys.executable, "-c", PREFILL_SCRIPT, json.dumps(over), json.dumps(PROMPT)],
                             cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
