@@ -11,7 +11,7 @@ import numpy as np
 from flax import nnx
 
 from jaxfill.models.forward import forward
-from jaxfill.models.kv_cache import KVCache, single_sequence_metadata
+from jaxfill.models.kv_cache import KVCache, dealt_pages, single_sequence_metadata
 
 
 def bucket(n: int, minimum: int = 16) -> int:
@@ -54,12 +54,14 @@ def generate_one(model, prompt: list[int], cache: KVCache, max_tokens: int,
                  sample=None, step_rows: int | None = None):
     """Greedy (or `sample(logits) -> id`) generation; returns (token ids, cache).
 
-    Pages default to 1.. in order; page 0 stays the null page. `step_rows`: prefill_chunks'
-    (decode steps too: the prompt and every new token then run one compiled program).
+    Pages default to 1.. in order (page 0 stays the null page), dealt over the cache's
+    'sequence' ranks when it has them (models/kv_cache.dealt_pages). `step_rows`:
+    prefill_chunks' (decode steps too: the prompt and every new token then run one
+    compiled program).
     """
     page_size = cache.page_size
     needed = -(-(len(prompt) + max_tokens) // page_size)
-    pages = list(pages) if pages is not None else list(range(1, needed + 1))
+    pages = list(pages) if pages is not None else dealt_pages(needed, cache.num_pages, cache.page_ranks)
     if len(pages) < needed:
         raise ValueError(f"need {needed} pages for {len(prompt)}+{max_tokens} tokens, got {len(pages)}")
     pick = sample or (lambda logits: int(jnp.argmax(logits)))

@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxfill.models.moe import is_moe_layer
-from jaxfill.models.sharding import DATA, KV_CACHE_AXES, kv_cache_heads, kv_cache_sharding, linear_state_sharding
+from jaxfill.models.sharding import (DATA, KV_CACHE_AXES, SEQUENCE, kv_cache_heads, kv_cache_sharding,
+                                     linear_state_sharding)
 from jaxfill.pallas_kernels import QUANT_DTYPES, QuantizedPages, init_kv_pages, init_quantized_pages
 
 
@@ -143,6 +144,16 @@ class KVCache:
         return self._values_shape[1]
 
     @property
+    def page_ranks(self) -> int:
+        """The 'sequence' ranks the page axis is dealt over (context parallelism), else 1."""
+        pages = jax.tree.leaves(self._paged)[0]
+        sharding = getattr(pages, "sharding", None)
+        spec = getattr(sharding, "spec", ())
+        axis = spec[1 if self.stages > 1 else 0] if len(spec) > (1 if self.stages > 1 else 0) else None
+        names = axis if isinstance(axis, tuple) else (axis,)
+        return int(dict(sharding.mesh.shape).get(SEQUENCE, 1)) if SEQUENCE in names else 1
+
+    @property
     def dtype(self):
         return self._paged.dtype
 
@@ -194,6 +205,17 @@ def sampled_rows_metadata(meta: AttentionMetadata) -> AttentionMetadata:
     s = meta.kv_lens.shape[0]
     cu = jnp.minimum(jnp.arange(s + 1, dtype=jnp.int32), meta.num_seqs[0])
     return dataclasses.replace(meta, cu_q_lens=cu, logits_indices=jnp.arange(s, dtype=jnp.int32))
+
+
+def dealt_pages(count: int, num_pages: int, ranks: int = 1) -> list[int]:
+    """Page ids for logical pages 0..count-1 of one sequence in a fresh pool of `num_pages`
+    dealt over `ranks` (mesh.sequence): page j on rank j mod ranks, whose ids start at
+    rank * num_pages / ranks; rank 0 skips the null page. With ranks = 1: 1, 2, 3, ...
+    (what the engine's block manager does for a pool nobody else uses)."""
+    per = num_pages // ranks
+    if -(-count // ranks) >= per:
+        raise ValueError(f"{count} pages do not fit a pool of {num_pages} dealt over {ranks} ranks")
+    return [(j % ranks) * per + 1 + j // ranks for j in range(count)]
 
 
 def single_sequence_metadata(num_tokens: int, start: int, pages: list[int], page_size: int,

@@ -28,8 +28,8 @@ PROMPT = [(37 * i + 11) % 500 for i in range(37)]
 PROMPT2 = [(53 * i + 5) % 500 for i in range(21)]
 MAX_TOKENS = 10
 QUANT = {"engine.kv_cache_dtype": "int8", "model.weight_dtype": "int8"}  # quantized weights and KV
-# the host KV tier: a 14-page pool that evicts each document before it is asked again
-TIER = {"engine.num_pages": 14, "engine.host_kv_cache_gb": 0.001, "engine.kv_fill_value": float("nan")}
+# the host KV tier: a 16-page pool (4 per sequence rank) that evicts each document before it is asked again
+TIER = {"engine.num_pages": 16, "engine.host_kv_cache_gb": 0.001, "engine.kv_fill_value": float("nan")}
 TIER_DOCS = [[(71 * i + 13 * j + 3) % 500 for j in range(32)] for i in range(3)]
 TIER_PROMPTS = [doc + [k] for k, doc in enumerate(TIER_DOCS * 2)]
 # a mixture of experts split over 'expert' = 4 across the two processes (x tensor 2)
@@ -75,7 +75,7 @@ def sharded_greedy(mesh) -> list[int]:
     from jaxfill.engine.simple import bucket
     from jaxfill.engine import placement
     from jaxfill.models.forward import forward
-    from jaxfill.models.kv_cache import KVCache, single_sequence_metadata
+    from jaxfill.models.kv_cache import KVCache, dealt_pages, single_sequence_metadata
 
     cfg = model_config()
     graphdef, state = placement.init_sharded(cfg, mesh)
@@ -87,7 +87,7 @@ def sharded_greedy(mesh) -> list[int]:
         return jax.make_array_from_callback(x.shape, replicated, lambda idx: x[idx])
 
     pick = jax.jit(lambda logits: jnp.argmax(logits[0]).astype(jnp.int32), out_shardings=replicated)
-    pages = list(range(1, 8))
+    pages = dealt_pages(7, 16, cache.page_ranks)  # context parallel: page j on sequence rank j mod N
     seq = list(PROMPT)
     out: list[int] = []
     pos = 0
