@@ -218,7 +218,7 @@ def plot(r: dict, path: str) -> None:
         ax.legend(fontsize=8)
     for t in r.get("ttft", []):
         ls = r["ttft_lengths"]
-        ttft.plot(ls, [t["median"][str(s)] for s in ls], "o-", label=f"N = {t['N']} ({t['N']} fake devices)")
+        ttft.plot(ls, [t["median"][str(s)] for s in ls], "o-", label=f"N = {t['N']}" + (f" ({t['N']} fake devices)" if t["N"] > 1 else ", one device"))
     ttft.set_xscale("log", base=2)
     ttft.set_yscale("log")
     ttft.set_xlabel("prompt tokens S")
