@@ -166,7 +166,8 @@ def mib(x: float) -> str:
 
 def tables(r: dict) -> str:
     out = ["| N | S | pages/device | KV MiB/device | temp MiB, chunk " + str(r["chunk"]) +
-           " | args MiB, chunk | temp MiB, T = S | KV + temp (chunk) MiB |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           " | args MiB, chunk | temp MiB, T = S | KV + temp (chunk) MiB |",
+           "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for w in r["memory"]:
         for row in w["rows"]:
             c = row["chunk"]
@@ -218,7 +219,8 @@ def plot(r: dict, path: str) -> None:
         ax.legend(fontsize=8)
     for t in r.get("ttft", []):
         ls = r["ttft_lengths"]
-        ttft.plot(ls, [t["median"][str(s)] for s in ls], "o-", label=f"N = {t['N']}" + (f" ({t['N']} fake devices)" if t["N"] > 1 else ", one device"))
+        where = f" ({t['N']} fake devices)" if t["N"] > 1 else ", one device"
+        ttft.plot(ls, [t["median"][str(s)] for s in ls], "o-", label=f"N = {t['N']}{where}")
     ttft.set_xscale("log", base=2)
     ttft.set_yscale("log")
     ttft.set_xlabel("prompt tokens S")
@@ -280,7 +282,8 @@ def main() -> None:
               "memory": memory, "ttft_lengths": args.ttft_lengths, "ttft": ttft,
               "collectives": {"N": 4, "tokens": args.chunk, "hlo_total": hlo, "per_layer": per_layer,
                               "formula": formula(4, args.chunk, m.num_heads, m.num_kv_heads, m.head_dim)},
-              "agreement": agreement(ttft), "wall_s": time.time() - t0, "load_average_start": load_start, "load_average_end": os.getloadavg()}
+              "agreement": agreement(ttft), "wall_s": time.time() - t0,
+              "load_average_start": load_start, "load_average_end": os.getloadavg()}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
