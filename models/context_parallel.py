@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxfill.models.ring_attention import RingSpec, no_cached_keys, ring_attention
-from jaxfill.models.sharding import HEADS, SEQUENCE, context_mesh, free_axes, mesh_axis_size
+from jaxfill.models.sharding import DATA, HEADS, SEQUENCE, context_mesh, free_axes, mesh_axis_size
 from jaxfill.pallas_kernels.kv_quant import QuantizedPages
 from jaxfill.pallas_kernels.ragged_paged_attention.stripes import local_page_table, local_slots
 
@@ -67,24 +67,31 @@ def sharded_attention(attend: Callable, q: jax.Array, k: jax.Array, v: jax.Array
     if sp and q.shape[0] % mesh_axis_size(mesh, sp):
         raise ValueError(f"{q.shape[0]} tokens must split over sequence={mesh_axis_size(mesh, sp)}; pad the batch")
 
-    def local(q, k, v, pages, meta, head_args):
+    use_ring = ring is not None and sp is not None and not isinstance(pages, QuantizedPages)
+    ring_now = no_cached_keys(meta) if use_ring else jnp.bool_(False)
+    if use_ring and DATA in (getattr(mesh, "manual_axes", ()) or ()):
+        # inside the data-parallel map every replica must take the same branch: XLA:CPU
+        # deadlocked when one replica's ranks rang while another's gathered
+        ring_now = jax.lax.pmin(ring_now.astype(jnp.int32), DATA) > 0
+
+    def local(q, k, v, pages, meta, head_args, ring_now):
         if not sp:
             return attend(q, k, v, pages, meta, head_args, {})
         count = mesh_axis_size(mesh, sp)
         pass_q = lambda: context_attention(attend, q, k, v, pages, meta, head_args, sinks, sp, count)  # noqa: E731
-        if ring is None or isinstance(pages, QuantizedPages):
+        if not use_ring:
             return pass_q()
         pass_kv = lambda: ring_attention(q, k, v, pages, meta, ring, sp, count,  # noqa: E731
                                          head_args if sinks else None)
-        return jax.lax.cond(no_cached_keys(meta), pass_kv, pass_q)
+        return jax.lax.cond(ring_now, pass_kv, pass_q)
 
     tok = P(sp, tp, None)
     # per leaf: pages [N, ps, 2H, D] and, for a quantized layer, scales [N, ps, 2H]
     page_spec = jax.tree.map(lambda a: P(sp, None, tp, *([None] * (a.ndim - 3))), pages)
     head_spec = None if head_args is None else jax.tree.map(lambda _: P(tp), head_args)
-    return jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, page_spec, P(), head_spec),
+    return jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, page_spec, P(), head_spec, P()),
                          out_specs=(tok, page_spec), axis_names=set(axes),
-                         check_vma=False)(q, k, v, pages, meta, head_args)
+                         check_vma=False)(q, k, v, pages, meta, head_args, ring_now)
 
 
 def context_attention(attend: Callable,

@@ -111,7 +111,7 @@ class LatentAttention(nnx.Module):
                 w_uk: jax.Array,  # [H, lat, nope]
                 w_uv: jax.Array,  # [H, lat, vd]
                 impl: str,
-                share: dict) -> jax.Array:  # [T, H, vd] (and its LSE [T, H] with a context-parallel share)
+                share: dict | None = None) -> jax.Array:  # [T, H, vd] (and its LSE [T, H] with a context-parallel share)
         """A context-parallel share (models/context_parallel.py) takes the absorbed form:
         the expanded one sizes its copy by whole sequences, not by a rank's stripe."""
         c = self.config
@@ -122,7 +122,7 @@ class LatentAttention(nnx.Module):
             qa = jnp.concatenate([q_lat, q[..., nope:].astype(q_lat.dtype)], axis=-1)
             out = ragged_paged_attention(qa, pages, meta.kv_lens, meta.page_indices, meta.cu_q_lens,
                                          meta.num_seqs, sm_scale=self.sm_scale, impl=impl, kv_shared=True,
-                                         **share)
+                                         **(share or {}))
             out, lse = out if share else (out, None)
             # w_uv is linear, so ranks' projected partial outputs still merge by their LSEs
             out = jnp.einsum("thc,hcv->thv", out[..., :lat].astype(w_uv.dtype), w_uv)

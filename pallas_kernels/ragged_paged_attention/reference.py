@@ -78,21 +78,25 @@ def ragged_paged_attention_reference(
         if sliding_window is not None:
             visible &= key_pos[None, :] > pos[:, None] - sliding_window
         scores = jnp.where(visible[:, None, None, :], scores, MASK_VALUE)
-        seen = jnp.any(visible, axis=-1)[:, None, None]  # [T, 1, 1]
-        lse = jnp.where(seen, jax.nn.logsumexp(scores, axis=-1), -jnp.inf)  # [T, Hkv, G]
         if sinks is None:
             probs = jax.nn.softmax(scores, axis=-1)
         else:
             sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(num_kv_heads, group, 1),
                                     scores.shape[:-1] + (1,))
             probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
-        o = jnp.where(seen[..., None], jnp.einsum("thgk,khd->thgd", probs, v), 0.0)
+        o = jnp.einsum("thgk,khd->thgd", probs, v)
         mine = (seq_of == s) & valid
-        return (jnp.where(mine[:, None, None, None], o, out[0]), jnp.where(mine[:, None, None], lse, out[1]))
+        if not return_lse:
+            return jnp.where(mine[:, None, None, None], o, out)
+        # a rank's share may hold no key a row can see: its output 0, its LSE -inf
+        seen = jnp.any(visible, axis=-1)[:, None, None]  # [T, 1, 1]
+        lse = jnp.where(seen, jax.nn.logsumexp(scores, axis=-1), -jnp.inf)  # [T, Hkv, G]
+        o = jnp.where(seen[..., None], o, 0.0)
+        return jnp.where(mine[:, None, None, None], o, out[0]), jnp.where(mine[:, None, None], lse, out[1])
 
+    if not return_lse:
+        out = jax.lax.fori_loop(0, num_seqs[0], one_sequence, jnp.zeros_like(qf))
+        return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
     out = (jnp.zeros_like(qf), jnp.full(qf.shape[:3], -jnp.inf, jnp.float32))
     out, lse = jax.lax.fori_loop(0, num_seqs[0], one_sequence, out)
-    out = out.reshape(num_tokens, num_q_heads, head_dim)
-    if return_lse:
-        return out, lse.reshape(num_tokens, num_q_heads)
-    return out.astype(q.dtype)
+    return out.reshape(num_tokens, num_q_heads, head_dim), lse.reshape(num_tokens, num_q_heads)
