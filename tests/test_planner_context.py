@@ -110,3 +110,37 @@ def test_plan_cli_one_million(capsys):
     assert main(argv + extra + ["--json"]) == 0
     row = json.loads(capsys.readouterr().out)
     assert row["kv_bytes_per_device"] == 16 << 30 and row["fits"] is True and row["ring_mode"] == PASS_Q
+
+
+POOL_WORKER = """
+import json
+from jaxfill.engine import memory
+memory.host_memory_available = lambda: 24 << 20  # a pool of a few hundred pages
+from jaxfill.engine.config import load_config
+from jaxfill.engine.engine import Engine
+cfg = load_config("tiny_random", {"engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64],
+                                  "engine.max_num_seqs": 4, "engine.max_model_len": 256, "engine.num_pages": 0,
+                                  "engine.memory_utilization": 0.5, "mesh.sequence": 2})
+p = Engine(cfg, progress=False, warmup=False).runner.pool
+m = cfg.model
+print("RESULT " + json.dumps(dict(pages=p.num_pages, page_bytes=p.page_bytes, capacity=p.capacity_bytes,
+      in_use=p.in_use_bytes, act=p.activation_bytes, per_token=m.num_layers * 2 * m.num_kv_heads * m.head_dim * 4,
+      page_size=cfg.engine.page_size)))
+"""
+
+
+def test_engine_pool_under_sequence_2():
+    """engine.num_pages = 0 on 2 fake devices, sequence = 2: page_bytes is one page as a
+    device stores it (its probe shard holds probe_pages / 2 pages), and the pool is
+    2 x what one device fits."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", POOL_WORKER], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads([x for x in out.stdout.splitlines() if x.startswith("RESULT ")][-1][len("RESULT "):])
+    assert r["page_bytes"] == r["page_size"] * r["per_token"]  # f32 tiny_random, whole heads per device
+    per_device = int((r["capacity"] * 0.5 - r["in_use"] - r["act"]) // r["page_bytes"])
+    assert 50 < per_device and r["pages"] == 2 * per_device
