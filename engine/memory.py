@@ -2,7 +2,9 @@
 
 Per device, after the weights are placed:
 
-    num_pages = floor((capacity * memory_utilization - in_use - activation_peak) / page_bytes)
+    per_device = floor((capacity * memory_utilization - in_use - activation_peak) / page_bytes)
+    num_pages = mesh.sequence x per_device
+
 
 * capacity, in_use: GPU/TPU: `device.memory_stats()` `bytes_limit` and `bytes_in_use`
   (the weights and anything else already resident). `bytes_limit` is the XLA allocator's
@@ -17,8 +19,10 @@ Per device, after the weights are placed:
   donated and updated in place, so its size does not enter the temp buffers.
 * page_bytes: one page of every layer as this device stores it: the heads it holds
   (Hkv, repeated up to mesh.tensor, split over tensor) in engine.kv_cache_dtype, scales
-  included. The page axis holds one pool per data replica split over 'data', and every
-  sequence rank keeps a full copy, so the result is the pool of one replica.
+  included. The page axis holds one pool per data replica split over 'data', and each
+  replica's pool is split over 'sequence' (page j of a sequence on rank j mod N, each
+  rank holding num_pages / N), so the pool of one replica is N times what one device
+  fits: a multiple of N, as engine.num_pages must be.
 
 The smallest device decides (the cache has one shape), and in a multi-process run the
 smallest process. `jaxfill plan` calls `pool_pages` with its arithmetic inputs.
@@ -63,12 +67,15 @@ class PoolSize:
 
 
 def pool_pages(capacity_bytes: float, in_use_bytes: float, activation_bytes: float, page_bytes: int,
-               utilization: float) -> int:
-    """The formula, shared by the engine and the planner (may be < 2: callers check)."""
+               utilization: float, sequence: int = 1) -> int:
+    """The formula, shared by the engine and the planner: pages of one replica's pool,
+    `sequence` times what one device fits (may be < 2 per rank: callers check)."""
     if page_bytes <= 0:
         raise ValueError(f"page_bytes must be positive, got {page_bytes}")
+    if sequence < 1:
+        raise ValueError(f"sequence must be at least 1, got {sequence}")
     usable = capacity_bytes * utilization - in_use_bytes - activation_bytes
-    return max(0, int(usable // page_bytes))
+    return sequence * max(0, int(usable // page_bytes))
 
 
 def host_memory_available() -> int:
@@ -105,21 +112,24 @@ def device_memory(device, params, sharing: int) -> tuple[int, int, str]:
 
 def size_pool(runner, probe_cache, probe_pages: int) -> PoolSize:
     """Sizes the pool for `runner` (params placed, no cache yet). `probe_cache` is a real
-    cache of `probe_pages` pages per replica laid out as the pool will be: its shard on
-    each device gives page_bytes, and the largest bucket compiled against it gives the
-    activation peak."""
+    cache of `probe_pages` pages per replica laid out as the pool will be (a multiple of
+    mesh.sequence: each device holds probe_pages / N of them): its shard on each device
+    gives page_bytes, and the largest bucket compiled against it gives the activation peak."""
     s = runner.config.engine
     devices = [d for d in runner.mesh.devices.flat if d.process_index == jax.process_index()] \
         if runner.mesh is not None else [jax.local_devices()[0]]
     states = [e for e in probe_cache.pages if hasattr(e, "recurrent")]  # a hybrid's fixed state slots
     state_bytes = max(shard_bytes(states, d) for d in devices)
-    page_bytes = (max(shard_bytes(probe_cache, d) for d in devices) - state_bytes) // probe_pages
+    sequence = runner.config.mesh.sequence
+    if probe_pages % sequence:
+        raise ValueError(f"probe_pages={probe_pages} must split over mesh.sequence={sequence}")
+    page_bytes = (max(shard_bytes(probe_cache, d) for d in devices) - state_bytes) // (probe_pages // sequence)
     activation = activation_peak(runner, probe_cache)
     best = None
     for d in devices:
         capacity, in_use, source = device_memory(d, runner.state, len(devices))
         in_use += state_bytes  # allocated beside the pages whatever their number
-        pages = pool_pages(capacity, in_use, activation, page_bytes, s.memory_utilization)
+        pages = pool_pages(capacity, in_use, activation, page_bytes, s.memory_utilization, sequence)
         if best is None or pages < best.num_pages:
             best = PoolSize(pages, s.page_size, page_bytes, capacity, in_use, activation,
                             s.memory_utilization, source)
@@ -129,7 +139,7 @@ def size_pool(runner, probe_cache, probe_pages: int) -> PoolSize:
 
         pages = int(np.min(multihost_utils.process_allgather(np.asarray([pages], np.int64))))
         best = dataclasses.replace(best, num_pages=pages)
-    if pages < 2:
+    if pages < 2 * sequence:  # the config's rule: at least 2 pages per rank
         raise ValueError(f"engine.num_pages=0: no room for a KV pool ({best.describe()}); lower the weights "
                          "(mesh.tensor, model.weight_dtype), raise engine.memory_utilization or set engine.num_pages")
     if pages - 1 < s.max_pages_per_seq:

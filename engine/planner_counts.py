@@ -169,12 +169,23 @@ def pages_for(num_tokens: int, page_size: int) -> int:
 
 
 # ----------------------------------------------------------------------------- mesh
-def check_prompt_len(prompt_len: int, engine: EngineSettings) -> None:
+def check_prompt_len(prompt_len: int, engine: EngineSettings, model: ModelConfig | None = None) -> None:
+    """A prompt plus one generated token must fit engine.max_model_len; past the model's
+    max_position_embeddings the message says so (raising max_model_len alone is refused)."""
     if prompt_len <= 0:
-        raise ValueError(f"prompt length must be positive, got {prompt_len}")
-    if prompt_len >= engine.max_model_len:
-        raise ValueError(f"prompt length {prompt_len} does not fit engine.max_model_len={engine.max_model_len} "
-                         "(prompt plus at least one generated token; raise it with --set engine.max_model_len=N)")
+        raise ValueError(f"prompt length {prompt_len} must be positive")
+    if prompt_len < engine.max_model_len:
+        return
+    if model is not None and prompt_len >= model.max_position_embeddings:
+        n = 1 << prompt_len.bit_length()  # a power of two above the prompt
+        raise ValueError(
+            f"prompt length {prompt_len} does not fit engine.max_model_len={engine.max_model_len} and is "
+            f"past the model's max_position_embeddings="
+            f"{model.max_position_embeddings} (rope_theta {model.rope_theta:g}, rope_scaling "
+            f"{model.rope_scaling_dict or 'none'}): its rope was not trained that far. For the planner's "
+            f"arithmetic anyway: --set model.max_position_embeddings={n} --set engine.max_model_len={n}")
+    raise ValueError(f"prompt length {prompt_len} does not fit engine.max_model_len={engine.max_model_len} "
+                     "(prompt plus at least one generated token; raise it with --set engine.max_model_len=N)")
 
 
 def check_link_gbps(link_gbps: float | None) -> None:

@@ -66,12 +66,20 @@ PLAN_COLUMNS = [
     ("attention", "attention_flops", lambda x: _si(x)),
     ("KV/request", "kv_bytes_per_request", _bytes),
     ("pages", "pages_per_request", str),
+    ("KV/device", "kv_bytes_per_device", _bytes),
+    ("fits", "fits", lambda x: "yes" if x else "NO"),
     ("bound", "bound", str),
     ("collective", "collective_s", _seconds),
     ("TTFT floor", "ttft_floor_s", _seconds),
     ("tok/s ceil", "tokens_per_s_ceiling", lambda x: _si(x)),
     ("fit", "max_concurrent_requests", str),
     ("TTFT(2N)/TTFT(N)", "decay_coefficient", lambda x: f"{x:.2f}"),
+]
+
+CONTEXT_COLUMNS = [
+    ("ring", "ring_mode", str),
+    ("pass-Q bytes", "pass_q_collective_bytes_per_device", _bytes),
+    ("pass-KV bytes", "pass_kv_collective_bytes_per_device", lambda x: _bytes(x) if x is not None else "-"),
 ]
 
 STAGE_COLUMNS = [
@@ -99,7 +107,7 @@ def run(args) -> int:
     check_link_gbps(args.link_gbps)
     lens = args.prompt_lens or default_prompt_lens(config.engine)
     for n in lens:  # validate before measuring the CPU
-        check_prompt_len(n, config.engine)
+        check_prompt_len(n, config.engine, config.model)
     if args.hardware.lower() == "cpu" and not args.json:
         print("measuring this CPU (XLA matmul + streaming bandwidth)...", file=sys.stderr, flush=True)
     hw = load_hardware(args.hardware, config.model.dtype, model_matmul_shape(config.model))
@@ -124,7 +132,8 @@ def run(args) -> int:
     print(f"mesh    data={mesh.data} tensor={mesh.tensor} expert={mesh.expert} sequence={mesh.sequence} "
           f"stage={mesh.stage} "
           f"({mesh.size} devices); weights per device {_bytes(first['weight_bytes_per_device'])}, "
-          f"KV per device {first['kv_bytes_per_token_per_device']} bytes/token")
+          f"KV per device {first['kv_bytes_per_token_per_device']} bytes/token"
+          + (f", pages split over {mesh.sequence} sequence ranks" if mesh.sequence > 1 else ""))
     if mesh.stage > 1:
         print(f"stages  {mesh.stage} x {m.num_layers // mesh.stage} layers, up to {mesh.microbatches} microbatches: "
               f"{first['stage_boundary_bytes_per_token']} bytes/token cross each of {mesh.stage - 1} "
@@ -143,11 +152,24 @@ def run(args) -> int:
           f"replica at memory_utilization {pool['memory_utilization']:g}, activations "
           f"{_bytes(pool['activation_bytes'])} (engine/memory.py)")
     print()
-    columns = (PLAN_COLUMNS + (STAGE_COLUMNS if mesh.stage > 1 else [])
+    if mesh.sequence > 1:
+        for row in rows:
+            row.setdefault("pass_kv_collective_bytes_per_device", None)  # not eligible: pass-Q only
+    columns = (PLAN_COLUMNS + (CONTEXT_COLUMNS if mesh.sequence > 1 else []) + (STAGE_COLUMNS if mesh.stage > 1 else [])
                + (TRANSFER_COLUMNS if args.link_gbps is not None else []))
     print(format_table(rows, columns))
     print("\nTTFT floor = max(FLOPs/peak, bytes/bandwidth) per device + collectives; "
           "fit = requests of this length whose KV fits beside the weights (x data replicas).")
+    print(f"KV/device = KV bytes per device, this prompt's K/V on one device (/ tensor, / sequence); fits = weights + KV/device + "
+          f"an activation estimate <= {config.engine.memory_utilization:g} x HBM "
+          f"({_bytes(first['hbm_bytes_per_device'])}).")
+    if mesh.sequence > 1:
+        print(f"sequence={mesh.sequence}: the KV pool is split over the sequence ranks; ring = the context-parallel "
+              f"attention form of the floor, the one with the smaller TTFT: pass-Q (all-gather Q + new K/V, "
+              f"reduce-scatter + all-max of the f32 outputs) or pass-KV ({mesh.sequence - 1} hops of the new K/V, "
+              f"fresh prompts only, dense blocks: 2x the causal attention FLOPs); bytes sent per device at "
+              f"{_si(hw.link_bytes_per_s, 'B/s')}. The engine chunks prompts at engine.max_num_batched_tokens="
+              f"{config.engine.max_num_batched_tokens}; the floor is one step.")
     if mesh.stage > 1:
         print("With stages: (microbatches + stages - 1) ticks of one stage's work on one microbatch, "
               "+ stage xfer = (stages - 1) hand-overs of one microbatch's activations; bubble = idle "
