@@ -1,7 +1,7 @@
 """Pass-KV ring vs pass-Q for fresh prompts under mesh.sequence (models/context_parallel.py).
 
-For each prompt length S (one unchunked prefill, nothing cached, so `auto` takes the
-ring) and each mode (`model.context_attention` = auto | pass_q), on N fake CPU devices:
+For each prompt length S (one unchunked prefill, nothing cached, so `pass_kv` takes the
+ring) and each mode (`model.context_attention` = pass_kv | pass_q), on N fake CPU devices:
 the median prefill wall time of 3 fresh prompts after one compile run, and the bytes the
 compiled step's collectives move (benchmarks/hlo_collectives.py): the ring's
 collective-permutes vs pass-Q's all-gathers, all-max and reduce-scatter. Wall time on 2
@@ -54,7 +54,7 @@ def measure(mode: str, length: int) -> dict:
 
 def step_collectives(config, length: int) -> dict:
     """Collectives of the model forward for one fresh `length`-token prefill, compiled
-    alone (forward.lower, as benchmarks/sharding.py does). Under `auto` the program holds
+    alone (forward.lower, as benchmarks/sharding.py does). Under `pass_kv` the program holds
     both modes (lax.cond): the ring's bytes are its collective-permutes."""
     import jax
     import jax.numpy as jnp
@@ -80,7 +80,7 @@ def step_collectives(config, length: int) -> dict:
 def main():
     rows = []
     for length in LENGTHS:
-        for mode in ("auto", "pass_q"):
+        for mode in ("pass_kv", "pass_q"):
             env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}",
                        JAX_PLATFORMS="cpu")
             out = subprocess.run([sys.executable, __file__, mode, str(length)], env=env, capture_output=True,

@@ -44,7 +44,7 @@ from jaxfill.engine.planner_counts import (attention_flops, check_link_gbps, che
                                            linear_mixer_flops, matmul_flops, pages_for, prunes_last_layer,
                                            state_bytes, weight_bytes)
 from jaxfill.engine.planner_context import (PASS_KV, PASS_Q, activation_estimate, context_bytes_per_layer,
-                                            kv_pages_per_device, ring_modes)
+                                            engine_ring_mode, kv_pages_per_device, ring_modes)
 from jaxfill.engine.planner_layout import (bubble_fraction, check_mesh, dtype_bytes,
                                            kv_bytes_per_token_per_device, kv_repeat, layer_bytes_per_device,
                                            pipeline_microbatches, vocab_split, weight_bytes_per_device)
@@ -154,10 +154,10 @@ def device_costs(model: ModelConfig, mesh: MeshSettings, hw: Hardware, num_token
 
 def best_costs(model: ModelConfig, mesh: MeshSettings, hw: Hardware, num_tokens: int, context: int = 0,
                kv_cache_dtype: str = "auto", scan_layers: bool = False) -> DeviceCosts:
-    """`device_costs` under the 'sequence' form with the smaller TTFT floor, among those
-    the engine may run for this step (planner_context.ring_modes)."""
-    return min((device_costs(model, mesh, hw, num_tokens, context, kv_cache_dtype, scan_layers, ring)
-                for ring in ring_modes(model, mesh, context, kv_cache_dtype)), key=lambda c: c.ttft_s)
+    """`device_costs` under the 'sequence' form the engine runs for this step
+    (planner_context.engine_ring_mode)."""
+    ring = engine_ring_mode(model, ring_modes(model, mesh, context, kv_cache_dtype))
+    return device_costs(model, mesh, hw, num_tokens, context, kv_cache_dtype, scan_layers, ring)
 
 
 def ttft_floor(model: ModelConfig, mesh: MeshSettings, hw: Hardware, num_tokens: int,
@@ -183,7 +183,7 @@ def plan_prefill(config: Config, hw: Hardware, prompt_len: int, link_gbps: float
     modes = {r: device_costs(model, mesh, hw, prompt_len, kv_cache_dtype=engine.kv_cache_dtype,
                              scan_layers=engine.scan_layers, ring=r)
              for r in ring_modes(model, mesh, 0, engine.kv_cache_dtype)}
-    cost = min(modes.values(), key=lambda c: c.ttft_s)
+    cost = modes[engine_ring_mode(model, tuple(modes))]
     # Memory left after this device's weights; the cache holds its stage's layers of the
     # Hkv * r heads split over tensor.
     weights_dev = weight_bytes_per_device(model, mesh)
@@ -238,7 +238,8 @@ def plan_prefill(config: Config, hw: Hardware, prompt_len: int, link_gbps: float
         "collective_s": cost.collective_s,
         "bound": "compute" if cost.compute_s >= cost.memory_s else "memory",
         "ttft_floor_s": cost.ttft_s,
-        "ring_mode": cost.ring,  # the 'sequence' attention form of the floor (None without it)
+        "ring_mode": cost.ring,  # the 'sequence' attention form the engine runs (None without it)
+        "cheaper_ring_mode": min(modes.values(), key=lambda c: c.ttft_s).ring,  # on this hardware's numbers
         **{f"{k.replace('-', '_').lower()}_{key}": v for k, c in modes.items() if k
            for key, v in (("collective_bytes_per_device", c.collective_bytes), ("ttft_floor_s", c.ttft_s))},
         "tokens_per_s_ceiling": prompt_len / cost.ttft_s,

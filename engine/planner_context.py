@@ -12,14 +12,17 @@ figure / N. Each layer then runs one of two forms:
   (N - 1)/N x T x (Hq_local x D x dtype + the new K/V's cache bytes)
   + (N - 1)/N x T x Hq_local x (D + 1) x 4 + (N - 1)/N x T x Hq_local x 4.
 * pass-KV ring (a step with nothing cached, unquantized pages, model.context_attention
-  = auto): N - 1 ppermute hops of each rank's [T/N, 2 Hkv_local, D] block; Q and outputs
+  = pass_kv): N - 1 ppermute hops of each rank's [T/N, 2 Hkv_local, D] block; Q and outputs
   stay. Bytes: (N - 1)/N x T x the new K/V's cache bytes. Its blocks are dense
   [T/N, T/N] per hop, masked after the fact: it computes the full T x T score square,
   twice the causal triangle pass-Q's paged kernel does (ring_attention.py's docstring).
 
-The planner costs both and takes the smaller TTFT floor (so the 2x attention FLOPs can
-make pass-Q win at long prompts even though it sends more bytes); the engine's `auto`
-takes the ring for every eligible step whatever the cost.
+The planner costs both where the ring is eligible and reports both floors; the floor it
+quotes is the form the engine runs: pass-Q, unless model.context_attention = "pass_kv"
+(the engine's `auto` is pass-Q: on CPU the ring was 2-17x slower at 1k-8k tokens,
+benchmarks/context_modes.py, and no accelerator has run it). `cheaper_ring_mode` says
+which form this hardware's numbers favour (the ring's 2x attention FLOPs lose at long
+prompts even though it sends fewer bytes).
 """
 
 from __future__ import annotations
@@ -36,9 +39,14 @@ def ring_modes(model: ModelConfig, mesh: MeshSettings, context: int = 0, kv_cach
     without 'sequence'; pass-KV only with nothing cached and unquantized pages."""
     if mesh.sequence == 1:
         return (None,)
-    if context == 0 and kv_cache_dtype == "auto" and model.context_attention == "auto" and not model.kv_lora_rank:
+    if context == 0 and kv_cache_dtype == "auto" and model.context_attention != "pass_q" and not model.kv_lora_rank:
         return (PASS_Q, PASS_KV)
     return (PASS_Q,)
+
+
+def engine_ring_mode(model: ModelConfig, modes: tuple):
+    """The form the engine takes among `modes` (ring_modes'): the ring only when asked."""
+    return PASS_KV if PASS_KV in modes and model.context_attention == "pass_kv" else modes[0]
 
 
 def new_kv_bytes_per_token_layer(model: ModelConfig, mesh: MeshSettings, kv_cache_dtype: str = "auto") -> float:

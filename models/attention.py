@@ -97,8 +97,8 @@ class Attention(nnx.Module):
             return out, pages
 
         sinks = None if self.sinks is None else self.sinks[...].astype(jnp.float32)
-        ring = lambda w: (None if self.config.context_attention == "pass_q"  # noqa: E731
-                          else RingSpec(self.sm_scale, self.config.attn_soft_cap, w))
+        ring = lambda w: (RingSpec(self.sm_scale, self.config.attn_soft_cap, w)  # noqa: E731
+                          if self.config.context_attention == "pass_kv" else None)
         out, pages = by_window(settings, layer, lambda w: sharded_attention(
             lambda *a: attend(*a, window=w), q, k, v, pages, q_meta, sinks, sinks=sinks is not None,
             ring=ring(w)))

@@ -3,13 +3,12 @@ device serves, token for token.
 
 Each configuration runs tests/context_worker.py in its own process (fake CPU devices):
 a 1536-token prompt (one unchunked step), a prompt sharing its first 1024 tokens (a
-prefix-cache hit of 64 pages, so pass-Q: the first prompt took the pass-KV ring), and
-with `long` a 16000-token prompt (8 chunks of 2048: the first by the ring)
+prefix-cache hit of 64 pages), and with `long` a 16000-token prompt (8 chunks of 2048)
 whose 1000 pages exceed what one device holds under sequence=4 (1152 / 4 = 288), then an
 abort after the first chunk of a 4608-token prefill. Compared with one device holding
 the whole pool: greedy tokens, first-token logprobs, prefix hits, and the pool's bytes
 per device read from the shards (a 1/N share on every device). Why this file takes over
-a minute: six engines, two of them through a 16k-token prefill.
+a minute: seven engines, two of them through a 16k-token prefill.
 """
 
 from __future__ import annotations
@@ -75,10 +74,15 @@ def test_abort_mid_prefill_gives_every_page_back(one_device, sequence4):
         assert r["free_after_abort"] == r["pages_total"]
 
 
-def test_pass_q_alone_equals_one_device(one_device):
-    """The fresh prompts above took the pass-KV ring (model.context_attention = auto);
-    forcing pass-Q everywhere gives the same answers (and so the same as the ring)."""
-    same_answers(run(4, {"mesh.sequence": 4, "model.context_attention": "pass_q"}), one_device)
+@pytest.mark.parametrize("mesh", [{"mesh.sequence": 4}, {"mesh.data": 2, "mesh.sequence": 2}],
+                         ids=["sequence4", "data2_sequence2"])
+def test_pass_kv_ring_equals_one_device(one_device, mesh):
+    """model.context_attention = pass_kv: the fresh first prompt takes the ring, the
+    prefix hit pass-Q. With data replicas one replica's step may be fresh while the
+    other's is not: both take one branch (a deadlock on XLA:CPU otherwise)."""
+    r = run(4, {**mesh, "model.context_attention": "pass_kv"})
+    same_answers(r, one_device)
+    split_evenly(r, 4)  # data splits the pages too (a pool per replica)
 
 
 def test_odd_rank_count(one_device):

@@ -211,14 +211,17 @@ def test_tensor_and_sequence_parallel():
     # 'sequence' keeps every row of the last layer (no sampled-row pruning).
     m70 = load_config("llama3_70b").model
     assert tp8["flops_per_device"] == pytest.approx(prefill_flops(m70, 4096) / 8, rel=1e-3)
-    # A fresh prompt: the cheaper of pass-Q (causal attention, 1/N of the keys per rank)
-    # and the pass-KV ring (its dense blocks: the full T x T square).
-    assert sp2["ring_mode"] == ("pass-Q" if sp2["pass_q_ttft_floor_s"] <= sp2["pass_kv_ttft_floor_s"] else "pass-KV")
-    assert sp2["ttft_floor_s"] == min(sp2["pass_q_ttft_floor_s"], sp2["pass_kv_ttft_floor_s"])
+    # A fresh prompt: pass-Q (what `auto` runs; causal attention, 1/N of the keys per rank)
+    # and the pass-KV ring (asked for: its dense blocks compute the full T x T square).
+    assert sp2["ring_mode"] == "pass-Q" and sp2["ttft_floor_s"] == sp2["pass_q_ttft_floor_s"]
+    assert sp2["cheaper_ring_mode"] == ("pass-Q" if sp2["pass_q_ttft_floor_s"] <= sp2["pass_kv_ttft_floor_s"]
+                                        else "pass-KV")
     causal = prefill_flops(m70, 4096, sampled_last_layer=False)
     square = causal - attention_flops(m70, 4096) + attention_flops(m70, 4096, causal=False, kv_len=4096)
-    assert sp2["flops_per_device"] == pytest.approx((causal if sp2["ring_mode"] == "pass-Q" else square) / 16,
-                                                    rel=1e-3)
+    assert sp2["flops_per_device"] == pytest.approx(causal / 16, rel=1e-3)
+    ring = plan_prefill(load_config("llama3_70b", {"mesh.tensor": 8, "mesh.sequence": 2,
+                                                   "model.context_attention": "pass_kv"}), H100, 4096)
+    assert ring["ring_mode"] == "pass-KV" and ring["flops_per_device"] == pytest.approx(square / 16, rel=1e-3)
     dp2 = plan_prefill(load_config("llama3_70b", {"mesh.tensor": 8, "mesh.data": 2}), H100, 4096)
     assert dp2["max_concurrent_requests"] == 2 * tp8["max_concurrent_requests"]
     assert dp2["ttft_floor_s"] == tp8["ttft_floor_s"]
