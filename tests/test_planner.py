@@ -269,13 +269,18 @@ def test_plan_cli_table(capsys):
     (["--hardware", "a100"], "unknown hardware 'a100'"),
     (["--set", "mesh.tensor=3"], "mesh.tensor=3 does not divide model.num_heads=32"),
     (["--config", "qwen2_7b", "--set", "mesh.tensor=7"], "num_kv_heads=4"),
-    (["--prompt-len", "8192"], "max_model_len=8192"),
     (["--prompt-len", "0"], "must be positive"),
 ])
 def test_plan_cli_bad_input(argv, message, capsys):
     argv = ["plan", "--config", "llama3_8b"] + argv if "--config" not in argv else ["plan"] + argv
     rc, out, err = run_cli(argv, capsys)
     assert rc == 2 and message in err and "Traceback" not in err, err
+
+
+def test_plan_cli_past_max_model_len_plans_and_warns(capsys):
+    rc, out, err = run_cli(["plan", "--config", "llama3_8b", "--prompt-len", "8192", "--json"], capsys)
+    assert rc == 0 and "warning" in err and "max_position_embeddings=8192" in err
+    assert json.loads(out)["prompt_len"] == 8192
 
 
 @pytest.mark.parametrize("config_name", ["tiny_random", "llama3_8b"])

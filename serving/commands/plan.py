@@ -95,6 +95,27 @@ TRANSFER_COLUMNS = [
 ]
 
 
+def _stretched(config, lens: list[int]):
+    """A prompt past engine.max_model_len or the model's positions is still planned (the
+    cost of the shape: a million-token question deserves its answer), with both limits
+    raised to a power of two above it and a warning that says which limit it passed."""
+    import dataclasses
+
+    longest = max(lens)
+    if longest <= 0 or longest < config.engine.max_model_len:
+        return config
+    m, e = config.model, config.engine
+    n = 1 << longest.bit_length()
+    past = (f"the model's max_position_embeddings={m.max_position_embeddings} (rope_theta {m.rope_theta:g}, "
+            f"rope_scaling {m.rope_scaling_dict or 'none'}: its rope was not trained that far)"
+            if longest >= m.max_position_embeddings else f"engine.max_model_len={e.max_model_len}")
+    print(f"warning: prompt length {longest} is past {past}; planned with model.max_position_embeddings="
+          f"{max(n, m.max_position_embeddings)} and engine.max_model_len={n}: the cost of the shape, not a "
+          f"claim about the model at that length", file=sys.stderr, flush=True)
+    model = dataclasses.replace(m, max_position_embeddings=max(n, m.max_position_embeddings))
+    return dataclasses.replace(config, model=model, engine=dataclasses.replace(e, max_model_len=n))
+
+
 def run(args) -> int:
     from jaxfill.engine.config import load_config
     from jaxfill.engine.hardware import load_hardware
@@ -106,7 +127,8 @@ def run(args) -> int:
     check_mesh(config.model, config.mesh)
     check_link_gbps(args.link_gbps)
     lens = args.prompt_lens or default_prompt_lens(config.engine)
-    for n in lens:  # validate before measuring the CPU
+    config = _stretched(config, lens)  # validate before measuring the CPU
+    for n in lens:
         check_prompt_len(n, config.engine, config.model)
     if args.hardware.lower() == "cpu" and not args.json:
         print("measuring this CPU (XLA matmul + streaming bandwidth)...", file=sys.stderr, flush=True)
@@ -164,8 +186,10 @@ def run(args) -> int:
           f"an activation estimate <= {config.engine.memory_utilization:g} x HBM "
           f"({_bytes(first['hbm_bytes_per_device'])}).")
     if mesh.sequence > 1:
+        cheaper = ", ".join(sorted({str(r.get("cheaper_ring_mode")) for r in rows}))
         print(f"sequence={mesh.sequence}: the KV pool is split over the sequence ranks; ring = the context-parallel "
-              f"attention form of the floor, the one with the smaller TTFT: pass-Q (all-gather Q + new K/V, "
+              f"attention form of the floor, the one the engine runs (model.context_attention={m.context_attention}; "
+              f"the cheaper on this hardware: {cheaper}): pass-Q (all-gather Q + new K/V, "
               f"reduce-scatter + all-max of the f32 outputs) or pass-KV ({mesh.sequence - 1} hops of the new K/V, "
               f"fresh prompts only, dense blocks: 2x the causal attention FLOPs); bytes sent per device at "
               f"{_si(hw.link_bytes_per_s, 'B/s')}. The engine chunks prompts at engine.max_num_batched_tokens="
