@@ -2,7 +2,7 @@
 device count is fixed when jax starts): greedy tokens, first-token logprobs, prefix hits,
 the pool's per-device bytes, and the pages left after an abort mid-prefill, as one JSON line.
 
-    python tests/context_worker.py '{"overrides": {...}, "long": true}'
+    python tests/context_worker.py '{"overrides": {...}, "long": true, "mid": 1536}'
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ import numpy as np
 LONG, MID = 16000, 1536  # prompt lengths: the long one needs 1000 pages of 16
 
 
-def prompts(long: bool) -> list[list[int]]:
+def prompts(long: bool, mid_len: int = MID) -> list[list[int]]:
     rng = np.random.default_rng(0)
-    mid = [int(x) for x in rng.integers(0, 256, MID)]
-    shared = mid[:1024] + [int(x) for x in rng.integers(0, 256, 700)]  # a 1024-token prefix hit on `mid`
+    mid = [int(x) for x in rng.integers(0, 256, mid_len)]
+    hit = mid_len * 2 // 3 // 16 * 16  # 1024 of 1536: a prefix hit of whole pages on `mid`
+    shared = mid[:hit] + [int(x) for x in rng.integers(0, 256, 700)]
     out = [mid, shared]
     return out + [[int(x) for x in rng.integers(0, 256, LONG)]] if long else out
 
@@ -31,7 +32,7 @@ def main(spec: dict) -> dict:
     engine = Engine(load_config("tiny_random", spec["overrides"]), progress=False, warmup=False)
     params = SamplingParams(max_tokens=4, logprobs=1)
     out = {"tokens": [], "logprob": [], "cached": []}
-    for p in prompts(spec.get("long", False)):  # one at a time: the second hits the first's pages
+    for p in prompts(spec.get("long", False), spec.get("mid", MID)):  # one at a time: the second hits the first's pages
         c = engine.generate([p], params)[0]
         out["tokens"].append(c.token_ids)
         out["logprob"].append(c.logprobs[0]["logprob"])

@@ -26,9 +26,9 @@ BASE = {"model.max_position_embeddings": 16384, "engine.max_model_len": 16384,
 PAGES_OF_LONG = 16000 // 16
 
 
-def run(devices: int, overrides: dict, long: bool = False) -> dict:
+def run(devices: int, overrides: dict, long: bool = False, mid: int = 1536) -> dict:
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
-    spec = json.dumps({"overrides": {**BASE, **overrides}, "long": long})
+    spec = json.dumps({"overrides": {**BASE, **overrides}, "long": long, "mid": mid})
     out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "context_worker.py"), spec],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
@@ -46,7 +46,7 @@ def same_answers(got: dict, want: dict) -> None:
     n = len(got["tokens"])
     assert got["tokens"] == want["tokens"][:n]
     assert max(abs(a - b) for a, b in zip(got["logprob"], want["logprob"])) < 1e-4
-    assert got["cached"] == want["cached"][:n] and got["cached"][1] == 1024  # the prefix hit
+    assert got["cached"] == want["cached"][:n] and got["cached"][1] > 0  # the prefix hit
     assert got["free_after"] == got["pages_total"]  # finished requests hold nothing
 
 
@@ -74,14 +74,21 @@ def test_abort_mid_prefill_gives_every_page_back(one_device, sequence4):
         assert r["free_after_abort"] == r["pages_total"]
 
 
+@pytest.fixture(scope="module")
+def one_device_short():
+    return run(1, {}, mid=512)
+
+
 @pytest.mark.parametrize("mesh", [{"mesh.sequence": 4}, {"mesh.data": 2, "mesh.sequence": 2}],
                          ids=["sequence4", "data2_sequence2"])
-def test_pass_kv_ring_equals_one_device(one_device, mesh):
-    """model.context_attention = pass_kv: the fresh first prompt takes the ring, the
-    prefix hit pass-Q. With data replicas one replica's step may be fresh while the
-    other's is not: both take one branch (a deadlock on XLA:CPU otherwise)."""
-    r = run(4, {**mesh, "model.context_attention": "pass_kv"})
-    same_answers(r, one_device)
+def test_pass_kv_ring_equals_one_device(one_device_short, mesh):
+    """model.context_attention = pass_kv: the fresh first prompt (512 tokens: the ring's
+    dense blocks are slow on CPU) takes the ring, the prefix hit pass-Q. With data
+    replicas one replica's step may be fresh while the other's is not: both take one
+    branch (a deadlock on XLA:CPU otherwise)."""
+    r = run(4, {**mesh, "model.context_attention": "pass_kv"}, mid=512)
+    assert r["cached"][1] == 336
+    same_answers(r, one_device_short)
     split_evenly(r, 4)  # data splits the pages too (a pool per replica)
 
 
