@@ -2,13 +2,13 @@
 device serves, token for token.
 
 Each configuration runs tests/context_worker.py in its own process (fake CPU devices):
-a 1536-token prompt (one unchunked step), a prompt sharing its first 1024 tokens (a
-prefix-cache hit of 64 pages), and with `long` a 16000-token prompt (8 chunks of 2048)
-whose 1000 pages exceed what one device holds under sequence=4 (1152 / 4 = 288), then an
-abort after the first chunk of a 4608-token prefill. Compared with one device holding
-the whole pool: greedy tokens, first-token logprobs, prefix hits, and the pool's bytes
-per device read from the shards (a 1/N share on every device). Why this file takes over
-a minute: seven engines, two of them through a 16k-token prefill.
+a 1536-token prompt (one unchunked step; 512 in the short runs), a prompt sharing its
+first two thirds (a prefix-cache hit of whole pages), and with `long` an 8000-token
+prompt (4 chunks of 2048) whose 500 pages exceed what one device holds under sequence=4
+(576 / 4 = 144), then an abort after the first chunk of a 4608-token prefill. Compared
+with one device holding the whole pool: greedy tokens, first-token logprobs, prefix
+hits, and the pool's bytes per device read from the shards (a 1/N share on every
+device). Why this file takes over a minute: seven engines, two through an 8k prefill.
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BASE = {"model.max_position_embeddings": 16384, "engine.max_model_len": 16384,
-        "engine.max_num_batched_tokens": 2048, "engine.max_num_seqs": 4, "engine.num_pages": 1152}
-PAGES_OF_LONG = 16000 // 16
+BASE = {"model.max_position_embeddings": 8192, "engine.max_model_len": 8192,
+        "engine.max_num_batched_tokens": 2048, "engine.max_num_seqs": 4, "engine.num_pages": 576}
+PAGES_OF_LONG = 8000 // 16
 
 
-def run(devices: int, overrides: dict, long: bool = False, mid: int = 1536) -> dict:
+def run(devices: int, overrides: dict, long: bool = False, mid: int = 1536, abort: bool = True) -> dict:
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
-    spec = json.dumps({"overrides": {**BASE, **overrides}, "long": long, "mid": mid})
+    spec = json.dumps({"overrides": {**BASE, **overrides}, "long": long, "mid": mid, "abort": abort})
     out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "context_worker.py"), spec],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
@@ -76,35 +76,34 @@ def test_abort_mid_prefill_gives_every_page_back(one_device, sequence4):
 
 @pytest.fixture(scope="module")
 def one_device_short():
-    return run(1, {}, mid=512)
+    return run(1, {}, mid=512, abort=False)
 
 
-@pytest.mark.parametrize("mesh", [{"mesh.sequence": 4}, {"mesh.data": 2, "mesh.sequence": 2}],
-                         ids=["sequence4", "data2_sequence2"])
-def test_pass_kv_ring_equals_one_device(one_device_short, mesh):
+def test_pass_kv_ring_equals_one_device(one_device_short):
     """model.context_attention = pass_kv: the fresh first prompt (512 tokens: the ring's
     dense blocks are slow on CPU) takes the ring, the prefix hit pass-Q. With data
     replicas one replica's step may be fresh while the other's is not: both take one
-    branch (a deadlock on XLA:CPU otherwise)."""
-    r = run(4, {**mesh, "model.context_attention": "pass_kv"}, mid=512)
+    branch (a deadlock on XLA:CPU otherwise). tests/test_context_mesh.py holds the ring
+    to the float64 oracle on sequence = 4."""
+    r = run(4, {"mesh.data": 2, "mesh.sequence": 2, "model.context_attention": "pass_kv"}, mid=512, abort=False)
     assert r["cached"][1] == 336
     same_answers(r, one_device_short)
     split_evenly(r, 4)  # data splits the pages too (a pool per replica)
 
 
-def test_odd_rank_count(one_device):
-    """sequence=3: pages dealt over three ranks (1152 = 3 x 384), bucket rows rounded up
+def test_odd_rank_count(one_device_short):
+    """sequence=3: pages dealt over three ranks (576 = 3 x 192), bucket rows rounded up
     to a multiple of 3; aborts free per rank."""
-    r = run(3, {"mesh.sequence": 3})
-    same_answers(r, one_device)
+    r = run(3, {"mesh.sequence": 3}, mid=512)
+    same_answers(r, one_device_short)
     split_evenly(r, 3)
     assert r["free_mid_prefill"] < r["pages_total"] == r["free_after_abort"]
 
 
 def test_int8_kv_with_tensor2_sequence2():
     over = {"engine.kv_cache_dtype": "int8"}
-    ref = run(1, over)
-    r = run(4, {**over, "mesh.tensor": 2, "mesh.sequence": 2})
+    ref = run(1, over, mid=512, abort=False)
+    r = run(4, {**over, "mesh.tensor": 2, "mesh.sequence": 2}, mid=512, abort=False)
     same_answers(r, ref)
     split_evenly(r, 4)  # heads over tensor, pages over sequence: a quarter each
 
