@@ -16,7 +16,8 @@ expert; a MoE layer ends in one all-reduce over them like a dense MLP (models/mo
 layer's attention is context parallel, pass-Q (all-gather Q and the new K/V, attend 1/N
 of the keys, LSE merge by an all-max and a reduce-scatter) or, for a step with nothing
 cached, the pass-KV ring (N - 1 hops of the new K/V); engine/planner_context.py has the
-byte counts, and the floor takes whichever form gives the smaller TTFT.
+byte counts. The floor is the form the engine runs (pass-Q unless
+model.context_attention = pass_kv); `cheaper_ring_mode` names the cheaper one.
 'data' holds independent replicas: it multiplies capacity, not single-request speed.
 'stage' (pipeline) gives each device L / stage layers and their KV pages, and splits the
 vocab tables with 'tensor'; what a device holds is engine/planner_layout.py's.

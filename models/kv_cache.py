@@ -145,13 +145,10 @@ class KVCache:
 
     @property
     def page_ranks(self) -> int:
-        """The 'sequence' ranks the page axis is dealt over (context parallelism), else 1."""
-        pages = jax.tree.leaves(self._paged)[0]
-        sharding = getattr(pages, "sharding", None)
-        spec = getattr(sharding, "spec", ())
-        axis = spec[1 if self.stages > 1 else 0] if len(spec) > (1 if self.stages > 1 else 0) else None
-        names = axis if isinstance(axis, tuple) else (axis,)
-        return int(dict(sharding.mesh.shape).get(SEQUENCE, 1)) if SEQUENCE in names else 1
+        """The 'sequence' ranks the page axis is dealt over (context parallelism), else 1:
+        kv_cache_sharding splits the pages over every 'sequence' axis a mesh has."""
+        mesh = getattr(getattr(jax.tree.leaves(self._paged)[0], "sharding", None), "mesh", None)
+        return int(dict(mesh.shape).get(SEQUENCE, 1)) if mesh is not None else 1
 
     @property
     def dtype(self):

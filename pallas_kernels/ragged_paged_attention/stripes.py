@@ -43,10 +43,6 @@ class KeyStripes(NamedTuple):
         return cycles * ps + jnp.clip(x - cycles * span - self.rank * ps, 0, ps)
 
 
-def no_stripes(page_size: int) -> KeyStripes:
-    return KeyStripes(1, jnp.int32(0), page_size)
-
-
 def stripes(count: int, rank, page_size: int) -> KeyStripes:
     """`rank` may be None with count 1 (one device: every page is local)."""
     if count < 1:
