@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Iterator
 
 from jaxfill.engine.request import Completion, InvalidRequest, QueueFull, RequestOutput, SamplingParams
-from jaxfill.models.quant import param_bytes
 
 
 class Conveniences:
@@ -115,12 +114,11 @@ class Conveniences:
                 "num_errors": self.num_errors,
                 "num_cache_resets": self.num_cache_resets,
                 "attention_impl": self.runner.attention_impl,  # what serves, after the warm-up check
-                "weight_bytes": param_bytes(self.runner.state),  # all params, global shapes
+                "weight_bytes": self.runner.weight_bytes,  # all params, global shapes
                 "kv_cache_dtype": self.settings.kv_cache_dtype,
-                "kv_cache_bytes": self.runner.kv_cache.nbytes(),  # values + scales (+ state slots), all shards
-                "kv_cache_bytes_per_device": self.runner.kv_cache.nbytes_on(),  # what one device holds
-                "kv_bytes_per_token": self.runner.kv_cache.bytes_per_token(),
-                "state_bytes": self.runner.kv_cache.state_bytes(),  # linear-attention slots (hybrids)
+                # kv_cache_bytes (values + scales + state slots, all shards),
+                # kv_cache_bytes_per_device, kv_bytes_per_token, state_bytes: fixed at build
+                **self.runner.kv_sizes,
                 "compiled_programs": self.runner.cache_size(),
                 **(self.runner.expert_load.summary() if self.runner.expert_load else {}),
                 **self._host_tier_stats(),

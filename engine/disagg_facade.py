@@ -38,7 +38,7 @@ class DisaggregationFacade:
             held = sum(len(h.pages) for h in self.kv_handoff.held.values())
             running = self.kv_handoff.hold & set(self.requests)
             held += sum(len(self.requests[rid].pages) for rid in running)
-            return held / max(1, self.stats()["pages_total"])
+            return held / max(1, self.scheduler.stats()["pages_total"])  # host-side counts only
 
     def take_kv_offer(self, request_id: str) -> dict | None:
         with self._lock:

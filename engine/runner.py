@@ -35,6 +35,7 @@ from jaxfill.engine.lockstep import HEARTBEAT, KV_RESTORE, KV_SAVE, KV_WARMUP, R
 from jaxfill.engine.runner_kv_tier import RunnerKVTier
 from jaxfill.engine.step import step, step_replicas
 from jaxfill.models.kv_cache import KVCache
+from jaxfill.models.quant import param_bytes
 from jaxfill.pallas_kernels import resolve_impl
 
 log = logging.getLogger("jaxfill.runner")
@@ -99,6 +100,10 @@ class Runner(RunnerKVTier):
             self._size_pool()
         self.num_pages = self.config.engine.num_pages
         self.kv_cache = self.new_cache()
+        # Fixed at build (a fresh cache has the same shapes): stats() reads these from any
+        # thread, never the arrays themselves, which every step donates.
+        self.kv_sizes = self.kv_cache.sizes()
+        self.weight_bytes = param_bytes(self.state)
         m = config.model
         self.expert_load = ExpertLoad(m.num_layers, m.num_experts, self.stages) if m.num_experts else None
         self.kv_offload = None  # engine/kv_offload.py when engine.host_kv_cache_gb > 0 (Engine sets it)

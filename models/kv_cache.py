@@ -169,6 +169,12 @@ class KVCache:
         device = device or (arrays[0].addressable_shards[0].device if arrays else None)
         return sum(sh.data.nbytes for a in arrays for sh in a.addressable_shards if sh.device == device)
 
+    def sizes(self) -> dict[str, int]:
+        """The byte counts Engine.stats() reports. Read them here, once, where the cache is
+        built: another thread must never touch the arrays, which each step donates."""
+        return {"kv_cache_bytes": self.nbytes(), "kv_cache_bytes_per_device": self.nbytes_on(),
+                "kv_bytes_per_token": self.bytes_per_token(), "state_bytes": self.state_bytes()}
+
     def state_bytes(self) -> int:
         """Bytes of the linear-attention layers' state slots (a hybrid's; 0 otherwise): fixed,
         whatever the number of pages."""

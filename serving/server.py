@@ -19,7 +19,6 @@ engine before the next step (its pages freed at once).
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import threading
 import time
@@ -31,6 +30,7 @@ from grpc_reflection.v1alpha import reflection
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc
 
 from jaxfill.serving.engine_loop import SERVING, EngineLoop
+from jaxfill.serving.interceptors import HEALTH_SERVICE, ApiKeyInterceptor, ErrorStatusInterceptor
 from jaxfill.serving.generation_service import GenerationServicer
 from jaxfill.serving.jetstream_service import OrchestratorServicer
 from jaxfill.serving.metrics import ServerMetrics
@@ -45,44 +45,6 @@ log = logging.getLogger("jaxfill.serving")
 
 GENERATION_SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # jaxfill.v1.Generation
 ORCHESTRATOR_SERVICE = js.DESCRIPTOR.services_by_name["Orchestrator"].full_name  # jetstream_proto.Orchestrator
-HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-
-
-class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """`authorization: Bearer <key>` (or the bare key) on every RPC except health checks."""
-
-    def __init__(self, api_key: str):
-        self._key = api_key.encode()
-
-    def _ok(self, metadata) -> bool:
-        for k, v in metadata or ():
-            if k.lower() == "authorization":
-                value = v.decode() if isinstance(v, bytes) else v
-                if value.lower().startswith("bearer "):
-                    value = value[7:]
-                return hmac.compare_digest(value.strip().encode(), self._key)
-        return False
-
-    async def intercept_service(self, continuation, details):
-        handler = await continuation(details)
-        if handler is None or details.method.startswith(f"/{HEALTH_SERVICE}/") or self._ok(details.invocation_metadata):
-            return handler
-
-        async def deny_unary(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key in `authorization`")
-
-        async def deny_stream(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key in `authorization`")
-            yield  # pragma: no cover - makes this an async generator
-
-        kw = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(deny_stream, **kw)
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(deny_unary, **kw)
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(deny_unary, **kw)
-        return grpc.stream_stream_rpc_method_handler(deny_stream, **kw)
 
 
 class Server:
@@ -116,7 +78,7 @@ class Server:
         options = [("grpc.max_receive_message_length", self.max_message_bytes),
                    ("grpc.max_send_message_length", self.max_message_bytes),
                    ("grpc.so_reuseport", 0)]
-        interceptors = [ApiKeyInterceptor(self.api_key)] if self.api_key else []
+        interceptors = [ErrorStatusInterceptor()] + ([ApiKeyInterceptor(self.api_key)] if self.api_key else [])
         self.server = grpc.aio.server(options=options, interceptors=interceptors)
         pb_grpc.add_GenerationServicer_to_server(GenerationServicer(self.core, self.served_model_name), self.server)
         js_grpc.add_OrchestratorServicer_to_server(OrchestratorServicer(self.core), self.server)
