@@ -14,6 +14,7 @@ from importlib import resources
 from typing import Any, Mapping
 
 from jaxfill.models.config import ConfigError, ModelConfig
+from jaxfill.engine.validation import validate
 from jaxfill.models.families.registry import config_from_dict, config_from_hf
 
 log = logging.getLogger("jaxfill.config")
@@ -110,14 +111,6 @@ class EngineSettings:
         for name in ("host_kv_cache_gb", "disk_kv_cache_gb"):
             if not float(getattr(self, name)) >= 0:
                 raise ConfigError(f"engine.{name} must be >= 0 (0 = off), got {getattr(self, name)}")
-        if float(self.host_kv_cache_gb) > 0 and not self.enable_prefix_caching:
-            raise ConfigError("engine.host_kv_cache_gb needs engine.enable_prefix_caching = true "
-                              "(the host tier keeps prefix-cache pages)")
-        if bool(self.disk_kv_cache_dir) != (float(self.disk_kv_cache_gb) > 0):
-            raise ConfigError("the disk KV tier needs both engine.disk_kv_cache_dir and engine.disk_kv_cache_gb > 0, "
-                              f"got dir={self.disk_kv_cache_dir!r}, gb={self.disk_kv_cache_gb}")
-        if self.disk_kv_cache_dir and not float(self.host_kv_cache_gb) > 0:
-            raise ConfigError("the disk KV tier sits below the host tier: set engine.host_kv_cache_gb > 0 too")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"engine.kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                               f"got {self.kv_cache_dtype!r}")
@@ -148,9 +141,6 @@ class MeshSettings:
         for name in ("data", "tensor", "expert", "sequence", "stage", "microbatches", "num_processes"):
             if int(getattr(self, name)) <= 0:
                 raise ConfigError(f"mesh.{name} must be positive, got {getattr(self, name)}")
-        if self.stage > 1 and self.sequence > 1:
-            raise ConfigError("mesh.stage > 1 with mesh.sequence > 1 is not supported: pipeline stages "
-                              "compose with mesh.tensor and mesh.data")
 
     @property
     def size(self) -> int:
@@ -270,16 +260,9 @@ def load_config(config: str = "tiny", overrides: Mapping[str, Any] | list[str] |
     mesh = _build(MeshSettings, {**data.get("mesh", {}), **extra.get("mesh", {})})
     if model.linear_layers:
         engine, mesh = hybrid_settings(model, engine, mesh)
-    if model.num_layers % mesh.stage:
-        raise ConfigError(f"mesh.stage={mesh.stage} must divide the model's {model.num_layers} layers")
-    if engine.scan_layers and mesh.stage > 1:
-        raise ConfigError("engine.scan_layers stacks all layers on every device; with mesh.stage > 1 "
-                          "each stage runs its own layers: choose one")
-    check_stackable(model, model.num_layers if engine.scan_layers else mesh.stage)
-    if engine.num_pages and (engine.num_pages % mesh.sequence or engine.num_pages < 2 * mesh.sequence):
-        raise ConfigError(f"engine.num_pages={engine.num_pages} is the pool's total, dealt over mesh.sequence="
-                          f"{mesh.sequence} ranks: it must be a multiple of {mesh.sequence}, at least 2 per rank")
-    return Config(name=name, model=model, engine=engine, mesh=mesh, model_path=model_path)
+    config = Config(name=name, model=model, engine=engine, mesh=mesh, model_path=model_path)
+    validate(config)  # every combination refused here, before any weight is read
+    return config
 
 
 def hybrid_settings(model: ModelConfig, engine: EngineSettings,
@@ -288,21 +271,8 @@ def hybrid_settings(model: ModelConfig, engine: EngineSettings,
     per running request, prefix caching through state snapshots (engine/scheduler/state_snapshots.py),
     which the host tier keeps too (engine/snapshot_offload.py), and an int8 / fp8 KV cache
     for the attention layers (the linear layers' state stays f32). What it cannot do yet is
-    refused by name."""
-    groups = "Mamba2 groups (n_groups)" if model.linear_kind == "mamba2" else "linear key heads"
-    unsupported = {"mesh.data/sequence/stage/expert > 1": mesh.size > mesh.tensor or mesh.num_processes > 1,
-                   f"mesh.tensor = {mesh.tensor} (must divide the {model.linear_num_key_heads} {groups})":
-                       model.linear_num_key_heads % mesh.tensor != 0,
-                   "engine.scan_layers": engine.scan_layers,
-                   "engine.disk_kv_cache_dir": bool(engine.disk_kv_cache_dir)}
-    bad = [name for name, on in unsupported.items() if on]
-    if bad:
-        raise ConfigError(f"{model.architecture} has linear-attention layers {list(model.linear_layers)}; "
-                          f"not supported with them yet: {', '.join(bad)}")
+    refused by engine/capabilities.py (RULES)."""
     interval, slots = int(engine.state_snapshot_tokens), int(engine.state_snapshot_slots)
-    if interval < 0 or interval % engine.page_size or slots < 0:
-        raise ConfigError(f"engine.state_snapshot_tokens must be a multiple of engine.page_size "
-                          f"({engine.page_size}) and state_snapshot_slots >= 0; got {interval}, {slots}")
     caching = engine.enable_prefix_caching and interval > 0
     if engine.enable_prefix_caching and not caching:
         log.info("linear-attention hybrid: prefix caching off (engine.state_snapshot_tokens = 0)")
@@ -310,28 +280,6 @@ def hybrid_settings(model: ModelConfig, engine: EngineSettings,
     return (dataclasses.replace(engine, enable_prefix_caching=caching, state_slots=engine.max_num_seqs,
                                 state_snapshot_slots=slots),
             dataclasses.replace(mesh, cpu_split=False))
-
-
-def check_stackable(model: ModelConfig, groups: int) -> None:
-    """Stacked layouts (mesh.stage, engine.scan_layers) stack layer j of every group into
-    one module, so those layers must have the same params: in a MoE model with dense
-    layers, layer n's kind must depend on n mod (layers per group) only; so must a
-    single-block layer's block (Nemotron-H's mixer-only and MLP-only layers)."""
-    if groups <= 1:
-        return
-    k = model.num_layers // groups
-    for name in ("no_mlp_layers", "no_mixer_layers"):
-        named = set(getattr(model, name))
-        if any((n in named) != (n % k in named) for n in range(model.num_layers)):
-            raise ConfigError(f"the model's {name} {sorted(named)} differ between the {groups} stacked layer "
-                              "groups (mesh.stage / engine.scan_layers); use the unrolled layout")
-    if not model.num_experts or not model.dense_layers:
-        return
-    dense = set(model.dense_layers)
-    if any((n in dense) != (n % k in dense) for n in range(model.num_layers)):
-        raise ConfigError(f"the model's dense layers {sorted(dense)} differ between the {groups} stacked layer "
-                          f"groups (mesh.stage / engine.scan_layers), which stack layer j of every group as one; "
-                          "use the unrolled layout (mesh.stage = 1, engine.scan_layers = false)")
 
 
 def _fit_max_model_len(values: dict[str, Any], explicit: bool, model: ModelConfig) -> dict[str, Any]:

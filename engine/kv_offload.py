@@ -267,10 +267,7 @@ def build_kv_offload(config, cache, stages: int) -> KVOffload | None:
     s = config.engine
     if not float(s.host_kv_cache_gb) > 0:
         return None
-    lockstep = jax.process_count() > 1
-    if lockstep and s.disk_kv_cache_dir:
-        raise ValueError("engine.disk_kv_cache_dir is for a single-process engine so far (a multi-process "
-                         "engine keeps a host tier in each process)")
+    lockstep = jax.process_count() > 1  # the disk tier is refused then (engine/capabilities.py)
     from jaxfill.engine.disk_kv_tier import DiskKVTier, fingerprint
     from jaxfill.engine.host_kv_tier import HostKVTier
     from jaxfill.models.kv_cache import kv_bytes_per_token, shares_kv

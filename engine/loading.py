@@ -19,15 +19,13 @@ def build_mesh(config: Config):
     Runs before any other device query, as jax.distributed requires."""
     from jaxfill.engine.cpu_devices import cpu_split_mesh
     from jaxfill.engine.mesh import initialize_distributed, make_mesh
-    from jaxfill.engine.planner_layout import check_mesh
-    from jaxfill.models.config import ConfigError
+    from jaxfill.engine.validation import validate
 
-    try:  # the model's shapes against the mesh, before any device work
-        check_mesh(config.model, config.mesh)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    validate(config)  # a Config built otherwise than by load_config, before any device work
     initialize_distributed(config.mesh)
     import jax
+
+    validate(config, platform=jax.default_backend())  # the rules that hold on one platform
 
     if config.mesh.size == 1 and jax.process_count() == 1:
         return cpu_split_mesh(config.model, config.mesh)

@@ -41,16 +41,13 @@ def initialize_distributed(settings) -> bool:
     if jax.distributed.is_initialized():
         return False
     if settings.coordinator and settings.num_processes > 1:
-        if not 0 <= settings.process_id < settings.num_processes:
-            raise ConfigError(f"mesh.process_id ({settings.process_id}) must be in [0, {settings.num_processes})")
         # Only affects the CPU backend (cross-process CPU collectives); harmless elsewhere.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(coordinator_address=settings.coordinator,
                                    num_processes=settings.num_processes,
                                    process_id=settings.process_id)
         return True
-    if settings.num_processes > 1 and not settings.coordinator and not cluster_env():
-        raise ConfigError("mesh.num_processes > 1 needs mesh.coordinator (host:port) outside a TPU pod/cluster")
+    # num_processes > 1 with neither a coordinator nor a cluster: refused by engine/validation.py
     if cluster_env():
         jax.distributed.initialize()
         return True

@@ -52,8 +52,6 @@ def check_mesh(model: ModelConfig, mesh: MeshSettings) -> None:
     has_dense = not model.num_experts or bool(model.dense_layers)
     if has_dense and model.intermediate_size % tp:
         raise ValueError(f"{split}={tp} does not divide model.intermediate_size={model.intermediate_size}")
-    if mesh.expert > 1 and not model.num_experts:
-        raise ValueError(f"mesh.expert={mesh.expert} needs a mixture-of-experts model; this one is dense")
     if model.num_experts and model.num_experts % mesh.expert:
         raise ValueError(f"mesh.expert={mesh.expert} does not divide model.num_experts={model.num_experts}")
     if model.num_experts and model.moe_intermediate_size % mesh.tensor:

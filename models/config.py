@@ -163,8 +163,6 @@ class ModelConfig:
                 f"model.num_heads ({self.num_heads}) must be a multiple of "
                 f"model.num_kv_heads ({self.num_kv_heads})"
             )
-        if self.kv_lora_rank and self.weight_dtype != "auto":
-            raise ConfigError("model.weight_dtype int8 is not supported for multi-head latent attention yet")
         if self.kv_lora_rank:
             want = dict(num_kv_heads=1, head_dim=self.kv_lora_rank + self.qk_rope_head_dim,
                         rotary_dim=self.qk_rope_head_dim)
@@ -188,8 +186,6 @@ class ModelConfig:
         if self.linear_layers:
             dims = (self.linear_num_key_heads, self.linear_num_value_heads, self.linear_key_head_dim,
                     self.linear_value_head_dim, self.linear_conv_kernel - 1)
-            if self.weight_dtype != "auto":
-                raise ConfigError("model.weight_dtype int8 is not supported for linear-attention hybrids yet")
             if min(dims) <= 0 or self.linear_num_value_heads % self.linear_num_key_heads:
                 raise ConfigError("model.linear_layers needs positive linear_* head counts and dims (value heads "
                                   f"a multiple of key heads) and linear_conv_kernel >= 2; got {dims}")

@@ -30,6 +30,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from jaxfill.engine.kv_transfer import TransferFailed
+from jaxfill.engine.validation import role_flags, validate
 from jaxfill.serving.request_core import BadField
 
 log = logging.getLogger("jaxfill.serving.disagg")
@@ -48,11 +49,7 @@ class Disagg:
     def __init__(self, engine, loop, role: str = "both", host: str = "127.0.0.1"):
         if role not in ROLES:
             raise ValueError(f"--role must be one of {', '.join(ROLES)}, got {role!r}")
-        if role != "both" and engine.config.mesh.data != 1:
-            raise ValueError("--role prefill/decode needs mesh.data = 1 (one page pool)")
-        if role != "both" and engine.config.mesh.num_processes > 1:
-            # Export and import run on process 0 alone; followers would replay steps without them.
-            raise ValueError("--role prefill/decode runs in one process (no --num-processes)")
+        validate(engine.config, extra=role_flags(role))  # serve.py checked before loading; an Engine built otherwise
         self.engine, self.loop, self.role, self.host = engine, loop, role, host
         self.grpc_address: str | None = None
         self.timeout_s = float(engine.settings.kv_transfer_timeout_s)

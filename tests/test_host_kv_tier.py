@@ -172,7 +172,7 @@ def test_host_tier_lru_and_budget_unit():
 @pytest.mark.parametrize("overrides,match", [
     ({"engine.host_kv_cache_gb": -1}, "host_kv_cache_gb"),
     ({"engine.host_kv_cache_gb": 1, "engine.enable_prefix_caching": False}, "enable_prefix_caching"),
-    ({"engine.disk_kv_cache_dir": "/tmp/x"}, "disk_kv_cache_gb"),
+    ({"engine.disk_kv_cache_dir": "/tmp/x", "engine.host_kv_cache_gb": 1}, "disk_kv_cache_gb"),
     ({"engine.disk_kv_cache_dir": "/tmp/x", "engine.disk_kv_cache_gb": 1}, "host_kv_cache_gb"),
 ])
 def test_bad_tier_settings_are_refused(overrides, match):

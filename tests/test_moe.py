@@ -178,13 +178,13 @@ def test_stacked_layouts_take_a_mixed_model_only_when_the_groups_match():
 
 
 def test_mesh_expert_needs_experts_it_can_split():
+    """Refused at load_config: by the capability table (a dense model) and the shape check."""
     from jaxfill.engine.config import load_config
-    from jaxfill.engine.planner_layout import check_mesh
 
-    with pytest.raises(ValueError, match="dense"):
-        cfg = load_config("tiny_random", {"mesh.expert": 2})
-        check_mesh(cfg.model, cfg.mesh)
-    cfg = load_config("tiny_random", {"model.num_experts": 6, "model.experts_per_token": 2,
-                                      "model.moe_intermediate_size": 64, "mesh.expert": 4})
+    with pytest.raises(ValueError, match="has none\\); change mesh.expert = 1"):
+        load_config("tiny_random", {"mesh.expert": 2})
     with pytest.raises(ValueError, match="num_experts"):
-        check_mesh(cfg.model, cfg.mesh)
+        load_config("tiny_random", {"model.num_experts": 6, "model.experts_per_token": 2,
+                                    "model.moe_intermediate_size": 64, "mesh.expert": 4})
+    load_config("tiny_random", {"model.num_experts": 8, "model.experts_per_token": 2,
+                                "model.moe_intermediate_size": 64, "mesh.expert": 4})

@@ -32,7 +32,8 @@ class DeepseekV3(Family):
                        "num_nextn_predict_layers", "pretraining_tp", "ep_size", "moe_layer_freq",
                        "topk_method", "scoring_func", "seq_aux", "aux_loss_alpha"})
     fixed = {"attention_bias": False}
-    supports = ("tensor", "expert", "prefix caching", "int8/fp8 KV")
+    mixers = ("mla",)
+    experts = True
     tested = ("HF f32 logits and greedy tokens (MLA with and without q_lora_rank, interleaved rope, YaRN "
               "mscale, dense-only and with sigmoid grouped MoE + shared experts)")
 

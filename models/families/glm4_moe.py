@@ -21,7 +21,7 @@ class Glm4Moe(Family):
     inert = frozenset({"router_aux_loss_coef", "output_router_logits", "num_mtp_layers",
                        "num_nextn_predict_layers"})
     partial_rotary = True
-    supports = ("tensor", "expert", "sequence", "int8 weights", "int8/fp8 KV", "prefix caching")
+    experts = True
     tested = ("HF f32 logits and greedy tokens (sigmoid grouped routing with its bias, shared experts, partial "
               "rotary, a dense first layer); through the Engine prefix-cached = expert 4 = expert 2 x tensor 2")
 

@@ -23,7 +23,7 @@ class GptOss(Family):
     # hidden_act is stored but the experts' clamped SwiGLU never reads it; initial_context_length
     # is the rope's original context, given again in rope_parameters
     inert = frozenset({"router_aux_loss_coef", "output_router_logits", "hidden_act", "initial_context_length"})
-    supports = ("tensor", "expert", "sequence", "int8 weights", "int8/fp8 KV", "prefix caching")
+    experts = True
     tested = TESTED
 
     def model_fields(self, hf):

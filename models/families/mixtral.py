@@ -17,8 +17,7 @@ class Mixtral(Family):
     honoured = frozenset({"hidden_act", "sliding_window", "num_local_experts", "num_experts_per_tok"})
     # training-time only: the load-balancing loss and router noise change no inference number
     inert = frozenset({"router_aux_loss_coef", "output_router_logits", "router_jitter_noise"})
-    supports = ("tensor", "expert", "sequence", "stage", "scan_layers", "int8 weights", "int8/fp8 KV",
-                "prefix caching")
+    experts = True
     tested = MOE_TESTED
 
     def model_fields(self, hf):

@@ -70,7 +70,7 @@ class NemotronH(Family):
     fixed = {"attention_bias": False, "mlp_bias": False, "use_bias": False, "mamba_proj_bias": False,
              "mamba_hidden_act": "silu", "mamba_ssm_cache_dtype": "float32", "residual_in_fp32": False,
              "sliding_window": None}
-    supports = ("tensor", "prefix caching (recurrent-state snapshots)")
+    mixers = ("attention", "mamba2")
     tested = ("HF f32 logits and greedy tokens (model level: prefill in chunks carrying the state, then decode); "
               "through the Engine: prefix-cached with state snapshots = the model-level loop; mesh.tensor=2 "
               "(split by group) = one device; disaggregated prefill -> decode = one engine")

@@ -25,7 +25,7 @@ class Qwen3_5(Family):
     inert = frozenset({"mtp_num_hidden_layers", "mtp_use_dedicated_embeddings"})
     ignored_prefixes = ("mtp.",)
     partial_rotary = True
-    supports = ("tensor", "prefix caching (recurrent-state snapshots)")
+    mixers = ("attention", "gated_deltanet")
     tested = ("HF f32 logits and greedy tokens (model level: prefill in chunks carrying the state, then "
               "decode); through the Engine: state slots reused, prefix-cached = uncached, sync and async")
 

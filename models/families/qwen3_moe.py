@@ -37,8 +37,7 @@ class Qwen3Moe(Family):
                                 "max_window_layers", "layer_types"}
     inert = TRAINING_ONLY
     depends = SLIDING_DEPENDS
-    supports = ("tensor", "expert", "sequence", "stage", "scan_layers", "int8 weights", "int8/fp8 KV",
-                "prefix caching")
+    experts = True
     tested = ("HF f32 logits and greedy tokens; through the Engine prefix-cached = expert 4 = "
               "expert 2 x tensor 2 = one device (a dense layer between sparse ones)")
 

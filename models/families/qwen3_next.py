@@ -16,6 +16,7 @@ from jaxfill.models.moe import is_moe_layer
 class Qwen3Next(Qwen3_5):
     name = "qwen3_next"
     architectures = ("Qwen3NextForCausalLM",)
+    experts = True
     honoured = Qwen3_5.honoured | SPARSE_FIELDS | {"shared_expert_intermediate_size"}
     inert = TRAINING_ONLY | Qwen3_5.inert
     tested = ("HF f32 logits and greedy tokens (model level); through the Engine: prefix-cached = uncached "

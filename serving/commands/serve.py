@@ -65,12 +65,16 @@ def _log_startup(log, engine, args, load_s: float) -> None:
              cfg.mesh.tensor, cfg.mesh.expert, cfg.mesh.sequence, len(devs), devs[0].platform, jax.process_count())
 
 
-def build_engine(config: str, model: str | None, overrides):
-    """The Engine, not yet warmed up: the server listens (health NOT_SERVING) while it compiles."""
+def build_engine(config: str, model: str | None, overrides, role: str = "both"):
+    """The Engine, not yet warmed up: the server listens (health NOT_SERVING) while it compiles.
+    What the role cannot serve is refused before any weight is read."""
     from jaxfill.engine.config import load_config
     from jaxfill.engine.engine import Engine
+    from jaxfill.engine.validation import role_flags, validate
 
-    return Engine(load_config(config, overrides, model), progress=False, warmup=False)
+    cfg = load_config(config, overrides, model)
+    validate(cfg, extra=role_flags(role))
+    return Engine(cfg, progress=False, warmup=False)
 
 
 async def _serve(args, engine, log) -> int:
@@ -131,7 +135,7 @@ def run(args) -> int:
         sys.setswitchinterval(args.gil_switch_interval_ms / 1000.0)
     log.info("XLA compilation cache: %s", args.compile_cache or "off")
     start = time.perf_counter()
-    engine = build_engine(args.config, args.model, args.overrides)
+    engine = build_engine(args.config, args.model, args.overrides, args.role)
     _log_startup(log, engine, args, time.perf_counter() - start)
     if not engine.is_leader:
         import jax

@@ -1,0 +1,166 @@
+"""The capability table: which features and model kinds combine, in one place.
+
+Every refusal of a feature combination is a row of RULES, read by engine/validation.py
+before any weight is read; `jaxfill models`, each family's support list and the README's
+matrix are derived from the same rows plus the tests that run each cell
+(engine/capability_evidence.py). A combination either runs as asked or is refused here:
+nothing downgrades silently.
+
+A condition is a capability key (a config setting that is "on": `mesh.tensor` means
+mesh.tensor > 1), a model kind (`mla`, `moe`, `linear`, `gated_deltanet`, `mamba2`,
+`attention`), `platform=cpu`, or `serve.role=prefill/decode`; a leading `!` negates it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class Capability:
+    key: str  # the config key (and value) that turns it on: the name every view uses
+    on: Callable  # (config) -> bool
+    sample: dict  # overrides that turn it on in a small engine (tests/test_capability_cells.py)
+    devices: int = 1  # devices a sample run needs
+
+
+def _mesh(axis: str) -> Capability:
+    return Capability(f"mesh.{axis}", lambda c: int(getattr(c.mesh, axis)) > 1, {f"mesh.{axis}": 2}, 2)
+
+
+CAPABILITIES: dict[str, Capability] = {c.key: c for c in (
+    _mesh("tensor"), _mesh("sequence"), _mesh("data"), _mesh("stage"), _mesh("expert"),
+    Capability("mesh.num_processes", lambda c: int(c.mesh.num_processes) > 1, {"mesh.num_processes": 2}, 2),
+    Capability("engine.scan_layers", lambda c: bool(c.engine.scan_layers), {"engine.scan_layers": True}),
+    Capability("model.weight_dtype=int8", lambda c: c.model.weight_dtype == "int8", {"model.weight_dtype": "int8"}),
+    Capability("engine.kv_cache_dtype=int8", lambda c: c.engine.kv_cache_dtype == "int8",
+               {"engine.kv_cache_dtype": "int8"}),
+    Capability("engine.kv_cache_dtype=float8_e4m3fn", lambda c: c.engine.kv_cache_dtype == "float8_e4m3fn",
+               {"engine.kv_cache_dtype": "float8_e4m3fn"}),
+    Capability("engine.enable_prefix_caching", lambda c: bool(c.engine.enable_prefix_caching),
+               {"engine.enable_prefix_caching": True}),
+    Capability("engine.host_kv_cache_gb", lambda c: float(c.engine.host_kv_cache_gb) > 0,
+               {"engine.host_kv_cache_gb": 0.01}),
+    Capability("engine.disk_kv_cache_dir", lambda c: bool(c.engine.disk_kv_cache_dir),
+               {"engine.disk_kv_cache_dir": "{tmp}", "engine.disk_kv_cache_gb": 0.01,
+                "engine.host_kv_cache_gb": 0.01}),
+)}
+# Settings that are conditions of rules but not columns of the matrix.
+SETTINGS: dict[str, Callable] = {
+    "engine.attention_impl=pallas": lambda c: c.engine.attention_impl in ("pallas_tpu", "pallas_gpu", "mosaic_gpu"),
+    "model.context_attention=pass_kv": lambda c: c.model.context_attention == "pass_kv",
+    "engine.kv_cache_dtype=quantized": lambda c: c.engine.kv_cache_dtype != "auto",
+    "model.dtype=bfloat16": lambda c: str(c.model.dtype) == "bfloat16",
+}
+KINDS = ("attention", "mla", "gated_deltanet", "mamba2", "linear", "moe")
+
+
+def model_kinds(model) -> frozenset[str]:
+    """The mixers and MLPs a ModelConfig holds (what the rules' kind conditions test)."""
+    kinds = set()
+    if model.linear_layers:
+        kinds |= {"linear", model.linear_kind}
+    if len(model.linear_layers) + len(model.no_mixer_layers) < model.num_layers:
+        kinds.add("mla" if model.kv_lora_rank else "attention")
+    if model.num_experts:
+        kinds.add("moe")
+    return frozenset(kinds)
+
+
+def family_kinds(family) -> frozenset[str]:
+    """What a family's models hold, from its declared mixers (models/families/base.py)."""
+    kinds = set(family.mixers) | ({"moe"} if family.experts else set())
+    return frozenset(kinds | ({"linear"} if kinds & {"gated_deltanet", "mamba2"} else set()))
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    when: tuple[str, ...]  # every condition holds -> refused
+    why: str
+    change: str  # the key to change, as the one-line refusal says it
+
+    def columns(self) -> tuple[str, ...]:
+        """The matrix columns this rule refuses for a family whose kinds make the rest hold."""
+        return tuple(c for c in self.when if c in CAPABILITIES)
+
+
+_HYBRID = "linear-attention state is per request and replicated whole"
+RULES: tuple[Rule, ...] = (
+    # hybrids (Gated DeltaNet, Mamba2): what their recurrent state does not split over yet
+    *(Rule(("linear", key), f"{_HYBRID}: {why}", f"{key} (hybrids run on mesh.tensor)") for key, why in (
+        ("mesh.data", "data replicas of the state slots are not built"),
+        ("mesh.sequence", "no context-parallel form of the recurrent scan"),
+        ("mesh.stage", "the state pool is not split into pipeline stages"),
+        ("mesh.expert", "the state is not laid out over expert ranks"),
+        ("mesh.num_processes", "state slots are not kept in lockstep across processes"),
+    )),
+    Rule(("linear", "engine.scan_layers"), "linear and attention layers differ, so they cannot stack as one scan",
+         "engine.scan_layers = false"),
+    Rule(("linear", "engine.disk_kv_cache_dir"), "state snapshots have no disk format",
+         "engine.disk_kv_cache_dir = \"\""),
+    Rule(("linear", "model.weight_dtype=int8"), "the linear layers' projections have no int8 path",
+         "model.weight_dtype = auto"),
+    Rule(("mla", "model.weight_dtype=int8"), "the latent projections have no int8 path",
+         "model.weight_dtype = auto"),
+    Rule(("mesh.expert", "!moe"), "mesh.expert splits experts, and this model has none", "mesh.expert = 1"),
+    # layouts
+    Rule(("mesh.stage", "mesh.sequence"), "pipeline stages compose with mesh.tensor and mesh.data, not sequence",
+         "mesh.stage = 1 or mesh.sequence = 1"),
+    Rule(("engine.scan_layers", "mesh.stage"), "scan_layers stacks all layers on every device, stages split "
+         "them: choose one", "engine.scan_layers = false or mesh.stage = 1"),
+    Rule(("engine.attention_impl=pallas", "mesh.sequence"), "the Pallas kernels do not take a rank's share of "
+         "the pages", "engine.attention_impl = auto (xla under mesh.sequence)"),
+    Rule(("model.context_attention=pass_kv", "engine.kv_cache_dtype=quantized"), "the pass-KV ring rotates "
+         "unquantized K/V only", "model.context_attention = auto"),
+    Rule(("model.context_attention=pass_kv", "mla"), "the pass-KV ring has no latent form",
+         "model.context_attention = auto"),
+    Rule(("platform=cpu", "model.dtype=bfloat16", "mesh.tensor"), "XLA:CPU aborts compiling bf16 all-reduces "
+         "(jax 0.10.2 and 0.11.2)", "model.dtype = float32 or mesh.tensor = 1"),
+    # KV tiers
+    Rule(("engine.host_kv_cache_gb", "!engine.enable_prefix_caching"), "the host tier keeps prefix-cache pages",
+         "engine.enable_prefix_caching = true"),
+    Rule(("engine.disk_kv_cache_dir", "!engine.host_kv_cache_gb"), "the disk tier sits below the host tier",
+         "engine.host_kv_cache_gb > 0"),
+    Rule(("engine.disk_kv_cache_dir", "mesh.num_processes"), "each process would write its own files",
+         "engine.disk_kv_cache_dir = \"\""),
+    # disaggregation (serve --role prefill | decode: KV handed over between workers)
+    Rule(("serve.role=prefill/decode", "mesh.data"), "the hand-off exports and imports one page pool",
+         "mesh.data = 1 or --role both"),
+    Rule(("serve.role=prefill/decode", "mesh.num_processes"), "export and import run on process 0 alone; "
+         "followers would replay steps without them", "mesh.num_processes = 1 or --role both"),
+)
+
+
+def condition_holds(cond: str, config, kinds: frozenset, extra: frozenset) -> bool | None:
+    """Whether `cond` holds for this config (None: it is a kind or flag not decided here)."""
+    neg = cond.startswith("!")
+    name = cond[1:] if neg else cond
+    if name in CAPABILITIES:
+        value = CAPABILITIES[name].on(config)
+    elif name in SETTINGS:
+        value = SETTINGS[name](config)
+    elif name in KINDS:
+        value = name in kinds
+    else:
+        value = name in extra
+    return value != neg
+
+
+def refusals(config, kinds: frozenset, extra: frozenset = frozenset()) -> list[Rule]:
+    """The rules this config breaks (extra: flags like platform=cpu, serve.role=decode)."""
+    return [r for r in RULES if all(condition_holds(c, config, kinds, extra) for c in r.when)]
+
+
+def refused_columns(kinds: frozenset) -> dict[str, Rule]:
+    """column -> the rule that refuses it for every model of these kinds alone (rules whose
+    other conditions are kinds only)."""
+    out: dict[str, Rule] = {}
+    for rule in RULES:
+        rest = [c for c in rule.when if c not in CAPABILITIES]
+        cols = rule.columns()
+        if len(cols) != 1 or not all(c.lstrip("!") in KINDS for c in rest):
+            continue
+        if all((c[1:] not in kinds) if c.startswith("!") else (c in kinds) for c in rest):
+            out.setdefault(cols[0], rule)
+    return out

@@ -1,0 +1,94 @@
+"""Which test runs which cell of the capability matrix (engine/capabilities.py).
+
+A cell is "tested" only where a row here names a test that runs that capability on that
+family, compared with a reference (one device, unchunked, uncached or HF); a cell no rule
+refuses and no row names is "untested". tests/test_capabilities.py checks that every
+named test exists and that its file (or a tests/ helper it imports) sets the capability's
+config key. Families are the registry's names (models/families/); `tiny_random` is Llama.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Evidence(NamedTuple):
+    test: str  # pytest node id, parameters included where the test is parametrized
+    families: tuple[str, ...]
+    columns: tuple[str, ...]
+
+
+_LAYOUTS = ("mesh.tensor", "mesh.sequence", "mesh.stage", "engine.scan_layers", "model.weight_dtype=int8",
+            "engine.kv_cache_dtype=int8", "engine.enable_prefix_caching")  # tests/family_layouts.py LAYOUTS
+
+
+def _each(test: str, families: tuple[str, ...], columns: tuple[str, ...]) -> tuple[Evidence, ...]:
+    """One parametrized test, a case per family: `test[family]`."""
+    return tuple(Evidence(f"{test}[{f}]", (f,), columns) for f in families)
+
+
+EVIDENCE: tuple[Evidence, ...] = (
+    # Llama (tiny_random) through the Engine, each layout against one device
+    Evidence("tests/test_engine_mesh.py::test_sharded_engine_equals_one_device", ("llama",), ("mesh.tensor",)),
+    Evidence("tests/test_engine_mesh.py::test_data_replicas_equal_one_device[d2]", ("llama",), ("mesh.data",)),
+    Evidence("tests/test_context_engine.py::test_sequence4_serves_a_prompt_larger_than_a_device_share", ("llama",),
+             ("mesh.sequence",)),
+    Evidence("tests/test_pipeline.py::test_two_stages_equal_one_device", ("llama",), ("mesh.stage",)),
+    Evidence("tests/test_scan_layers.py::test_scanned_layers_give_the_unrolled_tokens[auto]", ("llama",),
+             ("engine.scan_layers",)),
+    Evidence("tests/test_weight_quant.py::test_int8_engine_tokens_plain_chunked_cached_sharded", ("llama",),
+             ("model.weight_dtype=int8",)),
+    Evidence("tests/test_kv_quant_engine.py::test_quantized_engine_chunked_cached_plain_agree[int8]", ("llama",),
+             ("engine.kv_cache_dtype=int8",)),
+    Evidence("tests/test_kv_quant_engine.py::test_quantized_engine_chunked_cached_plain_agree[float8_e4m3fn]",
+             ("llama",), ("engine.kv_cache_dtype=float8_e4m3fn",)),
+    Evidence("tests/test_engine.py::test_prefix_cache_reports_whole_shared_pages", ("llama",),
+             ("engine.enable_prefix_caching",)),
+    Evidence("tests/test_host_kv_tier.py::test_host_tier_serves_evicted_prefixes_with_the_same_tokens", ("llama",),
+             ("engine.host_kv_cache_gb",)),
+    Evidence("tests/test_disk_kv_tier.py::test_a_restarted_engine_serves_old_prefixes_from_disk", ("llama",),
+             ("engine.disk_kv_cache_dir",)),
+    Evidence("tests/test_multihost.py::test_engine_leader_generates_and_follower_runs_every_step[engine]",
+             ("llama",), ("mesh.num_processes",)),
+    # dense families: every layout of tests/family_layouts.py
+    *_each("tests/test_family_layouts.py::test_every_layout_gives_the_same_tokens",
+           ("qwen3", "olmo2", "smollm3", "granite"), _LAYOUTS),
+    *_each("tests/test_family_layouts_sliding.py::test_every_layout_gives_the_same_tokens",
+           ("gemma2", "gemma3", "phi3"), _LAYOUTS),
+    Evidence("tests/test_weight_quant.py::test_logits_equal_float64_model_with_the_same_quantized_weights[qwen2]",
+             ("qwen2",), ("model.weight_dtype=int8",)),
+    # mixtures of experts
+    Evidence("tests/test_moe_layouts.py::test_four_devices", ("mixtral",),
+             ("mesh.expert", "mesh.tensor", "mesh.sequence", "mesh.stage", "model.weight_dtype=int8",
+              "engine.kv_cache_dtype=int8", "engine.enable_prefix_caching")),
+    Evidence("tests/test_moe_layouts.py::test_eight_devices", ("mixtral",), ("mesh.data",)),
+    *_each("tests/test_moe_layouts.py::test_dense_and_sparse_layers", ("qwen3_moe", "glm4_moe"),
+           ("mesh.expert", "mesh.tensor", "engine.enable_prefix_caching")),
+    Evidence("tests/test_moe_layouts.py::test_gpt_oss", ("gpt_oss",),
+             ("mesh.expert", "mesh.tensor", "model.weight_dtype=int8", "engine.kv_cache_dtype=int8",
+              "engine.enable_prefix_caching")),
+    # multi-head latent attention
+    Evidence("tests/test_mla_layouts.py::test_dense_mla", ("deepseek_v3",),
+             ("mesh.tensor", "mesh.sequence", "mesh.stage", "engine.scan_layers", "engine.kv_cache_dtype=int8",
+              "engine.enable_prefix_caching")),
+    Evidence("tests/test_mla_layouts.py::test_mla_with_experts", ("deepseek_v3",), ("mesh.expert",)),
+    Evidence("tests/test_multihost.py::test_latent_attention_over_two_processes", ("deepseek_v3",),
+             ("mesh.num_processes",)),
+    # linear-attention hybrids
+    *_each("tests/test_hybrid_layouts.py::test_hybrid_layouts_agree", ("qwen3_5", "qwen3_next", "nemotron_h"),
+           ("mesh.tensor", "engine.enable_prefix_caching")),
+    Evidence("tests/test_hybrid_engine.py::test_quantized_attention_pages_beside_f32_state[int8]", ("qwen3_5",),
+             ("engine.kv_cache_dtype=int8",)),
+    Evidence("tests/test_hybrid_host_tier.py::test_host_tier_snapshots_resume_like_prefix_caching_off", ("qwen3_5",),
+             ("engine.host_kv_cache_gb",)),
+)
+
+
+def tests_of(family: str) -> dict[str, str]:
+    """column -> the first test that runs it on this family."""
+    out: dict[str, str] = {}
+    for ev in EVIDENCE:
+        if family in ev.families:
+            for col in ev.columns:
+                out.setdefault(col, ev.test)
+    return out

@@ -1,0 +1,116 @@
+"""Config -> validated, or one line naming what does not combine and the key to change.
+
+The only place a combination of settings (or of a setting and the model's kinds or
+shapes) is refused: the rules of engine/capabilities.py, then the checks between values
+that belong together (the pool over sequence ranks, buckets over the token budget, the
+layers over stages). Settings checked alone stay in their dataclasses (engine/config.py,
+models/config.py). load_config runs it, and the loader again with the platform before it
+builds anything (some rules hold on one platform only); nothing reads a weight first.
+"""
+
+from __future__ import annotations
+
+from jaxfill.engine.capabilities import CAPABILITIES, SETTINGS, Rule, model_kinds, refusals
+from jaxfill.models.config import ConfigError
+
+
+def validate(config, platform: str | None = None, extra: tuple[str, ...] = ()) -> None:
+    """Raises ConfigError (one line) for the first broken rule or mismatched values.
+    platform: jax's backend name when known; extra: flags such as "serve.role=decode"."""
+    flags = frozenset(extra) | ({f"platform={platform}"} if platform else frozenset())
+    broken = refusals(config, model_kinds(config.model), flags)
+    if broken:
+        raise ConfigError(describe(broken[0], config))
+    check_values(config)
+
+
+def role_flags(role: str) -> tuple[str, ...]:
+    """`serve --role` as rule flags: prefill and decode workers hand KV over (serving/disagg.py)."""
+    return ("serve.role=prefill/decode",) if role in ("prefill", "decode") else ()
+
+
+def describe(rule: Rule, config) -> str:
+    """'<arch>: mesh.stage = 2 with mesh.sequence = 2 is refused (why); change mesh.stage ...'"""
+    parts = [_condition(c, config) for c in rule.when]
+    return (f"{config.model.architecture}: {' with '.join(parts)} is refused ({rule.why}); "
+            f"change {rule.change}")
+
+
+def _condition(cond: str, config) -> str:
+    name = cond.lstrip("!")
+    if name in CAPABILITIES or name in SETTINGS:
+        key = name.split("=")[0]
+        section, _, field = key.partition(".")
+        value = getattr(getattr(config, section), field)
+        return f"{key} = {value!r}" if isinstance(value, str) else f"{key} = {value}"
+    if name in ("attention", "mla", "moe", "linear", "gated_deltanet", "mamba2"):
+        m = config.model
+        if name == "linear":
+            return f"{m.linear_kind} layers {list(m.linear_layers)}"
+        return f"no {name} layers" if cond.startswith("!") else f"{name} layers"
+    return name
+
+
+def check_values(config) -> None:
+    """The checks between values of different keys that are not feature combinations."""
+    from jaxfill.engine.planner_layout import check_mesh
+
+    model, engine, mesh = config.model, config.engine, config.mesh
+    if model.num_layers % mesh.stage:
+        raise ConfigError(f"mesh.stage={mesh.stage} must divide the model's {model.num_layers} layers")
+    check_stackable(model, model.num_layers if engine.scan_layers else mesh.stage)
+    if engine.num_pages and (engine.num_pages % mesh.sequence or engine.num_pages < 2 * mesh.sequence):
+        raise ConfigError(f"engine.num_pages={engine.num_pages} is the pool's total, dealt over mesh.sequence="
+                          f"{mesh.sequence} ranks: it must be a multiple of {mesh.sequence}, at least 2 per rank")
+    if bool(engine.disk_kv_cache_dir) != (float(engine.disk_kv_cache_gb) > 0):
+        raise ConfigError("the disk KV tier needs both engine.disk_kv_cache_dir and engine.disk_kv_cache_gb > 0, "
+                          f"got dir={engine.disk_kv_cache_dir!r}, gb={engine.disk_kv_cache_gb}")
+    if engine.token_buckets and max(int(x) for x in engine.token_buckets) < engine.max_num_batched_tokens:
+        raise ConfigError(f"engine.token_buckets {tuple(sorted(engine.token_buckets))} must reach "
+                          f"engine.max_num_batched_tokens ({engine.max_num_batched_tokens})")
+    if mesh.num_processes > 1 and not 0 <= mesh.process_id < mesh.num_processes:
+        raise ConfigError(f"mesh.process_id ({mesh.process_id}) must be in [0, {mesh.num_processes})")
+    if mesh.num_processes > 1 and not mesh.coordinator:
+        from jaxfill.engine.mesh import cluster_env
+
+        if not cluster_env():
+            raise ConfigError("mesh.num_processes > 1 needs mesh.coordinator (host:port) outside a TPU pod/cluster")
+    if model.linear_layers:
+        _check_hybrid(model, engine, mesh)
+    try:  # the model's shapes against the mesh
+        check_mesh(model, mesh)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _check_hybrid(model, engine, mesh) -> None:
+    groups = "Mamba2 groups (n_groups)" if model.linear_kind == "mamba2" else "linear key heads"
+    if model.linear_num_key_heads % mesh.tensor:
+        raise ConfigError(f"{model.architecture}: mesh.tensor = {mesh.tensor} (must divide the "
+                          f"{model.linear_num_key_heads} {groups})")
+    interval, slots = int(engine.state_snapshot_tokens), int(engine.state_snapshot_slots)
+    if interval < 0 or interval % engine.page_size or slots < 0:
+        raise ConfigError(f"engine.state_snapshot_tokens must be a multiple of engine.page_size "
+                          f"({engine.page_size}) and state_snapshot_slots >= 0; got {interval}, {slots}")
+
+
+def check_stackable(model, groups: int) -> None:
+    """Stacked layouts (mesh.stage, engine.scan_layers) stack layer j of every group into
+    one module, so those layers must have the same params: in a MoE model with dense
+    layers, layer n's kind must depend on n mod (layers per group) only; so must a
+    single-block layer's block (Nemotron-H's mixer-only and MLP-only layers)."""
+    if groups <= 1:
+        return
+    k = model.num_layers // groups
+    for name in ("no_mlp_layers", "no_mixer_layers"):
+        named = set(getattr(model, name))
+        if any((n in named) != (n % k in named) for n in range(model.num_layers)):
+            raise ConfigError(f"the model's {name} {sorted(named)} differ between the {groups} stacked layer "
+                              "groups (mesh.stage / engine.scan_layers); use the unrolled layout")
+    if not model.num_experts or not model.dense_layers:
+        return
+    dense = set(model.dense_layers)
+    if any((n in dense) != (n % k in dense) for n in range(model.num_layers)):
+        raise ConfigError(f"the model's dense layers {sorted(dense)} differ between the {groups} stacked layer "
+                          f"groups (mesh.stage / engine.scan_layers), which stack layer j of every group as one; "
+                          "use the unrolled layout (mesh.stage = 1, engine.scan_layers = false)")
