@@ -25,6 +25,7 @@ from typing import NamedTuple
 import numpy as np
 
 from jaxfill.engine.config import MeshSettings
+from jaxfill.engine.mesh_shapes import check_mesh  # noqa: F401 - the planner's callers import it here
 from jaxfill.models.config import ModelConfig
 from jaxfill.models.families.registry import ParamShape, layer_params
 from jaxfill.models.kv_cache import kv_bytes_per_token as cache_bytes_per_token, shares_kv
@@ -41,25 +42,6 @@ def dtype_bytes(model: ModelConfig) -> int:
 def kv_repeat(model: ModelConfig, heads_split: int) -> int:
     """Copies of each KV head so the cache splits evenly over tensor x expert (models/sharding.py's rule)."""
     return head_repeat(model.num_kv_heads, heads_split)
-
-
-def check_mesh(model: ModelConfig, mesh: MeshSettings) -> None:
-    tp = mesh.heads
-    split = "mesh.tensor" if mesh.expert == 1 else "mesh.tensor x mesh.expert"
-    if model.num_heads % tp:
-        raise ValueError(f"{split}={tp} does not divide model.num_heads={model.num_heads}")
-    kv_repeat(model, tp)
-    has_dense = not model.num_experts or bool(model.dense_layers)
-    if has_dense and model.intermediate_size % tp:
-        raise ValueError(f"{split}={tp} does not divide model.intermediate_size={model.intermediate_size}")
-    if model.num_experts and model.num_experts % mesh.expert:
-        raise ValueError(f"mesh.expert={mesh.expert} does not divide model.num_experts={model.num_experts}")
-    if model.num_experts and model.moe_intermediate_size % mesh.tensor:
-        raise ValueError(f"mesh.tensor={mesh.tensor} does not divide "
-                         f"model.moe_intermediate_size={model.moe_intermediate_size}")
-    if model.num_layers % mesh.stage:
-        raise ValueError(f"mesh.stage={mesh.stage} does not divide model.num_layers={model.num_layers}: "
-                         "every pipeline stage holds the same number of layers")
 
 
 def vocab_split(model: ModelConfig, mesh: MeshSettings) -> int:

@@ -10,6 +10,7 @@ builds anything (some rules hold on one platform only); nothing reads a weight f
 
 from __future__ import annotations
 
+from jaxfill.engine.mesh_shapes import check_mesh
 from jaxfill.engine.capabilities import CAPABILITIES, SETTINGS, Rule, model_kinds, refusals
 from jaxfill.models.config import ConfigError
 
@@ -53,8 +54,6 @@ def _condition(cond: str, config) -> str:
 
 def check_values(config) -> None:
     """The checks between values of different keys that are not feature combinations."""
-    from jaxfill.engine.planner_layout import check_mesh
-
     model, engine, mesh = config.model, config.engine, config.mesh
     if model.num_layers % mesh.stage:
         raise ConfigError(f"mesh.stage={mesh.stage} must divide the model's {model.num_layers} layers")
