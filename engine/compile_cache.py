@@ -1,9 +1,10 @@
 """The persistent XLA compilation cache: compile each step program once per machine.
 
 Warm-up compiles one program per shape bucket (seconds each on CPU, more for big models);
-with the cache a restart loads them from disk instead. The CLI turns it on, and so
-does the first `Engine` of a process unless jax's cache is already configured or the
-Engine is given `compile_cache="none"` (engine/engine.py).
+with the cache a restart loads them from disk instead. The CLI turns it on (or off, for
+`--compile-cache none`) and hands its choice to the Engine it builds; an Engine left at
+`compile_cache="default"` turns it on unless jax's cache is already configured, and one
+given `compile_cache=None` turns it off (engine/engine.py).
 """
 
 from __future__ import annotations

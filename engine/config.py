@@ -10,16 +10,16 @@ import dataclasses
 import logging
 import os
 import tomllib
-from importlib import resources
 from typing import Any, Mapping
 
+from jaxfill.engine.checkpoint_settings import checkpoint_engine, checkpoint_name, describe
+from jaxfill.engine.presets import NOT_PRESETS, preset_names, read_preset  # noqa: F401 (their old home)
 from jaxfill.models.config import ConfigError, ModelConfig
 from jaxfill.engine.validation import validate
 from jaxfill.models.families.registry import config_from_dict, config_from_hf
 
 log = logging.getLogger("jaxfill.config")
 
-NOT_PRESETS = {"hardware"}  # configs/hardware.toml holds accelerator specs, not a [model]/[engine]/[mesh] preset
 KV_CACHE_DTYPES = ("auto", "int8", "float8_e4m3fn")
 
 
@@ -164,31 +164,6 @@ class Config:
 SECTIONS = {"model": ModelConfig, "engine": EngineSettings, "mesh": MeshSettings}
 
 
-def preset_names() -> list[str]:
-    """Presets shipped in the `jaxfill.configs` package, read through importlib.resources."""
-    names = (f.name[:-5] for f in resources.files("jaxfill.configs").iterdir() if f.name.endswith(".toml"))
-    return sorted(n for n in names if n not in NOT_PRESETS)
-
-
-def read_preset(config: str) -> tuple[str, dict[str, Any], str | None]:
-    """(name, parsed TOML, the folder a `checkpoint = "..."` key is relative to) for a TOML
-    path or a preset name ("tiny", "llama3_8b")."""
-    if os.path.isfile(config):
-        with open(config, "rb") as f:
-            raw, base = f.read(), os.path.dirname(os.path.abspath(config))
-        name = os.path.splitext(os.path.basename(config))[0]
-    else:
-        name = config[:-5] if config.endswith(".toml") else config
-        if name not in preset_names():
-            raise ConfigError(f"config {config!r} is neither a file nor a preset; presets: {', '.join(preset_names())}")
-        package = resources.files("jaxfill.configs")
-        raw, base = package.joinpath(name + ".toml").read_bytes(), str(package)
-    try:
-        return name, tomllib.loads(raw.decode()), base
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"config {config!r} is not valid TOML: {e}") from None
-
-
 def parse_overrides(overrides: Mapping[str, Any] | list[str] | None) -> dict[str, dict[str, Any]]:
     """{"mesh.tensor": 4} or ["mesh.tensor=4"] -> {"mesh": {"tensor": 4}}."""
     if overrides is None:
@@ -235,12 +210,15 @@ def _build(cls, values: dict[str, Any]):
         raise ConfigError(f"bad {cls.__name__} values: {e}") from None
 
 
-def load_config(config: str = "tiny", overrides: Mapping[str, Any] | list[str] | None = None,
+def load_config(config: str | None = None, overrides: Mapping[str, Any] | list[str] | None = None,
                 model_path: str | None = None) -> Config:
     """A preset or TOML file, then overrides. `model_path` (`--model DIR`) brings its own
     config.json; otherwise a preset's top-level `checkpoint = "DIR"` (relative to the TOML)
-    supplies weights for the shapes its [model] section describes."""
-    name, data, base = read_preset(config)
+    supplies weights for the shapes its [model] section describes. `config=None`: with a
+    `model_path`, the engine settings and name come from the checkpoint
+    (engine/checkpoint_settings.py); without one, the "tiny" preset."""
+    from_checkpoint = config is None and bool(model_path)
+    name, data, base = (checkpoint_name(model_path), {}, None) if from_checkpoint else read_preset(config or "tiny")
     checkpoint = data.pop("checkpoint", None)
     unknown = set(data) - set(SECTIONS)
     if unknown:
@@ -251,6 +229,9 @@ def load_config(config: str = "tiny", overrides: Mapping[str, Any] | list[str] |
         model = config_from_hf(model_path)
         model_extra = extra.get("model", {})
         model = dataclasses.replace(model, **model_extra) if model_extra else model
+        if from_checkpoint:
+            data["engine"] = checkpoint_engine(model)
+            describe(name, model, {**data["engine"], **extra.get("engine", {})})
     else:
         model = config_from_dict({**data.get("model", {}), **extra.get("model", {})})
         model_path = os.path.join(base, checkpoint) if checkpoint else None

@@ -56,8 +56,9 @@ class Engine(Conveniences, DisaggregationFacade, MultiProcessFacade):
     def __init__(self, config: Config, progress: bool = True, warmup: bool = True, model=None,
                  defer_text: bool = False, compile_cache: str | None = "default"):
         """`compile_cache`: the persistent XLA cache directory ("default": $JAXFILL_COMPILE_CACHE,
-        $JAX_COMPILATION_CACHE_DIR or ~/.cache/jaxfill/xla, as the CLI uses; None: off).
-        A cache jax is already configured with is left as it is."""
+        $JAX_COMPILATION_CACHE_DIR or ~/.cache/jaxfill/xla, as the CLI uses; None: off, which
+        the CLI passes for --compile-cache none). With "default", a cache jax is already
+        configured with is left as it is."""
         use_cpu_cores(config.mesh)  # first: one XLA CPU device per core, before jax starts
         use_compile_cache(compile_cache)
         try:
@@ -96,8 +97,10 @@ class Engine(Conveniences, DisaggregationFacade, MultiProcessFacade):
             self.warmup(progress)
 
     @classmethod
-    def from_config(cls, config="tiny", model_path=None, overrides=None, progress: bool = True,
+    def from_config(cls, config=None, model_path=None, overrides=None, progress: bool = True,
                     defer_text: bool = False, compile_cache: str | None = "default") -> "Engine":
+        """`config`: a TOML path or preset name; None: with `model_path`, the engine settings
+        from the checkpoint (engine/checkpoint_settings.py), else "tiny"."""
         return cls(load_config(config, overrides, model_path), progress=progress, defer_text=defer_text,
                    compile_cache=compile_cache)
 

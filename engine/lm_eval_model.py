@@ -26,7 +26,7 @@ IGNORED_ARGS = ("batch_size", "max_batch_size", "device")  # simple_evaluate pas
 
 
 class JaxfillLM(LM):
-    def __init__(self, engine: Engine | None = None, config: str = "tiny", model_path: str | None = None,
+    def __init__(self, engine: Engine | None = None, config: str | None = None, model_path: str | None = None,
                  progress: bool = False, **settings):
         if MISSING is not None:
             raise ImportError(f"JaxfillLM needs lm_eval (pip install lm_eval): {MISSING}") from MISSING

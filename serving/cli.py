@@ -25,7 +25,9 @@ class _MeshOverride(argparse.Action):
 def common_model_args(parser: argparse.ArgumentParser, multi_process: bool = False) -> None:
     """--config / --model / --set, shared by every command that builds a model; with
     multi_process, the jax.distributed flags of commands that can run as N processes."""
-    parser.add_argument("--config", default="tiny", help="TOML file or preset name (default: tiny)")
+    parser.add_argument("--config", default=None,
+                        help="TOML file or preset name (default: with --model, engine settings from the "
+                             "checkpoint: its context, a KV pool sized from device memory; without, tiny)")
     parser.add_argument("--model", default=None, help="Hugging Face model directory")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override a config field, e.g. --set mesh.tensor=4 (repeatable)")
@@ -72,7 +74,8 @@ def _use_cpu_cores(args) -> None:
     from jaxfill.engine.cpu_devices import use_cpu_cores
 
     try:
-        mesh = {**read_preset(args.config)[1].get("mesh", {}), **parse_overrides(args.overrides).get("mesh", {})}
+        preset = read_preset(args.config or "tiny")[1] if args.config or not args.model else {}  # checkpoint: no [mesh]
+        mesh = {**preset.get("mesh", {}), **parse_overrides(args.overrides).get("mesh", {})}
         settings = MeshSettings(**mesh)
     except (ValueError, TypeError):
         return

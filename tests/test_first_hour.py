@@ -58,8 +58,11 @@ def test_generate_json_keeps_progress_on_stderr_and_quiet_drops_it():
 
 
 def test_a_checkpoint_without_tokenizer_says_so_once(hf_dirs):
+    # Without --config the checkpoint's engine settings apply (a pool of 90% of free RAM on
+    # CPU, an 8192-token budget): bounded here, as a CPU test must
     out = jaxfill_cli("generate", "--model", hf_dirs["llama"], "--prompt-ids", "1,2,3", "--max-tokens", "2",
-                      "--json", "--quiet")
+                      "--json", "--quiet", "--set", "engine.num_pages=64", "--set", "engine.max_num_seqs=16",
+                      "--set", "engine.max_num_batched_tokens=256")
     assert out.returncode == 0, out.stderr
     assert out.stderr.count("no tokenizer") == 1 and "text is not decoded" in out.stderr
     assert len(json.loads(out.stdout.splitlines()[-1])["token_ids"]) == 2

@@ -3,7 +3,10 @@
 A family reads the fields it names in `honoured`, ignores those in `inert` (dropout,
 init ranges, ids that change no number), accepts those in `fixed` only at the value given
 there, and refuses every other field by name unless it is empty (None, false, [], {}):
-a checkpoint is never loaded with a field that would silently change its math.
+a checkpoint is never loaded with a field that would silently change its math. Keys that
+start with "_" are transformers' own bookkeeping (`_name_or_path`, `_attn_implementation_autoset`,
+`_commit_hash`), not the model's math: never refused, in every family (one that carries
+math is read by name, as Gemma 3's transformers-4 `_sliding_window_pattern`).
 """
 
 from __future__ import annotations
@@ -90,7 +93,8 @@ class Family:
 
     def check_fields(self, hf: dict[str, Any]) -> None:
         for key, value in hf.items():
-            if key in self.honoured or key in self.inert or key in COMMON_INERT or key in COMMON_READ:
+            if key.startswith("_") or key in self.honoured or key in self.inert or key in COMMON_INERT \
+                    or key in COMMON_READ:
                 continue
             if key in self.fixed:
                 if value != self.fixed[key] and not (value is None and self.fixed[key] in (None, False)):

@@ -88,7 +88,8 @@ async def _bench(args) -> dict:
     if args.address is None or args.inprocess_baseline:
         from jaxfill.engine.engine import Engine
 
-        engine = Engine.from_config(args.config, model_path=args.model, overrides=args.overrides, progress=False)
+        engine = Engine.from_config(args.config, model_path=args.model, overrides=args.overrides, progress=False,
+                                    compile_cache=args.compile_cache)  # None: --compile-cache none
 
     if args.inprocess_baseline:
         sender = InProcessSender(engine)
@@ -152,9 +153,11 @@ async def _bench(args) -> dict:
               f"{so['median_delivery_overhead_ms']:+.3f} ms; TPOT {so['median_tpot_delta_ms']:+.3f} ms, "
               f"ITL {so['median_itl_delta_ms']:+.3f} ms (TPOT/ITL deltas include run-to-run noise)")
     out["errors"] = sorted({r.error for r in results if r.error})[:20]
+    config_name = engine.config.name if engine is not None else args.config  # a checkpoint's own name
     out.update({
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "jaxfill-grpc", "label": args.label,
-        "address": args.address or "in-process server", "config": args.config, "model_id": args.model or args.config,
+        "address": args.address or "in-process server", "config": config_name,
+        "model_id": args.model or config_name,
         "overrides": list(args.overrides), "dataset_name": args.dataset_name, "num_prompts": args.num_prompts,
         "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
         "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "num_channels": args.num_channels,
@@ -193,7 +196,8 @@ def run(args) -> int:
         print(f"wrote {path}")
         if args.plot:
             png = os.path.splitext(path)[0] + ".png"
-            plot(png, runs, f"jaxfill bench serve: {args.config}, {args.dataset_name}, {args.num_prompts} requests, "
-                            f"concurrency {args.max_concurrency}, rate {args.request_rate}")
+            plot(png, runs, f"jaxfill bench serve: {result['config']}, {args.dataset_name}, "
+                            f"{args.num_prompts} requests, concurrency {args.max_concurrency}, "
+                            f"rate {args.request_rate}")
             print(f"wrote {png}")
     return 0 if result["failed"] == 0 else 1

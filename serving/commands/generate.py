@@ -48,7 +48,9 @@ def run(args) -> int:
     for prompt in prompts:
         ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         validate_prompt(ids, config.model.vocab_size, config.engine.max_model_len)
-    with Engine(config, progress=not args.quiet) as engine:  # exit: process 0 releases the followers
+    # args.compile_cache: what the CLI set up (None: off), so the Engine keeps it; on exit
+    # process 0 releases the followers
+    with Engine(config, progress=not args.quiet, compile_cache=args.compile_cache) as engine:
         if not engine.is_leader:
             engine.follow()  # multi-process: process 0 prints the output
             return 0

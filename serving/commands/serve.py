@@ -65,16 +65,18 @@ def _log_startup(log, engine, args, load_s: float) -> None:
              cfg.mesh.tensor, cfg.mesh.expert, cfg.mesh.sequence, len(devs), devs[0].platform, jax.process_count())
 
 
-def build_engine(config: str, model: str | None, overrides, role: str = "both"):
+def build_engine(config: str | None, model: str | None, overrides, role: str = "both",
+                 compile_cache: str | None = "default"):
     """The Engine, not yet warmed up: the server listens (health NOT_SERVING) while it compiles.
-    What the role cannot serve is refused before any weight is read."""
+    What the role cannot serve is refused before any weight is read. `compile_cache`: the
+    directory the CLI set up, None when --compile-cache none turned it off."""
     from jaxfill.engine.config import load_config
     from jaxfill.engine.engine import Engine
     from jaxfill.engine.validation import role_flags, validate
 
     cfg = load_config(config, overrides, model)
     validate(cfg, extra=role_flags(role))
-    return Engine(cfg, progress=False, warmup=False)
+    return Engine(cfg, progress=False, warmup=False, compile_cache=compile_cache)
 
 
 async def _serve(args, engine, log) -> int:
@@ -135,7 +137,7 @@ def run(args) -> int:
         sys.setswitchinterval(args.gil_switch_interval_ms / 1000.0)
     log.info("XLA compilation cache: %s", args.compile_cache or "off")
     start = time.perf_counter()
-    engine = build_engine(args.config, args.model, args.overrides, args.role)
+    engine = build_engine(args.config, args.model, args.overrides, args.role, args.compile_cache)
     _log_startup(log, engine, args, time.perf_counter() - start)
     if not engine.is_leader:
         import jax
