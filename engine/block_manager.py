@@ -24,7 +24,7 @@ LRU); `allocate` and `can_allocate` take the logical index of the first page ask
 or the logical indices themselves. A prefix-cache hit needs no rule: a cached page was
 allocated at the same logical index it is found at.
 
-`on_evict` (None by default; the host tier's engine/kv_offload.py) hears
+`on_evict` (None by default; the host tier's engine/kv_tier/page_offload.py) hears
 (page, hash, parent hash, tokens) as allocation evicts a cached page, before the page is
 handed out: its K/V are still intact until the next write to the cache.
 """

@@ -38,8 +38,8 @@ from jaxfill.engine.config import Config, load_config
 from jaxfill.engine.conveniences import Conveniences
 from jaxfill.engine.cpu_devices import use_cpu_cores
 from jaxfill.engine.compile_cache import use_compile_cache, warmup_summary
-from jaxfill.engine.disagg_facade import DisaggregationFacade
-from jaxfill.engine.kv_offload import build_kv_offload
+from jaxfill.engine.disagg.facade import DisaggregationFacade
+from jaxfill.engine.kv_tier.page_offload import build_kv_offload
 from jaxfill.engine.loading import build_mesh, build_model, build_tokenizer
 from jaxfill.engine.mesh import with_mesh_shape
 from jaxfill.engine.multiprocess_facade import MultiProcessFacade
@@ -91,7 +91,7 @@ class Engine(Conveniences, DisaggregationFacade, MultiProcessFacade):
         self.num_errors = 0
         self.num_cache_resets = 0
         self.warmed_up = False
-        self.kv_handoff = None  # disaggregated prefill (engine/kv_handoff.py): enable_kv_transfer()
+        self.kv_handoff = None  # disaggregated prefill (engine/disagg/handoff.py): enable_kv_transfer()
         if warmup and self.is_leader:  # followers compile as they follow the leader's warm-up
             self.warmup(progress)
 
@@ -264,7 +264,7 @@ class Engine(Conveniences, DisaggregationFacade, MultiProcessFacade):
         cache is rebuilt and every request recomputes (no snapshot is then trusted)."""
         first = [c for sc in scheds for c in sc.state_copies]
         then = [c for sc in scheds for c in sc.state_restores]
-        exports = [e for sc in scheds for e in sc.state_exports]  # held prefills' states (engine/kv_handoff.py)
+        exports = [e for sc in scheds for e in sc.state_exports]  # held prefills' states (engine/disagg/handoff.py)
         saves = [x for sc in scheds for x in sc.state_saves]  # snapshots the copies push out, to the host tier
         if not first and not then and not exports and not saves:
             return True
@@ -401,7 +401,7 @@ class Engine(Conveniences, DisaggregationFacade, MultiProcessFacade):
     def _finish(self, req: Request, reason: str, error: str | None = None,
                 num_output_tokens: int | None = None) -> RequestOutput:
         """[lock] Ends the request through the scheduler; a held prefill keeps its pages for
-        the decode side's pull (engine/kv_handoff.py)."""
+        the decode side's pull (engine/disagg/handoff.py)."""
         keep = self.kv_handoff is not None and self.kv_handoff.take_on_finish(req, reason)
         self.scheduler.finish(req, reason, error, keep_pages=keep, num_output_tokens=num_output_tokens)
         return self._finished_output(req)

@@ -1,7 +1,7 @@
 """Config -> validated, or one line naming what does not combine and the key to change.
 
 The only place a combination of settings (or of a setting and the model's kinds or
-shapes) is refused: the rules of engine/capabilities.py, then the checks between values
+shapes) is refused: the rules of engine/capabilities/table.py, then the checks between values
 that belong together (the pool over sequence ranks, buckets over the token budget, the
 layers over stages). Settings checked alone stay in their dataclasses (engine/config.py,
 models/config.py). load_config runs it, and the loader again with the platform before it
@@ -10,7 +10,7 @@ builds anything (some rules hold on one platform only); nothing reads a weight f
 
 from __future__ import annotations
 
-from jaxfill.engine.capabilities import CAPABILITIES, SETTINGS, Rule, model_kinds, refusals
+from jaxfill.engine.capabilities.table import CAPABILITIES, SETTINGS, Rule, model_kinds, refusals
 from jaxfill.models.config import ConfigError
 
 
@@ -53,7 +53,7 @@ def _condition(cond: str, config) -> str:
 
 def check_values(config) -> None:
     """The checks between values of different keys that are not feature combinations."""
-    from jaxfill.engine.planner_layout import check_mesh
+    from jaxfill.engine.planner.layout import check_mesh
 
     model, engine, mesh = config.model, config.engine, config.mesh
     if model.num_layers % mesh.stage:

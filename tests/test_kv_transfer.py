@@ -1,5 +1,5 @@
 """Disaggregated prefill at the engine level: a prompt's KV moved between two Engines by
-JAX's transfer server (engine/kv_transfer.py, engine/kv_handoff.py).
+JAX's transfer server (engine/disagg/transfer.py, engine/disagg/handoff.py).
 
 The prefill engine (page_size 16) and the decode engine (page_size 8) differ in page size
 and page ids; unused pages are NaN-filled so a row written to the wrong slot, or a
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxfill.engine import kv_transfer as kvt
+from jaxfill.engine.disagg import transfer as kvt
 from jaxfill.engine.engine import Engine
 from jaxfill.engine.request import QueueFull, SamplingParams
 from jaxfill.models.kv_cache import KVCache

@@ -1,4 +1,4 @@
-"""The Engine's face for disaggregated prefill (engine/kv_handoff.py does the work).
+"""The Engine's face for disaggregated prefill (engine/disagg/handoff.py does the work).
 
 Prefill side: `hold_pages` before the request finishes, `take_kv_offer` after it, and
 `release_held` once the decode side has pulled. Decode side: `add_prefilled_request`
@@ -12,8 +12,8 @@ from jaxfill.engine.request import InvalidRequest, SamplingParams
 
 class DisaggregationFacade:
     def enable_kv_transfer(self, host: str = "127.0.0.1"):
-        """Starts this engine's transfer server (engine/kv_handoff.py); idempotent."""
-        from jaxfill.engine.kv_handoff import KVHandoff  # jax.experimental.transfer only when asked
+        """Starts this engine's transfer server (engine/disagg/handoff.py); idempotent."""
+        from jaxfill.engine.disagg.handoff import KVHandoff  # jax.experimental.transfer only when asked
 
         with self._lock:
             if self.kv_handoff is None:

@@ -28,7 +28,7 @@ prompts even though it sends fewer bytes).
 from __future__ import annotations
 
 from jaxfill.engine.config import MeshSettings
-from jaxfill.engine.planner_layout import dtype_bytes, kv_bytes_per_token_per_device
+from jaxfill.engine.planner.layout import dtype_bytes, kv_bytes_per_token_per_device
 from jaxfill.models.config import ModelConfig
 
 PASS_Q, PASS_KV = "pass-Q", "pass-KV"

@@ -28,7 +28,7 @@ import hashlib
 import struct
 import time
 
-from jaxfill.engine import kv_transfer as kvt
+from jaxfill.engine.disagg import transfer as kvt
 from jaxfill.engine.request import Request
 
 

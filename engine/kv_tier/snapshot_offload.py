@@ -1,5 +1,5 @@
 """Moves a linear-attention hybrid's state snapshots between the device's snapshot slots
-and the host tier (engine/host_kv_tier.py), as engine/kv_offload.py moves KV pages.
+and the host tier (engine/kv_tier/host.py), as engine/kv_tier/page_offload.py moves KV pages.
 
 Saves: a snapshot about to lose its slot (engine/scheduler/state_snapshots.py
 `take_evicted`) is gathered before the copy that reuses the slot (engine/engine.py
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxfill.engine import kv_transfer as kvt
-from jaxfill.engine.host_kv_tier import StateSnapshot
+from jaxfill.engine.disagg import transfer as kvt
+from jaxfill.engine.kv_tier.host import StateSnapshot
 
 
 class SnapshotOffload:

@@ -1,6 +1,6 @@
 """What one device holds under a mesh, as models/sharding.py and models/pipeline.py lay it out.
 
-The planner's memory side (engine/planner.py does the time side). Arithmetic only; the
+The planner's memory side (engine/planner/plan.py does the time side). Arithmetic only; the
 rules mirrored here (tests/test_planner.py checks them against the logical axes of
 `Decoder(config, stages=p)` under an abstract mesh):
 

@@ -1,4 +1,4 @@
-"""Moves prefix-cache pages between the device pool and the host tier (engine/host_kv_tier.py).
+"""Moves prefix-cache pages between the device pool and the host tier (engine/kv_tier/host.py).
 
 Saves: when allocation evicts a full cached page (engine/block_manager.py `on_evict`),
 the page is queued here. Before anything next writes the cache (a step, a restore, a
@@ -37,8 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfill.engine import kv_transfer as kvt
-from jaxfill.engine.host_kv_tier import KVBlock
+from jaxfill.engine.disagg import transfer as kvt
+from jaxfill.engine.kv_tier.host import KVBlock
 
 log = logging.getLogger("jaxfill.kv_tier")
 
@@ -110,7 +110,7 @@ class KVOffload:
         self.in_transit: list[_Save] = []
         self.num_saves_dropped = 0  # staging full: the page is recomputed if it is asked for again
         self.num_restored = 0  # pages written back into the device pool
-        self.states = None  # a hybrid's state snapshots (engine/snapshot_offload.py), or None
+        self.states = None  # a hybrid's state snapshots (engine/kv_tier/snapshot_offload.py), or None
 
     def on_evict(self, replica: int, page: int, h: bytes, parent: bytes | None, tokens: tuple) -> None:
         """A block manager's eviction callback: queue the page (still intact) for saving."""
@@ -267,9 +267,9 @@ def build_kv_offload(config, cache, stages: int) -> KVOffload | None:
     s = config.engine
     if not float(s.host_kv_cache_gb) > 0:
         return None
-    lockstep = jax.process_count() > 1  # the disk tier is refused then (engine/capabilities.py)
-    from jaxfill.engine.disk_kv_tier import DiskKVTier, fingerprint
-    from jaxfill.engine.host_kv_tier import HostKVTier
+    lockstep = jax.process_count() > 1  # the disk tier is refused then (engine/capabilities/table.py)
+    from jaxfill.engine.kv_tier.disk import DiskKVTier, fingerprint
+    from jaxfill.engine.kv_tier.host import HostKVTier
     from jaxfill.models.kv_cache import kv_bytes_per_token, shares_kv
 
     m = config.model
@@ -292,7 +292,7 @@ def build_kv_offload(config, cache, stages: int) -> KVOffload | None:
     staged = min(max(pages // 8, 2 * s.max_pages_per_seq, 64), max(pages, 1))
     offload = KVOffload(tier, m.num_kv_heads, s.num_pages, stages, max_staged_pages=staged, lockstep=lockstep)
     if s.state_slots and s.enable_prefix_caching and s.state_snapshot_slots:  # a hybrid's snapshots go too
-        from jaxfill.engine.snapshot_offload import SnapshotOffload
+        from jaxfill.engine.kv_tier.snapshot_offload import SnapshotOffload
 
         offload.states = SnapshotOffload(tier)
     return offload
