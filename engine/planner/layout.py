@@ -43,25 +43,6 @@ def kv_repeat(model: ModelConfig, heads_split: int) -> int:
     return head_repeat(model.num_kv_heads, heads_split)
 
 
-def check_mesh(model: ModelConfig, mesh: MeshSettings) -> None:
-    tp = mesh.heads
-    split = "mesh.tensor" if mesh.expert == 1 else "mesh.tensor x mesh.expert"
-    if model.num_heads % tp:
-        raise ValueError(f"{split}={tp} does not divide model.num_heads={model.num_heads}")
-    kv_repeat(model, tp)
-    has_dense = not model.num_experts or bool(model.dense_layers)
-    if has_dense and model.intermediate_size % tp:
-        raise ValueError(f"{split}={tp} does not divide model.intermediate_size={model.intermediate_size}")
-    if model.num_experts and model.num_experts % mesh.expert:
-        raise ValueError(f"mesh.expert={mesh.expert} does not divide model.num_experts={model.num_experts}")
-    if model.num_experts and model.moe_intermediate_size % mesh.tensor:
-        raise ValueError(f"mesh.tensor={mesh.tensor} does not divide "
-                         f"model.moe_intermediate_size={model.moe_intermediate_size}")
-    if model.num_layers % mesh.stage:
-        raise ValueError(f"mesh.stage={mesh.stage} does not divide model.num_layers={model.num_layers}: "
-                         "every pipeline stage holds the same number of layers")
-
-
 def vocab_split(model: ModelConfig, mesh: MeshSettings) -> int:
     """Devices the embedding and LM head are split over: tensor x expert x stage when that
     divides the vocab, else 1 (the sharding rules then replicate the whole table)."""

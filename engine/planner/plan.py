@@ -46,9 +46,10 @@ from jaxfill.engine.planner.counts import (attention_flops, check_link_gbps, che
                                            state_bytes, weight_bytes)
 from jaxfill.engine.planner.context import (PASS_KV, PASS_Q, activation_estimate, context_bytes_per_layer,
                                             engine_ring_mode, kv_pages_per_device, ring_modes)
-from jaxfill.engine.planner.layout import (bubble_fraction, check_mesh, dtype_bytes,
+from jaxfill.engine.planner.layout import (bubble_fraction, dtype_bytes,
                                            kv_bytes_per_token_per_device, kv_repeat, layer_bytes_per_device,
                                            pipeline_microbatches, vocab_split, weight_bytes_per_device)
+from jaxfill.engine.validation import check_mesh
 from jaxfill.models.config import ModelConfig
 
 
