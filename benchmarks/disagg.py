@@ -156,9 +156,9 @@ def transfer_seconds(shapes: set[tuple[int, ...]], dtype: str, repeats: int = 5)
 def kv_transfer_per_request(results: list[dict]) -> dict:
     """Prompt K/V one disaggregated request moves: the planner's logical bytes (prompt tokens
     x kv_bytes_per_token) and the rows the prefill worker really sends (padded to a power of
-    two of pages, engine/disagg/transfer.py), with their loopback transfer time."""
+    two of pages, engine/kv_rows.py), with their loopback transfer time."""
     from jaxfill.engine.config import load_config
-    from jaxfill.engine.disagg.transfer import padded_tokens
+    from jaxfill.engine.kv_rows import padded_tokens
     from jaxfill.engine.planner.counts import kv_bytes_per_token, kv_transfer_bytes
 
     cfg = load_config("tiny")
@@ -171,7 +171,7 @@ def kv_transfer_per_request(results: list[dict]) -> dict:
     per_req_s = [secs[shape(t)] for t in rows]
     wire = [t * kv_bytes_per_token(m) for t in rows]
     return {"logical_bytes_source": "planner formula: prompt tokens x kv_bytes_per_token",
-            "wire_bytes_source": "engine/disagg/transfer.padded_tokens(prompt - 1) rows x kv_bytes_per_token",
+            "wire_bytes_source": "engine/kv_rows.padded_tokens(prompt - 1) rows x kv_bytes_per_token",
             "transfer_s_source": "measured: one loopback pull of that shape between two TransferAgents in "
                                  "one process (median of 5), not timed inside the served run",
             "logical_bytes_mean": float(np.mean(logical)), "logical_bytes_max": float(max(logical)),

@@ -192,17 +192,17 @@ class Runner(RunnerKVTier):
 
     def export_rows(self, pages: list[int], num_tokens: int, num_kv_heads: int):
         """A request's first num_tokens K/V rows as one-device arrays (values, scales or
-        None) for a disaggregated pull (engine/disagg/transfer.py)."""
-        from jaxfill.engine.disagg import transfer as kvt
+        None) for a disaggregated pull (engine/kv_rows.py)."""
+        from jaxfill.engine import kv_rows
 
-        return kvt.export_rows(self.kv_cache, pages, num_tokens, self.page_size, num_kv_heads)
+        return kv_rows.export_rows(self.kv_cache, pages, num_tokens, self.page_size, num_kv_heads)
 
     def import_rows(self, values, scales, pages: list[int], num_tokens: int) -> None:
         """Pulled rows scattered into `pages` of the cache (which is donated and replaced)."""
-        from jaxfill.engine.disagg import transfer as kvt
+        from jaxfill.engine import kv_rows
 
         self.save_evicted()
-        self.kv_cache = kvt.import_rows(self.kv_cache, values, scales, pages, num_tokens, self.page_size)
+        self.kv_cache = kv_rows.import_rows(self.kv_cache, values, scales, pages, num_tokens, self.page_size)
 
     def copy_states(self, first: list[tuple[int, int]], then: list[tuple[int, int]]) -> None:
         """Linear-attention state slots copied (src, dst), `first` before `then` (state
@@ -219,17 +219,17 @@ class Runner(RunnerKVTier):
 
     def export_state(self, slot: int) -> list:
         """A hybrid's state slot as one-device arrays, for a disaggregated pull."""
-        from jaxfill.engine.disagg import transfer as kvt
+        from jaxfill.engine import kv_rows
 
         with self.mesh_context():
-            return kvt.export_state(self.kv_cache, slot)
+            return kv_rows.export_state(self.kv_cache, slot)
 
     def import_state(self, arrays: list, slot: int) -> None:
         """A pulled state written into `slot` (the cache is donated and replaced)."""
-        from jaxfill.engine.disagg import transfer as kvt
+        from jaxfill.engine import kv_rows
 
         with self.mesh_context():
-            self.kv_cache = kvt.import_state(self.kv_cache, arrays, slot)
+            self.kv_cache = kv_rows.import_state(self.kv_cache, arrays, slot)
 
     def cache_ok(self) -> bool:
         return not any(a.is_deleted() for a in self.kv_cache.arrays())

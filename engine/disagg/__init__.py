@@ -2,5 +2,5 @@
 
     facade.py    the Engine's methods for it (hold, offer, release, admit prefilled)
     handoff.py   held pages, offers and prefilled admissions, under the engine lock
-    transfer.py  the rows on the wire: JAX's transfer server, offers and pulls
+    transfer.py  the rows on the wire (engine/kv_rows.py): JAX's transfer server, offers and pulls
 """

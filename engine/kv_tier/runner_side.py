@@ -88,7 +88,7 @@ class RunnerKVTier:
         with self.mesh_context():
             self.kv_cache = dataclasses.replace(self.kv_cache, pages=self.kv_offload.warmup(self.kv_cache))
             if self.kv_offload.states is not None:  # a snapshot's gather and write, on the null slot
-                from jaxfill.engine.disagg import transfer as kvt
+                from jaxfill.engine import kv_rows
 
                 null = self.config.engine.state_pool_slots - 1
-                self.kv_cache = kvt.import_state(self.kv_cache, kvt.export_state(self.kv_cache, null), null)
+                self.kv_cache = kv_rows.import_state(self.kv_cache, kv_rows.export_state(self.kv_cache, null), null)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxfill.engine.disagg import transfer as kvt
+from jaxfill.engine import kv_rows
 from jaxfill.engine.kv_tier.host import StateSnapshot
 
 
@@ -35,7 +35,7 @@ class SnapshotOffload:
         for slot, h in saves:
             if self.tier.has_snapshot(h) or any(h == t for t, _ in self.in_transit):
                 continue
-            arrays = kvt.export_state(cache, slot)  # new buffers: the slot may be reused after this
+            arrays = kv_rows.export_state(cache, slot)  # new buffers: the slot may be reused after this
             for a in arrays:
                 a.copy_to_host_async()
             self.in_transit.append((h, arrays))
@@ -58,7 +58,7 @@ class SnapshotOffload:
         if snap is None:
             return None
         self.num_restored += 1
-        return kvt.import_state(cache, [snap.recurrent, snap.conv], slot)
+        return kv_rows.import_state(cache, [snap.recurrent, snap.conv], slot)
 
     def stats(self) -> dict:
         return {"host_state_snapshots_saved": self.num_saved,

@@ -197,7 +197,7 @@ def kv_transfer_bytes(model: ModelConfig, prompt_len: int, kv_cache_dtype: str =
     """K/V a prefill worker hands a decode worker for one prompt: every prompt token's
     K and V in every layer (values and, when quantized, their scales). jaxfill's own
     handoff sends len(prompt) - 1 rows padded to a power-of-two number of pages
-    (engine/disagg/transfer.py), so its wire bytes are up to 2x this."""
+    (engine/kv_rows.py), so its wire bytes are up to 2x this."""
     return prompt_len * kv_bytes_per_token(model, kv_cache_dtype=kv_cache_dtype)
 
 
