@@ -53,7 +53,7 @@ class EngineSettings:
     # input token on the device (engine/async_step.py). False: the synchronous baseline.
     async_scheduling: bool = True
     # True: the layers run as one lax.scan over stacked params and a stacked cache, so a
-    # bucket compiles in about the same time for 4 or 80 layers (models/pipeline.py).
+    # bucket compiles in about the same time for 4 or 80 layers (models/parallel/pipeline.py).
     scan_layers: bool = False
     # Disaggregated prefill (engine/disagg/transfer.py): how long a prefill worker holds a finished
     # prompt's pages for the decode worker's pull, and how long a decode worker waits for it.

@@ -85,7 +85,7 @@ def _repeat_of(leaf_values, num_kv_heads: int) -> int:
 
 def _entries(pages: tuple, stages: int) -> list:
     """The cache's entries, each with a leading stage axis ([p, N, P, ...]; p = 1 for the
-    per-layer layout): layer s * K + j is row s of entry j (models/pipeline.py). Inside a
+    per-layer layout): layer s * K + j is row s of entry j (models/parallel/pipeline.py). Inside a
     jit, so the added axis is a free reshape."""
     if stages > 1:
         return list(pages)

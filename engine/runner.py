@@ -74,7 +74,7 @@ class Runner(RunnerKVTier):
         s = config.engine
         self.mesh = mesh  # engine.loading.build_mesh; None = one device
         self.num_replicas = int(mesh.shape.get("data", 1)) if mesh is not None else 1
-        self.stages = model.stages  # > 1: the pipelined layout (models/pipeline.py)
+        self.stages = model.stages  # > 1: the pipelined layout (models/parallel/pipeline.py)
         self.graphdef, state = nnx.split(model)
         if self.mesh is not None:
             from jax.sharding import NamedSharding, PartitionSpec

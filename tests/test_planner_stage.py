@@ -1,4 +1,4 @@
-"""`jaxfill plan` with mesh.stage (pipeline parallelism, models/pipeline.py): weights and KV
+"""`jaxfill plan` with mesh.stage (pipeline parallelism, models/parallel/pipeline.py): weights and KV
 per device against the sharded shapes of `Decoder(config, stages=p)` under an abstract mesh,
 and every new number against a hand computation."""
 

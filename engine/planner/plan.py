@@ -112,7 +112,7 @@ def device_costs(model: ModelConfig, mesh: MeshSettings, hw: Hardware, num_token
     cached ones under the mesh (no validation of the length). `ring`: the 'sequence'
     attention form (context.PASS_Q / PASS_KV; default pass-Q); `best_costs` picks.
 
-    Pipeline (p = mesh.stage > 1, models/pipeline.py): the step is m microbatches of T/m
+    Pipeline (p = mesh.stage > 1, models/parallel/pipeline.py): the step is m microbatches of T/m
     tokens and m + p - 1 ticks; in every tick each stage runs its L/p layers on one
     microbatch (fill and drain ticks compute too, on rows that are thrown away), so a
     single prompt still passes through all p stages one after another and
