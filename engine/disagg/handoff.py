@@ -14,7 +14,7 @@ scheduler ends a held prompt's chunk at len(prompt) - 1 and the state is exporte
 
 Decode side: `import_pulled` reserves pages (and a hybrid's state slot) for the pulled
 rows and writes them into its own pool; the engine then has the scheduler admit the request with those tokens
-counted as computed (Engine.add_prefilled_request). Offers, releases and imports run
+counted as computed (engine/disagg/facade.py `add_prefilled`). Offers, releases and imports run
 under the engine lock, and export and import on the stepping thread, since both touch
 the donated KV cache; `pull` only starts the transfer (off the lock) and never touches
 the cache. Pages move only through the scheduler (reserve_prefilled, free_pages, and

@@ -6,4 +6,5 @@
     page_offload.py      moves KV pages device <-> host tier, never waiting on a copy
     snapshot_offload.py  the same for a linear-attention hybrid's state snapshots
     runner_side.py       the runner's part: saves and restores on the cache it owns (multi-process too)
+    restore.py           before a step: the rows that hit the tier get their pages back, or recompute
 """
