@@ -93,7 +93,7 @@ def worker_jax(seq: int, repeats: int, impl: str, devices: int) -> dict:
 
     q, pages, meta = paged_inputs(seq)
     attend = lambda q, pages, *m: ragged_paged_attention(q, pages, *m, sm_scale=D ** -0.5, impl=impl)
-    if devices > 1:  # heads split over the devices, as models/sharding.sharded_attention does
+    if devices > 1:  # heads split over the devices, as models/parallel/context.py sharded_attention does
         mesh = Mesh(np.array(jax.devices()[:devices]), ("tensor",))
         head_spec, page_spec = P(None, "tensor", None), P(None, None, "tensor", None)
         attend = jax.shard_map(attend, mesh=mesh, in_specs=(head_spec, page_spec) + (P(),) * 4,

@@ -1,4 +1,4 @@
-"""Pass-KV ring vs pass-Q for fresh prompts under mesh.sequence (models/context_parallel.py).
+"""Pass-KV ring vs pass-Q for fresh prompts under mesh.sequence (models/parallel/context.py).
 
 For each prompt length S (one unchunked prefill, nothing cached, so `pass_kv` takes the
 ring) and each mode (`model.context_attention` = pass_kv | pass_q), on N fake CPU devices:

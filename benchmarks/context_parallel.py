@@ -18,7 +18,7 @@ on one device with mesh.cpu_split = false.
    decide a program's buffers, so the all-padding batch of the bucket (`Runner.dummy`)
    compiles to the same program as a real prefill chunk of that size.
 2. collectives (N = 4): benchmarks/hlo_collectives.py on the compiled --chunk step,
-   per layer, against the pass-Q formula (models/context_parallel.py).
+   per layer, against the pass-Q formula (models/parallel/context.py).
 3. TTFT (N = 1 and 8): `Engine.generate([prompt], max_tokens=1)` wall time, chunk budget
    --chunk (one bucket), prefix caching off, a fresh random prompt per run, median of
    --repeats after one warm-up generate per engine; greedy first tokens and logprobs

@@ -1,6 +1,6 @@
 """The planner's answer for a 1M-token prompt under context parallelism (mesh.sequence),
 issue 28: KV bytes per device, whether it fits, the TTFT floor, the ring form it takes
-and the decay coefficient TTFT(2S)/TTFT(S). Arithmetic (engine/planner.py), not a
+and the decay coefficient TTFT(2S)/TTFT(S). Arithmetic (engine/planner/plan.py), not a
 measurement: nothing runs on a device.
 
     python benchmarks/context_plan.py            # markdown table on stdout
@@ -18,8 +18,8 @@ import json
 import os
 
 from jaxfill.engine.config import load_config
-from jaxfill.engine.hardware import load_hardware
-from jaxfill.engine.planner import plan_prefill
+from jaxfill.engine.planner.hardware import load_hardware
+from jaxfill.engine.planner.plan import plan_prefill
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MILLION = 1 << 20

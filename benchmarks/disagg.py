@@ -13,7 +13,7 @@ arrivals, 75% short prompts (16-128 tokens, 40% of them opening with one of thre
 ~250-token prefixes, 32-64 output tokens), 25% long ones (2k-3.5k tokens, 16 output tokens). Per route: TTFT / ITL p50 and p99, request and output-token throughput, and
 goodput (requests per second meeting both SLOs: TTFT <= --slo-ttft-ms and mean ITL <=
 --slo-itl-ms). For (c), KV bytes moved per request by the planner's formula
-(prompt tokens x kv_bytes_per_token, engine/planner.py) unless the workers report it.
+(prompt tokens x kv_bytes_per_token, engine/planner/plan.py) unless the workers report it.
 
     python benchmarks/disagg.py [--requests 80] [--rate 8] [--long-fraction 0.25] [--routes a,b,c,d]
 
@@ -133,11 +133,11 @@ def summarize(results: list[dict], elapsed: float, slo_ttft: float, slo_itl: flo
 
 def transfer_seconds(shapes: set[tuple[int, ...]], dtype: str, repeats: int = 5) -> dict:
     """Median loopback time of one pull of a [L, T, 2*Hkv, D] array per shape, between two
-    TransferAgents (engine/kv_transfer.py, the workers' own code path) in this process,
+    TransferAgents (engine/disagg/transfer.py, the workers' own code path) in this process,
     connection already open: offer -> pull -> every byte arrived."""
     import jax.numpy as jnp
 
-    from jaxfill.engine.kv_transfer import TransferAgent, wait_ready
+    from jaxfill.engine.disagg.transfer import TransferAgent, wait_ready
 
     owner, puller = TransferAgent(), TransferAgent()
     out = {}
@@ -156,10 +156,10 @@ def transfer_seconds(shapes: set[tuple[int, ...]], dtype: str, repeats: int = 5)
 def kv_transfer_per_request(results: list[dict]) -> dict:
     """Prompt K/V one disaggregated request moves: the planner's logical bytes (prompt tokens
     x kv_bytes_per_token) and the rows the prefill worker really sends (padded to a power of
-    two of pages, engine/kv_transfer.py), with their loopback transfer time."""
+    two of pages, engine/kv_rows.py), with their loopback transfer time."""
     from jaxfill.engine.config import load_config
-    from jaxfill.engine.kv_transfer import padded_tokens
-    from jaxfill.engine.planner_counts import kv_bytes_per_token, kv_transfer_bytes
+    from jaxfill.engine.kv_rows import padded_tokens
+    from jaxfill.engine.planner.counts import kv_bytes_per_token, kv_transfer_bytes
 
     cfg = load_config("tiny")
     m, page = cfg.model, cfg.engine.page_size
@@ -171,7 +171,7 @@ def kv_transfer_per_request(results: list[dict]) -> dict:
     per_req_s = [secs[shape(t)] for t in rows]
     wire = [t * kv_bytes_per_token(m) for t in rows]
     return {"logical_bytes_source": "planner formula: prompt tokens x kv_bytes_per_token",
-            "wire_bytes_source": "engine/kv_transfer.padded_tokens(prompt - 1) rows x kv_bytes_per_token",
+            "wire_bytes_source": "engine/kv_rows.padded_tokens(prompt - 1) rows x kv_bytes_per_token",
             "transfer_s_source": "measured: one loopback pull of that shape between two TransferAgents in "
                                  "one process (median of 5), not timed inside the served run",
             "logical_bytes_mean": float(np.mean(logical)), "logical_bytes_max": float(max(logical)),

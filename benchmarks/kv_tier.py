@@ -1,6 +1,6 @@
 """The host/disk KV tier (issue 29), measured on this machine in one run:
 
-1. save and restore bandwidth per block size: engine/kv_offload.py's gather + host copy
+1. save and restore bandwidth per block size: engine/kv_tier/page_offload.py's gather + host copy
    and host -> device + scatter, for a tiny, the bench and a Llama-3-8B-shaped page;
 2. a RAG-shaped workload through `jaxfill bench serve` (16 documents of 2k tokens, a
    device pool that holds 4, questions drawn Zipf over the documents): TTFT p50/p99 and
@@ -36,8 +36,8 @@ def bandwidth(reps: int) -> list[dict]:
     import jax.numpy as jnp
     from tqdm import tqdm
 
-    from jaxfill.engine.host_kv_tier import KVBlock
-    from jaxfill.engine.kv_offload import gather_blocks, scatter_blocks
+    from jaxfill.engine.kv_tier.host import KVBlock
+    from jaxfill.engine.kv_tier.page_offload import gather_blocks, scatter_blocks
 
     rows = []
     for name, layers, heads, dim, dtype in tqdm(LAYOUTS, desc="save/restore bandwidth", unit="layout"):

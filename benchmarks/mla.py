@@ -4,7 +4,7 @@
     python benchmarks/mla.py --replot      # redraw the PNG from the JSON
     python benchmarks/mla.py --plan-only   # part 1 only (no compute)
 
-1. Planner (no compute; engine/planner.py's plan_prefill, as `jaxfill plan --json`): KV
+1. Planner (no compute; engine/planner/plan.py's plan_prefill, as `jaxfill plan --json`): KV
    bytes per token and how many 32k-token requests fit beside the weights, DeepSeek V3
    (configs/deepseek_v3.toml) vs Llama-3-70B (configs/llama3_70b.toml, its 8k position
    limit raised to 128k as in Llama 3.1: same shape, same KV bytes), on H100 and TPU v5e
@@ -54,8 +54,8 @@ CKPT = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_k
 
 def planner_rows() -> list[dict]:
     from jaxfill.engine.config import load_config
-    from jaxfill.engine.hardware import load_hardware
-    from jaxfill.engine.planner import plan_prefill
+    from jaxfill.engine.planner.hardware import load_hardware
+    from jaxfill.engine.planner.plan import plan_prefill
 
     rows = []
     for cfg, hw_name, mesh in PLAN_ROWS:

@@ -109,8 +109,8 @@ def collectives(tokens: int) -> list[dict]:
     from jaxfill.engine.config import MeshSettings
     from jaxfill.engine.mesh import make_mesh
     from jaxfill.engine.placement import init_sharded
-    from jaxfill.engine.hardware import load_hardware
-    from jaxfill.engine.planner import device_costs
+    from jaxfill.engine.planner.hardware import load_hardware
+    from jaxfill.engine.planner.plan import device_costs
     from jaxfill.models.config import ModelConfig
     from jaxfill.models.forward import forward
     from jaxfill.models.kv_cache import KVCache, single_sequence_metadata

@@ -13,7 +13,7 @@ starts, and --xla_cpu_multi_thread_eigen=false so that one fake device is one th
   m chunks of T/m tokens (chunk i attends to the (i+1)*T/m keys it sees in the pipeline).
   bubble_measured = 1 - busy / wall, next to the GPipe prediction (p-1)/(m+p-1). Busy is
   the useful work timed alone (run 1 was taken while fill/drain ticks still ran the
-  layers on masked rows; models/pipeline.py now skips them with lax.cond).
+  layers on masked rows; models/parallel/pipeline.py now skips them with lax.cond).
   With more fake devices than cores the stages cannot all run at once; the core-normalised
   figure 1 - p * busy / (min(p, cores) * wall) is the idle share of the physical cores.
   bubble_cpu = 1 - devices * busy_cpu / cpu uses CPU seconds (all threads) instead of

@@ -3,7 +3,7 @@ each model's published context length.
 
     python benchmarks/plan_families.py   -> benchmarks/results/plan_families.{json,md}
 
-Arithmetic only (engine/planner.py, from the model's abstract params): TTFT floor =
+Arithmetic only (engine/planner/plan.py, from the model's abstract params): TTFT floor =
 max(FLOPs / peak, bytes / bandwidth) of one prefill, KV bytes per token, and whether the
 weights fit one device at all (else the smallest `mesh.tensor` that leaves room for one
 request of that length). No device was used.
@@ -24,8 +24,8 @@ LENGTHS = (2048, 8192)
 
 def rows() -> list[dict]:
     from jaxfill.engine.config import load_config
-    from jaxfill.engine.hardware import load_hardware
-    from jaxfill.engine.planner import model_matmul_shape, plan_prefill
+    from jaxfill.engine.planner.hardware import load_hardware
+    from jaxfill.engine.planner.plan import model_matmul_shape, plan_prefill
 
     out = []
     for name in PRESETS:

@@ -105,7 +105,7 @@ def top1_agreement(forward_fn, positions: int) -> dict:
 
 def memory() -> dict:
     from jaxfill.engine.config import load_config
-    from jaxfill.engine.hardware import load_hardware
+    from jaxfill.engine.planner.hardware import load_hardware
 
     out = {}
     for hw_name, tensor in (("h100_sxm", 1), ("tpu_v5e", 4), ("tpu_v5e", 8)):
@@ -113,7 +113,7 @@ def memory() -> dict:
         row = {}
         for kv in ("auto", "int8"):
             cfg = load_config("llama3_8b", {"engine.kv_cache_dtype": kv, "mesh.tensor": tensor})
-            from jaxfill.engine.planner import plan_prefill
+            from jaxfill.engine.planner.plan import plan_prefill
 
             p = plan_prefill(cfg, hw, 2048)
             row[kv] = {"kv_bytes_per_token": p["kv_bytes_per_token"],
@@ -121,7 +121,7 @@ def memory() -> dict:
         row["fit_ratio"] = row["int8"]["requests_that_fit_2048"] / max(row["auto"]["requests_that_fit_2048"], 1)
         out[f"llama3_8b bf16 weights, {hw_name} x tensor={tensor}"] = row
     from jaxfill.engine.engine import Engine
-    from jaxfill.engine.planner_counts import kv_bytes_per_token
+    from jaxfill.engine.planner.counts import kv_bytes_per_token
 
     pool = {}  # the engine's own allocated cache (engine.num_pages 2048 x 16), bench shape
     for name, dtype, kv in (("bf16", "bfloat16", "auto"), ("f32", "float32", "auto"),

@@ -19,12 +19,12 @@ record (the serving loop queues the events and publishes them after the step).
 
 `ranks` > 1 (context parallelism, mesh.sequence): the pool is dealt over the ranks, rank
 r owning ids [r * P/N, (r + 1) * P/N), and a request's logical page j must come from
-rank j mod N (models/context_parallel.py). Each rank has its own free queue (its own
+rank j mod N (models/parallel/context.py). Each rank has its own free queue (its own
 LRU); `allocate` and `can_allocate` take the logical index of the first page asked for,
 or the logical indices themselves. A prefix-cache hit needs no rule: a cached page was
 allocated at the same logical index it is found at.
 
-`on_evict` (None by default; the host tier's engine/kv_offload.py) hears
+`on_evict` (None by default; the host tier's engine/kv_tier/page_offload.py) hears
 (page, hash, parent hash, tokens) as allocation evicts a cached page, before the page is
 handed out: its K/V are still intact until the next write to the cache.
 """

@@ -53,9 +53,9 @@ class EngineSettings:
     # input token on the device (engine/async_step.py). False: the synchronous baseline.
     async_scheduling: bool = True
     # True: the layers run as one lax.scan over stacked params and a stacked cache, so a
-    # bucket compiles in about the same time for 4 or 80 layers (models/pipeline.py).
+    # bucket compiles in about the same time for 4 or 80 layers (models/parallel/pipeline.py).
     scan_layers: bool = False
-    # Disaggregated prefill (engine/kv_transfer.py): how long a prefill worker holds a finished
+    # Disaggregated prefill (engine/disagg/transfer.py): how long a prefill worker holds a finished
     # prompt's pages for the decode worker's pull, and how long a decode worker waits for it.
     kv_transfer_timeout_s: float = 30.0
     # The share of the page pool a prefill worker may hold for pulls not yet made; past it
@@ -65,9 +65,9 @@ class EngineSettings:
     # What fresh KV pages hold before anything writes them (a new or rebuilt cache). Tests
     # set nan: a step that reads a page nobody wrote then poisons its logits.
     kv_fill_value: float = 0.0
-    # The prefix cache's host tier (engine/host_kv_tier.py): GB of host RAM that keep full
+    # The prefix cache's host tier (engine/kv_tier/host.py): GB of host RAM that keep full
     # pages evicted from the device pool, restored instead of recomputed; 0 = off. Below it
-    # a disk tier (engine/disk_kv_tier.py): a directory and its budget in GB.
+    # a disk tier (engine/kv_tier/disk.py): a directory and its budget in GB.
     host_kv_cache_gb: float = 0.0
     disk_kv_cache_dir: str = ""
     disk_kv_cache_gb: float = 0.0
@@ -250,9 +250,9 @@ def hybrid_settings(model: ModelConfig, engine: EngineSettings,
                     mesh: MeshSettings) -> tuple[EngineSettings, MeshSettings]:
     """A linear-attention hybrid's engine today: heads split over mesh.tensor, a state slot
     per running request, prefix caching through state snapshots (engine/scheduler/state_snapshots.py),
-    which the host tier keeps too (engine/snapshot_offload.py), and an int8 / fp8 KV cache
+    which the host tier keeps too (engine/kv_tier/snapshot_offload.py), and an int8 / fp8 KV cache
     for the attention layers (the linear layers' state stays f32). What it cannot do yet is
-    refused by engine/capabilities.py (RULES)."""
+    refused by engine/capabilities/table.py (RULES)."""
     interval, slots = int(engine.state_snapshot_tokens), int(engine.state_snapshot_slots)
     caching = engine.enable_prefix_caching and interval > 0
     if engine.enable_prefix_caching and not caching:

@@ -149,7 +149,7 @@ class Conveniences:
     def set_kv_event_listener(self, listener) -> None:
         """listener(replica, *event) hears every data replica's prefix-cache events
         (engine/block_manager.py) on the stepping thread, and the host tier's, which end
-        with the tier's name (engine/host_kv_tier.py); None removes it."""
+        with the tier's name (engine/kv_tier/host.py); None removes it."""
         with self._lock:
             self.scheduler.set_listener(listener)
             if self.runner.kv_offload is not None:  # the host tier is one for all replicas: replica 0's events

@@ -89,8 +89,8 @@ def use_cpu_cores(settings=None) -> int | None:
 
 def split_tensor(model, settings, num_devices: int) -> int:
     """The largest t <= num_devices the model's heads (and MLP) split over, by the
-    planner's mesh check (engine/planner_layout.check_mesh)."""
-    from jaxfill.engine.planner_layout import check_mesh
+    mesh check (engine/validation.py check_mesh)."""
+    from jaxfill.engine.validation import check_mesh
 
     for t in range(num_devices, 1, -1):
         try:

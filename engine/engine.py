@@ -38,8 +38,9 @@ from jaxfill.engine.config import Config, load_config
 from jaxfill.engine.conveniences import Conveniences
 from jaxfill.engine.cpu_devices import use_cpu_cores
 from jaxfill.engine.compile_cache import use_compile_cache, warmup_summary
-from jaxfill.engine.disagg_facade import DisaggregationFacade
-from jaxfill.engine.kv_offload import build_kv_offload
+from jaxfill.engine.disagg.facade import Disaggregation
+from jaxfill.engine.kv_tier.page_offload import build_kv_offload
+from jaxfill.engine.kv_tier.restore import restore_rows
 from jaxfill.engine.loading import build_mesh, build_model, build_tokenizer
 from jaxfill.engine.mesh import with_mesh_shape
 from jaxfill.engine.multiprocess_facade import MultiProcessFacade
@@ -52,7 +53,7 @@ from jaxfill.engine.stepping import StepGuard
 from jaxfill.engine.tokenizer import IdsOnlyTokenizer
 
 
-class Engine(Conveniences, DisaggregationFacade, MultiProcessFacade):
+class Engine(Conveniences, MultiProcessFacade):
     def __init__(self, config: Config, progress: bool = True, warmup: bool = True, model=None,
                  defer_text: bool = False, compile_cache: str | None = "default"):
         """`compile_cache`: the persistent XLA cache directory ("default": $JAXFILL_COMPILE_CACHE,
@@ -92,7 +93,8 @@ class Engine(Conveniences, DisaggregationFacade, MultiProcessFacade):
         self.num_errors = 0
         self.num_cache_resets = 0
         self.warmed_up = False
-        self.kv_handoff = None  # disaggregated prefill (engine/kv_handoff.py): enable_kv_transfer()
+        # disaggregated prefill (engine/disagg/): the hand-off starts with enable_kv_transfer()
+        self.disagg = Disaggregation(self._lock, config, self.runner, self.scheduler, self.factory)
         if warmup and self.is_leader:  # followers compile as they follow the leader's warm-up
             self.warmup(progress)
 
@@ -117,6 +119,37 @@ class Engine(Conveniences, DisaggregationFacade, MultiProcessFacade):
     def requests(self) -> dict[str, Request]:
         """Unfinished requests by id (the scheduler's registry): read it, never write it."""
         return self.scheduler.requests
+
+    # ------------------------------------------------------------------ disaggregated prefill
+    # engine.disagg (engine/disagg/facade.py) does it; these names are the Engine's API.
+    @property
+    def kv_handoff(self):
+        """The hand-off (engine/disagg/handoff.py), None until enable_kv_transfer()."""
+        return self.disagg.handoff
+
+    def enable_kv_transfer(self, host: str = "127.0.0.1"):
+        return self.disagg.enable(host)
+
+    def hold_pages(self, request_id: str) -> None:
+        self.disagg.hold_pages(request_id)
+
+    def held_page_share(self) -> float:
+        return self.disagg.held_page_share()
+
+    def take_kv_offer(self, request_id: str) -> dict | None:
+        return self.disagg.take_offer(request_id)
+
+    def release_held(self, transfer_id: int) -> bool:
+        return self.disagg.release(transfer_id)
+
+    def expire_held(self) -> int:
+        return self.disagg.expire()
+
+    def add_prefilled_request(self, prompt, params: SamplingParams | None, request_id: str, arrays: list,
+                              num_tokens: int, cached_tokens: int = 0, priority: int = 0) -> str:
+        self._leader_only("add_prefilled_request")
+        return self.disagg.add_prefilled(prompt, params, request_id, arrays, num_tokens, cached_tokens, priority,
+                                         with_text=not self.defer_text)
 
     def warmup(self, progress: bool = True) -> None:
         """Compiles every (tokens, seqs) bucket before the engine reports ready."""
@@ -244,16 +277,13 @@ class Engine(Conveniences, DisaggregationFacade, MultiProcessFacade):
         """[lock] The outbox, expired KV offers, a lost cache, then the scheduler's plan."""
         outputs += self._outbox
         self._outbox = []
-        if self.kv_handoff is not None:
-            self.kv_handoff.expire()
+        self.disagg.expire()
         self._recover_cache()
         if self.runner.kv_offload is not None:
             self.runner.kv_offload.poll()  # saves that reached the host join the tier
         scheds = self.scheduler.schedule()  # one per data replica
         for req in (r for sched in scheds for r in sched.finished):  # no room in the pool even alone
-            if self.kv_handoff is not None:  # never prefilled: nothing to offer
-                self.kv_handoff.hold.discard(req.request_id)
-                self.kv_handoff.states.pop(req.request_id, None)
+            self.disagg.forget(req.request_id)  # never prefilled: nothing to offer
             outputs.append(self._finished_output(req))
         if not self._copy_states(scheds) or not any(sched.seqs for sched in scheds):
             return None
@@ -267,7 +297,7 @@ class Engine(Conveniences, DisaggregationFacade, MultiProcessFacade):
         cache is rebuilt and every request recomputes (no snapshot is then trusted)."""
         first = [c for sc in scheds for c in sc.state_copies]
         then = [c for sc in scheds for c in sc.state_restores]
-        exports = [e for sc in scheds for e in sc.state_exports]  # held prefills' states (engine/kv_handoff.py)
+        exports = [e for sc in scheds for e in sc.state_exports]  # held prefills' states (engine/disagg/handoff.py)
         saves = [x for sc in scheds for x in sc.state_saves]  # snapshots the copies push out, to the host tier
         if not first and not then and not exports and not saves:
             return True
@@ -276,7 +306,7 @@ class Engine(Conveniences, DisaggregationFacade, MultiProcessFacade):
             if first or then:
                 self.runner.copy_states(first, then)
             for request_id, slot in exports:
-                self.kv_handoff.keep_state(request_id, self.runner.export_state(slot))
+                self.disagg.keep_state(request_id, self.runner.export_state(slot))
             return True
         except Exception:  # noqa: BLE001 - the requests recompute; the engine goes on
             traceback.print_exc(file=sys.stderr)
@@ -286,49 +316,15 @@ class Engine(Conveniences, DisaggregationFacade, MultiProcessFacade):
             return False
 
     def _restore(self, launch: Launch) -> Launch | None:
-        """[lock] Host-tier pages (and a hybrid's state snapshot) go back into their new device
-        pages (and the request's own state slot) before the step reads them. A request whose
-        blocks could not be read or written recomputes instead (never wrong K/V) and its blocks
-        leave the tier; so does one whose snapshot left the tier meanwhile (never a state that
-        is not its prefix's); a cache lost on the way sends everyone back (_recover_cache)."""
-        rows = [sch for sc in launch.scheds for sch in sc.seqs if sch.restores or sch.state_host is not None]
-        if not rows:
+        """[lock] Rows that hit the host tier get their pages (and a hybrid's snapshot) back
+        before the step reads them (engine/kv_tier/restore.py); one that failed recomputes,
+        and a cache lost on the way sends everyone back (_recover_cache)."""
+        if restore_rows(self.runner, self.scheduler, launch.scheds):
             return launch
-        paged = [(sch.req.replica, r.page, r.hash) for sch in rows for r in sch.restores]
-        try:
-            failed = self.runner.restore(paged) if paged else set()
-        except Exception:  # noqa: BLE001 - the requests recompute; the engine goes on
-            traceback.print_exc(file=sys.stderr)
-            failed = None
-        bad = {id(sch) for sch in rows if failed is None or any(r.hash in failed for r in sch.restores)}
-        for sch in rows:
-            if id(sch) in bad:
-                self.runner.kv_offload.discard(r.hash for r in sch.restores)
-        bad |= self._restore_states([sch for sch in rows if id(sch) not in bad])
-        for sch in rows:
-            self.scheduler.restored(sch, ok=id(sch) not in bad)
-        if not bad:
-            return launch
-        for sc in launch.scheds:
-            sc.seqs = [sch for sch in sc.seqs if id(sch) not in bad]
         if not self.runner.cache_ok():
             self._recover_cache()
             return None
         return launch if any(sc.seqs for sc in launch.scheds) else None
-
-    def _restore_states(self, rows: list) -> set[int]:
-        """[lock] Hybrids: the host tier's snapshots written into their requests' own slots;
-        the id() of each row whose snapshot is gone from the tier or failed to write."""
-        bad = set()
-        for sch in (sch for sch in rows if sch.state_host is not None):
-            try:
-                ok = self.runner.restore_state(sch.state_host, sch.req.state_slot)
-            except Exception:  # noqa: BLE001 - the request recomputes
-                traceback.print_exc(file=sys.stderr)
-                ok = False
-            if not ok:
-                bad.add(id(sch))
-        return bad
 
     def _build(self, launch: Launch, outputs: list[RequestOutput]) -> Launch | None:
         s = self.settings
@@ -404,8 +400,8 @@ class Engine(Conveniences, DisaggregationFacade, MultiProcessFacade):
     def _finish(self, req: Request, reason: str, error: str | None = None,
                 num_output_tokens: int | None = None) -> RequestOutput:
         """[lock] Ends the request through the scheduler; a held prefill keeps its pages for
-        the decode side's pull (engine/kv_handoff.py)."""
-        keep = self.kv_handoff is not None and self.kv_handoff.take_on_finish(req, reason)
+        the decode side's pull (engine/disagg/handoff.py)."""
+        keep = self.disagg.take_on_finish(req, reason)
         self.scheduler.finish(req, reason, error, keep_pages=keep, num_output_tokens=num_output_tokens)
         return self._finished_output(req)
 

@@ -2,7 +2,7 @@
 
 `engine.scan_layers` is the stacked layout with every layer its own group, run one after
 another by a lax.scan; `mesh.stage = p` stacks p groups and pipelines them over 'stage'
-(models/pipeline.py); otherwise the layers are unrolled. Only the unrolled layout runs
+(models/parallel/pipeline.py); otherwise the layers are unrolled. Only the unrolled layout runs
 the last layer on the sampled rows (models/decoder.py `prunes_last_layer`), and the
 planner counts FLOPs with that same rule.
 """

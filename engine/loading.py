@@ -36,7 +36,7 @@ def build_model(config: Config, mesh=None, progress: bool = True):
     """Params go straight into their shards when a mesh is given: never whole on one
     device, and each process reads only its own devices' slices of a checkpoint. With
     mesh.stage > 1 (or engine.scan_layers) the model comes in the stacked layout of
-    models/pipeline.py."""
+    models/parallel/pipeline.py."""
     impl = config.engine.attention_impl
     plan = ExecutionPlan.of_config(config)
     stages, microbatches = plan.layer_groups, plan.microbatches

@@ -31,7 +31,7 @@ import numpy as np
 from jaxfill.engine.batch import StepBatch
 
 RUN, STOP, HEARTBEAT, RESET, USE_XLA = 1, 2, 3, 4, 5
-KV_SAVE, KV_RESTORE, KV_WARMUP = 6, 7, 8  # the host KV tier's programs (engine/kv_offload.py): int32 words
+KV_SAVE, KV_RESTORE, KV_WARMUP = 6, 7, 8  # the host KV tier's programs (engine/kv_tier/page_offload.py): int32 words
 WORD_OPS = (KV_SAVE, KV_RESTORE)
 HEARTBEAT_S = 5.0
 HEADER = 3  # op, bucket, payload words

@@ -32,7 +32,7 @@ from flax import nnx
 from jaxfill.engine.batch import StepBatch, dummy_batch, stack_batches
 from jaxfill.engine.expert_load import ExpertLoad
 from jaxfill.engine.lockstep import HEARTBEAT, KV_RESTORE, KV_SAVE, KV_WARMUP, RESET, RUN, STOP, USE_XLA, Lockstep
-from jaxfill.engine.runner_kv_tier import RunnerKVTier
+from jaxfill.engine.kv_tier.runner_side import RunnerKVTier
 from jaxfill.engine.step import step, step_replicas
 from jaxfill.models.kv_cache import KVCache
 from jaxfill.models.quant import param_bytes
@@ -74,7 +74,7 @@ class Runner(RunnerKVTier):
         s = config.engine
         self.mesh = mesh  # engine.loading.build_mesh; None = one device
         self.num_replicas = int(mesh.shape.get("data", 1)) if mesh is not None else 1
-        self.stages = model.stages  # > 1: the pipelined layout (models/pipeline.py)
+        self.stages = model.stages  # > 1: the pipelined layout (models/parallel/pipeline.py)
         self.graphdef, state = nnx.split(model)
         if self.mesh is not None:
             from jax.sharding import NamedSharding, PartitionSpec
@@ -106,7 +106,7 @@ class Runner(RunnerKVTier):
         self.weight_bytes = param_bytes(self.state)
         m = config.model
         self.expert_load = ExpertLoad(m.num_layers, m.num_experts, self.stages) if m.num_experts else None
-        self.kv_offload = None  # engine/kv_offload.py when engine.host_kv_cache_gb > 0 (Engine sets it)
+        self.kv_offload = None  # engine/kv_tier/page_offload.py when engine.host_kv_cache_gb > 0 (Engine sets it)
         self.lockstep = None
         if jax.process_count() > 1:
             self.lockstep = Lockstep([self.dummy(shape) for shape in self.shapes])
@@ -192,17 +192,17 @@ class Runner(RunnerKVTier):
 
     def export_rows(self, pages: list[int], num_tokens: int, num_kv_heads: int):
         """A request's first num_tokens K/V rows as one-device arrays (values, scales or
-        None) for a disaggregated pull (engine/kv_transfer.py)."""
-        from jaxfill.engine import kv_transfer as kvt
+        None) for a disaggregated pull (engine/kv_rows.py)."""
+        from jaxfill.engine import kv_rows
 
-        return kvt.export_rows(self.kv_cache, pages, num_tokens, self.page_size, num_kv_heads)
+        return kv_rows.export_rows(self.kv_cache, pages, num_tokens, self.page_size, num_kv_heads)
 
     def import_rows(self, values, scales, pages: list[int], num_tokens: int) -> None:
         """Pulled rows scattered into `pages` of the cache (which is donated and replaced)."""
-        from jaxfill.engine import kv_transfer as kvt
+        from jaxfill.engine import kv_rows
 
         self.save_evicted()
-        self.kv_cache = kvt.import_rows(self.kv_cache, values, scales, pages, num_tokens, self.page_size)
+        self.kv_cache = kv_rows.import_rows(self.kv_cache, values, scales, pages, num_tokens, self.page_size)
 
     def copy_states(self, first: list[tuple[int, int]], then: list[tuple[int, int]]) -> None:
         """Linear-attention state slots copied (src, dst), `first` before `then` (state
@@ -219,17 +219,17 @@ class Runner(RunnerKVTier):
 
     def export_state(self, slot: int) -> list:
         """A hybrid's state slot as one-device arrays, for a disaggregated pull."""
-        from jaxfill.engine import kv_transfer as kvt
+        from jaxfill.engine import kv_rows
 
         with self.mesh_context():
-            return kvt.export_state(self.kv_cache, slot)
+            return kv_rows.export_state(self.kv_cache, slot)
 
     def import_state(self, arrays: list, slot: int) -> None:
         """A pulled state written into `slot` (the cache is donated and replaced)."""
-        from jaxfill.engine import kv_transfer as kvt
+        from jaxfill.engine import kv_rows
 
         with self.mesh_context():
-            self.kv_cache = kvt.import_state(self.kv_cache, arrays, slot)
+            self.kv_cache = kv_rows.import_state(self.kv_cache, arrays, slot)
 
     def cache_ok(self) -> bool:
         return not any(a.is_deleted() for a in self.kv_cache.arrays())
@@ -356,6 +356,6 @@ class Runner(RunnerKVTier):
     @staticmethod
     def cache_size() -> int:
         """Compiled programs held by the step jits (tests: no growth after warm-up)."""
-        from jaxfill.engine.kv_offload import KVOffload
+        from jaxfill.engine.kv_tier.page_offload import KVOffload
 
         return step._cache_size() + step_replicas._cache_size() + KVOffload.cache_size()

@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec
 from jaxfill.engine.batch import StepBatch
 from jaxfill.engine.sampler import MAX_LOGPROBS, SampleOutput, sample
 from jaxfill.models.kv_cache import KVCache
-from jaxfill.models.sharding import data_parallel_forward
+from jaxfill.models.parallel.data import data_parallel_forward
 
 
 def _replicated(x: jax.Array) -> jax.Array:

@@ -1,7 +1,7 @@
 """Config -> validated, or one line naming what does not combine and the key to change.
 
 The only place a combination of settings (or of a setting and the model's kinds or
-shapes) is refused: the rules of engine/capabilities.py, then the checks between values
+shapes) is refused: the rules of engine/capabilities/table.py, then the checks between values
 that belong together (the pool over sequence ranks, buckets over the token budget, the
 layers over stages). Settings checked alone stay in their dataclasses (engine/config.py,
 models/config.py). load_config runs it, and the loader again with the platform before it
@@ -10,9 +10,9 @@ builds anything (some rules hold on one platform only); nothing reads a weight f
 
 from __future__ import annotations
 
-from jaxfill.engine.mesh_shapes import check_mesh
-from jaxfill.engine.capabilities import CAPABILITIES, SETTINGS, Rule, model_kinds, refusals
+from jaxfill.engine.capabilities.table import CAPABILITIES, SETTINGS, Rule, model_kinds, refusals
 from jaxfill.models.config import ConfigError
+from jaxfill.models.sharding import head_repeat
 
 
 def validate(config, platform: str | None = None, extra: tuple[str, ...] = ()) -> None:
@@ -80,6 +80,28 @@ def check_values(config) -> None:
         check_mesh(model, mesh)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def check_mesh(model, mesh) -> None:
+    """The model's shapes split as the mesh asks (ValueError naming the key otherwise): heads
+    and MLP columns over tensor x expert, experts over expert, layers over stages. Also
+    the planner's check (engine/planner/plan.py) and the CPU split's (engine/cpu_devices.py)."""
+    tp = mesh.heads
+    split = "mesh.tensor" if mesh.expert == 1 else "mesh.tensor x mesh.expert"
+    if model.num_heads % tp:
+        raise ValueError(f"{split}={tp} does not divide model.num_heads={model.num_heads}")
+    head_repeat(model.num_kv_heads, tp)  # raises unless Hkv and the split divide one another
+    has_dense = not model.num_experts or bool(model.dense_layers)
+    if has_dense and model.intermediate_size % tp:
+        raise ValueError(f"{split}={tp} does not divide model.intermediate_size={model.intermediate_size}")
+    if model.num_experts and model.num_experts % mesh.expert:
+        raise ValueError(f"mesh.expert={mesh.expert} does not divide model.num_experts={model.num_experts}")
+    if model.num_experts and model.moe_intermediate_size % mesh.tensor:
+        raise ValueError(f"mesh.tensor={mesh.tensor} does not divide "
+                         f"model.moe_intermediate_size={model.moe_intermediate_size}")
+    if model.num_layers % mesh.stage:
+        raise ValueError(f"mesh.stage={mesh.stage} does not divide model.num_layers={model.num_layers}: "
+                         "every pipeline stage holds the same number of layers")
 
 
 def _check_hybrid(model, engine, mesh) -> None:

@@ -12,8 +12,8 @@ from jaxfill.models.layer_settings import by_window, layer_settings
 from jaxfill.models.layers import RMSNorm, param, projection
 from jaxfill.models.rope import apply_rope
 from jaxfill.models.quant import qeinsum
-from jaxfill.models.context_parallel import sharded_attention
-from jaxfill.models.ring_attention import RingSpec
+from jaxfill.models.parallel.context import sharded_attention
+from jaxfill.models.parallel.ring_attention import RingSpec
 from jaxfill.models.sharding import constrain, kv_heads_for
 from jaxfill.pallas_kernels import ragged_paged_attention, write_kv
 

@@ -101,7 +101,7 @@ class TensorSlices:
 
 class StackedSlices:
     """Several tensors of one shape seen as one param stacked on `axis` (the layers of a
-    pipelined model, models/pipeline.py, on axis 0; a MoE layer's experts), read one box
+    pipelined model, models/parallel/pipeline.py, on axis 0; a MoE layer's experts), read one box
     at a time: a box reads only the entries it covers, each through its own reader
     (TensorSlices, an int8 view, or another stack)."""
 
@@ -216,7 +216,7 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
 
     Every header is checked (names, shapes) before any tensor data is read, so a wrong
     checkpoint fails fast and whole. With `stages` > 1 the params go straight into the
-    stacked layout of models/pipeline.py: `place` gets each stacked param as one
+    stacked layout of models/parallel/pipeline.py: `place` gets each stacked param as one
     StackedSlices, so a device reads only its own stage's layers."""
     model = nnx.eval_shape(lambda: new_model(config, nnx.Rngs(0), attention_impl=attention_impl, stages=stages,
                                              microbatches=microbatches))

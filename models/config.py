@@ -38,7 +38,7 @@ CHOICES = {
     # the linear layers' chunk loop: XLA's, or the Pallas TPU kernel (pallas_kernels/
     # gated_delta_rule_tpu.py, ssd_tpu.py); auto = xla until a TPU measurement says otherwise
     "linear_impl": ("auto", "xla", "pallas_tpu"),
-    # mesh.sequence > 1 (models/context_parallel.py): pass_kv = the pass-KV ring for a step
+    # mesh.sequence > 1 (models/parallel/context.py): pass_kv = the pass-KV ring for a step
     # with nothing cached (unquantized pages), pass-Q otherwise; pass_q = always pass-Q;
     # auto = pass_q until an accelerator measures the ring ahead (on CPU it is 2-17x
     # slower at 1k-8k tokens: benchmarks/context_modes.py)

@@ -5,7 +5,7 @@
 The cache goes in and comes out; logits come only for `meta.logits_indices`, one row per
 sequence, because computing [T, vocab] for a long prompt would cost more than a layer.
 
-`stages` > 1 builds the pipelined layout (models/pipeline.py): the same weights as the
+`stages` > 1 builds the pipelined layout (models/parallel/pipeline.py): the same weights as the
 plain model (the same init draws), regrouped into L / stages modules stacked per stage.
 """
 
@@ -23,7 +23,7 @@ from jaxfill.models.layers import MLP, Embed, GatedMLP, RMSNorm, param
 from jaxfill.models.mamba2 import Mamba2
 from jaxfill.models.mla import LatentAttention
 from jaxfill.models.moe import MoE, is_moe_layer
-from jaxfill.models.pipeline import pipeline_layers, run_layers, stack_layers
+from jaxfill.models.parallel.pipeline import pipeline_layers, run_layers, stack_layers
 from jaxfill.models.sharding import constrain, rows_split_over_sequence
 
 

@@ -13,7 +13,7 @@ import jax
 from flax import nnx
 
 from jaxfill.models.kv_cache import AttentionMetadata, KVCache
-from jaxfill.models.sharding import data_parallel_forward
+from jaxfill.models.parallel.data import data_parallel_forward
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=4)

@@ -24,7 +24,8 @@ from jaxfill.models.kv_cache import AttentionMetadata
 from jaxfill.models.layers import param
 from jaxfill.models.linear_slots import read_slots, write_slots
 from jaxfill.models.linear_state import LinearState
-from jaxfill.models.sharding import constrain, split_over_heads
+from jaxfill.models.parallel.heads import split_over_heads
+from jaxfill.models.sharding import constrain
 from jaxfill.pallas_kernels.gated_delta_rule import gated_delta_rule_chunked, token_sequences
 from jaxfill.pallas_kernels.gated_delta_rule_tpu import gated_delta_rule_tpu
 

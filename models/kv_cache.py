@@ -58,7 +58,7 @@ class KVCache:
     int8 / fp8 cache, a QuantizedPages (values of that shape + f32 scales
     [num_pages, page_size, 2 * Hkv]). Model code passes entries through untouched.
 
-    A pipelined model's cache (`stages` = p > 1, models/pipeline.py) has L / p entries,
+    A pipelined model's cache (`stages` = p > 1, models/parallel/pipeline.py) has L / p entries,
     each with a leading [p] axis: entry j, row s is layer s * (L / p) + j.
 
     `expert_tokens` (MoE models): per entry, the (token, expert) pairs each expert of that

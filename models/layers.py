@@ -7,7 +7,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxfill.models.quant import qeinsum, quantize
-from jaxfill.models.sharding import constrain, vocab_parallel_embed
+from jaxfill.models.parallel.vocab import vocab_parallel_embed
+from jaxfill.models.sharding import constrain
 
 
 def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dtype,

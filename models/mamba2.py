@@ -27,7 +27,8 @@ from jaxfill.models.kv_cache import AttentionMetadata
 from jaxfill.models.layers import param
 from jaxfill.models.linear_slots import read_slots, write_slots
 from jaxfill.models.linear_state import LinearState
-from jaxfill.models.sharding import constrain, split_over_heads
+from jaxfill.models.parallel.heads import split_over_heads
+from jaxfill.models.sharding import constrain
 from jaxfill.pallas_kernels.ragged_scan import token_sequences
 from jaxfill.pallas_kernels.ssd import ssd_chunked, time_steps
 from jaxfill.pallas_kernels.ssd_tpu import ssd_tpu

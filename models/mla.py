@@ -28,7 +28,7 @@ from jaxfill.models.layer_settings import layer_settings
 from jaxfill.models.layers import RMSNorm, param
 from jaxfill.models.mla_expanded import EXPAND_KEYS_PER_TOKEN, expanded_attention, prefers_expanded
 from jaxfill.models.rope import apply_rope
-from jaxfill.models.context_parallel import sharded_attention
+from jaxfill.models.parallel.context import sharded_attention
 from jaxfill.models.sharding import constrain, kv_heads_for
 from jaxfill.pallas_kernels import ragged_paged_attention, write_kv
 from jaxfill.pallas_kernels.kv_quant import QuantizedPages
@@ -112,7 +112,7 @@ class LatentAttention(nnx.Module):
                 w_uv: jax.Array,  # [H, lat, vd]
                 impl: str,
                 share: dict | None = None) -> jax.Array:  # [T, H, vd] (and its LSE [T, H] with a context-parallel share)
-        """A context-parallel share (models/context_parallel.py) takes the absorbed form:
+        """A context-parallel share (models/parallel/context.py) takes the absorbed form:
         the expanded one sizes its copy by whole sequences, not by a rank's stripe."""
         c = self.config
         nope, lat = c.qk_nope_head_dim, c.kv_lora_rank

@@ -19,7 +19,8 @@ from flax import nnx
 from jaxfill.models.config import ModelConfig
 from jaxfill.models.grouped_matmul import grouped_matmul
 from jaxfill.models.layers import ACTIVATIONS, GatedMLP, param, projection
-from jaxfill.models.sharding import constrain, expert_parallel
+from jaxfill.models.parallel.expert import expert_parallel
+from jaxfill.models.sharding import constrain
 
 
 def route(logits: jax.Array,  # [T, E] f32 router logits
@@ -118,7 +119,7 @@ def grouped_experts(x: jax.Array,  # [T, H]
     return jnp.zeros((t, h), jnp.float32).at[token].add(pairs)
 
 
-# The experts' stacked params and their logical axes (models/sharding.py expert_parallel)
+# The experts' stacked params and their logical axes (models/parallel/expert.py expert_parallel)
 EXPERT_AXES = {
     "gate_up": ("experts", "embed", None, "moe_mlp"), "down": ("experts", "moe_mlp", "embed"),
     "gate_up_scale": ("experts", None, "moe_mlp"), "down_scale": ("experts", "embed"),

@@ -1,10 +1,11 @@
-"""Logical axis names -> mesh axes: the one rules table. Besides this file only
-models/pipeline.py names a mesh axis, 'stage' (through STAGE), for its shard_map,
-axis_index and ppermute over the stages.
+"""Logical axis names -> mesh axes: the one rules table, and what places by it. The
+executors that run a layer over a mesh axis (shard_map) live in models/parallel/: data.py,
+expert.py, heads.py, vocab.py, context.py (with ring_attention.py) and pipeline.py; they
+name mesh axes through the constants here (DATA, TENSOR, ...).
 
 Model code labels arrays with logical names ('vocab', 'embed', 'q_heads', ...; see
-RULES) and calls `constrain` / `vocab_parallel_embed` / models/context_parallel.py's
-`sharded_attention`; with no mesh
+RULES) and calls `constrain` here, and models/parallel/'s `vocab_parallel_embed`,
+`split_over_heads`, `expert_parallel` and `sharded_attention`; with no mesh
 in context those are no-ops, so the single-device model is exactly the unsharded one.
 Put a mesh in context with `jax.set_mesh(mesh)` around the jitted call (the mesh's axes
 are AxisType.Auto, see engine/mesh.py) and the same model code runs:
@@ -30,29 +31,28 @@ are AxisType.Auto, see engine/mesh.py) and the same model code runs:
   partial outputs merge by log-sum-exp: one all-max of the LSEs and one reduce-scatter
   that hands each rank its own rows back. Decode is the same code (a decode row's keys
   are spread over the ranks too). KV memory per device is O(S / N). The attention side
-  lives in models/context_parallel.py.
-* pipeline parallel over 'stage' (models/pipeline.py): layer params stacked [stage, ...]
+  lives in models/parallel/context.py.
+* pipeline parallel over 'stage' (models/parallel/pipeline.py): layer params stacked [stage, ...]
   and cache entries [stage, pages, ...] split over 'stage', so a stage holds only its
   layers; the embedding and LM head split their vocab over 'stage' as well as 'tensor'.
-* expert parallel over 'expert' (`expert_parallel`): a MoE layer's experts split over
+* expert parallel over 'expert' (models/parallel/expert.py): a MoE layer's experts split over
   it, their columns over 'tensor'; what 'tensor' splits elsewhere splits over tensor x
   expert (HEADS). Tokens arrive replicated over both, so each rank runs the pairs routed
   to its own experts and one all-reduce sums the partial outputs (no all-to-all).
-* data parallel over 'data': `data_parallel_forward` maps the whole forward over 'data'
+* data parallel over 'data': models/parallel/data.py maps the whole forward over 'data'
   with shard_map; each replica gets its own tokens, metadata and page pool (pages axis 0
   is split over 'data'; page ids in a replica's metadata are local to its pool).
 
-Rules and in-model constraints only: building params and caches in their shards lives in
-engine/placement.py, the jitted data-parallel forward in models/forward.py, and HLO
-collective counting in benchmarks/hlo_collectives.py. Nothing here imports the model.
+Rules, placements and in-model constraints only: building params and caches in their
+shards lives in engine/placement.py, the jitted data-parallel forward in models/forward.py,
+and HLO collective counting in benchmarks/hlo_collectives.py. Nothing here imports the model.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -190,13 +190,21 @@ def kv_cache_sharding(mesh: jax.sharding.Mesh, rules: Mapping[str, Any] | None =
     return NamedSharding(mesh, logical_spec((("cache_stage",) if staged else ()) + tuple(axes), rules, mesh))
 
 
+def linear_state_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
+    """A linear layer's state, recurrent [slots, Hv, Dk, Dv] and conv [slots, channels, K-1]
+    (channels group by group: Gated DeltaNet's key-head groups, Mamba2's groups): heads
+    split over 'tensor', like the layer's params."""
+    return NamedSharding(mesh, P(None, TENSOR))
+
+
 # ------------------------------------------------------------------ model-side helpers
 def context_mesh():
     mesh = jax.sharding.get_abstract_mesh()
     return None if mesh is None or mesh.empty else mesh
 
 
-def _manual(mesh) -> frozenset:
+def manual_axes(mesh) -> frozenset:
+    """Mesh axes that are manual in the current context (inside a shard_map over them)."""
     return frozenset(getattr(mesh, "manual_axes", ()) or ())
 
 
@@ -205,8 +213,8 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     mesh = context_mesh()
     if mesh is None:
         return x
-    spec = logical_spec(axes, RULES, mesh, x.shape, exclude=_manual(mesh))
-    if all(s is None for s in spec) and not _manual(mesh) and mesh.size == 1:
+    spec = logical_spec(axes, RULES, mesh, x.shape, exclude=manual_axes(mesh))
+    if all(s is None for s in spec) and not manual_axes(mesh) and mesh.size == 1:
         return x
     return jax.lax.with_sharding_constraint(x, spec)
 
@@ -227,145 +235,5 @@ def kv_heads_for(pages_heads: int, num_kv_heads: int) -> int:
 
 def free_axes(mesh, *names):
     """Mesh axes among `names` that are not manual here and have size > 1."""
-    manual = _manual(mesh)
+    manual = manual_axes(mesh)
     return tuple(n for n in names if n in mesh.axis_names and n not in manual and mesh_axis_size(mesh, n) > 1)
-
-
-def vocab_parallel_embed(table: jax.Array,  # [V, E] logical ('vocab', 'embed')
-                         tokens: jax.Array,  # [T] int32
-                         ) -> jax.Array:  # [T, E]
-    """Row lookup in a vocab-sharded table: each rank looks up the ids in its vocab slice
-    (others give 0) and one all-reduce sums them. The vocab splits over 'tensor' and, for a
-    pipelined model, 'stage' too. Without a mesh: jnp.take."""
-    mesh = context_mesh()
-    spec = () if mesh is None else logical_spec(("vocab", "embed"), RULES, mesh, table.shape,
-                                                exclude=_manual(mesh))[0]
-    vocab = tuple(a for a in ((spec,) if isinstance(spec, str) else spec or ()) if mesh_axis_size(mesh, a) > 1)
-    if not vocab:
-        return constrain(jnp.take(table, tokens, axis=0), ("tokens", "act_embed"))
-    tok_axis = SEQUENCE if (free_axes(mesh, SEQUENCE)
-                            and tokens.shape[0] % mesh_axis_size(mesh, SEQUENCE) == 0) else None
-
-    def local(tab, tok):  # tab [V / vocab shards, E], tok [T/sp]
-        vl = tab.shape[0]
-        ids = tok - jax.lax.axis_index(vocab) * vl
-        ok = (ids >= 0) & (ids < vl)
-        rows = jnp.take(tab, jnp.where(ok, ids, 0), axis=0)
-        return jax.lax.psum(jnp.where(ok[:, None], rows, jnp.zeros_like(rows)), vocab)
-
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(vocab, None), P(tok_axis)), out_specs=P(tok_axis, None),
-                         axis_names=set(vocab) | ({tok_axis} if tok_axis else set()),
-                         check_vma=False)(table, tokens)
-
-
-def rows_metadata(meta, lo: jax.Array, n: int):
-    """Metadata for query rows [lo, lo + n) of the flat batch: each sequence's queries
-    clipped to them and its kv_len cut by its queries after them (so a row still sees
-    exactly the keys up to itself); slot_mapping stays global."""
-    cu = meta.cu_q_lens
-    local_cu = jnp.clip(cu - lo, 0, n).astype(jnp.int32)
-    cut = jnp.maximum(cu[1:] - jnp.maximum(cu[:-1], lo + n), 0)  # queries of sequence s after the rows
-    kv_lens = (meta.kv_lens - cut).astype(jnp.int32)
-    return type(meta)(cu_q_lens=local_cu, kv_lens=kv_lens, page_indices=meta.page_indices,
-                      num_seqs=meta.num_seqs, slot_mapping=meta.slot_mapping,
-                      logits_indices=meta.logits_indices)
-
-
-def linear_state_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
-    """A linear layer's state, recurrent [slots, Hv, Dk, Dv] and conv [slots, channels, K-1]
-    (channels group by group: Gated DeltaNet's key-head groups, Mamba2's groups): heads
-    split over 'tensor', like the layer's params."""
-    return NamedSharding(mesh, P(None, TENSOR))
-
-
-def split_over_heads(fn: Callable, args: tuple, in_axes: tuple, out_axes) -> Any:
-    """Runs fn(*args) per 'tensor' rank on its heads: each subtree of `args` is split over
-    'tensor' on the axis `in_axes` names for it (None: replicated), and the outputs are
-    joined on `out_axes` (a prefix tree of fn's output). A layer whose heads never talk to
-    each other (a linear-attention mixer) runs as it would on one device. Without a mesh,
-    or with tensor = 1: fn(*args)."""
-    mesh = context_mesh()
-    if mesh is None or TENSOR not in free_axes(mesh, TENSOR) or mesh_axis_size(mesh, TENSOR) == 1:
-        return fn(*args)
-
-    def specs(axes, tree):
-        def one(axis, sub):
-            return jax.tree.map(lambda leaf: P() if axis is None else
-                                P(*[TENSOR if i == axis else None for i in range(leaf.ndim)]), sub)
-        return jax.tree.map(one, axes, tree, is_leaf=lambda x: x is None)
-
-    out_shapes = jax.eval_shape(fn, *args)
-    return jax.shard_map(fn, mesh=mesh, in_specs=specs(in_axes, args), out_specs=specs(out_axes, out_shapes),
-                         axis_names={TENSOR}, check_vma=False)(*args)
-
-
-# --------------------------------------------------------------------- expert parallel
-def expert_parallel(experts: Callable,
-                    x: jax.Array,  # [T, H], replicated over tensor and expert
-                    weights: jax.Array,  # [T, k] f32
-                    ids: jax.Array,  # [T, k] int32
-                    params: dict,  # name -> the experts' stacked [E, ...] array (or None)
-                    axes: dict,  # name -> its logical axes ('experts' first; 'moe_mlp' the split columns)
-                    ) -> jax.Array:  # [T, H] in x's dtype
-    """Runs `experts(x, weights, ids, params, first_expert, lead) -> [T, H]` per device on
-    its experts (split over 'expert') and their columns (over 'tensor'), rows split over
-    'sequence', and sums the partial outputs with one all-reduce over expert x tensor.
-    `lead` is true on one rank of each 'tensor' group: the rank that adds what must be
-    added once per pair (an expert's output bias). Without those axes: first_expert=0."""
-    mesh = context_mesh()
-    mesh_axes = () if mesh is None else free_axes(mesh, EXPERT, TENSOR, SEQUENCE)
-    if not mesh_axes:
-        return experts(x, weights, ids, params, 0, True).astype(x.dtype)
-    live = {name: a for name, a in params.items() if a is not None}
-
-    def splits(axis, logical):  # the mesh axis when every param with `logical` splits evenly over it
-        dims = [a.shape[axes[n].index(logical)] for n, a in live.items() if logical in axes[n]]
-        return axis if axis in mesh_axes and all(d % mesh_axis_size(mesh, axis) == 0 for d in dims) else None
-
-    ep, tp = splits(EXPERT, "experts"), splits(TENSOR, "moe_mlp")
-    sp = SEQUENCE if SEQUENCE in mesh_axes and x.shape[0] % mesh_axis_size(mesh, SEQUENCE) == 0 else None
-    reduce = tuple(a for a in (ep, tp) if a)
-    to_mesh = {"experts": ep, "moe_mlp": tp}
-
-    def local(x, weights, ids, params):
-        first = jax.lax.axis_index(ep) * next(iter(params.values())).shape[0] if ep else 0
-        lead = jax.lax.axis_index(tp) == 0 if tp else True
-        out = experts(x, weights, ids, params, first, lead).astype(x.dtype)
-        return jax.lax.psum(out, reduce) if reduce else out
-
-    rows = P(sp, None)
-    specs = {n: P(*(to_mesh.get(a) for a in axes[n])) for n in live}
-    return jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, specs), out_specs=rows,
-                         axis_names=set(mesh_axes), check_vma=False)(x, weights, ids, live)
-
-
-# ----------------------------------------------------------------------- data parallel
-def data_parallel_forward(graphdef: nnx.GraphDef, state: nnx.State,
-                          tokens: jax.Array,  # [DP * T] int32, replica r owns rows [r*T, (r+1)*T)
-                          positions: jax.Array,  # [DP * T] int32
-                          kv_cache,  # KVCache, pages [DP * num_pages, page_size, 2H, D]
-                          meta,  # AttentionMetadata, every leaf stacked per replica: [DP, ...]
-                          ):  # logits [DP * S, V], kv_cache
-    """The forward mapped over 'data' (call inside jit with the mesh in context).
-
-    Each 'data' replica runs the ordinary model on its own batch: its T tokens, its own
-    metadata (page ids local to its pool: 0..num_pages-1) and its own slice of the page
-    axis. Params are replicated over 'data' (and still split over 'tensor'); tensor and
-    sequence parallelism work inside each replica unchanged. No collective crosses
-    'data'. Without 'data' in the context mesh it is the plain forward of replica 0.
-    """
-    mesh = context_mesh()
-    if mesh is None or DATA not in free_axes(mesh, DATA):
-        if tokens.shape[0] != meta.slot_mapping.shape[-1]:
-            raise ValueError("no 'data' axis > 1 in the context mesh: pass one replica's batch")
-        return nnx.merge(graphdef, state)(tokens, positions, kv_cache, jax.tree.map(lambda x: x[0], meta))
-
-    def local(state, tokens, positions, kv_cache, meta):
-        meta = jax.tree.map(lambda x: x[0], meta)
-        return nnx.merge(graphdef, state)(tokens, positions, kv_cache, meta)
-
-    cache = P(None, DATA) if kv_cache.stages > 1 else P(DATA)  # the page axis
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(DATA), P(DATA), cache, P(DATA)),
-                         out_specs=(P(DATA), cache), axis_names={DATA},
-                         check_vma=False)(state, tokens, positions, kv_cache, meta)
-

@@ -8,7 +8,7 @@ decode worker inside the original request. What we put there (under "jaxfill"): 
 prefill's transfer-server address and transfer id, the token count, the array shapes,
 the KV layout, a digest of the prompt and the gRPC address to release the pages at.
 
-Prefill: the request runs as usual but its pages are held (engine/kv_handoff.py) and its
+Prefill: the request runs as usual but its pages are held (engine/disagg/handoff.py) and its
 first len(prompt) - 1 rows offered. Decode: pull (bounded by engine.kv_transfer_timeout_s),
 then admit the request with those rows computed; the last prompt token runs here and
 draws the first output token. Either way the decode side then calls the prefill
@@ -29,7 +29,7 @@ import grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
-from jaxfill.engine.kv_transfer import TransferFailed
+from jaxfill.engine.disagg.transfer import TransferFailed
 from jaxfill.engine.validation import role_flags, validate
 from jaxfill.serving.request_core import BadField
 

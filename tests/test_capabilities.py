@@ -1,4 +1,4 @@
-"""The capability table (engine/capabilities.py) is the one place combinations are decided:
+"""The capability table (engine/capabilities/table.py) is the one place combinations are decided:
 
 - no `raise ConfigError` outside engine/validation.py names two config keys (a
   combination refused elsewhere);
@@ -19,9 +19,9 @@ import re
 
 import pytest
 
-from jaxfill.engine import support_matrix
-from jaxfill.engine.capabilities import CAPABILITIES, RULES, family_kinds
-from jaxfill.engine.capability_evidence import EVIDENCE
+from jaxfill.engine.capabilities import support_matrix
+from jaxfill.engine.capabilities.table import CAPABILITIES, RULES, family_kinds
+from jaxfill.engine.capabilities.evidence import EVIDENCE
 from jaxfill.engine.config import load_config
 from jaxfill.engine.validation import validate
 from jaxfill.models.config import ConfigError
@@ -167,9 +167,9 @@ def test_no_refused_cell_claims_a_test():
 def test_readme_and_capabilities_doc_are_generated():
     readme = open(os.path.join(ROOT, "README.md")).read()
     assert support_matrix.MATRIX_BEGIN in readme and support_matrix.MATRIX_END in readme
-    assert support_matrix.render_readme(readme) == readme, "run: python -m jaxfill.engine.support_matrix"
+    assert support_matrix.render_readme(readme) == readme, "run: python -m jaxfill.engine.capabilities.support_matrix"
     doc = open(os.path.join(ROOT, "docs", "capabilities.md")).read()
-    assert doc == support_matrix.capabilities_doc(), "run: python -m jaxfill.engine.support_matrix"
+    assert doc == support_matrix.capabilities_doc(), "run: python -m jaxfill.engine.capabilities.support_matrix"
 
 
 def test_models_json_has_every_architecture_with_a_test_per_tested_cell(capsys):

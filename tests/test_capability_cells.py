@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 
 from hf_models import make_hf_checkpoint
-from jaxfill.engine.capabilities import CAPABILITIES, family_kinds, model_kinds
+from jaxfill.engine.capabilities.table import CAPABILITIES, family_kinds, model_kinds
 from jaxfill.engine.config import load_config
 from jaxfill.engine.engine import Engine
 from jaxfill.engine.request import SamplingParams
-from jaxfill.engine.support_matrix import family_support
+from jaxfill.engine.capabilities.support_matrix import family_support
 from jaxfill.models.config import ConfigError
 from jaxfill.models.families import registry
 

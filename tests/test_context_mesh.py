@@ -59,9 +59,9 @@ def main():
 
     from jaxfill.engine.config import MeshSettings
     from jaxfill.engine.mesh import make_mesh
-    from jaxfill.models.context_parallel import sharded_attention
+    from jaxfill.models.parallel.context import sharded_attention
     from jaxfill.models.kv_cache import AttentionMetadata
-    from jaxfill.models.ring_attention import RingSpec
+    from jaxfill.models.parallel.ring_attention import RingSpec
     from jaxfill.pallas_kernels import ragged_paged_attention, write_kv
 
     rng = np.random.default_rng(0)

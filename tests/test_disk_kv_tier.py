@@ -9,8 +9,8 @@ import pytest
 
 import kv_tier_workload as wl
 from jaxfill import Engine
-from jaxfill.engine.disk_kv_tier import decode, encode
-from jaxfill.engine.host_kv_tier import KVBlock
+from jaxfill.engine.kv_tier.disk import decode, encode
+from jaxfill.engine.kv_tier.host import KVBlock
 
 BLOCK_BYTES = 4 * 8 * 4 * 32 * 4  # [L, P, 2*Hkv, D] f32
 

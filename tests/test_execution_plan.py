@@ -5,9 +5,9 @@ import pytest
 
 from jaxfill.engine.config import load_config
 from jaxfill.engine.execution_plan import ExecutionPlan
-from jaxfill.engine.hardware import load_hardware
-from jaxfill.engine.planner import plan_prefill
-from jaxfill.engine.planner_counts import attention_flops, matmul_flops
+from jaxfill.engine.planner.hardware import load_hardware
+from jaxfill.engine.planner.plan import plan_prefill
+from jaxfill.engine.planner.counts import attention_flops, matmul_flops
 
 LAYOUTS = {"unrolled": {}, "scan": {"engine.scan_layers": True}, "stages": {"mesh.stage": 2}}
 

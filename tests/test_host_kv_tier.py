@@ -11,8 +11,8 @@ import pytest
 import kv_tier_workload as wl
 from jaxfill import Engine, SamplingParams
 from jaxfill.engine.block_manager import prefix_hashes
-from jaxfill.engine.host_kv_tier import HostKVTier, KVBlock
-from jaxfill.engine.kv_offload import gather_blocks
+from jaxfill.engine.kv_tier.host import HostKVTier, KVBlock
+from jaxfill.engine.kv_tier.page_offload import gather_blocks
 from jaxfill.models.config import ConfigError
 
 TIER = {"engine.host_kv_cache_gb": 0.001}  # ~1 MB: every block of the workload fits
@@ -243,7 +243,7 @@ def test_saves_and_restores_larger_than_one_call_split_and_stay_exact():
 
     import jax.numpy as jnp
 
-    from jaxfill.engine.kv_offload import MAX_PAGES_PER_CALL, KVOffload
+    from jaxfill.engine.kv_tier.page_offload import MAX_PAGES_PER_CALL, KVOffload
 
     @dataclasses.dataclass
     class Cache:

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from hf_models import make_hf_checkpoint
-from jaxfill.engine import kv_transfer as kvt
+from jaxfill.engine.disagg import transfer as kvt
 from jaxfill.engine.engine import Engine
 from jaxfill.engine.request import SamplingParams
 from test_kv_transfer import assert_same_logprobs, run_one

@@ -13,8 +13,8 @@ import pytest
 from hf_models import make_hf_checkpoint
 from jaxfill.engine.config import load_config
 from jaxfill.engine.engine import Engine
-from jaxfill.engine.hardware import load_hardware
-from jaxfill.engine.planner import plan_prefill
+from jaxfill.engine.planner.hardware import load_hardware
+from jaxfill.engine.planner.plan import plan_prefill
 from jaxfill.engine.request import SamplingParams
 from jaxfill.engine.simple import generate_one
 from jaxfill.models.checkpoint import load_hf_params

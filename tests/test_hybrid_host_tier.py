@@ -1,6 +1,6 @@
 """A linear-attention hybrid's prefix cache with the host tier (Qwen3.5, random init): the
 state snapshot at a page boundary leaves the device with its slot and lives in the host
-tier beside the KV blocks (engine/snapshot_offload.py); a host hit writes the pages and
+tier beside the KV blocks (engine/kv_tier/snapshot_offload.py); a host hit writes the pages and
 the snapshot back, the snapshot into the request's own fresh slot. Documents outnumber a
 small device pool and its two snapshot slots, so later rounds resume from the host; the
 tokens equal prefix caching off, on NaN-filled unused pages and slots. A restore that
@@ -13,7 +13,7 @@ import pytest
 from hf_models import make_hf_checkpoint
 from jaxfill.engine.block_manager import prefix_hashes
 from jaxfill.engine.engine import Engine
-from jaxfill.engine.host_kv_tier import HostKVTier, KVBlock, StateSnapshot
+from jaxfill.engine.kv_tier.host import HostKVTier, KVBlock, StateSnapshot
 from jaxfill.engine.request import SamplingParams
 from jaxfill.engine.runner import Runner
 from jaxfill.engine.scheduler.state_snapshots import StateSnapshots

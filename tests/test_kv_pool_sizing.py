@@ -9,8 +9,8 @@ import pytest
 from jaxfill.engine import memory
 from jaxfill.engine.config import load_config
 from jaxfill.engine.engine import Engine
-from jaxfill.engine.hardware import Hardware
-from jaxfill.engine.planner import kv_pool_pages
+from jaxfill.engine.planner.hardware import Hardware
+from jaxfill.engine.planner.plan import kv_pool_pages
 from jaxfill.engine.request import SamplingParams
 from jaxfill.models.config import ConfigError
 from jaxfill.models.kv_cache import kv_bytes_per_token
@@ -104,7 +104,7 @@ def test_jaxfill_plan_reports_the_pool(capsys):
     """`jaxfill plan` prints what engine.num_pages=0 gives: the planner's kv_pool_pages."""
     import json
 
-    from jaxfill.engine.hardware import load_hardware
+    from jaxfill.engine.planner.hardware import load_hardware
     from jaxfill.serving.cli import main
 
     assert main(["plan", "--config", "llama3_8b", "--hardware", "h100_sxm", "--prompt-len", "2048",

@@ -124,7 +124,7 @@ def test_kv_bytes_per_token_agree_in_cache_planner_and_stats():
     KVCache.nbytes, the planner and Engine.stats."""
     from jaxfill.engine.config import load_config
     from jaxfill.engine.engine import Engine
-    from jaxfill.engine.planner_counts import kv_bytes_per_token
+    from jaxfill.engine.planner.counts import kv_bytes_per_token
     from jaxfill.models.kv_cache import KVCache
 
     overrides = {"engine.max_num_batched_tokens": 16, "engine.token_buckets": [16],
@@ -150,7 +150,7 @@ def test_kv_bytes_per_token_agree_in_cache_planner_and_stats():
     assert st["kv_cache_dtype"] == "int8"
     assert st["kv_bytes_per_token"] == got["int8"]
     # GetModelInfo tells a client the same bytes as the stats and the planner.
-    from jaxfill.engine.planner_counts import weight_bytes
+    from jaxfill.engine.planner.counts import weight_bytes
     from jaxfill.serving.client import Client
     from jaxfill.serving.server import ServerThread
 
@@ -166,8 +166,8 @@ def test_plan_reports_quantized_kv_and_twice_the_requests():
     """llama3_8b on h100_sxm at 2048 tokens: int8 KV costs (128 + 4) / 256 of bf16 per token
     and fits ~1.9x the requests."""
     from jaxfill.engine.config import load_config
-    from jaxfill.engine.hardware import load_hardware
-    from jaxfill.engine.planner import plan_prefill
+    from jaxfill.engine.planner.hardware import load_hardware
+    from jaxfill.engine.planner.plan import plan_prefill
 
     hw = load_hardware("h100_sxm")
     rows = {d: plan_prefill(load_config("llama3_8b", {"engine.kv_cache_dtype": d}), hw, 2048)

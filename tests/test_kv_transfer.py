@@ -1,5 +1,5 @@
 """Disaggregated prefill at the engine level: a prompt's KV moved between two Engines by
-JAX's transfer server (engine/kv_transfer.py, engine/kv_handoff.py).
+JAX's transfer server (engine/disagg/transfer.py, engine/disagg/handoff.py).
 
 The prefill engine (page_size 16) and the decode engine (page_size 8) differ in page size
 and page ids; unused pages are NaN-filled so a row written to the wrong slot, or a
@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxfill.engine import kv_transfer as kvt
+from jaxfill.engine import kv_rows
+from jaxfill.engine.disagg import transfer as kvt
 from jaxfill.engine.engine import Engine
 from jaxfill.engine.request import QueueFull, SamplingParams
 from jaxfill.models.kv_cache import KVCache
@@ -275,14 +276,14 @@ def test_stacked_and_per_layer_caches_move_the_same_rows(kv_dtype):
     else:
         values = np.clip(np.round(values * 40), -127, 127).astype(np.int8)
         scales = rng.uniform(0.5, 2.0, values.shape[:3]).astype(np.float32)
-    plain = kvt.import_rows(plain, jnp.asarray(values), None if scales is None else jnp.asarray(scales),
+    plain = kv_rows.import_rows(plain, jnp.asarray(values), None if scales is None else jnp.asarray(scales),
                             [3, 1], 7, 4)
-    stacked = kvt.import_rows(KVCache.create(m, 6, 4, fill_value=float("nan"), kv_cache_dtype=kv_dtype, stages=2),
+    stacked = kv_rows.import_rows(KVCache.create(m, 6, 4, fill_value=float("nan"), kv_cache_dtype=kv_dtype, stages=2),
                               jnp.asarray(values), None if scales is None else jnp.asarray(scales), [3, 1], 7, 4)
     for a, b in zip(layers(plain), layers(stacked)):  # layer by layer, NaN where nothing was written
         for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
             np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
-    got = [kvt.export_rows(c, [3, 1], 7, 4, m.num_kv_heads) for c in (plain, stacked)]
+    got = [kv_rows.export_rows(c, [3, 1], 7, 4, m.num_kv_heads) for c in (plain, stacked)]
     for (v, s) in got:
         np.testing.assert_array_equal(np.asarray(v)[:, :7], values[:, :7])
         if scales is not None:

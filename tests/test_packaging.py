@@ -49,6 +49,11 @@ def test_wheel_holds_only_the_jaxfill_package(tmp_path):
                    "jaxfill/pallas_kernels/ragged_paged_attention/tpu.py", "jaxfill/configs/tiny/tokenizer.json",
                    "jaxfill/configs/tiny/tokenizer_config.json"):
         assert needed in names, needed
+    # every module of the code folders, subpackages included (pyproject.toml lists them one by one)
+    code = [p for p in LIBRARY if os.path.relpath(p, ROOT).split(os.sep)[0] != "configs"]
+    missing = [os.path.relpath(p, ROOT) for p in code
+               if "jaxfill/" + os.path.relpath(p, ROOT).replace(os.sep, "/") not in names]
+    assert not missing, f"not in the wheel (list their packages in pyproject.toml): {missing}"
     assert not any(n.startswith("jaxfill/tests/") or n.startswith("jaxfill/benchmarks/") for n in names)
 
 

@@ -1,6 +1,6 @@
 """Pipeline parallelism (mesh.stage): the same tokens as one device through Engine.generate
 (chunked prefill, prefix caching, decode, sampling), each device holding only its stage's
-layers and pages, and the pieces of models/pipeline.py on their own. Fake CPU devices in
+layers and pages, and the pieces of models/parallel/pipeline.py on their own. Fake CPU devices in
 subprocesses: the device count is fixed when the backend starts."""
 
 import json
@@ -20,7 +20,7 @@ from jaxfill.models.config import ConfigError
 from jaxfill.models.forward import forward
 from jaxfill.models.kv_cache import KVCache, single_sequence_metadata
 from jaxfill.models.decoder import Decoder
-from jaxfill.models.pipeline import microbatch_count, microbatch_metadata
+from jaxfill.models.parallel.pipeline import microbatch_count, microbatch_metadata
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = {"engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64], "engine.num_pages": 48,

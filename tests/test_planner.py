@@ -1,4 +1,4 @@
-"""engine/planner.py + `jaxfill plan`: FLOP and byte counts checked against what XLA
+"""engine/planner/plan.py + `jaxfill plan`: FLOP and byte counts checked against what XLA
 compiles and what the engine allocates; published KV sizes; bad input -> exit code 2.
 
 How the FLOP checks work. `compiled.cost_analysis()["flops"]` is XLA's HloCostAnalysis
@@ -31,9 +31,9 @@ import pytest
 from flax import nnx
 
 from jaxfill.engine.config import load_config
-from jaxfill.engine.hardware import Hardware, load_hardware
-from jaxfill.engine.planner import plan, plan_prefill, ttft_floor
-from jaxfill.engine.planner_counts import (attention_flops, kv_bytes_per_token, matmul_flops, prefill_flops,
+from jaxfill.engine.planner.hardware import Hardware, load_hardware
+from jaxfill.engine.planner.plan import plan, plan_prefill, ttft_floor
+from jaxfill.engine.planner.counts import (attention_flops, kv_bytes_per_token, matmul_flops, prefill_flops,
                                            visible_pairs)
 from jaxfill.models.config import ModelConfig
 from jaxfill.models.kv_cache import KVCache, single_sequence_metadata
@@ -126,7 +126,7 @@ def test_planned_matmul_flops_match_each_layout_compiled(layout, monkeypatch):
     and staged (every row of every layer). A stacked layout is one lax.scan, whose body
     the cost analysis counts once: one group of layers plus the LM head."""
     from jaxfill.engine.execution_plan import ExecutionPlan
-    from jaxfill.engine.planner_counts import layer_matmul_params
+    from jaxfill.engine.planner.counts import layer_matmul_params
 
     overrides = {"unrolled": {}, "scan": {"engine.scan_layers": True}, "stages": {"mesh.stage": 2}}[layout]
     config, num_tokens = load_config("bench", overrides), 256

@@ -1,4 +1,4 @@
-"""engine/planner_context.py + the planner under mesh.sequence (context parallelism): the
+"""engine/planner/context.py + the planner under mesh.sequence (context parallelism): the
 KV pool split over the sequence ranks, pass-Q vs pass-KV ring bytes, the auto-sized pool,
 and `jaxfill plan` at 1M tokens. Arithmetic only: every check is a formula from the model
 shape (llama3_8b: 32 layers, 32 q / 8 kv heads x 128, bf16: 128 KiB of K/V per token)."""
@@ -11,11 +11,11 @@ import pytest
 
 from jaxfill.engine import memory
 from jaxfill.engine.config import load_config
-from jaxfill.engine.hardware import load_hardware
-from jaxfill.engine.planner import best_costs, device_costs, kv_pool_pages, plan_prefill
-from jaxfill.engine.planner_context import PASS_KV, PASS_Q, activation_estimate, ring_modes
-from jaxfill.engine.planner_counts import attention_flops, kv_bytes_per_token
-from jaxfill.engine.planner_layout import weight_bytes_per_device
+from jaxfill.engine.planner.hardware import load_hardware
+from jaxfill.engine.planner.plan import best_costs, device_costs, kv_pool_pages, plan_prefill
+from jaxfill.engine.planner.context import PASS_KV, PASS_Q, activation_estimate, ring_modes
+from jaxfill.engine.planner.counts import attention_flops, kv_bytes_per_token
+from jaxfill.engine.planner.layout import weight_bytes_per_device
 from jaxfill.serving.cli import main
 
 H200 = load_hardware("h200")

@@ -1,4 +1,4 @@
-"""`jaxfill plan` with mesh.stage (pipeline parallelism, models/pipeline.py): weights and KV
+"""`jaxfill plan` with mesh.stage (pipeline parallelism, models/parallel/pipeline.py): weights and KV
 per device against the sharded shapes of `Decoder(config, stages=p)` under an abstract mesh,
 and every new number against a hand computation."""
 
@@ -14,13 +14,13 @@ import pytest
 from flax import nnx
 
 from jaxfill.engine.config import load_config
-from jaxfill.engine.hardware import load_hardware
+from jaxfill.engine.planner.hardware import load_hardware
 from jaxfill.engine.memory import pool_pages
-from jaxfill.engine.planner import kv_pool_pages, plan_prefill, ttft_floor
-from jaxfill.engine.planner_counts import (attention_flops, kv_bytes_per_token, matmul_flops,
+from jaxfill.engine.planner.plan import kv_pool_pages, plan_prefill, ttft_floor
+from jaxfill.engine.validation import check_mesh
+from jaxfill.engine.planner.counts import (attention_flops, kv_bytes_per_token, matmul_flops,
                                            weight_bytes)
-from jaxfill.engine.planner_layout import (bubble_fraction, check_mesh, kv_bytes_per_token_per_device,
-                                           weight_bytes_per_device)
+from jaxfill.engine.planner.layout import bubble_fraction, kv_bytes_per_token_per_device, weight_bytes_per_device
 from jaxfill.models.kv_cache import KVCache
 from jaxfill.models.decoder import Decoder
 from jaxfill.models.sharding import MESH_AXES, kv_cache_sharding, logical_spec, var_axes

@@ -17,7 +17,7 @@ from flax import nnx
 
 from hf_models import load_hf
 from jaxfill.engine.config import load_config
-from jaxfill.engine.planner_counts import weight_bytes
+from jaxfill.engine.planner.counts import weight_bytes
 from jaxfill.engine.simple import prefill_chunks
 from jaxfill.models import KVCache, Decoder
 from jaxfill.models.families.registry import config_from_hf

@@ -11,9 +11,9 @@ Each step every running request's `num_computed` catches up to its `num_tokens` 
    `max_num_partial_prefills` of those run at once; other prompts may pass it.
 
 The lookup walks the prompt's page hashes: a page cached on the device is shared; one
-missing there but kept in the host tier (engine/host_kv_tier.py, when
+missing there but kept in the host tier (engine/kv_tier/host.py, when
 engine.host_kv_cache_gb > 0) gets a fresh page and a `Restore`, which the engine writes
-back before the step (engine/kv_offload.py); the first page in neither ends the hit.
+back before the step (engine/kv_tier/page_offload.py); the first page in neither ends the hit.
 Restored pages count as computed, and join the device's prefix cache only once written
 (`restored`).
 
@@ -87,7 +87,7 @@ class SchedulerOutput:
     # (snapshot slot, hash): snapshots those copies push out, to save to the host tier first
     state_saves: list[tuple[int, bytes]] = dataclasses.field(default_factory=list)
     # (request id, working slot): a held prefill's state at its last prompt row but one, to
-    # export after the copies, before the step (engine/kv_handoff.py)
+    # export after the copies, before the step (engine/disagg/handoff.py)
     state_exports: list[tuple[str, int]] = dataclasses.field(default_factory=list)
 
     @property
@@ -115,7 +115,7 @@ class Scheduler(RequestTransitions):
         self.policy = s.scheduling_policy
         self.chunked = s.chunked_prefill
         self.bm = block_manager or BlockManager(s.num_pages, s.page_size, s.enable_prefix_caching, page_ranks)
-        self.tier = tier  # engine.host_kv_tier.HostKVTier, shared by the replicas; None = off
+        self.tier = tier  # engine.kv_tier.host.HostKVTier, shared by the replicas; None = off
         # linear-attention hybrids: a recurrent-state slot per running request (engine.state_slots)
         self.slots_used = s.state_slots > 0
         self.free_slots = list(range(s.state_slots - 1, -1, -1))

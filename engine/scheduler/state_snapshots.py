@@ -17,11 +17,11 @@ left the prefix cache goes first when a slot is needed, then the least recently 
 "Left" means it was cached once: under async scheduling a fresh snapshot's page joins the
 cache only when its step's results come back, and must not count as stale before that.
 
-With the host tier (engine/host_kv_tier.py) a snapshot leaving its slot is saved there
+With the host tier (engine/kv_tier/host.py) a snapshot leaving its slot is saved there
 (`take_evicted`: gathered before the copy that reuses the slot), so prefix pages that
 come back from the host can resume too: `resume_pages` also counts a boundary whose
 snapshot the host holds (`on_host`), and the admission writes that snapshot into the
-request's own slot before its step (engine/engine.py `_restore`).
+request's own slot before its step (engine/kv_tier/restore.py).
 
 Pure Python: the copies are (source slot, destination slot) pairs for the runner.
 """

@@ -67,7 +67,7 @@ class Family:
     depends: dict[str, dict] = {}  # honoured fields that count only beside these values (for tests)
     rope_types: tuple[str, ...] = ROPE_TYPES
     partial_rotary = False  # honours partial_rotary_factor (model_fields reads it into rotary_dim)
-    # What its models hold: the capability table (engine/capabilities.py) derives what runs
+    # What its models hold: the capability table (engine/capabilities/table.py) derives what runs
     # on them from these, never from a hand-written list.
     mixers: tuple[str, ...] = ("attention",)  # attention | mla | gated_deltanet | mamba2
     experts = False  # mixture-of-experts MLPs

@@ -37,7 +37,7 @@ def add_arguments(p) -> None:
                    help="prefill chunk sizes; 0 = whole prompt in one step (default: 0)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per point; the median is reported")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per point (the first compiles)")
-    from jaxfill.engine.hardware import hardware_help
+    from jaxfill.engine.planner.hardware import hardware_help
 
     p.add_argument("--hardware", default=None,
                    help=f"planner hardware for the predicted floor (default on a CPU backend: cpu): "
@@ -88,10 +88,10 @@ def run_bench(config, lengths: list[int], chunk_sizes: list[int], repeats: int =
 
     import dataclasses
 
-    from jaxfill.engine.hardware import MatmulProbe, load_hardware
+    from jaxfill.engine.planner.hardware import MatmulProbe, load_hardware
     from jaxfill.engine.loading import build_model
-    from jaxfill.engine.planner import check_mesh, model_matmul_shape, ttft_floor
-    from jaxfill.engine.planner_counts import check_prompt_len, kv_bytes_per_token, prefill_flops
+    from jaxfill.engine.planner.plan import check_mesh, model_matmul_shape, ttft_floor
+    from jaxfill.engine.planner.counts import check_prompt_len, kv_bytes_per_token, prefill_flops
     from jaxfill.pallas_kernels import resolve_impl
 
     log = _log if progress else (lambda msg: None)
@@ -234,8 +234,8 @@ def plot(result: dict, out_dir: str, stem: str, cfg) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from jaxfill.engine.hardware import Hardware
-    from jaxfill.engine.planner import ttft_floor
+    from jaxfill.engine.planner.hardware import Hardware
+    from jaxfill.engine.planner.plan import ttft_floor
 
     paths = []
     pts = result["points"]

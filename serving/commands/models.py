@@ -1,5 +1,5 @@
 """`jaxfill models`: each architecture, its family and kinds, and what runs on it: the
-capability matrix of engine/support_matrix.py (tested / untested / refused per capability,
+capability matrix of engine/capabilities/support_matrix.py (tested / untested / refused per capability,
 the test behind each tested cell), and which presets carry its published shapes."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from jaxfill.engine.support_matrix import COLUMNS, SHORT, rows
+    from jaxfill.engine.capabilities.support_matrix import COLUMNS, SHORT, rows
 
     table = rows()
     if args.json:

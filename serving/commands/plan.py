@@ -13,7 +13,7 @@ def add_arguments(p) -> None:
     from jaxfill.serving.cli import common_model_args
 
     common_model_args(p)
-    from jaxfill.engine.hardware import hardware_help
+    from jaxfill.engine.planner.hardware import hardware_help
 
     p.add_argument("--hardware", default="h100_sxm",
                    help=f"an entry of configs/hardware.toml or 'cpu': {hardware_help()} (default: h100_sxm)")
@@ -118,10 +118,10 @@ def _stretched(config, lens: list[int]):
 
 def run(args) -> int:
     from jaxfill.engine.config import load_config
-    from jaxfill.engine.hardware import load_hardware
-    from jaxfill.engine.planner import check_mesh, default_prompt_lens, kv_pool_pages, model_matmul_shape, plan
+    from jaxfill.engine.planner.hardware import load_hardware
+    from jaxfill.engine.planner.plan import check_mesh, default_prompt_lens, kv_pool_pages, model_matmul_shape, plan
     from jaxfill.models.families.registry import active_param_count, param_count
-    from jaxfill.engine.planner_counts import check_link_gbps, check_prompt_len
+    from jaxfill.engine.planner.counts import check_link_gbps, check_prompt_len
 
     config = load_config(args.config, overrides=args.overrides, model_path=args.model)
     check_mesh(config.model, config.mesh)

@@ -1,4 +1,4 @@
-"""Moves prefix-cache pages between the device pool and the host tier (engine/host_kv_tier.py).
+"""Moves prefix-cache pages between the device pool and the host tier (engine/kv_tier/host.py).
 
 Saves: when allocation evicts a full cached page (engine/block_manager.py `on_evict`),
 the page is queued here. Before anything next writes the cache (a step, a restore, a
@@ -23,7 +23,7 @@ block process 0 restores is there on every process. No disk tier there yet.
 Both move at most MAX_PAGES_PER_CALL pages a call and pad the count to a power of two
 with the null page, whose gathered rows are dropped and whose scattered rows are
 skipped: 2 x 7 programs in all, compiled by `warmup` before the engine reports ready. Blocks carry the
-model's KV heads only, as kv_transfer's rows do (a cache repeating heads for mesh.tensor
+model's KV heads only, as engine/kv_rows.py's rows do (a cache repeating heads for mesh.tensor
 keeps one copy); under mesh.data the page ids are global (replica * pages + page).
 """
 
@@ -37,8 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfill.engine import kv_transfer as kvt
-from jaxfill.engine.host_kv_tier import KVBlock
+from jaxfill.engine import kv_rows
+from jaxfill.engine.kv_tier.host import KVBlock
 
 log = logging.getLogger("jaxfill.kv_tier")
 
@@ -68,7 +68,7 @@ def gather_blocks(pages: tuple,  # KVCache.pages: per layer [N, P, 2*Hc, D] or s
         a = jnp.moveaxis(a, 1, 0)
         return jax.lax.with_sharding_constraint(a, jax.sharding.PartitionSpec()) if replicate else a
 
-    values, scales = kvt.gather_tokens(pages, page_ids, num_kv_heads=num_kv_heads, stages=stages)
+    values, scales = kv_rows.gather_tokens(pages, page_ids, num_kv_heads=num_kv_heads, stages=stages)
     return per_page(values), None if scales is None else per_page(scales)
 
 
@@ -78,7 +78,7 @@ def scatter_blocks(pages: tuple,  # KVCache.pages (donated)
                    scales: jax.Array | None,  # [n, L, P, 2*Hkv] or None
                    page_ids: jax.Array,  # [n] int32; -1 = skip this block
                    stages: int = 1):
-    """Writes block i into page page_ids[i] (every layer), through kv_transfer's scatter."""
+    """Writes block i into page page_ids[i] (every layer), through engine/kv_rows.py's scatter."""
     n, size = values.shape[0], values.shape[2]
 
     def rows(a):  # [n, L, P, ...] -> [L, n*P, ...]
@@ -87,7 +87,7 @@ def scatter_blocks(pages: tuple,  # KVCache.pages (donated)
 
     offsets = jnp.arange(size, dtype=jnp.int32)
     slots = jnp.where(page_ids[:, None] >= 0, page_ids[:, None] * size + offsets, -1).reshape(n * size)
-    return kvt.scatter_tokens(pages, rows(values), None if scales is None else rows(scales), slots, stages=stages)
+    return kv_rows.scatter_tokens(pages, rows(values), None if scales is None else rows(scales), slots, stages=stages)
 
 
 @dataclasses.dataclass
@@ -110,7 +110,7 @@ class KVOffload:
         self.in_transit: list[_Save] = []
         self.num_saves_dropped = 0  # staging full: the page is recomputed if it is asked for again
         self.num_restored = 0  # pages written back into the device pool
-        self.states = None  # a hybrid's state snapshots (engine/snapshot_offload.py), or None
+        self.states = None  # a hybrid's state snapshots (engine/kv_tier/snapshot_offload.py), or None
 
     def on_evict(self, replica: int, page: int, h: bytes, parent: bytes | None, tokens: tuple) -> None:
         """A block manager's eviction callback: queue the page (still intact) for saving."""
@@ -141,7 +141,7 @@ class KVOffload:
     def _gather(self, cache, pages: list[int]):
         ids = np.zeros(padded_count(len(pages)), np.int32)  # the null page pads
         ids[:len(pages)] = pages
-        return gather_blocks(kvt.paged_entries(cache), jnp.asarray(ids), num_kv_heads=self.num_kv_heads,
+        return gather_blocks(kv_rows.paged_entries(cache), jnp.asarray(ids), num_kv_heads=self.num_kv_heads,
                              stages=self.stages, replicate=self.lockstep)
 
     def sync(self) -> None:
@@ -197,13 +197,13 @@ class KVOffload:
         pages are donated (a hybrid's state slots pass through). Saves still queued are
         dispatched first, so they read the pages before this write."""
         self.save_evicted(cache)
-        new_pages = kvt.paged_entries(cache)
+        new_pages = kv_rows.paged_entries(cache)
         for at in range(0, len(blocks), MAX_PAGES_PER_CALL):
             part = blocks[at:at + MAX_PAGES_PER_CALL]
             new_pages = self._scatter(cache, new_pages, pages[at:at + MAX_PAGES_PER_CALL], part[0],
                                       [b.values for b in part], [b.scales for b in part])
         self.num_restored += len(blocks)
-        return kvt.with_paged(cache, new_pages).pages
+        return kv_rows.with_paged(cache, new_pages).pages
 
     def _scatter(self, cache, pages_tree, pages: list[int], like: KVBlock, values: list, scales: list):
         n = padded_count(len(pages))
@@ -226,7 +226,7 @@ class KVOffload:
         for n in call_sizes():
             values, scales = self._gather(cache, [0] * n)
             block = KVBlock(np.asarray(values[0]), None if scales is None else np.asarray(scales[0]), None, ())
-            cache = kvt.with_paged(cache, self._scatter(cache, kvt.paged_entries(cache), [-1] * n, block, [], []))
+            cache = kv_rows.with_paged(cache, self._scatter(cache, kv_rows.paged_entries(cache), [-1] * n, block, [], []))
         return cache.pages
 
     @staticmethod
@@ -267,14 +267,14 @@ def build_kv_offload(config, cache, stages: int) -> KVOffload | None:
     s = config.engine
     if not float(s.host_kv_cache_gb) > 0:
         return None
-    lockstep = jax.process_count() > 1  # the disk tier is refused then (engine/capabilities.py)
-    from jaxfill.engine.disk_kv_tier import DiskKVTier, fingerprint
-    from jaxfill.engine.host_kv_tier import HostKVTier
+    lockstep = jax.process_count() > 1  # the disk tier is refused then (engine/capabilities/table.py)
+    from jaxfill.engine.kv_tier.disk import DiskKVTier, fingerprint
+    from jaxfill.engine.kv_tier.host import HostKVTier
     from jaxfill.models.kv_cache import kv_bytes_per_token, shares_kv
 
     m = config.model
-    layout = kvt.Layout.of(config, cache)
-    attention_layers = len(kvt.paged_entries(cache)) * cache.stages  # a hybrid's linear layers hold no pages
+    layout = kv_rows.Layout.of(config, cache)
+    attention_layers = len(kv_rows.paged_entries(cache)) * cache.stages  # a hybrid's linear layers hold no pages
     block_bytes = s.page_size * kv_bytes_per_token(attention_layers, m.num_kv_heads, m.head_dim, s.kv_cache_dtype,
                                                    m.jnp_dtype, shares_kv(m))
     disk = None
@@ -292,7 +292,7 @@ def build_kv_offload(config, cache, stages: int) -> KVOffload | None:
     staged = min(max(pages // 8, 2 * s.max_pages_per_seq, 64), max(pages, 1))
     offload = KVOffload(tier, m.num_kv_heads, s.num_pages, stages, max_staged_pages=staged, lockstep=lockstep)
     if s.state_slots and s.enable_prefix_caching and s.state_snapshot_slots:  # a hybrid's snapshots go too
-        from jaxfill.engine.snapshot_offload import SnapshotOffload
+        from jaxfill.engine.kv_tier.snapshot_offload import SnapshotOffload
 
         offload.states = SnapshotOffload(tier)
     return offload

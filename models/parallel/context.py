@@ -20,7 +20,7 @@ one code path. Per layer it moves Q and the new K/V in (all-gather) and the outp
 (reduce-scatter), O(T) bytes, never the cached keys. Attention sinks (gpt-oss) enter once,
 at the merge, not in each rank's partial softmax.
 
-A step with nothing cached may instead take the pass-KV ring (models/ring_attention.py):
+A step with nothing cached may instead take the pass-KV ring (models/parallel/ring_attention.py):
 `sharded_attention(..., ring=RingSpec(...))` picks it per step with `lax.cond`.
 """
 
@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxfill.models.ring_attention import RingSpec, no_cached_keys, ring_attention
+from jaxfill.models.parallel.ring_attention import RingSpec, no_cached_keys, ring_attention
 from jaxfill.models.sharding import DATA, HEADS, SEQUENCE, context_mesh, free_axes, mesh_axis_size
 from jaxfill.pallas_kernels.kv_quant import QuantizedPages
 from jaxfill.pallas_kernels.ragged_paged_attention.stripes import local_page_table, local_slots
@@ -52,7 +52,7 @@ def sharded_attention(attend: Callable, q: jax.Array, k: jax.Array, v: jax.Array
     stripe and asks for the LSE, and `result` must be (out, lse). Heads are split over
     'tensor' (q, k, v, the pages' head axis, head_args). Without a mesh: attend as is.
     With `ring` and unquantized pages, a step with nothing cached takes the pass-KV ring
-    instead (models/ring_attention.py; `lax.cond` on the metadata, the same on every rank).
+    instead (models/parallel/ring_attention.py; `lax.cond` on the metadata, the same on every rank).
     """
     mesh = context_mesh()
     axes = () if mesh is None else free_axes(mesh, *HEADS, SEQUENCE)

@@ -3,7 +3,7 @@
 Every refusal of a feature combination is a row of RULES, read by engine/validation.py
 before any weight is read; `jaxfill models`, each family's support list and the README's
 matrix are derived from the same rows plus the tests that run each cell
-(engine/capability_evidence.py). A combination either runs as asked or is refused here:
+(engine/capabilities/evidence.py). A combination either runs as asked or is refused here:
 nothing downgrades silently.
 
 A condition is a capability key (a config setting that is "on": `mesh.tensor` means

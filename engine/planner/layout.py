@@ -1,6 +1,6 @@
-"""What one device holds under a mesh, as models/sharding.py and models/pipeline.py lay it out.
+"""What one device holds under a mesh, as models/sharding.py and models/parallel/pipeline.py lay it out.
 
-The planner's memory side (engine/planner.py does the time side). Arithmetic only; the
+The planner's memory side (engine/planner/plan.py does the time side). Arithmetic only; the
 rules mirrored here (tests/test_planner.py checks them against the logical axes of
 `Decoder(config, stages=p)` under an abstract mesh):
 
@@ -25,11 +25,10 @@ from typing import NamedTuple
 import numpy as np
 
 from jaxfill.engine.config import MeshSettings
-from jaxfill.engine.mesh_shapes import check_mesh  # noqa: F401 - the planner's callers import it here
 from jaxfill.models.config import ModelConfig
 from jaxfill.models.families.registry import ParamShape, layer_params
 from jaxfill.models.kv_cache import kv_bytes_per_token as cache_bytes_per_token, shares_kv
-from jaxfill.models.pipeline import microbatch_count
+from jaxfill.models.parallel.pipeline import microbatch_count
 from jaxfill.models.sharding import MESH_AXES, RULES, head_repeat, logical_spec, mesh_axis_size
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -99,7 +98,7 @@ def kv_bytes_per_token_per_device(model: ModelConfig, mesh: MeshSettings, kv_cac
 
 def pipeline_microbatches(mesh: MeshSettings, num_tokens: int) -> int:
     """Microbatches a step of `num_tokens` is cut into (1 without pipeline stages):
-    mesh.microbatches cut down to a divisor of the tokens, as models/pipeline.py does."""
+    mesh.microbatches cut down to a divisor of the tokens, as models/parallel/pipeline.py does."""
     return microbatch_count(num_tokens, mesh.microbatches) if mesh.stage > 1 else 1
 
 

@@ -1,4 +1,4 @@
-"""Which test runs which cell of the capability matrix (engine/capabilities.py).
+"""Which test runs which cell of the capability matrix (engine/capabilities/table.py).
 
 A cell is "tested" only where a row here names a test that runs that capability on that
 family, compared with a reference (one device, unchunked, uncached or HF); a cell no rule

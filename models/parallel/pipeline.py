@@ -30,7 +30,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxfill.models.moe import MoE
-from jaxfill.models.sharding import STAGE, context_mesh, mesh_axis_size, rows_metadata, var_axes
+from jaxfill.models.sharding import STAGE, context_mesh, mesh_axis_size, var_axes
 
 
 def stack_layers(layers: list, stages: int) -> list:
@@ -61,12 +61,25 @@ def microbatch_count(num_tokens: int, wanted: int) -> int:
     return m
 
 
+def rows_metadata(meta, lo: jax.Array, n: int):
+    """Metadata for query rows [lo, lo + n) of the flat batch: each sequence's queries
+    clipped to them and its kv_len cut by its queries after them (so a row still sees
+    exactly the keys up to itself); slot_mapping stays global."""
+    cu = meta.cu_q_lens
+    local_cu = jnp.clip(cu - lo, 0, n).astype(jnp.int32)
+    cut = jnp.maximum(cu[1:] - jnp.maximum(cu[:-1], lo + n), 0)  # queries of sequence s after the rows
+    kv_lens = (meta.kv_lens - cut).astype(jnp.int32)
+    return type(meta)(cu_q_lens=local_cu, kv_lens=kv_lens, page_indices=meta.page_indices,
+                      num_seqs=meta.num_seqs, slot_mapping=meta.slot_mapping,
+                      logits_indices=meta.logits_indices)
+
+
 def microbatch_metadata(meta,  # AttentionMetadata of the whole step
                         lo: jax.Array,  # [] i32, first row of the microbatch
                         n: int,  # rows per microbatch
                         valid: jax.Array,  # [] bool, False in fill/drain ticks
                         ):
-    """models.sharding.rows_metadata, with the rows' own slots (all -1, writing nothing,
+    """rows_metadata, with the rows' own slots (all -1, writing nothing,
     when not valid) and no queries when not valid."""
     meta = rows_metadata(meta, lo, n)
     slots = jax.lax.dynamic_slice_in_dim(meta.slot_mapping, lo, n)

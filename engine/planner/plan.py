@@ -1,10 +1,10 @@
 """Prefill planner: what one prompt costs, from the model shape, the mesh and the hardware.
 
 Everything here is arithmetic on `ModelConfig`, `EngineSettings`, `MeshSettings` and a
-`Hardware` (engine/hardware.py); nothing runs on a device. `jaxfill plan` prints it and
+`Hardware` (engine/planner/hardware.py); nothing runs on a device. `jaxfill plan` prints it and
 `jaxfill bench prefill` compares it with measured TTFT.
 
-FLOP and byte counts are engine/planner_counts.py's (its docstring has the conventions).
+FLOP and byte counts are engine/planner/counts.py's (its docstring has the conventions).
 
 Mesh (mirrors models/sharding.py): 'tensor' splits q heads, MLP columns and the vocab;
 KV heads split too, or are repeated up to 'tensor' when there are fewer (then every rank
@@ -15,12 +15,12 @@ expert; a MoE layer ends in one all-reduce over them like a dense MLP (models/mo
 (page j of a sequence on rank j mod N), so a prompt's KV bytes per device are / N. Each
 layer's attention is context parallel, pass-Q (all-gather Q and the new K/V, attend 1/N
 of the keys, LSE merge by an all-max and a reduce-scatter) or, for a step with nothing
-cached, the pass-KV ring (N - 1 hops of the new K/V); engine/planner_context.py has the
+cached, the pass-KV ring (N - 1 hops of the new K/V); engine/planner/context.py has the
 byte counts. The floor is the form the engine runs (pass-Q unless
 model.context_attention = pass_kv); `cheaper_ring_mode` names the cheaper one.
 'data' holds independent replicas: it multiplies capacity, not single-request speed.
 'stage' (pipeline) gives each device L / stage layers and their KV pages, and splits the
-vocab tables with 'tensor'; what a device holds is engine/planner_layout.py's.
+vocab tables with 'tensor'; what a device holds is engine/planner/layout.py's.
 
 TTFT floor per device = max(FLOPs / peak, bytes / HBM bandwidth) + collective time, with
 ring collectives over `link_bytes_per_s`: two all-reduces of the [T/sp, E] activations
@@ -38,17 +38,18 @@ import dataclasses
 import math
 
 from jaxfill.engine.config import Config, EngineSettings, MeshSettings
-from jaxfill.engine.hardware import Hardware
-from jaxfill.engine.planner_counts import (attention_flops, check_link_gbps, check_prompt_len,
+from jaxfill.engine.planner.hardware import Hardware
+from jaxfill.engine.planner.counts import (attention_flops, check_link_gbps, check_prompt_len,
                                            end_bytes_read_per_device, kv_bytes_per_token, kv_transfer_bytes,
                                            kv_transfer_seconds, last_layer_matmul_saving, layer_matmul_params,
                                            linear_mixer_flops, matmul_flops, pages_for, prunes_last_layer,
                                            state_bytes, weight_bytes)
-from jaxfill.engine.planner_context import (PASS_KV, PASS_Q, activation_estimate, context_bytes_per_layer,
+from jaxfill.engine.planner.context import (PASS_KV, PASS_Q, activation_estimate, context_bytes_per_layer,
                                             engine_ring_mode, kv_pages_per_device, ring_modes)
-from jaxfill.engine.planner_layout import (bubble_fraction, check_mesh, dtype_bytes,
+from jaxfill.engine.planner.layout import (bubble_fraction, dtype_bytes,
                                            kv_bytes_per_token_per_device, kv_repeat, layer_bytes_per_device,
                                            pipeline_microbatches, vocab_split, weight_bytes_per_device)
+from jaxfill.engine.validation import check_mesh
 from jaxfill.models.config import ModelConfig
 
 
@@ -79,7 +80,7 @@ def layer_work(model: ModelConfig, mesh: MeshSettings, num_tokens: float, attent
                kv_cache_dtype: str = "auto", ring: str | None = None) -> tuple[float, float, float]:
     """(FLOPs, bytes, collective bytes) on one device of `num_tokens` new tokens through
     `layers` decoder layers; `attention` is their QK^T + PV FLOPs over the whole model
-    (for the pass-KV `ring`: its dense blocks, engine/planner_context.py)."""
+    (for the pass-KV `ring`: its dense blocks, engine/planner/context.py)."""
     tp, sp = mesh.heads, mesh.sequence  # MoE experts split over expert x tensor too
     e, L = model.hidden_size, model.num_layers
     kv_proj = 2 * e * model.num_kv_heads * model.head_dim  # k and v weights of one layer
@@ -109,9 +110,9 @@ def device_costs(model: ModelConfig, mesh: MeshSettings, hw: Hardware, num_token
                  ring: str | None = None) -> DeviceCosts:
     """Per-device work of one prefill step of `num_tokens` new tokens after `context`
     cached ones under the mesh (no validation of the length). `ring`: the 'sequence'
-    attention form (planner_context.PASS_Q / PASS_KV; default pass-Q); `best_costs` picks.
+    attention form (context.PASS_Q / PASS_KV; default pass-Q); `best_costs` picks.
 
-    Pipeline (p = mesh.stage > 1, models/pipeline.py): the step is m microbatches of T/m
+    Pipeline (p = mesh.stage > 1, models/parallel/pipeline.py): the step is m microbatches of T/m
     tokens and m + p - 1 ticks; in every tick each stage runs its L/p layers on one
     microbatch (fill and drain ticks compute too, on rows that are thrown away), so a
     single prompt still passes through all p stages one after another and
@@ -156,7 +157,7 @@ def device_costs(model: ModelConfig, mesh: MeshSettings, hw: Hardware, num_token
 def best_costs(model: ModelConfig, mesh: MeshSettings, hw: Hardware, num_tokens: int, context: int = 0,
                kv_cache_dtype: str = "auto", scan_layers: bool = False) -> DeviceCosts:
     """`device_costs` under the 'sequence' form the engine runs for this step
-    (planner_context.engine_ring_mode)."""
+    (context.engine_ring_mode)."""
     ring = engine_ring_mode(model, ring_modes(model, mesh, context, kv_cache_dtype))
     return device_costs(model, mesh, hw, num_tokens, context, kv_cache_dtype, scan_layers, ring)
 

@@ -1,5 +1,5 @@
 """The planner's 'sequence' (context parallel) arithmetic: which attention form a prefill
-step takes and what it sends, per device (models/context_parallel.py, ring_attention.py).
+step takes and what it sends, per device (models/parallel/context.py, ring_attention.py).
 
 Under mesh.sequence = N the KV pool is split: each rank holds 1/N of every sequence's
 pages (page j on rank j mod N), so a prompt's KV bytes per device are the tensor-split
@@ -28,7 +28,7 @@ prompts even though it sends fewer bytes).
 from __future__ import annotations
 
 from jaxfill.engine.config import MeshSettings
-from jaxfill.engine.planner_layout import dtype_bytes, kv_bytes_per_token_per_device
+from jaxfill.engine.planner.layout import dtype_bytes, kv_bytes_per_token_per_device
 from jaxfill.models.config import ModelConfig
 
 PASS_Q, PASS_KV = "pass-Q", "pass-KV"

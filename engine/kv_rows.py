@@ -1,7 +1,8 @@
-"""A request's prompt KV moved between two engines by JAX's transfer server.
+"""A request's KV as token-major rows, read out of and written into the paged cache.
 
-Why tokens, not pages: the two sides may differ in page size, page ids and tensor
-parallelism, so what travels is token-major and mesh-free:
+Why tokens, not pages: the reader may differ from the writer in page size, page ids and
+tensor parallelism (two engines of disaggregated prefill, engine/disagg/), so the rows are
+token-major and mesh-free:
 
     values [L, T, 2 * Hkv, D]   (cache dtype; K of head h at 2h, V at 2h + 1, as in the pages)
     scales [L, T, 2 * Hkv]      f32, only for an int8 / fp8 cache
@@ -14,35 +15,22 @@ the receiver repeats them to its own r. The sender gathers onto one device befor
 offering (`jax.device_put`), so the receiver pulls plain single-device arrays and its
 own jitted scatter reshards them into its cache: tensor=2 -> tensor=1 and back work
 the same way, and so do the stacked layouts (mesh.stage, engine.scan_layers): rows
-travel in layer order whatever either side's layout.
-
-`jax.experimental.transfer` (jax 0.10.2, CPU) as measured: `await_pull` returns
-nothing and never says when a pull happened (so the decode side says so, serving/
-disagg.py); with `timeout` (a datetime) a later pull of that id is not served; `pull`
-returns at once with arrays that become ready when the bytes arrive, and a pull of an
-id nobody offers never becomes ready (its own `timeout` did not fire), so `wait_ready`
-polls `is_ready()` against our own deadline.
+travel in layer order whatever either side's layout. The host KV tier keeps its blocks
+in the same form (engine/kv_tier/page_offload.py), and a hybrid's recurrent state moves
+by `export_state` / `import_state`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import functools
 import json
-import threading
-import time
-import uuid as uuidlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxfill.pallas_kernels import QuantizedPages
-
-
-class TransferFailed(RuntimeError):
-    """A pull did not arrive in time, or its layout does not fit this engine."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +85,7 @@ def _repeat_of(leaf_values, num_kv_heads: int) -> int:
 
 def _entries(pages: tuple, stages: int) -> list:
     """The cache's entries, each with a leading stage axis ([p, N, P, ...]; p = 1 for the
-    per-layer layout): layer s * K + j is row s of entry j (models/pipeline.py). Inside a
+    per-layer layout): layer s * K + j is row s of entry j (models/parallel/pipeline.py). Inside a
     jit, so the added axis is a free reshape."""
     if stages > 1:
         return list(pages)
@@ -241,42 +229,3 @@ def import_state(cache, arrays: list, slot: int):
     """A new cache with the pulled state written into `slot` (the old one is donated)."""
     recurrent, conv = (_onto(cache, a) for a in arrays)
     return dataclasses.replace(cache, pages=_scatter_state(cache.pages, recurrent, conv, jnp.int32(slot)))
-
-
-def wait_ready(arrays, deadline: float, poll_s: float = 0.002) -> bool:
-    """Polls until every array has arrived or time.monotonic() passes deadline."""
-    while not all(a.is_ready() for a in arrays):
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(poll_s)
-    return True
-
-
-class TransferAgent:
-    """This process's transfer server: offers rows under fresh ids, pulls others' rows."""
-
-    def __init__(self, host: str = "127.0.0.1"):
-        from jax.experimental import transfer
-
-        client = jax.local_devices()[0].client
-        self.server = transfer.start_transfer_server(client, f"{host}:0", [f"{host}:0"])
-        self.address = self.server.address()
-        self._conns: dict[str, object] = {}
-        self._lock = threading.Lock()
-
-    def offer(self, arrays: list, timeout_s: float) -> int:
-        """Offers arrays for one pull within timeout_s (the server drops them after: a late
-        pull never arrives); returns the transfer id (a 63-bit int)."""
-        tid = uuidlib.uuid4().int >> 65
-        until = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
-        self.server.await_pull(tid, list(arrays), timeout=until)
-        return tid
-
-    def pull(self, address: str, tid: int, specs: list[tuple[tuple[int, ...], str]]) -> list:
-        """Starts pulling; the arrays become ready when the bytes arrive (see wait_ready)."""
-        with self._lock:
-            conn = self._conns.get(address)
-            if conn is None:
-                conn = self._conns[address] = self.server.connect(address)
-        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        return conn.pull(tid, [jax.ShapeDtypeStruct(tuple(s), jnp.dtype(d), sharding=sharding) for s, d in specs])

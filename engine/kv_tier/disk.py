@@ -32,7 +32,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from jaxfill.engine.host_kv_tier import KVBlock, TierCounts
+from jaxfill.engine.kv_tier.host import KVBlock, TierCounts
 
 log = logging.getLogger("jaxfill.kv_tier")
 

@@ -1,4 +1,4 @@
-"""What a prompt costs in FLOPs and bytes, from the model shape alone (engine/planner.py
+"""What a prompt costs in FLOPs and bytes, from the model shape alone (engine/planner/plan.py
 adds the mesh and the hardware).
 
 Counting conventions (tests/test_planner.py checks them against XLA's cost analysis):
@@ -31,7 +31,7 @@ import numpy as np
 
 from jaxfill.engine.config import EngineSettings, MeshSettings
 from jaxfill.engine.execution_plan import ExecutionPlan
-from jaxfill.engine.planner_layout import dtype_bytes, vocab_param_bytes, vocab_split
+from jaxfill.engine.planner.layout import dtype_bytes, vocab_param_bytes, vocab_split
 from jaxfill.models.config import ModelConfig
 from jaxfill.models.families.registry import layer_params, layer_projection_params, param_count
 from jaxfill.models.kv_cache import kv_bytes_per_token as cache_bytes_per_token, shares_kv
@@ -197,7 +197,7 @@ def kv_transfer_bytes(model: ModelConfig, prompt_len: int, kv_cache_dtype: str =
     """K/V a prefill worker hands a decode worker for one prompt: every prompt token's
     K and V in every layer (values and, when quantized, their scales). jaxfill's own
     handoff sends len(prompt) - 1 rows padded to a power-of-two number of pages
-    (engine/kv_transfer.py), so its wire bytes are up to 2x this."""
+    (engine/kv_rows.py), so its wire bytes are up to 2x this."""
     return prompt_len * kv_bytes_per_token(model, kv_cache_dtype=kv_cache_dtype)
 
 

@@ -1,5 +1,5 @@
 """Moves a linear-attention hybrid's state snapshots between the device's snapshot slots
-and the host tier (engine/host_kv_tier.py), as engine/kv_offload.py moves KV pages.
+and the host tier (engine/kv_tier/host.py), as engine/kv_tier/page_offload.py moves KV pages.
 
 Saves: a snapshot about to lose its slot (engine/scheduler/state_snapshots.py
 `take_evicted`) is gathered before the copy that reuses the slot (engine/engine.py
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxfill.engine import kv_transfer as kvt
-from jaxfill.engine.host_kv_tier import StateSnapshot
+from jaxfill.engine import kv_rows
+from jaxfill.engine.kv_tier.host import StateSnapshot
 
 
 class SnapshotOffload:
@@ -35,7 +35,7 @@ class SnapshotOffload:
         for slot, h in saves:
             if self.tier.has_snapshot(h) or any(h == t for t, _ in self.in_transit):
                 continue
-            arrays = kvt.export_state(cache, slot)  # new buffers: the slot may be reused after this
+            arrays = kv_rows.export_state(cache, slot)  # new buffers: the slot may be reused after this
             for a in arrays:
                 a.copy_to_host_async()
             self.in_transit.append((h, arrays))
@@ -58,7 +58,7 @@ class SnapshotOffload:
         if snap is None:
             return None
         self.num_restored += 1
-        return kvt.import_state(cache, [snap.recurrent, snap.conv], slot)
+        return kv_rows.import_state(cache, [snap.recurrent, snap.conv], slot)
 
     def stats(self) -> dict:
         return {"host_state_snapshots_saved": self.num_saved,

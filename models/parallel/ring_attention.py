@@ -1,4 +1,4 @@
-"""Pass-KV ring attention for a step with nothing cached (models/context_parallel.py).
+"""Pass-KV ring attention for a step with nothing cached (models/parallel/context.py).
 
 When no sequence in the step has cached keys (fresh prompts, unchunked or a first
 chunk), every key a row can see is one of the step's own new rows. Then the queries and

@@ -1,8 +1,8 @@
 """What runs on each architecture, derived from the capability table and its evidence.
 
 One source for `jaxfill models` (text and --json), the README's matrix and
-docs/capabilities.md: a cell is "refused" where a rule of engine/capabilities.py refuses
-it for the family's kinds, "tested" where engine/capability_evidence.py names a test that
+docs/capabilities.md: a cell is "refused" where a rule of engine/capabilities/table.py refuses
+it for the family's kinds, "tested" where engine/capabilities/evidence.py names a test that
 runs it, "untested" otherwise. tests/test_capabilities.py regenerates the documents and
 compares them, so they cannot drift from the table.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from jaxfill.engine.capabilities import CAPABILITIES, family_kinds, refused_columns
-from jaxfill.engine.capability_evidence import tests_of
+from jaxfill.engine.capabilities.table import CAPABILITIES, family_kinds, refused_columns
+from jaxfill.engine.capabilities.evidence import tests_of
 
 COLUMNS = tuple(CAPABILITIES)
 SHORT = {"mesh.tensor": "tensor", "mesh.sequence": "sequence", "mesh.data": "data", "mesh.stage": "stage",
@@ -85,12 +85,12 @@ def matrix_markdown() -> str:
 
 def capabilities_doc() -> str:
     """docs/capabilities.md: every cell of every family, its test or its reason."""
-    from jaxfill.engine.capabilities import RULES
+    from jaxfill.engine.capabilities.table import RULES
     from jaxfill.models.families import registry
 
     out = ["# What runs where (generated)", "",
-           "Generated from engine/capabilities.py and engine/capability_evidence.py by "
-           "`python -m jaxfill.engine.support_matrix`; tests/test_capabilities.py fails when this file "
+           "Generated from engine/capabilities/table.py and engine/capabilities/evidence.py by "
+           "`python -m jaxfill.engine.capabilities.support_matrix`; tests/test_capabilities.py fails when this file "
            "differs from what they say.", ""]
     for family in registry.families():
         out.append(f"## {family.name} ({', '.join(family.architectures)}): {', '.join(sorted(family_kinds(family)))}")
@@ -111,10 +111,10 @@ def render_readme(readme: str) -> str:
     return f"{head}{MATRIX_BEGIN}\n{matrix_markdown()}\n{MATRIX_END}{tail}"
 
 
-if __name__ == "__main__":  # regenerate the documents: python -m jaxfill.engine.support_matrix
+if __name__ == "__main__":  # regenerate the documents: python -m jaxfill.engine.capabilities.support_matrix
     import os
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # engine/capabilities/
     with open(os.path.join(root, "docs", "capabilities.md"), "w") as f:
         f.write(capabilities_doc())
     path = os.path.join(root, "README.md")

@@ -1,5 +1,5 @@
 """The runner's side of the host KV tier: it owns the cache, so saves and restores go
-through it (engine/kv_offload.py does the moving, engine/engine.py decides when).
+through it (engine/kv_tier/page_offload.py does the moving, engine/engine.py decides when).
 
 In a multi-process engine process 0 tells the others what to save and restore (KV_SAVE,
 KV_RESTORE, KV_WARMUP lockstep messages, sent before the programs they announce), and
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxfill.engine.kv_offload import decode_entries, encode_entries
+from jaxfill.engine.kv_tier.page_offload import decode_entries, encode_entries
 from jaxfill.engine.lockstep import KV_RESTORE, KV_SAVE
 
 
@@ -48,7 +48,7 @@ class RunnerKVTier:
 
     def save_states(self, saves: list[tuple[int, bytes]]) -> None:
         """(snapshot slot, hash): a hybrid's snapshots about to lose their slots, gathered
-        for the host tier before the copies that reuse the slots (engine/snapshot_offload.py)."""
+        for the host tier before the copies that reuse the slots (engine/kv_tier/snapshot_offload.py)."""
         states = self.kv_offload.states if self.kv_offload is not None else None
         if saves and states is not None:
             with self.mesh_context():
@@ -88,7 +88,7 @@ class RunnerKVTier:
         with self.mesh_context():
             self.kv_cache = dataclasses.replace(self.kv_cache, pages=self.kv_offload.warmup(self.kv_cache))
             if self.kv_offload.states is not None:  # a snapshot's gather and write, on the null slot
-                from jaxfill.engine import kv_transfer as kvt
+                from jaxfill.engine import kv_rows
 
                 null = self.config.engine.state_pool_slots - 1
-                self.kv_cache = kvt.import_state(self.kv_cache, kvt.export_state(self.kv_cache, null), null)
+                self.kv_cache = kv_rows.import_state(self.kv_cache, kv_rows.export_state(self.kv_cache, null), null)

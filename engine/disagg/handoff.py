@@ -14,7 +14,7 @@ scheduler ends a held prompt's chunk at len(prompt) - 1 and the state is exporte
 
 Decode side: `import_pulled` reserves pages (and a hybrid's state slot) for the pulled
 rows and writes them into its own pool; the engine then has the scheduler admit the request with those tokens
-counted as computed (Engine.add_prefilled_request). Offers, releases and imports run
+counted as computed (engine/disagg/facade.py `add_prefilled`). Offers, releases and imports run
 under the engine lock, and export and import on the stepping thread, since both touch
 the donated KV cache; `pull` only starts the transfer (off the lock) and never touches
 the cache. Pages move only through the scheduler (reserve_prefilled, free_pages, and
@@ -28,7 +28,8 @@ import hashlib
 import struct
 import time
 
-from jaxfill.engine import kv_transfer as kvt
+from jaxfill.engine import kv_rows
+from jaxfill.engine.disagg import transfer
 from jaxfill.engine.request import Request
 
 
@@ -49,7 +50,7 @@ class KVHandoff:
         self.runner = runner
         self.scheduler = scheduler  # engine/scheduler/replicas.py: pages come and go through it
         self.page_size = config.engine.page_size
-        self.agent = kvt.TransferAgent(host)
+        self.agent = transfer.TransferAgent(host)
         self.timeout_s = float(timeout_s)
         self.hold: set[str] = set()  # request ids whose pages outlive their finish
         self.held: dict[int, Held] = {}  # transfer id -> pages kept for the pull
@@ -58,7 +59,7 @@ class KVHandoff:
         self.num_released = 0
         self.num_expired = 0
         # The cache's layout never changes: computed once, compared with every offer.
-        self.layout = kvt.Layout.of(config, runner.kv_cache)
+        self.layout = kv_rows.Layout.of(config, runner.kv_cache)
 
     # ------------------------------------------------------------------ prefill side
     def take_on_finish(self, req: Request, reason: str) -> bool:
@@ -119,12 +120,12 @@ class KVHandoff:
         becoming ready, num_tokens). Raises TransferFailed when they cannot fit."""
         n = int(info.get("num_tokens", -1))
         if n != len(prompt_ids) - 1:
-            raise kvt.TransferFailed(f"the offer holds {n} tokens; this prompt needs {len(prompt_ids) - 1}")
+            raise transfer.TransferFailed(f"the offer holds {n} tokens; this prompt needs {len(prompt_ids) - 1}")
         if info.get("prompt_digest") != prompt_digest(prompt_ids[:n]):
-            raise kvt.TransferFailed("the offered KV belongs to a different prompt (digest mismatch)")
+            raise transfer.TransferFailed("the offered KV belongs to a different prompt (digest mismatch)")
         mine = self.layout.to_json()
         if info.get("layout") != mine:
-            raise kvt.TransferFailed(f"KV layout {info.get('layout')} does not match this engine's {mine}")
+            raise transfer.TransferFailed(f"KV layout {info.get('layout')} does not match this engine's {mine}")
         if n == 0:
             return [], 0
         specs = [(tuple(s), d) for s, d in info["arrays"]]
@@ -135,7 +136,7 @@ class KVHandoff:
         rows (ready arrays), the rows and state written in; returns what the scheduler then
         admits with."""
         if num_tokens and arrays[0].shape[1] < num_tokens:
-            raise kvt.TransferFailed(f"the pulled rows hold {arrays[0].shape[1]} tokens, not {num_tokens}")
+            raise transfer.TransferFailed(f"the pulled rows hold {arrays[0].shape[1]} tokens, not {num_tokens}")
         pages, slot = self.scheduler.reserve_prefilled(num_tokens)
         if num_tokens:
             rows = 2 if self.layout.quantized else 1

@@ -10,7 +10,7 @@ Blocks are keyed by the same hash chain as the device's prefix cache (engine/
 block_manager.py: parent hash, tokens and cache_salt), so a hit here is the same prefix
 a device hit would be. LRU within a byte budget; a block that does not fit the budget at
 all is never kept. A block pushed out goes to the disk tier when there is one (engine/
-disk_kv_tier.py), and a disk hit comes back through here.
+kv_tier/disk.py), and a disk hit comes back through here.
 
 A linear-attention hybrid's state snapshot at a page (engine/scheduler/state_snapshots.py)
 is kept here too, under the same byte budget and LRU, keyed by that page's hash plus a
@@ -18,7 +18,7 @@ suffix (`snapshot_key`): a host hit resumes only where its snapshot is here or o
 device. Snapshots never go to disk (the disk tier keeps KV blocks only; hybrids refuse it)
 and make no KV events.
 
-Pure numpy, no JAX: engine/kv_offload.py moves blocks between the device and here. One
+Pure numpy, no JAX: engine/kv_tier/page_offload.py moves blocks between the device and here. One
 tier serves every data replica (a block is the same bytes wherever it was computed).
 `listener` hears ("stored", hash, parent, tokens, tier) and ("removed", hash, tier)
 on the stepping thread, as the block managers' listener does for the device.
@@ -77,7 +77,7 @@ class HostKVTier:
         self.budget_bytes = int(budget_bytes)
         self.blocks: OrderedDict[bytes, KVBlock] = OrderedDict()  # least recently used first
         self.nbytes = 0
-        self.disk = disk  # engine.disk_kv_tier.DiskKVTier or None
+        self.disk = disk  # engine.kv_tier.disk.DiskKVTier or None
         self.counts = TierCounts()
         self.listener: Callable[..., None] | None = None
         self.num_snapshots = 0  # StateSnapshots among the blocks
