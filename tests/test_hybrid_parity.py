@@ -127,8 +127,11 @@ def test_a_fresh_sequence_ignores_what_its_slot_holds(qwen3_5):
 
 
 def test_int8_weights_are_refused_by_name(qwen3_5):
-    with pytest.raises(ConfigError, match="int8"):
-        dataclasses.replace(qwen3_5[1], weight_dtype="int8")
+    """Refused by the capability table at load_config (engine/capabilities/table.py)."""
+    from jaxfill.engine.config import load_config
+
+    with pytest.raises(ConfigError, match="model.weight_dtype = 'int8' is refused"):
+        load_config("tiny", {"model.weight_dtype": "int8"}, qwen3_5[0])
 
 
 @pytest.fixture(scope="module")
