@@ -10,7 +10,7 @@ builds anything (some rules hold on one platform only); nothing reads a weight f
 
 from __future__ import annotations
 
-from jaxfill.engine.capabilities.table import CAPABILITIES, SETTINGS, Rule, model_kinds, refusals
+from jaxfill.engine.capabilities.table import CAPABILITIES, KINDS, SETTINGS, Rule, model_kinds, refusals
 from jaxfill.models.config import ConfigError
 from jaxfill.models.sharding import head_repeat
 
@@ -44,7 +44,7 @@ def _condition(cond: str, config) -> str:
         section, _, field = key.partition(".")
         value = getattr(getattr(config, section), field)
         return f"{key} = {value!r}" if isinstance(value, str) else f"{key} = {value}"
-    if name in ("attention", "mla", "moe", "linear", "gated_deltanet", "mamba2"):
+    if name in KINDS:
         m = config.model
         if name == "linear":
             return f"{m.linear_kind} layers {list(m.linear_layers)}"

@@ -6,7 +6,6 @@ two sequences in one ragged batch, each in its own slot, equal each alone; a fre
 sequence ignores whatever its slot holds (a reused slot cannot leak state: the failure of
 tpu-inference #3412); unused pages and slots are NaN-filled throughout."""
 
-import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
