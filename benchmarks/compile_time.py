@@ -4,7 +4,7 @@
 Two measurements, both with the persistent compile cache off:
 
 * per bucket: `jax.jit(engine.step.step.__wrapped__)` lowered and compiled after
-  `jax.clear_caches()`, for `Decoder(m, stages=1)` vs `Decoder(m, stages=L)`, on abstract
+  `jax.clear_caches()`, for `Decoder(m)` vs `Decoder(m, plan=ExecutionPlan.stacked(L))`, on abstract
   state (`nnx.eval_shape`), an abstract cache (`jax.eval_shape(KVCache.create)`), an
   abstract `dummy_batch` and abstract prev_tokens: nothing is allocated, so the 8B and
   80-layer shapes compile on a laptop. Every compile is checked to be a real XLA backend
@@ -28,6 +28,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxfill.models.execution_plan import ExecutionPlan
 from jaxfill.engine.batch import dummy_batch
 from jaxfill.engine.config import load_config
 from jaxfill.engine.step import step
@@ -56,7 +57,7 @@ def _abstract(tree):
 def step_args(config, stages: int, bucket: tuple[int, int]) -> tuple:
     """(graphdef, state, kv_cache, batch, prev_tokens), everything but graphdef abstract."""
     m, e = config.model, config.engine
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(m, nnx.Rngs(0), stages=stages)))
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(m, nnx.Rngs(0), plan=ExecutionPlan.stacked(stages))))
     cache = jax.eval_shape(lambda: KVCache.create(m, e.num_pages, e.page_size, stages=stages))
     batch = _abstract(dummy_batch(bucket, e.max_pages_per_seq, e.penalty_window, config.model.vocab_size))
     prev_tokens = jax.ShapeDtypeStruct((e.max_num_seqs,), np.int32)

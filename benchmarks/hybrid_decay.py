@@ -51,7 +51,7 @@ def worker(name: str, lengths: list[int], repeats: int) -> None:
     e = Engine.from_config("tiny_random", overrides=over, progress=False)
     rng = np.random.default_rng(0)
     st = e.stats()  # allocation, read from the cache's arrays: pages by the token, states by the slot
-    per_slot = st["state_bytes"] // e.config.engine.state_pool_slots if e.config.model.linear_layers else 0
+    per_slot = st["state_bytes"] // e.config.engine.state_pool_slots if e.config.model.linear.layers else 0
     out = {"model": name, "params": param_count(e.config.model), "lengths": {}, "bytes_per_request": {
         str(n): -(-n // 16) * 16 * st["kv_bytes_per_token"] + per_slot for n in lengths}}
     for n in lengths:

@@ -3,7 +3,7 @@
     python benchmarks/mla_forms.py [--heads 8] [--prefixes 0 512 2048] [--chunks 16 64 128 256 512]
     python benchmarks/mla_forms.py --replot
 
-One attention layer's `LatentAttention._attend` (models/mla.py; the K/V projections and
+One attention layer's `LatentAttention._attend` (models/mixers/mla.py; the K/V projections and
 the rest of the layer are the same in both forms), jitted once per (form, prefix, chunk),
 DeepSeek V3's head dims (kv_lora_rank 512, rope 64, nope 128, v 128) with `--heads` heads
 (V3's 128 over tensor = 16 is 8 per device), f32, attention impl xla, page size 16. One
@@ -35,10 +35,10 @@ def layer(form: str, heads: int):
     from flax import nnx
 
     from jaxfill.models.config import ModelConfig
-    from jaxfill.models.mla import LatentAttention
+    from jaxfill.models.mixers.mla import LatentAttention
 
     d = DIMS
-    cfg = ModelConfig(architecture="DeepseekV3ForCausalLM", hidden_size=256, num_heads=heads, num_kv_heads=1,
+    cfg = ModelConfig.of(architecture="DeepseekV3ForCausalLM", hidden_size=256, num_heads=heads, num_kv_heads=1,
                       head_dim=d["lat"] + d["rope"], rotary_dim=d["rope"], kv_lora_rank=d["lat"],
                       qk_rope_head_dim=d["rope"], qk_nope_head_dim=d["nope"], v_head_dim=d["vd"], mla_form=form)
     return LatentAttention(cfg, nnx.Rngs(0))
@@ -73,7 +73,7 @@ def batch(q_lens: list[int], kv_lens: list[int], heads: int, rng):
 def measure(q_lens, kv_lens, heads, repeats, rng) -> dict:
     import jax
 
-    from jaxfill.models.mla_expanded import prefers_expanded
+    from jaxfill.models.mixers.mla_expanded import prefers_expanded
 
     q, pages, meta, w_uk, w_uv = batch(q_lens, kv_lens, heads, rng)
     fns = {}

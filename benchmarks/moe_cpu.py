@@ -115,7 +115,7 @@ def collectives(tokens: int) -> list[dict]:
     from jaxfill.models.forward import forward
     from jaxfill.models.kv_cache import KVCache, single_sequence_metadata
 
-    cfg = ModelConfig(architecture="MixtralForCausalLM", vocab_size=512, hidden_size=256, intermediate_size=512,
+    cfg = ModelConfig.of(architecture="MixtralForCausalLM", vocab_size=512, hidden_size=256, intermediate_size=512,
                       num_layers=2, num_heads=8, num_kv_heads=4, head_dim=32, num_experts=8, experts_per_token=2,
                       moe_intermediate_size=512)
     page = 16

@@ -110,6 +110,7 @@ def bubble(tokens: int, repeats: int, stages: int, microbatch_counts: list[int])
 
     from jaxfill.engine.config import MeshSettings, load_config
     from jaxfill.engine.mesh import make_mesh
+    from jaxfill.models.execution_plan import ExecutionPlan
     from jaxfill.engine.placement import abstract_state, init_sharded
     from jaxfill.models.kv_cache import KVCache
     from jaxfill.models.forward import forward
@@ -119,7 +120,7 @@ def bubble(tokens: int, repeats: int, stages: int, microbatch_counts: list[int])
     devices = len(jax.devices())
     data = devices // stages
     mesh = make_mesh(MeshSettings(stage=stages, data=data))
-    _, state = init_sharded(cfg, mesh, stages=stages)
+    _, state = init_sharded(cfg, mesh, plan=ExecutionPlan.stacked(stages))
     tok, pos, meta = _prefill(cfg, page_size, tokens, 0)
     if data > 1:  # one prefill per 'data' replica, metadata stacked [data, ...]
         import jax.numpy as jnp
@@ -132,7 +133,7 @@ def bubble(tokens: int, repeats: int, stages: int, microbatch_counts: list[int])
         fn = forward
     rows = []
     for m in microbatch_counts:
-        graphdef, _ = abstract_state(cfg, stages=stages, microbatches=m)
+        graphdef, _ = abstract_state(cfg, plan=ExecutionPlan.stacked(stages, m))
         box = [KVCache.create(cfg, tokens // page_size + 2, page_size, fill_value=float("nan"),
                                stages=stages, mesh=mesh)]
         with jax.set_mesh(mesh):
@@ -166,6 +167,7 @@ def profile(tokens: int, stages: int, microbatches: int) -> dict:
 
     from jaxfill.engine.config import MeshSettings, load_config
     from jaxfill.engine.mesh import make_mesh
+    from jaxfill.models.execution_plan import ExecutionPlan
     from jaxfill.engine.placement import abstract_state, init_sharded
     from jaxfill.models.kv_cache import KVCache
     from jaxfill.models.forward import forward
@@ -173,8 +175,8 @@ def profile(tokens: int, stages: int, microbatches: int) -> dict:
     config = load_config(BENCH)
     cfg, page_size = config.model, config.engine.page_size
     mesh = make_mesh(MeshSettings(stage=stages))
-    _, state = init_sharded(cfg, mesh, stages=stages)
-    graphdef, _ = abstract_state(cfg, stages=stages, microbatches=microbatches)
+    _, state = init_sharded(cfg, mesh, plan=ExecutionPlan.stacked(stages))
+    graphdef, _ = abstract_state(cfg, plan=ExecutionPlan.stacked(stages, microbatches))
     tok, pos, meta = _prefill(cfg, page_size, tokens, 0)
     cache = KVCache.create(cfg, tokens // page_size + 2, page_size, fill_value=float("nan"), stages=stages, mesh=mesh)
     logdir = tempfile.mkdtemp(prefix="pipeline_trace_")
@@ -219,11 +221,12 @@ def _abstract_bytes(cfg, stages: int, num_pages: int, page_size: int) -> dict:
 
     from jaxfill.engine.config import MeshSettings
     from jaxfill.engine.mesh import make_mesh
+    from jaxfill.models.execution_plan import ExecutionPlan
     from jaxfill.engine.placement import abstract_state
     from jaxfill.models.sharding import kv_cache_heads, kv_cache_sharding, param_shardings
 
     mesh = make_mesh(MeshSettings(stage=stages), devices=jax.devices()[:stages])
-    _, abstract = abstract_state(cfg, stages=stages)
+    _, abstract = abstract_state(cfg, plan=ExecutionPlan.stacked(stages))
     shardings = param_shardings(abstract, mesh)
     leaves, shards = jax.tree.leaves(abstract), jax.tree.leaves(shardings)  # ShapeDtypeStruct, NamedSharding
     weights = sum(int(np.prod(s.shard_shape(v.shape))) * np.dtype(v.dtype).itemsize for v, s in zip(leaves, shards))
@@ -238,6 +241,7 @@ def per_device_bytes(num_pages: int) -> dict:
 
     from jaxfill.engine.config import MeshSettings, load_config
     from jaxfill.engine.mesh import make_mesh
+    from jaxfill.models.execution_plan import ExecutionPlan
     from jaxfill.engine.placement import init_sharded
     from jaxfill.models.kv_cache import KVCache
 
@@ -246,7 +250,7 @@ def per_device_bytes(num_pages: int) -> dict:
     rows = {"bench_arrays": [], "llama3_8b_abstract": [], "bench_abstract": []}
     for p in (1, 2, 4, 8):
         mesh = make_mesh(MeshSettings(stage=p), devices=jax.devices()[:p])
-        _, state = init_sharded(cfg, mesh, stages=p)
+        _, state = init_sharded(cfg, mesh, plan=ExecutionPlan.stacked(p))
         cache = KVCache.create(cfg, num_pages, page_size, stages=p, mesh=mesh)
         row = {"stages": p, "weight_bytes_device0": _device0_bytes(state), "kv_bytes_device0": _device0_bytes(cache)}
         rows["bench_arrays"].append(row)
@@ -289,6 +293,7 @@ def boundary_vs_tensor(tokens: int, microbatches: int) -> dict:
 
     from jaxfill.engine.config import MeshSettings, load_config
     from jaxfill.engine.mesh import make_mesh
+    from jaxfill.models.execution_plan import ExecutionPlan
     from jaxfill.engine.placement import abstract_state, init_sharded
     from jaxfill.models.kv_cache import KVCache
     from jaxfill.models.forward import forward
@@ -308,8 +313,8 @@ def boundary_vs_tensor(tokens: int, microbatches: int) -> dict:
         RULES["act_vocab"] = act_vocab or saved
         jax.clear_caches()  # the rules are read at trace time
         mesh = make_mesh(settings, devices=jax.devices()[:2])
-        _, state = init_sharded(cfg, mesh, stages=stages)
-        graphdef, _ = abstract_state(cfg, stages=stages, microbatches=microbatches)
+        _, state = init_sharded(cfg, mesh, plan=ExecutionPlan.stacked(stages))
+        graphdef, _ = abstract_state(cfg, plan=ExecutionPlan.stacked(stages, microbatches))
         cache = KVCache.create(cfg, tokens // page_size + 2, page_size, stages=stages, mesh=mesh)
         with jax.set_mesh(mesh):
             text = forward.lower(graphdef, state, tok, pos, cache, meta).compile().as_text()

@@ -68,7 +68,7 @@ def matching_preset(model: ModelConfig) -> str | None:
         except ValueError:
             continue
         if family_of(preset.architecture).name == family and all(
-                getattr(preset, f) == getattr(model, f) for f in MATCHED_FIELDS):
+                preset.value(f) == model.value(f) for f in MATCHED_FIELDS):
             return name
     return None
 

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 from jaxfill.engine.checkpoint_settings import checkpoint_engine, checkpoint_name, describe
 from jaxfill.engine.presets import NOT_PRESETS, preset_names, read_preset  # noqa: F401 (their old home)
-from jaxfill.models.config import ConfigError, ModelConfig
+from jaxfill.models.config import ConfigError, ModelConfig, flat_keys
 from jaxfill.engine.validation import validate
 from jaxfill.models.families.registry import config_from_dict, config_from_hf
 
@@ -71,7 +71,7 @@ class EngineSettings:
     host_kv_cache_gb: float = 0.0
     disk_kv_cache_dir: str = ""
     disk_kv_cache_gb: float = 0.0
-    # Linear-attention hybrids (models/gated_deltanet.py): recurrent-state slots, one per
+    # Linear-attention hybrids (models/mixers/gated_deltanet.py): recurrent-state slots, one per
     # running request (the scheduler hands them out). Set by load_config for such models
     # (= max_num_seqs); 0 for every other model.
     state_slots: int = 0
@@ -181,7 +181,7 @@ def parse_overrides(overrides: Mapping[str, Any] | list[str] | None) -> dict[str
         section, _, field = key.partition(".")
         if section not in SECTIONS or not field:
             raise ConfigError(f"override key {key!r} must be one of model.*, engine.*, mesh.*")
-        known = {f.name for f in dataclasses.fields(SECTIONS[section])}
+        known = flat_keys() if section == "model" else {f.name for f in dataclasses.fields(SECTIONS[section])}
         if field not in known:
             raise ConfigError(f"unknown key {key!r}; {section} has: {', '.join(sorted(known))}")
         out.setdefault(section, {})[field] = value
@@ -228,7 +228,7 @@ def load_config(config: str | None = None, overrides: Mapping[str, Any] | list[s
     if model_path:
         model = config_from_hf(model_path)
         model_extra = extra.get("model", {})
-        model = dataclasses.replace(model, **model_extra) if model_extra else model
+        model = model.replace(**model_extra) if model_extra else model
         if from_checkpoint:
             data["engine"] = checkpoint_engine(model)
             describe(name, model, {**data["engine"], **extra.get("engine", {})})
@@ -239,7 +239,7 @@ def load_config(config: str | None = None, overrides: Mapping[str, Any] | list[s
     engine_values = _fit_max_model_len(engine_values, "max_model_len" in extra.get("engine", {}), model)
     engine = _build(EngineSettings, engine_values)
     mesh = _build(MeshSettings, {**data.get("mesh", {}), **extra.get("mesh", {})})
-    if model.linear_layers:
+    if model.linear.layers:
         engine, mesh = hybrid_settings(model, engine, mesh)
     config = Config(name=name, model=model, engine=engine, mesh=mesh, model_path=model_path)
     validate(config)  # every combination refused here, before any weight is read

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from jaxfill.engine.config import Config
-from jaxfill.engine.execution_plan import ExecutionPlan
+from jaxfill.models.execution_plan import ExecutionPlan
 from jaxfill.engine.request import InvalidRequest
 from jaxfill.engine.tokenizer import load_tokenizer
 from jaxfill.models.families.registry import new_model
@@ -39,16 +39,14 @@ def build_model(config: Config, mesh=None, progress: bool = True):
     models/parallel/pipeline.py."""
     impl = config.engine.attention_impl
     plan = ExecutionPlan.of_config(config)
-    stages, microbatches = plan.layer_groups, plan.microbatches
     if mesh is not None:
         from flax import nnx
 
         from jaxfill.engine import placement
 
         if not config.model_path:
-            return nnx.merge(*placement.init_sharded(config.model, mesh, impl, stages=stages,
-                                                     microbatches=microbatches))
-        _, abstract = placement.abstract_state(config.model, impl, stages, microbatches)
+            return nnx.merge(*placement.init_sharded(config.model, mesh, impl, plan=plan))
+        _, abstract = placement.abstract_state(config.model, impl, plan)
         place = placement.shard_placer(mesh, abstract)
     else:
         place = None
@@ -56,8 +54,8 @@ def build_model(config: Config, mesh=None, progress: bool = True):
         from jaxfill.models.checkpoint import default_place, load_hf_params
 
         return load_hf_params(config.model_path, config.model, attention_impl=impl, place=place or default_place,
-                              progress=progress, stages=stages, microbatches=microbatches)
-    return new_model(config.model, attention_impl=impl, stages=stages, microbatches=microbatches)
+                              progress=progress, plan=plan)
+    return new_model(config.model, attention_impl=impl, plan=plan)
 
 
 def build_tokenizer(config: Config):

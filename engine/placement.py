@@ -14,27 +14,28 @@ import jax
 from flax import nnx
 
 from jaxfill.models.checkpoint import TensorSlices
+from jaxfill.models.execution_plan import ExecutionPlan
 from jaxfill.models.families.registry import new_model
 from jaxfill.models.sharding import param_shardings, var_sharding
 
 
-def abstract_state(config, attention_impl: str = "auto", stages: int = 1, microbatches: int = 1):
+def abstract_state(config, attention_impl: str = "auto", plan: ExecutionPlan = ExecutionPlan()):
     """(graphdef, abstract state) of the config's model, without allocating anything."""
-    model = nnx.eval_shape(lambda: new_model(config, nnx.Rngs(0), attention_impl=attention_impl,
-                                             stages=stages, microbatches=microbatches))
+    model = nnx.eval_shape(lambda: new_model(config, nnx.Rngs(0), attention_impl=attention_impl, plan=plan))
     return nnx.split(model)
 
 
 def init_sharded(config, mesh: jax.sharding.Mesh, attention_impl: str = "auto",
-                 rules: Mapping[str, Any] | None = None, stages: int = 1, microbatches: int = 1):
+                 rules: Mapping[str, Any] | None = None, plan: ExecutionPlan | None = None):
     """Random init straight into shards (jit with out_shardings): (graphdef, state).
-    Bitwise the same values as `new_model(config)` (threefry is partitionable)."""
-    graphdef, abstract = abstract_state(config, attention_impl, stages, microbatches)
+    Bitwise the same values as `new_model(config)` (threefry is partitionable). `plan`
+    None: the unrolled layout on this mesh (ExecutionPlan.unrolled_on)."""
+    plan = plan or ExecutionPlan.unrolled_on(mesh)
+    graphdef, abstract = abstract_state(config, attention_impl, plan)
     shardings = param_shardings(abstract, mesh, rules)
 
     def init():
-        return nnx.split(new_model(config, nnx.Rngs(config.seed), attention_impl=attention_impl,
-                                   stages=stages, microbatches=microbatches))[1]
+        return nnx.split(new_model(config, nnx.Rngs(config.seed), attention_impl=attention_impl, plan=plan))[1]
 
     with jax.set_mesh(mesh):
         state = jax.jit(init, out_shardings=shardings)()

@@ -105,7 +105,7 @@ class Runner(RunnerKVTier):
         self.kv_sizes = self.kv_cache.sizes()
         self.weight_bytes = param_bytes(self.state)
         m = config.model
-        self.expert_load = ExpertLoad(m.num_layers, m.num_experts, self.stages) if m.num_experts else None
+        self.expert_load = ExpertLoad(m.num_layers, m.moe.num_experts, self.stages) if m.moe.num_experts else None
         self.kv_offload = None  # engine/kv_tier/page_offload.py when engine.host_kv_cache_gb > 0 (Engine sets it)
         self.lockstep = None
         if jax.process_count() > 1:
@@ -293,7 +293,7 @@ class Runner(RunnerKVTier):
         kv_heads = min(m.num_kv_heads, 2)  # per-head work; keeps the query group size
         error = check_impl(self.attention_impl, num_q_heads=kv_heads * (m.num_heads // m.num_kv_heads),
                            num_kv_heads=kv_heads, head_dim=m.head_dim, page_size=self.page_size,
-                           dtype=m.jnp_dtype, sliding_window=m.sliding_window,
+                           dtype=m.jnp_dtype, sliding_window=m.attention.sliding_window,
                            kv_cache_dtype=self.config.engine.kv_cache_dtype)
         if error is None:
             self.attention_check = f"{self.attention_impl} matches xla on a mixed batch"

@@ -4,7 +4,7 @@ The only place a combination of settings (or of a setting and the model's kinds 
 shapes) is refused: the rules of engine/capabilities/table.py, then the checks between values
 that belong together (the pool over sequence ranks, buckets over the token budget, the
 layers over stages). Settings checked alone stay in their dataclasses (engine/config.py,
-models/config.py). load_config runs it, and the loader again with the platform before it
+models/config/). load_config runs it, and the loader again with the platform before it
 builds anything (some rules hold on one platform only); nothing reads a weight first.
 """
 
@@ -42,12 +42,12 @@ def _condition(cond: str, config) -> str:
     if name in CAPABILITIES or name in SETTINGS:
         key = name.split("=")[0]
         section, _, field = key.partition(".")
-        value = getattr(getattr(config, section), field)
+        value = config.model.value(field) if section == "model" else getattr(getattr(config, section), field)
         return f"{key} = {value!r}" if isinstance(value, str) else f"{key} = {value}"
     if name in KINDS:
         m = config.model
         if name == "linear":
-            return f"{m.linear_kind} layers {list(m.linear_layers)}"
+            return f"{m.linear.kind} layers {list(m.linear.layers)}"
         return f"no {name} layers" if cond.startswith("!") else f"{name} layers"
     return name
 
@@ -74,7 +74,7 @@ def check_values(config) -> None:
 
         if not cluster_env():
             raise ConfigError("mesh.num_processes > 1 needs mesh.coordinator (host:port) outside a TPU pod/cluster")
-    if model.linear_layers:
+    if model.linear.layers:
         _check_hybrid(model, engine, mesh)
     try:  # the model's shapes against the mesh
         check_mesh(model, mesh)
@@ -91,24 +91,24 @@ def check_mesh(model, mesh) -> None:
     if model.num_heads % tp:
         raise ValueError(f"{split}={tp} does not divide model.num_heads={model.num_heads}")
     head_repeat(model.num_kv_heads, tp)  # raises unless Hkv and the split divide one another
-    has_dense = not model.num_experts or bool(model.dense_layers)
+    has_dense = not model.moe.num_experts or bool(model.moe.dense_layers)
     if has_dense and model.intermediate_size % tp:
         raise ValueError(f"{split}={tp} does not divide model.intermediate_size={model.intermediate_size}")
-    if model.num_experts and model.num_experts % mesh.expert:
-        raise ValueError(f"mesh.expert={mesh.expert} does not divide model.num_experts={model.num_experts}")
-    if model.num_experts and model.moe_intermediate_size % mesh.tensor:
+    if model.moe.num_experts and model.moe.num_experts % mesh.expert:
+        raise ValueError(f"mesh.expert={mesh.expert} does not divide model.num_experts={model.moe.num_experts}")
+    if model.moe.num_experts and model.moe.intermediate_size % mesh.tensor:
         raise ValueError(f"mesh.tensor={mesh.tensor} does not divide "
-                         f"model.moe_intermediate_size={model.moe_intermediate_size}")
+                         f"model.moe_intermediate_size={model.moe.intermediate_size}")
     if model.num_layers % mesh.stage:
         raise ValueError(f"mesh.stage={mesh.stage} does not divide model.num_layers={model.num_layers}: "
                          "every pipeline stage holds the same number of layers")
 
 
 def _check_hybrid(model, engine, mesh) -> None:
-    groups = "Mamba2 groups (n_groups)" if model.linear_kind == "mamba2" else "linear key heads"
-    if model.linear_num_key_heads % mesh.tensor:
+    groups = "Mamba2 groups (n_groups)" if model.linear.kind == "mamba2" else "linear key heads"
+    if model.linear.num_key_heads % mesh.tensor:
         raise ConfigError(f"{model.architecture}: mesh.tensor = {mesh.tensor} (must divide the "
-                          f"{model.linear_num_key_heads} {groups})")
+                          f"{model.linear.num_key_heads} {groups})")
     interval, slots = int(engine.state_snapshot_tokens), int(engine.state_snapshot_slots)
     if interval < 0 or interval % engine.page_size or slots < 0:
         raise ConfigError(f"engine.state_snapshot_tokens must be a multiple of engine.page_size "
@@ -128,9 +128,9 @@ def check_stackable(model, groups: int) -> None:
         if any((n in named) != (n % k in named) for n in range(model.num_layers)):
             raise ConfigError(f"the model's {name} {sorted(named)} differ between the {groups} stacked layer "
                               "groups (mesh.stage / engine.scan_layers); use the unrolled layout")
-    if not model.num_experts or not model.dense_layers:
+    if not model.moe.num_experts or not model.moe.dense_layers:
         return
-    dense = set(model.dense_layers)
+    dense = set(model.moe.dense_layers)
     if any((n in dense) != (n % k in dense) for n in range(model.num_layers)):
         raise ConfigError(f"the model's dense layers {sorted(dense)} differ between the {groups} stacked layer "
                           f"groups (mesh.stage / engine.scan_layers), which stack layer j of every group as one; "

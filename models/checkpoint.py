@@ -24,6 +24,7 @@ from flax import nnx
 from jaxfill.models import mxfp4
 from jaxfill.models.config import ModelConfig
 from jaxfill.models.decoder import Decoder
+from jaxfill.models.execution_plan import ExecutionPlan
 from jaxfill.models.families.base import HFTensor
 from jaxfill.models.families.registry import family_of, new_model
 from jaxfill.models.progress import progress_bar
@@ -211,15 +212,14 @@ def default_place(path: tuple, tensor: TensorSlices) -> jax.Array:
 
 def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "auto",
                    place: Callable[[tuple, TensorSlices], jax.Array] = default_place,
-                   progress: bool = True, stages: int = 1, microbatches: int = 1) -> Decoder:
+                   progress: bool = True, plan: ExecutionPlan = ExecutionPlan()) -> Decoder:
     """Builds the config's model whose params come from a Hugging Face safetensors checkpoint.
 
     Every header is checked (names, shapes) before any tensor data is read, so a wrong
-    checkpoint fails fast and whole. With `stages` > 1 the params go straight into the
+    checkpoint fails fast and whole. With a stacked `plan` the params go straight into the
     stacked layout of models/parallel/pipeline.py: `place` gets each stacked param as one
     StackedSlices, so a device reads only its own stage's layers."""
-    model = nnx.eval_shape(lambda: new_model(config, nnx.Rngs(0), attention_impl=attention_impl, stages=stages,
-                                             microbatches=microbatches))
+    model = nnx.eval_shape(lambda: new_model(config, nnx.Rngs(0), attention_impl=attention_impl, plan=plan))
     graphdef, state = nnx.split(model)
     params = {path: var for path, var in nnx.to_flat_state(state)}
     family = family_of(config.architecture)
@@ -237,7 +237,7 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
             name = rename(name)
             if name.endswith(family.ignored_tensors) or name.startswith(skipped):
                 continue
-            if name == "lm_head.weight" and config.tie_word_embeddings:
+            if name == "lm_head.weight" and config.embeddings.tied:
                 continue  # some exports write the tied head too
             if name in seen:
                 raise CheckpointError(f"tensor {name!r} appears twice ({os.path.basename(path)} again)")
@@ -276,6 +276,7 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
             entries.setdefault(p, {})[tuple(index for _, index, _ in stack)] = reader
             levels[p] = tuple((axis, count) for axis, _, count in stack)
     readers: dict[tuple, object] = {}  # param path -> reader (a list of stage rows while stacking)
+    stages = plan.layer_groups
     per_stage = config.num_layers // stages
     for p, parts in entries.items():
         reader = assemble(parts, levels[p])

@@ -33,7 +33,7 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_cac
 
 def shares_kv(config) -> bool:
     """K-only pages (V is K): multi-head latent attention's one latent "head"."""
-    return bool(getattr(config, "kv_lora_rank", 0))
+    return config.mla.enabled
 
 
 def cache_entry(layer, stages: int):
@@ -98,12 +98,12 @@ class KVCache:
             dtype = dtype or config.jnp_dtype
             layer = lambda: init_kv_pages(pool, page_size, heads, config.head_dim, dtype, fill_value, shared)  # noqa: E731
         make = lambda: cache_entry(layer, stages)  # noqa: E731
-        counter = lambda: cache_entry(lambda: jnp.zeros((replicas * config.num_experts,), jnp.int32), stages)  # noqa: E731
+        counter = lambda: cache_entry(lambda: jnp.zeros((replicas * config.moe.num_experts,), jnp.int32), stages)  # noqa: E731
         if mesh is not None:
             make = jax.jit(make, out_shardings=_cache_shardings(mesh, stages > 1, kv_cache_dtype != "auto"))
             counter = jax.jit(counter, out_shardings=kv_cache_sharding(mesh, staged=stages > 1, axes=("replicas",)))
         entries = range(config.num_layers // stages)
-        if config.linear_layers:
+        if config.linear.layers:
             if stages > 1:
                 raise ValueError("linear-attention hybrids run unstaged for now")
             from jaxfill.models.linear_state import init_linear_state
@@ -111,10 +111,10 @@ class KVCache:
             state = lambda: init_linear_state(config, state_slots, fill_value)  # noqa: E731
             if mesh is not None:
                 state = jax.jit(state, out_shardings=linear_state_sharding(mesh))
-            return cls(tuple(None if j in config.no_mixer_layers else state() if j in config.linear_layers
+            return cls(tuple(None if j in config.no_mixer_layers else state() if j in config.linear.layers
                              else make() for j in entries), stages)
         counters = None
-        if config.num_experts:  # stacked layouts hold one layer kind per entry (engine/config.check_stackable)
+        if config.moe.num_experts:  # stacked layouts hold one layer kind per entry (engine/config.check_stackable)
             counters = tuple(counter() if is_moe_layer(config, j) else None for j in entries)
         return cls(tuple(None if j in config.no_mixer_layers else make() for j in entries), stages, counters)
 

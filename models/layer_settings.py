@@ -43,15 +43,15 @@ class LayerSettings(NamedTuple):
 @functools.lru_cache(maxsize=64)
 def layer_settings(config: ModelConfig) -> LayerSettings:
     c = config
-    per_layer = [c.layer_window(n) for n in range(c.num_layers)]
+    per_layer = [c.attention.layer_window(n) for n in range(c.num_layers)]
     windows = tuple(dict.fromkeys(per_layer))
-    global_rope = rope_parameters(c.rope_dim, c.rope_theta, c.rope_scaling_dict, c.max_position_embeddings)
-    local_rope = (global_rope if c.rope_local_theta is None
-                  else rope_parameters(c.rope_dim, c.rope_local_theta, None, c.max_position_embeddings))
+    global_rope = rope_parameters(c.rope_dim, c.attention.rope_theta, c.attention.rope_scaling_dict, c.max_position_embeddings)
+    local_rope = (global_rope if c.attention.rope_local_theta is None
+                  else rope_parameters(c.rope_dim, c.attention.rope_local_theta, None, c.max_position_embeddings))
     inv, scale, has = [], [], []
     for n in range(c.num_layers):
         f, s = local_rope if per_layer[n] is not None else global_rope
-        nope = n in c.nope_layers
+        nope = n in c.attention.nope_layers
         inv.append(np.zeros_like(f) if nope else f)
         scale.append(1.0 if nope else s)
         has.append(not nope)

@@ -42,7 +42,7 @@ def projection(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dt
 
 
 class RMSNorm(nnx.Module):
-    """RMSNorm in the three spellings of models/config.py CHOICES["norm_kind"]; they
+    """RMSNorm in the three spellings of NormConfig.kind (models/config/sections.py); they
     differ only in where the f32 -> dtype cast falls and in Gemma's (1 + w)."""
 
     def __init__(self, dim: int, eps: float, dtype, rngs: nnx.Rngs, axis_name: str = "norm",

@@ -1,4 +1,4 @@
-"""A linear layer's cache entry (models/gated_deltanet.py, models/mamba2.py): per-sequence
+"""A linear layer's cache entry (models/mixers/gated_deltanet.py, models/mixers/mamba2.py): per-sequence
 state in slots, beside the attention layers' pages in the KVCache. Both arrays split over
 'tensor' on axis 1 (models/sharding.linear_state_sharding): the recurrent state by head,
 the conv history by channel, which both mixers lay out group by group (Gated DeltaNet's
@@ -26,21 +26,21 @@ class LinearState:
 
 
 def conv_dim(c: ModelConfig) -> int:
-    return 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
+    return 2 * c.linear.num_key_heads * c.linear.key_head_dim + c.linear.num_value_heads * c.linear.value_head_dim
 
 
 def state_bytes_per_sequence(c: ModelConfig, heads_split: int = 1) -> int:
     """One sequence's state over every linear layer (recurrent f32 + conv history in the
     model dtype), on one of `heads_split` ranks when the value heads split."""
-    recurrent = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
-    conv = conv_dim(c) * (c.linear_conv_kernel - 1) * jnp.dtype(c.jnp_dtype).itemsize
-    return len(c.linear_layers) * (recurrent + conv) // heads_split
+    recurrent = c.linear.num_value_heads * c.linear.key_head_dim * c.linear.value_head_dim * 4
+    conv = conv_dim(c) * (c.linear.conv_kernel - 1) * jnp.dtype(c.jnp_dtype).itemsize
+    return len(c.linear.layers) * (recurrent + conv) // heads_split
 
 
 def init_linear_state(c: ModelConfig, slots: int, fill_value: float = 0.0) -> LinearState:
-    hv, dk, dv = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    hv, dk, dv = c.linear.num_value_heads, c.linear.key_head_dim, c.linear.value_head_dim
     return LinearState(jnp.full((slots, hv, dk, dv), fill_value, jnp.float32),
-                       jnp.full((slots, conv_dim(c), c.linear_conv_kernel - 1), fill_value, c.jnp_dtype))
+                       jnp.full((slots, conv_dim(c), c.linear.conv_kernel - 1), fill_value, c.jnp_dtype))
 
 
 def _copy(entry, src, dst):  # src, dst: [N] int32 slots

@@ -33,28 +33,28 @@ def route(logits: jax.Array,  # [T, E] f32 router logits
     `router_topk_groups` of `router_groups` groups (a group scores the sum of its two
     best), weights from the plain scores, renormalised and times `routed_scaling`
     (DeepSeek-V3, GLM-4.5)."""
-    c, k = config, config.experts_per_token
-    if c.router_scoring == "softmax":
+    c, k = config, config.moe.experts_per_token
+    if c.moe.scoring == "softmax":
         probs = jax.nn.softmax(logits, axis=-1)
         weights, ids = jax.lax.top_k(probs, k)
-    elif c.router_scoring == "topk_softmax":
+    elif c.moe.scoring == "topk_softmax":
         top, ids = jax.lax.top_k(logits, k)
         weights = jax.nn.softmax(top, axis=-1)
     else:
         scores = jax.nn.sigmoid(logits)
         choice = scores if bias is None else scores + bias
-        if c.router_groups > 1:
+        if c.moe.groups > 1:
             t, e = choice.shape
-            grouped = choice.reshape(t, c.router_groups, e // c.router_groups)
+            grouped = choice.reshape(t, c.moe.groups, e // c.moe.groups)
             group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [T, G]
-            _, best = jax.lax.top_k(group_score, c.router_topk_groups)
+            _, best = jax.lax.top_k(group_score, c.moe.topk_groups)
             keep = jnp.zeros_like(group_score, bool).at[jnp.arange(t)[:, None], best].set(True)
-            choice = jnp.where(jnp.repeat(keep, e // c.router_groups, axis=1), choice, -jnp.inf)
+            choice = jnp.where(jnp.repeat(keep, e // c.moe.groups, axis=1), choice, -jnp.inf)
         _, ids = jax.lax.top_k(choice, k)
         weights = jnp.take_along_axis(scores, ids, axis=1)
-    if c.router_renormalize:
-        weights = weights / (weights.sum(-1, keepdims=True) + (1e-20 if c.router_scoring == "sigmoid" else 0.0))
-    return weights * c.routed_scaling, ids.astype(jnp.int32)
+    if c.moe.renormalize:
+        weights = weights / (weights.sum(-1, keepdims=True) + (1e-20 if c.moe.scoring == "sigmoid" else 0.0))
+    return weights * c.moe.routed_scaling, ids.astype(jnp.int32)
 
 
 def gated(gate: jax.Array, up: jax.Array,  # [N, I] each
@@ -132,23 +132,23 @@ class MoE(nnx.Module):
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         c, dt, wd = config, config.jnp_dtype, config.weight_dtype
-        e, h, i = c.num_experts, c.hidden_size, c.moe_intermediate_size
+        e, h, i = c.moe.num_experts, c.hidden_size, c.moe.intermediate_size
         self.config = c
-        rdt = jnp.float32 if c.router_f32 else dt
+        rdt = jnp.float32 if c.moe.router_f32 else dt
         self.router = param(rngs, (h, e), ("embed", None), rdt)
         self.router_bias = (param(rngs, (e,), (None,), jnp.float32, scale=0.1)
-                            if c.router_bias else None)
-        self.router_logit_bias = param(rngs, (e,), (None,), rdt, scale=0.1) if c.router_logit_bias else None
+                            if c.moe.selection_bias else None)
+        self.router_logit_bias = param(rngs, (e,), (None,), rdt, scale=0.1) if c.moe.router_logit_bias else None
         self.experts_gate_up, self.experts_gate_up_scale = projection(
             rngs, (e, h, 2, i), EXPERT_AXES["gate_up"], dt, 1, wd, stacked=1)
         self.experts_down, self.experts_down_scale = projection(
             rngs, (e, i, h), EXPERT_AXES["down"], dt, 1, wd, stacked=1)
-        if c.expert_bias:
+        if c.moe.expert_bias:
             self.experts_gate_up_bias = param(rngs, (e, 2, i), EXPERT_AXES["gate_up_bias"], dt, scale=0.1)
             self.experts_down_bias = param(rngs, (e, h), EXPERT_AXES["down_bias"], dt, scale=0.1)
-        self.shared = (GatedMLP(h, c.shared_expert_size, dt, rngs, wd, c.hidden_act)
-                       if c.shared_expert_size else None)
-        self.shared_gate = param(rngs, (h, 1), ("embed", None), dt) if c.shared_expert_gate else None
+        self.shared = (GatedMLP(h, c.moe.shared_expert_size, dt, rngs, wd, c.hidden_act)
+                       if c.moe.shared_expert_size else None)
+        self.shared_gate = param(rngs, (h, 1), ("embed", None), dt) if c.moe.shared_expert_gate else None
 
     def __call__(self,
                  x: jax.Array,  # [T, H]
@@ -158,12 +158,12 @@ class MoE(nnx.Module):
         this call: the load statistics the engine accumulates (engine/expert_load.py)."""
         c = self.config
         with jax.named_scope("moe"):
-            xr = x.astype(jnp.float32) if c.router_f32 else x
+            xr = x.astype(jnp.float32) if c.moe.router_f32 else x
             logits = jnp.einsum("th,he->te", xr, self.router[...])  # [T, experts]
             if self.router_logit_bias is not None:
                 logits = logits + self.router_logit_bias[...]
             weights, ids = route(logits.astype(jnp.float32), c, _value(self.router_bias))
-            swiglu = None if c.swiglu_limit is None else (c.swiglu_limit, c.swiglu_alpha)
+            swiglu = None if c.moe.swiglu_limit is None else (c.moe.swiglu_limit, c.moe.swiglu_alpha)
 
             def local(x, weights, ids, params, first_expert, lead):
                 return grouped_experts(x, weights, ids, params, first_expert, c.hidden_act, lead, swiglu=swiglu)
@@ -177,7 +177,7 @@ class MoE(nnx.Module):
                     gate = jax.nn.sigmoid(jnp.einsum("th,ho->to", x, self.shared_gate[...]))
                     shared = shared * gate
                 out = out + shared
-            return out, expert_token_counts(ids, valid, c.num_experts)
+            return out, expert_token_counts(ids, valid, c.moe.num_experts)
 
 
 def expert_token_counts(ids: jax.Array,  # [T, k] int32
@@ -195,5 +195,5 @@ def _value(p):
 
 def is_moe_layer(config: ModelConfig, layer: int) -> bool:
     """A layer whose MLP is the mixture of experts (not a dense layer, nor one without an MLP)."""
-    return config.num_experts > 0 and layer not in config.dense_layers and layer not in config.no_mlp_layers
+    return config.moe.num_experts > 0 and layer not in config.moe.dense_layers and layer not in config.no_mlp_layers
 

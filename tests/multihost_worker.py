@@ -44,7 +44,7 @@ MLA = {"model.architecture": "DeepseekV3ForCausalLM", "model.kv_lora_rank": 32, 
 def model_config():
     from jaxfill.models.config import ModelConfig
 
-    return ModelConfig(**MODEL)
+    return ModelConfig.of(**MODEL)
 
 
 def reference_tokens(prompt=PROMPT) -> list[int]:

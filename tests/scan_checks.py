@@ -40,7 +40,7 @@ def check_kernel_model_equals_xla(overrides: dict,  # tiny_random's model.* over
     monkeypatch.setattr(module, name, lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     out = {}
     for impl in ("xla", "pallas_tpu"):
-        c = dataclasses.replace(config, linear_impl=impl)
+        c = config.replace(linear_impl=impl)
         cache = KVCache.create(c, num_pages=8, page_size=16, fill_value=float("nan"), state_slots=2)
         logits, _ = prefill_chunks(new_model(c, nnx.Rngs(0)), prompt, cache, [1, 2, 3], chunk=16)
         out[impl] = np.asarray(logits)

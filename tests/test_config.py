@@ -77,7 +77,7 @@ def test_from_hf_reads_both_rope_spellings():
     old = config_from_hf({**base, "rope_theta": 500000.0, "rope_scaling": scaling, "torch_dtype": "bfloat16"})
     new = config_from_hf({**base, "rope_parameters": {"rope_theta": 500000.0, **scaling}, "dtype": "bfloat16"})
     assert old == new
-    assert old.rope_theta == 500000.0 and dict(old.rope_scaling)["factor"] == 8.0 and old.dtype == "bfloat16"
+    assert old.attention.rope_theta == 500000.0 and dict(old.attention.rope_scaling)["factor"] == 8.0 and old.dtype == "bfloat16"
 
 
 def test_from_hf_rejects_unknown_architecture(tmp_path):

@@ -4,7 +4,7 @@ stays short enough to read in five minutes and no table cell is a wall of text.
 
 A path is a token such as `engine/runner.py`, `models/families/`, `tests/test_x.py::test_y`,
 `configs/*.toml`, `families/registry.py` (a tail of a repository path), `kv_transfer.py`
-(a file name somewhere in the tree), `models/decoder.prunes_last_layer` (a name in that
+(a file name somewhere in the tree), `models/decoder.final_logits` (a name in that
 file) or `jaxfill.engine.loading.build_model` (a module path and a name in it). Tokens
 whose first part names nothing in the tree (`jax/...`, `/path/to/...`, `~/.cache/...`,
 `grpc://...`) are outside the repository and not checked.
@@ -87,7 +87,7 @@ class Tree:
         found = self._matches(path, rooted)
         last = path.rsplit("/", 1)[-1]
         if not found and "/" in path and "." in last and last.rsplit(".", 1)[1] not in ("py", "md", "toml"):
-            module, _, name = path.rpartition(".")  # models/decoder.prunes_last_layer
+            module, _, name = path.rpartition(".")  # models/decoder.final_logits
             files = [p for p in self._matches(module + ".py", rooted) if p in self.files]
             if not files:
                 return f"{token}: no file {module}.py"
@@ -209,7 +209,7 @@ def test_the_check_finds_stale_paths(tree):
              "[y](README.md#no-such-heading)": "no heading #no-such-heading in README.md"}
     for text, why in stale.items():
         assert any(why in p for p in problems(doc, text, tree)), (text, problems(doc, text, tree))
-    fine = ("`engine/scheduler/replicas.py`, `families/registry.py`, `configs/*.toml`, `models/decoder.prunes_last_layer`, "
+    fine = ("`engine/scheduler/replicas.py`, `families/registry.py`, `configs/*.toml`, `models/decoder.final_logits`, "
             "`jaxfill.engine.loading.build_model`, `serving/{generation,vllm}_service.py`, "
             "`tests/test_readme.py::test_notebook_example_matches_the_engine`, `jax/experimental/x.py`, "
             "`~/.cache/jaxfill/xla`, `grpc://127.0.0.1:50051`, `--model DIR/`, [z](README.md#set-up)")

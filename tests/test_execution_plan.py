@@ -1,10 +1,10 @@
-"""One execution plan (engine/execution_plan.py): the layout the loader builds and the
+"""One execution plan (models/execution_plan.py): the layout the loader builds and the
 last-layer pruning the planner counts come from one rule, the model's."""
 
 import pytest
 
 from jaxfill.engine.config import load_config
-from jaxfill.engine.execution_plan import ExecutionPlan
+from jaxfill.models.execution_plan import ExecutionPlan
 from jaxfill.engine.planner.hardware import load_hardware
 from jaxfill.engine.planner.plan import plan_prefill
 from jaxfill.engine.planner.counts import attention_flops, matmul_flops

@@ -154,7 +154,7 @@ def test_rope_types(rope, ok):
     kw = small_kwargs("Qwen3ForCausalLM")
     hf = saved(tf.Qwen3Config, "Qwen3ForCausalLM", **kw, rope_parameters={"rope_theta": 1e4, **rope})
     if ok:
-        assert registry.config_from_hf(hf).rope_scaling_dict["rope_type"] == rope["rope_type"]
+        assert registry.config_from_hf(hf).attention.rope_scaling_dict["rope_type"] == rope["rope_type"]
     else:
         with pytest.raises(ConfigError, match=rope["rope_type"]):
             registry.config_from_hf(hf)
@@ -199,5 +199,5 @@ def test_gemma3_transformers4_spelling_reads_as_the_transformers5_one():
                rope_local_base_freq=1e4, sliding_window_pattern=6)
     a, b = registry.config_from_hf(new), registry.config_from_hf(old)
     assert a == b
-    assert a.layer_types == ("sliding",) * 5 + ("full",) and a.rope_local_theta == 1e4
-    assert dict(a.rope_scaling)["factor"] == 2.0
+    assert a.attention.layer_types == ("sliding",) * 5 + ("full",) and a.attention.rope_local_theta == 1e4
+    assert dict(a.attention.rope_scaling)["factor"] == 2.0

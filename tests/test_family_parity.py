@@ -57,7 +57,7 @@ def test_each_family_feature_changes_the_logits(hf_dirs, name):
     config = config_from_hf(hf_dirs[arch])
     length, tokens = prompts(config.vocab_size)[-1]
     loaded = load_hf_params(hf_dirs[arch], config, progress=False)
-    changed = dataclasses.replace(config, **ABLATIONS[name])
+    changed = config.replace(**ABLATIONS[name])
     other = new_model(changed, nnx.Rngs(0))  # the loaded weights, less any the change drops
     weights = dict(nnx.to_flat_state(nnx.state(loaded)))
     for path, var in nnx.to_flat_state(nnx.state(other)):
@@ -88,7 +88,7 @@ def test_gemma3_image_text_checkpoint_loads_as_its_text_tower(tmp_path):
                 p.add_(0.1 * torch.randn_like(p))
     hf.save_pretrained(str(tmp_path))
     config = config_from_hf(str(tmp_path))
-    assert config.architecture == "Gemma3ForConditionalGeneration" and config.final_soft_cap is None
+    assert config.architecture == "Gemma3ForConditionalGeneration" and config.embeddings.final_soft_cap is None
     model = load_hf_params(str(tmp_path), config, progress=False)
     for length, tokens in prompts(config.vocab_size)[1:]:
         err = rel_l2(ours_last_logits(model, config, tokens), hf_last_logits(hf, tokens))

@@ -47,7 +47,7 @@ def test_lowers_for_tpu_at_qwen3_5_shapes():
 
 def test_the_model_with_the_kernel_equals_the_xla_loop(monkeypatch):
     """A random Qwen3.5-shaped hybrid (4 layers, DeltaNet 2 key / 4 value heads of 16)."""
-    from jaxfill.models import gated_deltanet
+    from jaxfill.models.mixers import gated_deltanet
 
     check_kernel_model_equals_xla({
         "model.architecture": "Qwen3_5ForCausalLM", "model.hidden_size": 64, "model.intermediate_size": 128,

@@ -102,7 +102,7 @@ def test_planner_counts_attention_pages_and_one_state(hybrid):
     assert p["state_bytes_per_request"] * slots == st["state_bytes"]
     assert p["linear_mixer_flops"] > 0 and plan_prefill(config, hw, 512)["linear_mixer_flops"] == 2 * p["linear_mixer_flops"]
     big = load_config("qwen3_5_9b")
-    attention_only = dataclasses.replace(big, model=dataclasses.replace(big.model, linear_layers=()))
+    attention_only = dataclasses.replace(big, model=big.model.replace(linear_layers=()))
     for s in (32768, 131072):
         hybrid_plan, dense_plan = plan_prefill(big, hw, s), plan_prefill(attention_only, hw, s)
         assert 2 < hybrid_plan["decay_coefficient"] < dense_plan["decay_coefficient"] < 4
@@ -119,13 +119,13 @@ def test_state_bytes_apart_from_page_bytes(hybrid, monkeypatch):
     e = engine(directory, **{"engine.state_snapshot_tokens": 32})
     c, s = e.config.model, e.config.engine
     st = e.stats()
-    attention_layers = c.num_layers - len(c.linear_layers)
+    attention_layers = c.num_layers - len(c.linear.layers)
     assert st["kv_bytes_per_token"] == attention_layers * 2 * c.num_kv_heads * c.head_dim * 4
-    per_slot = (c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
-                + (2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim)
-                * (c.linear_conv_kernel - 1)) * 4
+    per_slot = (c.linear.num_value_heads * c.linear.key_head_dim * c.linear.value_head_dim
+                + (2 * c.linear.num_key_heads * c.linear.key_head_dim + c.linear.num_value_heads * c.linear.value_head_dim)
+                * (c.linear.conv_kernel - 1)) * 4
     assert s.state_pool_slots == 2 + 2 + 1
-    assert st["state_bytes"] == len(c.linear_layers) * s.state_pool_slots * per_slot
+    assert st["state_bytes"] == len(c.linear.layers) * s.state_pool_slots * per_slot
     assert st["kv_cache_bytes"] == st["state_bytes"] + s.num_pages * s.page_size * st["kv_bytes_per_token"]
     monkeypatch.setattr(memory, "host_memory_available", lambda: 24 << 20)
     sized = Engine(load_config("tiny", {**BASE, "engine.num_pages": 0, "engine.memory_utilization": 0.5},
@@ -156,7 +156,7 @@ def test_quantized_attention_pages_beside_f32_state(hybrid, kv_dtype):
     assert e.stats()["state_snapshot_hits"] >= 2
     pages = [x for x in e.runner.kv_cache.pages if isinstance(x, QuantizedPages)]
     states = [x for x in e.runner.kv_cache.pages if hasattr(x, "recurrent")]
-    assert len(pages) == config.num_layers - len(config.linear_layers) and pages[0].values.dtype == kv_dtype
+    assert len(pages) == config.num_layers - len(config.linear.layers) and pages[0].values.dtype == kv_dtype
     assert states and all(x.recurrent.dtype == np.float32 for x in states)
     scales = np.asarray(pages[0].scales)
     assert np.isfinite(scales[1:4]).any() and np.isnan(scales[-1]).all()  # written rows scaled; the rest NaN

@@ -38,7 +38,7 @@ def qwen3_5(tmp_path_factory):
 
 def test_f32_logits_and_greedy_tokens_match_hf(qwen3_5):
     directory, config, model = qwen3_5
-    assert config.linear_layers == (0, 1, 2) and config.attn_output_gate and config.rotary_dim == 8
+    assert config.linear.layers == (0, 1, 2) and config.attention.output_gate and config.attention.rotary_dim == 8
     hf = load_hf(directory)
     assert param_count(config) == sum(p.numel() for p in hf.parameters())
     for length, tokens in prompts(config.vocab_size):
@@ -143,7 +143,7 @@ def test_qwen3_next_matches_hf_and_chunks_equal_whole(qwen3_next):
     MoE layers (gated shared expert) beside a dense one; f32 logits, greedy tokens, and a
     prefill in 7-token chunks equal to it whole."""
     directory, config, model = qwen3_next
-    assert config.linear_grouped_proj and config.num_experts == 8 and config.dense_layers == (1,)
+    assert config.linear.grouped_proj and config.moe.num_experts == 8 and config.moe.dense_layers == (1,)
     hf = load_hf(directory)
     assert param_count(config) == sum(p.numel() for p in hf.parameters())
     for length, tokens in prompts(config.vocab_size):
@@ -178,7 +178,7 @@ def test_image_text_checkpoint_loads_as_its_text_tower(tmp_path):
                 p.add_(0.1 * torch.randn_like(p))
     hf.save_pretrained(str(tmp_path))
     config = config_from_hf(str(tmp_path))
-    assert config.architecture == "Qwen3_5ForConditionalGeneration" and config.linear_layers == (0, 1, 2)
+    assert config.architecture == "Qwen3_5ForConditionalGeneration" and config.linear.layers == (0, 1, 2)
     model = load_hf_params(str(tmp_path), config, progress=False)
     for length, tokens in prompts(config.vocab_size)[1:]:
         err = rel_l2(ours_last_logits(model, config, tokens), hf_last_logits(hf, tokens))

@@ -38,7 +38,7 @@ def _preset_shapes() -> dict[tuple, str]:
         c = load_config(name)
         m, e = c.model, c.engine
         group = m.num_heads // m.num_kv_heads
-        shapes.setdefault((m.head_dim, m.dtype, e.page_size, group, 1, m.sliding_window), name)
+        shapes.setdefault((m.head_dim, m.dtype, e.page_size, group, 1, m.attention.sliding_window), name)
     return shapes
 
 
@@ -140,7 +140,7 @@ def test_mosaic_gpu_lowers_for_cuda(case):
 def test_mosaic_gpu_lowers_with_sinks(bucket):
     """gpt-oss's attention sinks (the only preset with them) at its shape."""
     c = load_config("gpt_oss_120b")
-    assert c.model.attention_sinks
+    assert c.model.attention.sinks
     key = next(k for k, name in _preset_shapes().items() if name == "gpt_oss_120b")
     t, s = _buckets("gpt_oss_120b")[bucket]
     fn = functools.partial(ragged_paged_attention_mosaic_gpu, sm_scale=key[0] ** -0.5,
@@ -188,10 +188,10 @@ def test_pallas_tpu_grouped_matmul_lowers_with_mosaic(preset):
     from jaxfill.pallas_kernels.grouped_matmul_tpu import grouped_matmul_tpu
 
     m = load_config(preset).model
-    rows, h, i = 2048 * m.experts_per_token, m.hidden_size, m.moe_intermediate_size
+    rows, h, i = 2048 * m.moe.experts_per_token, m.hidden_size, m.moe.intermediate_size
     for k, n in ((h, 2 * i), (i, h)):
         args = (jax.ShapeDtypeStruct((rows, k), jnp.bfloat16),
-                jax.ShapeDtypeStruct((m.num_experts, k, n), jnp.bfloat16),
-                jax.ShapeDtypeStruct((m.num_experts,), jnp.int32))
+                jax.ShapeDtypeStruct((m.moe.num_experts, k, n), jnp.bfloat16),
+                jax.ShapeDtypeStruct((m.moe.num_experts,), jnp.int32))
         exp = export.export(jax.jit(functools.partial(grouped_matmul_tpu, interpret=False)), platforms=["tpu"])(*args)
         assert "tpu_custom_call" in exp.mlir_module()

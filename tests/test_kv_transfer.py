@@ -296,7 +296,7 @@ MLA = {"model.architecture": "DeepseekV3ForCausalLM", "model.num_kv_heads": 1, "
 
 
 def test_latent_rows_move_and_decode_continues_like_one_engine():
-    """Disaggregated prefill of a multi-head latent attention model (models/mla.py): the
+    """Disaggregated prefill of a multi-head latent attention model (models/mixers/mla.py): the
     latent "head" rows cross, and the decode side's tokens and logprobs are one engine's."""
     src = make(16, **MLA, **{"engine.kv_transfer_timeout_s": 60})
     dst = make(8, **MLA)

@@ -9,10 +9,10 @@ import pytest
 from flax import nnx
 
 from jaxfill.engine.config import load_config
-from jaxfill.models import decoder
 from jaxfill.models.forward import forward
 from jaxfill.models.kv_cache import AttentionMetadata, KVCache
 from jaxfill.models.decoder import Decoder
+from jaxfill.models.execution_plan import ExecutionPlan
 
 PAGE = 16
 SLOTS, MAX_PAGES = 4, 4
@@ -60,9 +60,13 @@ def two_steps(model, config):
     return np.asarray(logits)[:3], [np.asarray(p) for p in cache.pages], step2
 
 
-def full_last_layer(monkeypatch):
-    # The model keeps every row of the last layer when the rows are split over 'sequence'.
-    monkeypatch.setattr(decoder, "rows_split_over_sequence", lambda: True)
+def full_last_layer(model):
+    """The same weights under a plan that runs every row of the last layer (the plan the
+    engine builds when 'sequence' splits the rows)."""
+    graphdef, state = nnx.split(model)
+    full = nnx.merge(graphdef, state)
+    full.plan = ExecutionPlan(prunes_last_layer=False)
+    return full
 
 
 @pytest.fixture(scope="module")
@@ -71,13 +75,10 @@ def model_and_config():
     return Decoder(config), config
 
 
-def test_sampled_rows_match_the_full_last_layer(model_and_config, monkeypatch):
+def test_sampled_rows_match_the_full_last_layer(model_and_config):
     model, config = model_and_config
     logits, pages, _ = two_steps(model, config)
-    full_last_layer(monkeypatch)
-    forward.clear_cache()  # the flag is read while tracing
-    ref_logits, ref_pages, _ = two_steps(model, config)
-    forward.clear_cache()
+    ref_logits, ref_pages, _ = two_steps(full_last_layer(model), config)
     assert np.isfinite(logits).all()
     np.testing.assert_allclose(logits, ref_logits, rtol=1e-5, atol=1e-5)
     assert len(pages) == config.num_layers
@@ -88,22 +89,19 @@ def test_sampled_rows_match_the_full_last_layer(model_and_config, monkeypatch):
         np.testing.assert_allclose(got[written], want[written], rtol=1e-6, atol=1e-6)
 
 
-def test_last_layer_costs_fewer_flops(model_and_config, monkeypatch):
+def test_last_layer_costs_fewer_flops(model_and_config):
     model, config = model_and_config
-    graphdef, state = nnx.split(model)
     cache = KVCache.create(config, num_pages=12, page_size=PAGE, fill_value=float("nan"))
     rng = np.random.default_rng(1)
     step = batch([(rng.integers(0, config.vocab_size, 64), 0, 64, [1, 2, 3, 4])], t_pad=64)
 
-    def flops():
-        forward.clear_cache()  # the flag is read while tracing
+    def flops(model):
+        graphdef, state = nnx.split(model)
         lowered = forward.lower(graphdef, state, step[0], step[1], cache, step[2])
         return lowered.compile().cost_analysis()["flops"]
 
-    pruned = flops()
-    full_last_layer(monkeypatch)
-    full = flops()
-    forward.clear_cache()
+    pruned = flops(model)
+    full = flops(full_last_layer(model))
     # One of L layers keeps only its K/V projection over the 64 rows: the saving is most
     # of a layer's share (4 layers here).
     e, i, hq, hk, d = (config.hidden_size, config.intermediate_size, config.num_heads,
@@ -113,7 +111,7 @@ def test_last_layer_costs_fewer_flops(model_and_config, monkeypatch):
     assert full - pruned >= 0.9 * (layer_matmuls - kept), (full, pruned)
 
 
-def test_every_row_logits_run_the_full_last_layer(model_and_config, monkeypatch):
+def test_every_row_logits_run_the_full_last_layer(model_and_config):
     """Asking for more logit rows than sequences (training / evaluation read every row)
     keeps the whole last layer: every row's logits equal the unpruned model's, and the
     last row's equal the pruned one-row forward's."""
@@ -122,23 +120,19 @@ def test_every_row_logits_run_the_full_last_layer(model_and_config, monkeypatch)
     from jaxfill.models.kv_cache import single_sequence_metadata
 
     model, config = model_and_config
-    graphdef, state = nnx.split(model)
     n = 40
     tokens = jnp.asarray(np.random.default_rng(2).integers(0, config.vocab_size, n), jnp.int32)
     positions = jnp.arange(n, dtype=jnp.int32)
     one_row = single_sequence_metadata(n, 0, [1, 2, 3], PAGE)
     every_row = dataclasses.replace(one_row, logits_indices=jnp.arange(n, dtype=jnp.int32))
 
-    def logits(meta):
+    def logits(meta, model=model):
+        graphdef, state = nnx.split(model)
         cache = KVCache.create(config, num_pages=4, page_size=PAGE, fill_value=float("nan"))
         return np.asarray(forward(graphdef, state, tokens, positions, cache, meta)[0])
 
-    forward.clear_cache()
     last, rows = logits(one_row), logits(every_row)
-    full_last_layer(monkeypatch)
-    forward.clear_cache()  # the flag is read while tracing
-    ref_rows = logits(every_row)
-    forward.clear_cache()
+    ref_rows = logits(every_row, full_last_layer(model))
     assert rows.shape == (n, config.vocab_size) and np.isfinite(rows).all()
     np.testing.assert_allclose(rows, ref_rows, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(rows[-1:], last, rtol=1e-5, atol=1e-5)

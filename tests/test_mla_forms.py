@@ -1,4 +1,4 @@
-"""Multi-head latent attention's two forms (models/mla.py absorbed, models/mla_expanded.py
+"""Multi-head latent attention's two forms (models/mixers/mla.py absorbed, models/mixers/mla_expanded.py
 expanded) against a float64 NumPy oracle of the per-head attention they both compute, on a
 mixed batch (a chunk over a cached prefix, a decode row, a fresh prefill, a padding slot)
 over NaN-filled unused pages; and the per-step choice between them."""
@@ -12,8 +12,8 @@ from flax import nnx
 
 from jaxfill.models.config import ModelConfig
 from jaxfill.models.kv_cache import AttentionMetadata
-from jaxfill.models.mla import LatentAttention
-from jaxfill.models.mla_expanded import compact_page_table, prefers_expanded, touched_pages
+from jaxfill.models.mixers.mla import LatentAttention
+from jaxfill.models.mixers.mla_expanded import compact_page_table, prefers_expanded, touched_pages
 from jaxfill.pallas_kernels.kv_quant import QuantizedPages, dequantize, quantize
 
 PAGE, PAGES, LAT, ROPE, NOPE, H = 4, 24, 16, 8, 12, 4
@@ -21,7 +21,7 @@ CACHED, NEW = [5, 9, 0], [7, 1, 13]  # per live sequence; a 4th slot is padding
 
 
 def config(vd: int, form: str) -> ModelConfig:
-    return ModelConfig(architecture="DeepseekV3ForCausalLM", hidden_size=32, num_heads=H, num_kv_heads=1,
+    return ModelConfig.of(architecture="DeepseekV3ForCausalLM", hidden_size=32, num_heads=H, num_kv_heads=1,
                        head_dim=LAT + ROPE, rotary_dim=ROPE, kv_lora_rank=LAT, qk_rope_head_dim=ROPE,
                        qk_nope_head_dim=NOPE, v_head_dim=vd, mla_form=form)
 

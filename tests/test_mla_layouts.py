@@ -19,7 +19,7 @@ COMMON = {"whole": LAYOUTS["whole"], "chunk1": chunks(1), "chunk7": chunks(7), "
           "chunk64": chunks(64), "prefix": LAYOUTS["prefix"], "tensor2": {"mesh.tensor": 2},
           "sequence2": LAYOUTS["sequence2"], "scan": LAYOUTS["scan"], "stage2": LAYOUTS["stage2"],
           "int8": {"engine.kv_cache_dtype": "int8"},
-          # each form forced on every step (auto picks per step: models/mla_expanded.py)
+          # each form forced on every step (auto picks per step: models/mixers/mla_expanded.py)
           "absorbed": {**chunks(16), "model.mla_form": "absorbed"},
           "expanded": {**chunks(16), "model.mla_form": "expanded"}}
 EXACT = ("chunk1", "chunk7", "chunk16", "chunk64", "prefix", "tensor2", "sequence2", "scan", "stage2",

@@ -10,7 +10,8 @@ torch = pytest.importorskip("torch", reason="the Hugging Face reference needs to
 
 from jaxfill.engine.simple import generate_one, prefill_chunks
 from hf_models import load_hf
-from jaxfill.models import KVCache, attention
+from jaxfill.models import KVCache
+from jaxfill.models.mixers import attention
 from jaxfill.models.checkpoint import load_hf_params
 from jaxfill.models.families.registry import config_from_hf
 
@@ -92,11 +93,11 @@ def check_bf16_at_the_noise_floor(hf_dir):
 def test_logits_match_hf(hf_dirs, arch, dtype):
     config = dataclasses.replace(config_from_hf(hf_dirs[arch]), dtype=dtype)
     if arch == "mistral":
-        assert config.sliding_window == 24  # shorter than the 64- and 300-token prompts
+        assert config.attention.sliding_window == 24  # shorter than the 64- and 300-token prompts
     if arch == "qwen2":
-        assert config.attention_bias and config.tie_word_embeddings
+        assert config.attention.bias and config.embeddings.tied
     if arch == "llama":
-        assert dict(config.rope_scaling)["rope_type"] == "llama3" and config.num_kv_heads < config.num_heads
+        assert dict(config.attention.rope_scaling)["rope_type"] == "llama3" and config.num_kv_heads < config.num_heads
     model = load_hf_params(hf_dirs[arch], config, progress=False)
     if dtype == "float32":
         hf = load_hf(hf_dirs[arch])
@@ -171,7 +172,7 @@ def test_sliding_window_changes_logits(hf_dirs):
     """The window really applies: removing it changes logits of a prompt longer than it."""
     config = config_from_hf(hf_dirs["mistral"])
     windowed = load_hf_params(hf_dirs["mistral"], config, progress=False)
-    full = load_hf_params(hf_dirs["mistral"], dataclasses.replace(config, sliding_window=None), progress=False)
+    full = load_hf_params(hf_dirs["mistral"], config.replace(sliding_window=None), progress=False)
     tokens = np.random.default_rng(3).integers(0, config.vocab_size, 64)
     a, b = ours_last_logits(windowed, config, tokens), ours_last_logits(full, config, tokens)
     assert np.linalg.norm(a - b) / np.linalg.norm(b) > 1e-3

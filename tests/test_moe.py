@@ -15,7 +15,7 @@ from jaxfill.models.config import ConfigError, ModelConfig
 from jaxfill.models.moe import MoE, grouped_experts, route
 from jaxfill.models.quant import dequantize
 
-MOE = ModelConfig(hidden_size=32, num_experts=8, experts_per_token=2, moe_intermediate_size=16)
+MOE = ModelConfig.of(hidden_size=32, num_experts=8, experts_per_token=2, moe_intermediate_size=16)
 
 
 def silu(x):
@@ -23,27 +23,27 @@ def silu(x):
 
 
 def np_route(logits, config, bias=None):  # [T, E] f64 -> weights [T, k], ids [T, k]
-    k = config.experts_per_token
-    if config.router_scoring == "softmax":
+    k = config.moe.experts_per_token
+    if config.moe.scoring == "softmax":
         scores = np.exp(logits - logits.max(-1, keepdims=True))
         scores /= scores.sum(-1, keepdims=True)
         choice = scores
     else:
         scores = 1 / (1 + np.exp(-logits))
         choice = scores + (0 if bias is None else bias)
-        g = config.router_groups
+        g = config.moe.groups
         if g > 1:
             t, e = choice.shape
             groups = np.sort(choice.reshape(t, g, e // g), -1)[..., -2:].sum(-1)
-            keep = np.argsort(-groups, -1, kind="stable")[:, :config.router_topk_groups]
+            keep = np.argsort(-groups, -1, kind="stable")[:, :config.moe.topk_groups]
             mask = np.zeros((t, g), bool)
             np.put_along_axis(mask, keep, True, 1)
             choice = np.where(np.repeat(mask, e // g, 1), choice, -np.inf)
     ids = np.argsort(-choice, -1, kind="stable")[:, :k]
     weights = np.take_along_axis(scores, ids, 1)
-    if config.router_renormalize:
+    if config.moe.renormalize:
         weights = weights / weights.sum(-1, keepdims=True)
-    return weights * config.routed_scaling, ids
+    return weights * config.moe.routed_scaling, ids
 
 
 def np_experts(x, weights, ids, gate_up, down):  # the dense definition: sum_k w_k * expert_k(x)
@@ -67,28 +67,28 @@ ROUTERS = {
 
 @pytest.mark.parametrize("name", sorted(ROUTERS))
 def test_routing_matches_numpy(name):
-    config = dataclasses.replace(MOE, **ROUTERS[name])
+    config = MOE.replace(**ROUTERS[name])
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((64, 8)).astype(np.float32)
     # every other expert's choice score below 0: picking 3 from 2 groups of 2 must take one
     # of them over the experts of the groups left out
     bias = np.where(np.arange(8) % 2 == 0, -2.0, 0.1 * rng.standard_normal(8)).astype(np.float32)
-    use_bias = bias if config.router_scoring == "sigmoid" else None
+    use_bias = bias if config.moe.scoring == "sigmoid" else None
     w, ids = route(jnp.asarray(logits), config, None if use_bias is None else jnp.asarray(use_bias))
     want_w, want_ids = np_route(logits.astype(np.float64), config, use_bias)
     np.testing.assert_array_equal(np.asarray(ids), want_ids)
     np.testing.assert_allclose(np.asarray(w), want_w, rtol=1e-6)
-    if config.router_groups > 1:  # the chosen experts lie in at most topk_groups groups
-        assert max(len(set(row // 2)) for row in np.asarray(ids)) <= config.router_topk_groups
+    if config.moe.groups > 1:  # the chosen experts lie in at most topk_groups groups
+        assert max(len(set(row // 2)) for row in np.asarray(ids)) <= config.moe.topk_groups
 
 
 def test_router_settings_are_checked():
     with pytest.raises(ConfigError, match="router_groups"):
-        dataclasses.replace(MOE, router_groups=3)
+        MOE.replace(router_groups=3)
     with pytest.raises(ConfigError, match="experts_per_token"):
-        dataclasses.replace(MOE, experts_per_token=9)
+        MOE.replace(experts_per_token=9)
     with pytest.raises(ConfigError, match="sigmoid"):
-        dataclasses.replace(MOE, router_groups=2)
+        MOE.replace(router_groups=2)
 
 
 @pytest.mark.parametrize("first", [0, 2, 6])
@@ -120,7 +120,7 @@ def test_one_ranks_grouped_experts_match_the_dense_definition(first):
 def _moe(config, router_rows=None):
     layer = MoE(config, nnx.Rngs(3))
     if router_rows is not None:  # steer every token to the given experts
-        w = np.zeros((config.hidden_size, config.num_experts), np.float32)
+        w = np.zeros((config.hidden_size, config.moe.num_experts), np.float32)
         for rank, e in enumerate(router_rows):
             w[:, e] = 10.0 - rank
         layer.router.set_value(jnp.asarray(w))
@@ -151,18 +151,18 @@ def test_layer_matches_numpy_with_idle_experts(steer):
     valid = np.arange(len(x)) % 5 != 3  # rows of padding tokens are computed but not counted
     got, counts = jax.jit(lambda m, x, v: m(x, v))(layer, jnp.asarray(x), jnp.asarray(valid))
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(np.asarray(counts), np.bincount(ids[valid].ravel(), minlength=MOE.num_experts))
+    np.testing.assert_array_equal(np.asarray(counts), np.bincount(ids[valid].ravel(), minlength=MOE.moe.num_experts))
 
 
 def test_int8_experts_match_their_dequantized_weights():
-    config = dataclasses.replace(MOE, weight_dtype="int8")
+    config = MOE.replace(weight_dtype="int8")
     layer = _moe(config)
     assert layer.experts_gate_up[...].dtype == jnp.int8 and layer.experts_gate_up_scale[...].shape == (8, 2, 16)
     x = np.random.default_rng(4).standard_normal((16, config.hidden_size)).astype(np.float32)
     want, _ = _reference(layer, config, x.astype(np.float64))
     got, counts = layer(jnp.asarray(x))
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-4, atol=1e-6)
-    assert int(np.asarray(counts).sum()) == len(x) * config.experts_per_token
+    assert int(np.asarray(counts).sum()) == len(x) * config.moe.experts_per_token
 
 
 def test_stacked_layouts_take_a_mixed_model_only_when_the_groups_match():

@@ -46,7 +46,7 @@ def test_bf16_logits_at_the_noise_floor(moe_dirs, arch):
 
 def test_active_parameters_count_top_k_of_the_experts(moe_dirs):
     config = config_from_hf(moe_dirs["qwen3_moe"])  # layers 0, 2 sparse, 1 dense
-    e, i, h = config.num_experts, config.moe_intermediate_size, config.hidden_size
+    e, i, h = config.moe.num_experts, config.moe.intermediate_size, config.hidden_size
     routed = 2 * e * 3 * h * i  # two sparse layers' experts
     assert param_count(config) - active_param_count(config) == pytest.approx(routed * (1 - 2 / e))
 

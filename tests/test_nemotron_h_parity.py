@@ -38,8 +38,8 @@ def nemotron_h(tmp_path_factory):
 
 def test_f32_logits_and_greedy_tokens_match_hf(nemotron_h):
     directory, config, model = nemotron_h
-    assert (config.linear_layers, config.no_mixer_layers, config.nope_layers) == ((0, 2, 5), (1, 4), (3,))
-    assert config.linear_kind == "mamba2" and config.linear_num_key_heads == 2 and config.head_dim == 24
+    assert (config.linear.layers, config.no_mixer_layers, config.attention.nope_layers) == ((0, 2, 5), (1, 4), (3,))
+    assert config.linear.kind == "mamba2" and config.linear.num_key_heads == 2 and config.head_dim == 24
     hf = load_hf(directory)
     assert param_count(config) == sum(p.numel() for p in hf.parameters())
     for length, tokens in prompts(config.vocab_size):
@@ -79,11 +79,11 @@ def test_mlp_first_and_last_four_groups_and_a_binding_time_step_limit(tmp_path):
     directory = make_hf_checkpoint(str(tmp_path / "nemotron_h_limit"), "nemotron_h", hybrid_override_pattern="-*M-M-",
                                    num_hidden_layers=6, n_groups=4, time_step_limit=(0.1, 0.4))
     config = config_from_hf(directory)
-    assert config.no_mixer_layers == (0, 3, 5) and config.linear_dt_limit == (0.1, 0.4)
+    assert config.no_mixer_layers == (0, 3, 5) and config.linear.dt_limit == (0.1, 0.4)
     model = load_hf_params(directory, config, progress=False)
     hf = load_hf(directory)
     assert param_count(config) == sum(p.numel() for p in hf.parameters())
-    unclipped = dataclasses.replace(config, linear_dt_limit=None)
+    unclipped = config.replace(linear_dt_limit=None)
     unclipped_model = load_hf_params(directory, unclipped, progress=False)
     for length, tokens in prompts(config.vocab_size):
         with torch.no_grad():

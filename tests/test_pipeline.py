@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxfill.models.execution_plan import ExecutionPlan
 from jaxfill.engine.config import load_config
 from jaxfill.models.checkpoint import StackedSlices
 from jaxfill.models.config import ConfigError
@@ -193,7 +194,7 @@ def test_stacked_slices_read_only_the_rows_asked_for():
 def test_staged_model_without_a_mesh_equals_the_plain_model():
     """The pipelined layout run stage after stage on one device: same logits and cache."""
     config = load_config("tiny_random").model
-    plain, staged = Decoder(config), Decoder(config, stages=2, microbatches=4)
+    plain, staged = Decoder(config), Decoder(config, plan=ExecutionPlan.stacked(2, 4))
     ids = np.arange(3, 33, dtype=np.int32)
     meta = single_sequence_metadata(30, 0, [1, 2], 16, pad_to=32)
     tokens, positions = jnp.asarray(np.pad(ids, (0, 2))), jnp.arange(32, dtype=jnp.int32)
@@ -206,7 +207,7 @@ def test_staged_model_without_a_mesh_equals_the_plain_model():
         j, s = layer % 2, layer // 2
         np.testing.assert_array_equal(np.asarray(got_cache.pages[j][s][1:3]), np.asarray(want_cache.pages[layer][1:3]))
     # regrouping a built model gives the same layout as building it staged
-    regrouped = nnx.split(plain.staged(2, 4))[1]
+    regrouped = nnx.split(plain.staged(ExecutionPlan.stacked(2, 4)))[1]
     for a, b in zip(jax.tree.leaves(regrouped), jax.tree.leaves(nnx.split(staged)[1])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

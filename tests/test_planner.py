@@ -55,7 +55,7 @@ def compiled_flops(config_name: str, num_tokens: int, impl: str, monkeypatch, st
     cfg = config_name if isinstance(config_name, ModelConfig) else load_config(config_name).model
     page = 16
     n_pages = -(-num_tokens // page)
-    model = nnx.eval_shape(lambda: Decoder(cfg, attention_impl=impl, stages=stages))  # shapes only, no init
+    model = nnx.eval_shape(lambda: Decoder(cfg, attention_impl=impl, plan=ExecutionPlan.stacked(stages)))  # shapes only, no init
     graphdef, state = nnx.split(model)
     cache = jax.eval_shape(lambda: KVCache.create(cfg, n_pages + 1, page, stages=stages))
     meta = single_sequence_metadata(num_tokens, 0, list(range(1, n_pages + 1)), page)
@@ -90,9 +90,9 @@ def test_flops_match_xla_cost_analysis(config_name, num_tokens, monkeypatch):
 
 
 def test_latent_attention_flops_match_xla_cost_analysis(monkeypatch):
-    """MLA (models/mla.py): every projection (q_a, q_b, kv_a, the absorbed kv_b on queries
+    """MLA (models/mixers/mla.py): every projection (q_a, q_b, kv_a, the absorbed kv_b on queries
     and outputs, o) once per token; attention as MQA over the 48-wide latent "head"."""
-    cfg = dataclasses.replace(load_config("tiny_random").model, architecture="DeepseekV3ForCausalLM",
+    cfg = load_config("tiny_random").model.replace(architecture="DeepseekV3ForCausalLM",
                               num_kv_heads=1, head_dim=48, rotary_dim=16, kv_lora_rank=32, q_lora_rank=40,
                               qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=24, rope_interleave=True)
     stub, kv_len = compiled_flops(cfg, 256, "planner_test_stub", monkeypatch)
@@ -106,11 +106,11 @@ def test_latent_attention_flops_match_xla_cost_analysis(monkeypatch):
 
 def test_deepseek_v3_kv_bytes_are_the_latent():
     """61 layers x (512 + 64) x 2 bytes = 70,272 per token: the pages hold the latent once
-    (K-only pages, models/mla.py); int8 adds one f32 scale per token and layer."""
+    (K-only pages, models/mixers/mla.py); int8 adds one f32 scale per token and layer."""
     cfg = load_config("deepseek_v3").model
     assert kv_bytes_per_token(cfg) == 70272
     assert kv_bytes_per_token(cfg, kv_cache_dtype="int8") == 61 * (576 + 4)
-    assert KVCache.create(dataclasses.replace(cfg, num_layers=1, dense_layers=(0,)), num_pages=2, page_size=16,
+    assert KVCache.create(cfg.replace(num_layers=1, dense_layers=(0,)), num_pages=2, page_size=16,
                           dtype=None).nbytes() == 2 * 16 * 576 * 2
     # every device of a tensor x expert mesh holds the whole latent (once), its stage's layers
     for mesh, per_device in [({"mesh.expert": 32}, 70272), ({"mesh.tensor": 8, "mesh.expert": 4}, 70272)]:
@@ -122,10 +122,10 @@ def test_deepseek_v3_kv_bytes_are_the_latent():
 @pytest.mark.parametrize("layout", ["unrolled", "scan", "stages"])
 def test_planned_matmul_flops_match_each_layout_compiled(layout, monkeypatch):
     """The plan row's matmul FLOPs against the compiled forward of the layout the loader
-    builds (engine/execution_plan.py): unrolled (last layer on the sampled row), scanned
+    builds (models/execution_plan.py): unrolled (last layer on the sampled row), scanned
     and staged (every row of every layer). A stacked layout is one lax.scan, whose body
     the cost analysis counts once: one group of layers plus the LM head."""
-    from jaxfill.engine.execution_plan import ExecutionPlan
+    from jaxfill.models.execution_plan import ExecutionPlan
     from jaxfill.engine.planner.counts import layer_matmul_params
 
     overrides = {"unrolled": {}, "scan": {"engine.scan_layers": True}, "stages": {"mesh.stage": 2}}[layout]

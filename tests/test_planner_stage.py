@@ -1,5 +1,5 @@
 """`jaxfill plan` with mesh.stage (pipeline parallelism, models/parallel/pipeline.py): weights and KV
-per device against the sharded shapes of `Decoder(config, stages=p)` under an abstract mesh,
+per device against the sharded shapes of `Decoder(config, plan=ExecutionPlan.stacked(p))` under an abstract mesh,
 and every new number against a hand computation."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxfill.models.execution_plan import ExecutionPlan
 from jaxfill.engine.config import load_config
 from jaxfill.engine.planner.hardware import load_hardware
 from jaxfill.engine.memory import pool_pages
@@ -46,7 +47,7 @@ def sharded_param_bytes(config) -> float:
     """One device's bytes of the pipelined model's params: every leaf's global bytes over
     the devices its logical axes split it across (models/sharding.py's rules)."""
     mesh = abstract_mesh(config.mesh)
-    model = nnx.eval_shape(lambda: Decoder(config.model, stages=config.mesh.stage))
+    model = nnx.eval_shape(lambda: Decoder(config.model, plan=ExecutionPlan.of_config(config)))
     total = 0.0
     for var in jax.tree.leaves(nnx.state(model), is_leaf=lambda x: isinstance(x, nnx.Variable)):
         spec = logical_spec(var_axes(var), mesh=mesh, shape=var.shape)

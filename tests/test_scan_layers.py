@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxfill.models.execution_plan import ExecutionPlan
 from jaxfill.engine.batch import dummy_batch
 from jaxfill.engine.config import load_config
 from jaxfill.engine.engine import Engine
@@ -53,7 +54,7 @@ def _lowered_dots(num_layers: int, scan: bool) -> int:
     config = load_config("tiny_random", BASE)
     m = dataclasses.replace(config.model, num_layers=num_layers)
     stages = num_layers if scan else 1
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(m, nnx.Rngs(0), stages=stages)))
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(m, nnx.Rngs(0), plan=ExecutionPlan.stacked(stages))))
     cache = jax.eval_shape(lambda: KVCache.create(m, 8, config.engine.page_size, stages=stages))
     batch = dummy_batch((16, 4), config.engine.max_pages_per_seq, config.engine.penalty_window, m.vocab_size)
     prev = jax.ShapeDtypeStruct((config.engine.max_num_seqs,), jnp.int32)
@@ -84,7 +85,7 @@ def _step_temp_bytes(stages: int, num_pages: int) -> tuple[int, int]:
     """(compiled temp bytes of the 16x4 step, cache bytes) for tiny_random, nothing allocated."""
     config = load_config("tiny_random", BASE)
     m = config.model
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(m, nnx.Rngs(0), stages=stages)))
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(m, nnx.Rngs(0), plan=ExecutionPlan.stacked(stages))))
     cache = jax.eval_shape(lambda: KVCache.create(m, num_pages, config.engine.page_size, stages=stages))
     batch = dummy_batch((16, 4), config.engine.max_pages_per_seq, config.engine.penalty_window, m.vocab_size)
     prev = jax.ShapeDtypeStruct((config.engine.max_num_seqs,), jnp.int32)

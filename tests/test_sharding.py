@@ -125,14 +125,15 @@ def _worker():  # noqa: C901 - one script, many checks
     from hlo_collectives import collective_ops
     from jaxfill.engine import placement
     from jaxfill.engine.mesh import make_mesh
-    from jaxfill.models import decoder, sharding
+    from jaxfill.models import sharding
+    from jaxfill.models.execution_plan import ExecutionPlan
     from jaxfill.models.config import ModelConfig
     from jaxfill.models.forward import forward, forward_data_parallel
     from jaxfill.models.kv_cache import AttentionMetadata, KVCache, single_sequence_metadata
     from jaxfill.models.decoder import Decoder
 
     assert len(jax.devices()) == 8, jax.devices()
-    cfg = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
+    cfg = ModelConfig.of(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
                       num_heads=8, num_kv_heads=2, head_dim=16, max_position_embeddings=16384, seed=3)
     page_size, num_pages = 8, 96
     ranks = {"sequence": 1}  # the mesh being checked: pages are dealt over its sequence ranks
@@ -155,6 +156,11 @@ def _worker():  # noqa: C901 - one script, many checks
         return jax.jit(lambda: nnx.split(Decoder(config, nnx.Rngs(config.seed)))[1])()
 
     g, _ = placement.abstract_state(cfg)
+    # meshes that split the rows over 'sequence' run every row of the last layer (the plan the engine builds)
+    g_rows_split, _ = placement.abstract_state(cfg, plan=ExecutionPlan(prunes_last_layer=False))
+
+    def graph_for(mesh):
+        return g_rows_split if mesh is not None and dict(mesh.shape).get("sequence", 1) > 1 else g
     ref_state = jit_init(cfg)  # eager Decoder(cfg) compiles op by op: much slower on CPU
     rng = np.random.RandomState(0)
     # Every step below has one shape (16 tokens, 4 sequence slots, 7 pages per sequence),
@@ -195,7 +201,7 @@ def _worker():  # noqa: C901 - one script, many checks
     def compile_forward(state, cache, mesh=None):
         with context(mesh):
             tokens, positions, meta = batch([(list(range(20)), [1], 0, 1)])
-            return forward.lower(g, state, tokens, positions, cache, meta).compile()
+            return forward.lower(graph_for(mesh), state, tokens, positions, cache, meta).compile()
 
     prompt = [int(t) for t in rng.randint(0, cfg.vocab_size, 37)]
 
@@ -310,7 +316,7 @@ def _worker():  # noqa: C901 - one script, many checks
             ps = jnp.concatenate([p[1] for p in parts])
             meta = jax.tree.map(lambda *x: jnp.stack(x), *[p[2] for p in parts])
             with jax.set_mesh(mesh):
-                lg, cache = forward_data_parallel(g, state, tk, ps, cache, meta)
+                lg, cache = forward_data_parallel(graph_for(mesh), state, tk, ps, cache, meta)
             lg = np.asarray(lg)
             for r in range(2):
                 live = int(parts[r][2].num_seqs[0])
@@ -327,13 +333,12 @@ def _worker():  # noqa: C901 - one script, many checks
         res = {}
         # The baseline is every row of every layer on one device, as the split runs them
         # (one device alone runs only the sampled row of the last layer).
-        decoder.rows_split_over_sequence = lambda: True
         # pass-Q alone: under `auto` the program also holds the ring (lax.cond), whose dense
         # blocks cost analysis would add to the split it measures
-        one_mode = dataclasses.replace(cfg, context_attention="pass_q")
+        one_mode = cfg.replace(context_attention="pass_q")
         for s in (1, 4):
             mesh = mesh_of(1, 1, s)
-            graphdef, state = placement.abstract_state(one_mode)
+            graphdef, state = placement.abstract_state(one_mode, plan=ExecutionPlan(prunes_last_layer=False))
             shard = sharding.param_shardings(state, mesh)
             state = jax.tree.map(lambda v, sh: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh), state, shard)
             pages = jax.ShapeDtypeStruct((n // 64 + 4, 64, 2 * cfg.num_kv_heads, cfg.head_dim), jnp.float32,
@@ -349,7 +354,7 @@ def _worker():  # noqa: C901 - one script, many checks
         import tempfile
 
         from jaxfill.models.checkpoint import load_hf_params
-        big = ModelConfig(vocab_size=128256, hidden_size=128, intermediate_size=256, num_layers=1,
+        big = ModelConfig.of(vocab_size=128256, hidden_size=128, intermediate_size=256, num_layers=1,
                           num_heads=8, num_kv_heads=2, head_dim=16, seed=5)
         mesh = mesh_of(1, 8, 1)
         _, abstract = placement.abstract_state(big)

@@ -47,8 +47,8 @@ def test_lowers_for_tpu_at_nemotron_h_8b_shapes():
     from jaxfill.engine.config import load_config
 
     m = load_config("nemotron_h_8b").model
-    t, s, g, n, h, p = 2048, 8, m.linear_num_key_heads, m.linear_key_head_dim, m.linear_num_value_heads, \
-        m.linear_value_head_dim
+    t, s, g, n, h, p = 2048, 8, m.linear.num_key_heads, m.linear.key_head_dim, m.linear.num_value_heads, \
+        m.linear.value_head_dim
     assert (g, n, h, p) == (8, 128, 128, 64)
     f32, spec = jnp.float32, jax.ShapeDtypeStruct
     args = (spec((t, h, p), f32), spec((t, h), f32), spec((h,), f32), spec((t, g, n), f32), spec((t, g, n), f32),
@@ -62,7 +62,7 @@ def test_lowers_for_tpu_at_nemotron_h_8b_shapes():
 def test_the_model_with_the_kernel_equals_the_xla_loop(monkeypatch):
     """A random Nemotron-H of pattern M* (a Mamba2 layer of 2 groups, 4 heads of 8 over an
     8-wide state, then attention)."""
-    from jaxfill.models import mamba2
+    from jaxfill.models.mixers import mamba2
 
     check_kernel_model_equals_xla({
         "model.architecture": "NemotronHForCausalLM", "model.hidden_size": 64, "model.intermediate_size": 128,

@@ -103,14 +103,14 @@ def train_forward(params: dict, tokens: jax.Array,  # [B, T] int32
                   config: ModelConfig) -> jax.Array:  # logits [B, T, V] float32
     """Full-sequence causal forward over Llama's pure-dict params (no KV cache)."""
     c = config
-    inv_freq = jnp.asarray(rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling_dict))
+    inv_freq = jnp.asarray(rope_inv_freq(c.head_dim, c.attention.rope_theta, c.attention.rope_scaling_dict))
     positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
     causal = positions[:, None] >= positions[None, :]  # [T, T]
     group = c.num_heads // c.num_kv_heads
     x = params["embed"]["embedding"][tokens]  # [B, T, E]
     for n in range(c.num_layers):
         p = params["layers"][n]
-        h = rms_norm(x, p["attn_norm"]["weight"], c.rms_norm_eps)
+        h = rms_norm(x, p["attn_norm"]["weight"], c.norms.eps)
         q = apply_rope(jnp.einsum("bte,ehd->bthd", h, p["attn"]["q"]), positions, inv_freq)
         k = apply_rope(jnp.einsum("bte,ehd->bthd", h, p["attn"]["k"]), positions, inv_freq)
         v = jnp.einsum("bte,ehd->bthd", h, p["attn"]["v"])
@@ -119,9 +119,9 @@ def train_forward(params: dict, tokens: jax.Array,  # [B, T] int32
         scores = jnp.where(causal, scores, -1e30)
         attn = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
         x = x + jnp.einsum("bthd,hde->bte", attn, p["attn"]["o"])
-        h = rms_norm(x, p["mlp_norm"]["weight"], c.rms_norm_eps)
+        h = rms_norm(x, p["mlp_norm"]["weight"], c.norms.eps)
         x = x + (jax.nn.silu(h @ p["mlp"]["gate"]) * (h @ p["mlp"]["up"])) @ p["mlp"]["down"]
-    x = rms_norm(x, params["norm"]["weight"], c.rms_norm_eps)
+    x = rms_norm(x, params["norm"]["weight"], c.norms.eps)
     return (x @ params["lm_head"]).astype(jnp.float32)
 
 
@@ -204,8 +204,8 @@ def hf_config(config: ModelConfig) -> dict:
         "vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
         "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
         "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "hidden_act": "silu",
-        "max_position_embeddings": c.max_position_embeddings, "rms_norm_eps": c.rms_norm_eps,
-        "rope_theta": c.rope_theta, "rope_scaling": None, "attention_bias": False, "mlp_bias": False,
+        "max_position_embeddings": c.max_position_embeddings, "rms_norm_eps": c.norms.eps,
+        "rope_theta": c.attention.rope_theta, "rope_scaling": None, "attention_bias": False, "mlp_bias": False,
         "tie_word_embeddings": False, "bos_token_id": BOS, "eos_token_id": 257,
         "torch_dtype": "float32", "initializer_range": 0.02,
     }

@@ -49,7 +49,7 @@ CAPABILITIES: dict[str, Capability] = {c.key: c for c in (
 # Settings that are conditions of rules but not columns of the matrix.
 SETTINGS: dict[str, Callable] = {
     "engine.attention_impl=pallas": lambda c: c.engine.attention_impl in ("pallas_tpu", "pallas_gpu", "mosaic_gpu"),
-    "model.context_attention=pass_kv": lambda c: c.model.context_attention == "pass_kv",
+    "model.context_attention=pass_kv": lambda c: c.model.attention.context_attention == "pass_kv",
     "engine.kv_cache_dtype=quantized": lambda c: c.engine.kv_cache_dtype != "auto",
     "model.dtype=bfloat16": lambda c: str(c.model.dtype) == "bfloat16",
 }
@@ -59,11 +59,11 @@ KINDS = ("attention", "mla", "gated_deltanet", "mamba2", "linear", "moe")
 def model_kinds(model) -> frozenset[str]:
     """The mixers and MLPs a ModelConfig holds (what the rules' kind conditions test)."""
     kinds = set()
-    if model.linear_layers:
-        kinds |= {"linear", model.linear_kind}
-    if len(model.linear_layers) + len(model.no_mixer_layers) < model.num_layers:
-        kinds.add("mla" if model.kv_lora_rank else "attention")
-    if model.num_experts:
+    if model.linear.layers:
+        kinds |= {"linear", model.linear.kind}
+    if len(model.linear.layers) + len(model.no_mixer_layers) < model.num_layers:
+        kinds.add("mla" if model.mla.kv_lora_rank else "attention")
+    if model.moe.num_experts:
         kinds.add("moe")
     return frozenset(kinds)
 

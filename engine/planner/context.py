@@ -35,18 +35,18 @@ PASS_Q, PASS_KV = "pass-Q", "pass-KV"
 
 
 def ring_modes(model: ModelConfig, mesh: MeshSettings, context: int = 0, kv_cache_dtype: str = "auto") -> tuple:
-    """Attention forms the engine may run for a step (models/attention.py's rule): none
+    """Attention forms the engine may run for a step (models/mixers/attention.py's rule): none
     without 'sequence'; pass-KV only with nothing cached and unquantized pages."""
     if mesh.sequence == 1:
         return (None,)
-    if context == 0 and kv_cache_dtype == "auto" and model.context_attention != "pass_q" and not model.kv_lora_rank:
+    if context == 0 and kv_cache_dtype == "auto" and model.attention.context_attention != "pass_q" and not model.mla.kv_lora_rank:
         return (PASS_Q, PASS_KV)
     return (PASS_Q,)
 
 
 def engine_ring_mode(model: ModelConfig, modes: tuple):
     """The form the engine takes among `modes` (ring_modes'): the ring only when asked."""
-    return PASS_KV if PASS_KV in modes and model.context_attention == "pass_kv" else modes[0]
+    return PASS_KV if PASS_KV in modes and model.attention.context_attention == "pass_kv" else modes[0]
 
 
 def new_kv_bytes_per_token_layer(model: ModelConfig, mesh: MeshSettings, kv_cache_dtype: str = "auto") -> float:
@@ -85,7 +85,7 @@ def activation_estimate(model: ModelConfig, mesh: MeshSettings, step_tokens: int
     and the f32 residual [T/N, E]. Not XLA's number (the engine measures that at start-up)."""
     n, d, b = mesh.sequence, model.head_dim, dtype_bytes(model)
     hq = model.num_heads // mesh.heads
-    inter = max(model.intermediate_size, model.moe_intermediate_size * model.experts_per_token) / mesh.heads
+    inter = max(model.intermediate_size, model.moe.intermediate_size * model.moe.experts_per_token) / mesh.heads
     gathered = step_tokens * (hq * d * b + new_kv_bytes_per_token_layer(model, mesh))
     partial = step_tokens * hq * (d + 1) * 4 if n > 1 else step_tokens * hq * d * b
     local = step_tokens / n

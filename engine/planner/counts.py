@@ -10,7 +10,7 @@ Counting conventions (tests/test_planner.py checks them against XLA's cost analy
   [T, vocab]). The embedding is a gather: no FLOPs.
 * last layer: in the unrolled layout with no 'sequence' split the engine runs the last
   layer's q/o projections, attention and MLP on the sampled row only (models/decoder.py,
-  engine/execution_plan.py); its K/V projections still see every token.
+  models/execution_plan.py); its K/V projections still see every token.
   `sampled_last_layer=True` counts that.
 * attention FLOPs = QK^T and PV over the causal lower triangle, diagonal included:
   4 * layers * q_heads * head_dim * (visible key count summed over the new tokens),
@@ -30,7 +30,7 @@ import math
 import numpy as np
 
 from jaxfill.engine.config import EngineSettings, MeshSettings
-from jaxfill.engine.execution_plan import ExecutionPlan
+from jaxfill.models.execution_plan import ExecutionPlan
 from jaxfill.engine.planner.layout import dtype_bytes, vocab_param_bytes, vocab_split
 from jaxfill.models.config import ModelConfig
 from jaxfill.models.families.registry import layer_params, layer_projection_params, param_count
@@ -85,9 +85,9 @@ def attention_flops(model: ModelConfig, num_tokens: int, context: int = 0, causa
     per_pair = 4 * model.num_heads * model.head_dim
     total = 0
     for layer in range(model.num_layers):  # each layer with its own window (Gemma's full/sliding)
-        if layer in model.linear_layers or layer in model.no_mixer_layers:
+        if layer in model.linear.layers or layer in model.no_mixer_layers:
             continue  # a hybrid's linear layers (linear_mixer_flops) and MLP-only layers
-        window = model.layer_window(layer)
+        window = model.attention.layer_window(layer)
         if not causal:
             keys = kv_len if kv_len is not None else context + num_tokens
             total += keys if sampled_last_layer and layer == model.num_layers - 1 else num_tokens * keys
@@ -106,21 +106,21 @@ def linear_mixer_flops(model: ModelConfig, num_tokens: int) -> int:
     """The gated delta rule's FLOPs over a hybrid's linear layers (0 for other models): per
     token and value head, reading, correcting and writing the [Dk, Dv] state (3 matmuls),
     plus the within-chunk [C, C] scores against keys and values. Linear in the prompt."""
-    if not model.linear_layers:
+    if not model.linear.layers:
         return 0
-    dk, dv, c = model.linear_key_head_dim, model.linear_value_head_dim, DELTA_RULE_CHUNK
-    per_token = model.linear_num_value_heads * (6 * dk * dv + 2 * c * (dk + dv))
-    return len(model.linear_layers) * num_tokens * per_token
+    dk, dv, c = model.linear.key_head_dim, model.linear.value_head_dim, DELTA_RULE_CHUNK
+    per_token = model.linear.num_value_heads * (6 * dk * dv + 2 * c * (dk + dv))
+    return len(model.linear.layers) * num_tokens * per_token
 
 
 def state_bytes(model: ModelConfig, heads_split: int = 1) -> int:
     """A hybrid's recurrent + convolution state of one request (0 for other models), on one
     of `heads_split` tensor ranks."""
-    return state_bytes_per_sequence(model, heads_split) if model.linear_layers else 0
+    return state_bytes_per_sequence(model, heads_split) if model.linear.layers else 0
 
 
 def prunes_last_layer(model: ModelConfig, mesh: MeshSettings, scan_layers: bool = False) -> bool:
-    """Whether the engine runs the last layer on the sampled rows only (engine/execution_plan.py)."""
+    """Whether the engine runs the last layer on the sampled rows only (models/execution_plan.py)."""
     return ExecutionPlan.of(model.num_layers, mesh, scan_layers).prunes_last_layer
 
 
@@ -150,7 +150,7 @@ def end_bytes_read_per_device(model: ModelConfig, mesh: MeshSettings, num_tokens
     gather, at most the whole table)."""
     e, b = model.hidden_size, dtype_bytes(model)
     tables = vocab_param_bytes(model)
-    if not model.tie_word_embeddings:
+    if not model.embeddings.tied:
         tables += (min(num_tokens, model.vocab_size) - model.vocab_size) * e * b
     return tables / vocab_split(model, mesh) + e * b
 
@@ -181,8 +181,8 @@ def check_prompt_len(prompt_len: int, engine: EngineSettings, model: ModelConfig
         raise ValueError(
             f"prompt length {prompt_len} does not fit engine.max_model_len={engine.max_model_len} and is "
             f"past the model's max_position_embeddings="
-            f"{model.max_position_embeddings} (rope_theta {model.rope_theta:g}, rope_scaling "
-            f"{model.rope_scaling_dict or 'none'}): its rope was not trained that far. For the planner's "
+            f"{model.max_position_embeddings} (rope_theta {model.attention.rope_theta:g}, rope_scaling "
+            f"{model.attention.rope_scaling_dict or 'none'}): its rope was not trained that far. For the planner's "
             f"arithmetic anyway: --set model.max_position_embeddings={n} --set engine.max_model_len={n}")
     raise ValueError(f"prompt length {prompt_len} does not fit engine.max_model_len={engine.max_model_len} "
                      "(prompt plus at least one generated token; raise it with --set engine.max_model_len=N)")

@@ -2,7 +2,7 @@
 
 The planner's memory side (engine/planner/plan.py does the time side). Arithmetic only; the
 rules mirrored here (tests/test_planner.py checks them against the logical axes of
-`Decoder(config, stages=p)` under an abstract mesh):
+`Decoder(config, plan=ExecutionPlan.stacked(p))` under an abstract mesh):
 
 * a decoder layer's params split as their logical axes say (`param_bytes_per_device`):
   q, o, gate, up, down (and q bias, and the int8 scales of q, gate, up) over tensor x
@@ -66,7 +66,7 @@ def param_bytes_per_device(p: ParamShape, mesh: MeshSettings) -> float:
 
 def vocab_param_bytes(model: ModelConfig) -> int:
     """Embedding table plus the LM head when untied (global bytes)."""
-    tables = 1 if model.tie_word_embeddings else 2
+    tables = 1 if model.embeddings.tied else 2
     return tables * model.vocab_size * model.hidden_size * dtype_bytes(model)
 
 

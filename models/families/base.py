@@ -89,7 +89,7 @@ class Family:
         self.check_fields(hf)
         fields = self.common_fields(hf)
         fields.update(self.model_fields(hf))
-        return ModelConfig(architecture=architecture, **fields)
+        return ModelConfig.of(architecture=architecture, **fields)
 
     def check_fields(self, hf: dict[str, Any]) -> None:
         for key, value in hf.items():
@@ -169,7 +169,7 @@ class Family:
             pre + "embed_tokens.weight": same(("embed", "embedding"), (c.vocab_size, e)),
             pre + "norm.weight": same(("norm", "weight"), (e,)),
         }
-        if not c.tie_word_embeddings:
+        if not c.embeddings.tied:
             table["lm_head.weight"] = HFTensor(("lm_head",), (c.vocab_size, e), (c.vocab_size, e), (1, 0))
         for n in range(c.num_layers):
             table.update(self.layer_tensors(c, f"{pre}layers.{n}.", ("layers", n)))
@@ -183,19 +183,19 @@ class Family:
             **{p + hf + ".weight": same(layer + (ours, "weight"), (e,)) for ours, hf in self.norm_names.items()},
         }
         a = layer + ("attn",)
-        if c.qk_norm == "head":
+        if c.attention.qk_norm == "head":
             table[p + "self_attn.q_norm.weight"] = same(a + ("q_norm", "weight"), (d,))
             table[p + "self_attn.k_norm.weight"] = same(a + ("k_norm", "weight"), (d,))
-        elif c.qk_norm == "projection":
+        elif c.attention.qk_norm == "projection":
             table[p + "self_attn.q_norm.weight"] = HFTensor(a + ("q_norm", "weight"), (hq * d,), (hq, d), (0, 1))
             table[p + "self_attn.k_norm.weight"] = HFTensor(a + ("k_norm", "weight"), (hk * d,), (hk, d), (0, 1))
-        if c.attention_bias:
+        if c.attention.bias:
             table.update({
                 p + "self_attn.q_proj.bias": HFTensor(a + ("q_bias",), (hq * d,), (hq, d), (0, 1)),
                 p + "self_attn.k_proj.bias": HFTensor(a + ("k_bias",), (hk * d,), (hk, d), (0, 1)),
                 p + "self_attn.v_proj.bias": HFTensor(a + ("v_bias",), (hk * d,), (hk, d), (0, 1)),
             })
-        if c.attention_out_bias:
+        if c.attention.out_bias:
             table[p + "self_attn.o_proj.bias"] = same(a + ("o_bias",), (e,))
         return table
 

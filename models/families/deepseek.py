@@ -1,6 +1,6 @@
 """DeepSeek V3 / R1 and Kimi K2 (DeepseekV3ForCausalLM), DeepSeek V2 / V2-Lite
 (DeepseekV2ForCausalLM): multi-head latent attention
-(models/mla.py; q through a low-rank q_a/q_b pair or straight, the latent through
+(models/mixers/mla.py; q through a low-rank q_a/q_b pair or straight, the latent through
 kv_a_proj_with_mqa + kv_a_layernorm, kv_b_proj absorbed), rope on qk_rope_head_dim dims
 in DeepSeek's interleaved layout, YaRN with the mscale softmax correction; the first
 `first_k_dense_replace` layers dense, then sigmoid grouped routing with a correction
@@ -66,8 +66,8 @@ class DeepseekV3(Family):
                     head_dim=48, rotary_dim=16, rope_interleave=True)
 
     def attention_tensors(self, c, p, layer):
-        e, h, lat, rope = c.hidden_size, c.num_heads, c.kv_lora_rank, c.qk_rope_head_dim
-        qk, vd = c.qk_nope_head_dim + rope, c.v_head_dim
+        e, h, lat, rope = c.hidden_size, c.num_heads, c.mla.kv_lora_rank, c.mla.qk_rope_head_dim
+        qk, vd = c.mla.qk_nope_head_dim + rope, c.mla.v_head_dim
         a, s = layer + ("attn",), p + "self_attn."
         table = {
             s + "kv_a_proj_with_mqa.weight": HFTensor(a + ("kv_a",), (lat + rope, e), (lat + rope, e), (1, 0)),
@@ -76,8 +76,8 @@ class DeepseekV3(Family):
                                              (2, 0, 1)),
             s + "o_proj.weight": HFTensor(a + ("o",), (e, h * vd), (e, h, vd), (1, 2, 0)),
         }
-        if c.q_lora_rank:
-            r = c.q_lora_rank
+        if c.mla.q_lora_rank:
+            r = c.mla.q_lora_rank
             table[s + "q_a_proj.weight"] = HFTensor(a + ("q_a",), (r, e), (r, e), (1, 0))
             table[s + "q_a_layernorm.weight"] = same(a + ("q_a_norm", "weight"), (r,))
             table[s + "q_b_proj.weight"] = HFTensor(a + ("q_b",), (h * qk, r), (h, qk, r), (2, 0, 1))

@@ -11,7 +11,7 @@ def expert_tensors(c, p: str, layer: tuple, block: str = "mlp",
                    names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
                    router: str = "gate") -> dict:
     """{HF name: HFTensor} of one MoE layer whose experts are `{p}{block}.experts.{j}.{name}`."""
-    e, h, i, n = c.hidden_size, c.hidden_size, c.moe_intermediate_size, c.num_experts
+    e, h, i, n = c.hidden_size, c.hidden_size, c.moe.intermediate_size, c.moe.num_experts
     m = layer + ("mlp",)
     table = {f"{p}{block}.{router}.weight": HFTensor(m + ("router",), (n, h), (n, h), (1, 0))}
     gate, up, down = names
@@ -26,14 +26,14 @@ def expert_tensors(c, p: str, layer: tuple, block: str = "mlp",
 
 def shared_expert_tensors(c, p: str, layer: tuple, block: str = "mlp", name: str = "shared_expert",
                           gate: str | None = "shared_expert_gate") -> dict:
-    e, i = c.hidden_size, c.shared_expert_size
+    e, i = c.hidden_size, c.moe.shared_expert_size
     s = layer + ("mlp", "shared")
     table = {
         f"{p}{block}.{name}.gate_proj.weight": HFTensor(s + ("gate",), (i, e), (i, e), (1, 0)),
         f"{p}{block}.{name}.up_proj.weight": HFTensor(s + ("up",), (i, e), (i, e), (1, 0)),
         f"{p}{block}.{name}.down_proj.weight": HFTensor(s + ("down",), (e, i), (e, i), (1, 0)),
     }
-    if gate and c.shared_expert_gate:
+    if gate and c.moe.shared_expert_gate:
         table[f"{p}{block}.{gate}.weight"] = HFTensor(layer + ("mlp", "shared_gate"), (1, e), (1, e), (1, 0))
     return table
 
@@ -42,8 +42,8 @@ def grouped_sigmoid_moe_tensors(c, p: str, layer: tuple) -> dict:
     """DeepSeek V3's MoE layer as GLM-4.5 has it too: the experts, the router's
     `e_score_correction_bias` and the `shared_experts`."""
     table = expert_tensors(c, p, layer)
-    table[f"{p}mlp.gate.e_score_correction_bias"] = HFTensor(layer + ("mlp", "router_bias"), (c.num_experts,),
-                                                             (c.num_experts,), (0,))
-    if c.shared_expert_size:
+    table[f"{p}mlp.gate.e_score_correction_bias"] = HFTensor(layer + ("mlp", "router_bias"), (c.moe.num_experts,),
+                                                             (c.moe.num_experts,), (0,))
+    if c.moe.shared_expert_size:
         table.update(shared_expert_tensors(c, p, layer, name="shared_experts", gate=None))
     return table

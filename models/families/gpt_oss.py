@@ -57,7 +57,7 @@ class GptOss(Family):
         return table
 
     def mlp_tensors(self, c, p, layer):
-        e, h, i = c.num_experts, c.hidden_size, c.moe_intermediate_size
+        e, h, i = c.moe.num_experts, c.hidden_size, c.moe.intermediate_size
         m, x = layer + ("mlp",), f"{p}mlp.experts."
         return {
             f"{p}mlp.router.weight": HFTensor(m + ("router",), (e, h), (e, h), (1, 0)),

@@ -1,6 +1,6 @@
 """Nemotron-H (NemotronHForCausalLM): a stack of single-block layers, each norm -> ONE block
 -> residual, the block by `layers_block_type` (transformers 5) or `hybrid_override_pattern`
-(the original configs): "M" Mamba2 (models/mamba2.py), "*" attention without rope and
+(the original configs): "M" Mamba2 (models/mixers/mamba2.py), "*" attention without rope and
 with its own head_dim, "-" a squared-ReLU MLP without a gate. In ModelConfig terms: M
 layers are linear_layers (linear_kind mamba2) and no_mlp_layers, * layers no_mlp_layers
 and nope_layers, - layers no_mixer_layers. Norms are RMSNorm with the weight applied in
@@ -135,7 +135,7 @@ class NemotronH(Family):
                     p + "mixer.up_proj.weight": HFTensor(layer + ("mlp", "up"), (i, e), (i, e), (1, 0)),
                     p + "mixer.down_proj.weight": HFTensor(layer + ("mlp", "down"), (e, i), (e, i), (1, 0))}
         table = {p + "norm.weight": same(layer + ("attn_norm", "weight"), (e,))}
-        if n not in c.linear_layers:  # "*": transformers' attention names under `mixer.`
+        if n not in c.linear.layers:  # "*": transformers' attention names under `mixer.`
             attn = self.attention_tensors(c, p, layer)
             return {**table, **{k.replace(p + "self_attn.", p + "mixer."): v for k, v in attn.items()}}
         return {**table, **mamba2_tensors(c, p + "mixer.", layer + ("attn",))}
@@ -149,9 +149,9 @@ def _number(v) -> float:
 def mamba2_tensors(c, m: str, a: tuple) -> dict:
     """One Mamba2 mixer's tensors (HF names under `m`) -> its params under `a`. in_proj
     holds [z (H*P), x (H*P), B (G*N), C (G*N), dt (H)] rows and conv1d the x, B, C channels
-    in that order; each part becomes its own param, split by group (models/mamba2.py)."""
-    e, g, n, h, p, k, cd = (c.hidden_size, c.linear_num_key_heads, c.linear_key_head_dim, c.linear_num_value_heads,
-                            c.linear_value_head_dim, c.linear_conv_kernel, conv_dim(c))
+    in that order; each part becomes its own param, split by group (models/mixers/mamba2.py)."""
+    e, g, n, h, p, k, cd = (c.hidden_size, c.linear.num_key_heads, c.linear.key_head_dim, c.linear.num_value_heads,
+                            c.linear.value_head_dim, c.linear.conv_kernel, conv_dim(c))
     width, total = h * p, h * p + cd + h
     # the convolved parts: channels [start, stop) of conv1d (in_proj rows start + width), per group w wide
     parts = (("x", (0, width), h // g * p), ("b", (width, width + g * n), n), ("c", (width + g * n, cd), n))
@@ -169,7 +169,7 @@ def mamba2_tensors(c, m: str, a: tuple) -> dict:
         m + "norm.weight": HFTensor(a + ("norm",), (width,), (h, p), (0, 1)),
         m + "out_proj.weight": HFTensor(a + ("out",), (e, width), (e, h, p), (1, 2, 0)),
     }
-    if c.linear_conv_bias:
+    if c.linear.conv_bias:
         table[m + "conv1d.bias"] = tuple(HFTensor(a + ("conv_bias_" + part,), (cd,), (g, w), (0, 1), rows)
                                          for part, rows, w in parts)
     return table

@@ -1,5 +1,5 @@
 """Qwen3.5 (text): three Gated DeltaNet layers for every full-attention layer
-(`layer_types`: "linear_attention" / "full_attention"; models/gated_deltanet.py). The
+(`layer_types`: "linear_attention" / "full_attention"; models/mixers/gated_deltanet.py). The
 full-attention layers gate their output per head (q_proj gives [q, gate] per head), norm
 q and k per head, and turn only the first `partial_rotary_factor` of each head with rope.
 Every RMSNorm but the DeltaNet's own is Gemma's (1 + w) in f32. Text positions make
@@ -52,10 +52,10 @@ class Qwen3_5(Family):
                     linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
 
     def layer_tensors(self, c, p, layer):
-        if layer[1] not in c.linear_layers:
+        if layer[1] not in c.linear.layers:
             return super().layer_tensors(c, p, layer)
-        e, hk, hv, dk, dv, k = (c.hidden_size, c.linear_num_key_heads, c.linear_num_value_heads,
-                                c.linear_key_head_dim, c.linear_value_head_dim, c.linear_conv_kernel)
+        e, hk, hv, dk, dv, k = (c.hidden_size, c.linear.num_key_heads, c.linear.num_value_heads,
+                                c.linear.key_head_dim, c.linear.value_head_dim, c.linear.conv_kernel)
         a, la = layer + ("attn",), p + "linear_attn."
         cd, qk, vw = conv_dim(c), hk * dk, hv // hk * dv  # channels q | k | v; v per key-head group
         # in_proj_qkv and conv1d hold q, k, v heads in turn: each part is its own rows, split by key head

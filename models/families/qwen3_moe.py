@@ -86,7 +86,7 @@ class Qwen2Moe(Qwen3Moe):
 
     def mlp_tensors(self, c, p, layer):
         table = super().mlp_tensors(c, p, layer)
-        if is_moe_layer(c, layer[1]) and c.shared_expert_size:
+        if is_moe_layer(c, layer[1]) and c.moe.shared_expert_size:
             table.update(shared_expert_tensors(c, p, layer))
         return table
 

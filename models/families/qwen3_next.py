@@ -2,7 +2,7 @@
 Qwen2-MoE's sparse MLP (softmax top-k routed experts beside a sigmoid-gated shared
 expert). Its DeltaNet projections are fused per key head: `in_proj_qkvz` holds
 [q, k, v, z] of each key head's group and `in_proj_ba` its [b, a]
-(`linear_grouped_proj`; models/gated_deltanet.py splits them)."""
+(`linear_grouped_proj`; models/mixers/gated_deltanet.py splits them)."""
 
 from __future__ import annotations
 
@@ -39,13 +39,13 @@ class Qwen3Next(Qwen3_5):
 
     def layer_tensors(self, c, p, layer):
         table = super().layer_tensors(c, p, layer)
-        if layer[1] not in c.linear_layers:
+        if layer[1] not in c.linear.layers:
             return table
         la, a = p + "linear_attn.", layer + ("attn",)
         for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"):
             del table[la + name + ".weight"]
-        e, hk, hv, dk, dv = (c.hidden_size, c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
-                             c.linear_value_head_dim)
+        e, hk, hv, dk, dv = (c.hidden_size, c.linear.num_key_heads, c.linear.num_value_heads, c.linear.key_head_dim,
+                             c.linear.value_head_dim)
         w, r = 2 * dk + 2 * hv // hk * dv, hv // hk
         table[la + "in_proj_qkvz.weight"] = HFTensor(a + ("qkvz",), (hk * w, e), (hk, w, e), (2, 0, 1))
         table[la + "in_proj_ba.weight"] = HFTensor(a + ("ba",), (hk * 2 * r, e), (hk, 2 * r, e), (2, 0, 1))
@@ -55,7 +55,7 @@ class Qwen3Next(Qwen3_5):
         if not is_moe_layer(c, layer[1]):
             return super().mlp_tensors(c, p, layer)
         table = expert_tensors(c, p, layer)
-        if c.shared_expert_size:
+        if c.moe.shared_expert_size:
             table.update(shared_expert_tensors(c, p, layer))
         return table
 

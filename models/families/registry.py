@@ -103,7 +103,7 @@ def _count(params) -> int:
 
 
 def expert_share(config) -> float:
-    return config.experts_per_token / config.num_experts if config.num_experts else 1.0
+    return config.moe.experts_per_token / config.moe.num_experts if config.moe.num_experts else 1.0
 
 
 def is_expert_param(p: "ParamShape") -> bool:
@@ -115,7 +115,7 @@ def layer_kind(config, layer: int) -> str:
     ("dense", "moe", "nomlp")."""
     from jaxfill.models.moe import is_moe_layer
 
-    mixer = "nomixer_" if layer in config.no_mixer_layers else "linear_" if layer in config.linear_layers else ""
+    mixer = "nomixer_" if layer in config.no_mixer_layers else "linear_" if layer in config.linear.layers else ""
     mlp = "nomlp" if layer in config.no_mlp_layers else "moe" if is_moe_layer(config, layer) else "dense"
     return mixer + mlp
 
@@ -137,9 +137,9 @@ def _abstract_sizes(config) -> tuple[int, dict]:
     kinds = {}
     rest = 0
     for kind in sorted({layer_kind(config, n) for n in range(config.num_layers)}):
-        one = dataclasses.replace(config, num_layers=1, layer_types=config.layer_types[:1],
-                                  nope_layers=tuple(n for n in config.nope_layers if n == 0),
-                                  dense_layers=(0,) if kind.endswith("dense") and config.num_experts else (),
+        one = config.replace(num_layers=1, layer_types=config.attention.layer_types[:1],
+                                  nope_layers=tuple(n for n in config.attention.nope_layers if n == 0),
+                                  dense_layers=(0,) if kind.endswith("dense") and config.moe.num_experts else (),
                                   linear_layers=(0,) if kind.startswith("linear_") else (),
                                   no_mixer_layers=(0,) if kind.startswith("nomixer_") else (),
                                   no_mlp_layers=(0,) if kind.endswith("nomlp") else ())
@@ -175,12 +175,12 @@ def layer_projection_params(config, layer: int = 0) -> dict[tuple, float]:
     return {p.path: math.prod(p.shape) * (share if is_expert_param(p) else 1)
             for p in layer_params(float_config, layer)
             if p.path[-1] in QUANTIZED_INPUT_AXES or p.path[-1] in LATENT_PROJECTIONS or p.path[-1] == "router"
-            or (layer in config.linear_layers and p.path[-1] in LINEAR_PROJECTIONS)}
+            or (layer in config.linear.layers and p.path[-1] in LINEAR_PROJECTIONS)}
 
 
-# Multi-head latent attention's projections (models/mla.py) beside q and o: each weight
+# Multi-head latent attention's projections (models/mixers/mla.py) beside q and o: each weight
 # multiplies every token once (w_ukv: W_uk on the queries, W_uv on the outputs)
 LATENT_PROJECTIONS = ("q_a", "q_b", "kv_a", "w_ukv")
-# A linear layer's projections: Gated DeltaNet's (models/gated_deltanet.py, either layout)
-# and Mamba2's (models/mamba2.py)
+# A linear layer's projections: Gated DeltaNet's (models/mixers/gated_deltanet.py, either layout)
+# and Mamba2's (models/mixers/mamba2.py)
 LINEAR_PROJECTIONS = ("q", "k", "v", "z", "b", "a", "out", "qkvz", "ba", "x", "c", "dt")

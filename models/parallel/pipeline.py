@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jaxfill.models.mixers.context import MixerContext
 from jaxfill.models.moe import MoE
 from jaxfill.models.sharding import STAGE, context_mesh, mesh_axis_size, var_axes
 
@@ -91,14 +92,14 @@ def run_layers(layers, x, positions, pages, meta, impl, prune_last: bool = False
     """The one layer loop of every layout: the unrolled model's L layers, and one stage's
     (or one scan step's) group of K, which is row `row` (traced there) of the stacked
     modules: module i of it is layer row * K + i. `prune_last`: the last layer runs on
-    the sampled rows only (models/decoder.py `prunes_last_layer` decides). Returns x, the
-    new pages and each layer's expert token counts ([experts] int32; None for a dense layer)."""
+    the sampled rows only (the execution plan's prunes_last_layer). Returns x, the new
+    pages and each layer's expert token counts ([experts] int32; None for a dense layer)."""
     new, counts = [], []
     for i, (layer, layer_pages) in enumerate(zip(layers, pages)):
-        number = row * len(pages) + i
+        ctx = MixerContext(positions, meta, impl, layer=row * len(pages) + i,
+                           sampled_only=prune_last and i == len(pages) - 1)
         with jax.named_scope(f"layer_{i}"):
-            x, layer_pages, layer_counts = layer(x, positions, layer_pages, meta, impl, number,
-                                                 prune_last and i == len(pages) - 1)
+            x, layer_pages, layer_counts = layer(x, layer_pages, ctx)
         new.append(layer_pages)
         counts.append(layer_counts)
     return x, tuple(new), tuple(counts)
@@ -161,7 +162,7 @@ def pipeline_layers(layers,  # nnx.List of K layers, params [p, ...]
 
 def zero_counts(layers) -> tuple:
     """Zero expert token counts shaped as run_layers returns them for these layers."""
-    return tuple(jnp.zeros((layer.mlp.config.num_experts,), jnp.int32) if isinstance(layer.mlp, MoE) else None
+    return tuple(jnp.zeros((layer.mlp.config.moe.num_experts,), jnp.int32) if isinstance(layer.mlp, MoE) else None
                  for layer in layers)
 
 

@@ -106,8 +106,8 @@ def _stretched(config, lens: list[int]):
         return config
     m, e = config.model, config.engine
     n = 1 << longest.bit_length()
-    past = (f"the model's max_position_embeddings={m.max_position_embeddings} (rope_theta {m.rope_theta:g}, "
-            f"rope_scaling {m.rope_scaling_dict or 'none'}: its rope was not trained that far)"
+    past = (f"the model's max_position_embeddings={m.max_position_embeddings} (rope_theta {m.attention.rope_theta:g}, "
+            f"rope_scaling {m.attention.rope_scaling_dict or 'none'}: its rope was not trained that far)"
             if longest >= m.max_position_embeddings else f"engine.max_model_len={e.max_model_len}")
     print(f"warning: prompt length {longest} is past {past}; planned with model.max_position_embeddings="
           f"{max(n, m.max_position_embeddings)} and engine.max_model_len={n}: the cost of the shape, not a "
@@ -147,8 +147,8 @@ def run(args) -> int:
         return 0
     m = config.model
     first = rows[0]
-    active = (f" ({_si(active_param_count(m))}active: top {m.experts_per_token} of {m.num_experts} experts)"
-              if m.num_experts else "")
+    active = (f" ({_si(active_param_count(m))}active: top {m.moe.experts_per_token} of {m.moe.num_experts} experts)"
+              if m.moe.num_experts else "")
     print(f"model   {config.name}: {_si(param_count(m))}params{active}, {m.dtype}, {m.num_layers} layers, "
           f"{m.num_heads} q / {m.num_kv_heads} kv heads x {m.head_dim}; weights {_bytes(first['weight_bytes'])}")
     print(f"mesh    data={mesh.data} tensor={mesh.tensor} expert={mesh.expert} sequence={mesh.sequence} "
@@ -188,7 +188,7 @@ def run(args) -> int:
     if mesh.sequence > 1:
         cheaper = ", ".join(sorted({str(r.get("cheaper_ring_mode")) for r in rows}))
         print(f"sequence={mesh.sequence}: the KV pool is split over the sequence ranks; ring = the context-parallel "
-              f"attention form of the floor, the one the engine runs (model.context_attention={m.context_attention}; "
+              f"attention form of the floor, the one the engine runs (model.context_attention={m.attention.context_attention}; "
               f"the cheaper on this hardware: {cheaper}): pass-Q (all-gather Q + new K/V, "
               f"reduce-scatter + all-max of the f32 outputs) or pass-KV ({mesh.sequence - 1} hops of the new K/V, "
               f"fresh prompts only, dense blocks: 2x the causal attention FLOPs); bytes sent per device at "

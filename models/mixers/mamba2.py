@@ -9,7 +9,7 @@ RMSNorm over each of the G groups of H / G heads (not per head, not over all: Ne
 `NemotronHRMSNormGated`), in f32 with the weight applied before the one cast; the
 output projection.
 
-The shapes ride on ModelConfig's linear_* fields (models/config.py): key heads = G,
+The shapes ride on ModelConfig's linear section (models/config/sections.py): key heads = G,
 key head dim = N, value heads = H, value head dim = P. What a sequence carries between
 steps is its `LinearState` (the state and the convolution's last K-1 inputs), in a
 slot per sequence (models/linear_slots.py).
@@ -27,6 +27,7 @@ from jaxfill.models.kv_cache import AttentionMetadata
 from jaxfill.models.layers import param
 from jaxfill.models.linear_slots import read_slots, write_slots
 from jaxfill.models.linear_state import LinearState
+from jaxfill.models.mixers.context import MixerContext
 from jaxfill.models.parallel.heads import split_over_heads
 from jaxfill.models.sharding import constrain
 from jaxfill.pallas_kernels.ragged_scan import token_sequences
@@ -45,14 +46,14 @@ class Mamba2(nnx.Module):
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         c, dt = config, config.jnp_dtype
-        e, g, n, h, p, k = (c.hidden_size, c.linear_num_key_heads, c.linear_key_head_dim, c.linear_num_value_heads,
-                            c.linear_value_head_dim, c.linear_conv_kernel)
+        e, g, n, h, p, k = (c.hidden_size, c.linear.num_key_heads, c.linear.key_head_dim, c.linear.num_value_heads,
+                            c.linear.value_head_dim, c.linear.conv_kernel)
         widths = {"x": h // g * p, "b": n, "c": n}
         self.z = param(rngs, (e, h, p), ("embed", "q_heads", None), dt)
         for part, w in widths.items():
             setattr(self, part, param(rngs, (e, g, w), ("embed", "kv_heads", None), dt))
             setattr(self, "conv_" + part, param(rngs, (g, w, k), ("kv_heads", None, None), dt, scale=0.3))
-            if c.linear_conv_bias:
+            if c.linear.conv_bias:
                 setattr(self, "conv_bias_" + part, param(rngs, (g, w), ("kv_heads", None), dt, scale=0.1))
         self.dt = param(rngs, (e, h), ("embed", "q_heads"), dt)
         self.dt_bias = param(rngs, (h,), ("q_heads",), dt, init="one_plus_normal", scale=0.1)
@@ -64,27 +65,21 @@ class Mamba2(nnx.Module):
 
     def __call__(self,
                  x: jax.Array,  # [T, E]
-                 positions: jax.Array,  # [T] int32 (unused: the state carries position)
                  state: LinearState,
-                 meta: AttentionMetadata,
-                 impl: str,  # the attention impl (unused: model.linear_impl picks the scan's)
-                 layer,
-                 sampled_only: bool = False,
-                 ) -> tuple[jax.Array, LinearState]:  # [T, E] ([S, E] if sampled_only), state
+                 ctx: MixerContext,  # model.linear_impl, not ctx.impl, picks the scan's kernel
+                 ) -> tuple[jax.Array, LinearState]:  # [T, E] ([S, E] if ctx.sampled_only), state
         c = self.config
         proj = lambda w: jnp.einsum("te,e...->t...", x, w[...])  # noqa: E731
         xs, b, cc, z, dt = (proj(w) for w in (self.x, self.b, self.c, self.z, self.dt))
         conv = (tuple(getattr(self, "conv_" + part)[...] for part in CONV_PARTS),
-                tuple(getattr(self, "conv_bias_" + part)[...] for part in CONV_PARTS) if c.linear_conv_bias else None)
+                tuple(getattr(self, "conv_bias_" + part)[...] for part in CONV_PARTS) if c.linear.conv_bias else None)
         heads = (self.dt_bias[...], self.a_log[...], self.d[...], self.norm[...])
         y, state = split_over_heads(
-            lambda *args: mix(*args, eps=c.rms_norm_eps, dt_limit=c.linear_dt_limit,
-                              kernel=c.linear_impl == "pallas_tpu"),
-            (xs, b, cc, z, dt, conv, heads, state, meta),
+            lambda *args: mix(*args, eps=c.norms.eps, dt_limit=c.linear.dt_limit,
+                              kernel=c.linear.impl == "pallas_tpu"),
+            (xs, b, cc, z, dt, conv, heads, state, ctx.meta),
             (1, 1, 1, 1, 1, 0, 0, LinearState(1, 1), None), (1, LinearState(1, 1)))
-        if sampled_only:
-            y = jnp.take(y, meta.logits_indices, axis=0)
-        out = jnp.einsum("thp,hpe->te", y, self.out[...])
+        out = jnp.einsum("thp,hpe->te", ctx.sampled(y), self.out[...])
         return constrain(out, ("tokens", "act_embed")), state  # an all-reduce over 'tensor'
 
 

@@ -1,6 +1,6 @@
 """Multi-head latent attention's expanded form, for long prefill chunks.
 
-The absorbed form (models/mla.py) attends over the latent itself: every (query, key) pair
+The absorbed form (models/mixers/mla.py) attends over the latent itself: every (query, key) pair
 costs a score and a value product of width kv_lora_rank + qk_rope_head_dim (576 for
 DeepSeek V3), and each query is projected into latent space. The expanded form first
 expands each cached latent into per-head K = [W_uk c, k_pe] and V = W_uv c (width

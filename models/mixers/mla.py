@@ -18,6 +18,8 @@ costs kv_lora_rank + qk_rope_head_dim values per layer, the latent's size.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -26,7 +28,8 @@ from jaxfill.models.config import ModelConfig
 from jaxfill.models.kv_cache import AttentionMetadata, sampled_rows_metadata
 from jaxfill.models.layer_settings import layer_settings
 from jaxfill.models.layers import RMSNorm, param
-from jaxfill.models.mla_expanded import EXPAND_KEYS_PER_TOKEN, expanded_attention, prefers_expanded
+from jaxfill.models.mixers.context import MixerContext
+from jaxfill.models.mixers.mla_expanded import EXPAND_KEYS_PER_TOKEN, expanded_attention, prefers_expanded
 from jaxfill.models.rope import apply_rope
 from jaxfill.models.parallel.context import sharded_attention
 from jaxfill.models.sharding import constrain, kv_heads_for
@@ -42,68 +45,65 @@ LATENT_NORM_EPS = 1e-6
 class LatentAttention(nnx.Module):
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         c, dt = config, config.jnp_dtype
-        e, h, lat, rope = c.hidden_size, c.num_heads, c.kv_lora_rank, c.qk_rope_head_dim
-        nope, vd = c.qk_nope_head_dim, c.v_head_dim
-        if c.q_lora_rank:
-            self.q_a = param(rngs, (e, c.q_lora_rank), ("embed", None), dt)
-            self.q_a_norm = RMSNorm(c.q_lora_rank, LATENT_NORM_EPS, dt, rngs, kind=c.norm_kind)
-            self.q_b = param(rngs, (c.q_lora_rank, h, nope + rope), (None, "q_heads", "head_dim"), dt)
+        e, h, lat, rope = c.hidden_size, c.num_heads, c.mla.kv_lora_rank, c.mla.qk_rope_head_dim
+        nope, vd = c.mla.qk_nope_head_dim, c.mla.v_head_dim
+        if c.mla.q_lora_rank:
+            self.q_a = param(rngs, (e, c.mla.q_lora_rank), ("embed", None), dt)
+            self.q_a_norm = RMSNorm(c.mla.q_lora_rank, LATENT_NORM_EPS, dt, rngs, kind=c.norms.kind)
+            self.q_b = param(rngs, (c.mla.q_lora_rank, h, nope + rope), (None, "q_heads", "head_dim"), dt)
         else:
             self.q = param(rngs, (e, h, nope + rope), ("embed", "q_heads", "head_dim"), dt)
         self.kv_a = param(rngs, (e, lat + rope), ("embed", None), dt)
-        self.kv_a_norm = RMSNorm(lat, LATENT_NORM_EPS, dt, rngs, kind=c.norm_kind)
+        self.kv_a_norm = RMSNorm(lat, LATENT_NORM_EPS, dt, rngs, kind=c.norms.kind)
         # kv_b_proj: per head, W_uk (the first nope columns) and W_uv (the last v_head_dim)
         self.w_ukv = param(rngs, (lat, h, nope + vd), (None, "q_heads", "head_dim"), dt)
         self.o = param(rngs, (h, vd, e), ("q_heads", "head_dim", "embed"), dt)
         self.config = c
-        self.sm_scale = c.query_scale if c.query_scale is not None else (nope + rope) ** -0.5
+        self.sm_scale = c.attention.query_scale if c.attention.query_scale is not None else (nope + rope) ** -0.5
 
     def _rope(self, x: jax.Array,  # [T, H, R]
               positions: jax.Array,  # [T] int32
               layer) -> jax.Array:
-        if self.config.rope_interleave:  # (x0, x1), (x2, x3) ... -> evens, then odds (rotate-half)
+        if self.config.attention.rope_interleave:  # (x0, x1), (x2, x3) ... -> evens, then odds (rotate-half)
             x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
         inv_freq, scale = layer_settings(self.config).rope(layer)
         return apply_rope(x, positions, inv_freq, scale)
 
     def __call__(self,
                  x: jax.Array,  # [T, E]
-                 positions: jax.Array,  # [T] int32
                  pages: jax.Array,  # [num_pages, page_size, r, kv_lora_rank + qk_rope_head_dim] (r: tensor repeats)
-                 meta: AttentionMetadata,
-                 impl: str,
-                 layer,
-                 sampled_only: bool = False,
-                 ) -> tuple[jax.Array, jax.Array]:  # [T, E] ([S, E] if sampled_only), pages
+                 ctx: MixerContext,
+                 ) -> tuple[jax.Array, jax.Array]:  # [T, E] ([S, E] if ctx.sampled_only), pages
         c = self.config
-        lat, nope = c.kv_lora_rank, c.qk_nope_head_dim
+        lat, nope = c.mla.kv_lora_rank, c.mla.qk_nope_head_dim
         kv = x @ self.kv_a[...]  # [T, lat + rope]
         latent = self.kv_a_norm(kv[:, :lat])
-        k_pe = self._rope(kv[:, None, lat:], positions, layer)  # [T, 1, rope]
+        k_pe = self._rope(kv[:, None, lat:], ctx.positions, ctx.layer)  # [T, 1, rope]
         k = jnp.concatenate([latent[:, None, :], k_pe.astype(latent.dtype)], axis=-1)  # [T, 1, lat + rope]
-        q_pos = positions
-        if sampled_only:
-            x, q_pos = jnp.take(x, meta.logits_indices, axis=0), jnp.take(positions, meta.logits_indices)
-        if c.q_lora_rank:
+        x = ctx.sampled(x)
+        if c.mla.q_lora_rank:
             q = jnp.einsum("tr,rhd->thd", self.q_a_norm(x @ self.q_a[...]), self.q_b[...])
         else:
             q = jnp.einsum("te,ehd->thd", x, self.q[...])
-        q = jnp.concatenate([q[..., :nope], self._rope(q[..., nope:], q_pos, layer).astype(q.dtype)], axis=-1)
+        q_pe = self._rope(q[..., nope:], ctx.sampled(ctx.positions), ctx.layer)
+        q = jnp.concatenate([q[..., :nope], q_pe.astype(q.dtype)], axis=-1)
         r = kv_heads_for(2 * pages.shape[2], 1)  # a cache laid out for 'tensor' repeats the one head
         if r > 1:
             k = jnp.repeat(k, r, axis=1)
         q = constrain(q, ("tokens", "act_heads", None))
         k = constrain(k, ("tokens", "act_kv_heads", None))
-        q_meta = sampled_rows_metadata(meta) if sampled_only else meta
+        q_meta = sampled_rows_metadata(ctx.meta) if ctx.sampled_only else ctx.meta
         w_ukv = self.w_ukv[...].transpose(1, 0, 2)  # [H, lat, nope + vd]: heads first, split like q's
-
-        def attend(q, k, v, pages, meta, w_ukv, share):  # per-device view under a mesh; v is k
-            pages = write_kv(pages, k, None, meta.slot_mapping)  # K-only pages: the value is the latent
-            return self._attend(q, pages, meta, w_ukv[..., :nope], w_ukv[..., nope:], impl, share), pages
-
+        attend = functools.partial(self._write_and_attend, impl=ctx.impl)
         out, pages = sharded_attention(attend, q, k, k, pages, q_meta, w_ukv)  # [T, H, vd]
         out = jnp.einsum("thv,hve->te", out, self.o[...])  # all-reduce over tensor
         return constrain(out, ("tokens", "act_embed")), pages
+
+    def _write_and_attend(self, q, k, v, pages, meta, w_ukv, share, *, impl: str):
+        """One device's view under a mesh; v is k: K-only pages, the value is the latent."""
+        pages = write_kv(pages, k, None, meta.slot_mapping)
+        nope = self.config.mla.qk_nope_head_dim
+        return self._attend(q, pages, meta, w_ukv[..., :nope], w_ukv[..., nope:], impl, share), pages
 
     def _attend(self, q: jax.Array,  # [T, H, nope + rope]
                 pages,  # [N, page_size, 1, lat + rope] K-only latent pages (or QuantizedPages)
@@ -115,7 +115,7 @@ class LatentAttention(nnx.Module):
         """A context-parallel share (models/parallel/context.py) takes the absorbed form:
         the expanded one sizes its copy by whole sequences, not by a rank's stripe."""
         c = self.config
-        nope, lat = c.qk_nope_head_dim, c.kv_lora_rank
+        nope, lat = c.mla.qk_nope_head_dim, c.mla.kv_lora_rank
 
         def absorbed():
             q_lat = jnp.einsum("thn,hcn->thc", q[..., :nope], w_uk)  # [T, H, lat]
@@ -130,16 +130,16 @@ class LatentAttention(nnx.Module):
 
         page_size = (pages.values if isinstance(pages, QuantizedPages) else pages).shape[1]
         s, p = meta.page_indices.shape
-        forced = c.mla_form == "expanded"
+        forced = c.mla.form == "expanded"
         cap = s * p if forced else min(s * p, -(-EXPAND_KEYS_PER_TOKEN * q.shape[0] // page_size) + s)
 
         def expanded():
             out = expanded_attention(q, pages, meta, w_uk, w_uv, cap=cap, sm_scale=self.sm_scale, impl=impl)
             return out.astype(w_uv.dtype)
 
-        if c.mla_form == "absorbed" or share:
+        if c.mla.form == "absorbed" or share:
             return absorbed()
         if forced:
             return expanded()
-        use = prefers_expanded(meta, page_size, cap, lat=lat, rope=c.qk_rope_head_dim, nope=nope, vd=c.v_head_dim)
+        use = prefers_expanded(meta, page_size, cap, lat=lat, rope=c.mla.qk_rope_head_dim, nope=nope, vd=c.mla.v_head_dim)
         return jax.lax.cond(use, expanded, absorbed)

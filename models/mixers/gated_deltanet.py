@@ -24,6 +24,7 @@ from jaxfill.models.kv_cache import AttentionMetadata
 from jaxfill.models.layers import param
 from jaxfill.models.linear_slots import read_slots, write_slots
 from jaxfill.models.linear_state import LinearState
+from jaxfill.models.mixers.context import MixerContext
 from jaxfill.models.parallel.heads import split_over_heads
 from jaxfill.models.sharding import constrain
 from jaxfill.pallas_kernels.gated_delta_rule import gated_delta_rule_chunked, token_sequences
@@ -45,10 +46,10 @@ class GatedDeltaNet(nnx.Module):
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         c, dt = config, config.jnp_dtype
-        e, hk, hv, dk, dv = (c.hidden_size, c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
-                             c.linear_value_head_dim)
+        e, hk, hv, dk, dv = (c.hidden_size, c.linear.num_key_heads, c.linear.num_value_heads, c.linear.key_head_dim,
+                             c.linear.value_head_dim)
         r = hv // hk
-        if c.linear_grouped_proj:  # per key head [q, k, v, z] and [b, a] (Qwen3-Next's in_proj_qkvz / _ba)
+        if c.linear.grouped_proj:  # per key head [q, k, v, z] and [b, a] (Qwen3-Next's in_proj_qkvz / _ba)
             self.qkvz = param(rngs, (e, hk, 2 * dk + 2 * r * dv), ("embed", "kv_heads", None), dt)
             self.ba = param(rngs, (e, hk, 2 * r), ("embed", "kv_heads", None), dt)
         else:
@@ -58,7 +59,7 @@ class GatedDeltaNet(nnx.Module):
             self.z = param(rngs, (e, hv, dv), ("embed", "q_heads", None), dt)
             self.b = param(rngs, (e, hv), ("embed", "q_heads"), dt)
             self.a = param(rngs, (e, hv), ("embed", "q_heads"), dt)
-        k = c.linear_conv_kernel
+        k = c.linear.conv_kernel
         self.conv_q = param(rngs, (hk, dk, k), ("kv_heads", None, None), dt, scale=0.3)
         self.conv_k = param(rngs, (hk, dk, k), ("kv_heads", None, None), dt, scale=0.3)
         self.conv_v = param(rngs, (hk, r * dv, k), ("kv_heads", None, None), dt, scale=0.3)
@@ -72,10 +73,10 @@ class GatedDeltaNet(nnx.Module):
                 ) -> tuple[jax.Array, ...]:  # q, k [T, Hk, Dk], v [T, Hk, r Dv], z [T, Hv, Dv], b, a [T, Hv]
         """The input projections, whatever the checkpoint's layout."""
         c = self.config
-        if not c.linear_grouped_proj:
+        if not c.linear.grouped_proj:
             proj = lambda w: jnp.einsum("te,e...->t...", x, w[...])  # noqa: E731
             return tuple(proj(w) for w in (self.q, self.k, self.v, self.z, self.b, self.a))
-        t, dk, dv = x.shape[0], c.linear_key_head_dim, c.linear_value_head_dim
+        t, dk, dv = x.shape[0], c.linear.key_head_dim, c.linear.value_head_dim
         p = jnp.einsum("te,egw->tgw", x, self.qkvz[...])  # [T, Hk, 2 Dk + 2 r Dv]
         rdv = (p.shape[-1] - 2 * dk) // 2
         q, k, v, z = p[..., :dk], p[..., dk:2 * dk], p[..., 2 * dk:2 * dk + rdv], p[..., 2 * dk + rdv:]
@@ -85,24 +86,18 @@ class GatedDeltaNet(nnx.Module):
 
     def __call__(self,
                  x: jax.Array,  # [T, E]
-                 positions: jax.Array,  # [T] int32 (unused: the state carries position)
                  state: LinearState,
-                 meta: AttentionMetadata,
-                 impl: str,  # the attention impl (unused: model.linear_impl picks the rule's)
-                 layer,
-                 sampled_only: bool = False,
-                 ) -> tuple[jax.Array, LinearState]:  # [T, E] ([S, E] if sampled_only), state
+                 ctx: MixerContext,  # model.linear_impl, not ctx.impl, picks the rule's kernel
+                 ) -> tuple[jax.Array, LinearState]:  # [T, E] ([S, E] if ctx.sampled_only), state
         c = self.config
         q, k, v, z, b, a = self.project(x)
         conv = (self.conv_q[...], self.conv_k[...], self.conv_v[...])
         decay = (self.a_log[...], self.dt_bias[...])
         o, state = split_over_heads(
-            lambda *args: mix(*args, eps=c.rms_norm_eps, kernel=c.linear_impl == "pallas_tpu"),
-            (q, k, v, b, a, z, conv, decay, self.norm[...], state, meta),
+            lambda *args: mix(*args, eps=c.norms.eps, kernel=c.linear.impl == "pallas_tpu"),
+            (q, k, v, b, a, z, conv, decay, self.norm[...], state, ctx.meta),
             (1, 1, 1, 1, 1, 1, 0, 0, None, LinearState(1, 1), None), (1, LinearState(1, 1)))
-        if sampled_only:
-            o = jnp.take(o, meta.logits_indices, axis=0)
-        out = jnp.einsum("thd,hde->te", o, self.out[...])
+        out = jnp.einsum("thd,hde->te", ctx.sampled(o), self.out[...])
         return constrain(out, ("tokens", "act_embed")), state  # an all-reduce over 'tensor'
 
 

@@ -1,0 +1,222 @@
+"""Model shape and numerics, independent of how the model is served.
+
+`ModelConfig` is the one description of a decoder of any registered family: the shapes
+every layer shares at the top, and what varies by family in sections
+(models/config/sections.py): `attention`, `mla`, `moe`, `linear`, `norms`, `embeddings`.
+It knows no family: the registry (models/families/registry.py) builds it from a TOML
+`[model]` section or a Hugging Face `config.json` through flat keys (`FLAT_KEYS`), the
+names users write; `of(**flat)` and `replace(**flat)` take the same names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxfill.models.config.errors import ConfigError
+from jaxfill.models.config.sections import (AttentionConfig, EmbeddingConfig, LinearConfig, MLAConfig, MoEConfig,
+                                            NormConfig)
+
+DTYPES = ("float32", "bfloat16", "float16")  # jax.numpy names; jax is imported only when one is used
+WEIGHT_DTYPES = ("auto", "int8")  # auto: projections stored in `dtype`; int8: see models/quant.py
+ACTIVATIONS = ("silu", "gelu_tanh", "relu2")  # relu2: relu(x)^2 (Nemotron-H's MLP)
+
+SECTIONS = {"attention": AttentionConfig, "mla": MLAConfig, "moe": MoEConfig, "linear": LinearConfig,
+            "norms": NormConfig, "embeddings": EmbeddingConfig}
+# flat key (TOML [model], --set model.x, a family's model_fields) -> (section, field); a
+# key a section names as it is (rope_theta, num_experts) is added below
+RENAMED = {
+    "attention_bias": ("attention", "bias"), "attention_out_bias": ("attention", "out_bias"),
+    "attn_soft_cap": ("attention", "soft_cap"), "attention_sinks": ("attention", "sinks"),
+    "attn_output_gate": ("attention", "output_gate"), "mla_form": ("mla", "form"),
+    "moe_intermediate_size": ("moe", "intermediate_size"), "router_scoring": ("moe", "scoring"),
+    "router_renormalize": ("moe", "renormalize"), "router_bias": ("moe", "selection_bias"),
+    "router_groups": ("moe", "groups"), "router_topk_groups": ("moe", "topk_groups"),
+    **{"linear_" + f: ("linear", f) for f in ("layers", "kind", "impl", "num_key_heads", "num_value_heads",
+                                              "key_head_dim", "value_head_dim", "conv_kernel", "grouped_proj",
+                                              "conv_bias", "dt_limit")},
+    "rms_norm_eps": ("norms", "eps"), "norm_kind": ("norms", "kind"), "norm_layout": ("norms", "layout"),
+    "tie_word_embeddings": ("embeddings", "tied"), "embed_scale": ("embeddings", "scale"),
+}
+FLAT_KEYS = {**{f.name: (section, f.name) for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)
+                if (section, f.name) not in RENAMED.values()}, **RENAMED}
+TUPLE_KEYS = ("layer_types", "nope_layers", "dense_layers", "linear_layers", "no_mlp_layers", "no_mixer_layers")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    architecture: str = "LlamaForCausalLM"
+    vocab_size: int = 320
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    max_position_embeddings: int = 2048
+    hidden_act: str = "silu"
+    mlp_gated: bool = True  # act(x W_gate) * (x W_up) -> W_down; False: act(x W_up) -> W_down
+    residual_scale: float = 1.0  # each block's output times this before the residual add (Granite)
+    # Single-block layers (Nemotron-H): a layer is its mixer (attention or linear) and its MLP,
+    # each behind its norm, unless named here; an MLP-only layer holds no cache entry (None)
+    no_mlp_layers: tuple[int, ...] = ()
+    no_mixer_layers: tuple[int, ...] = ()
+    attention: AttentionConfig = AttentionConfig()
+    mla: MLAConfig = MLAConfig()
+    moe: MoEConfig = MoEConfig()
+    linear: LinearConfig = LinearConfig()
+    norms: NormConfig = NormConfig()
+    embeddings: EmbeddingConfig = EmbeddingConfig()
+    dtype: str = "float32"  # parameter and activation dtype
+    weight_dtype: str = "auto"  # projection weights: "auto" (= dtype) or "int8" (w8a16, per-channel f32 scales)
+    bos_token_id: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+    tokenizer: str = "byte"  # "byte" or "hf" (tokenizer.json beside the weights)
+    seed: int = 0  # random init when no checkpoint is given
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"model.dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise ConfigError(f"model.weight_dtype must be one of {list(WEIGHT_DTYPES)}, got {self.weight_dtype!r}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ConfigError(f"model.hidden_act must be one of {list(ACTIVATIONS)}, got {self.hidden_act!r}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if int(getattr(self, name)) <= 0:
+                raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"model.num_heads ({self.num_heads}) must be a multiple of "
+                f"model.num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(f"model.head_dim must be even (rotary pairs), got {self.head_dim}")
+        self._check_sections_fit()
+        for name, layers in self.layer_lists().items():
+            bad = [n for n in layers if not 0 <= n < self.num_layers]
+            if bad:
+                raise ConfigError(f"model.{name} {bad} are not layers of a {self.num_layers}-layer model")
+
+    def _check_sections_fit(self):
+        """What a section cannot check alone: its fields against the model's shapes."""
+        a, mla = self.attention, self.mla
+        if mla.enabled:
+            want = dict(num_kv_heads=1, head_dim=mla.kv_lora_rank + mla.qk_rope_head_dim)
+            bad = {k: getattr(self, k) for k, v in want.items() if getattr(self, k) != v}
+            if a.rotary_dim != mla.qk_rope_head_dim:
+                bad["rotary_dim"] = a.rotary_dim
+            if bad:
+                raise ConfigError(f"an MLA model (kv_lora_rank={mla.kv_lora_rank}) needs "
+                                  f"{dict(want, rotary_dim=mla.qk_rope_head_dim)}; got {bad}")
+        if a.rotary_dim and (a.rotary_dim % 2 or not 0 < a.rotary_dim <= self.head_dim):
+            raise ConfigError(f"model.rotary_dim must be even and in (0, head_dim={self.head_dim}], "
+                              f"got {a.rotary_dim}")
+        if a.layer_types and len(a.layer_types) != self.num_layers:
+            raise ConfigError(f"model.layer_types must name one type per layer ({self.num_layers}), "
+                              f"got {list(a.layer_types)}")
+        if set(self.no_mixer_layers) & (set(self.no_mlp_layers) | set(self.linear.layers)):
+            raise ConfigError(f"model.no_mixer_layers {list(self.no_mixer_layers)} must be neither no_mlp_layers "
+                              f"{list(self.no_mlp_layers)} (a layer with no block) nor linear_layers")
+
+    def layer_lists(self) -> dict[str, tuple[int, ...]]:
+        """Every list of layer numbers, by its flat key."""
+        return {"nope_layers": self.attention.nope_layers, "dense_layers": self.moe.dense_layers,
+                "linear_layers": self.linear.layers, "no_mlp_layers": self.no_mlp_layers,
+                "no_mixer_layers": self.no_mixer_layers}
+
+    # --- flat keys in and out ----------------------------------------------------------
+    @classmethod
+    def of(cls, **flat) -> "ModelConfig":
+        """From flat keys (`ModelConfig.of(num_experts=8, router_scoring="sigmoid")`)."""
+        return cls.from_dict(flat)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        """A TOML `[model]` section (flat keys) -> ModelConfig."""
+        top = {f.name for f in dataclasses.fields(cls) if f.name not in SECTIONS}
+        unknown = set(d) - top - set(FLAT_KEYS)
+        if unknown:
+            raise ConfigError(f"unknown [model] keys: {sorted(unknown)}; known: {sorted(flat_keys())}")
+        d = _normalised(d)
+        parts: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+        for key in set(d) - top:
+            section, name = FLAT_KEYS[key]
+            parts[section][name] = d.pop(key)
+        return cls(**d, **{s: SECTIONS[s](**v) for s, v in parts.items()})
+
+    def replace(self, **flat) -> "ModelConfig":
+        """A copy with these flat keys changed (`config.replace(linear_layers=())`)."""
+        return type(self).from_dict({**self.flat(), **flat})
+
+    def value(self, key: str):
+        """One field by its flat key (`config.value("num_experts")`)."""
+        if key in FLAT_KEYS:
+            section, name = FLAT_KEYS[key]
+            return getattr(getattr(self, section), name)
+        if key in SECTIONS or not hasattr(self, key):
+            raise KeyError(f"no [model] key {key!r}")
+        return getattr(self, key)
+
+    def flat(self) -> dict[str, Any]:
+        """Every field by its flat key: what `from_dict` takes back."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in SECTIONS}
+        for key, (section, name) in FLAT_KEYS.items():
+            out[key] = getattr(getattr(self, section), name)
+        return out
+
+    # --- derived ------------------------------------------------------------------------
+    @property
+    def jnp_dtype(self):
+        import jax.numpy as jnp
+
+        return getattr(jnp, self.dtype)
+
+    @property
+    def rope_dim(self) -> int:
+        """Dims of each head the rotary embedding turns."""
+        return self.attention.rotary_dim or self.head_dim
+
+    @property
+    def kv_layers(self) -> int:
+        """Layers that hold KV pages (a hybrid's linear layers hold a fixed state instead, its
+        MLP-only layers nothing)."""
+        return self.num_layers - len(self.linear.layers) - len(self.no_mixer_layers)
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+def flat_keys() -> set[str]:
+    """Every key a `[model]` section may hold."""
+    return {f.name for f in dataclasses.fields(ModelConfig) if f.name not in SECTIONS} | set(FLAT_KEYS)
+
+
+def _normalised(d: dict[str, Any]) -> dict[str, Any]:
+    """TOML and JSON values as the dataclasses hold them: tuples, frozen dicts, None windows."""
+    d = dict(d)
+    if d.get("rope_scaling") is not None and isinstance(d["rope_scaling"], dict):
+        d["rope_scaling"] = freeze(d["rope_scaling"])
+    if "eos_token_id" in d:
+        d["eos_token_id"] = as_tuple(d["eos_token_id"])
+    for name in TUPLE_KEYS:
+        if name in d:
+            d[name] = tuple(d[name])
+    if d.get("linear_dt_limit") is not None:
+        d["linear_dt_limit"] = tuple(float(v) for v in d["linear_dt_limit"])
+    if d.get("sliding_window") in (0, -1):
+        d["sliding_window"] = None
+    return d
+
+
+def freeze(d: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    return tuple(sorted((k, v) for k, v in d.items() if not isinstance(v, (dict, list))))
+
+
+def as_tuple(x) -> tuple[int, ...]:
+    if x is None:
+        return ()
+    if isinstance(x, (list, tuple)):
+        return tuple(int(i) for i in x)
+    return (int(x),)

@@ -1,0 +1,209 @@
+"""The parts of a model that vary by family, each its own small frozen dataclass.
+
+A mixer or MLP reads its own section (`config.attention`, `config.mla`, `config.moe`,
+`config.linear`), so a new family's switch lands in one section and the modules that read
+it, and each section checks its own values. The flat names a TOML `[model]` section, a
+`--set model.x=...` override and the families' `model_fields` use are mapped onto these
+fields by `FLAT_KEYS` (models/config/model.py), so what users write does not change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxfill.models.config.errors import ConfigError
+
+LAYER_TYPES = ("full", "sliding")
+
+
+def _choose(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(f"model.{name} must be one of {list(allowed)}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Softmax attention over the paged KV cache, and the rotary embedding it (and MLA) turns."""
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None  # frozen dict items
+    rope_local_theta: float | None = None  # rope base of "sliding" layers, unscaled (Gemma 3)
+    rope_interleave: bool = False  # the rope dims come in (even, odd) pairs (DeepSeek V3's layout)
+    rotary_dim: int = 0  # rope over each head's first rotary_dim dims (partial rotary, GLM); 0: all
+    nope_layers: tuple[int, ...] = ()  # layers without rotary embedding (SmolLM3)
+    sliding_window: int | None = None  # the window of "sliding" layers (all layers if layer_types is empty)
+    layer_types: tuple[str, ...] = ()  # per layer "full" | "sliding"; () = every layer alike
+    bias: bool = False  # q/k/v bias (Qwen2; Llama/Qwen3 attention_bias)
+    out_bias: bool = False  # o bias (Llama/Qwen3/OLMo 2 attention_bias)
+    # head: RMSNorm over each head's D (Qwen3, Gemma 3); projection: over all Hq*D (OLMo 2)
+    qk_norm: str = "none"
+    query_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    soft_cap: float | None = None  # cap * tanh(score / cap) (Gemma 2)
+    sinks: bool = False  # a learned per-head logit in each softmax denominator (gpt-oss)
+    output_gate: bool = False  # output times sigmoid(a per-head gate q_proj also gives) (Qwen3.5)
+    # mesh.sequence > 1 (models/parallel/context.py): pass_kv = the pass-KV ring for a step
+    # with nothing cached (unquantized pages), pass-Q otherwise; pass_q = always pass-Q;
+    # auto = pass_q until an accelerator measures the ring ahead (on CPU it is 2-17x
+    # slower at 1k-8k tokens: benchmarks/context_modes.py)
+    context_attention: str = "auto"
+
+    def __post_init__(self):
+        _choose("qk_norm", self.qk_norm, ("none", "head", "projection"))
+        _choose("context_attention", self.context_attention, ("auto", "pass_q", "pass_kv"))
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ConfigError(f"model.sliding_window must be positive, got {self.sliding_window}")
+        if set(self.layer_types) - set(LAYER_TYPES):
+            raise ConfigError(f"model.layer_types must name {list(LAYER_TYPES)}, got {list(self.layer_types)}")
+        if "sliding" in self.layer_types and self.sliding_window is None:
+            raise ConfigError("model.layer_types has sliding layers but model.sliding_window is not set")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of `layer` (None: full attention)."""
+        if self.layer_types and self.layer_types[layer] == "full":
+            return None
+        return self.sliding_window
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any] | None:
+        return dict(self.rope_scaling) if self.rope_scaling else None
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (models/mixers/mla.py, DeepSeek); kv_lora_rank = 0: not MLA. The
+    cache then holds one "head" per token: the normalised latent and the roped key,
+    head_dim = kv_lora_rank + qk_rope_head_dim, num_kv_heads = 1."""
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0  # 0: q straight from the hidden state (V2-Lite)
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # absorbed: attend over the latent; expanded: K/V per head from it (models/mixers/mla_expanded.py);
+    # auto: per step, whichever costs fewer multiply-adds for the batch's lengths
+    form: str = "auto"
+
+    def __post_init__(self):
+        _choose("mla_form", self.form, ("auto", "absorbed", "expanded"))
+        if self.kv_lora_rank and not (self.qk_nope_head_dim > 0 and self.qk_rope_head_dim > 0
+                                      and self.v_head_dim > 0):
+            raise ConfigError(f"an MLA model (kv_lora_rank={self.kv_lora_rank}) needs positive "
+                              "qk_nope/qk_rope/v head dims")
+
+    @property
+    def enabled(self) -> bool:
+        return self.kv_lora_rank > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-experts MLPs (models/moe.py); num_experts = 0: every layer's MLP is dense."""
+    num_experts: int = 0
+    experts_per_token: int = 0
+    intermediate_size: int = 0  # one expert's intermediate size
+    dense_layers: tuple[int, ...] = ()  # layers with the dense MLP in a MoE model
+    # softmax: softmax over experts, top k (Mixtral, Qwen3-MoE); sigmoid: sigmoid scores,
+    # top k of score + bias within the best groups (DeepSeek-V3, GLM-4.5); topk_softmax:
+    # top k of the logits, softmax over those k (gpt-oss)
+    scoring: str = "softmax"
+    renormalize: bool = True  # top-k weights divided by their sum
+    selection_bias: bool = False  # a per-expert correction bias on the selection scores (sigmoid)
+    groups: int = 1  # experts in this many groups; only the best topk_groups are chosen from
+    topk_groups: int = 1
+    routed_scaling: float = 1.0  # the routed experts' weights times this
+    router_f32: bool = False  # router weight and matmul in f32 whatever the dtype (DeepSeek, GLM)
+    router_logit_bias: bool = False  # the router is x @ w + b (gpt-oss)
+    shared_expert_size: int = 0  # intermediate size of the always-on shared expert(s), 0: none
+    shared_expert_gate: bool = False  # the shared expert's output times sigmoid(x @ w) (Qwen2-MoE)
+    expert_bias: bool = False  # every expert's gate/up and down projections have biases (gpt-oss)
+    # gpt-oss's clamped SwiGLU: gate <= limit, |up| <= limit, (up + 1) * gate * sigmoid(alpha * gate);
+    # None: the plain hidden_act(gate) * up
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+
+    def __post_init__(self):
+        _choose("router_scoring", self.scoring, ("softmax", "sigmoid", "topk_softmax"))
+        if not self.num_experts:
+            return
+        if self.num_experts < 0 or not 1 <= self.experts_per_token <= self.num_experts:
+            raise ConfigError(f"model.experts_per_token must be in [1, num_experts={self.num_experts}], "
+                              f"got {self.experts_per_token}")
+        if self.intermediate_size <= 0:
+            raise ConfigError(f"model.moe_intermediate_size must be positive, got {self.intermediate_size}")
+        g, kg = self.groups, self.topk_groups
+        if g < 1 or self.num_experts % g or not 1 <= kg <= g:
+            raise ConfigError(f"model.router_groups ({g}) must divide num_experts ({self.num_experts}) and "
+                              f"router_topk_groups ({kg}) be in [1, router_groups]")
+        if g > 1 and (self.scoring != "sigmoid" or self.num_experts // g < 2):
+            raise ConfigError("model.router_groups > 1 needs router_scoring = sigmoid and 2+ experts per group")
+        if g > 1 and kg * self.num_experts // g < self.experts_per_token:
+            raise ConfigError(f"the best {kg} of {g} expert groups hold fewer than experts_per_token experts")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearConfig:
+    """Linear-attention layers: a recurrent rule (kind), a state per sequence instead of
+    attention over the KV cache. Mamba2 is linear attention with C as the query, B as the
+    key and x as the value, so the shapes name both: for mamba2, key heads = n_groups (B and
+    C per group), key head dim = ssm_state_size, value heads = the SSM heads, value head
+    dim = their head_dim; the state is [value heads, Dk, Dv]."""
+    layers: tuple[int, ...] = ()
+    # Gated DeltaNet (models/mixers/gated_deltanet.py, Qwen3.5) or Mamba2's SSD (models/mixers/mamba2.py, Nemotron-H)
+    kind: str = "gated_deltanet"
+    # the chunk loop: XLA's, or the Pallas TPU kernel (pallas_kernels/gated_delta_rule_tpu.py,
+    # ssd_tpu.py); auto = xla until a TPU measurement says otherwise
+    impl: str = "auto"
+    num_key_heads: int = 0
+    num_value_heads: int = 0
+    key_head_dim: int = 0
+    value_head_dim: int = 0
+    conv_kernel: int = 4  # the short causal convolution over q, k, v (Mamba2: x, B, C)
+    grouped_proj: bool = False  # q, k, v, z (and b, a) fused per key head (Qwen3-Next), not apart
+    conv_bias: bool = False  # the convolution adds a bias (Mamba2)
+    dt_limit: tuple[float, float] | None = None  # Mamba2's time steps clipped to [lo, hi]; None: not
+
+    def __post_init__(self):
+        _choose("linear_kind", self.kind, ("gated_deltanet", "mamba2"))
+        _choose("linear_impl", self.impl, ("auto", "xla", "pallas_tpu"))
+        if self.layers:
+            dims = (self.num_key_heads, self.num_value_heads, self.key_head_dim, self.value_head_dim,
+                    self.conv_kernel - 1)
+            if min(dims) <= 0 or self.num_value_heads % self.num_key_heads:
+                raise ConfigError("model.linear_layers needs positive linear_* head counts and dims (value heads "
+                                  f"a multiple of key heads) and linear_conv_kernel >= 2; got {dims}")
+        mamba = {"linear_conv_bias": self.conv_bias, "linear_dt_limit": self.dt_limit is not None}
+        if self.kind != "mamba2" and any(mamba.values()):
+            raise ConfigError(f"model.{', '.join(k for k, on in mamba.items() if on)} apply to linear_kind mamba2 "
+                              f"only, not {self.kind}")
+        if self.kind == "mamba2" and self.grouped_proj:
+            raise ConfigError("model.linear_grouped_proj is Qwen3-Next's DeltaNet layout, not mamba2's")
+        limit = self.dt_limit
+        if limit is not None and not (len(limit) == 2 and 0 <= limit[0] < limit[1]):
+            raise ConfigError(f"model.linear_dt_limit must be [lo, hi] with 0 <= lo < hi, got {list(limit)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class NormConfig:
+    """The RMSNorms around the blocks."""
+    eps: float = 1e-5
+    # rms: w * cast(x * rsqrt) (Llama); rms_f32: cast(w * x * rsqrt) (OLMo 2);
+    # rms_one_plus: cast((1 + w) * x * rsqrt), all in f32 (Gemma)
+    kind: str = "rms"
+    # pre: norm before attention and MLP (Llama); sandwich: before and after both
+    # (Gemma 2/3); post: after both only (OLMo 2)
+    layout: str = "pre"
+
+    def __post_init__(self):
+        _choose("norm_kind", self.kind, ("rms", "rms_f32", "rms_one_plus"))
+        _choose("norm_layout", self.layout, ("pre", "sandwich", "post"))
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddingConfig:
+    """Tokens in, logits out."""
+    tied: bool = False  # the LM head is the embedding table (tie_word_embeddings)
+    scale: float = 1.0  # embeddings times this, rounded to dtype (Gemma: sqrt(E); Granite)
+    logits_scale: float = 1.0  # logits times this (Granite: 1 / logits_scaling)
+    final_soft_cap: float | None = None  # cap * tanh(logits / cap) (Gemma 2)

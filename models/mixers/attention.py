@@ -1,0 +1,117 @@
+"""One attention block: qkv -> rope -> KV write into pages -> ragged paged attention -> out."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxfill.models.config import ModelConfig
+from jaxfill.models.kv_cache import sampled_rows_metadata
+from jaxfill.models.layer_settings import by_window, layer_settings
+from jaxfill.models.layers import RMSNorm, param, projection
+from jaxfill.models.mixers.context import MixerContext
+from jaxfill.models.rope import apply_rope
+from jaxfill.models.quant import qeinsum
+from jaxfill.models.parallel.context import sharded_attention
+from jaxfill.models.parallel.ring_attention import RingSpec
+from jaxfill.models.sharding import constrain, kv_heads_for
+from jaxfill.pallas_kernels import ragged_paged_attention, write_kv
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        c, dt = config, config.jnp_dtype
+        e, hq, hk, d, wd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.weight_dtype
+        # with an output gate (Qwen3.5) q_proj gives each head [q, gate]: 2D columns
+        q_cols = 2 * d if c.attention.output_gate else d
+        self.q, self.q_scale = projection(rngs, (e, hq, q_cols), ("embed", "q_heads", "head_dim"), dt, 1, wd)
+        self.k, self.k_scale = projection(rngs, (e, hk, d), ("embed", "kv_heads", "head_dim"), dt, 1, wd)
+        self.v, self.v_scale = projection(rngs, (e, hk, d), ("embed", "kv_heads", "head_dim"), dt, 1, wd)
+        self.o, self.o_scale = projection(rngs, (hq, d, e), ("q_heads", "head_dim", "embed"), dt, 2, wd)
+        if c.attention.bias:
+            self.q_bias = param(rngs, (c.num_heads, c.head_dim), ("q_heads", "head_dim"), dt)
+            self.k_bias = param(rngs, (c.num_kv_heads, c.head_dim), ("kv_heads", "head_dim"), dt)
+            self.v_bias = param(rngs, (c.num_kv_heads, c.head_dim), ("kv_heads", "head_dim"), dt)
+        if c.attention.qk_norm == "head":  # over each head's D
+            self.q_norm = RMSNorm(d, c.norms.eps, dt, rngs, kind=c.norms.kind, axes=("head_dim",))
+            self.k_norm = RMSNorm(d, c.norms.eps, dt, rngs, kind=c.norms.kind, axes=("head_dim",))
+        elif c.attention.qk_norm == "projection":  # over all heads of the projection
+            self.q_norm = RMSNorm(d, c.norms.eps, dt, rngs, kind=c.norms.kind, shape=(hq, d),
+                                  axes=("q_heads", "head_dim"))
+            self.k_norm = RMSNorm(d, c.norms.eps, dt, rngs, kind=c.norms.kind, shape=(hk, d),
+                                  axes=("kv_heads", "head_dim"))
+        if c.attention.out_bias:
+            self.o_bias = param(rngs, (e,), ("embed",), dt)
+        # gpt-oss: one learned logit per head in the softmax denominator
+        self.sinks = param(rngs, (hq,), ("q_heads",), dt, scale=1.0) if c.attention.sinks else None
+        self.config = c
+        self.sm_scale = c.attention.query_scale if c.attention.query_scale is not None else c.head_dim ** -0.5
+
+    def __call__(self,
+                 x: jax.Array,  # [T, E]
+                 pages: jax.Array,  # [num_pages, page_size, 2 * Hkv, D]
+                 ctx: MixerContext,
+                 ) -> tuple[jax.Array, jax.Array]:  # [T, E] ([S, E] if ctx.sampled_only), pages
+        """K/V of every row go into the pages; queries (and the output) exist only for the
+        rows ctx.sampled keeps. The layer's rope and window come from
+        models/layer_settings.py by `ctx.layer`."""
+        q, k, v, gate = self._project(x, ctx)
+        # A cache laid out for more KV heads than the model has (tensor parallel with
+        # Hkv < tensor, see models/sharding.py) holds each head repeated r times in a row.
+        r = kv_heads_for(pages.shape[2], k.shape[1])
+        if r > 1:
+            k, v = jnp.repeat(k, r, axis=1), jnp.repeat(v, r, axis=1)
+        q = constrain(q, ("tokens", "act_heads", None))
+        k = constrain(k, ("tokens", "act_kv_heads", None))
+        v = constrain(v, ("tokens", "act_kv_heads", None))
+        q_meta = sampled_rows_metadata(ctx.meta) if ctx.sampled_only else ctx.meta
+        sinks = None if self.sinks is None else self.sinks[...].astype(jnp.float32)
+        out, pages = by_window(layer_settings(self.config), ctx.layer,
+                               functools.partial(self._attend_window, q, k, v, pages, q_meta, sinks, ctx.impl))
+        if gate is not None:
+            out = out * jax.nn.sigmoid(gate).astype(out.dtype)
+        out = qeinsum("thd,hde->te", out, self.o[...], self.o_scale)  # all-reduce over tensor
+        if self.config.attention.out_bias:
+            out = out + self.o_bias[...]
+        return constrain(out, ("tokens", "act_embed")), pages
+
+    def _project(self, x: jax.Array,  # [T, E]
+                 ctx: MixerContext):  # q [T', Hq, D], k, v [T, Hkv, D], gate [T', Hq, D] or None
+        """q (T' = the rows ctx.sampled keeps), k and v of every row, biased, normed, roped."""
+        a = self.config.attention
+        k = qeinsum("te,ehd->thd", x, self.k[...], self.k_scale)
+        v = qeinsum("te,ehd->thd", x, self.v[...], self.v_scale)
+        q = qeinsum("te,ehd->thd", ctx.sampled(x), self.q[...], self.q_scale)
+        gate = None
+        if a.output_gate:
+            q, gate = q[..., :self.config.head_dim], q[..., self.config.head_dim:]  # [T, Hq, D] each
+        if a.bias:
+            q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+        if a.qk_norm != "none":
+            q, k = self.q_norm(q), self.k_norm(k)
+        settings = layer_settings(self.config)
+        if not (isinstance(ctx.layer, int) and not settings.has_rope[ctx.layer]):
+            inv_freq, scale = settings.rope(ctx.layer)
+            q = apply_rope(q, ctx.sampled(ctx.positions), inv_freq, scale)
+            k = apply_rope(k, ctx.positions, inv_freq, scale)
+        return q, k, v, gate
+
+    def _attend_window(self, q, k, v, pages, meta, sinks, impl: str, window):  # ([T', Hq, D], pages)
+        """Attention for one sliding window (None: full), over the mesh's shares of heads and rows."""
+        a = self.config.attention
+        ring = RingSpec(self.sm_scale, a.soft_cap, window) if a.context_attention == "pass_kv" else None
+        attend = functools.partial(self._write_and_attend, impl=impl, window=window)
+        return sharded_attention(attend, q, k, v, pages, meta, sinks, sinks=sinks is not None, ring=ring)
+
+    def _write_and_attend(self, q, k, v, pages, meta, sinks, share, *, impl: str, window):
+        """One device's view under a mesh: this step's K/V rows into the pages, then the kernel."""
+        pages = write_kv(pages, k, v, meta.slot_mapping)
+        extra = {} if sinks is None else {"sinks": sinks}
+        out = ragged_paged_attention(
+            q, pages, meta.kv_lens, meta.page_indices, meta.cu_q_lens, meta.num_seqs,
+            sm_scale=self.sm_scale, sliding_window=window, soft_cap=self.config.attention.soft_cap, impl=impl,
+            **extra, **share)
+        return out, pages
