@@ -50,6 +50,16 @@ HYBRID_KWARGS = {
                                      norm_topk_prob=True, mlp_only_layers=[1],
                                      rope_parameters={"rope_type": "default", "rope_theta": 1e4,
                                                       "partial_rotary_factor": 0.25})),
+    # Qwen3.5-MoE: Qwen3.5's stack (separate DeltaNet projections) with every MLP sparse: 8
+    # experts top 2, and a gated shared expert
+    "qwen3_5_moe": (("Qwen3_5MoeText", "Qwen3_5Moe"), dict(num_hidden_layers=4, head_dim=32, linear_num_key_heads=2,
+                                                         linear_num_value_heads=4, linear_key_head_dim=16,
+                                                         linear_value_head_dim=24, linear_conv_kernel_dim=4,
+                                                         num_experts=8, num_experts_per_tok=2,
+                                                         moe_intermediate_size=32,
+                                                         shared_expert_intermediate_size=48,
+                                                         rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                                          "partial_rotary_factor": 0.25})),
     # Nemotron-H: single-block layers M(amba2) -(MLP) M * (attention, no rope) - M; 8 SSM
     # heads of 12 in 2 groups (B, C per group), a 16-wide state, attention heads of 24 (not
     # hidden / heads); the SSD's chunks (16) shorter than the 64- and 300-token prompts

@@ -1,6 +1,6 @@
 """Linear-attention hybrids through the Engine in every layout they support, one
 subprocess per model on 2 fake CPU devices (tests/family_layouts.py). Qwen3.5 and
-Qwen3-Next (Gated DeltaNet): unchunked == 16-token chunks == prefix-cached through state
+Qwen3-Next and Qwen3.5-MoE (Gated DeltaNet): unchunked == 16-token chunks == prefix-cached through state
 snapshots every 32 tokens == mesh.tensor = 2 (each rank one key-head group's params and
 state) with snapshots too. Nemotron-H (Mamba2, 4 groups of 2 heads: each rank two groups'
 params and state): unchunked == tensor 2 with snapshots, whole and in 16-token chunks
@@ -22,7 +22,7 @@ LAYOUTS = {
     "tensor2": {"mesh.tensor": 2, **SNAPSHOTS},
     "tensor2_chunked": {"mesh.tensor": 2, **CHUNKED, **SNAPSHOTS},
 }
-MODELS = {"qwen3_5": ({}, LAYOUTS), "qwen3_next": ({}, LAYOUTS),
+MODELS = {"qwen3_5": ({}, LAYOUTS), "qwen3_next": ({}, LAYOUTS), "qwen3_5_moe": ({}, LAYOUTS),
           "nemotron_h": ({"n_groups": 4}, {n: LAYOUTS[n] for n in ("whole", "tensor2", "tensor2_chunked")})}
 
 

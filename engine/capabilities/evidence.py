@@ -75,7 +75,8 @@ EVIDENCE: tuple[Evidence, ...] = (
     Evidence("tests/test_multihost.py::test_latent_attention_over_two_processes", ("deepseek_v3",),
              ("mesh.num_processes",)),
     # linear-attention hybrids
-    *_each("tests/test_hybrid_layouts.py::test_hybrid_layouts_agree", ("qwen3_5", "qwen3_next", "nemotron_h"),
+    *_each("tests/test_hybrid_layouts.py::test_hybrid_layouts_agree", ("qwen3_5", "qwen3_next", "qwen3_5_moe",
+                                                                       "nemotron_h"),
            ("mesh.tensor", "engine.enable_prefix_caching")),
     Evidence("tests/test_hybrid_engine.py::test_quantized_attention_pages_beside_f32_state[int8]", ("qwen3_5",),
              ("engine.kv_cache_dtype=int8",)),

@@ -1,0 +1,52 @@
+"""Qwen3.5-MoE (35B-A3B, 122B-A10B, 397B-A17B): Qwen3.5's stack (Gated DeltaNet x3, gated
+full attention, its projection layout) with Qwen3-Next's sparse MLP in every layer:
+softmax top-k experts, always renormalised, beside a sigmoid-gated shared expert. Experts
+are read per expert (`experts.{j}.gate_proj`, as transformers' save_pretrained writes them
+and its loader converts); the fused `experts.gate_up_proj` of a raw state dict is not read
+yet. No new math: this module is the config and tensor mapping only."""
+
+from __future__ import annotations
+
+from jaxfill.models.families.experts import expert_tensors, shared_expert_tensors
+from jaxfill.models.families.qwen3_5 import Qwen3_5, Qwen3_5Multimodal
+from jaxfill.models.families.qwen3_moe import TRAINING_ONLY
+
+SPARSE = frozenset({"num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"})
+
+
+class Qwen3_5Moe(Qwen3_5):
+    name = "qwen3_5_moe"
+    architectures = ("Qwen3_5MoeForCausalLM",)
+    experts = True
+    honoured = Qwen3_5.honoured | SPARSE
+    inert = Qwen3_5.inert | TRAINING_ONLY
+    tested = ("HF f32 logits and greedy tokens (model level: prefill in chunks carrying the state, then decode), "
+              "the image-text checkpoint's text tower; through the Engine: unchunked = chunked = prefix-cached "
+              "(state snapshots) = tensor 2")
+
+    def model_fields(self, hf):
+        shared = int(hf.get("shared_expert_intermediate_size") or 0)
+        return dict(super().model_fields(hf), num_experts=int(hf["num_experts"]),
+                    experts_per_token=int(hf["num_experts_per_tok"]), moe_intermediate_size=hf["moe_intermediate_size"],
+                    router_renormalize=True, shared_expert_size=shared, shared_expert_gate=bool(shared))
+
+    def model_defaults(self, hidden_size):
+        return dict(super().model_defaults(hidden_size), num_experts=8, experts_per_token=2,
+                    moe_intermediate_size=hidden_size, router_renormalize=True, shared_expert_size=hidden_size,
+                    shared_expert_gate=True)
+
+    def mlp_tensors(self, c, p, layer):
+        table = expert_tensors(c, p, layer)
+        if c.moe.shared_expert_size:
+            table.update(shared_expert_tensors(c, p, layer))
+        return table
+
+
+class Qwen3_5MoeMultimodal(Qwen3_5Multimodal, Qwen3_5Moe):
+    """The text tower of the image-text checkpoint (what Qwen/Qwen3.5-*-A*B publish)."""
+    name = "qwen3_5_moe"
+    architectures = ("Qwen3_5MoeForConditionalGeneration",)
+    tested = Qwen3_5Moe.tested
+
+
+FAMILIES = (Qwen3_5Moe(), Qwen3_5MoeMultimodal())
