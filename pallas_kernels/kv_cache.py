@@ -5,7 +5,7 @@ head h sit side by side at combined-head index 2h and 2h+1. Interleaving keeps a
 K and V in one block (one DMA per page on TPU, one shard per tensor-parallel rank) and
 keeps the last two dims (heads, D) dense, which is what TPU tiling wants.
 
-Shared pages (`kv_shared`, multi-head latent attention: models/mla.py): a head's value is
+Shared pages (`kv_shared`, multi-head latent attention: models/mixers/mla.py): a head's value is
 its key (the first dims of it), so the pages hold K only, `[num_pages, page_size, Hkv, D]`,
 half the bytes; `write_kv(..., v=None)` writes them and the attention impls read V from
 the K slot.

@@ -47,7 +47,7 @@ for name, overrides in layouts.items():
                  # MoE: pairs per expert per layer, and the token rows the forwards ran
                  "experts": {str(k): v.tolist() for k, v in engine.expert_tokens(refresh=True).items()},
                  "rows": sum(len(p) - c.cached_tokens + len(c.token_ids) - 1 for p, c in zip(prompts, done)),
-                 "top_k": engine.config.model.experts_per_token,
+                 "top_k": engine.config.model.moe.experts_per_token,
                  "last_layer": engine.config.model.num_layers - 1, "state_shard": state_shard}
 print("RESULT " + json.dumps(out))
 """
