@@ -66,21 +66,37 @@ def rows() -> list[dict]:
 MARK = {"tested": "✓", "untested": "·", "refused": "✗"}
 
 
+def _short(architecture: str) -> str:
+    """`Qwen3_5MoeForCausalLM` -> Qwen3_5Moe; an image-text class names its text tower."""
+    return architecture.replace("ForCausalLM", "").replace("ForConditionalGeneration", " (text tower)")
+
+
 def matrix_markdown() -> str:
-    """The README's table: a tested cell links the test file that runs it."""
-    lines = ["| architecture | " + " | ".join(SHORT[c] for c in COLUMNS) + " |",
+    """The README's table, a row per family (its architectures share every cell): a tested
+    cell links the test file that runs it (reference links keep the rows short)."""
+    lines = ["| family: architectures | " + " | ".join(SHORT[c] for c in COLUMNS) + " |",
              "|---|" + "---|" * len(COLUMNS)]
+    by_family: dict[str, list[dict]] = {}
     for row in rows():
-        cells = []
+        by_family.setdefault(row["family"], []).append(row)
+    files: dict[str, str] = {}  # test file -> its reference label
+    for name, group in by_family.items():
+        row, cells = group[0], []
         for c in COLUMNS:
             status = row["supports"][c]
-            test = row["test"].get(c, "")
-            cells.append(f"[✓]({test.split('::')[0]})" if status == "tested" else MARK[status])
-        lines.append(f"| `{row['architecture']}` | " + " | ".join(cells) + " |")
+            if status == "tested":
+                path = row["test"][c].split("::")[0]
+                label = files.setdefault(path, f"t{len(files) + 1}")
+                cells.append(f"[✓][{label}]")
+            else:
+                cells.append(MARK[status])
+        archs = ", ".join(_short(r["architecture"]) for r in group)
+        lines.append(f"| {name}: {archs} | " + " | ".join(cells) + " |")
     legend = ("✓ runs, and the linked test compares it with a reference; · accepted but no test runs it "
               "(untested); ✗ refused at config time, before any weight is read. Every cell's test and every "
               "refusal's reason: [docs/capabilities.md](docs/capabilities.md), or `jaxfill models --json`.")
-    return "\n".join(lines + ["", legend])
+    refs = [f"[{label}]: {path}" for path, label in files.items()]
+    return "\n".join(lines + ["", legend, ""] + refs)
 
 
 def capabilities_doc() -> str:
