@@ -47,8 +47,9 @@ from jaxfill.engine.stepping import StepGuard
 
 
 class EngineCore:
-    """What the step needs and nothing else. The methods Engine exposes under the same
-    names (add_request, abort, stop_at, step, warmup, own_stepping) are documented there."""
+    """The step core. Its lock and outbox stay private, so whatever Engine (or anyone else)
+    builds on top cannot leave the queues half-changed; Engine documents the methods it
+    exposes under the same names (add_request, abort, stop_at, step, warmup, own_stepping)."""
 
     def __init__(self, parts: Parts, defer_text: bool = False):
         self.config = parts.config
