@@ -35,7 +35,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jaxfill.engine.batch as batch_mod  # noqa: E402
-import jaxfill.engine.engine as engine_mod  # noqa: E402
+import jaxfill.engine.step_phases as step_phases  # noqa: E402
 import jaxfill.engine.scheduler.transitions as transitions_mod  # noqa: E402
 from jaxfill.engine.config import load_config  # noqa: E402
 from jaxfill.engine.engine import Engine  # noqa: E402
@@ -183,7 +183,7 @@ def main() -> None:
     mesh = engines["sync"].runner.mesh
     mesh = None if mesh is None else dict(mesh.shape)  # tiny on 2 cores: tensor = 2 (the engine's default split)
     timers = {"fill_bitmask": HostTimer(batch_mod, "fill_bitmask"), "advance": HostTimer(transitions_mod, "advance"),
-              "build_batch": HostTimer(engine_mod, "build_batch")}
+              "build_batch": HostTimer(step_phases, "build_batch")}
     so = StructuredOutput("regex", f"[a-z ]{{{args.tokens}}}")
     for eng in engines.values():  # first-call costs: the grammar's tokenizer, a matcher, both sampler branches
         eng.generate([args.prompt] * 2, [SamplingParams(max_tokens=4, ignore_eos=True),

@@ -1,5 +1,5 @@
 """The xla impl's split causal diagonal (`diag_splits`: row chunks with their own key
-windows, xla._attend) against the float64 oracle, on shapes where the split matters:
+windows, xla_items.attend_items) against the float64 oracle, on shapes where the split matters:
 q lengths off the block, chunks starting mid-page and mid-block (windows overrun the
 last block), several sequences in one block, padding, sliding window, soft cap, NaN in
 every unowned page slot (make_batch)."""

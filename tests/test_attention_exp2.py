@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jaxfill.pallas_kernels.ragged_paged_attention.xla import exp2
+from jaxfill.pallas_kernels.ragged_paged_attention.online_softmax import exp2
 
 
 def test_exp2_relative_error_and_flush():

@@ -16,7 +16,8 @@ from jaxfill.pallas_kernels import IMPLS, ragged_paged_attention, resolve_impl
 from jaxfill.pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention_gpu
 from jaxfill.pallas_kernels.ragged_paged_attention.tpu import (interpret_params, races_found,
                                                        ragged_paged_attention_tpu)
-from jaxfill.pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla, work_items
+from jaxfill.pallas_kernels.ragged_paged_attention.work_items import work_items
+from jaxfill.pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
 
 BLOCKED = {"xla": ragged_paged_attention_xla, "pallas_tpu": ragged_paged_attention_tpu,
            "pallas_gpu": ragged_paged_attention_gpu}

@@ -12,7 +12,7 @@ import threading
 import numpy as np
 import pytest
 
-import jaxfill.engine.engine as engine_module
+import jaxfill.engine.step_phases as step_phases  # the build phase calls build_batch there
 from jaxfill.engine.config import load_config
 from jaxfill.engine.engine import Engine
 from jaxfill.engine.request import InvalidRequest, SamplingParams
@@ -86,7 +86,7 @@ def inject(eng, monkeypatch, point: str, bystander: str) -> None:
         real = eng.scheduler.schedule
         monkeypatch.setattr(eng.scheduler, "schedule", interrupt_on_call(3, real, before=real))
     elif point == "build_batch":
-        monkeypatch.setattr(engine_module, "build_batch", interrupt_on_call(3, engine_module.build_batch))
+        monkeypatch.setattr(step_phases, "build_batch", interrupt_on_call(3, step_phases.build_batch))
     elif point == "run_before_donation":
         monkeypatch.setattr(r, "run", interrupt_on_call(3, r.run))
     elif point == "run_donated_not_stored":

@@ -1,6 +1,6 @@
 """Before a step: the host tier's pages (and a hybrid's state snapshot) written back into
 the device pages (and the request's own state slot) the scheduler gave the rows that hit
-there (engine/engine.py `_restore` calls it under the lock, before the batch is built).
+there (engine/step_phases.py `restore` calls it under the lock, before the batch is built).
 
 A request whose blocks could not be read or written recomputes instead (never wrong K/V)
 and its blocks leave the tier; so does one whose snapshot left the tier meanwhile (never a

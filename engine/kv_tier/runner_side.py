@@ -1,5 +1,5 @@
 """The runner's side of the host KV tier: it owns the cache, so saves and restores go
-through it (engine/kv_tier/page_offload.py does the moving, engine/engine.py decides when).
+through it (engine/kv_tier/page_offload.py does the moving, engine/step_phases.py decides when).
 
 In a multi-process engine process 0 tells the others what to save and restore (KV_SAVE,
 KV_RESTORE, KV_WARMUP lockstep messages, sent before the programs they announce), and

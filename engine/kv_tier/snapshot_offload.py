@@ -2,7 +2,7 @@
 and the host tier (engine/kv_tier/host.py), as engine/kv_tier/page_offload.py moves KV pages.
 
 Saves: a snapshot about to lose its slot (engine/scheduler/state_snapshots.py
-`take_evicted`) is gathered before the copy that reuses the slot (engine/engine.py
+`take_evicted`) is gathered before the copy that reuses the slot (engine/step_phases.py
 `_copy_states`) and copied to the host without waiting; `poll` folds the arrived ones
 into the tier under the page's hash, where they count against its byte budget. Until
 then the host does not have it, and a hit is cut back to a snapshot it has.

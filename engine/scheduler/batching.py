@@ -10,8 +10,8 @@ Each step every running request's `num_computed` catches up to its `num_tokens` 
    that would still be unfinished after this step is a *partial* prefill; at most
    `max_num_partial_prefills` of those run at once; other prompts may pass it.
 
-The lookup walks the prompt's page hashes: a page cached on the device is shared; one
-missing there but kept in the host tier (engine/kv_tier/host.py, when
+The lookup (prefix_lookup.py) walks the prompt's page hashes: a page cached on the device
+is shared; one missing there but kept in the host tier (engine/kv_tier/host.py, when
 engine.host_kv_cache_gb > 0) gets a fresh page and a `Restore`, which the engine writes
 back before the step (engine/kv_tier/page_offload.py); the first page in neither ends the hit.
 Restored pages count as computed, and join the device's prefix cache only once written
@@ -34,70 +34,14 @@ with "length".
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import time
 
-from jaxfill.engine.block_manager import BlockManager, prefix_hashes
+from jaxfill.engine.block_manager import BlockManager
 from jaxfill.engine.request import Request, Status
+from jaxfill.engine.scheduler.prefix_lookup import PrefixLookup
 from jaxfill.engine.scheduler.state_snapshots import StateSnapshots
+from jaxfill.engine.scheduler.step_plan import Restore, Scheduled, SchedulerOutput, to_compute, total_tokens
 from jaxfill.engine.scheduler.transitions import RequestTransitions
-
-
-@dataclasses.dataclass
-class Restore:
-    """A prefix page kept in the host tier, to be written into a fresh device page."""
-
-    hash: bytes
-    tier: str  # "host" or "disk": where the lookup found it
-    page: int = -1  # the device page it goes to (set at admission)
-
-
-@dataclasses.dataclass
-class Scheduled:
-    req: Request
-    start: int  # num_computed when scheduled: first new token's position
-    num_new: int
-    restores: list[Restore] = dataclasses.field(default_factory=list)  # pages to write before the step
-    state_from: int | None = None  # a snapshot slot to copy into the request's state slot first (hybrids)
-    state_host: bytes | None = None  # or the hash of a snapshot in the host tier to write there
-    samples: bool = dataclasses.field(init=False)  # the chunk reaches the end: a token is drawn
-
-    def __post_init__(self):
-        # Fixed when scheduled: with async scheduling the request's counts move on before
-        # this step's results come back.
-        self.samples = self.start + self.num_new == total_tokens(self.req)
-
-
-def total_tokens(req: Request) -> int:
-    """Tokens the request holds, counting those sampled on the device but not yet known here."""
-    return req.num_tokens + req.in_flight
-
-
-def to_compute(req: Request) -> int:
-    return total_tokens(req) - req.num_computed
-
-
-@dataclasses.dataclass
-class SchedulerOutput:
-    seqs: list[Scheduled]
-    preempted: list[Request]
-    finished: list[Request]  # finished here with "length": no room even alone
-    # (working slot, snapshot slot) copies to run before the step (state_snapshots.py)
-    state_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    # (snapshot slot, hash): snapshots those copies push out, to save to the host tier first
-    state_saves: list[tuple[int, bytes]] = dataclasses.field(default_factory=list)
-    # (request id, working slot): a held prefill's state at its last prompt row but one, to
-    # export after the copies, before the step (engine/disagg/handoff.py)
-    state_exports: list[tuple[str, int]] = dataclasses.field(default_factory=list)
-
-    @property
-    def state_restores(self) -> list[tuple[int, int]]:
-        """(snapshot slot, working slot) copies to run after state_copies, before the step."""
-        return [(s.state_from, s.req.state_slot) for s in self.seqs if s.state_from is not None]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new for s in self.seqs)
 
 
 class Scheduler(RequestTransitions):
@@ -124,6 +68,7 @@ class Scheduler(RequestTransitions):
         if s.state_slots and s.enable_prefix_caching and s.state_snapshot_slots:
             self.snapshots = StateSnapshots(s.state_snapshot_tokens, s.state_slots, s.state_snapshot_slots,
                                             on_host=tier and tier.has_snapshot)
+        self.prefix = PrefixLookup(self.bm, self.page_size, tier, self.snapshots)  # prefix_lookup.py
         # held prefills of a hybrid (disaggregation): their chunks end at len(prompt) - 1,
         # where the state the decode side resumes from is exported
         self.state_holds: set[str] = set()
@@ -172,38 +117,6 @@ class Scheduler(RequestTransitions):
         self.num_preemptions += 1
         self.add(req)
 
-    def _hashes(self, req: Request, upto_tokens: int) -> list[bytes]:
-        """Full-page hashes of the request's first `upto_tokens` tokens (memoized)."""
-        full = upto_tokens // self.page_size
-        if len(req.page_hashes) < full:
-            ids = req.all_ids()[:full * self.page_size]
-            parent = req.page_hashes[-1] if req.page_hashes else None
-            req.page_hashes += prefix_hashes(ids, self.page_size, req.params.cache_salt,
-                                             start=len(req.page_hashes), parent=parent)
-        return req.page_hashes[:full]
-
-    def cached_prefix(self, req: Request) -> list[int]:
-        """Pages of the longest cached prefix of all but the request's last token (that one
-        must be computed to sample); [] with prefix caching off."""
-        if not self.bm.enable_prefix_caching:
-            return []
-        return self.bm.lookup(self._hashes(req, req.num_tokens - 1))
-
-    def _prefix_hits(self, req: Request) -> list:
-        """Per page of the longest prefix cached in any tier: its device page, or a Restore."""
-        if not self.bm.enable_prefix_caching or req.params.prompt_logprobs is not None:
-            return []  # prompt_logprobs needs every prompt row's logits: a cached prefix is recomputed
-        hits: list = []
-        for h in self._hashes(req, req.num_tokens - 1):
-            page = self.bm.page_of(h)
-            tier = None if page is not None or self.tier is None else self.tier.peek(h)
-            if page is None and tier is None:
-                break
-            hits.append(page if page is not None else Restore(h, tier))
-        if self.snapshots is not None:  # a hybrid resumes only where a state snapshot is kept
-            hits = hits[:self.snapshots.resume_pages(req.page_hashes[:len(hits)], self.page_size)]
-        return hits
-
     def recompute_all(self) -> None:
         """The KV cache was lost: every running request goes back to waiting, to be
         recomputed, and no cached prefix page can be trusted."""
@@ -213,18 +126,6 @@ class Scheduler(RequestTransitions):
         self.state_exports = []  # read from the lost cache; the held prefills recompute and export again
         if self.snapshots is not None:
             self.snapshots.clear()
-
-    def register_computed(self, req: Request, upto: int | None = None, start: int = 0) -> None:
-        """Publishes the request's full pages computed up to `upto` tokens (default: all
-        computed; async scheduling passes the step whose results arrived). Pages ending
-        before `start` (the chunk's first token) were published when they were computed or
-        hit, so a step only walks its own chunk's pages, not the whole context."""
-        if not self.bm.enable_prefix_caching:
-            return
-        hashes = self._hashes(req, req.num_computed if upto is None else upto)
-        for i in range(start // self.page_size, min(len(req.pages), len(hashes))):
-            self.bm.register(req.pages[i], hashes[i], parent=hashes[i - 1] if i else None, token_at=req.token,
-                             first=i * self.page_size)
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
@@ -314,7 +215,7 @@ class Scheduler(RequestTransitions):
             if req.in_flight or self._waits_for_sibling(req):
                 i += 1  # preempted with a token still on its way, or a sample before its prompt is cached
                 continue
-            hits = [] if req.pages else self._prefix_hits(req)
+            hits = [] if req.pages else self.prefix.hits(req)
             computed = len(hits) * self.page_size
             remaining = req.num_tokens - computed
             n = self._chunk(req, computed, min(remaining, budget))
@@ -381,8 +282,8 @@ class Scheduler(RequestTransitions):
         for r, page in zip(restores, fresh):
             r.page = page
         req.pages = [h.page if isinstance(h, Restore) else h for h in hits] + fresh[len(restores):]
-        if self.tier is not None:  # a hit that ended before the last full page asked the tier once more
-            self._count_tier_queries(restores, missed=len(hits) < len(self._hashes(req, req.num_tokens - 1)))
+        if self.tier is not None:
+            self.prefix.count_tier_queries(req, hits, restores)
         req.num_computed = computed
         if req.cached_tokens is None:
             req.cached_tokens = computed
@@ -400,13 +301,6 @@ class Scheduler(RequestTransitions):
         self.running.append(req)
         return Scheduled(req, computed, n, restores, state_from, state_host)
 
-    def _count_tier_queries(self, restores: list[Restore], missed: bool) -> None:
-        """Pages asked of the host tier (and of its disk) at an admission; their hits are
-        counted once written back (`restored`)."""
-        self.tier.counts.queries += len(restores) + missed
-        if self.tier.disk is not None:
-            self.tier.disk.counts.queries += sum(1 for r in restores if r.tier == "disk") + missed
-
     def _schedule_prefill_first(self) -> SchedulerOutput | None:
         """Baseline (chunked_prefill = False): whole waiting prompts in a prefill-only step,
         decodes paused meanwhile; None when no prompt can start (then decodes run)."""
@@ -415,7 +309,7 @@ class Scheduler(RequestTransitions):
             req = self.waiting[0]
             if self._waits_for_sibling(req):
                 break
-            hits = self._prefix_hits(req)
+            hits = self.prefix.hits(req)
             computed = len(hits) * self.page_size
             n = req.num_tokens - computed
             need = self.bm.pages_for(req.num_tokens) - len(hits)

@@ -16,7 +16,8 @@ from __future__ import annotations
 from typing import Iterable
 
 from jaxfill.engine.request import InvalidRequest, Request
-from jaxfill.engine.scheduler.batching import Scheduler, SchedulerOutput
+from jaxfill.engine.scheduler.batching import Scheduler
+from jaxfill.engine.scheduler.step_plan import SchedulerOutput
 from jaxfill.engine.scheduler.transitions import Sampled
 
 
@@ -66,7 +67,7 @@ class ReplicaScheduler:
     def _place(self, req: Request) -> int:
         def score(i: int):
             s = self.replicas[i]
-            return -len(s.cached_prefix(req)), len(s.waiting) + len(s.running), i
+            return -len(s.prefix.device_prefix(req)), len(s.waiting) + len(s.running), i
         return min(range(len(self.replicas)), key=score)
 
     def schedule(self) -> list[SchedulerOutput]:

@@ -51,7 +51,7 @@ class RequestTransitions:
             if self.snapshots is not None:
                 end = self.snapshots.boundary(sch.start, sch.num_new, req.num_tokens)
                 if end is not None:
-                    self.snapshots.record(req.state_slot, self._hashes(req, end)[-1])
+                    self.snapshots.record(req.state_slot, self.prefix.hashes(req, end)[-1])
             if 0 < sch.start + sch.num_new == self._state_export_at(req):
                 self.state_exports.append((req.request_id, req.state_slot))
             if sch.samples:
@@ -66,7 +66,7 @@ class RequestTransitions:
         if req.finished:
             return None  # aborted or stopped; a token computed past the stop is dropped here
         if req.status == Status.RUNNING:  # re-admitted since: not beyond what it has computed
-            self.register_computed(req, min(sch.start + sch.num_new, req.num_computed), sch.start)
+            self.prefix.publish(req, min(sch.start + sch.num_new, req.num_computed), sch.start)
         if not sch.samples:
             return None
         req.in_flight -= 1
@@ -93,7 +93,7 @@ class RequestTransitions:
         its prompt from the start: a restore that failed never serves K/V."""
         req = sch.req
         if ok:
-            self.register_computed(req, upto=sch.start)
+            self.prefix.publish(req, upto=sch.start)
             for r in sch.restores:
                 (self.tier.counts if r.tier == "host" else self.tier.disk.counts).hits += 1
             return
@@ -168,4 +168,4 @@ class RequestTransitions:
         req.first_scheduled = time.perf_counter()
         req.status = Status.RUNNING
         self.running.append(req)
-        self.register_computed(req)
+        self.prefix.publish(req)

@@ -72,7 +72,7 @@ def xla_parallel_loops(backend: str, num_kv_heads: int, group: int) -> int:
 
 def xla_diagonal_splits(block_q: int, block_kv: int, page_size: int, itemsize: int,
                         target: int = 4) -> int:
-    """Row chunks the XLA impl cuts the causal-diagonal step into (see xla._attend).
+    """Row chunks the XLA impl cuts the causal-diagonal step into (see xla_items.attend_items).
 
     Only with block_q == block_kv (the diagonal is then one triangle) and f32 operands:
     with bf16 P is rounded per KV window, and the chunks' windows differ from whole

@@ -7,7 +7,7 @@ how CI checks it. The Triton backend is deprecated from JAX 0.11; when the proje
 past 0.10 this file gets a Mosaic GPU twin and `resolve_impl` picks by device.
 
 Grid (Hkv, items) over the same (query block, sequence) item table as the XLA and TPU
-impls (`xla.work_items`); all programs are independent. One program: the [Gp*block_q, D]
+impls (`work_items.work_items`); all programs are independent. One program: the [Gp*block_q, D]
 stacked q operand of one KV head (Gp = G padded to a power of two, Triton tiles are
 powers of two), a `fori_loop` over KV blocks [kv_lo, kv_hi) (nothing above the causal
 diagonal or before the window), each KV block gathered from `block_kv / page_size` pages
@@ -36,8 +36,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxfill.pallas_kernels.ragged_paged_attention.block_sizes import gpu_block_sizes
-from jaxfill.pallas_kernels.ragged_paged_attention.xla import (MASK_VALUE, item_bounds,
-                                                       sanitize_cu_q_lens, work_items)
+from jaxfill.pallas_kernels.ragged_paged_attention.online_softmax import MASK_VALUE
+from jaxfill.pallas_kernels.ragged_paged_attention.work_items import item_bounds, sanitize_cu_q_lens, work_items
 
 LOG2E = math.log2(math.e)
 

@@ -11,7 +11,7 @@ Why a Mosaic twin of gpu.py: JAX 0.11 deprecated Pallas' Triton lowering; Mosaic
 the backend JAX keeps, and it exposes Hopper's TMA copies and warpgroup matmuls (wgmma).
 
 Work split (same items as the other impls): grid (Hkv * n, M) with M = num_blocks + S
-static work items (query block, sequence), see `xla.work_items`. One CTA, one warpgroup:
+static work items (query block, sequence), see `work_items.work_items`. One CTA, one warpgroup:
 - its q tile as a [64, D] operand: gt query heads of one KV head times block_q = 64 / gt
   tokens, g-major rows, TMA-copied once. Decode-sized buckets stack all Gp heads (G padded
   to a power of two; n = 1), prefill-sized ones take up to 64 tokens of fewer heads
@@ -51,8 +51,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxfill.pallas_kernels.ragged_paged_attention.mosaic_gpu_kernel import (
     _BLK, BLOCK_KV, LOG2E, ROWS, kernel)
-from jaxfill.pallas_kernels.ragged_paged_attention.xla import (item_bounds, sanitize_cu_q_lens,
-                                                               work_items)
+from jaxfill.pallas_kernels.ragged_paged_attention.work_items import item_bounds, sanitize_cu_q_lens, work_items
 
 
 def _next_pow2(x: int) -> int:

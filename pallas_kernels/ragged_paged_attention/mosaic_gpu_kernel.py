@@ -16,7 +16,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxfill.pallas_kernels.ragged_paged_attention.xla import MASK_VALUE
+from jaxfill.pallas_kernels.ragged_paged_attention.online_softmax import MASK_VALUE
 
 LOG2E = math.log2(math.e)
 ROWS = 64  # one warpgroup's wgmma M

@@ -1,7 +1,7 @@
 """Ragged paged attention as a Pallas Mosaic TPU kernel.
 
 Grid (Hkv, items): one grid step = one KV head x one (query block, sequence) item (see
-`xla.work_items`). All metadata is scalar-prefetched into SMEM (kv_lens, page_indices,
+`work_items.work_items`). All metadata is scalar-prefetched into SMEM (kv_lens, page_indices,
 cu_q_lens, num_seqs, and the item table derived from them), so the q/out BlockSpecs can
 follow the item table and the kernel can chase page ids.
 
@@ -43,8 +43,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jaxfill.pallas_kernels.ragged_paged_attention.block_sizes import tpu_block_sizes
-from jaxfill.pallas_kernels.ragged_paged_attention.xla import (MASK_VALUE, item_bounds,
-                                                       sanitize_cu_q_lens, work_items)
+from jaxfill.pallas_kernels.ragged_paged_attention.online_softmax import MASK_VALUE
+from jaxfill.pallas_kernels.ragged_paged_attention.work_items import item_bounds, sanitize_cu_q_lens, work_items
 
 
 def interpret_params():

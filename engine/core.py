@@ -1,0 +1,259 @@
+"""EngineCore: requests in, one step at a time, outputs out.
+
+    EngineCore.step():
+      scheduler.schedule()              pages, prefix hits, token budget, preemption
+      -> batch.build_batch()            numpy, padded to a warm-up-compiled bucket
+      -> runner.run()                   device_put -> step.step (jit, cache donated), returns at once
+      -> scheduler.on_dispatch()        the requests advance as if the step had finished
+      -> scheduler.update_from_output() per row, once the tokens reach the host: ids, stops
+      -> output.emit_text()             text, stop strings, logprobs (unless defer_text)
+
+The scheduler (engine/scheduler/) is the one owner of request state: this file decides
+*when* a transition happens, never how. engine.async_scheduling (the default) takes step
+N's tokens after dispatching N+1, so host work hides behind device work (engine/
+async_step.py). defer_text=True (a serving loop) leaves detokenization, stop strings
+and logprob formatting to the caller (serving/text_stage.py, stop_at).
+
+One thread steps (engine/stepping.py); add_request / abort may come from any thread (one
+lock guards the queues; the device call runs outside it). A request whose step fails
+finishes with "error", pages freed, and the engine goes on; an interrupt (KeyboardInterrupt
+in a notebook) leaves it consistent: outputs go back to the outbox, lost steps are
+rewound, a KV cache lost between donation and store is rebuilt. mesh.data = R > 1: R
+schedulers and page pools whose batches are stacked into one step.
+
+The phases of a step, and what each does when it fails, are engine/step_phases.py; this
+class decides their order and what an interrupt rewinds. The lock and the outbox are its
+own: Engine (engine/engine.py) builds generate, stream and stats on the public methods
+below (discard, return_outputs, locked, claim_stepping), so the queues and the outbox
+change only here and in the phases.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import time
+from typing import Iterable
+
+from jaxfill.engine.assembly import Parts
+from jaxfill.engine.async_step import Launch
+from jaxfill.engine.batch import describe_buckets
+from jaxfill.engine.compile_cache import warmup_summary
+from jaxfill.engine.disagg.facade import Disaggregation
+from jaxfill.engine.request import QueueFull, Request, RequestOutput, SamplingParams
+from jaxfill.engine.step_phases import StepPhases
+from jaxfill.engine.stepping import StepGuard
+
+
+class EngineCore:
+    """The step core. Its lock and outbox stay private, so whatever Engine (or anyone else)
+    builds on top cannot leave the queues half-changed; Engine documents the methods it
+    exposes under the same names (add_request, abort, stop_at, step, warmup, own_stepping)."""
+
+    def __init__(self, parts: Parts, defer_text: bool = False):
+        self.config = parts.config
+        self.settings = parts.config.engine
+        self.runner, self.scheduler, self.factory = parts.runner, parts.scheduler, parts.factory
+        self.shapes = parts.shapes
+        self.vocab_size = self.config.model.vocab_size
+        self.max_pages = self.settings.max_pages_per_seq
+        # True: step() leaves text and logprob formatting to the caller (a serving loop does
+        # them off this thread, serving/text_stage.py); outputs carry ids and raw_logprobs.
+        self.defer_text = bool(defer_text)
+        self._lock = threading.RLock()
+        self._outbox: list[RequestOutput] = []  # reported by the next step()
+        self._guard = StepGuard(self._lock)  # one thread steps (engine/stepping.py)
+        self._in_flight: Launch | None = None  # async scheduling: the step whose tokens are not yet taken
+        self.warmed_up = False
+        self.warmup_s: float | None = None
+        self.warmup_programs: tuple | None = None  # (loaded from the cache, compiled)
+        # disaggregated prefill (engine/disagg/): the hand-off starts with enable_kv_transfer()
+        self.disagg = Disaggregation(self._lock, self.config, self.runner, self.scheduler, self.factory)
+        self._phases = StepPhases(self._lock, self.runner, self.scheduler, self.disagg, self.settings, self.shapes,
+                                  self.vocab_size)
+
+    @property
+    def num_steps(self) -> int:
+        return self._phases.num_steps
+
+    @property
+    def num_errors(self) -> int:
+        return self._phases.num_errors
+
+    @property
+    def num_cache_resets(self) -> int:
+        return self._phases.num_cache_resets
+
+    @property
+    def tokenizer(self):
+        return self.factory.tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer) -> None:
+        self.factory.tokenizer = tokenizer
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        """Unfinished requests by id (the scheduler's registry): read it, never write it."""
+        return self.scheduler.requests
+
+    @property
+    def is_leader(self) -> bool:
+        """Process 0 of a multi-process run (or the only process): owns the scheduler."""
+        return self.runner.is_leader
+
+    def require_leader(self, what: str) -> None:
+        if not self.is_leader:
+            raise RuntimeError(f"{what}() runs on process 0 only: process 0 owns the scheduler; "
+                               "other processes call engine.follow()")
+
+    def warmup(self, progress: bool = True) -> None:
+        self.require_leader("warmup")
+        if progress:
+            print(f"jaxfill: preparing {describe_buckets(self.shapes)}", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        with self._guard.claim():
+            self.warmup_programs = self.runner.warmup(progress)
+        self.warmup_s = time.perf_counter() - start
+        self.warmed_up = True
+        if progress:
+            print(f"jaxfill: {warmup_summary(*self.warmup_programs, self.warmup_s)}", file=sys.stderr, flush=True)
+
+    # ------------------------------------------------------------------ requests (any thread)
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    priority: int = 0, after: str | None = None) -> str:
+        ids, params = self.factory.check(prompt, params, priority)
+        self.require_leader("add_request")
+        with self._lock:
+            waiting = self.scheduler.num_waiting()
+            if waiting >= self.settings.max_waiting:
+                raise QueueFull(f"{waiting} requests waiting (engine.max_waiting)")
+            if params.n == 1:
+                req = self.factory.new(ids, params, request_id, priority, with_text=not self.defer_text)
+                sibling = self.requests.get(after) if after is not None else None
+                if sibling is not None and self.settings.enable_prefix_caching and sibling.prompt_ids == ids:
+                    req.prefill_after = sibling
+                self.scheduler.add(req)
+                return req.request_id
+            samples = self.factory.new_samples(ids, params, request_id, priority, not self.defer_text,
+                                               share_prefill=self.settings.enable_prefix_caching)
+            for req in samples:
+                self.scheduler.add(req)
+            return samples[0].parent_id
+
+    def abort(self, request_id: str) -> bool:
+        with self._lock:
+            reqs = self._requests_of(request_id)
+            for req in reqs:
+                self._outbox.append(self._phases.finish(req, "abort"))
+            return bool(reqs)
+
+    def stop_at(self, request_id: str, num_tokens: int) -> bool:
+        with self._lock:
+            req = self.requests.get(request_id)
+            if req is None:
+                return False
+            self._outbox.append(self._phases.finish(req, "stop", num_output_tokens=num_tokens))
+            return True
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self.requests or self._outbox)
+
+    def discard(self, request_ids: Iterable[str] | None = None) -> int:
+        """Aborts these requests (an id from add_request with n > 1: all its samples) and
+        drops their outputs not yet reported, since whoever wanted them is gone (a generate()
+        or stream() that raised or was closed). None: every request and every pending
+        output. Returns how many requests it aborted."""
+        with self._lock:
+            everything = request_ids is None
+            ids = set(self.requests) if everything else set(request_ids)
+            aborted = 0
+            for rid in ids:
+                for req in self._requests_of(rid):
+                    self._phases.finish(req, "abort")
+                    aborted += 1
+            if everything:
+                self._outbox.clear()
+            else:
+                self._outbox = [o for o in self._outbox if o.request_id not in ids and o.parent_id not in ids]
+            return aborted
+
+    def return_outputs(self, outputs: list[RequestOutput]) -> None:
+        """Outputs a caller took from step() but does not want (another request's) go back
+        to be reported by the next step(), to whoever steps then."""
+        if outputs:
+            with self._lock:
+                self._outbox.extend(outputs)
+
+    @contextlib.contextmanager
+    def locked(self):
+        """Several reads that must see one state between two changes (stats(), say): no
+        request is added, finished or updated while inside."""
+        with self._lock:
+            yield
+
+    def claim_stepping(self):
+        """While inside, this thread is the one stepping (it may read the KV cache); another
+        thread's step() is refused, and this one is refused if another thread steps."""
+        return self._guard.claim()
+
+    def refuse_other_steppers(self) -> None:
+        """Raises now if another thread steps: generate / stream call it before adding anything."""
+        self._guard.refuse_others()
+
+    def _requests_of(self, request_id: str) -> list[Request]:
+        """[lock] The unfinished request of that id, or the samples it names."""
+        req = self.requests.get(request_id)
+        if req is not None:
+            return [req]
+        return [r for r in self.requests.values() if r.parent_id == request_id]
+
+    # ------------------------------------------------------------------ step (one thread)
+    @contextlib.contextmanager
+    def own_stepping(self, defer_text: bool | None = None):
+        with self._guard.own():
+            saved = self.defer_text
+            if defer_text is not None:
+                self.defer_text = bool(defer_text)
+            try:
+                yield self
+            finally:
+                self.defer_text = saved
+
+    def step(self) -> list[RequestOutput]:
+        """schedule -> restore -> build -> run -> update (engine/step_phases.py). With async
+        scheduling step N+1 is dispatched before step N's tokens are taken; without, the
+        step just dispatched is taken at once: the same code, one step at a time."""
+        outputs: list[RequestOutput] = []
+        phases = self._phases
+        with self._guard.claim():
+            done: set[int] = set()  # id() of the Scheduled rows taken
+            prev = launch = None
+            try:
+                with self._lock:
+                    outputs += self._outbox  # first: they were made before this step
+                    self._outbox = []
+                    launch = phases.schedule(outputs)
+                    if launch is not None:
+                        launch = phases.restore(launch)
+                    if launch is not None:
+                        launch = phases.build(launch, outputs)
+                if launch is not None:
+                    launch = phases.run(launch, outputs)
+                if self.settings.async_scheduling:
+                    prev, self._in_flight = self._in_flight, launch
+                else:
+                    prev, launch = launch, None
+                if prev is not None:
+                    phases.update(prev, outputs, done, self.defer_text)
+            except BaseException:
+                with self._lock:  # an interrupt: nothing taken is lost, nothing in flight half-known
+                    lost = [x for x in (self._in_flight, prev, launch) if x is not None]
+                    self.scheduler.rewind([sch for x in lost for sch in x.scheduled()], done)
+                    self._in_flight = None
+                    self._outbox[:0] = outputs
+                raise
+        return outputs
+
