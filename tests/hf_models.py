@@ -27,6 +27,12 @@ FAMILY_KWARGS = {
                                                                       "rope_theta": 1e6}})),
     "phi3": ("Phi3", dict(sliding_window=24, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     "olmo2": ("Olmo2", dict(pad_token_id=0)),
+    # OLMo 3: a sliding layer (24-token window) and a full one, each with its own rope (YaRN
+    # on the full layer only, another theta on the sliding one)
+    "olmo3": ("Olmo3", dict(pad_token_id=0, sliding_window=24, layer_types=["sliding_attention", "full_attention"],
+                            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                             "full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 5e5,
+                                                                "original_max_position_embeddings": 64}})),
     "smollm3": ("SmolLM3", dict(num_hidden_layers=4, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     "granite": ("Granite", dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.3,
                                 logits_scaling=2.0)),

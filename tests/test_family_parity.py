@@ -46,6 +46,8 @@ ABLATIONS = {
     "gemma3-norm": dict(qk_norm="none"),
     "smollm3": dict(nope_layers=()),
     "olmo2": dict(qk_norm="none"),
+    "olmo3-window": dict(layer_types=(), sliding_window=None),
+    "olmo3-local-rope": dict(rope_local_theta=None),
     "qwen3": dict(rope_scaling=None),
     "granite": dict(residual_scale=1.0),
 }
