@@ -33,6 +33,11 @@ FAMILY_KWARGS = {
                             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
                                              "full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 5e5,
                                                                 "original_max_position_embeddings": 64}})),
+    # GLM: rope over half of each 32-wide head (the class's default partial_rotary_factor),
+    # interleaved pairs; GLM-4 the same with 3/4 of each head and its sandwich norms
+    "glm": ("Glm", dict(head_dim=32, pad_token_id=0, eos_token_id=2)),
+    "glm4": ("Glm4", dict(head_dim=32, pad_token_id=0, eos_token_id=2,
+                          rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75})),
     "smollm3": ("SmolLM3", dict(num_hidden_layers=4, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     "granite": ("Granite", dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.3,
                                 logits_scaling=2.0)),

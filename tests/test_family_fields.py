@@ -21,7 +21,7 @@ CLASSES = {  # architecture -> transformers config class
     "LlamaForCausalLM": tf.LlamaConfig, "MistralForCausalLM": tf.MistralConfig, "Qwen2ForCausalLM": tf.Qwen2Config,
     "Qwen3ForCausalLM": tf.Qwen3Config, "Gemma2ForCausalLM": tf.Gemma2Config,
     "Gemma3ForCausalLM": tf.Gemma3TextConfig, "Phi3ForCausalLM": tf.Phi3Config, "Olmo2ForCausalLM": tf.Olmo2Config,
-    "Olmo3ForCausalLM": tf.Olmo3Config,
+    "Olmo3ForCausalLM": tf.Olmo3Config, "GlmForCausalLM": tf.GlmConfig, "Glm4ForCausalLM": tf.Glm4Config,
     "SmolLM3ForCausalLM": tf.SmolLM3Config, "GraniteForCausalLM": tf.GraniteConfig,
     "MixtralForCausalLM": tf.MixtralConfig, "Qwen3MoeForCausalLM": tf.Qwen3MoeConfig,
     "Qwen2MoeForCausalLM": tf.Qwen2MoeConfig, "Glm4MoeForCausalLM": tf.Glm4MoeConfig,
@@ -73,6 +73,8 @@ def other_value(name, value):
         first = value[0]
         swap = {"full_attention": "sliding_attention", "sliding_attention": "full_attention", 0: 1, 1: 0,
                 "linear_attention": "full_attention"}
+        if isinstance(first, int) and not isinstance(first, bool) and first not in swap:  # token ids (GLM's eos)
+            return [first + 1] + list(value[1:])
         return [swap.get(first, first)] + list(value[1:])
     return None  # dicts (rope_parameters): tests/test_family_fields.py::test_rope_types
 

@@ -49,6 +49,10 @@ ABLATIONS = {
     "olmo3-window": dict(layer_types=(), sliding_window=None),
     "olmo3-local-rope": dict(rope_local_theta=None),
     "qwen3": dict(rope_scaling=None),
+    "glm-interleave": dict(rope_interleave=False),
+    "glm-partial": dict(rotary_dim=0),
+    "glm4-interleave": dict(rope_interleave=False),
+    "glm4-post-norms": dict(norm_layout="pre"),
     "granite": dict(residual_scale=1.0),
 }
 
