@@ -38,6 +38,8 @@ FAMILY_KWARGS = {
     "glm": ("Glm", dict(head_dim=32, pad_token_id=0, eos_token_id=2)),
     "glm4": ("Glm4", dict(head_dim=32, pad_token_id=0, eos_token_id=2,
                           rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75})),
+    # Seed-OSS: q/k/v biases and (not the class's default) an output-projection bias
+    "seed_oss": ("SeedOss", dict(head_dim=24, attention_out_bias=True, pad_token_id=0)),
     "smollm3": ("SmolLM3", dict(num_hidden_layers=4, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     "granite": ("Granite", dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.3,
                                 logits_scaling=2.0)),

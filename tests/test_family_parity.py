@@ -49,6 +49,8 @@ ABLATIONS = {
     "olmo3-window": dict(layer_types=(), sliding_window=None),
     "olmo3-local-rope": dict(rope_local_theta=None),
     "qwen3": dict(rope_scaling=None),
+    "seed_oss": dict(attention_bias=False),
+    "seed_oss-out-bias": dict(attention_out_bias=False),
     "glm-interleave": dict(rope_interleave=False),
     "glm-partial": dict(rotary_dim=0),
     "glm4-interleave": dict(rope_interleave=False),
