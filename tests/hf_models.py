@@ -40,6 +40,11 @@ FAMILY_KWARGS = {
                           rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75})),
     # Seed-OSS: q/k/v biases and (not the class's default) an output-projection bias
     "seed_oss": ("SeedOss", dict(head_dim=24, attention_out_bias=True, pad_token_id=0)),
+    # EXAONE 4: layer 0 sliding (24-token window, roped), layer 1 full without rope; llama3 rope
+    "exaone4": ("Exaone4", dict(sliding_window=24, sliding_window_pattern=2,
+                                rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+                                                 "rope_theta": 1e6})),
     "smollm3": ("SmolLM3", dict(num_hidden_layers=4, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     "granite": ("Granite", dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.3,
                                 logits_scaling=2.0)),
