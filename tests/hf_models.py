@@ -45,6 +45,16 @@ FAMILY_KWARGS = {
                                 rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
                                                  "rope_theta": 1e6})),
+    # Ministral: a sliding layer (24-token window), then a full one
+    "ministral": ("Ministral", dict(head_dim=16, sliding_window=24, layer_types=["sliding_attention", "full_attention"])),
+    # Ministral 3: its YaRN with the query temperature of every 64 positions (so the 300-token
+    # prompt's last query is scaled by 1 + 0.1 log 5)
+    "ministral3": ("Ministral3", dict(head_dim=16, pad_token_id=0,
+                                      rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
+                                                       "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                                                       "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                                       "llama_4_scaling_beta": 0.1,
+                                                       "max_position_embeddings": 1024})),
     "smollm3": ("SmolLM3", dict(num_hidden_layers=4, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     "granite": ("Granite", dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.3,
                                 logits_scaling=2.0)),

@@ -23,6 +23,7 @@ CLASSES = {  # architecture -> transformers config class
     "Gemma3ForCausalLM": tf.Gemma3TextConfig, "Phi3ForCausalLM": tf.Phi3Config, "Olmo2ForCausalLM": tf.Olmo2Config,
     "Olmo3ForCausalLM": tf.Olmo3Config, "GlmForCausalLM": tf.GlmConfig, "Glm4ForCausalLM": tf.Glm4Config,
     "SeedOssForCausalLM": tf.SeedOssConfig, "Exaone4ForCausalLM": tf.Exaone4Config,
+    "MinistralForCausalLM": tf.MinistralConfig, "Ministral3ForCausalLM": tf.Ministral3Config,
     "SmolLM3ForCausalLM": tf.SmolLM3Config, "GraniteForCausalLM": tf.GraniteConfig,
     "MixtralForCausalLM": tf.MixtralConfig, "Qwen3MoeForCausalLM": tf.Qwen3MoeConfig,
     "Qwen2MoeForCausalLM": tf.Qwen2MoeConfig, "Glm4MoeForCausalLM": tf.Glm4MoeConfig,
