@@ -55,6 +55,15 @@ FAMILY_KWARGS = {
                                                        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                                                        "llama_4_scaling_beta": 0.1,
                                                        "max_position_embeddings": 1024})),
+    # Arcee: the ungated squared-ReLU MLP, q/k/v/o biases, YaRN
+    "arcee": ("Arcee", dict(attention_bias=True, bos_token_id=1, eos_token_id=2,
+                            rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                                             "original_max_position_embeddings": 64})),
+    # Apertus: xIELU with its scalars randomised per layer (below), q/k norms, llama3 rope
+    "apertus": ("Apertus", dict(pad_token_id=0,
+                                rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+                                                 "rope_theta": 1e6})),
     "smollm3": ("SmolLM3", dict(num_hidden_layers=4, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     "granite": ("Granite", dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.3,
                                 logits_scaling=2.0)),
@@ -176,9 +185,13 @@ def make_hf_checkpoint(directory: str, arch: str, dtype: torch.dtype = torch.flo
                 p.add_(torch.randn_like(p))
             if name.endswith(("mixer.D", "mixer.A_log")):  # Nemotron-H inits them per head alike or in order
                 p.add_(0.3 * torch.randn_like(p))
+            if name.endswith(("act_fn.alpha_p", "act_fn.alpha_n")):  # xIELU (Apertus): alike in every layer
+                p.add_(0.3 * torch.randn_like(p))
         for name, b in model.named_buffers():  # a router's selection bias (GLM) starts at 0
             if name.endswith("correction_bias"):
                 b.add_(0.3 * torch.randn_like(b))
+            if name.endswith("act_fn.beta"):  # xIELU's beta (0.5 in every layer)
+                b.add_(0.2 * torch.randn_like(b))
     os.makedirs(directory, exist_ok=True)
     model.save_pretrained(directory, safe_serialization=True)
     return directory

@@ -24,6 +24,7 @@ CLASSES = {  # architecture -> transformers config class
     "Olmo3ForCausalLM": tf.Olmo3Config, "GlmForCausalLM": tf.GlmConfig, "Glm4ForCausalLM": tf.Glm4Config,
     "SeedOssForCausalLM": tf.SeedOssConfig, "Exaone4ForCausalLM": tf.Exaone4Config,
     "MinistralForCausalLM": tf.MinistralConfig, "Ministral3ForCausalLM": tf.Ministral3Config,
+    "ArceeForCausalLM": tf.ArceeConfig, "ApertusForCausalLM": tf.ApertusConfig,
     "SmolLM3ForCausalLM": tf.SmolLM3Config, "GraniteForCausalLM": tf.GraniteConfig,
     "MixtralForCausalLM": tf.MixtralConfig, "Qwen3MoeForCausalLM": tf.Qwen3MoeConfig,
     "Qwen2MoeForCausalLM": tf.Qwen2MoeConfig, "Glm4MoeForCausalLM": tf.Glm4MoeConfig,

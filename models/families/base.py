@@ -218,6 +218,20 @@ class Family:
             p + "mlp.down_proj.weight": HFTensor(m + ("down",), (e, i), (e, i), (1, 0)),
         }
 
+    def ungated_mlp_tensors(self, c, p: str, layer: tuple) -> dict:
+        """The ungated MLP's up_proj and down_proj (mlp_gated = False), and xIELU's scalars
+        (`mlp.act_fn.*`) where hidden_act is xielu."""
+        e, i = c.hidden_size, c.intermediate_size
+        m = layer + ("mlp",)
+        table = {
+            p + "mlp.up_proj.weight": HFTensor(m + ("up",), (i, e), (i, e), (1, 0)),
+            p + "mlp.down_proj.weight": HFTensor(m + ("down",), (e, i), (e, i), (1, 0)),
+        }
+        if c.hidden_act == "xielu":
+            table.update({p + f"mlp.act_fn.{name}": same(m + ("act_fn", name), shape)
+                          for name, shape in (("alpha_p", (1,)), ("alpha_n", (1,)), ("beta", ()), ("eps", ()))})
+        return table
+
     ignored_tensors: tuple[str, ...] = ("rotary_emb.inv_freq",)  # name suffixes never loaded
     ignored_prefixes: tuple[str, ...] = ()  # e.g. a vision tower beside the text model
 
