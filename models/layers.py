@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -87,8 +89,37 @@ class GatedMLP(nnx.Module):
             return constrain(out, ("tokens", "act_embed"))  # all-reduce over tensor
 
 
+class XIELU(nnx.Module):
+    """xIELU (arXiv 2411.13010; Apertus' MLP), with four scalars per layer as transformers
+    stores them (alpha_p and alpha_n [1], beta and eps []):
+
+        x > 0:  a_p * x * x + beta * x
+        else:   (expm1(min(x, eps)) - x) * a_n + beta * x
+
+    a_p = softplus(alpha_p), a_n = beta + softplus(alpha_n); all in x's dtype, as
+    transformers' Python path runs it. Random init: transformers' (a_p = 0.8, a_n = 0.8)."""
+
+    def __init__(self, dtype, alpha_p: float = 0.8, alpha_n: float = 0.8, beta: float = 0.5, eps: float = -1e-6):
+        def scalar(value, shape):
+            return nnx.Param(jnp.full(shape, value, dtype), out_sharding=(None,) * len(shape), eager_sharding=False)
+
+        inverse_softplus = lambda y: math.log(math.expm1(y))  # noqa: E731
+        self.alpha_p = scalar(inverse_softplus(alpha_p), (1,))
+        self.alpha_n = scalar(inverse_softplus(alpha_n - beta), (1,))
+        self.beta = scalar(beta, ())
+        self.eps = scalar(eps, ())
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dt = x.dtype
+        beta, eps = self.beta[...].astype(dt), self.eps[...].astype(dt)
+        a_p = jax.nn.softplus(self.alpha_p[...].astype(dt))
+        a_n = beta + jax.nn.softplus(self.alpha_n[...].astype(dt))
+        return jnp.where(x > 0, a_p * x * x + beta * x, (jnp.expm1(jnp.minimum(x, eps)) - x) * a_n + beta * x)
+
+
 class MLP(nnx.Module):
-    """The ungated MLP, act(x W_up) W_down (Nemotron-H's squared ReLU)."""
+    """The ungated MLP, act(x W_up) W_down (Nemotron-H's and Arcee's squared ReLU, Apertus'
+    xIELU, whose learned scalars live here as `act_fn`)."""
 
     def __init__(self, hidden: int, intermediate: int, dtype, rngs: nnx.Rngs, weight_dtype: str = "auto",
                  activation: str = "relu2"):
@@ -96,10 +127,12 @@ class MLP(nnx.Module):
         self.activation = activation
         self.up, self.up_scale = projection(rngs, (hidden, intermediate), ("embed", "mlp"), dtype, 1, wd)
         self.down, self.down_scale = projection(rngs, (intermediate, hidden), ("mlp", "embed"), dtype, 1, wd)
+        self.act_fn = XIELU(dtype) if activation == "xielu" else None
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [T, E] -> [T, E]
         with jax.named_scope("mlp"):
-            h = ACTIVATIONS[self.activation](qeinsum("te,ei->ti", x, self.up[...], self.up_scale))
+            act = self.act_fn if self.act_fn is not None else ACTIVATIONS[self.activation]
+            h = act(qeinsum("te,ei->ti", x, self.up[...], self.up_scale))
             h = constrain(h, ("tokens", "act_mlp"))
             out = qeinsum("ti,ie->te", h, self.down[...], self.down_scale)
             return constrain(out, ("tokens", "act_embed"))

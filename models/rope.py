@@ -103,10 +103,22 @@ def apply_rope(x: jax.Array,  # [T, H, D]
                positions: jax.Array,  # [T] int32
                inv_freq,  # [R/2] f32 (numpy or traced), R <= D the dims turned
                scale=1.0,  # [] cos/sin multiplier (yarn's attention factor)
+               interleaved: bool = False,
+               in_f32: bool = False,
                ) -> jax.Array:  # [T, H, D]
     """Rotate-half rotary embedding (the Hugging Face Llama convention) over the first R
-    dims of each head; the rest pass through (partial rotary)."""
+    dims of each head; the rest pass through (partial rotary).
+
+    `interleaved`: the R dims turn in (even, odd) pairs (GLM's rotate-every-two); they are
+    laid out evens first, then odds, and turned rotate-half: the same values, permuted the
+    same way in q and k, so every score q.k is unchanged. `in_f32`: cos, sin and the
+    rotation in f32, x rounded once at the end (OLMo 2/3, whose transformers code keeps
+    cos and sin in f32); otherwise in x's dtype, as Llama's code casts them."""
     rot = 2 * inv_freq.shape[-1]
+    if interleaved:
+        x = jnp.concatenate([x[..., 0:rot:2], x[..., 1:rot:2], x[..., rot:]], axis=-1)
+    if in_f32 and x.dtype != jnp.float32:
+        return apply_rope(x.astype(jnp.float32), positions, inv_freq, scale).astype(x.dtype)
     if rot < x.shape[-1]:
         return jnp.concatenate([apply_rope(x[..., :rot], positions, inv_freq, scale), x[..., rot:]], axis=-1)
     freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)[None, :]

@@ -27,6 +27,43 @@ FAMILY_KWARGS = {
                                                                       "rope_theta": 1e6}})),
     "phi3": ("Phi3", dict(sliding_window=24, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     "olmo2": ("Olmo2", dict(pad_token_id=0)),
+    # OLMo 3: a sliding layer (24-token window) and a full one, each with its own rope (YaRN
+    # on the full layer only, another theta on the sliding one)
+    "olmo3": ("Olmo3", dict(pad_token_id=0, sliding_window=24, layer_types=["sliding_attention", "full_attention"],
+                            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                             "full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 5e5,
+                                                                "original_max_position_embeddings": 64}})),
+    # GLM: rope over half of each 32-wide head (the class's default partial_rotary_factor),
+    # interleaved pairs; GLM-4 the same with 3/4 of each head and its sandwich norms
+    "glm": ("Glm", dict(head_dim=32, pad_token_id=0, eos_token_id=2)),
+    "glm4": ("Glm4", dict(head_dim=32, pad_token_id=0, eos_token_id=2,
+                          rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75})),
+    # Seed-OSS: q/k/v biases and (not the class's default) an output-projection bias
+    "seed_oss": ("SeedOss", dict(head_dim=24, attention_out_bias=True, pad_token_id=0)),
+    # EXAONE 4: layer 0 sliding (24-token window, roped), layer 1 full without rope; llama3 rope
+    "exaone4": ("Exaone4", dict(sliding_window=24, sliding_window_pattern=2,
+                                rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+                                                 "rope_theta": 1e6})),
+    # Ministral: a sliding layer (24-token window), then a full one
+    "ministral": ("Ministral", dict(head_dim=16, sliding_window=24, layer_types=["sliding_attention", "full_attention"])),
+    # Ministral 3: its YaRN with the query temperature of every 64 positions (so the 300-token
+    # prompt's last query is scaled by 1 + 0.1 log 5)
+    "ministral3": ("Ministral3", dict(head_dim=16, pad_token_id=0,
+                                      rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
+                                                       "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                                                       "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                                       "llama_4_scaling_beta": 0.1,
+                                                       "max_position_embeddings": 1024})),
+    # Arcee: the ungated squared-ReLU MLP, q/k/v/o biases, YaRN
+    "arcee": ("Arcee", dict(attention_bias=True, bos_token_id=1, eos_token_id=2,
+                            rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                                             "original_max_position_embeddings": 64})),
+    # Apertus: xIELU with its scalars randomised per layer (below), q/k norms, llama3 rope
+    "apertus": ("Apertus", dict(pad_token_id=0,
+                                rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+                                                 "rope_theta": 1e6})),
     "smollm3": ("SmolLM3", dict(num_hidden_layers=4, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     "granite": ("Granite", dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.3,
                                 logits_scaling=2.0)),
@@ -148,9 +185,13 @@ def make_hf_checkpoint(directory: str, arch: str, dtype: torch.dtype = torch.flo
                 p.add_(torch.randn_like(p))
             if name.endswith(("mixer.D", "mixer.A_log")):  # Nemotron-H inits them per head alike or in order
                 p.add_(0.3 * torch.randn_like(p))
+            if name.endswith(("act_fn.alpha_p", "act_fn.alpha_n")):  # xIELU (Apertus): alike in every layer
+                p.add_(0.3 * torch.randn_like(p))
         for name, b in model.named_buffers():  # a router's selection bias (GLM) starts at 0
             if name.endswith("correction_bias"):
                 b.add_(0.3 * torch.randn_like(b))
+            if name.endswith("act_fn.beta"):  # xIELU's beta (0.5 in every layer)
+                b.add_(0.2 * torch.randn_like(b))
     os.makedirs(directory, exist_ok=True)
     model.save_pretrained(directory, safe_serialization=True)
     return directory

@@ -21,6 +21,10 @@ CLASSES = {  # architecture -> transformers config class
     "LlamaForCausalLM": tf.LlamaConfig, "MistralForCausalLM": tf.MistralConfig, "Qwen2ForCausalLM": tf.Qwen2Config,
     "Qwen3ForCausalLM": tf.Qwen3Config, "Gemma2ForCausalLM": tf.Gemma2Config,
     "Gemma3ForCausalLM": tf.Gemma3TextConfig, "Phi3ForCausalLM": tf.Phi3Config, "Olmo2ForCausalLM": tf.Olmo2Config,
+    "Olmo3ForCausalLM": tf.Olmo3Config, "GlmForCausalLM": tf.GlmConfig, "Glm4ForCausalLM": tf.Glm4Config,
+    "SeedOssForCausalLM": tf.SeedOssConfig, "Exaone4ForCausalLM": tf.Exaone4Config,
+    "MinistralForCausalLM": tf.MinistralConfig, "Ministral3ForCausalLM": tf.Ministral3Config,
+    "ArceeForCausalLM": tf.ArceeConfig, "ApertusForCausalLM": tf.ApertusConfig,
     "SmolLM3ForCausalLM": tf.SmolLM3Config, "GraniteForCausalLM": tf.GraniteConfig,
     "MixtralForCausalLM": tf.MixtralConfig, "Qwen3MoeForCausalLM": tf.Qwen3MoeConfig,
     "Qwen2MoeForCausalLM": tf.Qwen2MoeConfig, "Glm4MoeForCausalLM": tf.Glm4MoeConfig,
@@ -36,7 +40,8 @@ NONE_VALUES = {"sliding_window": 16, "attn_logit_softcapping": 5.0, "final_logit
 
 def small_kwargs(arch):
     name = {"Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
-            "Phi3ForCausalLM": "phi3", "Olmo2ForCausalLM": "olmo2", "SmolLM3ForCausalLM": "smollm3",
+            "Phi3ForCausalLM": "phi3", "Olmo2ForCausalLM": "olmo2",
+            "Olmo3ForCausalLM": "olmo3", "SmolLM3ForCausalLM": "smollm3",
             "GraniteForCausalLM": "granite"}.get(arch)
     kw = dict(HF_SMALL)
     if arch == "Glm4MoeForCausalLM":
@@ -71,6 +76,8 @@ def other_value(name, value):
         first = value[0]
         swap = {"full_attention": "sliding_attention", "sliding_attention": "full_attention", 0: 1, 1: 0,
                 "linear_attention": "full_attention"}
+        if isinstance(first, int) and not isinstance(first, bool) and first not in swap:  # token ids (GLM's eos)
+            return [first + 1] + list(value[1:])
         return [swap.get(first, first)] + list(value[1:])
     return None  # dicts (rope_parameters): tests/test_family_fields.py::test_rope_types
 

@@ -116,9 +116,11 @@ def test_logits_match_hf(hf_dirs, arch, dtype):
 def rope_angles_in_bf16(x,  # [T, H, D]
                         positions,  # [T] int32
                         inv_freq,  # [D/2]
-                        scale=1.0):  # yarn cos/sin scale (1 for the archs it runs on)
+                        scale=1.0,  # yarn cos/sin scale (1 for the archs it runs on)
+                        interleaved=False, in_f32=False):  # apply_rope's (off for these archs)
     """A wrong cast order: angles from positions and frequencies rounded to x's dtype
     (bf16 holds integers exactly only up to 256), where HF and we compute them in f32."""
+    assert not (interleaved or in_f32)
     freqs = positions.astype(x.dtype)[:, None] * jnp.asarray(inv_freq).astype(x.dtype)[None, :]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     half = x.shape[-1] // 2

@@ -19,7 +19,9 @@ from jaxfill.models.config.sections import (AttentionConfig, EmbeddingConfig, Li
 
 DTYPES = ("float32", "bfloat16", "float16")  # jax.numpy names; jax is imported only when one is used
 WEIGHT_DTYPES = ("auto", "int8")  # auto: projections stored in `dtype`; int8: see models/quant.py
-ACTIVATIONS = ("silu", "gelu_tanh", "relu2")  # relu2: relu(x)^2 (Nemotron-H's MLP)
+# relu2: relu(x)^2 (Nemotron-H's MLP); xielu: xIELU with learned per-layer scalars (Apertus),
+# in the ungated dense MLP only (models/layers.py)
+ACTIVATIONS = ("silu", "gelu_tanh", "relu2", "xielu")
 
 SECTIONS = {"attention": AttentionConfig, "mla": MLAConfig, "moe": MoEConfig, "linear": LinearConfig,
             "norms": NormConfig, "embeddings": EmbeddingConfig}
@@ -81,6 +83,9 @@ class ModelConfig:
             raise ConfigError(f"model.weight_dtype must be one of {list(WEIGHT_DTYPES)}, got {self.weight_dtype!r}")
         if self.hidden_act not in ACTIVATIONS:
             raise ConfigError(f"model.hidden_act must be one of {list(ACTIVATIONS)}, got {self.hidden_act!r}")
+        if self.hidden_act == "xielu" and (self.mlp_gated or self.moe.num_experts):
+            raise ConfigError("model.hidden_act = xielu (learned parameters per layer) needs mlp_gated = false "
+                              "and no experts")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
             if int(getattr(self, name)) <= 0:

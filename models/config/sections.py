@@ -28,7 +28,8 @@ class AttentionConfig:
     rope_theta: float = 10000.0
     rope_scaling: tuple[tuple[str, Any], ...] | None = None  # frozen dict items
     rope_local_theta: float | None = None  # rope base of "sliding" layers, unscaled (Gemma 3)
-    rope_interleave: bool = False  # the rope dims come in (even, odd) pairs (DeepSeek V3's layout)
+    rope_interleave: bool = False  # the rope dims come in (even, odd) pairs (DeepSeek V3's layout, GLM)
+    rope_f32: bool = False  # q and k rotated in f32 and rounded once (OLMo 2/3); else in the model dtype
     rotary_dim: int = 0  # rope over each head's first rotary_dim dims (partial rotary, GLM); 0: all
     nope_layers: tuple[int, ...] = ()  # layers without rotary embedding (SmolLM3)
     sliding_window: int | None = None  # the window of "sliding" layers (all layers if layer_types is empty)
@@ -38,6 +39,10 @@ class AttentionConfig:
     # head: RMSNorm over each head's D (Qwen3, Gemma 3); projection: over all Hq*D (OLMo 2)
     qk_norm: str = "none"
     query_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    # q times 1 + beta * log(1 + floor(position / length)) after rope (Ministral 3's
+    # Llama-4-style attention temperature); beta 0: off
+    query_temperature_beta: float = 0.0
+    query_temperature_length: int = 0
     soft_cap: float | None = None  # cap * tanh(score / cap) (Gemma 2)
     sinks: bool = False  # a learned per-head logit in each softmax denominator (gpt-oss)
     output_gate: bool = False  # output times sigmoid(a per-head gate q_proj also gives) (Qwen3.5)
@@ -54,6 +59,9 @@ class AttentionConfig:
             raise ConfigError(f"model.sliding_window must be positive, got {self.sliding_window}")
         if set(self.layer_types) - set(LAYER_TYPES):
             raise ConfigError(f"model.layer_types must name {list(LAYER_TYPES)}, got {list(self.layer_types)}")
+        if self.query_temperature_beta and self.query_temperature_length <= 0:
+            raise ConfigError(f"model.query_temperature_beta = {self.query_temperature_beta} needs a positive "
+                              f"query_temperature_length, got {self.query_temperature_length}")
         if "sliding" in self.layer_types and self.sliding_window is None:
             raise ConfigError("model.layer_types has sliding layers but model.sliding_window is not set")
 

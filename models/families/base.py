@@ -218,6 +218,20 @@ class Family:
             p + "mlp.down_proj.weight": HFTensor(m + ("down",), (e, i), (e, i), (1, 0)),
         }
 
+    def ungated_mlp_tensors(self, c, p: str, layer: tuple) -> dict:
+        """The ungated MLP's up_proj and down_proj (mlp_gated = False), and xIELU's scalars
+        (`mlp.act_fn.*`) where hidden_act is xielu."""
+        e, i = c.hidden_size, c.intermediate_size
+        m = layer + ("mlp",)
+        table = {
+            p + "mlp.up_proj.weight": HFTensor(m + ("up",), (i, e), (i, e), (1, 0)),
+            p + "mlp.down_proj.weight": HFTensor(m + ("down",), (e, i), (e, i), (1, 0)),
+        }
+        if c.hidden_act == "xielu":
+            table.update({p + f"mlp.act_fn.{name}": same(m + ("act_fn", name), shape)
+                          for name, shape in (("alpha_p", (1,)), ("alpha_n", (1,)), ("beta", ()), ("eps", ()))})
+        return table
+
     ignored_tensors: tuple[str, ...] = ("rotary_emb.inv_freq",)  # name suffixes never loaded
     ignored_prefixes: tuple[str, ...] = ()  # e.g. a vision tower beside the text model
 
@@ -251,13 +265,33 @@ def layer_types_from(hf: dict[str, Any], num_layers: int) -> tuple[str, ...]:
 
 
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+# Activations of the ungated MLP only (a family names those it accepts): squared ReLU, and
+# xIELU with its learned per-layer parameters (models/layers.py)
+UNGATED_ACTIVATIONS = {"relu2": "relu2", "xielu": "xielu"}
 
 
-def activation(hf: dict[str, Any], key: str = "hidden_act", default: str = "silu") -> str:
+def activation(hf: dict[str, Any], key: str = "hidden_act", default: str = "silu", extra: tuple[str, ...] = ()) -> str:
+    """The ModelConfig activation of `hf[key]`; `extra` names UNGATED_ACTIVATIONS the family accepts."""
+    known = {**ACTIVATIONS, **{name: UNGATED_ACTIVATIONS[name] for name in extra}}
     name = hf.get(key) or default
-    if name not in ACTIVATIONS:
-        raise ConfigError(f"config.json {key}={name!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
-    return ACTIVATIONS[name]
+    if name not in known:
+        raise ConfigError(f"config.json {key}={name!r} is not supported (supported: {', '.join(known)})")
+    return known[name]
+
+
+def layer_type_ropes(family: Family, hf: dict[str, Any]) -> tuple[float, dict | None, float] | None:
+    """transformers-5 `rope_parameters` given per layer type (`{"full_attention": {...},
+    "sliding_attention": {...}}`, Gemma 3, OLMo 3): (the full layers' theta, their scaling,
+    the sliding layers' theta); None when the file holds one rope for every layer. A scaled
+    rope on sliding layers is refused (ModelConfig's local rope is unscaled)."""
+    rope = hf.get("rope_parameters") or {}
+    if "full_attention" not in rope and "sliding_attention" not in rope:
+        return None
+    theta, scaling = family.rope(hf, rope.get("full_attention") or {})
+    local_theta, local_scaling = family.rope(hf, rope.get("sliding_attention") or {})
+    if local_scaling:
+        raise ConfigError(f"{family.name}: a scaled rope on sliding layers is not supported")
+    return theta, scaling, local_theta
 
 
 # Qwen2/Qwen3-style sliding fields count only together (for the field walker's test).

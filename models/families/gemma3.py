@@ -9,7 +9,9 @@ pattern (5 sliding : 1 full), and two ropes: sliding layers use the local base
 from __future__ import annotations
 
 from jaxfill.models.config import ConfigError, freeze
-from jaxfill.models.families.base import FAMILY_TESTED, activation, layer_types_from, window_fields
+from jaxfill.models.families.base import (
+    FAMILY_TESTED, activation, layer_type_ropes, layer_types_from, window_fields,
+)
 from jaxfill.models.families.gemma2 import Gemma2, _cap
 
 
@@ -29,12 +31,9 @@ class Gemma3(Gemma2):
         pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6
         types = layer_types_from(hf, layers) or tuple(
             "full" if (n + 1) % pattern == 0 else "sliding" for n in range(layers))
-        rope = hf.get("rope_parameters") or {}
-        if "full_attention" in rope or "sliding_attention" in rope:  # transformers 5: one per layer type
-            theta, scaling = self.rope(hf, rope.get("full_attention") or {})
-            local_theta, local_scaling = self.rope(hf, rope.get("sliding_attention") or {})
-            if local_scaling:
-                raise ConfigError("gemma3: a scaled rope on sliding layers is not supported")
+        per_type = layer_type_ropes(self, hf)  # transformers 5: one rope per layer type
+        if per_type:
+            theta, scaling, local_theta = per_type
         else:
             theta, scaling = self.rope(hf)
             local_theta = hf.get("rope_local_base_freq", 10000.0)

@@ -1,5 +1,6 @@
 """OLMo 2: norms after attention and MLP only (none before), and q/k RMSNorms over the
-whole projection (all heads at once) before rope; norms multiply in f32."""
+whole projection (all heads at once) before rope; norms multiply in f32, and q and k turn
+in f32 (transformers keeps OLMo's cos and sin in f32)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ class Olmo2(Family):
                     attention_out_bias=bias)
 
     def model_defaults(self, hidden_size):
-        return dict(norm_kind="rms_f32", norm_layout="post", qk_norm="projection")
+        return dict(norm_kind="rms_f32", norm_layout="post", qk_norm="projection", rope_f32=True)
 
 
 FAMILIES = (Olmo2(),)

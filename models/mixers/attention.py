@@ -95,8 +95,12 @@ class Attention(nnx.Module):
         settings = layer_settings(self.config)
         if not (isinstance(ctx.layer, int) and not settings.has_rope[ctx.layer]):
             inv_freq, scale = settings.rope(ctx.layer)
-            q = apply_rope(q, ctx.sampled(ctx.positions), inv_freq, scale)
-            k = apply_rope(k, ctx.positions, inv_freq, scale)
+            rope = functools.partial(apply_rope, inv_freq=inv_freq, scale=scale, interleaved=a.rope_interleave,
+                                     in_f32=a.rope_f32)
+            q, k = rope(q, ctx.sampled(ctx.positions)), rope(k, ctx.positions)
+        if a.query_temperature_beta:
+            q = q * query_temperature(ctx.sampled(ctx.positions), a.query_temperature_beta,
+                                      a.query_temperature_length).astype(q.dtype)[:, None, None]
         return q, k, v, gate
 
     def _attend_window(self, q, k, v, pages, meta, sinks, impl: str, window):  # ([T', Hq, D], pages)
@@ -115,3 +119,11 @@ class Attention(nnx.Module):
             sm_scale=self.sm_scale, sliding_window=window, soft_cap=self.config.attention.soft_cap, impl=impl,
             **extra, **share)
         return out, pages
+
+
+def query_temperature(positions: jax.Array,  # [T] int32
+                      beta: float, length: int) -> jax.Array:  # [T] f32
+    """1 + beta * log(1 + floor(position / length)): Ministral 3's query scale, 1 over the
+    first `length` positions, growing by beta * log 2 at the next boundary (f32, as
+    transformers computes it before the cast to q's dtype)."""
+    return 1.0 + beta * jnp.log(1.0 + jnp.floor(positions.astype(jnp.float32) / length))
