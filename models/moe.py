@@ -25,18 +25,23 @@ from jaxfill.models.sharding import constrain
 
 def route(logits: jax.Array,  # [T, E] f32 router logits
           config: ModelConfig,
-          bias: jax.Array | None = None,  # [E] f32 correction bias (sigmoid routers), selection only
+          bias: jax.Array | None = None,  # [E] f32 correction bias (selection only)
           ) -> tuple[jax.Array, jax.Array]:  # weights [T, k] f32, expert ids [T, k] int32
     """Top-k routing. softmax: softmax over all experts, top k, optionally renormalised
-    (Mixtral, Qwen3-MoE). topk_softmax: top k of the logits, softmax over those k
+    (Mixtral, Qwen3-MoE); with a selection bias, experts chosen on prob + bias and weighted
+    by the plain probs (ERNIE 4.5). topk_softmax: top k of the logits, softmax over those k
     (gpt-oss). sigmoid: sigmoid scores, experts chosen on score + bias within the best
     `router_topk_groups` of `router_groups` groups (a group scores the sum of its two
     best), weights from the plain scores, renormalised and times `routed_scaling`
-    (DeepSeek-V3, GLM-4.5)."""
+    (DeepSeek-V3, GLM-4.5, MiniMax-M2)."""
     c, k = config, config.moe.experts_per_token
     if c.moe.scoring == "softmax":
         probs = jax.nn.softmax(logits, axis=-1)
-        weights, ids = jax.lax.top_k(probs, k)
+        if bias is None:
+            weights, ids = jax.lax.top_k(probs, k)
+        else:
+            _, ids = jax.lax.top_k(probs + bias, k)
+            weights = jnp.take_along_axis(probs, ids, axis=1)
     elif c.moe.scoring == "topk_softmax":
         top, ids = jax.lax.top_k(logits, k)
         weights = jax.nn.softmax(top, axis=-1)
@@ -53,7 +58,10 @@ def route(logits: jax.Array,  # [T, E] f32 router logits
         _, ids = jax.lax.top_k(choice, k)
         weights = jnp.take_along_axis(scores, ids, axis=1)
     if c.moe.renormalize:
-        weights = weights / (weights.sum(-1, keepdims=True) + (1e-20 if c.moe.scoring == "sigmoid" else 0.0))
+        total = weights.sum(-1, keepdims=True) + (1e-20 if c.moe.scoring == "sigmoid" else 0.0)
+        if c.moe.renormalize_min:
+            total = jnp.maximum(total, c.moe.renormalize_min)
+        weights = weights / total
     return weights * c.moe.routed_scaling, ids.astype(jnp.int32)
 
 

@@ -110,6 +110,10 @@ MOE_KWARGS = {
                                rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 150000.0,
                                                 "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                                 "original_max_position_embeddings": 64})),
+    # OLMoE: projection q/k norms, a clip_qkv low enough to bind on q, k and v, top 3 of 8
+    # experts not renormalised (norm_topk_prob false, as the published checkpoints)
+    "olmoe": ("Olmoe", dict(num_experts=8, num_experts_per_tok=3, intermediate_size=32, clip_qkv=1.0,
+                            norm_topk_prob=False, pad_token_id=0, eos_token_id=2)),
 }
 
 

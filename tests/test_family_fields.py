@@ -25,6 +25,7 @@ CLASSES = {  # architecture -> transformers config class
     "MixtralForCausalLM": tf.MixtralConfig, "Qwen3MoeForCausalLM": tf.Qwen3MoeConfig,
     "Qwen2MoeForCausalLM": tf.Qwen2MoeConfig, "Glm4MoeForCausalLM": tf.Glm4MoeConfig,
     "GptOssForCausalLM": tf.GptOssConfig, "NemotronHForCausalLM": tf.NemotronHConfig,
+    "OlmoeForCausalLM": tf.OlmoeConfig,
 }
 SKIP = {"self", "kwargs"}
 # Values for fields whose default is None (the walker cannot guess a type).
@@ -43,6 +44,8 @@ def small_kwargs(arch):
         kw.update(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
     elif arch == "GptOssForCausalLM":
         kw.update(num_local_experts=4, num_experts_per_tok=2)
+    elif arch == "OlmoeForCausalLM":
+        kw.update(num_experts=4, num_experts_per_tok=2)
     elif "Moe" in arch or "Mixtral" in arch:
         kw.update(num_experts_per_tok=2, **({"num_local_experts": 4} if "Mixtral" in arch else
                                             {"num_experts": 4, "moe_intermediate_size": 32}))

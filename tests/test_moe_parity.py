@@ -16,10 +16,21 @@ from test_model_parity import (check_bf16_at_the_noise_floor, check_greedy_match
                                ours_last_logits, prompts, rel_l2)
 
 
+class CheckpointDirs(dict):
+    """arch -> its checkpoint dir, written on first use (a `-k` run writes only its own)."""
+
+    def __init__(self, root):
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, arch):
+        self[arch] = make_hf_checkpoint(str(self.root / arch), arch)
+        return self[arch]
+
+
 @pytest.fixture(scope="module")
 def moe_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("moe")
-    return {arch: make_hf_checkpoint(str(root / arch), arch) for arch in MOE_KWARGS}
+    return CheckpointDirs(tmp_path_factory.mktemp("moe"))
 
 
 @pytest.mark.parametrize("arch", tuple(MOE_KWARGS))

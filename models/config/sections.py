@@ -28,7 +28,8 @@ class AttentionConfig:
     rope_theta: float = 10000.0
     rope_scaling: tuple[tuple[str, Any], ...] | None = None  # frozen dict items
     rope_local_theta: float | None = None  # rope base of "sliding" layers, unscaled (Gemma 3)
-    rope_interleave: bool = False  # the rope dims come in (even, odd) pairs (DeepSeek V3's layout)
+    # the rope dims come in (even, odd) pairs (DeepSeek V3's layout in MLA; ERNIE 4.5's in attention)
+    rope_interleave: bool = False
     rotary_dim: int = 0  # rope over each head's first rotary_dim dims (partial rotary, GLM); 0: all
     nope_layers: tuple[int, ...] = ()  # layers without rotary embedding (SmolLM3)
     sliding_window: int | None = None  # the window of "sliding" layers (all layers if layer_types is empty)
@@ -37,6 +38,8 @@ class AttentionConfig:
     out_bias: bool = False  # o bias (Llama/Qwen3/OLMo 2 attention_bias)
     # head: RMSNorm over each head's D (Qwen3, Gemma 3); projection: over all Hq*D (OLMo 2)
     qk_norm: str = "none"
+    qk_norm_after_rope: bool = False  # the q/k norms apply to the roped q and k (Hunyuan), not before rope
+    qkv_clip: float | None = None  # q, k and v clipped to [-clip, clip] after bias and norms (OLMoE clip_qkv)
     query_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
     soft_cap: float | None = None  # cap * tanh(score / cap) (Gemma 2)
     sinks: bool = False  # a learned per-head logit in each softmax denominator (gpt-oss)
@@ -50,6 +53,12 @@ class AttentionConfig:
     def __post_init__(self):
         _choose("qk_norm", self.qk_norm, ("none", "head", "projection"))
         _choose("context_attention", self.context_attention, ("auto", "pass_q", "pass_kv"))
+        if self.qk_norm_after_rope and self.qk_norm == "none":
+            raise ConfigError("model.qk_norm_after_rope needs a qk_norm (head or projection)")
+        if self.qk_norm_after_rope and self.rope_interleave:
+            raise ConfigError("model.qk_norm_after_rope with rope_interleave would norm permuted heads")
+        if self.qkv_clip is not None and self.qkv_clip <= 0:
+            raise ConfigError(f"model.qkv_clip must be positive, got {self.qkv_clip}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError(f"model.sliding_window must be positive, got {self.sliding_window}")
         if set(self.layer_types) - set(LAYER_TYPES):
@@ -101,12 +110,15 @@ class MoEConfig:
     experts_per_token: int = 0
     intermediate_size: int = 0  # one expert's intermediate size
     dense_layers: tuple[int, ...] = ()  # layers with the dense MLP in a MoE model
-    # softmax: softmax over experts, top k (Mixtral, Qwen3-MoE); sigmoid: sigmoid scores,
-    # top k of score + bias within the best groups (DeepSeek-V3, GLM-4.5); topk_softmax:
-    # top k of the logits, softmax over those k (gpt-oss)
+    # softmax: softmax over experts, top k (Mixtral, Qwen3-MoE), of prob + bias with a
+    # selection bias (ERNIE 4.5); sigmoid: sigmoid scores, top k of score + bias within the
+    # best groups (DeepSeek-V3, GLM-4.5, MiniMax-M2); topk_softmax: top k of the logits,
+    # softmax over those k (gpt-oss)
     scoring: str = "softmax"
     renormalize: bool = True  # top-k weights divided by their sum
-    selection_bias: bool = False  # a per-expert correction bias on the selection scores (sigmoid)
+    renormalize_min: float = 0.0  # ... clamped below at this (ERNIE 4.5's moe_norm_min); 0: not clamped
+    # a per-expert correction bias on the selection scores only (sigmoid, softmax)
+    selection_bias: bool = False
     groups: int = 1  # experts in this many groups; only the best topk_groups are chosen from
     topk_groups: int = 1
     routed_scaling: float = 1.0  # the routed experts' weights times this
@@ -122,6 +134,10 @@ class MoEConfig:
 
     def __post_init__(self):
         _choose("router_scoring", self.scoring, ("softmax", "sigmoid", "topk_softmax"))
+        if self.renormalize_min < 0:
+            raise ConfigError(f"model.router_renormalize_min must be >= 0, got {self.renormalize_min}")
+        if self.selection_bias and self.scoring == "topk_softmax":
+            raise ConfigError("model.router_bias (a selection bias) applies to router_scoring softmax or sigmoid")
         if not self.num_experts:
             return
         if self.num_experts < 0 or not 1 <= self.experts_per_token <= self.num_experts:

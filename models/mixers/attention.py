@@ -90,13 +90,19 @@ class Attention(nnx.Module):
             q, gate = q[..., :self.config.head_dim], q[..., self.config.head_dim:]  # [T, Hq, D] each
         if a.bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
-        if a.qk_norm != "none":
+        if a.qk_norm != "none" and not a.qk_norm_after_rope:
             q, k = self.q_norm(q), self.k_norm(k)
+        if a.qkv_clip is not None:
+            q, k, v = (jnp.clip(t, -a.qkv_clip, a.qkv_clip) for t in (q, k, v))
+        if a.rope_interleave:  # q.k is the same under one permutation of both: pairs -> rotate-half
+            q, k = _pairs_to_halves(q, self.config.rope_dim), _pairs_to_halves(k, self.config.rope_dim)
         settings = layer_settings(self.config)
         if not (isinstance(ctx.layer, int) and not settings.has_rope[ctx.layer]):
             inv_freq, scale = settings.rope(ctx.layer)
             q = apply_rope(q, ctx.sampled(ctx.positions), inv_freq, scale)
             k = apply_rope(k, ctx.positions, inv_freq, scale)
+        if a.qk_norm_after_rope:
+            q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v, gate
 
     def _attend_window(self, q, k, v, pages, meta, sinks, impl: str, window):  # ([T', Hq, D], pages)
@@ -115,3 +121,12 @@ class Attention(nnx.Module):
             sm_scale=self.sm_scale, sliding_window=window, soft_cap=self.config.attention.soft_cap, impl=impl,
             **extra, **share)
         return out, pages
+
+
+def _pairs_to_halves(x: jax.Array,  # [T, H, D]
+                     rot: int) -> jax.Array:  # [T, H, D]
+    """The first `rot` dims from (x0, x1), (x2, x3) ... pairs to evens then odds, the layout
+    rotate-half turns; the rest as they are. Applied to q and k alike (and so to the cached
+    keys), it changes no score."""
+    parts = [x[..., 0:rot:2], x[..., 1:rot:2]] + ([x[..., rot:]] if rot < x.shape[-1] else [])
+    return jnp.concatenate(parts, axis=-1)
