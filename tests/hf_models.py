@@ -114,6 +114,12 @@ MOE_KWARGS = {
     # experts not renormalised (norm_topk_prob false, as the published checkpoints)
     "olmoe": ("Olmoe", dict(num_experts=8, num_experts_per_tok=3, intermediate_size=32, clip_qkv=1.0,
                             norm_topk_prob=False, pad_token_id=0, eos_token_id=2)),
+    # MiniMax-M2: sigmoid routing with its correction bias (randomised below), projection
+    # q/k norms, rope over 16 of each head's 32 dims
+    "minimax_m2": ("MiniMaxM2", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, head_dim=32,
+                                     bos_token_id=1, eos_token_id=2,
+                                     rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                      "partial_rotary_factor": 0.5})),
 }
 
 
