@@ -28,6 +28,7 @@ FAMILY_KWARGS = {
     "phi3": ("Phi3", dict(sliding_window=24, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     "olmo2": ("Olmo2", dict(pad_token_id=0)),
     "smollm3": ("SmolLM3", dict(num_hidden_layers=4, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    "ernie4_5": ("Ernie4_5", dict(head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 1e4})),
     "granite": ("Granite", dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.3,
                                 logits_scaling=2.0)),
 }
@@ -120,6 +121,14 @@ MOE_KWARGS = {
                                      bos_token_id=1, eos_token_id=2,
                                      rope_parameters={"rope_type": "default", "rope_theta": 1e4,
                                                       "partial_rotary_factor": 0.5})),
+    # ERNIE 4.5 MoE: interleaved rope; sparse layers 1 and 3 (interval 2), dense 0 and 2; a
+    # softmax router whose selection bias is randomised below and whose moe_norm_min binds
+    # (top 2 of 8 probs often sum below 0.4); two shared experts; an untied head (tied, the
+    # greedy continuation repeats one token: the dense ERNIE test covers the tied head)
+    "ernie4_5_moe": ("Ernie4_5_Moe", dict(num_hidden_layers=4, tie_word_embeddings=False, moe_num_experts=8, moe_k=2, moe_intermediate_size=32,
+                                          moe_num_shared_experts=2, moe_layer_start_index=0, moe_layer_interval=2,
+                                          moe_norm_min=0.4, rope_parameters={"rope_type": "default",
+                                                                             "rope_theta": 1e4})),
 }
 
 

@@ -26,6 +26,7 @@ CLASSES = {  # architecture -> transformers config class
     "Qwen2MoeForCausalLM": tf.Qwen2MoeConfig, "Glm4MoeForCausalLM": tf.Glm4MoeConfig,
     "GptOssForCausalLM": tf.GptOssConfig, "NemotronHForCausalLM": tf.NemotronHConfig,
     "OlmoeForCausalLM": tf.OlmoeConfig, "MiniMaxM2ForCausalLM": tf.MiniMaxM2Config,
+    "Ernie4_5ForCausalLM": tf.Ernie4_5Config, "Ernie4_5_MoeForCausalLM": tf.Ernie4_5_MoeConfig,
 }
 SKIP = {"self", "kwargs"}
 # Values for fields whose default is None (the walker cannot guess a type).
@@ -44,6 +45,8 @@ def small_kwargs(arch):
         kw.update(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
     elif arch == "GptOssForCausalLM":
         kw.update(num_local_experts=4, num_experts_per_tok=2)
+    elif arch == "Ernie4_5_MoeForCausalLM":
+        kw.update(moe_num_experts=4, moe_k=2, moe_intermediate_size=32)
     elif arch == "MiniMaxM2ForCausalLM":
         kw.update(num_local_experts=4, num_experts_per_tok=2, head_dim=16)
     elif arch == "OlmoeForCausalLM":

@@ -48,6 +48,7 @@ ABLATIONS = {
     "olmo2": dict(qk_norm="none"),
     "qwen3": dict(rope_scaling=None),
     "granite": dict(residual_scale=1.0),
+    "ernie4_5": dict(rope_interleave=False),
 }
 
 
