@@ -29,6 +29,8 @@ FAMILY_KWARGS = {
     "olmo2": ("Olmo2", dict(pad_token_id=0)),
     "smollm3": ("SmolLM3", dict(num_hidden_layers=4, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     "ernie4_5": ("Ernie4_5", dict(head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 1e4})),
+    "hunyuan_v1_dense": ("HunYuanDenseV1", dict(head_dim=16, rope_parameters={"rope_type": "dynamic", "alpha": 50.0,
+                                                                              "factor": 1.0, "rope_theta": 1e4})),
     "granite": ("Granite", dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.3,
                                 logits_scaling=2.0)),
 }
@@ -129,6 +131,12 @@ MOE_KWARGS = {
                                           moe_num_shared_experts=2, moe_layer_start_index=0, moe_layer_interval=2,
                                           moe_norm_min=0.4, rope_parameters={"rope_type": "default",
                                                                              "rope_theta": 1e4})),
+    # Hunyuan MoE: q/k norms after rope, the checkpoints' NTK-alpha rope (alpha 1000, as
+    # Hunyuan-A13B), q/k/v/o biases, top 3 of 8 experts beside the shared MLP
+    "hunyuan_v1_moe": ("HunYuanMoEV1", dict(num_experts=8, moe_topk=3, intermediate_size=32, head_dim=24,
+                                            attention_bias=True,
+                                            rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
+                                                             "rope_theta": 1e4})),
 }
 
 

@@ -27,6 +27,7 @@ CLASSES = {  # architecture -> transformers config class
     "GptOssForCausalLM": tf.GptOssConfig, "NemotronHForCausalLM": tf.NemotronHConfig,
     "OlmoeForCausalLM": tf.OlmoeConfig, "MiniMaxM2ForCausalLM": tf.MiniMaxM2Config,
     "Ernie4_5ForCausalLM": tf.Ernie4_5Config, "Ernie4_5_MoeForCausalLM": tf.Ernie4_5_MoeConfig,
+    "HunYuanDenseV1ForCausalLM": tf.HunYuanDenseV1Config, "HunYuanMoEV1ForCausalLM": tf.HunYuanMoEV1Config,
 }
 SKIP = {"self", "kwargs"}
 # Values for fields whose default is None (the walker cannot guess a type).
@@ -45,6 +46,8 @@ def small_kwargs(arch):
         kw.update(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
     elif arch == "GptOssForCausalLM":
         kw.update(num_local_experts=4, num_experts_per_tok=2)
+    elif arch == "HunYuanMoEV1ForCausalLM":
+        kw.update(num_experts=4, moe_topk=2)
     elif arch == "Ernie4_5_MoeForCausalLM":
         kw.update(moe_num_experts=4, moe_k=2, moe_intermediate_size=32)
     elif arch == "MiniMaxM2ForCausalLM":
@@ -56,6 +59,8 @@ def small_kwargs(arch):
                                             {"num_experts": 4, "moe_intermediate_size": 32}))
     kw.pop("initializer_range")
     kw.update(num_hidden_layers=4)
+    if arch.startswith("HunYuan"):  # transformers' Hunyuan needs head_dim set
+        kw.update(head_dim=16)
     if arch == "NemotronHForCausalLM":  # dense blocks (its default pattern has an "E"), 4 SSM heads in 2 groups
         kw.update(layers_block_type=["linear_attention", "mlp", "full_attention", "mlp"], mamba_num_heads=4,
                   mamba_head_dim=16, n_groups=2, ssm_state_size=16, head_dim=16)

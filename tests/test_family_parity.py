@@ -49,6 +49,7 @@ ABLATIONS = {
     "qwen3": dict(rope_scaling=None),
     "granite": dict(residual_scale=1.0),
     "ernie4_5": dict(rope_interleave=False),
+    "hunyuan_v1_dense": dict(qk_norm_after_rope=False),
 }
 
 

@@ -93,6 +93,8 @@ MOE_ABLATIONS = {
     "ernie4_5_moe-bias": dict(router_bias=False),
     "ernie4_5_moe-norm-min": dict(router_renormalize_min=0.0),
     "ernie4_5_moe-pairs": dict(rope_interleave=False),
+    "hunyuan_v1_moe-norm-before-rope": dict(qk_norm_after_rope=False),
+    "hunyuan_v1_moe-alpha": dict(rope_theta=1e4),
 }
 
 
