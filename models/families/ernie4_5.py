@@ -15,7 +15,8 @@ from jaxfill.models.families.experts import expert_tensors, shared_expert_tensor
 from jaxfill.models.moe import is_moe_layer
 
 TESTED_MOE = ("HF f32 logits and greedy tokens (interleaved rope, softmax routing with its selection bias and a "
-              "binding moe_norm_min, shared experts, dense layers between sparse ones)")
+              "binding moe_norm_min, shared experts, dense layers between sparse ones)"
+              "; through the Engine prefix-cached = expert 4 = expert 2 x tensor 2")
 
 
 class Ernie4_5(Family):

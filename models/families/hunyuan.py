@@ -12,7 +12,8 @@ from jaxfill.models.families.base import Family, activation
 from jaxfill.models.families.experts import expert_tensors, shared_expert_tensors
 
 TESTED_MOE = ("HF f32 logits and greedy tokens (q/k norms after rope, NTK-alpha rope, softmax routing in f32 "
-              "beside a shared MLP)")
+              "beside a shared MLP)"
+              "; through the Engine prefix-cached = expert 4 = expert 2 x tensor 2")
 
 
 def same_for_every_layer(hf, key: str) -> int:

@@ -12,7 +12,8 @@ from jaxfill.models.families.base import Family, HFTensor, activation
 from jaxfill.models.families.experts import expert_tensors
 
 TESTED = ("HF f32 logits and greedy tokens (sigmoid routing with its correction bias, projection q/k norms, "
-          "rope over half of each head)")
+          "rope over half of each head)"
+          "; through the Engine prefix-cached = expert 4 = expert 2 x tensor 2")
 
 
 class MiniMaxM2(Family):
