@@ -137,6 +137,16 @@ MOE_KWARGS = {
                                             attention_bias=True,
                                             rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
                                                              "rope_theta": 1e4})),
+    # Phi-3.5-MoE: sparsemixer with a neighbourhood (router_jitter_noise) wide enough that its
+    # softmax weighs several experts, LayerNorms, biased attention and LM head; longrope whose
+    # original context (64) the 300-token prompt passes (equal mscales: the same rope throughout)
+    "phimoe": ("Phimoe", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, attention_bias=True,
+                              lm_head_bias=True, router_jitter_noise=0.3,
+                              rope_parameters={"rope_type": "longrope", "rope_theta": 1e4,
+                                               "short_factor": [1.0 + 0.4 * i for i in range(8)],
+                                               "long_factor": [2.0 + i for i in range(8)],
+                                               "short_mscale": 1.2, "long_mscale": 1.2,
+                                               "original_max_position_embeddings": 64})),
 }
 
 

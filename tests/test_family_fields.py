@@ -28,6 +28,7 @@ CLASSES = {  # architecture -> transformers config class
     "OlmoeForCausalLM": tf.OlmoeConfig, "MiniMaxM2ForCausalLM": tf.MiniMaxM2Config,
     "Ernie4_5ForCausalLM": tf.Ernie4_5Config, "Ernie4_5_MoeForCausalLM": tf.Ernie4_5_MoeConfig,
     "HunYuanDenseV1ForCausalLM": tf.HunYuanDenseV1Config, "HunYuanMoEV1ForCausalLM": tf.HunYuanMoEV1Config,
+    "PhimoeForCausalLM": tf.PhimoeConfig,
 }
 SKIP = {"self", "kwargs"}
 # Values for fields whose default is None (the walker cannot guess a type).
@@ -45,6 +46,8 @@ def small_kwargs(arch):
     if arch == "Glm4MoeForCausalLM":
         kw.update(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
     elif arch == "GptOssForCausalLM":
+        kw.update(num_local_experts=4, num_experts_per_tok=2)
+    elif arch == "PhimoeForCausalLM":
         kw.update(num_local_experts=4, num_experts_per_tok=2)
     elif arch == "HunYuanMoEV1ForCausalLM":
         kw.update(num_experts=4, moe_topk=2)

@@ -4,7 +4,7 @@ fake CPU devices), and expert 4 x data 2 == expert 2 x tensor 2 x data 2 (8 devi
 int8 weights (per expert) and int8 KV stay close. The prompts of tests/family_layouts.py
 with 8 experts, top 2: the 3-token prompt leaves experts of some ranks without a token.
 Qwen3-MoE, GLM-4.5 and ERNIE 4.5 (dense layers beside sparse ones), OLMoE, MiniMax-M2 and
-Hunyuan (every layer sparse) and gpt-oss run a shorter list on 4 devices. Compiles dominate: one subprocess per model and device count, each engine
+Hunyuan, Phi-3.5-MoE (every layer sparse) and gpt-oss run a shorter list on 4 devices. Compiles dominate: one subprocess per model and device count, each engine
 compiling one step bucket; the 8-device run of Mixtral compares against the 4-device
 run's single-device reference instead of compiling its own."""
 
@@ -63,11 +63,12 @@ def test_dense_and_sparse_layers(tmp_path, arch):
     check_layouts(run_layouts(model, layouts, devices=4), arch, ("prefix", "expert4", "expert2_tensor2"))
 
 
-@pytest.mark.parametrize("arch", ["olmoe", "minimax_m2", "hunyuan_v1_moe"])
+@pytest.mark.parametrize("arch", ["olmoe", "minimax_m2", "hunyuan_v1_moe", "phimoe"])
 def test_every_layer_sparse(tmp_path, arch):
     """Every MLP a mixture of experts. OLMoE and MiniMax-M2: q/k norms over the whole
     projection, whose heads split over expert x tensor; MiniMax-M2's sigmoid router with
-    its correction bias and partial rope; Hunyuan: q/k norms after rope, a shared MLP."""
+    its correction bias and partial rope; Hunyuan: q/k norms after rope, a shared MLP;
+    Phi-3.5-MoE: sparsemixer, LayerNorms, the LM head's bias split with the vocabulary."""
     model = make_hf_checkpoint(str(tmp_path / arch), arch, **SHAPES.get(arch, {}))
     layouts = {name: FOUR[name] for name in ("whole", "prefix", "expert4", "expert2_tensor2")}
     check_layouts(run_layouts(model, layouts, devices=4), arch, ("prefix", "expert4", "expert2_tensor2"))

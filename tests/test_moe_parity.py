@@ -95,6 +95,8 @@ MOE_ABLATIONS = {
     "ernie4_5_moe-pairs": dict(rope_interleave=False),
     "hunyuan_v1_moe-norm-before-rope": dict(qk_norm_after_rope=False),
     "hunyuan_v1_moe-alpha": dict(rope_theta=1e4),
+    "phimoe-neighbourhood": dict(sparsemixer_eps=0.01),
+    "phimoe-longrope": dict(rope_scaling=None),
 }
 
 

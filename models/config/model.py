@@ -38,6 +38,7 @@ RENAMED = {
                                               "conv_bias", "dt_limit")},
     "rms_norm_eps": ("norms", "eps"), "norm_kind": ("norms", "kind"), "norm_layout": ("norms", "layout"),
     "tie_word_embeddings": ("embeddings", "tied"), "embed_scale": ("embeddings", "scale"),
+    "lm_head_bias": ("embeddings", "head_bias"),
 }
 FLAT_KEYS = {**{f.name: (section, f.name) for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)
                 if (section, f.name) not in RENAMED.values()}, **RENAMED}
@@ -116,6 +117,9 @@ class ModelConfig:
         if a.layer_types and len(a.layer_types) != self.num_layers:
             raise ConfigError(f"model.layer_types must name one type per layer ({self.num_layers}), "
                               f"got {list(a.layer_types)}")
+        if self.norms.kind == "layer" and (a.qk_norm != "none" or mla.enabled or self.linear.layers):
+            raise ConfigError("model.norm_kind = layer (LayerNorm) is for the blocks' norms: it does not combine "
+                              "with qk_norm, MLA or linear layers, whose norms are RMSNorms")
         if set(self.no_mixer_layers) & (set(self.no_mlp_layers) | set(self.linear.layers)):
             raise ConfigError(f"model.no_mixer_layers {list(self.no_mixer_layers)} must be neither no_mlp_layers "
                               f"{list(self.no_mlp_layers)} (a layer with no block) nor linear_layers")

@@ -113,7 +113,8 @@ class MoEConfig:
     # softmax: softmax over experts, top k (Mixtral, Qwen3-MoE), of prob + bias with a
     # selection bias (ERNIE 4.5); sigmoid: sigmoid scores, top k of score + bias within the
     # best groups (DeepSeek-V3, GLM-4.5, MiniMax-M2); topk_softmax: top k of the logits,
-    # softmax over those k (gpt-oss)
+    # softmax over those k (gpt-oss); sparsemixer: two experts, each the best left, weighted
+    # by a softmax over the experts within 2 * sparsemixer_eps of it (Phi-3.5-MoE)
     scoring: str = "softmax"
     renormalize: bool = True  # top-k weights divided by their sum
     renormalize_min: float = 0.0  # ... clamped below at this (ERNIE 4.5's moe_norm_min); 0: not clamped
@@ -131,12 +132,15 @@ class MoEConfig:
     # None: the plain hidden_act(gate) * up
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
+    sparsemixer_eps: float = 0.01  # sparsemixer's relative threshold (Phi-3.5-MoE's router_jitter_noise)
 
     def __post_init__(self):
-        _choose("router_scoring", self.scoring, ("softmax", "sigmoid", "topk_softmax"))
+        _choose("router_scoring", self.scoring, ("softmax", "sigmoid", "topk_softmax", "sparsemixer"))
+        if self.sparsemixer_eps < 0:
+            raise ConfigError(f"model.sparsemixer_eps must be >= 0, got {self.sparsemixer_eps}")
         if self.renormalize_min < 0:
             raise ConfigError(f"model.router_renormalize_min must be >= 0, got {self.renormalize_min}")
-        if self.selection_bias and self.scoring == "topk_softmax":
+        if self.selection_bias and self.scoring in ("topk_softmax", "sparsemixer"):
             raise ConfigError("model.router_bias (a selection bias) applies to router_scoring softmax or sigmoid")
         if not self.num_experts:
             return
@@ -145,6 +149,10 @@ class MoEConfig:
                               f"got {self.experts_per_token}")
         if self.intermediate_size <= 0:
             raise ConfigError(f"model.moe_intermediate_size must be positive, got {self.intermediate_size}")
+        if self.scoring == "sparsemixer" and (self.experts_per_token != 2 or self.renormalize):
+            raise ConfigError("model.router_scoring = sparsemixer picks two experts, weights not renormalised "
+                              f"(experts_per_token = 2, router_renormalize = false); got {self.experts_per_token}, "
+                              f"{self.renormalize}")
         g, kg = self.groups, self.topk_groups
         if g < 1 or self.num_experts % g or not 1 <= kg <= g:
             raise ConfigError(f"model.router_groups ({g}) must divide num_experts ({self.num_experts}) and "
@@ -205,14 +213,15 @@ class NormConfig:
     """The RMSNorms around the blocks."""
     eps: float = 1e-5
     # rms: w * cast(x * rsqrt) (Llama); rms_f32: cast(w * x * rsqrt) (OLMo 2);
-    # rms_one_plus: cast((1 + w) * x * rsqrt), all in f32 (Gemma)
+    # rms_one_plus: cast((1 + w) * x * rsqrt), all in f32 (Gemma); layer: LayerNorm with a
+    # bias, cast(w * (x - mean) * rsqrt + b) (Phi-3.5-MoE)
     kind: str = "rms"
     # pre: norm before attention and MLP (Llama); sandwich: before and after both
     # (Gemma 2/3); post: after both only (OLMo 2)
     layout: str = "pre"
 
     def __post_init__(self):
-        _choose("norm_kind", self.kind, ("rms", "rms_f32", "rms_one_plus"))
+        _choose("norm_kind", self.kind, ("rms", "rms_f32", "rms_one_plus", "layer"))
         _choose("norm_layout", self.layout, ("pre", "sandwich", "post"))
 
 
@@ -223,3 +232,4 @@ class EmbeddingConfig:
     scale: float = 1.0  # embeddings times this, rounded to dtype (Gemma: sqrt(E); Granite)
     logits_scale: float = 1.0  # logits times this (Granite: 1 / logits_scaling)
     final_soft_cap: float | None = None  # cap * tanh(logits / cap) (Gemma 2)
+    head_bias: bool = False  # the LM head adds a bias (Phi-3.5-MoE's lm_head_bias)
