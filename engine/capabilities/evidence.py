@@ -52,7 +52,7 @@ EVIDENCE: tuple[Evidence, ...] = (
              ("llama",), ("mesh.num_processes",)),
     # dense families: every layout of tests/family_layouts.py
     *_each("tests/test_family_layouts.py::test_every_layout_gives_the_same_tokens",
-           ("qwen3", "olmo2", "smollm3", "granite"), _LAYOUTS),
+           ("qwen3", "olmo2", "smollm3", "granite", "ernie4_5", "hunyuan_v1_dense"), _LAYOUTS),
     *_each("tests/test_family_layouts_sliding.py::test_every_layout_gives_the_same_tokens",
            ("gemma2", "gemma3", "phi3"), _LAYOUTS),
     Evidence("tests/test_weight_quant.py::test_logits_equal_float64_model_with_the_same_quantized_weights[qwen2]",

@@ -25,7 +25,8 @@ class Ernie4_5(Family):
     honoured = frozenset({"hidden_act"})
     # use_bias puts biases on the MLPs too, which no MLP here has (the published checkpoints: false)
     fixed = {"use_bias": False}
-    tested = "HF f32 logits and greedy tokens, bf16 at the noise floor (interleaved rope, a tied head)"
+    tested = ("HF f32 logits and greedy tokens, bf16 at the noise floor (interleaved rope, a tied head); through "
+              "the Engine chunked = prefix-cached = tensor 2 = sequence 2 = scan = stage 2; int8 weights + int8 KV run")
 
     def model_fields(self, hf):
         return dict(self.model_defaults(hf["hidden_size"]), hidden_act=activation(hf),

@@ -34,7 +34,9 @@ class HunYuanDense(Family):
     # eod_token_id: an end-of-document id generation does not stop on; pretraining_tp: unused by the forward
     inert = frozenset({"eod_token_id", "pretraining_tp"})
     rope_types = ("default", "linear")
-    tested = "HF f32 logits and greedy tokens (q/k norms after rope, NTK-alpha rope)"
+    tested = ("HF f32 logits and greedy tokens, bf16 at the noise floor (q/k norms after rope, NTK-alpha rope); "
+              "through the Engine chunked = prefix-cached = tensor 2 = sequence 2 = scan = stage 2; int8 weights + "
+              "int8 KV run")
 
     def model_fields(self, hf):
         bias = bool(hf.get("attention_bias", False))
