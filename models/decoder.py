@@ -106,6 +106,8 @@ class Decoder(nnx.Module):
         self.norm = RMSNorm(config.hidden_size, config.norms.eps, dt, rngs, kind=config.norms.kind)
         if not config.embeddings.tied:
             self.lm_head = param(rngs, (config.hidden_size, config.vocab_size), ("embed", "vocab"), dt)
+        if config.embeddings.head_bias:
+            self.lm_head_bias = param(rngs, (config.vocab_size,), ("vocab",), dt)
 
     @property
     def stages(self) -> int:
@@ -155,6 +157,8 @@ class Decoder(nnx.Module):
             logits = self.embed.attend(x)
         else:
             logits = constrain(x @ self.lm_head[...], ("seqs", "act_vocab"))  # vocab-parallel
+        if self.config.embeddings.head_bias:
+            logits = logits + self.lm_head_bias[...]
         return final_logits(self.config, logits), kv_cache.updated(new_pages, counts)
 
 

@@ -45,7 +45,8 @@ def projection(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dt
 
 class RMSNorm(nnx.Module):
     """RMSNorm in the three spellings of NormConfig.kind (models/config/sections.py); they
-    differ only in where the f32 -> dtype cast falls and in Gemma's (1 + w)."""
+    differ only in where the f32 -> dtype cast falls and in Gemma's (1 + w). kind "layer":
+    LayerNorm instead, the mean taken out and a bias added, in f32 (Phi-3.5-MoE)."""
 
     def __init__(self, dim: int, eps: float, dtype, rngs: nnx.Rngs, axis_name: str = "norm",
                  kind: str = "rms", shape: tuple[int, ...] | None = None, axes: tuple[str, ...] | None = None):
@@ -53,13 +54,18 @@ class RMSNorm(nnx.Module):
         # Random-init scale (not ones) so tests would catch a norm that ignores its weight.
         init = "normal" if kind == "rms_one_plus" else "one_plus_normal"
         self.weight = param(rngs, shape, axes, dtype, init=init, scale=0.1)
+        self.bias = param(rngs, shape, axes, dtype, scale=0.1) if kind == "layer" else None
         self.eps, self.kind, self.ndim = eps, kind, len(shape)
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [..., *weight.shape] -> same
         xf = x.astype(jnp.float32)
         over = tuple(range(-self.ndim, 0))
+        if self.kind == "layer":
+            xf = xf - jnp.mean(xf, axis=over, keepdims=True)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=over, keepdims=True) + self.eps)
         w = self.weight[...]
+        if self.kind == "layer":
+            return (w.astype(jnp.float32) * xf + self.bias[...].astype(jnp.float32)).astype(x.dtype)
         if self.kind == "rms":
             return w * xf.astype(x.dtype)
         if self.kind == "rms_f32":

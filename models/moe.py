@@ -25,18 +25,25 @@ from jaxfill.models.sharding import constrain
 
 def route(logits: jax.Array,  # [T, E] f32 router logits
           config: ModelConfig,
-          bias: jax.Array | None = None,  # [E] f32 correction bias (sigmoid routers), selection only
+          bias: jax.Array | None = None,  # [E] f32 correction bias (selection only)
           ) -> tuple[jax.Array, jax.Array]:  # weights [T, k] f32, expert ids [T, k] int32
     """Top-k routing. softmax: softmax over all experts, top k, optionally renormalised
-    (Mixtral, Qwen3-MoE). topk_softmax: top k of the logits, softmax over those k
-    (gpt-oss). sigmoid: sigmoid scores, experts chosen on score + bias within the best
+    (Mixtral, Qwen3-MoE); with a selection bias, experts chosen on prob + bias and weighted
+    by the plain probs (ERNIE 4.5). topk_softmax: top k of the logits, softmax over those k
+    (gpt-oss). sparsemixer: two experts in turn (Phi-3.5-MoE, `sparsemixer`). sigmoid: sigmoid scores, experts chosen on score + bias within the best
     `router_topk_groups` of `router_groups` groups (a group scores the sum of its two
     best), weights from the plain scores, renormalised and times `routed_scaling`
-    (DeepSeek-V3, GLM-4.5)."""
+    (DeepSeek-V3, GLM-4.5, MiniMax-M2)."""
     c, k = config, config.moe.experts_per_token
     if c.moe.scoring == "softmax":
         probs = jax.nn.softmax(logits, axis=-1)
-        weights, ids = jax.lax.top_k(probs, k)
+        if bias is None:
+            weights, ids = jax.lax.top_k(probs, k)
+        else:
+            _, ids = jax.lax.top_k(probs + bias, k)
+            weights = jnp.take_along_axis(probs, ids, axis=1)
+    elif c.moe.scoring == "sparsemixer":
+        weights, ids = sparsemixer(logits, c.moe.sparsemixer_eps)
     elif c.moe.scoring == "topk_softmax":
         top, ids = jax.lax.top_k(logits, k)
         weights = jax.nn.softmax(top, axis=-1)
@@ -53,8 +60,29 @@ def route(logits: jax.Array,  # [T, E] f32 router logits
         _, ids = jax.lax.top_k(choice, k)
         weights = jnp.take_along_axis(scores, ids, axis=1)
     if c.moe.renormalize:
-        weights = weights / (weights.sum(-1, keepdims=True) + (1e-20 if c.moe.scoring == "sigmoid" else 0.0))
+        total = weights.sum(-1, keepdims=True) + (1e-20 if c.moe.scoring == "sigmoid" else 0.0)
+        if c.moe.renormalize_min:
+            total = jnp.maximum(total, c.moe.renormalize_min)
+        weights = weights / total
     return weights * c.moe.routed_scaling, ids.astype(jnp.int32)
+
+
+def sparsemixer(scores: jax.Array,  # [T, E] f32 router logits
+                eps: float) -> tuple[jax.Array, jax.Array]:  # weights [T, 2] f32, ids [T, 2]
+    """Phi-3.5-MoE's router at inference (transformers' `sparsemixer`, not training): the best
+    expert, weighted by its share of a softmax over the experts whose logit is within
+    2 * eps of the best's (relative to max(|logit|, best)); then the same over the experts
+    left. The weights are not renormalised."""
+    def pick(masked):  # masked: the scores, chosen experts at -inf
+        best = jnp.max(masked, axis=-1, keepdims=True)
+        ids = jnp.argmax(masked, axis=-1)
+        far = (best - scores) / jnp.maximum(jnp.abs(scores), best) > 2 * eps
+        gates = jax.nn.softmax(jnp.where(far, -jnp.inf, masked), axis=-1)
+        return jnp.take_along_axis(gates, ids[:, None], axis=1), ids
+
+    first_w, first = pick(scores)
+    second_w, second = pick(jnp.where(jnp.arange(scores.shape[-1]) == first[:, None], -jnp.inf, scores))
+    return jnp.concatenate([first_w, second_w], axis=-1), jnp.stack([first, second], axis=-1)
 
 
 def gated(gate: jax.Array, up: jax.Array,  # [N, I] each

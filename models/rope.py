@@ -1,8 +1,13 @@
 """Rotary embeddings as transformers computes them: the inverse frequencies of each rope
-type (default, linear, llama3, yarn) in float32, and the rotate-half rotation.
+type (default, linear, llama3, yarn, longrope) in float32, and the rotate-half rotation.
 
-A layer's rope is (inv_freq [D/2], scale): yarn multiplies cos and sin by its attention
-factor; a NoPE layer (SmolLM3) has inv_freq 0 and scale 1, which rotates nothing.
+A layer's rope is (inv_freq [D/2], scale): yarn and longrope multiply cos and sin by their
+attention factor; a NoPE layer (SmolLM3) has inv_freq 0 and scale 1, which rotates nothing.
+
+longrope (Phi-3 128k, Phi-3.5-MoE) turns with its `short_factor`s: what transformers uses
+while a sequence is within `original_max_position_embeddings`. Past it transformers re-ropes
+the whole sequence with the `long_factor`s, which keys cached as they came cannot follow,
+so the families cap the model's context there (models/families/base.py).
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # what a family accepts unless it says otherwise
+# beside them: longrope, which a family names in its rope_types (Phi-3, Phi-3.5-MoE)
 
 
 def theta_powers(head_dim: int, theta: float) -> np.ndarray:  # [D/2] f32: theta ** (2i / D)
@@ -42,7 +48,9 @@ def rope_parameters(head_dim: int, theta: float, scaling: dict | None,
         return _llama3(inv, scaling), 1.0
     if kind == "yarn":
         return _yarn(head_dim, theta, scaling, max_position_embeddings)
-    raise ValueError(f"rope type {kind!r} is not one of {ROPE_TYPES}")
+    if kind == "longrope":
+        return _longrope(head_dim, theta, scaling, max_position_embeddings)
+    raise ValueError(f"rope type {kind!r} is not one of {ROPE_TYPES + ('longrope',)}")
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> np.ndarray:
@@ -96,6 +104,21 @@ def _yarn(dim: int, theta: float, scaling: dict, max_position_embeddings: int) -
     pos_freqs = theta_powers(dim, theta)
     inv = ((1.0 / (np.float32(factor) * pos_freqs)) * (1 - extrapolation)
            + (1.0 / pos_freqs) * extrapolation)
+    return inv.astype(np.float32), float(attention)
+
+
+def _longrope(dim: int, theta: float, scaling: dict, max_position_embeddings: int) -> tuple[np.ndarray, float]:
+    """LongRoPE's short factors: inv_freq = 1 / (short_factor * theta ** (2i / D)), cos/sin
+    times `attention_factor` (or, absent, sqrt(1 + log(factor) / log(original)))."""
+    factors = np.asarray(scaling["short_factor"], np.float32)
+    if factors.shape != (dim // 2,):
+        raise ValueError(f"longrope short_factor has {factors.size} values, the rope turns {dim // 2} pairs")
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        original = scaling["original_max_position_embeddings"]
+        factor = scaling.get("factor") or max_position_embeddings / original
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    inv = np.float32(1.0) / (factors * theta_powers(dim, theta))
     return inv.astype(np.float32), float(attention)
 
 

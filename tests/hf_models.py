@@ -65,6 +65,9 @@ FAMILY_KWARGS = {
                                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
                                                  "rope_theta": 1e6})),
     "smollm3": ("SmolLM3", dict(num_hidden_layers=4, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    "ernie4_5": ("Ernie4_5", dict(head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 1e4})),
+    "hunyuan_v1_dense": ("HunYuanDenseV1", dict(head_dim=16, rope_parameters={"rope_type": "dynamic", "alpha": 50.0,
+                                                                              "factor": 1.0, "rope_theta": 1e4})),
     "granite": ("Granite", dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.3,
                                 logits_scaling=2.0)),
 }
@@ -147,6 +150,40 @@ MOE_KWARGS = {
                                rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 150000.0,
                                                 "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                                 "original_max_position_embeddings": 64})),
+    # OLMoE: projection q/k norms, a clip_qkv low enough to bind on q, k and v, top 3 of 8
+    # experts not renormalised (norm_topk_prob false, as the published checkpoints)
+    "olmoe": ("Olmoe", dict(num_experts=8, num_experts_per_tok=3, intermediate_size=32, clip_qkv=1.0,
+                            norm_topk_prob=False, pad_token_id=0, eos_token_id=2)),
+    # MiniMax-M2: sigmoid routing with its correction bias (randomised below), projection
+    # q/k norms, rope over 16 of each head's 32 dims
+    "minimax_m2": ("MiniMaxM2", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, head_dim=32,
+                                     bos_token_id=1, eos_token_id=2,
+                                     rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                      "partial_rotary_factor": 0.5})),
+    # ERNIE 4.5 MoE: interleaved rope; sparse layers 1 and 3 (interval 2), dense 0 and 2; a
+    # softmax router whose selection bias is randomised below and whose moe_norm_min binds
+    # (top 2 of 8 probs often sum below 0.4); two shared experts; an untied head (tied, the
+    # greedy continuation repeats one token: the dense ERNIE test covers the tied head)
+    "ernie4_5_moe": ("Ernie4_5_Moe", dict(num_hidden_layers=4, tie_word_embeddings=False, moe_num_experts=8, moe_k=2, moe_intermediate_size=32,
+                                          moe_num_shared_experts=2, moe_layer_start_index=0, moe_layer_interval=2,
+                                          moe_norm_min=0.4, rope_parameters={"rope_type": "default",
+                                                                             "rope_theta": 1e4})),
+    # Hunyuan MoE: q/k norms after rope, the checkpoints' NTK-alpha rope (alpha 1000, as
+    # Hunyuan-A13B), q/k/v/o biases, top 3 of 8 experts beside the shared MLP
+    "hunyuan_v1_moe": ("HunYuanMoEV1", dict(num_experts=8, moe_topk=3, intermediate_size=32, head_dim=24,
+                                            attention_bias=True,
+                                            rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
+                                                             "rope_theta": 1e4})),
+    # Phi-3.5-MoE: sparsemixer with a neighbourhood (router_jitter_noise) wide enough that its
+    # softmax weighs several experts, LayerNorms, biased attention and LM head; longrope whose
+    # original context (64) the 300-token prompt passes (equal mscales: the same rope throughout)
+    "phimoe": ("Phimoe", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, attention_bias=True,
+                              lm_head_bias=True, router_jitter_noise=0.3,
+                              rope_parameters={"rope_type": "longrope", "rope_theta": 1e4,
+                                               "short_factor": [1.0 + 0.4 * i for i in range(8)],
+                                               "long_factor": [2.0 + i for i in range(8)],
+                                               "short_mscale": 1.2, "long_mscale": 1.2,
+                                               "original_max_position_embeddings": 64})),
 }
 
 

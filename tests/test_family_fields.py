@@ -29,6 +29,10 @@ CLASSES = {  # architecture -> transformers config class
     "MixtralForCausalLM": tf.MixtralConfig, "Qwen3MoeForCausalLM": tf.Qwen3MoeConfig,
     "Qwen2MoeForCausalLM": tf.Qwen2MoeConfig, "Glm4MoeForCausalLM": tf.Glm4MoeConfig,
     "GptOssForCausalLM": tf.GptOssConfig, "NemotronHForCausalLM": tf.NemotronHConfig,
+    "OlmoeForCausalLM": tf.OlmoeConfig, "MiniMaxM2ForCausalLM": tf.MiniMaxM2Config,
+    "Ernie4_5ForCausalLM": tf.Ernie4_5Config, "Ernie4_5_MoeForCausalLM": tf.Ernie4_5_MoeConfig,
+    "HunYuanDenseV1ForCausalLM": tf.HunYuanDenseV1Config, "HunYuanMoEV1ForCausalLM": tf.HunYuanMoEV1Config,
+    "PhimoeForCausalLM": tf.PhimoeConfig,
 }
 SKIP = {"self", "kwargs"}
 # Values for fields whose default is None (the walker cannot guess a type).
@@ -48,11 +52,23 @@ def small_kwargs(arch):
         kw.update(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
     elif arch == "GptOssForCausalLM":
         kw.update(num_local_experts=4, num_experts_per_tok=2)
+    elif arch == "PhimoeForCausalLM":
+        kw.update(num_local_experts=4, num_experts_per_tok=2)
+    elif arch == "HunYuanMoEV1ForCausalLM":
+        kw.update(num_experts=4, moe_topk=2)
+    elif arch == "Ernie4_5_MoeForCausalLM":
+        kw.update(moe_num_experts=4, moe_k=2, moe_intermediate_size=32)
+    elif arch == "MiniMaxM2ForCausalLM":
+        kw.update(num_local_experts=4, num_experts_per_tok=2, head_dim=16)
+    elif arch == "OlmoeForCausalLM":
+        kw.update(num_experts=4, num_experts_per_tok=2)
     elif "Moe" in arch or "Mixtral" in arch:
         kw.update(num_experts_per_tok=2, **({"num_local_experts": 4} if "Mixtral" in arch else
                                             {"num_experts": 4, "moe_intermediate_size": 32}))
     kw.pop("initializer_range")
     kw.update(num_hidden_layers=4)
+    if arch.startswith("HunYuan"):  # transformers' Hunyuan needs head_dim set
+        kw.update(head_dim=16)
     if arch == "NemotronHForCausalLM":  # dense blocks (its default pattern has an "E"), 4 SSM heads in 2 groups
         kw.update(layers_block_type=["linear_attention", "mlp", "full_attention", "mlp"], mamba_num_heads=4,
                   mamba_head_dim=16, n_groups=2, ssm_state_size=16, head_dim=16)
@@ -208,3 +224,17 @@ def test_gemma3_transformers4_spelling_reads_as_the_transformers5_one():
     assert a == b
     assert a.attention.layer_types == ("sliding",) * 5 + ("full",) and a.attention.rope_local_theta == 1e4
     assert dict(a.attention.rope_scaling)["factor"] == 2.0
+
+
+def test_minimax_m2_legacy_rotary_dim_reads_as_partial_rotary_factor():
+    """The published MiniMax-M2 config.json says `rotary_dim` (transformers 4) where
+    transformers 5 writes rope_parameters' partial_rotary_factor; a file with both must agree."""
+    kw = small_kwargs("MiniMaxM2ForCausalLM")
+    new = saved(tf.MiniMaxM2Config, "MiniMaxM2ForCausalLM", **kw,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5})
+    old = {k: v for k, v in new.items() if k != "rope_parameters"}
+    old.update(rope_theta=1e4, rotary_dim=8)
+    assert registry.config_from_hf(new) == registry.config_from_hf(old)
+    assert registry.config_from_hf(old).attention.rotary_dim == 8
+    with pytest.raises(ConfigError, match="rotary_dim"):
+        registry.config_from_hf({**new, "rotary_dim": 4})

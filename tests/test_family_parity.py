@@ -65,6 +65,8 @@ ABLATIONS = {
     "glm4-interleave": dict(rope_interleave=False),
     "glm4-post-norms": dict(norm_layout="pre"),
     "granite": dict(residual_scale=1.0),
+    "ernie4_5": dict(rope_interleave=False),
+    "hunyuan_v1_dense": dict(qk_norm_after_rope=False),
 }
 
 
@@ -81,6 +83,39 @@ def test_each_family_feature_changes_the_logits(hf_dirs, name):
         var.set_value(weights[path][...])
     base = ours_last_logits(loaded, config, tokens)
     assert rel_l2(ours_last_logits(other, changed, tokens), base) > 1e-3, name
+
+
+def test_phi3_longrope_within_its_original_context(tmp_path):
+    """Phi-3 128k's longrope: the short factors and the attention factor transformers
+    derives (from max_position_embeddings / original), HF's logits and greedy tokens within
+    original_max_position_embeddings, where the context is capped (past it transformers
+    re-ropes the whole sequence with the long factors)."""
+    from hf_models import make_hf_checkpoint
+
+    rope = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0 + 0.4 * i for i in range(8)],
+            "long_factor": [2.0 + i for i in range(8)]}
+    directory = make_hf_checkpoint(str(tmp_path / "phi3"), "phi3", original_max_position_embeddings=512,
+                                   rope_parameters=rope)
+    config = config_from_hf(directory)
+    assert config.max_position_embeddings == 512
+    model = load_hf_params(directory, config, progress=False)
+    hf = load_hf(directory)
+    for length, tokens in prompts(config.vocab_size):
+        err = rel_l2(ours_last_logits(model, config, tokens), hf_last_logits(hf, tokens))
+        assert err <= 1e-5, (length, err)
+    check_greedy_matches_hf(model, config, hf, 24)
+    unscaled = config.replace(rope_scaling=None)
+    assert rel_l2(ours_last_logits(new_model_like(model, unscaled), unscaled, prompts(config.vocab_size)[-1][1]),
+                  ours_last_logits(model, config, prompts(config.vocab_size)[-1][1])) > 1e-3
+
+
+def new_model_like(loaded, config):
+    """A model of `config` holding `loaded`'s weights (those it has)."""
+    other = new_model(config, nnx.Rngs(0))
+    weights = dict(nnx.to_flat_state(nnx.state(loaded)))
+    for path, var in nnx.to_flat_state(nnx.state(other)):
+        var.set_value(weights[path][...])
+    return other
 
 
 def test_gemma3_image_text_checkpoint_loads_as_its_text_tower(tmp_path):

@@ -48,7 +48,13 @@ def test_replace_and_value_route_flat_keys_into_sections():
 
 @pytest.mark.parametrize("flat, says", [
     ({"router_scoring": "argmax"}, "model.router_scoring must be one of"),
-    ({"norm_kind": "layer"}, "model.norm_kind must be one of"),
+    ({"norm_kind": "batch"}, "model.norm_kind must be one of"),
+    ({"norm_kind": "layer", "qk_norm": "head"}, "model.norm_kind = layer"),
+    ({"qk_norm_after_rope": True}, "model.qk_norm_after_rope needs a qk_norm"),
+    ({"qkv_clip": 0.0}, "model.qkv_clip must be positive"),
+    ({"num_experts": 4, "experts_per_token": 3, "moe_intermediate_size": 8, "router_scoring": "sparsemixer",
+      "router_renormalize": False}, "sparsemixer picks two experts"),
+    ({"router_scoring": "topk_softmax", "router_bias": True}, "model.router_bias"),
     ({"linear_kind": "rwkv"}, "model.linear_kind must be one of"),
     ({"mla_form": "both"}, "model.mla_form must be one of"),
     ({"qk_norm": "layer"}, "model.qk_norm must be one of"),

@@ -3,8 +3,8 @@ mesh.expert=4 == expert 2 x tensor 2 == expert 2 x sequence 2 == expert 2 x stag
 fake CPU devices), and expert 4 x data 2 == expert 2 x tensor 2 x data 2 (8 devices);
 int8 weights (per expert) and int8 KV stay close. The prompts of tests/family_layouts.py
 with 8 experts, top 2: the 3-token prompt leaves experts of some ranks without a token.
-Qwen3-MoE and GLM-4.5 (dense layers beside sparse ones) and gpt-oss run a shorter list on
-4 devices. Compiles dominate: one subprocess per model and device count, each engine
+Qwen3-MoE, GLM-4.5 and ERNIE 4.5 (dense layers beside sparse ones), OLMoE, MiniMax-M2 and
+Hunyuan, Phi-3.5-MoE (every layer sparse) and gpt-oss run a shorter list on 4 devices. Compiles dominate: one subprocess per model and device count, each engine
 compiling one step bucket; the 8-device run of Mixtral compares against the 4-device
 run's single-device reference instead of compiling its own."""
 
@@ -32,6 +32,8 @@ SHAPES = {
     "qwen3_moe": dict(num_hidden_layers=2, mlp_only_layers=[1]),
     # one 24-token sliding window layer and one full layer (the preset: two of each)
     "gpt_oss": dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"]),
+    # sparse, dense (the preset: dense, sparse, dense, sparse)
+    "ernie4_5_moe": dict(num_hidden_layers=2, moe_layer_start_index=0, moe_layer_end_index=0, moe_layer_interval=1),
 }
 
 
@@ -51,10 +53,22 @@ def test_four_devices(mixtral_four):
     check_layouts(mixtral_four, "mixtral", tuple(k for k in FOUR if k not in ("whole", "int8")))
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe", "ernie4_5_moe"])
 def test_dense_and_sparse_layers(tmp_path, arch):
     """A dense layer beside sparse ones; GLM: sigmoid grouped routing, shared experts,
-    partial rotary."""
+    partial rotary; ERNIE 4.5: a softmax router with a selection bias (its f32 param split
+    with nothing), shared experts, rope on interleaved pairs with heads split over tensor."""
+    model = make_hf_checkpoint(str(tmp_path / arch), arch, **SHAPES.get(arch, {}))
+    layouts = {name: FOUR[name] for name in ("whole", "prefix", "expert4", "expert2_tensor2")}
+    check_layouts(run_layouts(model, layouts, devices=4), arch, ("prefix", "expert4", "expert2_tensor2"))
+
+
+@pytest.mark.parametrize("arch", ["olmoe", "minimax_m2", "hunyuan_v1_moe", "phimoe"])
+def test_every_layer_sparse(tmp_path, arch):
+    """Every MLP a mixture of experts. OLMoE and MiniMax-M2: q/k norms over the whole
+    projection, whose heads split over expert x tensor; MiniMax-M2's sigmoid router with
+    its correction bias and partial rope; Hunyuan: q/k norms after rope, a shared MLP;
+    Phi-3.5-MoE: sparsemixer, LayerNorms, the LM head's bias split with the vocabulary."""
     model = make_hf_checkpoint(str(tmp_path / arch), arch, **SHAPES.get(arch, {}))
     layouts = {name: FOUR[name] for name in ("whole", "prefix", "expert4", "expert2_tensor2")}
     check_layouts(run_layouts(model, layouts, devices=4), arch, ("prefix", "expert4", "expert2_tensor2"))

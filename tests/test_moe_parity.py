@@ -1,8 +1,10 @@
 """Mixtral, Qwen3-MoE (a dense layer between sparse ones), Qwen2-MoE (gated shared
-expert), GLM-4.5 and gpt-oss (sinks, biased experts, clamped SwiGLU) against Hugging Face transformers on random-init checkpoints
+expert), GLM-4.5 and gpt-oss (sinks, biased experts, clamped SwiGLU), OLMoE, MiniMax-M2,
+ERNIE 4.5 MoE, Hunyuan MoE against Hugging Face transformers on random-init checkpoints
 (tests/hf_models.py MOE_KWARGS): f32 last-row logits within 1e-5 relative, greedy tokens
 equal to HF's generate, bf16 at the noise floor (the method of tests/test_model_parity.py);
-int8 experts against the float64 model with the same quantized weights."""
+int8 experts against the float64 model with the same quantized weights. MOE_ABLATIONS:
+what a family adds moves the logits far past that tolerance, so a port skipping it fails."""
 
 import dataclasses
 
@@ -11,15 +13,26 @@ import pytest
 
 from hf_models import MOE_KWARGS, load_hf, make_hf_checkpoint
 from jaxfill.models.checkpoint import load_hf_params, quantize_model
-from jaxfill.models.families.registry import active_param_count, config_from_hf, param_count
+from jaxfill.models.families.registry import active_param_count, config_from_hf, new_model, param_count
 from test_model_parity import (check_bf16_at_the_noise_floor, check_greedy_matches_hf, hf_last_logits,
                                ours_last_logits, prompts, rel_l2)
 
 
+class CheckpointDirs(dict):
+    """arch -> its checkpoint dir, written on first use (a `-k` run writes only its own)."""
+
+    def __init__(self, root):
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, arch):
+        self[arch] = make_hf_checkpoint(str(self.root / arch), arch)
+        return self[arch]
+
+
 @pytest.fixture(scope="module")
 def moe_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("moe")
-    return {arch: make_hf_checkpoint(str(root / arch), arch) for arch in MOE_KWARGS}
+    return CheckpointDirs(tmp_path_factory.mktemp("moe"))
 
 
 @pytest.mark.parametrize("arch", tuple(MOE_KWARGS))
@@ -67,3 +80,38 @@ def test_int8_experts_load_as_the_float_model_quantized(moe_dirs, arch):
     a = ours_last_logits(loaded, config, tokens)
     b = ours_last_logits(float_model, config, tokens)
     assert 1e-4 < rel_l2(a, b) < 0.05  # quantized, and only by what int8 moves
+
+
+# A port that skipped the feature (the config changed as named, the loaded weights kept):
+# the 300-token prompt's last logits move by more than 1e-3 relative (measured 4e-3 for
+# ERNIE's moe_norm_min, 0.04-0.9 for the others), far past the parity tolerance of 1e-5.
+MOE_ABLATIONS = {
+    "olmoe-clip": dict(qkv_clip=None),
+    "olmoe-renormalised": dict(router_renormalize=True),
+    "minimax_m2-bias": dict(router_bias=False),
+    "minimax_m2-full-rotary": dict(rotary_dim=0),
+    "ernie4_5_moe-bias": dict(router_bias=False),
+    "ernie4_5_moe-norm-min": dict(router_renormalize_min=0.0),
+    "ernie4_5_moe-pairs": dict(rope_interleave=False),
+    "hunyuan_v1_moe-norm-before-rope": dict(qk_norm_after_rope=False),
+    "hunyuan_v1_moe-alpha": dict(rope_theta=1e4),
+    "phimoe-neighbourhood": dict(sparsemixer_eps=0.01),
+    "phimoe-longrope": dict(rope_scaling=None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MOE_ABLATIONS))
+def test_each_family_feature_changes_the_logits(moe_dirs, name):
+    from flax import nnx
+
+    arch = name.split("-")[0]
+    config = config_from_hf(moe_dirs[arch])
+    length, tokens = prompts(config.vocab_size)[-1]
+    loaded = load_hf_params(moe_dirs[arch], config, progress=False)
+    changed = config.replace(**MOE_ABLATIONS[name])
+    other = new_model(changed, nnx.Rngs(0))  # the loaded weights, less any the change drops
+    weights = dict(nnx.to_flat_state(nnx.state(loaded)))
+    for path, var in nnx.to_flat_state(nnx.state(other)):
+        var.set_value(weights[path][...])
+    base = ours_last_logits(loaded, config, tokens)
+    assert rel_l2(ours_last_logits(other, changed, tokens), base) > 1e-3, name

@@ -32,13 +32,15 @@ RENAMED = {
     "attn_soft_cap": ("attention", "soft_cap"), "attention_sinks": ("attention", "sinks"),
     "attn_output_gate": ("attention", "output_gate"), "mla_form": ("mla", "form"),
     "moe_intermediate_size": ("moe", "intermediate_size"), "router_scoring": ("moe", "scoring"),
-    "router_renormalize": ("moe", "renormalize"), "router_bias": ("moe", "selection_bias"),
+    "router_renormalize": ("moe", "renormalize"), "router_renormalize_min": ("moe", "renormalize_min"),
+    "router_bias": ("moe", "selection_bias"),
     "router_groups": ("moe", "groups"), "router_topk_groups": ("moe", "topk_groups"),
     **{"linear_" + f: ("linear", f) for f in ("layers", "kind", "impl", "num_key_heads", "num_value_heads",
                                               "key_head_dim", "value_head_dim", "conv_kernel", "grouped_proj",
                                               "conv_bias", "dt_limit")},
     "rms_norm_eps": ("norms", "eps"), "norm_kind": ("norms", "kind"), "norm_layout": ("norms", "layout"),
     "tie_word_embeddings": ("embeddings", "tied"), "embed_scale": ("embeddings", "scale"),
+    "lm_head_bias": ("embeddings", "head_bias"),
 }
 FLAT_KEYS = {**{f.name: (section, f.name) for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)
                 if (section, f.name) not in RENAMED.values()}, **RENAMED}
@@ -120,6 +122,9 @@ class ModelConfig:
         if a.layer_types and len(a.layer_types) != self.num_layers:
             raise ConfigError(f"model.layer_types must name one type per layer ({self.num_layers}), "
                               f"got {list(a.layer_types)}")
+        if self.norms.kind == "layer" and (a.qk_norm != "none" or mla.enabled or self.linear.layers):
+            raise ConfigError("model.norm_kind = layer (LayerNorm) is for the blocks' norms: it does not combine "
+                              "with qk_norm, MLA or linear layers, whose norms are RMSNorms")
         if set(self.no_mixer_layers) & (set(self.no_mlp_layers) | set(self.linear.layers)):
             raise ConfigError(f"model.no_mixer_layers {list(self.no_mixer_layers)} must be neither no_mlp_layers "
                               f"{list(self.no_mlp_layers)} (a layer with no block) nor linear_layers")

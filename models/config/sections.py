@@ -28,7 +28,8 @@ class AttentionConfig:
     rope_theta: float = 10000.0
     rope_scaling: tuple[tuple[str, Any], ...] | None = None  # frozen dict items
     rope_local_theta: float | None = None  # rope base of "sliding" layers, unscaled (Gemma 3)
-    rope_interleave: bool = False  # the rope dims come in (even, odd) pairs (DeepSeek V3's layout, GLM)
+    # the rope dims come in (even, odd) pairs (DeepSeek V3's layout in MLA; GLM's and ERNIE 4.5's in attention)
+    rope_interleave: bool = False
     rope_f32: bool = False  # q and k rotated in f32 and rounded once (OLMo 2/3); else in the model dtype
     rotary_dim: int = 0  # rope over each head's first rotary_dim dims (partial rotary, GLM); 0: all
     nope_layers: tuple[int, ...] = ()  # layers without rotary embedding (SmolLM3)
@@ -38,6 +39,8 @@ class AttentionConfig:
     out_bias: bool = False  # o bias (Llama/Qwen3/OLMo 2 attention_bias)
     # head: RMSNorm over each head's D (Qwen3, Gemma 3); projection: over all Hq*D (OLMo 2)
     qk_norm: str = "none"
+    qk_norm_after_rope: bool = False  # the q/k norms apply to the roped q and k (Hunyuan), not before rope
+    qkv_clip: float | None = None  # q, k and v clipped to [-clip, clip] after bias and norms (OLMoE clip_qkv)
     query_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
     # q times 1 + beta * log(1 + floor(position / length)) after rope (Ministral 3's
     # Llama-4-style attention temperature); beta 0: off
@@ -55,6 +58,12 @@ class AttentionConfig:
     def __post_init__(self):
         _choose("qk_norm", self.qk_norm, ("none", "head", "projection"))
         _choose("context_attention", self.context_attention, ("auto", "pass_q", "pass_kv"))
+        if self.qk_norm_after_rope and self.qk_norm == "none":
+            raise ConfigError("model.qk_norm_after_rope needs a qk_norm (head or projection)")
+        if self.qk_norm_after_rope and self.rope_interleave:
+            raise ConfigError("model.qk_norm_after_rope with rope_interleave would norm permuted heads")
+        if self.qkv_clip is not None and self.qkv_clip <= 0:
+            raise ConfigError(f"model.qkv_clip must be positive, got {self.qkv_clip}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError(f"model.sliding_window must be positive, got {self.sliding_window}")
         if set(self.layer_types) - set(LAYER_TYPES):
@@ -109,12 +118,16 @@ class MoEConfig:
     experts_per_token: int = 0
     intermediate_size: int = 0  # one expert's intermediate size
     dense_layers: tuple[int, ...] = ()  # layers with the dense MLP in a MoE model
-    # softmax: softmax over experts, top k (Mixtral, Qwen3-MoE); sigmoid: sigmoid scores,
-    # top k of score + bias within the best groups (DeepSeek-V3, GLM-4.5); topk_softmax:
-    # top k of the logits, softmax over those k (gpt-oss)
+    # softmax: softmax over experts, top k (Mixtral, Qwen3-MoE), of prob + bias with a
+    # selection bias (ERNIE 4.5); sigmoid: sigmoid scores, top k of score + bias within the
+    # best groups (DeepSeek-V3, GLM-4.5, MiniMax-M2); topk_softmax: top k of the logits,
+    # softmax over those k (gpt-oss); sparsemixer: two experts, each the best left, weighted
+    # by a softmax over the experts within 2 * sparsemixer_eps of it (Phi-3.5-MoE)
     scoring: str = "softmax"
     renormalize: bool = True  # top-k weights divided by their sum
-    selection_bias: bool = False  # a per-expert correction bias on the selection scores (sigmoid)
+    renormalize_min: float = 0.0  # ... clamped below at this (ERNIE 4.5's moe_norm_min); 0: not clamped
+    # a per-expert correction bias on the selection scores only (sigmoid, softmax)
+    selection_bias: bool = False
     groups: int = 1  # experts in this many groups; only the best topk_groups are chosen from
     topk_groups: int = 1
     routed_scaling: float = 1.0  # the routed experts' weights times this
@@ -127,9 +140,16 @@ class MoEConfig:
     # None: the plain hidden_act(gate) * up
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
+    sparsemixer_eps: float = 0.01  # sparsemixer's relative threshold (Phi-3.5-MoE's router_jitter_noise)
 
     def __post_init__(self):
-        _choose("router_scoring", self.scoring, ("softmax", "sigmoid", "topk_softmax"))
+        _choose("router_scoring", self.scoring, ("softmax", "sigmoid", "topk_softmax", "sparsemixer"))
+        if self.sparsemixer_eps < 0:
+            raise ConfigError(f"model.sparsemixer_eps must be >= 0, got {self.sparsemixer_eps}")
+        if self.renormalize_min < 0:
+            raise ConfigError(f"model.router_renormalize_min must be >= 0, got {self.renormalize_min}")
+        if self.selection_bias and self.scoring in ("topk_softmax", "sparsemixer"):
+            raise ConfigError("model.router_bias (a selection bias) applies to router_scoring softmax or sigmoid")
         if not self.num_experts:
             return
         if self.num_experts < 0 or not 1 <= self.experts_per_token <= self.num_experts:
@@ -137,6 +157,10 @@ class MoEConfig:
                               f"got {self.experts_per_token}")
         if self.intermediate_size <= 0:
             raise ConfigError(f"model.moe_intermediate_size must be positive, got {self.intermediate_size}")
+        if self.scoring == "sparsemixer" and (self.experts_per_token != 2 or self.renormalize):
+            raise ConfigError("model.router_scoring = sparsemixer picks two experts, weights not renormalised "
+                              f"(experts_per_token = 2, router_renormalize = false); got {self.experts_per_token}, "
+                              f"{self.renormalize}")
         g, kg = self.groups, self.topk_groups
         if g < 1 or self.num_experts % g or not 1 <= kg <= g:
             raise ConfigError(f"model.router_groups ({g}) must divide num_experts ({self.num_experts}) and "
@@ -197,14 +221,15 @@ class NormConfig:
     """The RMSNorms around the blocks."""
     eps: float = 1e-5
     # rms: w * cast(x * rsqrt) (Llama); rms_f32: cast(w * x * rsqrt) (OLMo 2);
-    # rms_one_plus: cast((1 + w) * x * rsqrt), all in f32 (Gemma)
+    # rms_one_plus: cast((1 + w) * x * rsqrt), all in f32 (Gemma); layer: LayerNorm with a
+    # bias, cast(w * (x - mean) * rsqrt + b) (Phi-3.5-MoE)
     kind: str = "rms"
     # pre: norm before attention and MLP (Llama); sandwich: before and after both
     # (Gemma 2/3); post: after both only (OLMo 2)
     layout: str = "pre"
 
     def __post_init__(self):
-        _choose("norm_kind", self.kind, ("rms", "rms_f32", "rms_one_plus"))
+        _choose("norm_kind", self.kind, ("rms", "rms_f32", "rms_one_plus", "layer"))
         _choose("norm_layout", self.layout, ("pre", "sandwich", "post"))
 
 
@@ -215,3 +240,4 @@ class EmbeddingConfig:
     scale: float = 1.0  # embeddings times this, rounded to dtype (Gemma: sqrt(E); Granite)
     logits_scale: float = 1.0  # logits times this (Granite: 1 / logits_scaling)
     final_soft_cap: float | None = None  # cap * tanh(logits / cap) (Gemma 2)
+    head_bias: bool = False  # the LM head adds a bias (Phi-3.5-MoE's lm_head_bias)

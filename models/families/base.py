@@ -11,6 +11,7 @@ math is read by name, as Gemma 3's transformers-4 `_sliding_window_pattern`).
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 from jaxfill.models.config import DTYPES, ConfigError, as_tuple, freeze
@@ -114,6 +115,9 @@ class Family:
         heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
         theta, scaling = self.rope(hf)
         dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32").replace("torch.", "")
+        context = hf.get("max_position_embeddings", 2048)
+        if scaling and scaling["rope_type"] == "longrope" and self.longrope_caps_context(hf):
+            context = min(context, scaling["original_max_position_embeddings"])  # models/rope.py
         return dict(
             vocab_size=hf["vocab_size"], hidden_size=hidden, intermediate_size=hf["intermediate_size"],
             num_layers=hf["num_hidden_layers"], num_heads=heads,
@@ -121,7 +125,7 @@ class Family:
             head_dim=hf.get("head_dim") or hidden // heads,
             rope_theta=float(theta), rope_scaling=freeze(scaling) if scaling else None,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            max_position_embeddings=context,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             dtype=dtype if dtype in DTYPES else "float32",
             bos_token_id=hf.get("bos_token_id"), eos_token_id=as_tuple(hf.get("eos_token_id")),
@@ -154,7 +158,15 @@ class Family:
         if kind == "yarn":  # the context it was trained at, as transformers reads it
             scaling.setdefault("original_max_position_embeddings",
                                hf.get("original_max_position_embeddings") or hf.get("max_position_embeddings"))
+        if kind == "longrope":
+            scaling = longrope_scaling(hf, scaling)
         return theta, scaling
+
+    def longrope_caps_context(self, hf: dict[str, Any]) -> bool:
+        """Whether transformers turns this family's longrope differently past
+        original_max_position_embeddings (the long factors, for the whole sequence), so the
+        context stops there."""
+        return True
 
     # --- HF tensors -> params --------------------------------------------------------
     prefix = "model."
@@ -171,6 +183,10 @@ class Family:
         }
         if not c.embeddings.tied:
             table["lm_head.weight"] = HFTensor(("lm_head",), (c.vocab_size, e), (c.vocab_size, e), (1, 0))
+        if c.embeddings.head_bias:
+            table["lm_head.bias"] = same(("lm_head_bias",), (c.vocab_size,))
+        if c.norms.kind == "layer":  # LayerNorms carry a bias
+            table[pre + "norm.bias"] = same(("norm", "bias"), (e,))
         for n in range(c.num_layers):
             table.update(self.layer_tensors(c, f"{pre}layers.{n}.", ("layers", n)))
         return table
@@ -182,6 +198,8 @@ class Family:
             **self.mlp_tensors(c, p, layer),
             **{p + hf + ".weight": same(layer + (ours, "weight"), (e,)) for ours, hf in self.norm_names.items()},
         }
+        if c.norms.kind == "layer":
+            table.update({p + hf + ".bias": same(layer + (ours, "bias"), (e,)) for ours, hf in self.norm_names.items()})
         a = layer + ("attn",)
         if c.attention.qk_norm == "head":
             table[p + "self_attn.q_norm.weight"] = same(a + ("q_norm", "weight"), (d,))
@@ -244,6 +262,22 @@ class Family:
         from jaxfill.models.decoder import Decoder
 
         return Decoder
+
+
+def longrope_scaling(hf: dict[str, Any], scaling: dict) -> dict:
+    """LongRoPE as models/rope.py turns it: the short factors, and the attention factor
+    transformers derives (from `factor`, else max_position_embeddings / original); the long
+    factors serve only past original_max_position_embeddings, where the context is capped."""
+    original = scaling.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
+    if not original or not scaling.get("short_factor"):
+        raise ConfigError("rope scaling type 'longrope' needs short_factor and original_max_position_embeddings")
+    scaling = dict(scaling, original_max_position_embeddings=int(original),
+                   short_factor=tuple(float(v) for v in scaling["short_factor"]))
+    if scaling.get("attention_factor") is None:
+        factor = scaling.get("factor") or hf.get("max_position_embeddings", original) / original
+        scaling["attention_factor"] = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    scaling.pop("long_factor", None)
+    return scaling
 
 
 def same(path: tuple, shape: tuple) -> HFTensor:

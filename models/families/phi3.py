@@ -1,5 +1,7 @@
 """Phi-3: Llama's layer with q, k, v fused in one `qkv_proj` and gate, up in one
-`gate_up_proj` (split at load, each part read as its own rows of the file)."""
+`gate_up_proj` (split at load, each part read as its own rows of the file). The 128k
+variants' longrope turns with its short factors, the context capped at
+original_max_position_embeddings (models/rope.py)."""
 
 from __future__ import annotations
 
@@ -9,10 +11,14 @@ from jaxfill.models.families.base import FAMILY_TESTED, Family, HFTensor, activa
 class Phi3(Family):
     name = "phi3"
     architectures = ("Phi3ForCausalLM",)
-    honoured = frozenset({"hidden_act", "sliding_window"})
-    inert = frozenset({"original_max_position_embeddings"})  # read by longrope only (refused)
+    # original_max_position_embeddings: longrope's (the 128k variants), where it caps the context
+    honoured = frozenset({"hidden_act", "sliding_window", "original_max_position_embeddings"})
+    depends = {"original_max_position_embeddings": {
+        "original_max_position_embeddings": 256,
+        "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.5] * 8,
+                            "long_factor": [3.0] * 8}}}
     fixed = {"partial_rotary_factor": 1.0}
-    rope_types = ("default", "linear", "yarn")  # longrope (the 128k variants) is refused by name
+    rope_types = ("default", "linear", "yarn", "longrope")
     tested = FAMILY_TESTED
 
     def model_fields(self, hf):

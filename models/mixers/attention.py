@@ -90,14 +90,18 @@ class Attention(nnx.Module):
             q, gate = q[..., :self.config.head_dim], q[..., self.config.head_dim:]  # [T, Hq, D] each
         if a.bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
-        if a.qk_norm != "none":
+        if a.qk_norm != "none" and not a.qk_norm_after_rope:
             q, k = self.q_norm(q), self.k_norm(k)
+        if a.qkv_clip is not None:
+            q, k, v = (jnp.clip(t, -a.qkv_clip, a.qkv_clip) for t in (q, k, v))
         settings = layer_settings(self.config)
         if not (isinstance(ctx.layer, int) and not settings.has_rope[ctx.layer]):
             inv_freq, scale = settings.rope(ctx.layer)
             rope = functools.partial(apply_rope, inv_freq=inv_freq, scale=scale, interleaved=a.rope_interleave,
                                      in_f32=a.rope_f32)
             q, k = rope(q, ctx.sampled(ctx.positions)), rope(k, ctx.positions)
+        if a.qk_norm_after_rope:
+            q, k = self.q_norm(q), self.k_norm(k)
         if a.query_temperature_beta:
             q = q * query_temperature(ctx.sampled(ctx.positions), a.query_temperature_beta,
                                       a.query_temperature_length).astype(q.dtype)[:, None, None]
