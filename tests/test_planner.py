@@ -30,6 +30,7 @@ import jax
 import pytest
 from flax import nnx
 
+from jaxfill.models.execution_plan import ExecutionPlan
 from jaxfill.engine.config import load_config
 from jaxfill.engine.planner.hardware import Hardware, load_hardware
 from jaxfill.engine.planner.plan import plan, plan_prefill, ttft_floor
@@ -125,7 +126,6 @@ def test_planned_matmul_flops_match_each_layout_compiled(layout, monkeypatch):
     builds (models/execution_plan.py): unrolled (last layer on the sampled row), scanned
     and staged (every row of every layer). A stacked layout is one lax.scan, whose body
     the cost analysis counts once: one group of layers plus the LM head."""
-    from jaxfill.models.execution_plan import ExecutionPlan
     from jaxfill.engine.planner.counts import layer_matmul_params
 
     overrides = {"unrolled": {}, "scan": {"engine.scan_layers": True}, "stages": {"mesh.stage": 2}}[layout]
