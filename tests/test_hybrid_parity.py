@@ -133,17 +133,9 @@ def test_int8_weights_are_refused_by_name(qwen3_5):
         load_config("tiny", {"model.weight_dtype": "int8"}, qwen3_5[0])
 
 
-@pytest.fixture(scope="module")
-def qwen3_next(tmp_path_factory):
-    return checkpoint(tmp_path_factory, "qwen3_next")
-
-
-def test_qwen3_next_matches_hf_and_chunks_equal_whole(qwen3_next):
-    """Qwen3-Next: the fused per-key-head projections split in Qwen3.5's channel order, the
-    MoE layers (gated shared expert) beside a dense one; f32 logits, greedy tokens, and a
-    prefill in 7-token chunks equal to it whole."""
-    directory, config, model = qwen3_next
-    assert config.linear.grouped_proj and config.moe.num_experts == 8 and config.moe.dense_layers == (1,)
+def check_hf_parity_and_chunks(directory, config, model) -> None:
+    """HF's param count, f32 last-row logits, greedy tokens; a 50-token prefill in 7-token
+    chunks equal to it whole."""
     hf = load_hf(directory)
     assert param_count(config) == sum(p.numel() for p in hf.parameters())
     for length, tokens in prompts(config.vocab_size):
@@ -155,6 +147,20 @@ def test_qwen3_next_matches_hf_and_chunks_equal_whole(qwen3_next):
     cut, _ = prefill_chunks(model, prompt, fresh_cache(config), list(range(1, 5)), chunk=7)
     assert np.isfinite(np.asarray(cut)).all()
     np.testing.assert_allclose(np.asarray(cut), np.asarray(whole), rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory):
+    return checkpoint(tmp_path_factory, "qwen3_next")
+
+
+def test_qwen3_next_matches_hf_and_chunks_equal_whole(qwen3_next):
+    """Qwen3-Next: the fused per-key-head projections split in Qwen3.5's channel order, the
+    MoE layers (gated shared expert) beside a dense one; f32 logits, greedy tokens, and a
+    prefill in 7-token chunks equal to it whole."""
+    directory, config, model = qwen3_next
+    assert config.linear.grouped_proj and config.moe.num_experts == 8 and config.moe.dense_layers == (1,)
+    check_hf_parity_and_chunks(directory, config, model)
 
 
 def test_image_text_checkpoint_loads_as_its_text_tower(tmp_path):
@@ -198,17 +204,7 @@ def test_qwen3_5_moe_matches_hf_and_chunks_equal_whole(qwen3_5_moe):
     directory, config, model = qwen3_5_moe
     assert not config.linear.grouped_proj and config.moe.num_experts == 8 and config.moe.dense_layers == ()
     assert config.moe.shared_expert_gate and config.moe.renormalize
-    hf = load_hf(directory)
-    assert param_count(config) == sum(p.numel() for p in hf.parameters())
-    for length, tokens in prompts(config.vocab_size):
-        err = rel_l2(ours_last_logits(model, config, tokens), hf_last_logits(hf, tokens))
-        assert err <= 1e-5, (length, err)
-    check_greedy_matches_hf(model, config, hf, 16)
-    prompt = [int(t) for t in np.random.default_rng(8).integers(0, config.vocab_size, 50)]
-    whole, _ = prefill_chunks(model, prompt, fresh_cache(config), list(range(1, 5)))
-    cut, _ = prefill_chunks(model, prompt, fresh_cache(config), list(range(1, 5)), chunk=7)
-    assert np.isfinite(np.asarray(cut)).all()
-    np.testing.assert_allclose(np.asarray(cut), np.asarray(whole), rtol=1e-5, atol=1e-5)
+    check_hf_parity_and_chunks(directory, config, model)
 
 
 def test_qwen3_5_moe_image_text_checkpoint_loads_as_its_text_tower(tmp_path):
