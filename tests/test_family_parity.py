@@ -72,11 +72,16 @@ ABLATIONS = {
 
 @pytest.mark.parametrize("name", sorted(ABLATIONS))
 def test_each_family_feature_changes_the_logits(hf_dirs, name):
-    arch = name.split("-")[0]
-    config = config_from_hf(hf_dirs[arch])
+    check_feature_changes_the_logits(hf_dirs[name.split("-")[0]], ABLATIONS[name], name)
+
+
+def check_feature_changes_the_logits(directory: str, ablation: dict, name: str) -> None:
+    """The checkpoint's weights under the config with `ablation` (flat keys) move the
+    300-token prompt's last logits by more than 1e-3 relative."""
+    config = config_from_hf(directory)
     length, tokens = prompts(config.vocab_size)[-1]
-    loaded = load_hf_params(hf_dirs[arch], config, progress=False)
-    changed = config.replace(**ABLATIONS[name])
+    loaded = load_hf_params(directory, config, progress=False)
+    changed = config.replace(**ablation)
     other = new_model(changed, nnx.Rngs(0))  # the loaded weights, less any the change drops
     weights = dict(nnx.to_flat_state(nnx.state(loaded)))
     for path, var in nnx.to_flat_state(nnx.state(other)):

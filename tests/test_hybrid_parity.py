@@ -163,33 +163,36 @@ def test_qwen3_next_matches_hf_and_chunks_equal_whole(qwen3_next):
     check_hf_parity_and_chunks(directory, config, model)
 
 
-def test_image_text_checkpoint_loads_as_its_text_tower(tmp_path):
-    """Qwen3_5ForConditionalGeneration as save_pretrained writes it (the text model under
-    `model.language_model.`, a vision tower beside it): text-only prompts give HF's
-    logits; the vision weights are skipped."""
+@pytest.mark.parametrize("arch, name, check", [
+    ("qwen3_5", "Qwen3_5", lambda c: c.linear.layers == (0, 1, 2)),
+    ("qwen3_5_moe", "Qwen3_5Moe", lambda c: c.linear.layers == (0, 1, 2) and c.moe.num_experts == 8),
+])
+def test_image_text_checkpoint_loads_as_its_text_tower(tmp_path, arch, name, check):
+    """{Qwen3_5,Qwen3_5Moe}ForConditionalGeneration as save_pretrained writes it (the text
+    model under `model.language_model.`, a vision tower beside it): text-only prompts give
+    HF's logits; the vision weights are skipped."""
     import torch
     import transformers as tf
 
     from hf_models import HF_SMALL, HYBRID_KWARGS
 
-    text = dict(HF_SMALL, **HYBRID_KWARGS["qwen3_5"][1])
-    cfg = tf.Qwen3_5Config(text_config=text, vision_config=dict(depth=1, hidden_size=16, intermediate_size=32,
-                                                                num_heads=2, out_hidden_size=text["hidden_size"],
-                                                                patch_size=14, num_position_embeddings=16))
+    text = dict(HF_SMALL, **HYBRID_KWARGS[arch][1])
+    cfg = getattr(tf, name + "Config")(text_config=text, vision_config=dict(
+        depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=text["hidden_size"],
+        patch_size=14, num_position_embeddings=16))
     torch.manual_seed(0)
-    hf = tf.Qwen3_5ForConditionalGeneration(cfg).eval()
+    hf = getattr(tf, name + "ForConditionalGeneration")(cfg).eval()
     with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
+        for param_name, p in hf.named_parameters():
+            if "norm" in param_name:
                 p.add_(0.1 * torch.randn_like(p))
     hf.save_pretrained(str(tmp_path))
     config = config_from_hf(str(tmp_path))
-    assert config.architecture == "Qwen3_5ForConditionalGeneration" and config.linear.layers == (0, 1, 2)
+    assert config.architecture == name + "ForConditionalGeneration" and check(config)
     model = load_hf_params(str(tmp_path), config, progress=False)
     for length, tokens in prompts(config.vocab_size)[1:]:
         err = rel_l2(ours_last_logits(model, config, tokens), hf_last_logits(hf, tokens))
         assert err <= 1e-5, (length, err)
-
 
 @pytest.fixture(scope="module")
 def qwen3_5_moe(tmp_path_factory):
@@ -205,29 +208,3 @@ def test_qwen3_5_moe_matches_hf_and_chunks_equal_whole(qwen3_5_moe):
     assert not config.linear.grouped_proj and config.moe.num_experts == 8 and config.moe.dense_layers == ()
     assert config.moe.shared_expert_gate and config.moe.renormalize
     check_hf_parity_and_chunks(directory, config, model)
-
-
-def test_qwen3_5_moe_image_text_checkpoint_loads_as_its_text_tower(tmp_path):
-    """Qwen3_5MoeForConditionalGeneration as the hub ships it: the text tower's logits."""
-    import torch
-    import transformers as tf
-
-    from hf_models import HF_SMALL, HYBRID_KWARGS
-
-    text = dict(HF_SMALL, **HYBRID_KWARGS["qwen3_5_moe"][1])
-    cfg = tf.Qwen3_5MoeConfig(text_config=text, vision_config=dict(depth=1, hidden_size=16, intermediate_size=32,
-                                                                   num_heads=2, out_hidden_size=text["hidden_size"],
-                                                                   patch_size=14, num_position_embeddings=16))
-    torch.manual_seed(0)
-    hf = tf.Qwen3_5MoeForConditionalGeneration(cfg).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    hf.save_pretrained(str(tmp_path))
-    config = config_from_hf(str(tmp_path))
-    assert config.architecture == "Qwen3_5MoeForConditionalGeneration" and config.moe.num_experts == 8
-    model = load_hf_params(str(tmp_path), config, progress=False)
-    for length, tokens in prompts(config.vocab_size)[1:]:
-        err = rel_l2(ours_last_logits(model, config, tokens), hf_last_logits(hf, tokens))
-        assert err <= 1e-5, (length, err)

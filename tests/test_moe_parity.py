@@ -13,7 +13,7 @@ import pytest
 
 from hf_models import MOE_KWARGS, load_hf, make_hf_checkpoint
 from jaxfill.models.checkpoint import load_hf_params, quantize_model
-from jaxfill.models.families.registry import active_param_count, config_from_hf, new_model, param_count
+from jaxfill.models.families.registry import active_param_count, config_from_hf, param_count
 from test_model_parity import (check_bf16_at_the_noise_floor, check_greedy_matches_hf, hf_last_logits,
                                ours_last_logits, prompts, rel_l2)
 
@@ -102,16 +102,6 @@ MOE_ABLATIONS = {
 
 @pytest.mark.parametrize("name", sorted(MOE_ABLATIONS))
 def test_each_family_feature_changes_the_logits(moe_dirs, name):
-    from flax import nnx
+    from test_family_parity import check_feature_changes_the_logits
 
-    arch = name.split("-")[0]
-    config = config_from_hf(moe_dirs[arch])
-    length, tokens = prompts(config.vocab_size)[-1]
-    loaded = load_hf_params(moe_dirs[arch], config, progress=False)
-    changed = config.replace(**MOE_ABLATIONS[name])
-    other = new_model(changed, nnx.Rngs(0))  # the loaded weights, less any the change drops
-    weights = dict(nnx.to_flat_state(nnx.state(loaded)))
-    for path, var in nnx.to_flat_state(nnx.state(other)):
-        var.set_value(weights[path][...])
-    base = ours_last_logits(loaded, config, tokens)
-    assert rel_l2(ours_last_logits(other, changed, tokens), base) > 1e-3, name
+    check_feature_changes_the_logits(moe_dirs[name.split("-")[0]], MOE_ABLATIONS[name], name)
