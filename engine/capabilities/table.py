@@ -93,9 +93,11 @@ RULES: tuple[Rule, ...] = (
         ("mesh.data", "data replicas of the state slots are not built"),
         ("mesh.sequence", "no context-parallel form of the recurrent scan"),
         ("mesh.stage", "the state pool is not split into pipeline stages"),
-        ("mesh.expert", "the state is not laid out over expert ranks"),
         ("mesh.num_processes", "state slots are not kept in lockstep across processes"),
     )),
+    # the short convolution's channels split over tensor alone, its history replicated over expert ranks
+    Rule(("linear", "!short_conv", "mesh.expert"), f"{_HYBRID}: the recurrent state is not laid out over expert "
+         "ranks", "mesh.expert (hybrids run on mesh.tensor)"),
     Rule(("linear", "engine.scan_layers"), "linear and attention layers differ, so they cannot stack as one scan",
          "engine.scan_layers = false"),
     Rule(("linear", "engine.disk_kv_cache_dir"), "state snapshots have no disk format",
