@@ -64,9 +64,11 @@ class Lfm2(Family):
                           "block_multiple_of", "block_ffn_dim_multiplier", "block_auto_adjust_ff_dim",
                           "tie_embedding", "block_ff_dim"})
     inert = LIQUID_INERT
-    # full_attn_idxs counts only without layer_types; the width fields only while auto-adjusting
+    # full_attn_idxs counts only without layer_types; the width fields only while auto-adjusting, and
+    # past the rounding to block_multiple_of
     depends = {"full_attn_idxs": {"layer_types": None}, "block_multiple_of": {"block_ffn_dim_multiplier": 1.0},
-               "block_ffn_dim_multiplier": {"block_auto_adjust_ff_dim": True}}
+               "intermediate_size": {"block_multiple_of": 16},
+               "block_ffn_dim_multiplier": {"block_auto_adjust_ff_dim": True, "block_multiple_of": 16}}
     mixers = ("attention", "short_conv")
     tested = ("HF f32 logits and greedy tokens (model level: prefill in chunks carrying the conv state); "
               "through the Engine: unchunked = chunked = prefix-cached (state snapshots) = tensor 2")
