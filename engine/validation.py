@@ -105,10 +105,11 @@ def check_mesh(model, mesh) -> None:
 
 
 def _check_hybrid(model, engine, mesh) -> None:
-    groups = "Mamba2 groups (n_groups)" if model.linear.kind == "mamba2" else "linear key heads"
-    if model.linear.num_key_heads % mesh.tensor:
-        raise ConfigError(f"{model.architecture}: mesh.tensor = {mesh.tensor} (must divide the "
-                          f"{model.linear.num_key_heads} {groups})")
+    groups = {"mamba2": "Mamba2 groups (n_groups)", "short_conv": "short-convolution channels (hidden_size)"}.get(
+        model.linear.kind, "linear key heads")
+    split = model.hidden_size if model.linear.kind == "short_conv" else model.linear.num_key_heads
+    if split % mesh.tensor:
+        raise ConfigError(f"{model.architecture}: mesh.tensor = {mesh.tensor} (must divide the {split} {groups})")
     interval, slots = int(engine.state_snapshot_tokens), int(engine.state_snapshot_slots)
     if interval < 0 or interval % engine.page_size or slots < 0:
         raise ConfigError(f"engine.state_snapshot_tokens must be a multiple of engine.page_size "

@@ -33,7 +33,7 @@ def route(logits: jax.Array,  # [T, E] f32 router logits
     (gpt-oss). sparsemixer: two experts in turn (Phi-3.5-MoE, `sparsemixer`). sigmoid: sigmoid scores, experts chosen on score + bias within the best
     `router_topk_groups` of `router_groups` groups (a group scores the sum of its two
     best), weights from the plain scores, renormalised and times `routed_scaling`
-    (DeepSeek-V3, GLM-4.5, MiniMax-M2)."""
+    (DeepSeek-V3, GLM-4.5, MiniMax-M2; LFM2-MoE in one group, its sum + 1e-6)."""
     c, k = config, config.moe.experts_per_token
     if c.moe.scoring == "softmax":
         probs = jax.nn.softmax(logits, axis=-1)
@@ -60,7 +60,9 @@ def route(logits: jax.Array,  # [T, E] f32 router logits
         _, ids = jax.lax.top_k(choice, k)
         weights = jnp.take_along_axis(scores, ids, axis=1)
     if c.moe.renormalize:
-        total = weights.sum(-1, keepdims=True) + (1e-20 if c.moe.scoring == "sigmoid" else 0.0)
+        eps = c.moe.renormalize_eps
+        total = weights.sum(-1, keepdims=True) + (eps if eps is not None else 1e-20 if c.moe.scoring == "sigmoid"
+                                                  else 0.0)
         if c.moe.renormalize_min:
             total = jnp.maximum(total, c.moe.renormalize_min)
         weights = weights / total

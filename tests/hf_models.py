@@ -106,6 +106,19 @@ HYBRID_KWARGS = {
     "nemotron_h": ("NemotronH", dict(hybrid_override_pattern="M-M*-M", num_hidden_layers=6, head_dim=24,
                                      mamba_num_heads=8, mamba_head_dim=12, n_groups=2, ssm_state_size=16,
                                      conv_kernel=4, chunk_size=16, layer_norm_epsilon=1e-5)),
+    # LFM2: conv, attention, conv, conv (full_attn_idxs), a 4-wide conv with biases on it and
+    # both projections, the MLP width derived (int(2 * 160 / 3) * 1.5 rounded up to 32: 160),
+    # an untied head (tied, the greedy continuation repeats one token), rope theta 1e4
+    "lfm2": ("Lfm2", dict(num_hidden_layers=4, full_attn_idxs=[1], conv_L_cache=4, conv_bias=True, norm_eps=1e-5,
+                          block_multiple_of=32, block_ffn_dim_multiplier=1.5, tie_word_embeddings=False,
+                          rope_parameters={"rope_type": "default", "rope_theta": 1e4})),
+    # LFM2-MoE: conv, attention, conv, attention; layer 0 dense (num_dense_layers), then 8
+    # experts top 2 by sigmoid + expert bias (randomised below), renormalised, times 1.7
+    "lfm2_moe": ("Lfm2Moe", dict(num_hidden_layers=4, layer_types=["conv", "full_attention", "conv", "full_attention"],
+                                 conv_L_cache=3, conv_bias=True, norm_eps=1e-5, num_dense_layers=1, num_experts=8,
+                                 num_experts_per_tok=2, moe_intermediate_size=32, routed_scaling_factor=1.7,
+                                 tie_word_embeddings=False,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 1e4})),
 }
 ARCHS = ("llama", "mistral", "qwen2") + tuple(FAMILY_KWARGS)
 # Mixtures of experts (tests/test_moe_parity.py): 8 experts, top 2, so with expert=4 each
@@ -224,8 +237,8 @@ def make_hf_checkpoint(directory: str, arch: str, dtype: torch.dtype = torch.flo
                 p.add_(0.3 * torch.randn_like(p))
             if name.endswith(("act_fn.alpha_p", "act_fn.alpha_n")):  # xIELU (Apertus): alike in every layer
                 p.add_(0.3 * torch.randn_like(p))
-        for name, b in model.named_buffers():  # a router's selection bias (GLM) starts at 0
-            if name.endswith("correction_bias"):
+        for name, b in model.named_buffers():  # a router's selection bias (GLM, LFM2-MoE) starts at 0
+            if name.endswith(("correction_bias", "expert_bias")):  # LFM2-MoE's expert_bias too
                 b.add_(0.3 * torch.randn_like(b))
             if name.endswith("act_fn.beta"):  # xIELU's beta (0.5 in every layer)
                 b.add_(0.2 * torch.randn_like(b))

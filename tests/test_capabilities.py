@@ -67,7 +67,7 @@ BREAKS = {
     ("linear", "mesh.data"): ({**HYBRID, "mesh.data": 2}, ()),
     ("linear", "mesh.sequence"): ({**HYBRID, "mesh.sequence": 2}, ()),
     ("linear", "mesh.stage"): ({**HYBRID, "mesh.stage": 2}, ()),
-    ("linear", "mesh.expert"): ({**HYBRID, "mesh.expert": 2}, ()),
+    ("linear", "!short_conv", "mesh.expert"): ({**HYBRID, "mesh.expert": 2}, ()),
     ("linear", "mesh.num_processes"): ({**HYBRID, "mesh.num_processes": 2, "mesh.coordinator": "127.0.0.1:1"}, ()),
     ("linear", "engine.scan_layers"): ({**HYBRID, "engine.scan_layers": True}, ()),
     ("linear", "engine.disk_kv_cache_dir"): ({**HYBRID, "engine.host_kv_cache_gb": 1, "engine.disk_kv_cache_gb": 1,

@@ -8,7 +8,7 @@ nothing downgrades silently.
 
 A condition is a capability key (a config setting that is "on": `mesh.tensor` means
 mesh.tensor > 1), a model kind (`mla`, `moe`, `linear`, `gated_deltanet`, `mamba2`,
-`attention`), `platform=cpu`, or `serve.role=prefill/decode`; a leading `!` negates it.
+`short_conv`, `attention`), `platform=cpu`, or `serve.role=prefill/decode`; a leading `!` negates it.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ SETTINGS: dict[str, Callable] = {
     "engine.kv_cache_dtype=quantized": lambda c: c.engine.kv_cache_dtype != "auto",
     "model.dtype=bfloat16": lambda c: str(c.model.dtype) == "bfloat16",
 }
-KINDS = ("attention", "mla", "gated_deltanet", "mamba2", "linear", "moe")
+KINDS = ("attention", "mla", "gated_deltanet", "mamba2", "short_conv", "linear", "moe")
+LINEAR_KINDS = ("gated_deltanet", "mamba2", "short_conv")  # each is also "linear"
 
 
 def model_kinds(model) -> frozenset[str]:
@@ -71,7 +72,7 @@ def model_kinds(model) -> frozenset[str]:
 def family_kinds(family) -> frozenset[str]:
     """What a family's models hold, from its declared mixers (models/families/base.py)."""
     kinds = set(family.mixers) | ({"moe"} if family.experts else set())
-    return frozenset(kinds | ({"linear"} if kinds & {"gated_deltanet", "mamba2"} else set()))
+    return frozenset(kinds | ({"linear"} if kinds & set(LINEAR_KINDS) else set()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,14 +88,16 @@ class Rule:
 
 _HYBRID = "linear-attention state is per request and replicated whole"
 RULES: tuple[Rule, ...] = (
-    # hybrids (Gated DeltaNet, Mamba2): what their recurrent state does not split over yet
+    # hybrids (Gated DeltaNet, Mamba2, LFM2's short convolution): what their state does not split over yet
     *(Rule(("linear", key), f"{_HYBRID}: {why}", f"{key} (hybrids run on mesh.tensor)") for key, why in (
         ("mesh.data", "data replicas of the state slots are not built"),
         ("mesh.sequence", "no context-parallel form of the recurrent scan"),
         ("mesh.stage", "the state pool is not split into pipeline stages"),
-        ("mesh.expert", "the state is not laid out over expert ranks"),
         ("mesh.num_processes", "state slots are not kept in lockstep across processes"),
     )),
+    # the short convolution's channels split over tensor alone, its history replicated over expert ranks
+    Rule(("linear", "!short_conv", "mesh.expert"), f"{_HYBRID}: the recurrent state is not laid out over expert "
+         "ranks", "mesh.expert (hybrids run on mesh.tensor)"),
     Rule(("linear", "engine.scan_layers"), "linear and attention layers differ, so they cannot stack as one scan",
          "engine.scan_layers = false"),
     Rule(("linear", "engine.disk_kv_cache_dir"), "state snapshots have no disk format",

@@ -126,6 +126,8 @@ class MoEConfig:
     scoring: str = "softmax"
     renormalize: bool = True  # top-k weights divided by their sum
     renormalize_min: float = 0.0  # ... clamped below at this (ERNIE 4.5's moe_norm_min); 0: not clamped
+    # ... plus this before dividing (LFM2-MoE: 1e-6); None: 1e-20 under sigmoid scoring (DeepSeek), else 0
+    renormalize_eps: float | None = None
     # a per-expert correction bias on the selection scores only (sigmoid, softmax)
     selection_bias: bool = False
     groups: int = 1  # experts in this many groups; only the best topk_groups are chosen from
@@ -146,6 +148,8 @@ class MoEConfig:
         _choose("router_scoring", self.scoring, ("softmax", "sigmoid", "topk_softmax", "sparsemixer"))
         if self.sparsemixer_eps < 0:
             raise ConfigError(f"model.sparsemixer_eps must be >= 0, got {self.sparsemixer_eps}")
+        if self.renormalize_eps is not None and self.renormalize_eps < 0:
+            raise ConfigError(f"model.router_renormalize_eps must be >= 0, got {self.renormalize_eps}")
         if self.renormalize_min < 0:
             raise ConfigError(f"model.router_renormalize_min must be >= 0, got {self.renormalize_min}")
         if self.selection_bias and self.scoring in ("topk_softmax", "sparsemixer"):
@@ -193,24 +197,28 @@ class LinearConfig:
     value_head_dim: int = 0
     conv_kernel: int = 4  # the short causal convolution over q, k, v (Mamba2: x, B, C)
     grouped_proj: bool = False  # q, k, v, z (and b, a) fused per key head (Qwen3-Next), not apart
-    conv_bias: bool = False  # the convolution adds a bias (Mamba2)
+    conv_bias: bool = False  # the convolution adds a bias (Mamba2; LFM2: its projections too)
     dt_limit: tuple[float, float] | None = None  # Mamba2's time steps clipped to [lo, hi]; None: not
 
     def __post_init__(self):
-        _choose("linear_kind", self.kind, ("gated_deltanet", "mamba2"))
+        _choose("linear_kind", self.kind, ("gated_deltanet", "mamba2", "short_conv"))
         _choose("linear_impl", self.impl, ("auto", "xla", "pallas_tpu"))
-        if self.layers:
+        if self.layers and self.kind == "short_conv" and self.conv_kernel < 2:
+            raise ConfigError(f"model.linear_conv_kernel must be >= 2, got {self.conv_kernel}")
+        if self.layers and self.kind != "short_conv":
             dims = (self.num_key_heads, self.num_value_heads, self.key_head_dim, self.value_head_dim,
                     self.conv_kernel - 1)
             if min(dims) <= 0 or self.num_value_heads % self.num_key_heads:
                 raise ConfigError("model.linear_layers needs positive linear_* head counts and dims (value heads "
                                   f"a multiple of key heads) and linear_conv_kernel >= 2; got {dims}")
         mamba = {"linear_conv_bias": self.conv_bias, "linear_dt_limit": self.dt_limit is not None}
+        if self.kind == "short_conv":
+            mamba.pop("linear_conv_bias")
         if self.kind != "mamba2" and any(mamba.values()):
             raise ConfigError(f"model.{', '.join(k for k, on in mamba.items() if on)} apply to linear_kind mamba2 "
                               f"only, not {self.kind}")
-        if self.kind == "mamba2" and self.grouped_proj:
-            raise ConfigError("model.linear_grouped_proj is Qwen3-Next's DeltaNet layout, not mamba2's")
+        if self.kind != "gated_deltanet" and self.grouped_proj:
+            raise ConfigError(f"model.linear_grouped_proj is Qwen3-Next's DeltaNet layout, not {self.kind}'s")
         limit = self.dt_limit
         if limit is not None and not (len(limit) == 2 and 0 <= limit[0] < limit[1]):
             raise ConfigError(f"model.linear_dt_limit must be [lo, hi] with 0 <= lo < hi, got {list(limit)}")

@@ -9,8 +9,10 @@ from jaxfill.models.mixers.context import Mixer, MixerContext
 from jaxfill.models.mixers.gated_deltanet import GatedDeltaNet
 from jaxfill.models.mixers.mamba2 import Mamba2
 from jaxfill.models.mixers.mla import LatentAttention
+from jaxfill.models.mixers.short_conv import ShortConv
 
-MIXERS = {"attention": Attention, "mla": LatentAttention, "gated_deltanet": GatedDeltaNet, "mamba2": Mamba2}
+MIXERS = {"attention": Attention, "mla": LatentAttention, "gated_deltanet": GatedDeltaNet, "mamba2": Mamba2,
+          "short_conv": ShortConv}
 
 
 def mixer_kind(config, layer: int) -> str | None:
@@ -28,4 +30,4 @@ def build_mixer(config, rngs, layer: int) -> Mixer | None:
 
 
 __all__ = ["Attention", "GatedDeltaNet", "LatentAttention", "Mamba2", "Mixer", "MixerContext", "MIXERS",
-           "build_mixer", "mixer_kind"]
+           "ShortConv", "build_mixer", "mixer_kind"]
