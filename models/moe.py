@@ -111,6 +111,7 @@ def grouped_experts(x: jax.Array,  # [T, H]
                     lead=True,  # [] bool: this rank adds the down bias (one rank per tensor group)
                     impl: str = "auto",  # models/grouped_matmul.py
                     swiglu: tuple[float, float] | None = None,  # see `gated`
+                    weights_inputs: bool = False,  # the weight scales the expert's input (Llama 4)
                     ) -> jax.Array:  # [T, H] f32: this rank's share of the MoE output
     """The pairs routed to the local experts, sorted by expert, through two grouped
     matmuls (models/grouped_matmul.py). Pairs of other ranks' experts sort last, past
@@ -125,6 +126,10 @@ def grouped_experts(x: jax.Array,  # [T, H]
     sizes = jnp.bincount(key, length=n_local + 1)[:n_local].astype(jnp.int32)  # [E_local]
     token = order // k
     rows = jnp.take(x, token, axis=0)  # [T*k, H]
+    pair_weights = jnp.take(weights.reshape(-1), order)[:, None]  # [T*k, 1] f32
+    if weights_inputs:
+        rows = (rows * pair_weights).astype(x.dtype)
+        pair_weights = jnp.ones((), jnp.float32)
     expert_of_row = jnp.clip(jnp.take(key, order), 0, n_local - 1)
 
     def per_row(name, shape):  # the row's expert's entry of an optional [E_local, ...] param
@@ -144,7 +149,7 @@ def grouped_experts(x: jax.Array,  # [T, H]
     if (bias := per_row("down_bias", h)) is not None:
         out = out + jnp.where(lead, bias, jnp.zeros((), bias.dtype)).astype(out.dtype)
     # Rows past the groups are 0 here but undefined in a grouped-matmul kernel: select, never multiply
-    weighted = out.astype(jnp.float32) * jnp.take(weights.reshape(-1), order)[:, None]
+    weighted = out.astype(jnp.float32) * pair_weights
     pairs = jnp.where(jnp.take(mine, order)[:, None], weighted, 0.0)
     return jnp.zeros((t, h), jnp.float32).at[token].add(pairs)
 
@@ -196,7 +201,8 @@ class MoE(nnx.Module):
             swiglu = None if c.moe.swiglu_limit is None else (c.moe.swiglu_limit, c.moe.swiglu_alpha)
 
             def local(x, weights, ids, params, first_expert, lead):
-                return grouped_experts(x, weights, ids, params, first_expert, c.hidden_act, lead, swiglu=swiglu)
+                return grouped_experts(x, weights, ids, params, first_expert, c.hidden_act, lead, swiglu=swiglu,
+                                       weights_inputs=c.moe.weights_inputs)
 
             params = {name: _value(getattr(self, "experts_" + name, None)) for name in EXPERT_AXES}
             out = expert_parallel(local, x, weights, ids, params, EXPERT_AXES)

@@ -125,6 +125,16 @@ ARCHS = ("llama", "mistral", "qwen2") + tuple(FAMILY_KWARGS)
 # rank holds two and short prompts leave some ranks' experts without a token; Qwen3-MoE
 # keeps a dense layer between its sparse ones, Qwen2-MoE adds the gated shared expert.
 MOE_KWARGS = {
+    # Llama 4: chunks of 32 under the 64- and 300-token prompts on the roped layers 0 and 2,
+    # global NoPE layers 1 and 3 whose query temperature steps every 16 positions (attn_scale
+    # 0.5, not 0.1), q/k/v/o biases, llama3 rope; experts on layers 1 and 2 (top 2 of 4,
+    # sigmoid weights on the inputs) beside a shared expert, dense MLPs of another width on 0, 3
+    "llama4": (("Llama4Text", "Llama4"), dict(
+        num_hidden_layers=4, head_dim=16, no_rope_layer_interval=2, attention_chunk_size=32, floor_scale=16,
+        attn_scale=0.5, attention_bias=True, num_local_experts=4, num_experts_per_tok=2, moe_layers=[1, 2],
+        intermediate_size=48, intermediate_size_mlp=96,
+        rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 64, "rope_theta": 5e5})),
     "mixtral": ("Mixtral", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=48,
                                 sliding_window=None)),
     "qwen3_moe": ("Qwen3Moe", dict(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2,

@@ -34,7 +34,7 @@ RENAMED = {
     "moe_intermediate_size": ("moe", "intermediate_size"), "router_scoring": ("moe", "scoring"),
     "router_renormalize": ("moe", "renormalize"), "router_renormalize_min": ("moe", "renormalize_min"),
     "router_renormalize_eps": ("moe", "renormalize_eps"),
-    "router_bias": ("moe", "selection_bias"),
+    "router_bias": ("moe", "selection_bias"), "router_weights_inputs": ("moe", "weights_inputs"),
     "router_groups": ("moe", "groups"), "router_topk_groups": ("moe", "topk_groups"),
     **{"linear_" + f: ("linear", f) for f in ("layers", "kind", "impl", "num_key_heads", "num_value_heads",
                                               "key_head_dim", "value_head_dim", "conv_kernel", "grouped_proj",

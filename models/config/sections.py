@@ -14,7 +14,7 @@ from typing import Any
 
 from jaxfill.models.config.errors import ConfigError
 
-LAYER_TYPES = ("full", "sliding")
+LAYER_TYPES = ("full", "sliding", "chunked")
 
 
 def _choose(name: str, value, allowed) -> None:
@@ -34,10 +34,14 @@ class AttentionConfig:
     rotary_dim: int = 0  # rope over each head's first rotary_dim dims (partial rotary, GLM); 0: all
     nope_layers: tuple[int, ...] = ()  # layers without rotary embedding (SmolLM3)
     sliding_window: int | None = None  # the window of "sliding" layers (all layers if layer_types is empty)
-    layer_types: tuple[str, ...] = ()  # per layer "full" | "sliding"; () = every layer alike
+    layer_types: tuple[str, ...] = ()  # per layer "full" | "sliding" | "chunked"; () = every layer alike
+    # "chunked" layers see only keys of the row's own chunk [k C, (k + 1) C) of positions
+    # (Llama 4's local layers; all layers if layer_types is empty); None: no chunks
+    attention_chunk: int | None = None
     bias: bool = False  # q/k/v bias (Qwen2; Llama/Qwen3 attention_bias)
     out_bias: bool = False  # o bias (Llama/Qwen3/OLMo 2 attention_bias)
-    # head: RMSNorm over each head's D (Qwen3, Gemma 3); projection: over all Hq*D (OLMo 2)
+    # head: RMSNorm over each head's D (Qwen3, Gemma 3); projection: over all Hq*D (OLMo 2);
+    # weightless: RMS over each head's D with no weight, on layers with rope only (Llama 4)
     qk_norm: str = "none"
     qk_norm_after_rope: bool = False  # the q/k norms apply to the roped q and k (Hunyuan), not before rope
     qkv_clip: float | None = None  # q, k and v clipped to [-clip, clip] after bias and norms (OLMoE clip_qkv)
@@ -46,6 +50,9 @@ class AttentionConfig:
     # Llama-4-style attention temperature); beta 0: off
     query_temperature_beta: float = 0.0
     query_temperature_length: int = 0
+    # Llama 4's form: positions counted from 1 (floor((position + 1) / length)), on NoPE layers only
+    query_temperature_offset: int = 0
+    query_temperature_nope_only: bool = False
     soft_cap: float | None = None  # cap * tanh(score / cap) (Gemma 2)
     sinks: bool = False  # a learned per-head logit in each softmax denominator (gpt-oss)
     output_gate: bool = False  # output times sigmoid(a per-head gate q_proj also gives) (Qwen3.5)
@@ -56,11 +63,11 @@ class AttentionConfig:
     context_attention: str = "auto"
 
     def __post_init__(self):
-        _choose("qk_norm", self.qk_norm, ("none", "head", "projection"))
+        _choose("qk_norm", self.qk_norm, ("none", "head", "projection", "weightless"))
         _choose("context_attention", self.context_attention, ("auto", "pass_q", "pass_kv"))
         if self.qk_norm_after_rope and self.qk_norm == "none":
             raise ConfigError("model.qk_norm_after_rope needs a qk_norm (head or projection)")
-        if self.qk_norm_after_rope and self.rope_interleave:
+        if self.qk_norm_after_rope and self.rope_interleave and self.qk_norm != "weightless":
             raise ConfigError("model.qk_norm_after_rope with rope_interleave would norm permuted heads")
         if self.qkv_clip is not None and self.qkv_clip <= 0:
             raise ConfigError(f"model.qkv_clip must be positive, got {self.qkv_clip}")
@@ -73,12 +80,22 @@ class AttentionConfig:
                               f"query_temperature_length, got {self.query_temperature_length}")
         if "sliding" in self.layer_types and self.sliding_window is None:
             raise ConfigError("model.layer_types has sliding layers but model.sliding_window is not set")
+        if self.attention_chunk is not None and self.attention_chunk <= 0:
+            raise ConfigError(f"model.attention_chunk must be positive, got {self.attention_chunk}")
+        if "chunked" in self.layer_types and self.attention_chunk is None:
+            raise ConfigError("model.layer_types has chunked layers but model.attention_chunk is not set")
 
     def layer_window(self, layer: int) -> int | None:
-        """The sliding window of `layer` (None: full attention)."""
-        if self.layer_types and self.layer_types[layer] == "full":
+        """The sliding window of `layer` (None: none)."""
+        if self.layer_types and self.layer_types[layer] != "sliding":
             return None
         return self.sliding_window
+
+    def layer_chunk(self, layer: int) -> int | None:
+        """The attention chunk of `layer` (None: none)."""
+        if self.layer_types and self.layer_types[layer] != "chunked":
+            return None
+        return self.attention_chunk
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
@@ -133,6 +150,9 @@ class MoEConfig:
     groups: int = 1  # experts in this many groups; only the best topk_groups are chosen from
     topk_groups: int = 1
     routed_scaling: float = 1.0  # the routed experts' weights times this
+    # each expert gets its token times the routing weight and its output is summed as it
+    # is (Llama 4), instead of the weight times the expert's output
+    weights_inputs: bool = False
     router_f32: bool = False  # router weight and matmul in f32 whatever the dtype (DeepSeek, GLM)
     router_logit_bias: bool = False  # the router is x @ w + b (gpt-oss)
     shared_expert_size: int = 0  # intermediate size of the always-on shared expert(s), 0: none

@@ -90,27 +90,43 @@ class Attention(nnx.Module):
             q, gate = q[..., :self.config.head_dim], q[..., self.config.head_dim:]  # [T, Hq, D] each
         if a.bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+        settings = layer_settings(self.config)
         if a.qk_norm != "none" and not a.qk_norm_after_rope:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self._norm_qk(q, k, settings, ctx.layer)
         if a.qkv_clip is not None:
             q, k, v = (jnp.clip(t, -a.qkv_clip, a.qkv_clip) for t in (q, k, v))
-        settings = layer_settings(self.config)
         if not (isinstance(ctx.layer, int) and not settings.has_rope[ctx.layer]):
             inv_freq, scale = settings.rope(ctx.layer)
             rope = functools.partial(apply_rope, inv_freq=inv_freq, scale=scale, interleaved=a.rope_interleave,
                                      in_f32=a.rope_f32)
             q, k = rope(q, ctx.sampled(ctx.positions)), rope(k, ctx.positions)
         if a.qk_norm_after_rope:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if a.query_temperature_beta:
-            q = q * query_temperature(ctx.sampled(ctx.positions), a.query_temperature_beta,
-                                      a.query_temperature_length).astype(q.dtype)[:, None, None]
+            q, k = self._norm_qk(q, k, settings, ctx.layer)
+        beta = settings.of_layer(settings.temperature, ctx.layer)
+        if a.query_temperature_beta and not (isinstance(ctx.layer, int) and beta == 0):
+            positions = ctx.sampled(ctx.positions) + a.query_temperature_offset
+            q = q * query_temperature(positions, beta, a.query_temperature_length).astype(q.dtype)[:, None, None]
         return q, k, v, gate
 
+    def _norm_qk(self, q, k, settings, layer):  # q [T', Hq, D], k [T, Hkv, D] -> the same
+        """The q/k norms; Llama 4's weightless RMS over each head's D only where the layer
+        turns rope (a traced layer selects)."""
+        if self.config.attention.qk_norm != "weightless":
+            return self.q_norm(q), self.k_norm(k)
+        has_rope = settings.of_layer(settings.has_rope, layer)
+        if isinstance(layer, int) and not has_rope:
+            return q, k
+        eps = self.config.norms.eps
+        nq, nk = weightless_rms(q, eps), weightless_rms(k, eps)
+        if isinstance(layer, int):
+            return nq, nk
+        return jnp.where(has_rope, nq, q), jnp.where(has_rope, nk, k)
+
     def _attend_window(self, q, k, v, pages, meta, sinks, impl: str, window):  # ([T', Hq, D], pages)
-        """Attention for one sliding window (None: full), over the mesh's shares of heads and rows."""
+        """Attention for one (sliding window, attention chunk) ((None, None): full), over the
+        mesh's shares of heads and rows."""
         a = self.config.attention
-        ring = RingSpec(self.sm_scale, a.soft_cap, window) if a.context_attention == "pass_kv" else None
+        ring = RingSpec(self.sm_scale, a.soft_cap, *window) if a.context_attention == "pass_kv" else None
         attend = functools.partial(self._write_and_attend, impl=impl, window=window)
         return sharded_attention(attend, q, k, v, pages, meta, sinks, sinks=sinks is not None, ring=ring)
 
@@ -120,14 +136,20 @@ class Attention(nnx.Module):
         extra = {} if sinks is None else {"sinks": sinks}
         out = ragged_paged_attention(
             q, pages, meta.kv_lens, meta.page_indices, meta.cu_q_lens, meta.num_seqs,
-            sm_scale=self.sm_scale, sliding_window=window, soft_cap=self.config.attention.soft_cap, impl=impl,
-            **extra, **share)
+            sm_scale=self.sm_scale, sliding_window=window[0], attention_chunk=window[1],
+            soft_cap=self.config.attention.soft_cap, impl=impl, **extra, **share)
         return out, pages
 
 
-def query_temperature(positions: jax.Array,  # [T] int32
-                      beta: float, length: int) -> jax.Array:  # [T] f32
-    """1 + beta * log(1 + floor(position / length)): Ministral 3's query scale, 1 over the
-    first `length` positions, growing by beta * log 2 at the next boundary (f32, as
-    transformers computes it before the cast to q's dtype)."""
+def weightless_rms(x: jax.Array, eps: float) -> jax.Array:  # [T, H, D] -> the same
+    """x / rms(x) over each head's D in f32, no weight (Llama 4's q/k "L2" norm)."""
+    xf = x.astype(jnp.float32)
+    return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+def query_temperature(positions: jax.Array,  # [T] int32 (Llama 4: position + 1)
+                      beta, length: int) -> jax.Array:  # [T] f32; beta a float or traced []
+    """1 + beta * log(1 + floor(position / length)): Ministral 3's and Llama 4's query scale,
+    1 over the first `length` positions, growing by beta * log 2 at the next boundary (f32,
+    as transformers computes it before the cast to q's dtype)."""
     return 1.0 + beta * jnp.log(1.0 + jnp.floor(positions.astype(jnp.float32) / length))
