@@ -16,7 +16,7 @@ from jaxfill.models.config import ConfigError
 MODULES = ("llama", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "olmo3", "glm", "seed_oss", "exaone4",
            "ministral", "arcee", "apertus", "smollm3", "granite", "mixtral", "qwen3_moe", "glm4_moe", "gpt_oss",
            "deepseek", "qwen3_5", "qwen3_next", "qwen3_5_moe", "nemotron_h", "olmoe", "minimax_m2", "ernie4_5",
-           "hunyuan", "phimoe")
+           "hunyuan", "phimoe", "granitemoehybrid")
 
 
 @functools.lru_cache(maxsize=1)
