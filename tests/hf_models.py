@@ -231,7 +231,7 @@ def make_hf_checkpoint(directory: str, arch: str, dtype: torch.dtype = torch.flo
                 p.add_(0.1 * torch.randn_like(p))
             if name.endswith("sinks"):  # gpt-oss: sink logits large enough to move the softmax
                 p.add_(torch.randn_like(p))
-            if name.endswith(("mixer.D", "mixer.A_log", "mamba.D", "mamba.A_log")):  # Mamba2: per head alike or in order
+            if name.endswith(("mixer.D", "mixer.A_log", "mamba.D", "mamba.A_log")):  # Mamba2 inits them per head alike
                 p.add_(0.3 * torch.randn_like(p))
             if name.endswith(("act_fn.alpha_p", "act_fn.alpha_n")):  # xIELU (Apertus): alike in every layer
                 p.add_(0.3 * torch.randn_like(p))
