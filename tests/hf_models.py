@@ -119,6 +119,17 @@ HYBRID_KWARGS = {
                                  num_experts_per_tok=2, moe_intermediate_size=32, routed_scaling_factor=1.7,
                                  tie_word_embeddings=False,
                                  rope_parameters={"rope_type": "default", "rope_theta": 1e4})),
+    # Granite 4.0-H: Mamba2, roped attention, Mamba2 (the last layer runs its sampled rows
+    # only); 8 SSM heads of 16 in 2 groups, a 16-wide state, 16-token SSD chunks; 8 experts
+    # top 2 beside the shared MLP; Granite's four multipliers far from 1
+    "granitemoehybrid": ("GraniteMoeHybrid", dict(num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
+                                                  mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16,
+                                                  mamba_d_head=16, mamba_chunk_size=16, intermediate_size=32,
+                                                  num_local_experts=8, num_experts_per_tok=2,
+                                                  shared_intermediate_size=48, position_embedding_type="rope",
+                                                  embedding_multiplier=3.0, residual_multiplier=0.5,
+                                                  attention_multiplier=0.3, logits_scaling=2.0,
+                                                  rope_parameters={"rope_type": "default", "rope_theta": 1e4})),
 }
 ARCHS = ("llama", "mistral", "qwen2") + tuple(FAMILY_KWARGS)
 # Mixtures of experts (tests/test_moe_parity.py): 8 experts, top 2, so with expert=4 each
@@ -243,7 +254,7 @@ def make_hf_checkpoint(directory: str, arch: str, dtype: torch.dtype = torch.flo
                 p.add_(0.1 * torch.randn_like(p))
             if name.endswith("sinks"):  # gpt-oss: sink logits large enough to move the softmax
                 p.add_(torch.randn_like(p))
-            if name.endswith(("mixer.D", "mixer.A_log")):  # Nemotron-H inits them per head alike or in order
+            if name.endswith(("mixer.D", "mixer.A_log", "mamba.D", "mamba.A_log")):  # Mamba2 inits them per head alike
                 p.add_(0.3 * torch.randn_like(p))
             if name.endswith(("act_fn.alpha_p", "act_fn.alpha_n")):  # xIELU (Apertus): alike in every layer
                 p.add_(0.3 * torch.randn_like(p))

@@ -33,6 +33,7 @@ CLASSES = {  # architecture -> transformers config class
     "Ernie4_5ForCausalLM": tf.Ernie4_5Config, "Ernie4_5_MoeForCausalLM": tf.Ernie4_5_MoeConfig,
     "HunYuanDenseV1ForCausalLM": tf.HunYuanDenseV1Config, "HunYuanMoEV1ForCausalLM": tf.HunYuanMoEV1Config,
     "PhimoeForCausalLM": tf.PhimoeConfig, "Lfm2ForCausalLM": tf.Lfm2Config, "Lfm2MoeForCausalLM": tf.Lfm2MoeConfig,
+    "GraniteMoeHybridForCausalLM": tf.GraniteMoeHybridConfig,
 }
 SKIP = {"self", "kwargs"}
 # Values for fields whose default is None (the walker cannot guess a type).
@@ -74,6 +75,10 @@ def small_kwargs(arch):
                   mamba_head_dim=16, n_groups=2, ssm_state_size=16, head_dim=16)
     if arch == "Lfm2MoeForCausalLM":  # transformers builds no default layer_types for it
         kw.update(layer_types=["full_attention", "conv", "conv", "full_attention"])
+    if arch == "GraniteMoeHybridForCausalLM":  # Mamba2 and attention, 8 SSM heads of 16 in 2 groups, 4 experts
+        kw.pop("num_experts"), kw.pop("moe_intermediate_size")  # "Moe" in its name: not its spelling
+        kw.update(layer_types=["linear_attention", "full_attention"] * 2, mamba_n_heads=8, mamba_n_groups=2,
+                  mamba_d_state=16, num_local_experts=4, num_experts_per_tok=2)
     if name == "phi3":
         kw.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
     return kw

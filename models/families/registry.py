@@ -16,7 +16,14 @@ from jaxfill.models.config import ConfigError
 MODULES = ("llama", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "olmo3", "glm", "seed_oss", "exaone4",
            "ministral", "arcee", "apertus", "smollm3", "granite", "mixtral", "qwen3_moe", "glm4_moe", "gpt_oss",
            "deepseek", "qwen3_5", "qwen3_next", "qwen3_5_moe", "nemotron_h", "olmoe", "minimax_m2", "ernie4_5",
-           "hunyuan", "phimoe", "lfm2", "lfm2_moe", "llama4")
+           "hunyuan", "phimoe", "lfm2", "lfm2_moe", "llama4", "granitemoehybrid")
+
+# Architectures known and refused, with why (their config.json is never half-read)
+REFUSED = {
+    "FalconH1ForCausalLM": "every Falcon-H1 layer runs attention and Mamba2 in parallel on the same input, so "
+                           "it needs KV pages and a state slot at once, and the cache holds one entry per layer "
+                           "(pages or a LinearState, models/kv_cache.py)",
+}
 
 
 @functools.lru_cache(maxsize=1)
@@ -40,6 +47,8 @@ def families() -> list:
 
 def family_of(architecture: str | None):
     table = _by_architecture()
+    if architecture in REFUSED:
+        raise ConfigError(f"architecture {architecture!r} is not supported: {REFUSED[architecture]}")
     if architecture not in table:
         raise ConfigError(f"architecture {architecture!r} is not supported; supported: {', '.join(table)}")
     return table[architecture]
@@ -56,6 +65,8 @@ def config_from_hf(config):
         config = read_config_json(os.fspath(config))
     archs = config.get("architectures") or []
     arch = archs[0] if archs else None
+    if arch in REFUSED:
+        raise ConfigError(f"config.json architecture {arch!r} is not supported: {REFUSED[arch]}")
     if arch not in _by_architecture():
         raise ConfigError(f"config.json architecture {arch!r} is not supported; "
                           f"supported: {', '.join(architectures())}")
