@@ -105,7 +105,7 @@ def check_mesh(model, mesh) -> None:
 
 
 def _check_hybrid(model, engine, mesh) -> None:
-    groups = "Mamba2 groups (n_groups)" if model.linear.kind == "mamba2" else "linear key heads"
+    groups = {"mamba2": "Mamba2 groups (n_groups)", "kda": "KDA heads"}.get(model.linear.kind, "linear key heads")
     if model.linear.num_key_heads % mesh.tensor:
         raise ConfigError(f"{model.architecture}: mesh.tensor = {mesh.tensor} (must divide the "
                           f"{model.linear.num_key_heads} {groups})")

@@ -106,6 +106,17 @@ HYBRID_KWARGS = {
     "nemotron_h": ("NemotronH", dict(hybrid_override_pattern="M-M*-M", num_hidden_layers=6, head_dim=24,
                                      mamba_num_heads=8, mamba_head_dim=12, n_groups=2, ssm_state_size=16,
                                      conv_kernel=4, chunk_size=16, layer_norm_epsilon=1e-5)),
+    # Kimi Linear: KDA, KDA, NoPE MLA (plain q, as the published 48B), KDA; 4 KDA heads of 16
+    # (each its own q, k, v; per-channel decay); layer 0 dense, then 8 experts top 2 in 4
+    # groups (the best 2 chosen from), x1.8, beside one shared expert
+    "kimi_linear": ("KimiLinear", dict(num_hidden_layers=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None,
+                                       qk_rope_head_dim=16, qk_nope_head_dim=24, v_head_dim=20,
+                                       layer_types=["linear_attention", "linear_attention", "full_attention",
+                                                    "linear_attention"],
+                                       linear_num_heads=4, linear_head_dim=16, linear_conv_kernel_dim=4,
+                                       num_local_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                       n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=1.8,
+                                       pad_token_id=0, bos_token_id=1, eos_token_id=2)),
 }
 ARCHS = ("llama", "mistral", "qwen2") + tuple(FAMILY_KWARGS)
 # Mixtures of experts (tests/test_moe_parity.py): 8 experts, top 2, so with expert=4 each

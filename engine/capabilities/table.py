@@ -8,7 +8,7 @@ nothing downgrades silently.
 
 A condition is a capability key (a config setting that is "on": `mesh.tensor` means
 mesh.tensor > 1), a model kind (`mla`, `moe`, `linear`, `gated_deltanet`, `mamba2`,
-`attention`), `platform=cpu`, or `serve.role=prefill/decode`; a leading `!` negates it.
+`kda`, `attention`), `platform=cpu`, or `serve.role=prefill/decode`; a leading `!` negates it.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ SETTINGS: dict[str, Callable] = {
     "engine.kv_cache_dtype=quantized": lambda c: c.engine.kv_cache_dtype != "auto",
     "model.dtype=bfloat16": lambda c: str(c.model.dtype) == "bfloat16",
 }
-KINDS = ("attention", "mla", "gated_deltanet", "mamba2", "linear", "moe")
+KINDS = ("attention", "mla", "gated_deltanet", "mamba2", "kda", "linear", "moe")
+LINEAR_KINDS = ("gated_deltanet", "mamba2", "kda")
 
 
 def model_kinds(model) -> frozenset[str]:
@@ -71,7 +72,7 @@ def model_kinds(model) -> frozenset[str]:
 def family_kinds(family) -> frozenset[str]:
     """What a family's models hold, from its declared mixers (models/families/base.py)."""
     kinds = set(family.mixers) | ({"moe"} if family.experts else set())
-    return frozenset(kinds | ({"linear"} if kinds & {"gated_deltanet", "mamba2"} else set()))
+    return frozenset(kinds | ({"linear"} if kinds & set(LINEAR_KINDS) else set()))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -182,7 +182,9 @@ class LinearConfig:
     C per group), key head dim = ssm_state_size, value heads = the SSM heads, value head
     dim = their head_dim; the state is [value heads, Dk, Dv]."""
     layers: tuple[int, ...] = ()
-    # Gated DeltaNet (models/mixers/gated_deltanet.py, Qwen3.5) or Mamba2's SSD (models/mixers/mamba2.py, Nemotron-H)
+    # Gated DeltaNet (models/mixers/gated_deltanet.py, Qwen3.5), Mamba2's SSD (models/mixers/mamba2.py,
+    # Nemotron-H) or Kimi Delta Attention (models/mixers/kda.py, Kimi Linear: key heads = value heads,
+    # key head dim = value head dim)
     kind: str = "gated_deltanet"
     # the chunk loop: XLA's, or the Pallas TPU kernel (pallas_kernels/gated_delta_rule_tpu.py,
     # ssd_tpu.py); auto = xla until a TPU measurement says otherwise
@@ -197,7 +199,7 @@ class LinearConfig:
     dt_limit: tuple[float, float] | None = None  # Mamba2's time steps clipped to [lo, hi]; None: not
 
     def __post_init__(self):
-        _choose("linear_kind", self.kind, ("gated_deltanet", "mamba2"))
+        _choose("linear_kind", self.kind, ("gated_deltanet", "mamba2", "kda"))
         _choose("linear_impl", self.impl, ("auto", "xla", "pallas_tpu"))
         if self.layers:
             dims = (self.num_key_heads, self.num_value_heads, self.key_head_dim, self.value_head_dim,
@@ -209,8 +211,17 @@ class LinearConfig:
         if self.kind != "mamba2" and any(mamba.values()):
             raise ConfigError(f"model.{', '.join(k for k, on in mamba.items() if on)} apply to linear_kind mamba2 "
                               f"only, not {self.kind}")
-        if self.kind == "mamba2" and self.grouped_proj:
-            raise ConfigError("model.linear_grouped_proj is Qwen3-Next's DeltaNet layout, not mamba2's")
+        if self.kind != "gated_deltanet" and self.grouped_proj:
+            raise ConfigError(f"model.linear_grouped_proj is Qwen3-Next's DeltaNet layout, not {self.kind}'s")
+        if self.kind == "kda" and self.impl == "pallas_tpu":
+            raise ConfigError("model.linear_impl = pallas_tpu has no Kimi delta rule kernel (linear_kind kda runs "
+                              "the XLA chunk loop: linear_impl = auto or xla)")
+        if self.kind == "kda" and self.layers and (self.num_key_heads != self.num_value_heads
+                                                   or self.key_head_dim != self.value_head_dim):
+            raise ConfigError("model.linear_kind = kda gives every head its own q, k and v: linear_num_key_heads "
+                              "= linear_num_value_heads and linear_key_head_dim = linear_value_head_dim; got "
+                              f"{self.num_key_heads}, {self.num_value_heads}, {self.key_head_dim}, "
+                              f"{self.value_head_dim}")
         limit = self.dt_limit
         if limit is not None and not (len(limit) == 2 and 0 <= limit[0] < limit[1]):
             raise ConfigError(f"model.linear_dt_limit must be [lo, hi] with 0 <= lo < hi, got {list(limit)}")

@@ -7,10 +7,12 @@ from __future__ import annotations
 from jaxfill.models.mixers.attention import Attention
 from jaxfill.models.mixers.context import Mixer, MixerContext
 from jaxfill.models.mixers.gated_deltanet import GatedDeltaNet
+from jaxfill.models.mixers.kda import KimiDeltaAttention
 from jaxfill.models.mixers.mamba2 import Mamba2
 from jaxfill.models.mixers.mla import LatentAttention
 
-MIXERS = {"attention": Attention, "mla": LatentAttention, "gated_deltanet": GatedDeltaNet, "mamba2": Mamba2}
+MIXERS = {"attention": Attention, "mla": LatentAttention, "gated_deltanet": GatedDeltaNet, "mamba2": Mamba2,
+          "kda": KimiDeltaAttention}
 
 
 def mixer_kind(config, layer: int) -> str | None:
@@ -27,5 +29,5 @@ def build_mixer(config, rngs, layer: int) -> Mixer | None:
     return None if kind is None else MIXERS[kind](config, rngs)
 
 
-__all__ = ["Attention", "GatedDeltaNet", "LatentAttention", "Mamba2", "Mixer", "MixerContext", "MIXERS",
+__all__ = ["Attention", "GatedDeltaNet", "KimiDeltaAttention", "LatentAttention", "Mamba2", "Mixer", "MixerContext", "MIXERS",
            "build_mixer", "mixer_kind"]
