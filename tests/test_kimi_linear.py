@@ -130,3 +130,12 @@ def test_what_is_not_built_is_refused_by_name(field, value):
 def test_linear_impl_pallas_tpu_is_refused_for_kda():
     with pytest.raises(ConfigError, match="linear_impl = pallas_tpu"):
         config_from_hf(PUBLISHED).replace(linear_impl="pallas_tpu")
+
+
+def test_the_preset_is_the_published_config():
+    """configs/kimi_linear_48b_a3b.toml is what the published config.json maps to."""
+    from jaxfill.engine.config import load_config
+
+    preset = load_config("kimi_linear_48b_a3b").model
+    published = config_from_hf(PUBLISHED)
+    assert preset.replace(dtype="bfloat16", tokenizer="hf") == published.replace(dtype="bfloat16", tokenizer="hf")
