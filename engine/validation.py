@@ -105,7 +105,8 @@ def check_mesh(model, mesh) -> None:
 
 
 def _check_hybrid(model, engine, mesh) -> None:
-    groups = {"mamba2": "Mamba2 groups (n_groups)", "short_conv": "short-convolution channels (hidden_size)"}.get(
+    groups = {"mamba2": "Mamba2 groups (n_groups)", "short_conv": "short-convolution channels (hidden_size)",
+              "kda": "KDA heads"}.get(
         model.linear.kind, "linear key heads")
     split = model.hidden_size if model.linear.kind == "short_conv" else model.linear.num_key_heads
     if split % mesh.tensor:

@@ -130,6 +130,17 @@ HYBRID_KWARGS = {
                                                   embedding_multiplier=3.0, residual_multiplier=0.5,
                                                   attention_multiplier=0.3, logits_scaling=2.0,
                                                   rope_parameters={"rope_type": "default", "rope_theta": 1e4})),
+    # Kimi Linear: KDA, KDA, NoPE MLA (plain q, as the published 48B), KDA; 4 KDA heads of 16
+    # (each its own q, k, v; per-channel decay); layer 0 dense, then 8 experts top 2 in 4
+    # groups (the best 2 chosen from), x1.8, beside one shared expert
+    "kimi_linear": ("KimiLinear", dict(num_hidden_layers=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None,
+                                       qk_rope_head_dim=16, qk_nope_head_dim=24, v_head_dim=20,
+                                       layer_types=["linear_attention", "linear_attention", "full_attention",
+                                                    "linear_attention"],
+                                       linear_num_heads=4, linear_head_dim=16, linear_conv_kernel_dim=4,
+                                       num_local_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                       n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=1.8,
+                                       pad_token_id=0, bos_token_id=1, eos_token_id=2)),
 }
 ARCHS = ("llama", "mistral", "qwen2") + tuple(FAMILY_KWARGS)
 # Mixtures of experts (tests/test_moe_parity.py): 8 experts, top 2, so with expert=4 each

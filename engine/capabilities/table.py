@@ -8,7 +8,7 @@ nothing downgrades silently.
 
 A condition is a capability key (a config setting that is "on": `mesh.tensor` means
 mesh.tensor > 1), a model kind (`mla`, `moe`, `linear`, `gated_deltanet`, `mamba2`,
-`short_conv`, `attention`), `platform=cpu`, or `serve.role=prefill/decode`; a leading `!` negates it.
+`short_conv`, `kda`, `attention`), `platform=cpu`, or `serve.role=prefill/decode`; a leading `!` negates it.
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ SETTINGS: dict[str, Callable] = {
     "engine.kv_cache_dtype=quantized": lambda c: c.engine.kv_cache_dtype != "auto",
     "model.dtype=bfloat16": lambda c: str(c.model.dtype) == "bfloat16",
 }
-KINDS = ("attention", "mla", "gated_deltanet", "mamba2", "short_conv", "linear", "moe")
-LINEAR_KINDS = ("gated_deltanet", "mamba2", "short_conv")  # each is also "linear"
+KINDS = ("attention", "mla", "gated_deltanet", "mamba2", "short_conv", "kda", "linear", "moe")
+LINEAR_KINDS = ("gated_deltanet", "mamba2", "short_conv", "kda")  # each is also "linear"
 
 
 def model_kinds(model) -> frozenset[str]:

@@ -206,7 +206,9 @@ class LinearConfig:
     C per group), key head dim = ssm_state_size, value heads = the SSM heads, value head
     dim = their head_dim; the state is [value heads, Dk, Dv]."""
     layers: tuple[int, ...] = ()
-    # Gated DeltaNet (models/mixers/gated_deltanet.py, Qwen3.5) or Mamba2's SSD (models/mixers/mamba2.py, Nemotron-H)
+    # Gated DeltaNet (models/mixers/gated_deltanet.py, Qwen3.5), Mamba2's SSD (models/mixers/mamba2.py,
+    # Nemotron-H) or Kimi Delta Attention (models/mixers/kda.py, Kimi Linear: key heads = value heads,
+    # key head dim = value head dim)
     kind: str = "gated_deltanet"
     # the chunk loop: XLA's, or the Pallas TPU kernel (pallas_kernels/gated_delta_rule_tpu.py,
     # ssd_tpu.py); auto = xla until a TPU measurement says otherwise
@@ -221,7 +223,7 @@ class LinearConfig:
     dt_limit: tuple[float, float] | None = None  # Mamba2's time steps clipped to [lo, hi]; None: not
 
     def __post_init__(self):
-        _choose("linear_kind", self.kind, ("gated_deltanet", "mamba2", "short_conv"))
+        _choose("linear_kind", self.kind, ("gated_deltanet", "mamba2", "short_conv", "kda"))
         _choose("linear_impl", self.impl, ("auto", "xla", "pallas_tpu"))
         if self.layers and self.kind == "short_conv" and self.conv_kernel < 2:
             raise ConfigError(f"model.linear_conv_kernel must be >= 2, got {self.conv_kernel}")
@@ -239,6 +241,15 @@ class LinearConfig:
                               f"only, not {self.kind}")
         if self.kind != "gated_deltanet" and self.grouped_proj:
             raise ConfigError(f"model.linear_grouped_proj is Qwen3-Next's DeltaNet layout, not {self.kind}'s")
+        if self.kind == "kda" and self.impl == "pallas_tpu":
+            raise ConfigError("model.linear_impl = pallas_tpu has no Kimi delta rule kernel (linear_kind kda runs "
+                              "the XLA chunk loop: linear_impl = auto or xla)")
+        if self.kind == "kda" and self.layers and (self.num_key_heads != self.num_value_heads
+                                                   or self.key_head_dim != self.value_head_dim):
+            raise ConfigError("model.linear_kind = kda gives every head its own q, k and v: linear_num_key_heads "
+                              "= linear_num_value_heads and linear_key_head_dim = linear_value_head_dim; got "
+                              f"{self.num_key_heads}, {self.num_value_heads}, {self.key_head_dim}, "
+                              f"{self.value_head_dim}")
         limit = self.dt_limit
         if limit is not None and not (len(limit) == 2 and 0 <= limit[0] < limit[1]):
             raise ConfigError(f"model.linear_dt_limit must be [lo, hi] with 0 <= lo < hi, got {list(limit)}")

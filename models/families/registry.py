@@ -16,7 +16,8 @@ from jaxfill.models.config import ConfigError
 MODULES = ("llama", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "olmo3", "glm", "seed_oss", "exaone4",
            "ministral", "arcee", "apertus", "smollm3", "granite", "mixtral", "qwen3_moe", "glm4_moe", "gpt_oss",
            "deepseek", "qwen3_5", "qwen3_next", "qwen3_5_moe", "nemotron_h", "olmoe", "minimax_m2", "ernie4_5",
-           "hunyuan", "phimoe", "lfm2", "lfm2_moe", "llama4", "granitemoehybrid")
+           "hunyuan", "phimoe", "lfm2", "lfm2_moe", "llama4", "granitemoehybrid",
+           "kimi_linear")
 
 # Architectures known and refused, with why (their config.json is never half-read)
 REFUSED = {
@@ -194,6 +195,7 @@ def layer_projection_params(config, layer: int = 0) -> dict[tuple, float]:
 # Multi-head latent attention's projections (models/mixers/mla.py) beside q and o: each weight
 # multiplies every token once (w_ukv: W_uk on the queries, W_uv on the outputs)
 LATENT_PROJECTIONS = ("q_a", "q_b", "kv_a", "w_ukv")
-# A linear layer's projections: Gated DeltaNet's (models/mixers/gated_deltanet.py, either layout)
-# and Mamba2's (models/mixers/mamba2.py); LFM2's short convolution has b, c, x and out
-LINEAR_PROJECTIONS = ("q", "k", "v", "z", "b", "a", "out", "qkvz", "ba", "x", "c", "dt")
+# A linear layer's projections: Gated DeltaNet's (models/mixers/gated_deltanet.py, either layout),
+# Mamba2's (models/mixers/mamba2.py), LFM2's short convolution (b, c, x, out) and KDA's
+# (models/mixers/kda.py: the gates' two bottlenecks)
+LINEAR_PROJECTIONS = ("q", "k", "v", "z", "b", "a", "out", "qkvz", "ba", "x", "c", "dt", "f_a", "f_b", "g_a", "g_b")
