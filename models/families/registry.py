@@ -16,7 +16,7 @@ from jaxfill.models.config import ConfigError
 MODULES = ("llama", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "olmo3", "glm", "seed_oss", "exaone4",
            "ministral", "arcee", "apertus", "smollm3", "granite", "mixtral", "qwen3_moe", "glm4_moe", "gpt_oss",
            "deepseek", "qwen3_5", "qwen3_next", "qwen3_5_moe", "nemotron_h", "olmoe", "minimax_m2", "ernie4_5",
-           "hunyuan", "phimoe")
+           "hunyuan", "phimoe", "deepseek_dsa")
 
 
 @functools.lru_cache(maxsize=1)
@@ -181,8 +181,9 @@ def layer_projection_params(config, layer: int = 0) -> dict[tuple, float]:
 
 
 # Multi-head latent attention's projections (models/mixers/mla.py) beside q and o: each weight
-# multiplies every token once (w_ukv: W_uk on the queries, W_uv on the outputs)
-LATENT_PROJECTIONS = ("q_a", "q_b", "kv_a", "w_ukv")
+# multiplies every token once (w_ukv: W_uk on the queries, W_uv on the outputs; index_*: the
+# sparse-attention indexer's, models/mixers/mla_indexer.py)
+LATENT_PROJECTIONS = ("q_a", "q_b", "kv_a", "w_ukv", "index_q", "index_k", "index_weights")
 # A linear layer's projections: Gated DeltaNet's (models/mixers/gated_deltanet.py, either layout)
 # and Mamba2's (models/mixers/mamba2.py)
 LINEAR_PROJECTIONS = ("q", "k", "v", "z", "b", "a", "out", "qkvz", "ba", "x", "c", "dt")
