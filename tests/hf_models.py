@@ -143,6 +143,12 @@ HYBRID_KWARGS = {
                                        pad_token_id=0, bos_token_id=1, eos_token_id=2)),
 }
 ARCHS = ("llama", "mistral", "qwen2") + tuple(FAMILY_KWARGS)
+# DeepSeek sparse attention's MoE models (V3.2, GLM-5, in MOE_KWARGS): a dense first layer
+# then two sparse ones, MLA with a low-rank q (the indexer's queries come from it)
+DSA_SHAPE = dict(num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16,
+                 qk_nope_head_dim=24, v_head_dim=20, n_routed_experts=8, num_experts_per_tok=3,
+                 moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, index_topk=16,
+                 index_head_dim=32, index_n_heads=8)
 # Mixtures of experts (tests/test_moe_parity.py): 8 experts, top 2, so with expert=4 each
 # rank holds two and short prompts leave some ranks' experts without a token; Qwen3-MoE
 # keeps a dense layer between its sparse ones, Qwen2-MoE adds the gated shared expert.
@@ -189,6 +195,18 @@ MOE_KWARGS = {
                                        qk_rope_head_dim=16, qk_nope_head_dim=24, v_head_dim=20, n_routed_experts=8,
                                        num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=2,
                                        first_k_dense_replace=1, routed_scaling_factor=1.5)),
+    # DeepSeek V3.2 (sparse attention): V3's shape with a lightning indexer of 8 heads x 32
+    # (rope on its first 16 dims, in halves) whose top 16 keys bind on the 64- and 300-token
+    # prompts and the greedy continuation; 8 heads keep exact ties of the ReLU'd scores (all
+    # heads 0) rare; YaRN with the mscale correction
+    "deepseek_v32": ("DeepseekV32", dict(DSA_SHAPE, n_group=4, topk_group=2, routed_scaling_factor=1.8,
+                                         rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                                                          "mscale": 0.707, "mscale_all_dim": 1.0,
+                                                          "beta_fast": 32.0, "beta_slow": 1.0,
+                                                          "original_max_position_embeddings": 64})),
+    # GLM-5: the same with the indexer's rope in interleaved pairs, ungrouped routing x2.5
+    "glm_moe_dsa": ("GlmMoeDsa", dict(DSA_SHAPE, num_experts_per_tok=2,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 1e4})),
     # 4 layers: sliding (a 24-token window), full, sliding, full; a clamp low enough to bind
     "gpt_oss": ("GptOss", dict(num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=2,
                                intermediate_size=32, head_dim=16, sliding_window=24, swiglu_limit=0.5,

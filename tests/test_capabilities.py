@@ -62,6 +62,8 @@ HYBRID = {"model.linear_layers": [0, 1, 2], "model.linear_num_key_heads": 2, "mo
 MLA = {"model.architecture": "DeepseekV3ForCausalLM", "model.kv_lora_rank": 32, "model.qk_rope_head_dim": 16,
        "model.qk_nope_head_dim": 16, "model.v_head_dim": 16, "model.num_kv_heads": 1, "model.head_dim": 48,
        "model.rotary_dim": 16}
+DSA = {**MLA, "model.q_lora_rank": 16, "model.index_topk": 8, "model.index_n_heads": 2, "model.index_head_dim": 16,
+       "model.head_dim": 64}
 # one config (tiny_random overrides, extra flags) that breaks each rule and no earlier one
 BREAKS = {
     ("linear", "mesh.data"): ({**HYBRID, "mesh.data": 2}, ()),
@@ -75,6 +77,7 @@ BREAKS = {
     ("linear", "model.weight_dtype=int8"): ({**HYBRID, "model.weight_dtype": "int8"}, ()),
     ("mla", "model.weight_dtype=int8"): ({**MLA, "model.weight_dtype": "int8"}, ()),
     ("mesh.expert", "!moe"): ({"mesh.expert": 2}, ()),
+    ("dsa", "mesh.sequence"): ({**DSA, "mesh.sequence": 2}, ()),
     ("mesh.stage", "mesh.sequence"): ({"mesh.stage": 2, "mesh.sequence": 2}, ()),
     ("engine.scan_layers", "mesh.stage"): ({"engine.scan_layers": True, "mesh.stage": 2}, ()),
     ("engine.attention_impl=pallas", "mesh.sequence"): ({"engine.attention_impl": "pallas_gpu",

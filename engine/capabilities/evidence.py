@@ -82,6 +82,12 @@ EVIDENCE: tuple[Evidence, ...] = (
     Evidence("tests/test_mla_layouts.py::test_mla_with_experts", ("deepseek_v3",), ("mesh.expert",)),
     Evidence("tests/test_multihost.py::test_latent_attention_over_two_processes", ("deepseek_v3",),
              ("mesh.num_processes",)),
+    # DeepSeek sparse attention (MLA + the lightning indexer's top-k)
+    Evidence("tests/test_dsa_layouts.py::test_deepseek_v32_layouts", ("deepseek_v32",),
+             ("mesh.tensor", "mesh.stage", "engine.scan_layers", "engine.kv_cache_dtype=int8",
+              "engine.enable_prefix_caching")),
+    Evidence("tests/test_dsa_layouts.py::test_glm_moe_dsa_layouts", ("glm_moe_dsa",),
+             ("mesh.tensor", "engine.enable_prefix_caching")),
     # linear-attention hybrids
     *_each("tests/test_hybrid_layouts.py::test_hybrid_layouts_agree", ("qwen3_5", "qwen3_next", "qwen3_5_moe",
                                                                        "nemotron_h"),

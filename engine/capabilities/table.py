@@ -8,7 +8,8 @@ nothing downgrades silently.
 
 A condition is a capability key (a config setting that is "on": `mesh.tensor` means
 mesh.tensor > 1), a model kind (`mla`, `moe`, `linear`, `gated_deltanet`, `mamba2`,
-`short_conv`, `kda`, `attention`), `platform=cpu`, or `serve.role=prefill/decode`; a leading `!` negates it.
+`short_conv`, `kda`, `attention`, `dsa`: DeepSeek sparse attention's indexer), `platform=cpu`, or
+`serve.role=prefill/decode`; a leading `!` negates it.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ SETTINGS: dict[str, Callable] = {
     "engine.kv_cache_dtype=quantized": lambda c: c.engine.kv_cache_dtype != "auto",
     "model.dtype=bfloat16": lambda c: str(c.model.dtype) == "bfloat16",
 }
-KINDS = ("attention", "mla", "gated_deltanet", "mamba2", "short_conv", "kda", "linear", "moe")
+KINDS = ("attention", "mla", "gated_deltanet", "mamba2", "short_conv", "kda", "linear", "moe", "dsa")
 LINEAR_KINDS = ("gated_deltanet", "mamba2", "short_conv", "kda")  # each is also "linear"
 
 
@@ -66,12 +67,14 @@ def model_kinds(model) -> frozenset[str]:
         kinds.add("mla" if model.mla.kv_lora_rank else "attention")
     if model.moe.num_experts:
         kinds.add("moe")
+    if model.mla.index_topk:
+        kinds.add("dsa")
     return frozenset(kinds)
 
 
 def family_kinds(family) -> frozenset[str]:
     """What a family's models hold, from its declared mixers (models/families/base.py)."""
-    kinds = set(family.mixers) | ({"moe"} if family.experts else set())
+    kinds = set(family.mixers) | ({"moe"} if family.experts else set()) | ({"dsa"} if family.indexer else set())
     return frozenset(kinds | ({"linear"} if kinds & set(LINEAR_KINDS) else set()))
 
 
@@ -107,6 +110,8 @@ RULES: tuple[Rule, ...] = (
     Rule(("mla", "model.weight_dtype=int8"), "the latent projections have no int8 path",
          "model.weight_dtype = auto"),
     Rule(("mesh.expert", "!moe"), "mesh.expert splits experts, and this model has none", "mesh.expert = 1"),
+    Rule(("dsa", "mesh.sequence"), "the sparse-attention indexer scores every cached key of a sequence, which "
+         "context parallelism deals over ranks", "mesh.sequence = 1"),
     # layouts
     Rule(("mesh.stage", "mesh.sequence"), "pipeline stages compose with mesh.tensor and mesh.data, not sequence",
          "mesh.stage = 1 or mesh.sequence = 1"),

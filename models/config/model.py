@@ -110,7 +110,7 @@ class ModelConfig:
         """What a section cannot check alone: its fields against the model's shapes."""
         a, mla = self.attention, self.mla
         if mla.enabled:
-            want = dict(num_kv_heads=1, head_dim=mla.kv_lora_rank + mla.qk_rope_head_dim)
+            want = dict(num_kv_heads=1, head_dim=mla.entry_width)
             bad = {k: getattr(self, k) for k, v in want.items() if getattr(self, k) != v}
             if a.rotary_dim != mla.qk_rope_head_dim:
                 bad["rotary_dim"] = a.rotary_dim

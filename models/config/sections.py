@@ -106,7 +106,10 @@ class AttentionConfig:
 class MLAConfig:
     """Multi-head latent attention (models/mixers/mla.py, DeepSeek); kv_lora_rank = 0: not MLA. The
     cache then holds one "head" per token: the normalised latent and the roped key,
-    head_dim = kv_lora_rank + qk_rope_head_dim, num_kv_heads = 1."""
+    head_dim = kv_lora_rank + qk_rope_head_dim, num_kv_heads = 1. DeepSeek sparse attention
+    (index_topk > 0, models/mixers/mla_indexer.py: V3.2, GLM-5) adds the lightning
+    indexer's key as index_head_dim more columns of that entry, and each query attends
+    only the index_topk cached positions its indexer scores highest."""
     kv_lora_rank: int = 0
     q_lora_rank: int = 0  # 0: q straight from the hidden state (V2-Lite)
     qk_nope_head_dim: int = 0
@@ -115,9 +118,22 @@ class MLAConfig:
     # absorbed: attend over the latent; expanded: K/V per head from it (models/mixers/mla_expanded.py);
     # auto: per step, whichever costs fewer multiply-adds for the batch's lengths
     form: str = "auto"
+    index_topk: int = 0  # keys each query attends (DeepSeek sparse attention); 0: every causal key
+    index_n_heads: int = 0  # the indexer's query heads
+    index_head_dim: int = 0  # its key (one per token, cached) and query head width
+    # the indexer's rope turns (even, odd) pairs (GLM-5), not the halves (V3.2)
+    index_rope_interleave: bool = False
 
     def __post_init__(self):
         _choose("mla_form", self.form, ("auto", "absorbed", "expanded"))
+        if self.index_topk < 0:
+            raise ConfigError(f"model.index_topk must be >= 0, got {self.index_topk}")
+        if self.index_topk and not (self.kv_lora_rank and self.q_lora_rank and self.index_n_heads > 0
+                                    and self.qk_rope_head_dim <= self.index_head_dim):
+            raise ConfigError("model.index_topk (DeepSeek sparse attention) needs an MLA model with q_lora_rank "
+                              "(the indexer's queries come from the q latent), index_n_heads > 0 and "
+                              f"index_head_dim >= qk_rope_head_dim; got q_lora_rank={self.q_lora_rank}, "
+                              f"index_n_heads={self.index_n_heads}, index_head_dim={self.index_head_dim}")
         if self.kv_lora_rank and not (self.qk_nope_head_dim > 0 and self.qk_rope_head_dim > 0
                                       and self.v_head_dim > 0):
             raise ConfigError(f"an MLA model (kv_lora_rank={self.kv_lora_rank}) needs positive "
@@ -126,6 +142,11 @@ class MLAConfig:
     @property
     def enabled(self) -> bool:
         return self.kv_lora_rank > 0
+
+    @property
+    def entry_width(self) -> int:
+        """A cached token's values: the latent, the roped key and the indexer's key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim + (self.index_head_dim if self.index_topk else 0)
 
 
 @dataclasses.dataclass(frozen=True)

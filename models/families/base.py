@@ -72,6 +72,7 @@ class Family:
     # on them from these, never from a hand-written list.
     mixers: tuple[str, ...] = ("attention",)  # attention | mla | gated_deltanet | mamba2 | kda
     experts = False  # mixture-of-experts MLPs
+    indexer = False  # DeepSeek sparse attention's lightning indexer over MLA (kind "dsa")
     tested = ""  # what the parity tests show, for `jaxfill models` and the README table
 
     # --- config.json -> ModelConfig ------------------------------------------------

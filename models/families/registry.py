@@ -17,7 +17,7 @@ MODULES = ("llama", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "olmo3", "glm"
            "ministral", "arcee", "apertus", "smollm3", "granite", "mixtral", "qwen3_moe", "glm4_moe", "gpt_oss",
            "deepseek", "qwen3_5", "qwen3_next", "qwen3_5_moe", "nemotron_h", "olmoe", "minimax_m2", "ernie4_5",
            "hunyuan", "phimoe", "lfm2", "lfm2_moe", "llama4", "granitemoehybrid",
-           "kimi_linear")
+           "kimi_linear", "deepseek_dsa")
 
 # Architectures known and refused, with why (their config.json is never half-read)
 REFUSED = {
@@ -193,8 +193,9 @@ def layer_projection_params(config, layer: int = 0) -> dict[tuple, float]:
 
 
 # Multi-head latent attention's projections (models/mixers/mla.py) beside q and o: each weight
-# multiplies every token once (w_ukv: W_uk on the queries, W_uv on the outputs)
-LATENT_PROJECTIONS = ("q_a", "q_b", "kv_a", "w_ukv")
+# multiplies every token once (w_ukv: W_uk on the queries, W_uv on the outputs; index_*: the
+# sparse-attention indexer's, models/mixers/mla_indexer.py)
+LATENT_PROJECTIONS = ("q_a", "q_b", "kv_a", "w_ukv", "index_q", "index_k", "index_weights")
 # A linear layer's projections: Gated DeltaNet's (models/mixers/gated_deltanet.py, either layout),
 # Mamba2's (models/mixers/mamba2.py), LFM2's short convolution (b, c, x, out) and KDA's
 # (models/mixers/kda.py: the gates' two bottlenecks)
