@@ -79,6 +79,9 @@ EVIDENCE: tuple[Evidence, ...] = (
     Evidence("tests/test_mla_layouts.py::test_mla_with_experts", ("deepseek_v3",), ("mesh.expert",)),
     Evidence("tests/test_multihost.py::test_latent_attention_over_two_processes", ("deepseek_v3",),
              ("mesh.num_processes",)),
+    # fp8 block-scaled checkpoints kept in fp8 (model.weight_dtype = fp8_block)
+    *_each("tests/test_fp8_block.py::test_fp8_checkpoint_matches_hf_on_its_dequantized_weights",
+           ("llama", "qwen3_moe", "deepseek_v3"), ("model.weight_dtype=fp8_block",)),
     # linear-attention hybrids
     *_each("tests/test_hybrid_layouts.py::test_hybrid_layouts_agree", ("qwen3_5", "qwen3_next", "qwen3_5_moe",
                                                                        "nemotron_h"),
