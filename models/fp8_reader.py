@@ -26,9 +26,10 @@ class Fp8Reader:
         want = (-(-n_out // b0), -(-n_in // b1))
         start, stop = spec.rows or (0, n_out)
         if scales.shape != want or scales.dtype != np.float32 or start % b0:
+            cut = f", and part rows from {start} on a block boundary" if start % b0 else ""
             raise CheckpointError(f"tensor {name[:-len('.weight')] + fp8_block.HF_SCALE!r} is {list(scales.shape)} "
-                                  f"{scales.dtype}: {list(spec.hf_shape)} in {b0}x{b1} blocks (model.weight_block_size) "
-                                  f"needs {list(want)} float32" + (f", and rows {start}: a block boundary" if start % b0 else ""))
+                                  f"{scales.dtype}: {list(spec.hf_shape)} in {b0}x{b1} blocks "
+                                  f"(model.weight_block_size) needs {list(want)} float32{cut}")
         self.weight = rows_of(stored, spec.rows)
         self.spec, self.block, self.num_out = spec, block, k
         rows = rows_of(scales, (start // b0, -(-stop // b0)))

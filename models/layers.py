@@ -90,7 +90,8 @@ class GatedMLP(nnx.Module):
                  activation: str = "silu"):
         wd = weight_dtype
         self.activation = activation
-        self.gate, self.gate_scale = projection(rngs, (hidden, intermediate), ("embed", "mlp"), dtype, 1, wd, name="gate")
+        self.gate, self.gate_scale = projection(rngs, (hidden, intermediate), ("embed", "mlp"), dtype, 1, wd,
+                                                name="gate")
         self.up, self.up_scale = projection(rngs, (hidden, intermediate), ("embed", "mlp"), dtype, 1, wd, name="up")
         self.down, self.down_scale = projection(rngs, (intermediate, hidden), ("mlp", "embed"), dtype, 1, wd,
                                                 name="down")

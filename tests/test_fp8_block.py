@@ -190,7 +190,8 @@ def test_missing_or_misshapen_scales_are_refused_by_name(fp8_dirs, tmp_path):
     directory = fp8_dirs("llama")
     tensors = load_torch(os.path.join(directory, "model.safetensors"))
     name = "model.layers.1.mlp.down_proj.weight_scale_inv"
-    for case, change in {"missing": lambda t: t.pop(name), "shape": lambda t: t.update({name: t[name][:, :-1]})}.items():
+    changes = {"missing": lambda t: t.pop(name), "shape": lambda t: t.update({name: t[name][:, :-1]})}
+    for case, change in changes.items():
         bad = str(tmp_path / case)
         shutil.copytree(directory, bad)
         broken = dict(tensors)

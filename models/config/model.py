@@ -47,7 +47,8 @@ RENAMED = {
 }
 FLAT_KEYS = {**{f.name: (section, f.name) for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)
                 if (section, f.name) not in RENAMED.values()}, **RENAMED}
-TUPLE_KEYS = ("weight_block_size", "layer_types", "nope_layers", "dense_layers", "linear_layers", "no_mlp_layers", "no_mixer_layers")
+TUPLE_KEYS = ("weight_block_size", "layer_types", "nope_layers", "dense_layers", "linear_layers", "no_mlp_layers",
+              "no_mixer_layers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +76,8 @@ class ModelConfig:
     norms: NormConfig = NormConfig()
     embeddings: EmbeddingConfig = EmbeddingConfig()
     dtype: str = "float32"  # parameter and activation dtype
-    weight_dtype: str = "auto"  # projection weights: "auto" (= dtype), "int8" (w8a16, per-channel f32 scales), "fp8_block"
+    # projection weights: "auto" (= dtype), "int8" (w8a16, per-channel f32 scales), "fp8_block"
+    weight_dtype: str = "auto"
     weight_fp8: str = "float8_e4m3fn"  # fp8_block: the fp8 format the projections are kept in
     weight_block_size: tuple[int, int] = (128, 128)  # an fp8 checkpoint's scale blocks (outputs, inputs)
     bos_token_id: int | None = None
