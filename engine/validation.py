@@ -10,6 +10,8 @@ builds anything (some rules hold on one platform only); nothing reads a weight f
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from jaxfill.engine.capabilities.table import CAPABILITIES, KINDS, SETTINGS, Rule, model_kinds, refusals
 from jaxfill.models.config import ConfigError
 from jaxfill.models.sharding import head_repeat
@@ -80,6 +82,8 @@ def check_values(config) -> None:
         check_mesh(model, mesh)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if model.weight_dtype == "fp8_block":
+        _check_fp8_blocks(model, mesh)
 
 
 def check_mesh(model, mesh) -> None:
@@ -102,6 +106,31 @@ def check_mesh(model, mesh) -> None:
     if model.num_layers % mesh.stage:
         raise ValueError(f"mesh.stage={mesh.stage} does not divide model.num_layers={model.num_layers}: "
                          "every pipeline stage holds the same number of layers")
+
+
+def _check_fp8_blocks(model, mesh) -> None:
+    """fp8 weights split over devices with their block scales (models/fp8_block.py): a
+    device must hold whole blocks, or its share of a scale would serve two devices."""
+    from jaxfill.models.families.registry import layer_params
+    from jaxfill.models.fp8_block import LAYOUTS, is_fp8, split_error
+    from jaxfill.models.sharding import MESH_AXES, RULES, logical_spec, mesh_axis_size
+
+    sizes = _Mesh(MESH_AXES, tuple(int(getattr(mesh, a)) for a in MESH_AXES))
+    for kind in {id(ps): ps for ps in (layer_params(model, n) for n in range(model.num_layers))}.values():
+        for p in kind:
+            if p.path[-1] in LAYOUTS and is_fp8(p.dtype):
+                spec = logical_spec(p.axes, RULES, sizes, p.shape)
+                why = split_error(p.path[-1], p.shape, p.axes, spec, lambda a: mesh_axis_size(sizes, a),
+                                  model.weight_block_size)
+                if why:
+                    raise ConfigError(f"{model.architecture}: model.weight_dtype = 'fp8_block' with mesh.tensor = "
+                                      f"{mesh.tensor}, mesh.expert = {mesh.expert} cuts an fp8 block ({why}); change "
+                                      f"mesh.tensor or model.weight_dtype = auto")
+
+
+class _Mesh(NamedTuple):  # what models/sharding.py's logical_spec reads of a mesh
+    axis_names: tuple
+    axis_sizes: tuple
 
 
 def _check_hybrid(model, engine, mesh) -> None:

@@ -21,7 +21,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from jaxfill.models import mxfp4
+from jaxfill.models import fp8_block, mxfp4
 from jaxfill.models.config import ModelConfig
 from jaxfill.models.decoder import Decoder
 from jaxfill.models.execution_plan import ExecutionPlan
@@ -35,6 +35,7 @@ from jaxfill.models.quant import (
 SAFETENSORS_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+    **fp8_block.SAFETENSORS,
 }
 
 
@@ -219,6 +220,8 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
     checkpoint fails fast and whole. With a stacked `plan` the params go straight into the
     stacked layout of models/parallel/pipeline.py: `place` gets each stacked param as one
     StackedSlices, so a device reads only its own stage's layers."""
+    from jaxfill.models.fp8_reader import Fp8Reader  # it reads through this module's TensorSlices
+
     model = nnx.eval_shape(lambda: new_model(config, nnx.Rngs(0), attention_impl=attention_impl, plan=plan))
     graphdef, state = nnx.split(model)
     params = {path: var for path, var in nnx.to_flat_state(state)}
@@ -232,6 +235,8 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
     todo: list[tuple[HFTensor, Callable]] = []  # (where, target dtype -> reader)
     seen: set[str] = set()
     packed: dict[str, dict] = {}  # MXFP4 tensors: name -> {suffix: stored}
+    fp8_scales: dict[str, StoredTensor] = {}  # fp8 weight name -> its weight_scale_inv
+    fp8: list[tuple[str, StoredTensor, tuple]] = []  # (name, stored, parts) of fp8 weights
     for path in files:
         for name, stored in read_safetensors(path):
             name = rename(name)
@@ -242,6 +247,10 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
             if name in seen:
                 raise CheckpointError(f"tensor {name!r} appears twice ({os.path.basename(path)} again)")
             seen.add(name)
+            if name.endswith((fp8_block.HF_SCALE, fp8_block.HF_ACTIVATION_SCALE)) and name not in table:
+                if name.endswith(fp8_block.HF_SCALE):
+                    fp8_scales[name[:-len(fp8_block.HF_SCALE)] + ".weight"] = stored
+                continue
             base = name[:-len(mxfp4.SUFFIXES[0])]
             if name not in table and name.endswith(mxfp4.SUFFIXES) and isinstance(table.get(base), HFTensor):
                 packed.setdefault(base, {})[name[len(base):]] = stored
@@ -253,7 +262,15 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
             if stored.shape != parts[0].hf_shape:
                 raise CheckpointError(f"tensor {name!r} has shape {stored.shape}, "
                                       f"config.json implies {parts[0].hf_shape}")
+            if fp8_block.is_fp8(stored.dtype):
+                fp8.append((name, stored, parts))
+                continue
             todo.extend((part, _plain_reader(rows_of(stored, part.rows), part)) for part in parts)
+    for name, stored, parts in fp8:
+        scales = fp8_scales.pop(name, None)
+        todo.extend((part, Fp8Reader(name, stored, scales, part, config.weight_block_size)) for part in parts)
+    if fp8_scales:
+        raise CheckpointError(f"scales without an fp8 weight: {sorted(fp8_scales)[:3]}")
     for base, pair in packed.items():
         spec = table.pop(base)
         todo.append((spec, _mxfp4_reader(base, pair, spec)))
@@ -263,9 +280,22 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
     target = np.dtype(config.jnp_dtype)
     entries: dict[tuple, dict] = {}  # param path -> {indices in its stack: reader}
     levels: dict[tuple, tuple] = {}  # param path -> ((param axis, count), ...) of its stack
+    stages = plan.layer_groups
+    per_stage = config.num_layers // stages
+
+    def dtype_of(p: tuple) -> np.dtype:  # the model's param (a stacked plan holds layer n at n % K)
+        return np.dtype(params[("layers", p[1] % per_stage) + p[2:] if stages > 1 and p[0] == "layers" else p].dtype)
+
     for spec, reader_of in todo:
         path = spec.param_path
-        if is_quantized(path, config.weight_dtype):  # int8 from the f32 values, slice by slice
+        if fp8_block.is_fp8(dtype_of(path)):  # kept as stored, with its block scales
+            if not isinstance(reader_of, Fp8Reader):
+                raise CheckpointError(f"{path} is stored unquantized but model.weight_dtype = fp8_block keeps it "
+                                      "in fp8: set model.weight_dtype = auto")
+            s, n, _ = fp8_block.LAYOUTS[path[-1]]
+            stack = tuple((axis - (n - 1) * (axis >= s + n), index, count) for axis, index, count in spec.stack)
+            pairs = [(path, reader_of(dtype_of(path)), spec.stack), (scale_path(path), reader_of.scales, stack)]
+        elif is_quantized(path, config.weight_dtype):  # int8 from the f32 values, slice by slice
             # experts stacked in the checkpoint itself (gpt-oss) carry their expert axis
             stacked = 0 if spec.stack else STACKED_AXES.get(path[-1], 0)
             tensor = QuantizedSlices(reader_of(np.dtype(np.float32)), QUANTIZED_INPUT_AXES[path[-1]], stacked)
@@ -276,8 +306,6 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
             entries.setdefault(p, {})[tuple(index for _, index, _ in stack)] = reader
             levels[p] = tuple((axis, count) for axis, _, count in stack)
     readers: dict[tuple, object] = {}  # param path -> reader (a list of stage rows while stacking)
-    stages = plan.layer_groups
-    per_stage = config.num_layers // stages
     for p, parts in entries.items():
         reader = assemble(parts, levels[p])
         if stages > 1 and p[0] == "layers":  # layer n is row n // K of module n % K

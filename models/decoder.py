@@ -35,7 +35,7 @@ def mlp(c: ModelConfig, rngs: nnx.Rngs, index: int):
     if is_moe_layer(c, index):
         return MoE(c, rngs)
     dense = GatedMLP if c.mlp_gated else MLP
-    return dense(c.hidden_size, c.intermediate_size, c.jnp_dtype, rngs, c.weight_dtype, c.hidden_act)
+    return dense(c.hidden_size, c.intermediate_size, c.jnp_dtype, rngs, c.weight_form, c.hidden_act)
 
 
 class DecoderLayer(nnx.Module):

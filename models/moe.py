@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxfill.models import fp8_block
 from jaxfill.models.config import ModelConfig
 from jaxfill.models.grouped_matmul import grouped_matmul
 from jaxfill.models.layers import ACTIVATIONS, GatedMLP, param, projection
@@ -112,10 +113,17 @@ def grouped_experts(x: jax.Array,  # [T, H]
                     impl: str = "auto",  # models/grouped_matmul.py
                     swiglu: tuple[float, float] | None = None,  # see `gated`
                     weights_inputs: bool = False,  # the weight scales the expert's input (Llama 4)
+                    block: tuple[int, int] | None = None,  # fp8 weights: their scales' blocks
                     ) -> jax.Array:  # [T, H] f32: this rank's share of the MoE output
     """The pairs routed to the local experts, sorted by expert, through two grouped
     matmuls (models/grouped_matmul.py). Pairs of other ranks' experts sort last, past
-    every group, and are dropped."""
+    every group, and are dropped. fp8 experts are dequantized here, on this rank's
+    share (its scales split with them: whole blocks, engine/validation.py)."""
+    if fp8_block.is_fp8(params["gate_up"].dtype):
+        weights_of = {name: fp8_block.dequantize(params[name], params[name + "_scale"],
+                                                 fp8_block.LAYOUTS["experts_" + name], block, x.dtype)
+                      for name in ("gate_up", "down")}
+        params = {k: v for k, v in params.items() if k not in ("gate_up_scale", "down_scale")} | weights_of
     gate_up, down = params["gate_up"], params["down"]
     t, k = ids.shape
     n_local, h, _, inter = gate_up.shape
@@ -160,13 +168,16 @@ EXPERT_AXES = {
     "gate_up_scale": ("experts", None, "moe_mlp"), "down_scale": ("experts", "embed"),
     "gate_up_bias": ("experts", None, "moe_mlp"), "down_bias": ("experts", "embed"),
 }
+# fp8 weights' block scales [E, in / B1, 2, out / B0] and [E, in / B1, out / B0] (models/fp8_block.py)
+FP8_SCALE_AXES = {name + "_scale": fp8_block.scale_axes(EXPERT_AXES[name], fp8_block.LAYOUTS["experts_" + name])
+                  for name in ("gate_up", "down")}
 
 
 class MoE(nnx.Module):
     """Router, routed experts and (where the checkpoint has them) shared experts."""
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
-        c, dt, wd = config, config.jnp_dtype, config.weight_dtype
+        c, dt, wd = config, config.jnp_dtype, config.weight_form
         e, h, i = c.moe.num_experts, c.hidden_size, c.moe.intermediate_size
         self.config = c
         rdt = jnp.float32 if c.moe.router_f32 else dt
@@ -175,9 +186,9 @@ class MoE(nnx.Module):
                             if c.moe.selection_bias else None)
         self.router_logit_bias = param(rngs, (e,), (None,), rdt, scale=0.1) if c.moe.router_logit_bias else None
         self.experts_gate_up, self.experts_gate_up_scale = projection(
-            rngs, (e, h, 2, i), EXPERT_AXES["gate_up"], dt, 1, wd, stacked=1)
+            rngs, (e, h, 2, i), EXPERT_AXES["gate_up"], dt, 1, wd, stacked=1, name="experts_gate_up")
         self.experts_down, self.experts_down_scale = projection(
-            rngs, (e, i, h), EXPERT_AXES["down"], dt, 1, wd, stacked=1)
+            rngs, (e, i, h), EXPERT_AXES["down"], dt, 1, wd, stacked=1, name="experts_down")
         if c.moe.expert_bias:
             self.experts_gate_up_bias = param(rngs, (e, 2, i), EXPERT_AXES["gate_up_bias"], dt, scale=0.1)
             self.experts_down_bias = param(rngs, (e, h), EXPERT_AXES["down_bias"], dt, scale=0.1)
@@ -200,12 +211,15 @@ class MoE(nnx.Module):
             weights, ids = route(logits.astype(jnp.float32), c, _value(self.router_bias))
             swiglu = None if c.moe.swiglu_limit is None else (c.moe.swiglu_limit, c.moe.swiglu_alpha)
 
+            block = c.weight_form.block if c.weight_dtype == "fp8_block" else None
+
             def local(x, weights, ids, params, first_expert, lead):
                 return grouped_experts(x, weights, ids, params, first_expert, c.hidden_act, lead, swiglu=swiglu,
-                                       weights_inputs=c.moe.weights_inputs)
+                                       weights_inputs=c.moe.weights_inputs, block=block)
 
             params = {name: _value(getattr(self, "experts_" + name, None)) for name in EXPERT_AXES}
-            out = expert_parallel(local, x, weights, ids, params, EXPERT_AXES)
+            axes = {**EXPERT_AXES, **FP8_SCALE_AXES} if block else EXPERT_AXES
+            out = expert_parallel(local, x, weights, ids, params, axes)
             out = constrain(out.astype(x.dtype), ("tokens", "act_embed"))
             if self.shared is not None:
                 shared = self.shared(x)

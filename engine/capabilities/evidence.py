@@ -88,6 +88,9 @@ EVIDENCE: tuple[Evidence, ...] = (
               "engine.enable_prefix_caching")),
     Evidence("tests/test_dsa_layouts.py::test_glm_moe_dsa_layouts", ("glm_moe_dsa",),
              ("mesh.tensor", "engine.enable_prefix_caching")),
+    # fp8 block-scaled checkpoints kept in fp8 (model.weight_dtype = fp8_block)
+    *_each("tests/test_fp8_block.py::test_fp8_checkpoint_matches_hf_on_its_dequantized_weights",
+           ("llama", "qwen3_moe", "deepseek_v3"), ("model.weight_dtype=fp8_block",)),
     # linear-attention hybrids
     *_each("tests/test_hybrid_layouts.py::test_hybrid_layouts_agree", ("qwen3_5", "qwen3_next", "qwen3_5_moe",
                                                                        "nemotron_h"),

@@ -35,6 +35,8 @@ CAPABILITIES: dict[str, Capability] = {c.key: c for c in (
     Capability("mesh.num_processes", lambda c: int(c.mesh.num_processes) > 1, {"mesh.num_processes": 2}, 2),
     Capability("engine.scan_layers", lambda c: bool(c.engine.scan_layers), {"engine.scan_layers": True}),
     Capability("model.weight_dtype=int8", lambda c: c.model.weight_dtype == "int8", {"model.weight_dtype": "int8"}),
+    Capability("model.weight_dtype=fp8_block", lambda c: c.model.weight_dtype == "fp8_block",
+               {"model.weight_dtype": "fp8_block", "model.weight_block_size": [16, 16]}),
     Capability("engine.kv_cache_dtype=int8", lambda c: c.engine.kv_cache_dtype == "int8",
                {"engine.kv_cache_dtype": "int8"}),
     Capability("engine.kv_cache_dtype=float8_e4m3fn", lambda c: c.engine.kv_cache_dtype == "float8_e4m3fn",

@@ -24,13 +24,14 @@ from jaxfill.pallas_kernels import ragged_paged_attention, write_kv
 class Attention(nnx.Module):
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         c, dt = config, config.jnp_dtype
-        e, hq, hk, d, wd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.weight_dtype
+        e, hq, hk, d, wd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.weight_form
         # with an output gate (Qwen3.5) q_proj gives each head [q, gate]: 2D columns
         q_cols = 2 * d if c.attention.output_gate else d
-        self.q, self.q_scale = projection(rngs, (e, hq, q_cols), ("embed", "q_heads", "head_dim"), dt, 1, wd)
-        self.k, self.k_scale = projection(rngs, (e, hk, d), ("embed", "kv_heads", "head_dim"), dt, 1, wd)
-        self.v, self.v_scale = projection(rngs, (e, hk, d), ("embed", "kv_heads", "head_dim"), dt, 1, wd)
-        self.o, self.o_scale = projection(rngs, (hq, d, e), ("q_heads", "head_dim", "embed"), dt, 2, wd)
+        qkv = ("embed", "q_heads", "head_dim"), ("embed", "kv_heads", "head_dim")
+        self.q, self.q_scale = projection(rngs, (e, hq, q_cols), qkv[0], dt, 1, wd, name="q")
+        self.k, self.k_scale = projection(rngs, (e, hk, d), qkv[1], dt, 1, wd, name="k")
+        self.v, self.v_scale = projection(rngs, (e, hk, d), qkv[1], dt, 1, wd, name="v")
+        self.o, self.o_scale = projection(rngs, (hq, d, e), ("q_heads", "head_dim", "embed"), dt, 2, wd, name="o")
         if c.attention.bias:
             self.q_bias = param(rngs, (c.num_heads, c.head_dim), ("q_heads", "head_dim"), dt)
             self.k_bias = param(rngs, (c.num_kv_heads, c.head_dim), ("kv_heads", "head_dim"), dt)

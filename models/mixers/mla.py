@@ -30,10 +30,12 @@ from flax import nnx
 from jaxfill.models.config import ModelConfig
 from jaxfill.models.kv_cache import AttentionMetadata, sampled_rows_metadata
 from jaxfill.models.layer_settings import layer_settings
-from jaxfill.models.layers import RMSNorm, param
+from jaxfill.models import fp8_block
+from jaxfill.models.layers import RMSNorm, projection
 from jaxfill.models.mixers.context import MixerContext
 from jaxfill.models.mixers.mla_expanded import EXPAND_KEYS_PER_TOKEN, expanded_attention, prefers_expanded
 from jaxfill.models.mixers.mla_indexer import Indexer, needs_selection, select, sparse_attention
+from jaxfill.models.quant import qeinsum
 from jaxfill.models.rope import apply_rope
 from jaxfill.models.parallel.context import sharded_attention
 from jaxfill.models.sharding import constrain, kv_heads_for
@@ -51,17 +53,21 @@ class LatentAttention(nnx.Module):
         c, dt = config, config.jnp_dtype
         e, h, lat, rope = c.hidden_size, c.num_heads, c.mla.kv_lora_rank, c.mla.qk_rope_head_dim
         nope, vd = c.mla.qk_nope_head_dim, c.mla.v_head_dim
+        # fp8 block-scaled projections as a checkpoint stores them (models/fp8_block.py); int8 is refused
+        wd = c.weight_form if c.weight_dtype == "fp8_block" else "auto"
+        heads = (None, "q_heads", "head_dim")
         if c.mla.q_lora_rank:
-            self.q_a = param(rngs, (e, c.mla.q_lora_rank), ("embed", None), dt)
-            self.q_a_norm = RMSNorm(c.mla.q_lora_rank, LATENT_NORM_EPS, dt, rngs, kind=c.norms.kind)
-            self.q_b = param(rngs, (c.mla.q_lora_rank, h, nope + rope), (None, "q_heads", "head_dim"), dt)
+            r = c.mla.q_lora_rank
+            self.q_a, self.q_a_scale = projection(rngs, (e, r), ("embed", None), dt, 1, wd, name="q_a")
+            self.q_a_norm = RMSNorm(r, LATENT_NORM_EPS, dt, rngs, kind=c.norms.kind)
+            self.q_b, self.q_b_scale = projection(rngs, (r, h, nope + rope), heads, dt, 1, wd, name="q_b")
         else:
-            self.q = param(rngs, (e, h, nope + rope), ("embed", "q_heads", "head_dim"), dt)
-        self.kv_a = param(rngs, (e, lat + rope), ("embed", None), dt)
+            self.q, self.q_scale = projection(rngs, (e, h, nope + rope), ("embed",) + heads[1:], dt, 1, wd, name="q")
+        self.kv_a, self.kv_a_scale = projection(rngs, (e, lat + rope), ("embed", None), dt, 1, wd, name="kv_a")
         self.kv_a_norm = RMSNorm(lat, LATENT_NORM_EPS, dt, rngs, kind=c.norms.kind)
         # kv_b_proj: per head, W_uk (the first nope columns) and W_uv (the last v_head_dim)
-        self.w_ukv = param(rngs, (lat, h, nope + vd), (None, "q_heads", "head_dim"), dt)
-        self.o = param(rngs, (h, vd, e), ("q_heads", "head_dim", "embed"), dt)
+        self.w_ukv, self.w_ukv_scale = projection(rngs, (lat, h, nope + vd), heads, dt, 1, wd, name="w_ukv")
+        self.o, self.o_scale = projection(rngs, (h, vd, e), ("q_heads", "head_dim", "embed"), dt, 2, wd, name="o")
         self.indexer = Indexer(c, rngs) if c.mla.index_topk else None
         self.config = c
         self.sm_scale = c.attention.query_scale if c.attention.query_scale is not None else (nope + rope) ** -0.5
@@ -81,7 +87,7 @@ class LatentAttention(nnx.Module):
                  ) -> tuple[jax.Array, jax.Array]:  # [T, E] ([S, E] if ctx.sampled_only), pages
         c = self.config
         lat, nope = c.mla.kv_lora_rank, c.mla.qk_nope_head_dim
-        kv = x @ self.kv_a[...]  # [T, lat + rope]
+        kv = qeinsum("te,ec->tc", x, self.kv_a[...], self.kv_a_scale)  # [T, lat + rope]
         latent = self.kv_a_norm(kv[:, :lat])
         k_pe = self._rope(kv[:, None, lat:], ctx.positions, ctx.layer)  # [T, 1, rope]
         parts = [latent[:, None, :], k_pe.astype(latent.dtype)]
@@ -91,12 +97,12 @@ class LatentAttention(nnx.Module):
         x, positions = ctx.sampled(x), ctx.sampled(ctx.positions)
         index = None
         if c.mla.q_lora_rank:
-            q_latent = self.q_a_norm(x @ self.q_a[...])
-            q = jnp.einsum("tr,rhd->thd", q_latent, self.q_b[...])
+            q_latent = self.q_a_norm(qeinsum("te,er->tr", x, self.q_a[...], self.q_a_scale))
+            q = qeinsum("tr,rhd->thd", q_latent, self.q_b[...], self.q_b_scale)
             if self.indexer is not None:
                 index = (*self.indexer.queries(q_latent, x, positions, ctx.layer), positions)
         else:
-            q = jnp.einsum("te,ehd->thd", x, self.q[...])
+            q = qeinsum("te,ehd->thd", x, self.q[...], self.q_scale)
         q_pe = self._rope(q[..., nope:], positions, ctx.layer)
         q = jnp.concatenate([q[..., :nope], q_pe.astype(q.dtype)], axis=-1)
         r = kv_heads_for(2 * pages.shape[2], 1)  # a cache laid out for 'tensor' repeats the one head
@@ -105,10 +111,13 @@ class LatentAttention(nnx.Module):
         q = constrain(q, ("tokens", "act_heads", None))
         k = constrain(k, ("tokens", "act_kv_heads", None))
         q_meta = sampled_rows_metadata(ctx.meta) if ctx.sampled_only else ctx.meta
-        w_ukv = self.w_ukv[...].transpose(1, 0, 2)  # [H, lat, nope + vd]: heads first, split like q's
+        w_ukv = self.w_ukv[...]
+        if self.w_ukv_scale is not None:
+            w_ukv = fp8_block.dequantize_param(w_ukv, self.w_ukv_scale, x.dtype)
+        w_ukv = w_ukv.transpose(1, 0, 2)  # [H, lat, nope + vd]: heads first, split like q's
         attend = functools.partial(self._write_and_attend, impl=ctx.impl)
         out, pages = sharded_attention(attend, q, k, k, pages, q_meta, w_ukv, replicated=index)  # [T, H, vd]
-        out = jnp.einsum("thv,hve->te", out, self.o[...])  # all-reduce over tensor
+        out = qeinsum("thv,hve->te", out, self.o[...], self.o_scale)  # all-reduce over tensor
         return constrain(out, ("tokens", "act_embed")), pages
 
     def _write_and_attend(self, q, k, v, pages, meta, w_ukv, share, *, impl: str, replicated=None):
