@@ -27,13 +27,20 @@ DEFAULT = os.path.join(os.path.expanduser("~"), ".cache", "jaxfill", "smollm2", 
 
 
 def bf16_checkpoint(gguf: str, directory: str) -> str:
-    """The GGUF's weights as transformers loads them, saved as bf16 safetensors."""
+    """The GGUF's weights as transformers loads them, saved as bf16 safetensors with the
+    config transformers derives (its GGUF-loaded model refuses save_pretrained)."""
     import torch
     import transformers as tf
+    from safetensors.torch import save_file
+
+    from jaxfill.models.gguf import hf_config_of
 
     model = tf.AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),
                                                     dtype=torch.float32)
-    model.to(torch.bfloat16).save_pretrained(directory, safe_serialization=True)
+    tensors = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(tensors, os.path.join(directory, "model.safetensors"))
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump({**hf_config_of(gguf), "dtype": "bfloat16"}, f)
     return directory
 
 
