@@ -27,6 +27,8 @@ from jaxfill.models.decoder import Decoder
 from jaxfill.models.execution_plan import ExecutionPlan
 from jaxfill.models.families.base import HFTensor
 from jaxfill.models.families.registry import family_of, new_model
+from jaxfill.models.gguf import GGUFTensor, gguf_file, hf_config_of
+from jaxfill.models.gguf import tensors as gguf_tensors
 from jaxfill.models.progress import progress_bar
 from jaxfill.models.quant import (
     QUANTIZED_INPUT_AXES, STACKED_AXES, QuantizedSlices, is_quantized, quantize_param, scale_path,
@@ -180,13 +182,17 @@ def rows_of(stored: StoredTensor, rows: tuple | None) -> StoredTensor:
     """Rows [start, stop) of axis 0 of a stored tensor: a contiguous byte range of it."""
     if rows is None:
         return stored
+    if isinstance(stored, GGUFTensor):
+        return stored.take_rows(rows)
     start, stop = rows
     row_bytes = int(np.prod(stored.shape[1:], dtype=np.int64)) * np.dtype(stored.dtype).itemsize
     return StoredTensor(stored.file, stored.offset + start * row_bytes, stored.dtype,
                         (stop - start,) + tuple(stored.shape[1:]))
 
 
-def _plain_reader(stored: StoredTensor, spec: HFTensor) -> Callable:
+def _plain_reader(stored: StoredTensor | GGUFTensor, spec: HFTensor) -> Callable:
+    if isinstance(stored, GGUFTensor):
+        return lambda target: stored.slices(spec.stored_shape, spec.perm, target)
     return lambda target: TensorSlices(stored, spec.stored_shape, spec.perm, target)
 
 
@@ -214,7 +220,8 @@ def default_place(path: tuple, tensor: TensorSlices) -> jax.Array:
 def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "auto",
                    place: Callable[[tuple, TensorSlices], jax.Array] = default_place,
                    progress: bool = True, plan: ExecutionPlan = ExecutionPlan()) -> Decoder:
-    """Builds the config's model whose params come from a Hugging Face safetensors checkpoint.
+    """Builds the config's model whose params come from a Hugging Face safetensors checkpoint
+    (or a GGUF file, models/gguf/).
 
     Every header is checked (names, shapes) before any tensor data is read, so a wrong
     checkpoint fails fast and whole. With a stacked `plan` the params go straight into the
@@ -228,17 +235,19 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
     family = family_of(config.architecture)
     table = hf_to_param(config)
     rename = getattr(family, "rename", lambda name: name)
-    files = safetensors_files(model_dir)
+    gguf = gguf_file(model_dir)  # a GGUF: its tensors dequantized at read (models/gguf/)
+    files = [gguf] if gguf else safetensors_files(model_dir)
     hf_json = os.path.join(model_dir, "config.json")
-    with open(hf_json) if os.path.exists(hf_json) else open(os.devnull) as f:
-        skipped = family.skipped_prefixes(config, json.loads(f.read() or "{}"))
+    with open(hf_json) if os.path.exists(hf_json) and not gguf else open(os.devnull) as f:
+        hf = hf_config_of(gguf) if gguf else json.loads(f.read() or "{}")
+    skipped = family.skipped_prefixes(config, hf)
     todo: list[tuple[HFTensor, Callable]] = []  # (where, target dtype -> reader)
     seen: set[str] = set()
     packed: dict[str, dict] = {}  # MXFP4 tensors: name -> {suffix: stored}
     fp8_scales: dict[str, StoredTensor] = {}  # fp8 weight name -> its weight_scale_inv
     fp8: list[tuple[str, StoredTensor, tuple]] = []  # (name, stored, parts) of fp8 weights
     for path in files:
-        for name, stored in read_safetensors(path):
+        for name, stored in gguf_tensors(path) if gguf else read_safetensors(path):
             name = rename(name)
             if name.endswith(family.ignored_tensors) or name.startswith(skipped):
                 continue

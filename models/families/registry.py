@@ -56,14 +56,17 @@ def family_of(architecture: str | None):
 
 
 def config_from_hf(config):
-    """A Hugging Face config.json (a dict, a file, or a directory holding it) ->
-    ModelConfig, through the family its `architectures[0]` names."""
+    """A Hugging Face config.json (a dict, a file, or a directory holding it; or a GGUF
+    file, through the config transformers derives from it: models/gguf/) -> ModelConfig,
+    through the family its `architectures[0]` names."""
     import os
 
     from jaxfill.models.config import read_config_json
+    from jaxfill.models.gguf import gguf_file, hf_config_of
 
     if not isinstance(config, dict):
-        config = read_config_json(os.fspath(config))
+        gguf = gguf_file(config)
+        config = hf_config_of(gguf) if gguf else read_config_json(os.fspath(config))
     archs = config.get("architectures") or []
     arch = archs[0] if archs else None
     if arch in REFUSED:
