@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxfill.models import fp8_block
-from jaxfill.models.checkpoint import CheckpointError, StoredTensor, TensorSlices, rows_of
+from jaxfill.models.safetensors_file import CheckpointError, StoredTensor, TensorSlices, rows_of
 from jaxfill.models.families.base import HFTensor
 
 
