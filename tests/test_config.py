@@ -14,8 +14,10 @@ PRESETS = ["tiny", "tiny_random", "bench", "llama2_7b", "llama3_8b", "llama3_70b
 PUBLISHED_PARAMS = {"llama2_7b": 6.74e9, "llama3_8b": 8.03e9, "llama3_70b": 70.55e9, "mistral_7b": 7.24e9,
                     "qwen2_7b": 7.62e9, "qwen3_5_9b": 8.95e9,  # Qwen3.5-9B: its text model (GGUF metadata)
                     "qwen3_5_397b_a17b": 397e9,
-                    # Kimi-Linear-48B-A3B: the Hub's safetensors count (49.1B; "48B" in the name rounds it)
-                    "kimi_linear_48b_a3b": 49.1e9}
+                    # Kimi-Linear-48B-A3B: the Hub's safetensors count as recalled (49.1B, not confirmed
+                    # offline; "48B" in the name rounds it)
+                    "kimi_linear_48b_a3b": 49.1e9,
+                    "glm5": 744e9}  # the GLM-5 technical report's total (its MTP layer apart)
 
 
 @pytest.mark.parametrize("name", PRESETS)
