@@ -57,12 +57,21 @@ class DecoderLayer(nnx.Module):
         self.mlp = mlp(c, rngs, index)
         self.mlp_post_norm = norm(has_mlp, c.norms.layout != "pre")
         self.residual_scale = c.residual_scale
+        # Gemma 4: the layer's whole output (residual included) times a learned scalar
+        self.layer_scalar = param(rngs, (1,), (None,), dt, init="one_plus_normal", scale=0.1) if c.layer_scalar \
+            else None
 
     def __call__(self,
                  x: jax.Array,  # [T, E]
                  pages,  # this layer's cache entry (KV pages, latent pages, a LinearState or None)
                  ctx: MixerContext,
                  ):  # ([T, E] or [S, E], pages, expert token counts [experts] int32 or None)
+        x, pages, counts = self._blocks(x, pages, ctx)
+        if self.layer_scalar is not None:
+            x = x * self.layer_scalar[...]
+        return x, pages, counts
+
+    def _blocks(self, x, pages, ctx: MixerContext):
         if self.attn is not None:
             h, pages = self.attn(_maybe(self.attn_norm, x), pages, ctx)
         x = ctx.sampled(x)  # with sampled_only, only the sampled rows go on

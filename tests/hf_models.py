@@ -107,6 +107,19 @@ HYBRID_KWARGS = {
                                      mamba_num_heads=8, mamba_head_dim=12, n_groups=2, ssm_state_size=16,
                                      conv_kernel=4, chunk_size=16, layer_norm_epsilon=1e-5)),
 }
+# Gemma 4 (tests/test_gemma4.py): sliding, full, sliding, full; the full layers with their own
+# head dim (32, not 16), one KV head (not 2) and V = K; the proportional rope over half of each
+# full head; a sliding theta apart from the full one; a window (24) shorter than the prompts
+GEMMA4_KWARGS = {
+    "gemma4": (("Gemma4Text", "Gemma4"), dict(num_hidden_layers=4, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+                                  attention_k_eq_v=True, sliding_window=24, final_logit_softcapping=3.0,
+                                  hidden_size_per_layer_input=0,
+                                  layer_types=["sliding_attention", "full_attention"] * 2,
+                                  rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e3},
+                                                   "full_attention": {"rope_type": "proportional",
+                                                                      "partial_rotary_factor": 0.5,
+                                                                      "rope_theta": 1e4}})),
+}
 ARCHS = ("llama", "mistral", "qwen2") + tuple(FAMILY_KWARGS)
 # Mixtures of experts (tests/test_moe_parity.py): 8 experts, top 2, so with expert=4 each
 # rank holds two and short prompts leave some ranks' experts without a token; Qwen3-MoE
@@ -204,8 +217,8 @@ def make_hf_checkpoint(directory: str, arch: str, dtype: torch.dtype = torch.flo
     elif arch == "qwen2":
         kw.setdefault("tie_word_embeddings", True)
         cfg, cls = tf.Qwen2Config(**kw), tf.Qwen2ForCausalLM
-    elif arch in FAMILY_KWARGS or arch in MOE_KWARGS or arch in HYBRID_KWARGS:
-        name, extra = {**FAMILY_KWARGS, **MOE_KWARGS, **HYBRID_KWARGS}[arch]
+    elif arch in FAMILY_KWARGS or arch in MOE_KWARGS or arch in HYBRID_KWARGS or arch in GEMMA4_KWARGS:
+        name, extra = {**FAMILY_KWARGS, **MOE_KWARGS, **HYBRID_KWARGS, **GEMMA4_KWARGS}[arch]
         kw = dict(HF_SMALL, **extra)
         kw.update(overrides)
         config_name, model_name = (name, name) if isinstance(name, str) else name
@@ -229,6 +242,8 @@ def make_hf_checkpoint(directory: str, arch: str, dtype: torch.dtype = torch.flo
                 b.add_(0.3 * torch.randn_like(b))
             if name.endswith("act_fn.beta"):  # xIELU's beta (0.5 in every layer)
                 b.add_(0.2 * torch.randn_like(b))
+            if name.endswith("layer_scalar"):  # Gemma 4: 1 in every layer
+                b.add_(0.3 * torch.randn_like(b))
     os.makedirs(directory, exist_ok=True)
     model.save_pretrained(directory, safe_serialization=True)
     return directory

@@ -61,6 +61,7 @@ class ModelConfig:
     hidden_act: str = "silu"
     mlp_gated: bool = True  # act(x W_gate) * (x W_up) -> W_down; False: act(x W_up) -> W_down
     residual_scale: float = 1.0  # each block's output times this before the residual add (Granite)
+    layer_scalar: bool = False  # each layer's output times its own learned scalar (Gemma 4)
     # Single-block layers (Nemotron-H): a layer is its mixer (attention or linear) and its MLP,
     # each behind its norm, unless named here; an MLP-only layer holds no cache entry (None)
     no_mlp_layers: tuple[int, ...] = ()
@@ -125,6 +126,12 @@ class ModelConfig:
         if self.norms.kind == "layer" and (a.qk_norm != "none" or mla.enabled or self.linear.layers):
             raise ConfigError("model.norm_kind = layer (LayerNorm) is for the blocks' norms: it does not combine "
                               "with qk_norm, MLA or linear layers, whose norms are RMSNorms")
+        if (a.global_head_dim or a.global_kv_heads or a.global_k_eq_v) and (mla.enabled or a.rotary_dim):
+            raise ConfigError("model.global_head_dim / global_kv_heads / global_k_eq_v are for plain attention "
+                              "(no MLA, rotary_dim = 0)")
+        if self.num_heads % self.attention_dims(self.num_layers - 1, full=True)[0]:
+            raise ConfigError(f"model.num_heads ({self.num_heads}) must be a multiple of model.global_kv_heads "
+                              f"({self.attention.global_kv_heads})")
         if set(self.no_mixer_layers) & (set(self.no_mlp_layers) | set(self.linear.layers)):
             raise ConfigError(f"model.no_mixer_layers {list(self.no_mixer_layers)} must be neither no_mlp_layers "
                               f"{list(self.no_mlp_layers)} (a layer with no block) nor linear_layers")
@@ -192,6 +199,25 @@ class ModelConfig:
         """Layers that hold KV pages (a hybrid's linear layers hold a fixed state instead, its
         MLP-only layers nothing)."""
         return self.num_layers - len(self.linear.layers) - len(self.no_mixer_layers)
+
+    def attention_dims(self, layer: int, full: bool | None = None) -> tuple[int, int]:
+        """(KV heads, head dim) of attention layer `layer`: a "full" layer's own when the
+        model gives full layers another shape (global_head_dim / global_kv_heads)."""
+        a = self.attention
+        if full is None:
+            full = a.layer_window(layer) is None
+        if not full:
+            return self.num_kv_heads, self.head_dim
+        return a.global_kv_heads or self.num_kv_heads, a.global_head_dim or self.head_dim
+
+    @property
+    def mixed_kv(self) -> bool:
+        """Whether attention layers differ in shape (Gemma 4's global layers: their pages, or
+        their V taken from K), so they neither stack nor share one page format."""
+        a = self.attention
+        kinds = {(self.attention_dims(n), a.global_k_eq_v and a.layer_window(n) is None)
+                 for n in range(self.num_layers) if n not in self.linear.layers and n not in self.no_mixer_layers}
+        return len(kinds) > 1
 
     @property
     def q_per_kv(self) -> int:

@@ -48,6 +48,12 @@ class AttentionConfig:
     query_temperature_length: int = 0
     soft_cap: float | None = None  # cap * tanh(score / cap) (Gemma 2)
     sinks: bool = False  # a learned per-head logit in each softmax denominator (gpt-oss)
+    # "full" layers with their own KV shape (Gemma 4's global layers); 0: head_dim / num_kv_heads.
+    # Such a model's layers hold pages of two shapes, so they neither stack nor share one page format
+    global_head_dim: int = 0
+    global_kv_heads: int = 0
+    global_k_eq_v: bool = False  # "full" layers' V is their K projection, before the K norm (Gemma 4)
+    v_norm: bool = False  # V through an RMSNorm without weight over each head (Gemma 4)
     output_gate: bool = False  # output times sigmoid(a per-head gate q_proj also gives) (Qwen3.5)
     # mesh.sequence > 1 (models/parallel/context.py): pass_kv = the pass-KV ring for a step
     # with nothing cached (unquantized pages), pass-Q otherwise; pass_q = always pass-Q;
@@ -71,6 +77,9 @@ class AttentionConfig:
         if self.query_temperature_beta and self.query_temperature_length <= 0:
             raise ConfigError(f"model.query_temperature_beta = {self.query_temperature_beta} needs a positive "
                               f"query_temperature_length, got {self.query_temperature_length}")
+        if min(self.global_head_dim, self.global_kv_heads) < 0 or self.global_head_dim % 2:
+            raise ConfigError(f"model.global_head_dim ({self.global_head_dim}) must be even and global_kv_heads "
+                              f"({self.global_kv_heads}) >= 0 (0: the other layers')")
         if "sliding" in self.layer_types and self.sliding_window is None:
             raise ConfigError("model.layer_types has sliding layers but model.sliding_window is not set")
 

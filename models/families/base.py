@@ -72,6 +72,7 @@ class Family:
     # on them from these, never from a hand-written list.
     mixers: tuple[str, ...] = ("attention",)  # attention | mla | gated_deltanet | mamba2
     experts = False  # mixture-of-experts MLPs
+    mixed_kv = False  # attention layers of two shapes (Gemma 4's global layers: ModelConfig.mixed_kv)
     tested = ""  # what the parity tests show, for `jaxfill models` and the README table
 
     # --- config.json -> ModelConfig ------------------------------------------------

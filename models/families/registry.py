@@ -16,7 +16,7 @@ from jaxfill.models.config import ConfigError
 MODULES = ("llama", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "olmo3", "glm", "seed_oss", "exaone4",
            "ministral", "arcee", "apertus", "smollm3", "granite", "mixtral", "qwen3_moe", "glm4_moe", "gpt_oss",
            "deepseek", "qwen3_5", "qwen3_next", "qwen3_5_moe", "nemotron_h", "olmoe", "minimax_m2", "ernie4_5",
-           "hunyuan", "phimoe")
+           "hunyuan", "phimoe", "gemma4")
 
 
 @functools.lru_cache(maxsize=1)
@@ -118,6 +118,8 @@ def layer_kind(config, layer: int) -> str:
     from jaxfill.models.moe import is_moe_layer
 
     mixer = "nomixer_" if layer in config.no_mixer_layers else "linear_" if layer in config.linear.layers else ""
+    if not mixer and config.mixed_kv and config.attention.layer_window(layer) is None:
+        mixer = "global_"  # Gemma 4's full layers: their own head dim and KV heads
     mlp = "nomlp" if layer in config.no_mlp_layers else "moe" if is_moe_layer(config, layer) else "dense"
     return mixer + mlp
 
@@ -139,7 +141,10 @@ def _abstract_sizes(config) -> tuple[int, dict]:
     kinds = {}
     rest = 0
     for kind in sorted({layer_kind(config, n) for n in range(config.num_layers)}):
-        one = config.replace(num_layers=1, layer_types=config.attention.layer_types[:1],
+        types = config.attention.layer_types[:1]
+        if config.mixed_kv:
+            types = ("full",) if kind.startswith("global_") else ("sliding",)
+        one = config.replace(num_layers=1, layer_types=types,
                                   nope_layers=tuple(n for n in config.attention.nope_layers if n == 0),
                                   dense_layers=(0,) if kind.endswith("dense") and config.moe.num_experts else (),
                                   linear_layers=(0,) if kind.startswith("linear_") else (),

@@ -22,19 +22,24 @@ from jaxfill.pallas_kernels import ragged_paged_attention, write_kv
 
 
 class Attention(nnx.Module):
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, layer: int = 0):
+        """`layer` picks the shapes: a "full" layer of a model with global_head_dim /
+        global_kv_heads (Gemma 4) has its own; in a stacked layout all layers share one."""
         c, dt = config, config.jnp_dtype
-        e, hq, hk, d, wd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.weight_dtype
+        (hk, d), e, hq, wd = c.attention_dims(layer), c.hidden_size, c.num_heads, c.weight_dtype
+        # Gemma 4's full layers may take V from the K projection (no v weight)
+        k_is_v = c.attention.global_k_eq_v and c.attention.layer_window(layer) is None
         # with an output gate (Qwen3.5) q_proj gives each head [q, gate]: 2D columns
         q_cols = 2 * d if c.attention.output_gate else d
         self.q, self.q_scale = projection(rngs, (e, hq, q_cols), ("embed", "q_heads", "head_dim"), dt, 1, wd)
         self.k, self.k_scale = projection(rngs, (e, hk, d), ("embed", "kv_heads", "head_dim"), dt, 1, wd)
-        self.v, self.v_scale = projection(rngs, (e, hk, d), ("embed", "kv_heads", "head_dim"), dt, 1, wd)
+        self.v, self.v_scale = (None, None) if k_is_v else projection(
+            rngs, (e, hk, d), ("embed", "kv_heads", "head_dim"), dt, 1, wd)
         self.o, self.o_scale = projection(rngs, (hq, d, e), ("q_heads", "head_dim", "embed"), dt, 2, wd)
         if c.attention.bias:
-            self.q_bias = param(rngs, (c.num_heads, c.head_dim), ("q_heads", "head_dim"), dt)
-            self.k_bias = param(rngs, (c.num_kv_heads, c.head_dim), ("kv_heads", "head_dim"), dt)
-            self.v_bias = param(rngs, (c.num_kv_heads, c.head_dim), ("kv_heads", "head_dim"), dt)
+            self.q_bias = param(rngs, (hq, d), ("q_heads", "head_dim"), dt)
+            self.k_bias = param(rngs, (hk, d), ("kv_heads", "head_dim"), dt)
+            self.v_bias = param(rngs, (hk, d), ("kv_heads", "head_dim"), dt)
         if c.attention.qk_norm == "head":  # over each head's D
             self.q_norm = RMSNorm(d, c.norms.eps, dt, rngs, kind=c.norms.kind, axes=("head_dim",))
             self.k_norm = RMSNorm(d, c.norms.eps, dt, rngs, kind=c.norms.kind, axes=("head_dim",))
@@ -47,8 +52,8 @@ class Attention(nnx.Module):
             self.o_bias = param(rngs, (e,), ("embed",), dt)
         # gpt-oss: one learned logit per head in the softmax denominator
         self.sinks = param(rngs, (hq,), ("q_heads",), dt, scale=1.0) if c.attention.sinks else None
-        self.config = c
-        self.sm_scale = c.attention.query_scale if c.attention.query_scale is not None else c.head_dim ** -0.5
+        self.config, self.head_dim = c, d
+        self.sm_scale = c.attention.query_scale if c.attention.query_scale is not None else d ** -0.5
 
     def __call__(self,
                  x: jax.Array,  # [T, E]
@@ -83,15 +88,17 @@ class Attention(nnx.Module):
         """q (T' = the rows ctx.sampled keeps), k and v of every row, biased, normed, roped."""
         a = self.config.attention
         k = qeinsum("te,ehd->thd", x, self.k[...], self.k_scale)
-        v = qeinsum("te,ehd->thd", x, self.v[...], self.v_scale)
+        v = k if self.v is None else qeinsum("te,ehd->thd", x, self.v[...], self.v_scale)
         q = qeinsum("te,ehd->thd", ctx.sampled(x), self.q[...], self.q_scale)
         gate = None
         if a.output_gate:
-            q, gate = q[..., :self.config.head_dim], q[..., self.config.head_dim:]  # [T, Hq, D] each
+            q, gate = q[..., :self.head_dim], q[..., self.head_dim:]  # [T, Hq, D] each
         if a.bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if a.qk_norm != "none" and not a.qk_norm_after_rope:
             q, k = self.q_norm(q), self.k_norm(k)
+        if a.v_norm:
+            v = unit_rms(v, self.config.norms.eps)
         if a.qkv_clip is not None:
             q, k, v = (jnp.clip(t, -a.qkv_clip, a.qkv_clip) for t in (q, k, v))
         settings = layer_settings(self.config)
@@ -123,6 +130,12 @@ class Attention(nnx.Module):
             sm_scale=self.sm_scale, sliding_window=window, soft_cap=self.config.attention.soft_cap, impl=impl,
             **extra, **share)
         return out, pages
+
+
+def unit_rms(x: jax.Array, eps: float) -> jax.Array:  # [T, H, D] -> same
+    """RMSNorm over each head without a weight, in f32 (Gemma 4's V norm)."""
+    xf = x.astype(jnp.float32)
+    return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
 def query_temperature(positions: jax.Array,  # [T] int32
