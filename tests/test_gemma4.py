@@ -84,7 +84,7 @@ def test_image_text_checkpoint_loads_as_its_text_tower(tmp_path):
     HF's logits, soft cap included; the vision weights are skipped."""
     import transformers as tf
 
-    text = dict(HF_SMALL, **GEMMA4_KWARGS["gemma4"][1], attention_k_eq_v=False)
+    text = {**HF_SMALL, **GEMMA4_KWARGS["gemma4"][1], "attention_k_eq_v": False}
     text.pop("initializer_range")
     cfg = tf.Gemma4Config(text_config=text, vision_config=dict(hidden_size=16, intermediate_size=32,
                                                                num_hidden_layers=1, num_attention_heads=2,
