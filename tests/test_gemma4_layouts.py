@@ -1,0 +1,31 @@
+"""Gemma 4 (its global layers with their own head dim, one KV head and V = K beside the
+sliding ones) through the Engine: unchunked == chunked == prefix-cached == tensor=2 (the
+one global KV head repeated for the split) == sequence=2, int8 weights + int8 KV close
+(tests/family_layouts.py). Its layers differ in shape, so scan_layers and mesh.stage are
+refused (engine/capabilities/table.py, the mixed_kv rows; tested here too)."""
+
+import pytest
+
+from family_layouts import LAYOUTS, check_every_layout
+from hf_models import make_hf_checkpoint
+from jaxfill.engine.config import load_config
+from jaxfill.models.config import ConfigError
+
+GEMMA4_LAYOUTS = {k: v for k, v in LAYOUTS.items() if k not in ("scan", "stage2")}
+
+
+@pytest.fixture(scope="module")
+def gemma4_dir(tmp_path_factory):
+    return make_hf_checkpoint(str(tmp_path_factory.mktemp("gemma4") / "gemma4"), "gemma4")
+
+
+def test_every_layout_gives_the_same_tokens(gemma4_dir):
+    check_every_layout(gemma4_dir, "gemma4", GEMMA4_LAYOUTS, ("chunked", "prefix", "tensor2", "sequence2"))
+
+
+@pytest.mark.parametrize("overrides", [{"engine.scan_layers": True}, {"mesh.stage": 2},
+                                       {"engine.host_kv_cache_gb": 0.01}])
+def test_layers_of_two_shapes_refuse_stacking_and_the_kv_tiers(gemma4_dir, overrides):
+    key = next(iter(overrides))
+    with pytest.raises((ConfigError, ValueError), match=key.split(".")[1]):
+        load_config("tiny", overrides, model_path=gemma4_dir)
