@@ -107,9 +107,8 @@ RULES: tuple[Rule, ...] = (
     *(Rule(("mixed_kv", key), f"attention layers of two shapes: {why}", change) for key, why, change in (
         ("engine.scan_layers", "they cannot stack as one scan", "engine.scan_layers = false"),
         ("mesh.stage", "they cannot stack into pipeline stages", "mesh.stage = 1"),
+        # (the disk tier sits below the host tier: refused with it)
         ("engine.host_kv_cache_gb", "the host tier's blocks hold one page shape", "engine.host_kv_cache_gb = 0"),
-        ("engine.disk_kv_cache_dir", "the disk tier's blocks hold one page shape",
-         "engine.disk_kv_cache_dir = \"\""),
         ("serve.role=prefill/decode", "the KV hand-off exports one page shape", "--role both"),
     )),
     Rule(("mla", "model.weight_dtype=int8"), "the latent projections have no int8 path",
