@@ -23,6 +23,7 @@ from jaxfill.models.kv_cache import AttentionMetadata, KVCache
 from jaxfill.models.layers import MLP, Embed, GatedMLP, RMSNorm, param
 from jaxfill.models.mixers import MixerContext, build_mixer
 from jaxfill.models.moe import MoE, is_moe_layer
+from jaxfill.models.moe_beside_dense import ExpertsBesideDense
 from jaxfill.models.parallel.pipeline import pipeline_layers, run_layers, stack_layers
 from jaxfill.models.sharding import constrain, rows_split_over_sequence
 
@@ -33,7 +34,7 @@ def mlp(c: ModelConfig, rngs: nnx.Rngs, index: int):
     if index in c.no_mlp_layers:
         return None
     if is_moe_layer(c, index):
-        return MoE(c, rngs)
+        return ExpertsBesideDense(c, rngs) if c.moe.beside_dense else MoE(c, rngs)
     dense = GatedMLP if c.mlp_gated else MLP
     return dense(c.hidden_size, c.intermediate_size, c.jnp_dtype, rngs, c.weight_dtype, c.hidden_act)
 
@@ -53,7 +54,8 @@ class DecoderLayer(nnx.Module):
         self.attn_norm = norm(has_mixer, c.norms.layout != "post")
         self.attn = build_mixer(c, rngs, index)
         self.attn_post_norm = norm(has_mixer, c.norms.layout != "pre")
-        self.mlp_norm = norm(has_mlp, c.norms.layout != "post")
+        # Gemma 4's experts-beside-dense block norms its two branches itself
+        self.mlp_norm = norm(has_mlp and not (c.moe.beside_dense and is_moe_layer(c, index)), c.norms.layout != "post")
         self.mlp = mlp(c, rngs, index)
         self.mlp_post_norm = norm(has_mlp, c.norms.layout != "pre")
         self.residual_scale = c.residual_scale
@@ -80,7 +82,7 @@ class DecoderLayer(nnx.Module):
         if self.mlp is None:
             return x, pages, None
         h, counts = _maybe(self.mlp_norm, x), None
-        if isinstance(self.mlp, MoE):
+        if isinstance(self.mlp, (MoE, ExpertsBesideDense)):
             valid = ctx.meta.slot_mapping >= 0  # real token rows: padding is computed, never counted
             if ctx.sampled_only:
                 valid = ctx.sampled(valid) & (jnp.arange(x.shape[0]) < ctx.meta.num_seqs[0])

@@ -120,6 +120,10 @@ GEMMA4_KWARGS = {
                                                                       "partial_rotary_factor": 0.5,
                                                                       "rope_theta": 1e4}})),
 }
+# Gemma 4's MoE block in every layer: 8 experts, top 2, beside the dense MLP
+GEMMA4_KWARGS["gemma4_moe"] = (GEMMA4_KWARGS["gemma4"][0], dict(GEMMA4_KWARGS["gemma4"][1], enable_moe_block=True,
+                                                                num_experts=8, top_k_experts=2,
+                                                                moe_intermediate_size=32))
 ARCHS = ("llama", "mistral", "qwen2") + tuple(FAMILY_KWARGS)
 # Mixtures of experts (tests/test_moe_parity.py): 8 experts, top 2, so with expert=4 each
 # rank holds two and short prompts leave some ranks' experts without a token; Qwen3-MoE
@@ -236,6 +240,8 @@ def make_hf_checkpoint(directory: str, arch: str, dtype: torch.dtype = torch.flo
             if name.endswith(("mixer.D", "mixer.A_log")):  # Nemotron-H inits them per head alike or in order
                 p.add_(0.3 * torch.randn_like(p))
             if name.endswith(("act_fn.alpha_p", "act_fn.alpha_n")):  # xIELU (Apertus): alike in every layer
+                p.add_(0.3 * torch.randn_like(p))
+            if name.endswith(("router.scale", "router.per_expert_scale")):  # Gemma 4: ones
                 p.add_(0.3 * torch.randn_like(p))
         for name, b in model.named_buffers():  # a router's selection bias (GLM) starts at 0
             if name.endswith("correction_bias"):

@@ -32,7 +32,7 @@ CLASSES = {  # architecture -> transformers config class
     "OlmoeForCausalLM": tf.OlmoeConfig, "MiniMaxM2ForCausalLM": tf.MiniMaxM2Config,
     "Ernie4_5ForCausalLM": tf.Ernie4_5Config, "Ernie4_5_MoeForCausalLM": tf.Ernie4_5_MoeConfig,
     "HunYuanDenseV1ForCausalLM": tf.HunYuanDenseV1Config, "HunYuanMoEV1ForCausalLM": tf.HunYuanMoEV1Config,
-    "PhimoeForCausalLM": tf.PhimoeConfig,
+    "PhimoeForCausalLM": tf.PhimoeConfig, "Gemma4ForCausalLM": tf.Gemma4TextConfig,
 }
 SKIP = {"self", "kwargs"}
 # Values for fields whose default is None (the walker cannot guess a type).
@@ -72,6 +72,8 @@ def small_kwargs(arch):
     if arch == "NemotronHForCausalLM":  # dense blocks (its default pattern has an "E"), 4 SSM heads in 2 groups
         kw.update(layers_block_type=["linear_attention", "mlp", "full_attention", "mlp"], mamba_num_heads=4,
                   mamba_head_dim=16, n_groups=2, ssm_state_size=16, head_dim=16)
+    if arch == "Gemma4ForCausalLM":  # no per-layer embeddings (refused), global layers 32 wide
+        kw.update(head_dim=16, global_head_dim=32, hidden_size_per_layer_input=0)
     if name == "phi3":
         kw.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
     return kw

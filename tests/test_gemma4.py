@@ -35,6 +35,23 @@ def test_f32_logits_and_greedy_tokens_match_hf(gemma4_dir):
     check_greedy_matches_hf(model, config, hf, 24)
 
 
+@pytest.fixture(scope="module")
+def gemma4_moe_dir(tmp_path_factory):
+    return make_hf_checkpoint(str(tmp_path_factory.mktemp("gemma4") / "gemma4_moe"), "gemma4_moe")
+
+
+def test_moe_block_matches_hf(gemma4_moe_dir):
+    """The experts beside the dense MLP in every layer, router scales randomised."""
+    config = config_from_hf(gemma4_moe_dir)
+    assert config.moe.beside_dense and config.moe.num_experts == 8
+    model = load_hf_params(gemma4_moe_dir, config, progress=False)
+    hf = load_hf(gemma4_moe_dir)
+    for length, tokens in prompts(config.vocab_size):
+        err = rel_l2(ours_last_logits(model, config, tokens), hf_last_logits(hf, tokens))
+        assert err <= 1e-5, (length, err)
+    check_greedy_matches_hf(model, config, hf, 24)
+
+
 # Each thing Gemma 4 adds must move the 300-token prompt's logits (the ablated model keeps
 # the weights it still has): the V norm, the proportional rope, the sliding layers' own
 # theta, the layer scalars (their weights dropped: 1), the window, the final soft cap
@@ -71,7 +88,7 @@ def test_hub_spelling_reads_as_per_layer_config(gemma4_dir):
 
 
 @pytest.mark.parametrize("field, value", [("hidden_size_per_layer_input", 8), ("num_kv_shared_layers", 2),
-                                          ("enable_moe_block", True), ("use_bidirectional_attention", "all")])
+                                          ("use_bidirectional_attention", "all")])
 def test_what_is_not_built_is_refused_by_name(gemma4_dir, field, value):
     saved = json.load(open(os.path.join(gemma4_dir, "config.json")))
     with pytest.raises(ConfigError, match=field):

@@ -33,7 +33,7 @@ RENAMED = {
     "attn_output_gate": ("attention", "output_gate"), "mla_form": ("mla", "form"),
     "moe_intermediate_size": ("moe", "intermediate_size"), "router_scoring": ("moe", "scoring"),
     "router_renormalize": ("moe", "renormalize"), "router_renormalize_min": ("moe", "renormalize_min"),
-    "router_bias": ("moe", "selection_bias"),
+    "router_bias": ("moe", "selection_bias"), "moe_beside_dense": ("moe", "beside_dense"),
     "router_groups": ("moe", "groups"), "router_topk_groups": ("moe", "topk_groups"),
     **{"linear_" + f: ("linear", f) for f in ("layers", "kind", "impl", "num_key_heads", "num_value_heads",
                                               "key_head_dim", "value_head_dim", "conv_kernel", "grouped_proj",

@@ -150,9 +150,16 @@ class MoEConfig:
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
     sparsemixer_eps: float = 0.01  # sparsemixer's relative threshold (Phi-3.5-MoE's router_jitter_noise)
+    # the experts beside the dense MLP, each with its own norms, the router reading the
+    # unnormed input through a weightless norm and a learned scale, each expert's weight
+    # times a learned scale (Gemma 4: models/moe_beside_dense.py)
+    beside_dense: bool = False
 
     def __post_init__(self):
         _choose("router_scoring", self.scoring, ("softmax", "sigmoid", "topk_softmax", "sparsemixer"))
+        if self.beside_dense and (self.scoring != "softmax" or self.selection_bias or self.shared_expert_size):
+            raise ConfigError("model.beside_dense (Gemma 4's block) routes by softmax, without a selection bias or "
+                              "shared experts")
         if self.sparsemixer_eps < 0:
             raise ConfigError(f"model.sparsemixer_eps must be >= 0, got {self.sparsemixer_eps}")
         if self.renormalize_min < 0:

@@ -8,9 +8,10 @@ head_dim / num_key_value_heads on each full layer) or the hub's `global_head_dim
 `num_global_key_value_heads` (the latter only with attention_k_eq_v, as transformers reads it).
 
 `Gemma4ForConditionalGeneration` loads as its text tower (`model.language_model.`), the
-vision and audio towers skipped. Refused by name: the "E" models' per-layer embeddings
-(`hidden_size_per_layer_input`) and KV shared from earlier layers (`num_kv_shared_layers`),
-the MoE block (`enable_moe_block`), bidirectional attention."""
+vision and audio towers skipped. The MoE models' block (`enable_moe_block`): experts beside
+the dense MLP in every layer (models/moe_beside_dense.py). Refused by name: the "E" models'
+per-layer embeddings (`hidden_size_per_layer_input`) and KV shared from earlier layers
+(`num_kv_shared_layers`), bidirectional attention."""
 
 from __future__ import annotations
 
@@ -25,12 +26,14 @@ class Gemma4(Family):
     architectures = ("Gemma4ForCausalLM",)
     honoured = frozenset({"hidden_activation", "attention_bias", "sliding_window", "layer_types",
                           "final_logit_softcapping", "attention_k_eq_v", "per_layer_config", "global_head_dim",
-                          "num_global_key_value_heads"})
+                          "num_global_key_value_heads", "enable_moe_block", "num_experts", "top_k_experts",
+                          "moe_intermediate_size"})
+    depends = {name: {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32}
+               for name in ("num_experts", "top_k_experts", "moe_intermediate_size")}
     # the per-layer-embedding vocabulary counts only with hidden_size_per_layer_input (refused
     # unless 0); the wide MLP only on KV-sharing layers (refused unless none)
     inert = frozenset({"vocab_size_per_layer_input", "use_double_wide_mlp"})
-    fixed = {"use_bidirectional_attention": None, "hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0,
-             "enable_moe_block": False}
+    fixed = {"use_bidirectional_attention": None, "hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0}
     rope_types = ("default", "linear", "proportional")
     partial_rotary = True  # read per layer type: proportional's factor only (model_fields)
     norm_names = {"attn_norm": "input_layernorm", "attn_post_norm": "post_attention_layernorm",
@@ -108,8 +111,16 @@ class Gemma4(Family):
             rope_local_theta=float(local_theta),
             global_head_dim=global_dim if global_dim != head_dim else 0,
             global_kv_heads=global_kv if global_kv != kv_heads else 0,
-            global_k_eq_v=bool(hf.get("attention_k_eq_v")), **window,
+            global_k_eq_v=bool(hf.get("attention_k_eq_v")), **window, **self.moe_fields(hf),
         )
+
+    def moe_fields(self, hf) -> dict:
+        """The MoE block (every layer: experts beside the dense MLP), when enabled."""
+        if not hf.get("enable_moe_block"):
+            return {}
+        return dict(num_experts=int(hf["num_experts"]), experts_per_token=int(hf["top_k_experts"]),
+                    moe_intermediate_size=int(hf["moe_intermediate_size"]), router_scoring="softmax",
+                    router_renormalize=True, moe_beside_dense=True)
 
     def model_defaults(self, hidden_size):
         return dict(hidden_act="gelu_tanh", norm_kind="rms_f32", norm_layout="sandwich", qk_norm="head",
@@ -130,8 +141,9 @@ class Gemma4(Family):
             p + "self_attn.q_norm.weight": same(a + ("q_norm", "weight"), (d,)),
             p + "self_attn.k_norm.weight": same(a + ("k_norm", "weight"), (d,)),
             p + "layer_scalar": same(layer + ("layer_scalar",), (1,)),
-            **self.mlp_tensors(c, p, layer),
-            **{p + hf + ".weight": same(layer + (ours, "weight"), (e,)) for ours, hf in self.norm_names.items()},
+            **(self.moe_block_tensors(c, p, layer) if c.moe.num_experts else self.mlp_tensors(c, p, layer)),
+            **{p + hf + ".weight": same(layer + (ours, "weight"), (e,)) for ours, hf in self.norm_names.items()
+               if not (c.moe.num_experts and ours == "mlp_norm")},
         }
         if not (c.attention.global_k_eq_v and c.attention.layer_window(n) is None):
             table[p + "self_attn.v_proj.weight"] = HFTensor(a + ("v",), (hk * d, e), (hk, d, e), (2, 0, 1))
@@ -141,6 +153,26 @@ class Gemma4(Family):
         if c.attention.out_bias:
             table[p + "self_attn.o_proj.bias"] = same(a + ("o_bias",), (e,))
         return table
+
+
+    def moe_block_tensors(self, c, p: str, layer: tuple) -> dict:
+        """The dense MLP and the experts of models/moe_beside_dense.py, with their norms."""
+        e, i, n, m = c.hidden_size, c.moe.intermediate_size, c.moe.num_experts, layer + ("mlp",)
+        dense = {hf: t._replace(param_path=m + ("dense",) + t.param_path[len(m):])
+                 for hf, t in self.mlp_tensors(c, p, layer).items()}
+        norms = {"dense_norm": "pre_feedforward_layernorm", "dense_post_norm": "post_feedforward_layernorm_1",
+                 "experts_norm": "pre_feedforward_layernorm_2", "experts_post_norm": "post_feedforward_layernorm_2"}
+        return {
+            **dense,
+            **{p + hf + ".weight": same(m + (ours, "weight"), (e,)) for ours, hf in norms.items()},
+            p + "router.proj.weight": HFTensor(m + ("moe", "router"), (n, e), (n, e), (1, 0)),
+            p + "router.scale": same(m + ("router_scale",), (e,)),
+            p + "router.per_expert_scale": same(m + ("expert_scale",), (n,)),
+            # [E, 2I, H] as [E, 2, I, H] -> [E, H, 2, I]; down [E, H, I] -> [E, I, H]
+            p + "experts.gate_up_proj": HFTensor(m + ("moe", "experts_gate_up"), (n, 2 * i, e), (n, 2, i, e),
+                                                 (0, 3, 1, 2)),
+            p + "experts.down_proj": HFTensor(m + ("moe", "experts_down"), (n, e, i), (n, e, i), (0, 2, 1)),
+        }
 
 
 class Gemma4Multimodal(Gemma4):

@@ -11,7 +11,7 @@ from flax import nnx
 from jaxfill.models.config import ModelConfig
 from jaxfill.models.kv_cache import sampled_rows_metadata
 from jaxfill.models.layer_settings import by_window, layer_settings
-from jaxfill.models.layers import RMSNorm, param, projection
+from jaxfill.models.layers import RMSNorm, param, projection, unit_rms
 from jaxfill.models.mixers.context import MixerContext
 from jaxfill.models.rope import apply_rope
 from jaxfill.models.quant import qeinsum
@@ -130,12 +130,6 @@ class Attention(nnx.Module):
             sm_scale=self.sm_scale, sliding_window=window, soft_cap=self.config.attention.soft_cap, impl=impl,
             **extra, **share)
         return out, pages
-
-
-def unit_rms(x: jax.Array, eps: float) -> jax.Array:  # [T, H, D] -> same
-    """RMSNorm over each head without a weight, in f32 (Gemma 4's V norm)."""
-    xf = x.astype(jnp.float32)
-    return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
 def query_temperature(positions: jax.Array,  # [T] int32

@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxfill.models.mixers.context import MixerContext
 from jaxfill.models.moe import MoE
+from jaxfill.models.moe_beside_dense import ExpertsBesideDense
 from jaxfill.models.sharding import STAGE, context_mesh, mesh_axis_size, var_axes
 
 
@@ -162,7 +163,8 @@ def pipeline_layers(layers,  # nnx.List of K layers, params [p, ...]
 
 def zero_counts(layers) -> tuple:
     """Zero expert token counts shaped as run_layers returns them for these layers."""
-    return tuple(jnp.zeros((layer.mlp.config.moe.num_experts,), jnp.int32) if isinstance(layer.mlp, MoE) else None
+    return tuple(jnp.zeros((layer.mlp.config.moe.num_experts,), jnp.int32)
+                 if isinstance(layer.mlp, (MoE, ExpertsBesideDense)) else None
                  for layer in layers)
 
 
