@@ -118,6 +118,9 @@ class Gemma4(Family):
         """The MoE block (every layer: experts beside the dense MLP), when enabled."""
         if not hf.get("enable_moe_block"):
             return {}
+        missing = [k for k in ("num_experts", "top_k_experts", "moe_intermediate_size") if not hf.get(k)]
+        if missing:
+            raise ConfigError(f"gemma4: enable_moe_block needs {', '.join(missing)}")
         return dict(num_experts=int(hf["num_experts"]), experts_per_token=int(hf["top_k_experts"]),
                     moe_intermediate_size=int(hf["moe_intermediate_size"]), router_scoring="softmax",
                     router_renormalize=True, moe_beside_dense=True)
