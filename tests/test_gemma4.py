@@ -124,3 +124,17 @@ def test_image_text_checkpoint_loads_as_its_text_tower(tmp_path):
     for length, tokens in prompts(config.vocab_size)[1:]:
         err = rel_l2(ours_last_logits(model, config, tokens), hf_last_logits(hf, tokens))
         assert err <= 1e-5, (length, err)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_planner_counts_the_pages_of_both_shapes(gemma4_dir, kv_cache_dtype):
+    """The planner's bytes per cached token are what the cache allocates: the sliding
+    layers' pages and the wider global ones'."""
+    from jaxfill.engine.planner.counts import kv_bytes_per_token
+    from jaxfill.models.kv_cache import KVCache
+
+    config = config_from_hf(gemma4_dir)
+    cache = KVCache.create(config, num_pages=4, page_size=16, kv_cache_dtype=kv_cache_dtype)
+    assert [p.shape[2:] if kv_cache_dtype == "auto" else p.values.shape[2:] for p in cache.pages] == \
+        [(4, 16), (2, 32)] * 2
+    assert kv_bytes_per_token(config, kv_cache_dtype=kv_cache_dtype) == cache.bytes_per_token()

@@ -210,6 +210,14 @@ class ModelConfig:
             return self.num_kv_heads, self.head_dim
         return a.global_kv_heads or self.num_kv_heads, a.global_head_dim or self.head_dim
 
+    def kv_shapes(self) -> dict[tuple[int, int], int]:
+        """{(KV heads, head dim): attention layers of that shape}: what the planner counts."""
+        out: dict[tuple[int, int], int] = {}
+        for n in range(self.num_layers):
+            if n not in self.linear.layers and n not in self.no_mixer_layers:
+                out[self.attention_dims(n)] = out.get(self.attention_dims(n), 0) + 1
+        return out
+
     @property
     def mixed_kv(self) -> bool:
         """Whether attention layers differ in shape (Gemma 4's global layers: their pages, or
