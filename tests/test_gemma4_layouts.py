@@ -2,11 +2,13 @@
 sliding ones) through the Engine: unchunked == chunked == prefix-cached == tensor=2 (the
 one global KV head repeated for the split) == sequence=2, int8 weights + int8 KV close
 (tests/family_layouts.py). Its layers differ in shape, so scan_layers and mesh.stage are
-refused (engine/capabilities/table.py, the mixed_kv rows; tested here too)."""
+refused (engine/capabilities/table.py, the mixed_kv rows; tested here too). The MoE block
+(experts beside the dense MLP) on 4 devices: prefix-cached == chunked == expert 4 ==
+expert 2 x tensor 2, every expert's routed pairs counted."""
 
 import pytest
 
-from family_layouts import LAYOUTS, check_every_layout
+from family_layouts import LAYOUTS, check_every_layout, check_layouts, run_layouts
 from hf_models import make_hf_checkpoint
 from jaxfill.engine.config import load_config
 from jaxfill.models.config import ConfigError
@@ -21,6 +23,14 @@ def gemma4_dir(tmp_path_factory):
 
 def test_every_layout_gives_the_same_tokens(gemma4_dir):
     check_every_layout(gemma4_dir, "gemma4", GEMMA4_LAYOUTS, ("chunked", "prefix", "tensor2", "sequence2"))
+
+
+def test_moe_block_layouts(tmp_path):
+    directory = make_hf_checkpoint(str(tmp_path / "gemma4_moe"), "gemma4_moe")
+    layouts = {name: LAYOUTS[name] for name in ("whole", "chunked", "prefix")}
+    layouts.update(expert4={"mesh.expert": 4}, expert2_tensor2={"mesh.expert": 2, "mesh.tensor": 2})
+    check_layouts(run_layouts(directory, layouts, devices=4), "gemma4_moe",
+                  ("chunked", "prefix", "expert4", "expert2_tensor2"))
 
 
 @pytest.mark.parametrize("overrides", [{"engine.scan_layers": True}, {"mesh.stage": 2},
