@@ -16,7 +16,8 @@ from jaxfill.models.checkpoint import load_hf_params
 from jaxfill.models.config import ConfigError
 from jaxfill.models.families.registry import config_from_hf
 from test_family_parity import check_feature_changes_the_logits
-from test_model_parity import check_greedy_matches_hf, hf_last_logits, ours_last_logits, prompts, rel_l2
+from test_model_parity import (check_bf16_at_the_noise_floor, check_greedy_matches_hf, hf_last_logits,
+                               ours_last_logits, prompts, rel_l2)
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +34,10 @@ def test_f32_logits_and_greedy_tokens_match_hf(gemma4_dir):
         err = rel_l2(ours_last_logits(model, config, tokens), hf_last_logits(hf, tokens))
         assert err <= 1e-5, (length, err)
     check_greedy_matches_hf(model, config, hf, 24)
+
+
+def test_bf16_logits_at_the_noise_floor(gemma4_dir):
+    check_bf16_at_the_noise_floor(gemma4_dir)
 
 
 @pytest.fixture(scope="module")
