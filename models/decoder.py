@@ -24,6 +24,7 @@ from jaxfill.models.layers import MLP, Embed, GatedMLP, RMSNorm, param
 from jaxfill.models.mixers import MixerContext, build_mixer
 from jaxfill.models.moe import MoE, is_moe_layer
 from jaxfill.models.moe_beside_dense import ExpertsBesideDense
+from jaxfill.models.per_layer_inputs import PerLayerBlock, PerLayerInputs
 from jaxfill.models.parallel.pipeline import pipeline_layers, run_layers, stack_layers
 from jaxfill.models.sharding import constrain, rows_split_over_sequence
 
@@ -36,7 +37,8 @@ def mlp(c: ModelConfig, rngs: nnx.Rngs, index: int):
     if is_moe_layer(c, index):
         return ExpertsBesideDense(c, rngs) if c.moe.beside_dense else MoE(c, rngs)
     dense = GatedMLP if c.mlp_gated else MLP
-    return dense(c.hidden_size, c.intermediate_size, c.jnp_dtype, rngs, c.weight_dtype, c.hidden_act)
+    wide = 2 if c.double_wide_shared_mlp and c.kv_source(index) is not None else 1  # Gemma 4's KV-sharing layers
+    return dense(c.hidden_size, wide * c.intermediate_size, c.jnp_dtype, rngs, c.weight_dtype, c.hidden_act)
 
 
 class DecoderLayer(nnx.Module):
@@ -62,6 +64,8 @@ class DecoderLayer(nnx.Module):
         # Gemma 4: the layer's whole output (residual included) times a learned scalar
         self.layer_scalar = param(rngs, (1,), (None,), dt, init="one_plus_normal", scale=0.1) if c.layer_scalar \
             else None
+        self.per_layer = PerLayerBlock(c, rngs) if c.per_layer_input_size else None  # Gemma 4's E models
+        self.kv_source = c.kv_source(index)  # the layer whose pages this one reads (models/parallel/pipeline.py)
 
     def __call__(self,
                  x: jax.Array,  # [T, E]
@@ -69,6 +73,8 @@ class DecoderLayer(nnx.Module):
                  ctx: MixerContext,
                  ):  # ([T, E] or [S, E], pages, expert token counts [experts] int32 or None)
         x, pages, counts = self._blocks(x, pages, ctx)
+        if self.per_layer is not None:
+            x = self.per_layer(x, ctx.sampled(ctx.per_layer_input[:, ctx.layer]))
         if self.layer_scalar is not None:
             x = x * self.layer_scalar[...]
         return x, pages, counts
@@ -112,6 +118,7 @@ class Decoder(nnx.Module):
         self.attention_impl = attention_impl
         self.plan = plan
         self.embed = Embed(config.vocab_size, config.hidden_size, dt, rngs)
+        self.per_layer_inputs = PerLayerInputs(config, rngs) if config.per_layer_input_size else None
         layers = [DecoderLayer(config, rngs, n) for n in range(config.num_layers)]
         self.layers = nnx.List(stack_layers(layers, self.stages) if self.stages > 1 else layers)
         self.norm = RMSNorm(config.hidden_size, config.norms.eps, dt, rngs, kind=config.norms.kind)
@@ -159,8 +166,9 @@ class Decoder(nnx.Module):
             if prune and rows_split_over_sequence():
                 raise ValueError("the execution plan runs the last layer on the sampled rows, but the mesh splits "
                                  "the rows over 'sequence': build the model with ExecutionPlan.of(..., mesh)")
+            per_layer = None if self.per_layer_inputs is None else self.per_layer_inputs(tokens, x)
             x, new_pages, counts = run_layers(self.layers, x, positions, kv_cache.pages, meta,
-                                              self.attention_impl, prune)
+                                              self.attention_impl, prune, per_layer=per_layer)
             if not prune:
                 x = jnp.take(x, meta.logits_indices, axis=0)
         x = self.norm(constrain(x, ("seqs", "act_embed")))  # [S, E]

@@ -118,7 +118,9 @@ class KVCache:
         counters = None
         if config.moe.num_experts:  # stacked layouts hold one layer kind per entry (engine/config.check_stackable)
             counters = tuple(counter() if is_moe_layer(config, j) else None for j in entries)
-        return cls(tuple(None if j in config.no_mixer_layers else make(j) for j in entries), stages, counters)
+        # an MLP-only layer holds nothing, nor does a layer reading an earlier one's pages (Gemma 4's E models)
+        return cls(tuple(None if j in config.no_mixer_layers or config.kv_source(j) is not None else make(j)
+                         for j in entries), stages, counters)
 
     def updated(self, pages, counts: tuple) -> "KVCache":
         """The cache after a forward: its new pages, and the forward's expert token counts

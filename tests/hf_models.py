@@ -124,6 +124,12 @@ GEMMA4_KWARGS = {
 GEMMA4_KWARGS["gemma4_moe"] = (GEMMA4_KWARGS["gemma4"][0], dict(GEMMA4_KWARGS["gemma4"][1], enable_moe_block=True,
                                                                 num_experts=8, top_k_experts=2,
                                                                 moe_intermediate_size=32))
+# Gemma 4's "E" shape: 8-wide per-layer inputs; layers 2 and 3 read the K/V of layers 0 (sliding)
+# and 1 (full) with twice-wide MLPs; the full layers with their own V here (k_eq_v off)
+GEMMA4_KWARGS["gemma4_e"] = (GEMMA4_KWARGS["gemma4"][0], dict(GEMMA4_KWARGS["gemma4"][1], attention_k_eq_v=False,
+                                                              hidden_size_per_layer_input=8,
+                                                              vocab_size_per_layer_input=512, num_kv_shared_layers=2,
+                                                              use_double_wide_mlp=True))
 ARCHS = ("llama", "mistral", "qwen2") + tuple(FAMILY_KWARGS)
 # Mixtures of experts (tests/test_moe_parity.py): 8 experts, top 2, so with expert=4 each
 # rank holds two and short prompts leave some ranks' experts without a token; Qwen3-MoE

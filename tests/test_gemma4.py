@@ -57,6 +57,28 @@ def test_moe_block_matches_hf(gemma4_moe_dir):
     check_greedy_matches_hf(model, config, hf, 24)
 
 
+@pytest.fixture(scope="module")
+def gemma4_e_dir(tmp_path_factory):
+    return make_hf_checkpoint(str(tmp_path_factory.mktemp("gemma4") / "gemma4_e"), "gemma4_e")
+
+
+def test_e_model_matches_hf(gemma4_e_dir):
+    """The "E" shape: per-layer inputs, the last two layers reading layers 0's and 1's K/V
+    (no pages of their own) with twice-wide MLPs."""
+    config = config_from_hf(gemma4_e_dir)
+    assert config.per_layer_input_size == 8 and [config.kv_source(n) for n in range(4)] == [None, None, 0, 1]
+    model = load_hf_params(gemma4_e_dir, config, progress=False)
+    hf = load_hf(gemma4_e_dir)
+    for length, tokens in prompts(config.vocab_size):
+        err = rel_l2(ours_last_logits(model, config, tokens), hf_last_logits(hf, tokens))
+        assert err <= 1e-5, (length, err)
+    check_greedy_matches_hf(model, config, hf, 24)
+
+
+def test_per_layer_inputs_change_the_logits(gemma4_e_dir):
+    check_feature_changes_the_logits(gemma4_e_dir, dict(per_layer_input_size=0), "per-layer-inputs")
+
+
 # Each thing Gemma 4 adds must move the 300-token prompt's logits (the ablated model keeps
 # the weights it still has): the V norm, the proportional rope, the sliding layers' own
 # theta, the layer scalars (their weights dropped: 1), the window, the final soft cap
@@ -92,11 +114,10 @@ def test_hub_spelling_reads_as_per_layer_config(gemma4_dir):
     assert config_from_hf({k: v for k, v in hub.items() if k != "global_head_dim"}).attention_dims(3) == (1, 512)
 
 
-@pytest.mark.parametrize("field, value", [("hidden_size_per_layer_input", 8), ("num_kv_shared_layers", 2),
-                                          ("use_bidirectional_attention", "all")])
+@pytest.mark.parametrize("field, value", [("use_bidirectional_attention", "all"), ("num_kv_shared_layers", 4)])
 def test_what_is_not_built_is_refused_by_name(gemma4_dir, field, value):
     saved = json.load(open(os.path.join(gemma4_dir, "config.json")))
-    with pytest.raises(ConfigError, match=field):
+    with pytest.raises(ConfigError, match=field.removeprefix("num_")):
         config_from_hf(dict(saved, **{field: value}))
 
 

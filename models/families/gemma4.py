@@ -27,13 +27,13 @@ class Gemma4(Family):
     honoured = frozenset({"hidden_activation", "attention_bias", "sliding_window", "layer_types",
                           "final_logit_softcapping", "attention_k_eq_v", "per_layer_config", "global_head_dim",
                           "num_global_key_value_heads", "enable_moe_block", "num_experts", "top_k_experts",
-                          "moe_intermediate_size"})
+                          "moe_intermediate_size", "hidden_size_per_layer_input", "vocab_size_per_layer_input",
+                          "num_kv_shared_layers", "use_double_wide_mlp"})
     depends = {name: {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32}
                for name in ("num_experts", "top_k_experts", "moe_intermediate_size")}
-    # the per-layer-embedding vocabulary counts only with hidden_size_per_layer_input (refused
-    # unless 0); the wide MLP only on KV-sharing layers (refused unless none)
-    inert = frozenset({"vocab_size_per_layer_input", "use_double_wide_mlp"})
-    fixed = {"use_bidirectional_attention": None, "hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0}
+    depends = {**depends, "vocab_size_per_layer_input": {"hidden_size_per_layer_input": 8},
+               "use_double_wide_mlp": {"num_kv_shared_layers": 2}}
+    fixed = {"use_bidirectional_attention": None}
     rope_types = ("default", "linear", "proportional")
     partial_rotary = True  # read per layer type: proportional's factor only (model_fields)
     norm_names = {"attn_norm": "input_layernorm", "attn_post_norm": "post_attention_layernorm",
@@ -41,11 +41,6 @@ class Gemma4(Family):
     mixed_kv = True  # global layers hold pages of their own shape (engine/capabilities/table.py)
     tested = ("HF f32 logits and greedy tokens (global layers of their own head dim, KV heads and V = K); "
               "chunked = prefix-cached = tensor 2 = sequence 2 through the Engine; int8 weights + int8 KV run")
-
-    def check_fields(self, hf):
-        if hf.get("use_double_wide_mlp") and hf.get("num_kv_shared_layers"):
-            raise ConfigError("gemma4: use_double_wide_mlp (on KV-sharing layers) is not supported")
-        super().check_fields(hf)
 
     def layer_type_names(self, hf) -> tuple[str, ...]:
         """transformers' layer_types: by default 5 sliding : 1 full; the last layer always full."""
@@ -112,7 +107,16 @@ class Gemma4(Family):
             global_head_dim=global_dim if global_dim != head_dim else 0,
             global_kv_heads=global_kv if global_kv != kv_heads else 0,
             global_k_eq_v=bool(hf.get("attention_k_eq_v")), **window, **self.moe_fields(hf),
+            **self.e_model_fields(hf),
         )
+
+    def e_model_fields(self, hf) -> dict:
+        """The "E" models' per-layer inputs and KV-sharing layers (transformers' defaults:
+        per-layer inputs 256 wide from a 262,144-row table)."""
+        size, shared = int(hf.get("hidden_size_per_layer_input", 256) or 0), int(hf.get("num_kv_shared_layers") or 0)
+        vocab = int(hf.get("vocab_size_per_layer_input", 262_144))
+        return dict(per_layer_input_size=size, per_layer_vocab_size=vocab if size and vocab != hf["vocab_size"] else 0,
+                    kv_shared_layers=shared, double_wide_shared_mlp=bool(shared and hf.get("use_double_wide_mlp")))
 
     def moe_fields(self, hf) -> dict:
         """The MoE block (every layer: experts beside the dense MLP), when enabled."""
@@ -148,7 +152,16 @@ class Gemma4(Family):
             **{p + hf + ".weight": same(layer + (ours, "weight"), (e,)) for ours, hf in self.norm_names.items()
                if not (c.moe.num_experts and ours == "mlp_norm")},
         }
-        if not (c.attention.global_k_eq_v and c.attention.layer_window(n) is None):
+        if c.per_layer_input_size:  # [P, H] -> [H, P]; [H, P] -> [P, H]
+            size, b = c.per_layer_input_size, layer + ("per_layer",)
+            table.update({p + "per_layer_input_gate.weight": HFTensor(b + ("gate",), (size, e), (size, e), (1, 0)),
+                          p + "per_layer_projection.weight": HFTensor(b + ("proj",), (e, size), (e, size), (1, 0)),
+                          p + "post_per_layer_input_norm.weight": same(b + ("norm", "weight"), (e,))})
+        if c.kv_source(n) is not None:  # reads an earlier layer's K/V: no k, v or k norm of its own
+            del table[p + "self_attn.k_proj.weight"], table[p + "self_attn.k_norm.weight"]
+            if c.double_wide_shared_mlp:
+                table.update(self.mlp_tensors(c.replace(intermediate_size=2 * c.intermediate_size), p, layer))
+        elif not (c.attention.global_k_eq_v and c.attention.layer_window(n) is None):
             table[p + "self_attn.v_proj.weight"] = HFTensor(a + ("v",), (hk * d, e), (hk, d, e), (2, 0, 1))
         if c.attention.bias:
             table.update({p + f"self_attn.{x}_proj.bias": HFTensor(a + (f"{x}_bias",), (h * d,), (h, d), (0, 1))
@@ -157,6 +170,20 @@ class Gemma4(Family):
             table[p + "self_attn.o_proj.bias"] = same(a + ("o_bias",), (e,))
         return table
 
+
+    def tensors(self, config):
+        table = super().tensors(config)
+        if config.per_layer_input_size:  # the per-layer inputs' tables (models/per_layer_inputs.py)
+            c, pre, width = config, self.prefix, config.num_layers * config.per_layer_input_size
+            table.update({
+                pre + "embed_tokens_per_layer.weight": same(("per_layer_inputs", "embed", "embedding"),
+                                                            (c.per_layer_vocab_size or c.vocab_size, width)),
+                pre + "per_layer_model_projection.weight": HFTensor(("per_layer_inputs", "projection"),
+                                                                    (width, c.hidden_size), (width, c.hidden_size),
+                                                                    (1, 0)),
+                pre + "per_layer_projection_norm.weight": same(("per_layer_inputs", "norm", "weight"),
+                                                               (c.per_layer_input_size,))})
+        return table
 
     def moe_block_tensors(self, c, p: str, layer: tuple) -> dict:
         """The dense MLP and the experts of models/moe_beside_dense.py, with their norms."""

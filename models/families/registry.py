@@ -120,6 +120,8 @@ def layer_kind(config, layer: int) -> str:
     mixer = "nomixer_" if layer in config.no_mixer_layers else "linear_" if layer in config.linear.layers else ""
     if not mixer and config.mixed_kv and config.attention.layer_window(layer) is None:
         mixer = "global_"  # Gemma 4's full layers: their own head dim and KV heads
+    if config.kv_source(layer) is not None:
+        mixer = "shared_" + mixer  # Gemma 4's E models: no k/v of its own (its MLP maybe twice as wide)
     mlp = "nomlp" if layer in config.no_mlp_layers else "moe" if is_moe_layer(config, layer) else "dense"
     return mixer + mlp
 
@@ -142,9 +144,12 @@ def _abstract_sizes(config) -> tuple[int, dict]:
     rest = 0
     for kind in sorted({layer_kind(config, n) for n in range(config.num_layers)}):
         types = config.attention.layer_types[:1]
-        if config.mixed_kv:
-            types = ("full",) if kind.startswith("global_") else ("sliding",)
-        one = config.replace(num_layers=1, layer_types=types,
+        if config.mixed_kv and config.attention.layer_types:
+            types = ("full",) if "global_" in kind else ("sliding",)
+        # a KV-sharing layer needs an earlier one to read: layer 1 of two stands for it
+        shared = kind.startswith("shared_")
+        one = config.replace(num_layers=2 if shared else 1, layer_types=types * (2 if shared else 1),
+                             kv_shared_layers=int(shared),
                                   nope_layers=tuple(n for n in config.attention.nope_layers if n == 0),
                                   dense_layers=(0,) if kind.endswith("dense") and config.moe.num_experts else (),
                                   linear_layers=(0,) if kind.startswith("linear_") else (),
@@ -152,8 +157,12 @@ def _abstract_sizes(config) -> tuple[int, dict]:
                                   no_mlp_layers=(0,) if kind.endswith("nomlp") else ())
         state = nnx.state(nnx.eval_shape(lambda: new_model(one, nnx.Rngs(0))))
         kinds[kind] = tuple(ParamShape(tuple(path[2:]), tuple(var.shape), tuple(var_axes(var)), var.dtype)
-                            for path, var in nnx.to_flat_state(state) if path[:2] == ("layers", 0))
-        rest = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(state)) - _count(kinds[kind])
+                            for path, var in nnx.to_flat_state(state) if path[:2] == ("layers", int(shared)))
+        if not shared:
+            rest = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(state)) - _count(kinds[kind])
+    if config.per_layer_input_size:  # Gemma 4's per-layer tables hold P columns per layer; the model above one
+        rest += (config.num_layers - 1) * config.per_layer_input_size * (
+            (config.per_layer_vocab_size or config.vocab_size) + config.hidden_size)
     return rest, kinds
 
 

@@ -27,22 +27,26 @@ class Attention(nnx.Module):
         global_kv_heads (Gemma 4) has its own; in a stacked layout all layers share one."""
         c, dt = config, config.jnp_dtype
         (hk, d), e, hq, wd = c.attention_dims(layer), c.hidden_size, c.num_heads, c.weight_dtype
-        # Gemma 4's full layers may take V from the K projection (no v weight)
+        # Gemma 4's full layers may take V from the K projection (no v weight); its KV-sharing
+        # layers read an earlier layer's pages (no k, v or k norm)
         k_is_v = c.attention.global_k_eq_v and c.attention.layer_window(layer) is None
+        shared = c.kv_source(layer) is not None
         # with an output gate (Qwen3.5) q_proj gives each head [q, gate]: 2D columns
         q_cols = 2 * d if c.attention.output_gate else d
         self.q, self.q_scale = projection(rngs, (e, hq, q_cols), ("embed", "q_heads", "head_dim"), dt, 1, wd)
-        self.k, self.k_scale = projection(rngs, (e, hk, d), ("embed", "kv_heads", "head_dim"), dt, 1, wd)
-        self.v, self.v_scale = (None, None) if k_is_v else projection(
+        self.k, self.k_scale = (None, None) if shared else projection(
+            rngs, (e, hk, d), ("embed", "kv_heads", "head_dim"), dt, 1, wd)
+        self.v, self.v_scale = (None, None) if k_is_v or shared else projection(
             rngs, (e, hk, d), ("embed", "kv_heads", "head_dim"), dt, 1, wd)
         self.o, self.o_scale = projection(rngs, (hq, d, e), ("q_heads", "head_dim", "embed"), dt, 2, wd)
         if c.attention.bias:
             self.q_bias = param(rngs, (hq, d), ("q_heads", "head_dim"), dt)
-            self.k_bias = param(rngs, (hk, d), ("kv_heads", "head_dim"), dt)
-            self.v_bias = param(rngs, (hk, d), ("kv_heads", "head_dim"), dt)
+            self.k_bias = None if shared else param(rngs, (hk, d), ("kv_heads", "head_dim"), dt)
+            self.v_bias = None if shared else param(rngs, (hk, d), ("kv_heads", "head_dim"), dt)
         if c.attention.qk_norm == "head":  # over each head's D
             self.q_norm = RMSNorm(d, c.norms.eps, dt, rngs, kind=c.norms.kind, axes=("head_dim",))
-            self.k_norm = RMSNorm(d, c.norms.eps, dt, rngs, kind=c.norms.kind, axes=("head_dim",))
+            self.k_norm = None if shared else RMSNorm(d, c.norms.eps, dt, rngs, kind=c.norms.kind,
+                                                      axes=("head_dim",))
         elif c.attention.qk_norm == "projection":  # over all heads of the projection
             self.q_norm = RMSNorm(d, c.norms.eps, dt, rngs, kind=c.norms.kind, shape=(hq, d),
                                   axes=("q_heads", "head_dim"))
@@ -64,6 +68,8 @@ class Attention(nnx.Module):
         rows ctx.sampled keeps. The layer's rope and window come from
         models/layer_settings.py by `ctx.layer`."""
         q, k, v, gate = self._project(x, ctx)
+        if k is None:  # a KV-sharing layer (Gemma 4): no rows to write; zeros stand in for the kernel's k/v
+            k = v = jnp.zeros((x.shape[0], jax.tree.leaves(pages)[0].shape[2] // 2, self.head_dim), q.dtype)
         # A cache laid out for more KV heads than the model has (tensor parallel with
         # Hkv < tensor, see models/sharding.py) holds each head repeated r times in a row.
         r = kv_heads_for(pages.shape[2], k.shape[1])
@@ -87,17 +93,22 @@ class Attention(nnx.Module):
                  ctx: MixerContext):  # q [T', Hq, D], k, v [T, Hkv, D], gate [T', Hq, D] or None
         """q (T' = the rows ctx.sampled keeps), k and v of every row, biased, normed, roped."""
         a = self.config.attention
-        k = qeinsum("te,ehd->thd", x, self.k[...], self.k_scale)
-        v = k if self.v is None else qeinsum("te,ehd->thd", x, self.v[...], self.v_scale)
+        if self.k is None:  # a KV-sharing layer: q alone (rope and norm on None pass it through)
+            k = v = None
+        else:
+            k = qeinsum("te,ehd->thd", x, self.k[...], self.k_scale)
+            v = k if self.v is None else qeinsum("te,ehd->thd", x, self.v[...], self.v_scale)
         q = qeinsum("te,ehd->thd", ctx.sampled(x), self.q[...], self.q_scale)
         gate = None
         if a.output_gate:
             q, gate = q[..., :self.head_dim], q[..., self.head_dim:]  # [T, Hq, D] each
         if a.bias:
-            q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+            q = q + self.q_bias[...]
+            if k is not None:
+                k, v = k + self.k_bias[...], v + self.v_bias[...]
         if a.qk_norm != "none" and not a.qk_norm_after_rope:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if a.v_norm:
+            q, k = self.q_norm(q), _maybe(self.k_norm, k)
+        if a.v_norm and v is not None:
             v = unit_rms(v, self.config.norms.eps)
         if a.qkv_clip is not None:
             q, k, v = (jnp.clip(t, -a.qkv_clip, a.qkv_clip) for t in (q, k, v))
@@ -106,9 +117,9 @@ class Attention(nnx.Module):
             inv_freq, scale = settings.rope(ctx.layer)
             rope = functools.partial(apply_rope, inv_freq=inv_freq, scale=scale, interleaved=a.rope_interleave,
                                      in_f32=a.rope_f32)
-            q, k = rope(q, ctx.sampled(ctx.positions)), rope(k, ctx.positions)
+            q, k = rope(q, ctx.sampled(ctx.positions)), _maybe(functools.partial(rope, positions=ctx.positions), k)
         if a.qk_norm_after_rope:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.q_norm(q), _maybe(self.k_norm, k)
         if a.query_temperature_beta:
             q = q * query_temperature(ctx.sampled(ctx.positions), a.query_temperature_beta,
                                       a.query_temperature_length).astype(q.dtype)[:, None, None]
@@ -118,18 +129,24 @@ class Attention(nnx.Module):
         """Attention for one sliding window (None: full), over the mesh's shares of heads and rows."""
         a = self.config.attention
         ring = RingSpec(self.sm_scale, a.soft_cap, window) if a.context_attention == "pass_kv" else None
-        attend = functools.partial(self._write_and_attend, impl=impl, window=window)
+        attend = functools.partial(self._write_and_attend, impl=impl, window=window, write=self.k is not None)
         return sharded_attention(attend, q, k, v, pages, meta, sinks, sinks=sinks is not None, ring=ring)
 
-    def _write_and_attend(self, q, k, v, pages, meta, sinks, share, *, impl: str, window):
-        """One device's view under a mesh: this step's K/V rows into the pages, then the kernel."""
-        pages = write_kv(pages, k, v, meta.slot_mapping)
+    def _write_and_attend(self, q, k, v, pages, meta, sinks, share, *, impl: str, window, write: bool = True):
+        """One device's view under a mesh: this step's K/V rows into the pages (unless the
+        pages are an earlier layer's, `write` False), then the kernel."""
+        if write:
+            pages = write_kv(pages, k, v, meta.slot_mapping)
         extra = {} if sinks is None else {"sinks": sinks}
         out = ragged_paged_attention(
             q, pages, meta.kv_lens, meta.page_indices, meta.cu_q_lens, meta.num_seqs,
             sm_scale=self.sm_scale, sliding_window=window, soft_cap=self.config.attention.soft_cap, impl=impl,
             **extra, **share)
         return out, pages
+
+
+def _maybe(f, x):
+    return None if x is None else f(x)
 
 
 def query_temperature(positions: jax.Array,  # [T] int32
