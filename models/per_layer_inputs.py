@@ -40,11 +40,11 @@ class PerLayerInputs(nnx.Module):
 
 
 class PerLayerBlock(nnx.Module):
-    """One layer's use of its input: x + post_norm(act(x @ gate) * input @ proj)."""
+    """One layer's use of its input: x + post_norm(act(x @ input_gate) * input @ proj)."""
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         c, dt, p = config, config.jnp_dtype, config.per_layer_input_size
-        self.gate = param(rngs, (c.hidden_size, p), ("embed", None), dt)
+        self.input_gate = param(rngs, (c.hidden_size, p), ("embed", None), dt)  # unquantized: P is narrow
         self.proj = param(rngs, (p, c.hidden_size), (None, "embed"), dt)
         self.norm = RMSNorm(c.hidden_size, c.norms.eps, dt, rngs, kind=c.norms.kind)
         self.activation = c.hidden_act
@@ -53,5 +53,5 @@ class PerLayerBlock(nnx.Module):
                  x: jax.Array,  # [T, E]
                  inputs: jax.Array,  # [T, P] this layer's
                  ) -> jax.Array:  # [T, E]
-        h = ACTIVATIONS[self.activation](x @ self.gate[...]) * inputs
+        h = ACTIVATIONS[self.activation](x @ self.input_gate[...]) * inputs
         return x + self.norm(h @ self.proj[...])

@@ -2,7 +2,8 @@
 sliding ones) through the Engine: unchunked == chunked == prefix-cached == tensor=2 (the
 one global KV head repeated for the split) == sequence=2, int8 weights + int8 KV close
 (tests/family_layouts.py). Its layers differ in shape, so scan_layers and mesh.stage are
-refused (engine/capabilities/table.py, the mixed_kv rows; tested here too). The MoE block
+refused (engine/capabilities/table.py, the mixed_kv rows; tested here too). The E shape
+(per-layer inputs, KV-sharing layers) in the same layouts. The MoE block
 (experts beside the dense MLP) on 4 devices: prefix-cached == chunked == expert 4 ==
 expert 2 x tensor 2, every expert's routed pairs counted."""
 
@@ -23,6 +24,13 @@ def gemma4_dir(tmp_path_factory):
 
 def test_every_layout_gives_the_same_tokens(gemma4_dir):
     check_every_layout(gemma4_dir, "gemma4", GEMMA4_LAYOUTS, ("chunked", "prefix", "tensor2", "sequence2"))
+
+
+def test_e_model_layouts(tmp_path):
+    """The E shape: the KV-sharing layers read pages the chunks and the cached prefix
+    filled through their source layers."""
+    directory = make_hf_checkpoint(str(tmp_path / "gemma4_e"), "gemma4_e")
+    check_every_layout(directory, "gemma4_e", GEMMA4_LAYOUTS, ("chunked", "prefix", "tensor2", "sequence2"))
 
 
 def test_moe_block_layouts(tmp_path):

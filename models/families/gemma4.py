@@ -154,9 +154,10 @@ class Gemma4(Family):
         }
         if c.per_layer_input_size:  # [P, H] -> [H, P]; [H, P] -> [P, H]
             size, b = c.per_layer_input_size, layer + ("per_layer",)
-            table.update({p + "per_layer_input_gate.weight": HFTensor(b + ("gate",), (size, e), (size, e), (1, 0)),
-                          p + "per_layer_projection.weight": HFTensor(b + ("proj",), (e, size), (e, size), (1, 0)),
-                          p + "post_per_layer_input_norm.weight": same(b + ("norm", "weight"), (e,))})
+            table.update({
+                p + "per_layer_input_gate.weight": HFTensor(b + ("input_gate",), (size, e), (size, e), (1, 0)),
+                p + "per_layer_projection.weight": HFTensor(b + ("proj",), (e, size), (e, size), (1, 0)),
+                p + "post_per_layer_input_norm.weight": same(b + ("norm", "weight"), (e,))})
         if c.kv_source(n) is not None:  # reads an earlier layer's K/V: no k, v or k norm of its own
             del table[p + "self_attn.k_proj.weight"], table[p + "self_attn.k_norm.weight"]
             if c.double_wide_shared_mlp:
