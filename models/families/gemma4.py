@@ -9,9 +9,11 @@ head_dim / num_key_value_heads on each full layer) or the hub's `global_head_dim
 
 `Gemma4ForConditionalGeneration` loads as its text tower (`model.language_model.`), the
 vision and audio towers skipped. The MoE models' block (`enable_moe_block`): experts beside
-the dense MLP in every layer (models/moe_beside_dense.py). Refused by name: the "E" models'
-per-layer embeddings (`hidden_size_per_layer_input`) and KV shared from earlier layers
-(`num_kv_shared_layers`), bidirectional attention."""
+the dense MLP in every layer (models/moe_beside_dense.py). The "E" models: per-layer inputs
+(`hidden_size_per_layer_input`, models/per_layer_inputs.py) and their last
+`num_kv_shared_layers` layers attending over the pages of the last earlier layer of their
+type, holding none (twice-wide MLPs with `use_double_wide_mlp`). Refused by name:
+bidirectional attention (`use_bidirectional_attention`, "vision" accepted for the text tower)."""
 
 from __future__ import annotations
 
@@ -39,8 +41,10 @@ class Gemma4(Family):
     norm_names = {"attn_norm": "input_layernorm", "attn_post_norm": "post_attention_layernorm",
                   "mlp_norm": "pre_feedforward_layernorm", "mlp_post_norm": "post_feedforward_layernorm"}
     mixed_kv = True  # global layers hold pages of their own shape (engine/capabilities/table.py)
-    tested = ("HF f32 logits and greedy tokens (global layers of their own head dim, KV heads and V = K); "
-              "chunked = prefix-cached = tensor 2 = sequence 2 through the Engine; int8 weights + int8 KV run")
+    tested = ("HF f32 logits and greedy tokens (global layers of their own head dim, KV heads and V = K; the MoE "
+              "block; the E models' per-layer inputs and KV-sharing layers), bf16 at the noise floor; chunked = "
+              "prefix-cached = tensor 2 = sequence 2 through the Engine (MoE: = expert 4 = expert 2 x tensor 2); "
+              "int8 weights + int8 KV run")
 
     def layer_type_names(self, hf) -> tuple[str, ...]:
         """transformers' layer_types: by default 5 sliding : 1 full; the last layer always full."""
