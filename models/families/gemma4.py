@@ -34,7 +34,9 @@ class Gemma4(Family):
     depends = {name: {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32}
                for name in ("num_experts", "top_k_experts", "moe_intermediate_size")}
     depends = {**depends, "vocab_size_per_layer_input": {"hidden_size_per_layer_input": 8},
-               "use_double_wide_mlp": {"num_kv_shared_layers": 2}}
+               "num_kv_shared_layers": {"layer_types": ["sliding_attention", "full_attention"] * 2},
+               "use_double_wide_mlp": {"num_kv_shared_layers": 1,
+                                       "layer_types": ["sliding_attention", "full_attention"] * 2}}
     fixed = {"use_bidirectional_attention": None}
     rope_types = ("default", "linear", "proportional")
     partial_rotary = True  # read per layer type: proportional's factor only (model_fields)
@@ -119,6 +121,11 @@ class Gemma4(Family):
         per-layer inputs 256 wide from a 262,144-row table)."""
         size, shared = int(hf.get("hidden_size_per_layer_input", 256) or 0), int(hf.get("num_kv_shared_layers") or 0)
         vocab = int(hf.get("vocab_size_per_layer_input", 262_144))
+        types = self.layer_type_names(hf)
+        first = len(types) - shared
+        if shared and (first <= 0 or not set(types[first:]) <= set(types[:first])):
+            raise ConfigError(f"gemma4: num_kv_shared_layers={shared} leaves no earlier layer of each type to read "
+                              f"(layer types {list(types)})")
         return dict(per_layer_input_size=size, per_layer_vocab_size=vocab if size and vocab != hf["vocab_size"] else 0,
                     kv_shared_layers=shared, double_wide_shared_mlp=bool(shared and hf.get("use_double_wide_mlp")))
 
