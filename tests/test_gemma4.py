@@ -123,11 +123,13 @@ def test_what_is_not_built_is_refused_by_name(gemma4_dir, field, value):
 
 def test_image_text_checkpoint_loads_as_its_text_tower(tmp_path):
     """A Gemma4ForConditionalGeneration directory (vision tower beside the text model),
-    its full layers here with their own V (attention_k_eq_v off): text-only prompts give
-    HF's logits, soft cap included; the vision weights are skipped."""
+    its full layers here with their own V (attention_k_eq_v off), bidirectional attention
+    over image tokens: text-only prompts give HF's logits, soft cap included; the vision
+    weights are skipped."""
     import transformers as tf
 
-    text = {**HF_SMALL, **GEMMA4_KWARGS["gemma4"][1], "attention_k_eq_v": False}
+    text = {**HF_SMALL, **GEMMA4_KWARGS["gemma4"][1], "attention_k_eq_v": False,
+            "use_bidirectional_attention": "vision"}  # image tokens only: text-only prompts stay causal
     text.pop("initializer_range")
     cfg = tf.Gemma4Config(text_config=text, vision_config=dict(hidden_size=16, intermediate_size=32,
                                                                num_hidden_layers=1, num_attention_heads=2,
