@@ -36,6 +36,11 @@ ARCHS = {
     # on every other layer; transformers has no sdpa for it (eager attention)
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(num_local_experts=8, num_experts_per_tok=2,
                                                           sliding_window=128)),
+    # Qwen3.5-MoE (issue 45): 6 Gated DeltaNet + 2 gated attention layers (3:1), DeltaNet 4 key /
+    # 8 value heads of 64, every MLP 8 experts of 704 top 2 beside a gated shared expert of 704
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(
+        linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=704, shared_expert_intermediate_size=704)),
 }
 
 

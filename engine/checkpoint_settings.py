@@ -17,6 +17,7 @@ from typing import Any
 from jaxfill.engine.presets import preset_names, read_preset
 from jaxfill.models.config import ModelConfig, read_config_json
 from jaxfill.models.families.registry import config_from_dict, family_of
+from jaxfill.models.gguf import gguf_file
 
 log = logging.getLogger("jaxfill.config")
 
@@ -44,6 +45,9 @@ def checkpoint_name(model_path: str) -> str:
     a local path there gives its last part; without either, the directory's name."""
     path = os.path.normpath(os.path.abspath(model_path))
     directory = os.path.dirname(path) if os.path.isfile(path) else path
+    gguf = gguf_file(model_path)
+    if gguf:  # a GGUF's file name says which quantization it is ("SmolLM2-135M-Instruct.Q4_1")
+        return os.path.splitext(os.path.basename(gguf))[0]
     try:
         hf = read_config_json(model_path)
     except ValueError:

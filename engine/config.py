@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 from jaxfill.engine.checkpoint_settings import checkpoint_engine, checkpoint_name, describe
 from jaxfill.engine.presets import NOT_PRESETS, preset_names, read_preset  # noqa: F401 (their old home)
-from jaxfill.models.config import ConfigError, ModelConfig, flat_keys
+from jaxfill.models.config import ConfigError, ModelConfig, flat_keys, quantization, read_config_json
 from jaxfill.engine.validation import validate
 from jaxfill.models.families.registry import config_from_dict, config_from_hf
 
@@ -229,6 +229,10 @@ def load_config(config: str | None = None, overrides: Mapping[str, Any] | list[s
         model = config_from_hf(model_path)
         model_extra = extra.get("model", {})
         model = model.replace(**model_extra) if model_extra else model
+        if model.weight_dtype == "fp8_block" and not quantization.is_fp8(read_config_json(model_path)):
+            raise ConfigError(f"model.weight_dtype = 'fp8_block' keeps an fp8 checkpoint's projections as stored, "
+                              f"and {model_path} is not one (no quantization_config quant_method fp8): use auto "
+                              "or int8")
         if from_checkpoint:
             data["engine"] = checkpoint_engine(model)
             describe(name, model, {**data["engine"], **extra.get("engine", {})})

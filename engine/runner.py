@@ -294,6 +294,7 @@ class Runner(RunnerKVTier):
         error = check_impl(self.attention_impl, num_q_heads=kv_heads * (m.num_heads // m.num_kv_heads),
                            num_kv_heads=kv_heads, head_dim=m.head_dim, page_size=self.page_size,
                            dtype=m.jnp_dtype, sliding_window=m.attention.sliding_window,
+                           attention_chunk=m.attention.attention_chunk,
                            kv_cache_dtype=self.config.engine.kv_cache_dtype)
         if error is None:
             self.attention_check = f"{self.attention_impl} matches xla on a mixed batch"

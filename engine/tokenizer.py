@@ -72,17 +72,30 @@ class ByteDetokenizer:
 
 
 class HFTokenizer:
-    """A `tokenizer.json` from a Hugging Face model directory."""
+    """A `tokenizer.json` from a Hugging Face model directory, or a `tokenizers.Tokenizer`
+    built otherwise (a GGUF's, engine/gguf_tokenizer.py) with its chat template."""
 
-    def __init__(self, path: str, eos_token_ids: tuple[int, ...] = (), bos_token_id: int | None = None):
+    def __init__(self, path, eos_token_ids: tuple[int, ...] = (), bos_token_id: int | None = None,
+                 chat_template: str | None = None, special_text: dict | None = None):
         from tokenizers import Tokenizer
 
-        self.tok = Tokenizer.from_file(path)
+        self.tok = Tokenizer.from_file(path) if isinstance(path, str) else path
         # transformers' `split_special_tokens`: "<s>" typed in a prompt stays text.
-        self.tok.encode_special_tokens = _tokenizer_config(path).get("split_special_tokens", False)
+        config = _tokenizer_config(path) if isinstance(path, str) else {}
+        self.tok.encode_special_tokens = config.get("split_special_tokens", False)
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         self.bos_token_id = bos_token_id
         self.eos_token_ids = tuple(eos_token_ids)
+        self.chat_template = chat_template or config.get("chat_template")
+        self.special_text = dict(special_text or {})  # {"bos_token": "<s>", ...}: the template's variables
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt text of a conversation, as transformers' apply_chat_template(tokenize=False)."""
+        from jaxfill.engine.gguf_tokenizer import render_chat
+
+        if not self.chat_template:
+            raise InvalidRequest("messages", "this model's tokenizer has no chat template")
+        return render_chat(self.chat_template, messages, add_generation_prompt, **self.special_text)
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         return self.tok.encode(text, add_special_tokens=add_bos).ids
@@ -188,7 +201,20 @@ def _common_prefix_len(a: str, b: str) -> int:
 
 
 def load_tokenizer(model_config, model_path: str | None = None):
-    """HF tokenizer when the model directory has tokenizer.json, else bytes."""
+    """HF tokenizer when the model directory has tokenizer.json (or is a GGUF whose
+    vocabulary engine/gguf_tokenizer.py builds), else bytes."""
+    from jaxfill.models.gguf import gguf_file, header
+
+    gguf = gguf_file(model_path)
+    if gguf:
+        from jaxfill.engine.gguf_tokenizer import UnsupportedVocabulary, gguf_tokenizer
+
+        try:
+            tok, template, special = gguf_tokenizer(header(gguf).metadata)
+        except UnsupportedVocabulary as e:
+            return IdsOnlyTokenizer(f"{os.path.basename(gguf)}: {e}")
+        return HFTokenizer(tok, eos_token_ids=model_config.eos_token_id, bos_token_id=model_config.bos_token_id,
+                           chat_template=template, special_text=special)
     if model_path and os.path.exists(os.path.join(model_path, "tokenizer.json")):
         return HFTokenizer(os.path.join(model_path, "tokenizer.json"),
                            eos_token_ids=model_config.eos_token_id, bos_token_id=model_config.bos_token_id)

@@ -10,6 +10,8 @@ builds anything (some rules hold on one platform only); nothing reads a weight f
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from jaxfill.engine.capabilities.table import CAPABILITIES, KINDS, SETTINGS, Rule, model_kinds, refusals
 from jaxfill.models.config import ConfigError
 from jaxfill.models.sharding import head_repeat
@@ -80,6 +82,8 @@ def check_values(config) -> None:
         check_mesh(model, mesh)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if model.weight_dtype == "fp8_block":
+        _check_fp8_blocks(model, mesh)
 
 
 def check_mesh(model, mesh) -> None:
@@ -105,11 +109,38 @@ def check_mesh(model, mesh) -> None:
                          "every pipeline stage holds the same number of layers")
 
 
+def _check_fp8_blocks(model, mesh) -> None:
+    """fp8 weights split over devices with their block scales (models/fp8_block.py): a
+    device must hold whole blocks, or its share of a scale would serve two devices."""
+    from jaxfill.models.families.registry import layer_params
+    from jaxfill.models.fp8_block import LAYOUTS, is_fp8, split_error
+    from jaxfill.models.sharding import MESH_AXES, RULES, logical_spec, mesh_axis_size
+
+    sizes = _Mesh(MESH_AXES, tuple(int(getattr(mesh, a)) for a in MESH_AXES))
+    for kind in {id(ps): ps for ps in (layer_params(model, n) for n in range(model.num_layers))}.values():
+        for p in kind:
+            if p.path[-1] in LAYOUTS and is_fp8(p.dtype):
+                spec = logical_spec(p.axes, RULES, sizes, p.shape)
+                why = split_error(p.path[-1], p.shape, p.axes, spec, lambda a: mesh_axis_size(sizes, a),
+                                  model.weight_block_size)
+                if why:
+                    raise ConfigError(f"{model.architecture}: model.weight_dtype = 'fp8_block' with mesh.tensor = "
+                                      f"{mesh.tensor}, mesh.expert = {mesh.expert} cuts an fp8 block ({why}); change "
+                                      f"mesh.tensor or model.weight_dtype = auto")
+
+
+class _Mesh(NamedTuple):  # what models/sharding.py's logical_spec reads of a mesh
+    axis_names: tuple
+    axis_sizes: tuple
+
+
 def _check_hybrid(model, engine, mesh) -> None:
-    groups = "Mamba2 groups (n_groups)" if model.linear.kind == "mamba2" else "linear key heads"
-    if model.linear.num_key_heads % mesh.tensor:
-        raise ConfigError(f"{model.architecture}: mesh.tensor = {mesh.tensor} (must divide the "
-                          f"{model.linear.num_key_heads} {groups})")
+    groups = {"mamba2": "Mamba2 groups (n_groups)", "short_conv": "short-convolution channels (hidden_size)",
+              "kda": "KDA heads"}.get(
+        model.linear.kind, "linear key heads")
+    split = model.hidden_size if model.linear.kind == "short_conv" else model.linear.num_key_heads
+    if split % mesh.tensor:
+        raise ConfigError(f"{model.architecture}: mesh.tensor = {mesh.tensor} (must divide the {split} {groups})")
     interval, slots = int(engine.state_snapshot_tokens), int(engine.state_snapshot_slots)
     if interval < 0 or interval % engine.page_size or slots < 0:
         raise ConfigError(f"engine.state_snapshot_tokens must be a multiple of engine.page_size "

@@ -21,12 +21,14 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from jaxfill.models import mxfp4
+from jaxfill.models import fp8_block, mxfp4
 from jaxfill.models.config import ModelConfig
 from jaxfill.models.decoder import Decoder
 from jaxfill.models.execution_plan import ExecutionPlan
 from jaxfill.models.families.base import HFTensor
 from jaxfill.models.families.registry import family_of, new_model
+from jaxfill.models.gguf import GGUFTensor, gguf_file, hf_config_of
+from jaxfill.models.gguf import tensors as gguf_tensors
 from jaxfill.models.progress import progress_bar
 from jaxfill.models.quant import (
     QUANTIZED_INPUT_AXES, STACKED_AXES, QuantizedSlices, is_quantized, quantize_param, scale_path,
@@ -35,6 +37,7 @@ from jaxfill.models.quant import (
 SAFETENSORS_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+    **fp8_block.SAFETENSORS,
 }
 
 
@@ -179,13 +182,17 @@ def rows_of(stored: StoredTensor, rows: tuple | None) -> StoredTensor:
     """Rows [start, stop) of axis 0 of a stored tensor: a contiguous byte range of it."""
     if rows is None:
         return stored
+    if isinstance(stored, GGUFTensor):
+        return stored.take_rows(rows)
     start, stop = rows
     row_bytes = int(np.prod(stored.shape[1:], dtype=np.int64)) * np.dtype(stored.dtype).itemsize
     return StoredTensor(stored.file, stored.offset + start * row_bytes, stored.dtype,
                         (stop - start,) + tuple(stored.shape[1:]))
 
 
-def _plain_reader(stored: StoredTensor, spec: HFTensor) -> Callable:
+def _plain_reader(stored: StoredTensor | GGUFTensor, spec: HFTensor) -> Callable:
+    if isinstance(stored, GGUFTensor):
+        return lambda target: stored.slices(spec.stored_shape, spec.perm, target)
     return lambda target: TensorSlices(stored, spec.stored_shape, spec.perm, target)
 
 
@@ -213,27 +220,34 @@ def default_place(path: tuple, tensor: TensorSlices) -> jax.Array:
 def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "auto",
                    place: Callable[[tuple, TensorSlices], jax.Array] = default_place,
                    progress: bool = True, plan: ExecutionPlan = ExecutionPlan()) -> Decoder:
-    """Builds the config's model whose params come from a Hugging Face safetensors checkpoint.
+    """Builds the config's model whose params come from a Hugging Face safetensors checkpoint
+    (or a GGUF file, models/gguf/).
 
     Every header is checked (names, shapes) before any tensor data is read, so a wrong
     checkpoint fails fast and whole. With a stacked `plan` the params go straight into the
     stacked layout of models/parallel/pipeline.py: `place` gets each stacked param as one
     StackedSlices, so a device reads only its own stage's layers."""
+    from jaxfill.models.fp8_reader import Fp8Reader  # it reads through this module's TensorSlices
+
     model = nnx.eval_shape(lambda: new_model(config, nnx.Rngs(0), attention_impl=attention_impl, plan=plan))
     graphdef, state = nnx.split(model)
     params = {path: var for path, var in nnx.to_flat_state(state)}
     family = family_of(config.architecture)
     table = hf_to_param(config)
     rename = getattr(family, "rename", lambda name: name)
-    files = safetensors_files(model_dir)
+    gguf = gguf_file(model_dir)  # a GGUF: its tensors dequantized at read (models/gguf/)
+    files = [gguf] if gguf else safetensors_files(model_dir)
     hf_json = os.path.join(model_dir, "config.json")
-    with open(hf_json) if os.path.exists(hf_json) else open(os.devnull) as f:
-        skipped = family.skipped_prefixes(config, json.loads(f.read() or "{}"))
+    with open(hf_json) if os.path.exists(hf_json) and not gguf else open(os.devnull) as f:
+        hf = hf_config_of(gguf) if gguf else json.loads(f.read() or "{}")
+    skipped = family.skipped_prefixes(config, hf)
     todo: list[tuple[HFTensor, Callable]] = []  # (where, target dtype -> reader)
     seen: set[str] = set()
     packed: dict[str, dict] = {}  # MXFP4 tensors: name -> {suffix: stored}
+    fp8_scales: dict[str, StoredTensor] = {}  # fp8 weight name -> its weight_scale_inv
+    fp8: list[tuple[str, StoredTensor, tuple]] = []  # (name, stored, parts) of fp8 weights
     for path in files:
-        for name, stored in read_safetensors(path):
+        for name, stored in gguf_tensors(path) if gguf else read_safetensors(path):
             name = rename(name)
             if name.endswith(family.ignored_tensors) or name.startswith(skipped):
                 continue
@@ -242,6 +256,10 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
             if name in seen:
                 raise CheckpointError(f"tensor {name!r} appears twice ({os.path.basename(path)} again)")
             seen.add(name)
+            if name.endswith((fp8_block.HF_SCALE, fp8_block.HF_ACTIVATION_SCALE)) and name not in table:
+                if name.endswith(fp8_block.HF_SCALE):
+                    fp8_scales[name[:-len(fp8_block.HF_SCALE)] + ".weight"] = stored
+                continue
             base = name[:-len(mxfp4.SUFFIXES[0])]
             if name not in table and name.endswith(mxfp4.SUFFIXES) and isinstance(table.get(base), HFTensor):
                 packed.setdefault(base, {})[name[len(base):]] = stored
@@ -253,7 +271,15 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
             if stored.shape != parts[0].hf_shape:
                 raise CheckpointError(f"tensor {name!r} has shape {stored.shape}, "
                                       f"config.json implies {parts[0].hf_shape}")
+            if fp8_block.is_fp8(stored.dtype):
+                fp8.append((name, stored, parts))
+                continue
             todo.extend((part, _plain_reader(rows_of(stored, part.rows), part)) for part in parts)
+    for name, stored, parts in fp8:
+        scales = fp8_scales.pop(name, None)
+        todo.extend((part, Fp8Reader(name, stored, scales, part, config.weight_block_size)) for part in parts)
+    if fp8_scales:
+        raise CheckpointError(f"scales without an fp8 weight: {sorted(fp8_scales)[:3]}")
     for base, pair in packed.items():
         spec = table.pop(base)
         todo.append((spec, _mxfp4_reader(base, pair, spec)))
@@ -263,9 +289,22 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
     target = np.dtype(config.jnp_dtype)
     entries: dict[tuple, dict] = {}  # param path -> {indices in its stack: reader}
     levels: dict[tuple, tuple] = {}  # param path -> ((param axis, count), ...) of its stack
+    stages = plan.layer_groups
+    per_stage = config.num_layers // stages
+
+    def dtype_of(p: tuple) -> np.dtype:  # the model's param (a stacked plan holds layer n at n % K)
+        return np.dtype(params[("layers", p[1] % per_stage) + p[2:] if stages > 1 and p[0] == "layers" else p].dtype)
+
     for spec, reader_of in todo:
         path = spec.param_path
-        if is_quantized(path, config.weight_dtype):  # int8 from the f32 values, slice by slice
+        if fp8_block.is_fp8(dtype_of(path)):  # kept as stored, with its block scales
+            if not isinstance(reader_of, Fp8Reader):
+                raise CheckpointError(f"{path} is stored unquantized but model.weight_dtype = fp8_block keeps it "
+                                      "in fp8: set model.weight_dtype = auto")
+            s, n, _ = fp8_block.LAYOUTS[path[-1]]
+            stack = tuple((axis - (n - 1) * (axis >= s + n), index, count) for axis, index, count in spec.stack)
+            pairs = [(path, reader_of(dtype_of(path)), spec.stack), (scale_path(path), reader_of.scales, stack)]
+        elif is_quantized(path, config.weight_dtype):  # int8 from the f32 values, slice by slice
             # experts stacked in the checkpoint itself (gpt-oss) carry their expert axis
             stacked = 0 if spec.stack else STACKED_AXES.get(path[-1], 0)
             tensor = QuantizedSlices(reader_of(np.dtype(np.float32)), QUANTIZED_INPUT_AXES[path[-1]], stacked)
@@ -276,8 +315,6 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
             entries.setdefault(p, {})[tuple(index for _, index, _ in stack)] = reader
             levels[p] = tuple((axis, count) for axis, _, count in stack)
     readers: dict[tuple, object] = {}  # param path -> reader (a list of stage rows while stacking)
-    stages = plan.layer_groups
-    per_stage = config.num_layers // stages
     for p, parts in entries.items():
         reader = assemble(parts, levels[p])
         if stages > 1 and p[0] == "layers":  # layer n is row n // K of module n % K

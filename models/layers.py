@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxfill.models import fp8_block
 from jaxfill.models.quant import qeinsum, quantize
 from jaxfill.models.parallel.vocab import vocab_parallel_embed
 from jaxfill.models.sharding import constrain
@@ -29,14 +30,21 @@ def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dtype,
 
 
 def projection(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dtype, num_in: int,
-               weight_dtype: str = "auto", stacked: int = 0) -> tuple[nnx.Param, nnx.Param | None]:
-    """A projection weight [stacked..., in..., out...] and its per-output-channel scales
-    (None unless weight_dtype is "int8"; stacked experts get their own). int8 quantizes the
-    very values the float model would have, so a random-init int8 model is the float one
-    quantized (models/quant.py)."""
+               weight_dtype="auto", stacked: int = 0, name: str = "") -> tuple[nnx.Param, nnx.Param | None]:
+    """A projection weight [stacked..., in..., out...] and its scales: None for "auto";
+    per output channel for "int8" (stacked experts get their own); per block for an
+    fp8_block.Fp8Format (ModelConfig.weight_form), the layout of fp8_block.LAYOUTS[name]
+    carried as the scale's metadata. Both quantize the very values the float model would
+    have, so a random-init quantized model is the float one quantized."""
     w = param(rngs, shape, axes, dtype)
     if weight_dtype == "auto":
         return w, None
+    if isinstance(weight_dtype, fp8_block.Fp8Format):
+        layout, block = fp8_block.LAYOUTS[name], weight_dtype.block
+        q, scale = fp8_block.quantize(w[...], layout, block, fp8_block.FORMATS[weight_dtype.dtype])
+        return (nnx.Param(q, out_sharding=axes, eager_sharding=False),
+                nnx.Param(scale, out_sharding=fp8_block.scale_axes(axes, layout), eager_sharding=False,
+                          **{fp8_block.META: (block, layout)}))
     q, scale = quantize(w[...], num_in, stacked)
     scale_axes = axes[:stacked] + axes[stacked + num_in:]
     return (nnx.Param(q, out_sharding=axes, eager_sharding=False),
@@ -84,13 +92,15 @@ ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approx
 
 
 class GatedMLP(nnx.Module):
-    def __init__(self, hidden: int, intermediate: int, dtype, rngs: nnx.Rngs, weight_dtype: str = "auto",
+    def __init__(self, hidden: int, intermediate: int, dtype, rngs: nnx.Rngs, weight_dtype="auto",
                  activation: str = "silu"):
         wd = weight_dtype
         self.activation = activation
-        self.gate, self.gate_scale = projection(rngs, (hidden, intermediate), ("embed", "mlp"), dtype, 1, wd)
-        self.up, self.up_scale = projection(rngs, (hidden, intermediate), ("embed", "mlp"), dtype, 1, wd)
-        self.down, self.down_scale = projection(rngs, (intermediate, hidden), ("mlp", "embed"), dtype, 1, wd)
+        self.gate, self.gate_scale = projection(rngs, (hidden, intermediate), ("embed", "mlp"), dtype, 1, wd,
+                                                name="gate")
+        self.up, self.up_scale = projection(rngs, (hidden, intermediate), ("embed", "mlp"), dtype, 1, wd, name="up")
+        self.down, self.down_scale = projection(rngs, (intermediate, hidden), ("mlp", "embed"), dtype, 1, wd,
+                                                name="down")
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [T, E] -> [T, E]
         with jax.named_scope("mlp"):
@@ -133,12 +143,13 @@ class MLP(nnx.Module):
     """The ungated MLP, act(x W_up) W_down (Nemotron-H's and Arcee's squared ReLU, Apertus'
     xIELU, whose learned scalars live here as `act_fn`)."""
 
-    def __init__(self, hidden: int, intermediate: int, dtype, rngs: nnx.Rngs, weight_dtype: str = "auto",
+    def __init__(self, hidden: int, intermediate: int, dtype, rngs: nnx.Rngs, weight_dtype="auto",
                  activation: str = "relu2"):
         wd = weight_dtype
         self.activation = activation
-        self.up, self.up_scale = projection(rngs, (hidden, intermediate), ("embed", "mlp"), dtype, 1, wd)
-        self.down, self.down_scale = projection(rngs, (intermediate, hidden), ("mlp", "embed"), dtype, 1, wd)
+        self.up, self.up_scale = projection(rngs, (hidden, intermediate), ("embed", "mlp"), dtype, 1, wd, name="up")
+        self.down, self.down_scale = projection(rngs, (intermediate, hidden), ("mlp", "embed"), dtype, 1, wd,
+                                                name="down")
         self.act_fn = XIELU(dtype) if activation == "xielu" else None
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [T, E] -> [T, E]

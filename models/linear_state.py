@@ -1,4 +1,4 @@
-"""A linear layer's cache entry (models/mixers/gated_deltanet.py, models/mixers/mamba2.py): per-sequence
+"""A linear layer's cache entry (models/mixers/gated_deltanet.py, mamba2.py, short_conv.py): per-sequence
 state in slots, beside the attention layers' pages in the KVCache. Both arrays split over
 'tensor' on axis 1 (models/sharding.linear_state_sharding): the recurrent state by head,
 the conv history by channel, which both mixers lay out group by group (Gated DeltaNet's
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -21,25 +22,36 @@ from jaxfill.models.config import ModelConfig
 class LinearState:
     """One linear layer's per-sequence state, in slots."""
 
-    recurrent: jax.Array  # [slots, Hv, Dk, Dv] f32 (Mamba2: [slots, H, N, P])
+    recurrent: jax.Array  # [slots, Hv, Dk, Dv] f32 (Mamba2: [slots, H, N, P]; short conv: [slots, 0])
     conv: jax.Array  # [slots, conv_dim, kernel - 1] in the model dtype, channels group by group
 
 
 def conv_dim(c: ModelConfig) -> int:
+    """Channels of the convolution: q, k, v (Gated DeltaNet), x, B, C (Mamba2), or the hidden
+    size (LFM2's short convolution)."""
+    if c.linear.kind == "short_conv":
+        return c.hidden_size
     return 2 * c.linear.num_key_heads * c.linear.key_head_dim + c.linear.num_value_heads * c.linear.value_head_dim
+
+
+def recurrent_shape(c: ModelConfig) -> tuple[int, ...]:
+    """One sequence's recurrent state: [Hv, Dk, Dv]; [0] for the short convolution, which
+    has none (an empty array keeps every slot copy, snapshot and transfer one code path)."""
+    if c.linear.kind == "short_conv":
+        return (0,)
+    return (c.linear.num_value_heads, c.linear.key_head_dim, c.linear.value_head_dim)
 
 
 def state_bytes_per_sequence(c: ModelConfig, heads_split: int = 1) -> int:
     """One sequence's state over every linear layer (recurrent f32 + conv history in the
     model dtype), on one of `heads_split` ranks when the value heads split."""
-    recurrent = c.linear.num_value_heads * c.linear.key_head_dim * c.linear.value_head_dim * 4
+    recurrent = math.prod(recurrent_shape(c)) * 4
     conv = conv_dim(c) * (c.linear.conv_kernel - 1) * jnp.dtype(c.jnp_dtype).itemsize
     return len(c.linear.layers) * (recurrent + conv) // heads_split
 
 
 def init_linear_state(c: ModelConfig, slots: int, fill_value: float = 0.0) -> LinearState:
-    hv, dk, dv = c.linear.num_value_heads, c.linear.key_head_dim, c.linear.value_head_dim
-    return LinearState(jnp.full((slots, hv, dk, dv), fill_value, jnp.float32),
+    return LinearState(jnp.full((slots, *recurrent_shape(c)), fill_value, jnp.float32),
                        jnp.full((slots, conv_dim(c), c.linear.conv_kernel - 1), fill_value, c.jnp_dtype))
 
 

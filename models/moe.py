@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxfill.models import fp8_block
 from jaxfill.models.config import ModelConfig
 from jaxfill.models.grouped_matmul import grouped_matmul
 from jaxfill.models.layers import ACTIVATIONS, GatedMLP, param, projection
@@ -33,7 +34,7 @@ def route(logits: jax.Array,  # [T, E] f32 router logits
     (gpt-oss). sparsemixer: two experts in turn (Phi-3.5-MoE, `sparsemixer`). sigmoid: sigmoid scores, experts chosen on score + bias within the best
     `router_topk_groups` of `router_groups` groups (a group scores the sum of its two
     best), weights from the plain scores, renormalised and times `routed_scaling`
-    (DeepSeek-V3, GLM-4.5, MiniMax-M2)."""
+    (DeepSeek-V3, GLM-4.5, MiniMax-M2; LFM2-MoE in one group, its sum + 1e-6)."""
     c, k = config, config.moe.experts_per_token
     if c.moe.scoring == "softmax":
         probs = jax.nn.softmax(logits, axis=-1)
@@ -60,7 +61,9 @@ def route(logits: jax.Array,  # [T, E] f32 router logits
         _, ids = jax.lax.top_k(choice, k)
         weights = jnp.take_along_axis(scores, ids, axis=1)
     if c.moe.renormalize:
-        total = weights.sum(-1, keepdims=True) + (1e-20 if c.moe.scoring == "sigmoid" else 0.0)
+        eps = c.moe.renormalize_eps
+        total = weights.sum(-1, keepdims=True) + (eps if eps is not None else 1e-20 if c.moe.scoring == "sigmoid"
+                                                  else 0.0)
         if c.moe.renormalize_min:
             total = jnp.maximum(total, c.moe.renormalize_min)
         weights = weights / total
@@ -109,10 +112,18 @@ def grouped_experts(x: jax.Array,  # [T, H]
                     lead=True,  # [] bool: this rank adds the down bias (one rank per tensor group)
                     impl: str = "auto",  # models/grouped_matmul.py
                     swiglu: tuple[float, float] | None = None,  # see `gated`
+                    weights_inputs: bool = False,  # the weight scales the expert's input (Llama 4)
+                    block: tuple[int, int] | None = None,  # fp8 weights: their scales' blocks
                     ) -> jax.Array:  # [T, H] f32: this rank's share of the MoE output
     """The pairs routed to the local experts, sorted by expert, through two grouped
     matmuls (models/grouped_matmul.py). Pairs of other ranks' experts sort last, past
-    every group, and are dropped."""
+    every group, and are dropped. fp8 experts are dequantized here, on this rank's
+    share (its scales split with them: whole blocks, engine/validation.py)."""
+    if fp8_block.is_fp8(params["gate_up"].dtype):
+        weights_of = {name: fp8_block.dequantize(params[name], params[name + "_scale"],
+                                                 fp8_block.LAYOUTS["experts_" + name], block, x.dtype)
+                      for name in ("gate_up", "down")}
+        params = {k: v for k, v in params.items() if k not in ("gate_up_scale", "down_scale")} | weights_of
     gate_up, down = params["gate_up"], params["down"]
     t, k = ids.shape
     n_local, h, _, inter = gate_up.shape
@@ -123,6 +134,10 @@ def grouped_experts(x: jax.Array,  # [T, H]
     sizes = jnp.bincount(key, length=n_local + 1)[:n_local].astype(jnp.int32)  # [E_local]
     token = order // k
     rows = jnp.take(x, token, axis=0)  # [T*k, H]
+    pair_weights = jnp.take(weights.reshape(-1), order)[:, None]  # [T*k, 1] f32
+    if weights_inputs:
+        rows = (rows * pair_weights).astype(x.dtype)
+        pair_weights = jnp.ones((), jnp.float32)
     expert_of_row = jnp.clip(jnp.take(key, order), 0, n_local - 1)
 
     def per_row(name, shape):  # the row's expert's entry of an optional [E_local, ...] param
@@ -142,7 +157,7 @@ def grouped_experts(x: jax.Array,  # [T, H]
     if (bias := per_row("down_bias", h)) is not None:
         out = out + jnp.where(lead, bias, jnp.zeros((), bias.dtype)).astype(out.dtype)
     # Rows past the groups are 0 here but undefined in a grouped-matmul kernel: select, never multiply
-    weighted = out.astype(jnp.float32) * jnp.take(weights.reshape(-1), order)[:, None]
+    weighted = out.astype(jnp.float32) * pair_weights
     pairs = jnp.where(jnp.take(mine, order)[:, None], weighted, 0.0)
     return jnp.zeros((t, h), jnp.float32).at[token].add(pairs)
 
@@ -153,13 +168,16 @@ EXPERT_AXES = {
     "gate_up_scale": ("experts", None, "moe_mlp"), "down_scale": ("experts", "embed"),
     "gate_up_bias": ("experts", None, "moe_mlp"), "down_bias": ("experts", "embed"),
 }
+# fp8 weights' block scales [E, in / B1, 2, out / B0] and [E, in / B1, out / B0] (models/fp8_block.py)
+FP8_SCALE_AXES = {name + "_scale": fp8_block.scale_axes(EXPERT_AXES[name], fp8_block.LAYOUTS["experts_" + name])
+                  for name in ("gate_up", "down")}
 
 
 class MoE(nnx.Module):
     """Router, routed experts and (where the checkpoint has them) shared experts."""
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
-        c, dt, wd = config, config.jnp_dtype, config.weight_dtype
+        c, dt, wd = config, config.jnp_dtype, config.weight_form
         e, h, i = c.moe.num_experts, c.hidden_size, c.moe.intermediate_size
         self.config = c
         rdt = jnp.float32 if c.moe.router_f32 else dt
@@ -168,9 +186,9 @@ class MoE(nnx.Module):
                             if c.moe.selection_bias else None)
         self.router_logit_bias = param(rngs, (e,), (None,), rdt, scale=0.1) if c.moe.router_logit_bias else None
         self.experts_gate_up, self.experts_gate_up_scale = projection(
-            rngs, (e, h, 2, i), EXPERT_AXES["gate_up"], dt, 1, wd, stacked=1)
+            rngs, (e, h, 2, i), EXPERT_AXES["gate_up"], dt, 1, wd, stacked=1, name="experts_gate_up")
         self.experts_down, self.experts_down_scale = projection(
-            rngs, (e, i, h), EXPERT_AXES["down"], dt, 1, wd, stacked=1)
+            rngs, (e, i, h), EXPERT_AXES["down"], dt, 1, wd, stacked=1, name="experts_down")
         if c.moe.expert_bias:
             self.experts_gate_up_bias = param(rngs, (e, 2, i), EXPERT_AXES["gate_up_bias"], dt, scale=0.1)
             self.experts_down_bias = param(rngs, (e, h), EXPERT_AXES["down_bias"], dt, scale=0.1)
@@ -198,11 +216,15 @@ class MoE(nnx.Module):
                 weights = weights * jnp.take(expert_scale.astype(jnp.float32), ids)
             swiglu = None if c.moe.swiglu_limit is None else (c.moe.swiglu_limit, c.moe.swiglu_alpha)
 
+            block = c.weight_form.block if c.weight_dtype == "fp8_block" else None
+
             def local(x, weights, ids, params, first_expert, lead):
-                return grouped_experts(x, weights, ids, params, first_expert, c.hidden_act, lead, swiglu=swiglu)
+                return grouped_experts(x, weights, ids, params, first_expert, c.hidden_act, lead, swiglu=swiglu,
+                                       weights_inputs=c.moe.weights_inputs, block=block)
 
             params = {name: _value(getattr(self, "experts_" + name, None)) for name in EXPERT_AXES}
-            out = expert_parallel(local, x, weights, ids, params, EXPERT_AXES)
+            axes = {**EXPERT_AXES, **FP8_SCALE_AXES} if block else EXPERT_AXES
+            out = expert_parallel(local, x, weights, ids, params, axes)
             out = constrain(out.astype(x.dtype), ("tokens", "act_embed"))
             if self.shared is not None:
                 shared = self.shared(x)

@@ -26,7 +26,7 @@ class ExpertsBesideDense(nnx.Module):
             return RMSNorm(h, c.norms.eps, dt, rngs, kind=c.norms.kind)
 
         self.dense_norm, self.dense_post_norm = norm(), norm()
-        self.dense = GatedMLP(h, c.intermediate_size, dt, rngs, c.weight_dtype, c.hidden_act)
+        self.dense = GatedMLP(h, c.intermediate_size, dt, rngs, c.weight_form, c.hidden_act)
         self.experts_norm, self.experts_post_norm = norm(), norm()
         self.moe = MoE(c, rngs)
         # random-init scales (not ones) so tests would catch a port that skipped them

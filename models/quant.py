@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxfill.models import fp8_block
+
 QMAX = 127
 # projection param name -> how many leading axes are input axes (the rest are outputs)
 QUANTIZED_INPUT_AXES = {"q": 1, "k": 1, "v": 1, "o": 2, "gate": 1, "up": 1, "down": 1,
@@ -82,11 +84,14 @@ def dequantize(q,  # [in..., out...] int8
 
 
 def qeinsum(eq: str, x: jax.Array, w: jax.Array, scale) -> jax.Array:
-    """einsum(eq, x, w) for a plain or int8 weight. int8: w is cast to x's dtype inside the
-    jitted program and the per-output-channel scale multiplies the result (in f32, one
-    rounding back to x's dtype). Output channels must be the result's trailing axes."""
-    if scale is None:  # scale: None, or the [out...] f32 scales (an array or an nnx.Param)
+    """einsum(eq, x, w) for a plain, int8 or fp8 block-scaled weight. int8: w is cast to x's
+    dtype inside the jitted program and the per-output-channel scale multiplies the result
+    (in f32, one rounding back to x's dtype); output channels must be the result's trailing
+    axes. fp8: w dequantized by its block scales first (models/fp8_block.py)."""
+    if scale is None:  # scale: None, or the f32 scales (an array or an nnx.Param)
         return jnp.einsum(eq, x, w)
+    if fp8_block.is_fp8(w.dtype):  # scale: the nnx.Param, which carries the block layout
+        return jnp.einsum(eq, x, fp8_block.dequantize_param(w, scale, x.dtype))
     y = jnp.einsum(eq, x, w.astype(x.dtype))
     return (y * scale[...]).astype(x.dtype)
 

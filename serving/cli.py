@@ -28,7 +28,7 @@ def common_model_args(parser: argparse.ArgumentParser, multi_process: bool = Fal
     parser.add_argument("--config", default=None,
                         help="TOML file or preset name (default: with --model, engine settings from the "
                              "checkpoint: its context, a KV pool sized from device memory; without, tiny)")
-    parser.add_argument("--model", default=None, help="Hugging Face model directory")
+    parser.add_argument("--model", default=None, help="Hugging Face model directory, or a GGUF file")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override a config field, e.g. --set mesh.tensor=4 (repeatable)")
     parser.add_argument("--compile-cache", default=None, metavar="DIR",

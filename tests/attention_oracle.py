@@ -78,7 +78,7 @@ def dequantized(kv_pages, kv_scales, dtype):
 
 
 def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
-           sliding_window=None, soft_cap=None, cast=None, kv_scales=None, sinks=None):
+           sliding_window=None, soft_cap=None, cast=None, kv_scales=None, sinks=None, attention_chunk=None):
     """Returns (out[T, Hq, D] float64, live[T] bool). Rows not live are left at 0.
 
     cast=None: exact attention of the given inputs. A CastOrder: the same, rounded where
@@ -113,6 +113,8 @@ def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
             live[row] = True
             pos = kv_len - q_len + i
             lo = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
+            if attention_chunk is not None:  # Llama 4: the row's own chunk of positions
+                lo = max(lo, pos - pos % attention_chunk)
             qr = q[row].reshape(hkv, g, d)
             sc = np.einsum("khd,hgd->hgk", k[lo:pos + 1], qr)
             if cast is not None and cast.round_scores:

@@ -106,6 +106,41 @@ HYBRID_KWARGS = {
     "nemotron_h": ("NemotronH", dict(hybrid_override_pattern="M-M*-M", num_hidden_layers=6, head_dim=24,
                                      mamba_num_heads=8, mamba_head_dim=12, n_groups=2, ssm_state_size=16,
                                      conv_kernel=4, chunk_size=16, layer_norm_epsilon=1e-5)),
+    # LFM2: conv, attention, conv, conv (full_attn_idxs), a 4-wide conv with biases on it and
+    # both projections, the MLP width derived (int(2 * 160 / 3) * 1.5 rounded up to 32: 160),
+    # an untied head (tied, the greedy continuation repeats one token), rope theta 1e4
+    "lfm2": ("Lfm2", dict(num_hidden_layers=4, full_attn_idxs=[1], conv_L_cache=4, conv_bias=True, norm_eps=1e-5,
+                          block_multiple_of=32, block_ffn_dim_multiplier=1.5, tie_word_embeddings=False,
+                          rope_parameters={"rope_type": "default", "rope_theta": 1e4})),
+    # LFM2-MoE: conv, attention, conv, attention; layer 0 dense (num_dense_layers), then 8
+    # experts top 2 by sigmoid + expert bias (randomised below), renormalised, times 1.7
+    "lfm2_moe": ("Lfm2Moe", dict(num_hidden_layers=4, layer_types=["conv", "full_attention", "conv", "full_attention"],
+                                 conv_L_cache=3, conv_bias=True, norm_eps=1e-5, num_dense_layers=1, num_experts=8,
+                                 num_experts_per_tok=2, moe_intermediate_size=32, routed_scaling_factor=1.7,
+                                 tie_word_embeddings=False,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 1e4})),
+    # Granite 4.0-H: Mamba2, roped attention, Mamba2 (the last layer runs its sampled rows
+    # only); 8 SSM heads of 16 in 2 groups, a 16-wide state, 16-token SSD chunks; 8 experts
+    # top 2 beside the shared MLP; Granite's four multipliers far from 1
+    "granitemoehybrid": ("GraniteMoeHybrid", dict(num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
+                                                  mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16,
+                                                  mamba_d_head=16, mamba_chunk_size=16, intermediate_size=32,
+                                                  num_local_experts=8, num_experts_per_tok=2,
+                                                  shared_intermediate_size=48, position_embedding_type="rope",
+                                                  embedding_multiplier=3.0, residual_multiplier=0.5,
+                                                  attention_multiplier=0.3, logits_scaling=2.0,
+                                                  rope_parameters={"rope_type": "default", "rope_theta": 1e4})),
+    # Kimi Linear: KDA, KDA, NoPE MLA (plain q, as the published 48B), KDA; 4 KDA heads of 16
+    # (each its own q, k, v; per-channel decay); layer 0 dense, then 8 experts top 2 in 4
+    # groups (the best 2 chosen from), x1.8, beside one shared expert
+    "kimi_linear": ("KimiLinear", dict(num_hidden_layers=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None,
+                                       qk_rope_head_dim=16, qk_nope_head_dim=24, v_head_dim=20,
+                                       layer_types=["linear_attention", "linear_attention", "full_attention",
+                                                    "linear_attention"],
+                                       linear_num_heads=4, linear_head_dim=16, linear_conv_kernel_dim=4,
+                                       num_local_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                       n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=1.8,
+                                       pad_token_id=0, bos_token_id=1, eos_token_id=2)),
 }
 # Gemma 4 (tests/test_gemma4.py): sliding, full, sliding, full; the full layers with their own
 # head dim (32, not 16), one KV head (not 2) and V = K; the proportional rope over half of each
@@ -131,10 +166,26 @@ GEMMA4_KWARGS["gemma4_e"] = (GEMMA4_KWARGS["gemma4"][0], dict(GEMMA4_KWARGS["gem
                                                               vocab_size_per_layer_input=512, num_kv_shared_layers=2,
                                                               use_double_wide_mlp=True))
 ARCHS = ("llama", "mistral", "qwen2") + tuple(FAMILY_KWARGS)
+# DeepSeek sparse attention's MoE models (V3.2, GLM-5, in MOE_KWARGS): a dense first layer
+# then two sparse ones, MLA with a low-rank q (the indexer's queries come from it)
+DSA_SHAPE = dict(num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16,
+                 qk_nope_head_dim=24, v_head_dim=20, n_routed_experts=8, num_experts_per_tok=3,
+                 moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, index_topk=16,
+                 index_head_dim=32, index_n_heads=8)
 # Mixtures of experts (tests/test_moe_parity.py): 8 experts, top 2, so with expert=4 each
 # rank holds two and short prompts leave some ranks' experts without a token; Qwen3-MoE
 # keeps a dense layer between its sparse ones, Qwen2-MoE adds the gated shared expert.
 MOE_KWARGS = {
+    # Llama 4: chunks of 32 under the 64- and 300-token prompts on the roped layers 0 and 2,
+    # global NoPE layers 1 and 3 whose query temperature steps every 16 positions (attn_scale
+    # 0.5, not 0.1), q/k/v/o biases, llama3 rope; experts on layers 1 and 2 (top 2 of 4,
+    # sigmoid weights on the inputs) beside a shared expert, dense MLPs of another width on 0, 3
+    "llama4": (("Llama4Text", "Llama4"), dict(
+        num_hidden_layers=4, head_dim=16, no_rope_layer_interval=2, attention_chunk_size=32, floor_scale=16,
+        attn_scale=0.5, attention_bias=True, num_local_experts=4, num_experts_per_tok=2, moe_layers=[1, 2],
+        intermediate_size=48, intermediate_size_mlp=96,
+        rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 64, "rope_theta": 5e5})),
     "mixtral": ("Mixtral", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=48,
                                 sliding_window=None)),
     "qwen3_moe": ("Qwen3Moe", dict(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2,
@@ -167,6 +218,18 @@ MOE_KWARGS = {
                                        qk_rope_head_dim=16, qk_nope_head_dim=24, v_head_dim=20, n_routed_experts=8,
                                        num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=2,
                                        first_k_dense_replace=1, routed_scaling_factor=1.5)),
+    # DeepSeek V3.2 (sparse attention): V3's shape with a lightning indexer of 8 heads x 32
+    # (rope on its first 16 dims, in halves) whose top 16 keys bind on the 64- and 300-token
+    # prompts and the greedy continuation; 8 heads keep exact ties of the ReLU'd scores (all
+    # heads 0) rare; YaRN with the mscale correction
+    "deepseek_v32": ("DeepseekV32", dict(DSA_SHAPE, n_group=4, topk_group=2, routed_scaling_factor=1.8,
+                                         rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                                                          "mscale": 0.707, "mscale_all_dim": 1.0,
+                                                          "beta_fast": 32.0, "beta_slow": 1.0,
+                                                          "original_max_position_embeddings": 64})),
+    # GLM-5: the same with the indexer's rope in interleaved pairs, ungrouped routing x2.5
+    "glm_moe_dsa": ("GlmMoeDsa", dict(DSA_SHAPE, num_experts_per_tok=2,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 1e4})),
     # 4 layers: sliding (a 24-token window), full, sliding, full; a clamp low enough to bind
     "gpt_oss": ("GptOss", dict(num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=2,
                                intermediate_size=32, head_dim=16, sliding_window=24, swiglu_limit=0.5,
@@ -243,14 +306,14 @@ def make_hf_checkpoint(directory: str, arch: str, dtype: torch.dtype = torch.flo
                 p.add_(0.1 * torch.randn_like(p))
             if name.endswith("sinks"):  # gpt-oss: sink logits large enough to move the softmax
                 p.add_(torch.randn_like(p))
-            if name.endswith(("mixer.D", "mixer.A_log")):  # Nemotron-H inits them per head alike or in order
+            if name.endswith(("mixer.D", "mixer.A_log", "mamba.D", "mamba.A_log")):  # Mamba2 inits them per head alike
                 p.add_(0.3 * torch.randn_like(p))
             if name.endswith(("act_fn.alpha_p", "act_fn.alpha_n")):  # xIELU (Apertus): alike in every layer
                 p.add_(0.3 * torch.randn_like(p))
             if name.endswith(("router.scale", "router.per_expert_scale")):  # Gemma 4: ones
                 p.add_(0.3 * torch.randn_like(p))
-        for name, b in model.named_buffers():  # a router's selection bias (GLM) starts at 0
-            if name.endswith("correction_bias"):
+        for name, b in model.named_buffers():  # a router's selection bias (GLM, LFM2-MoE) starts at 0
+            if name.endswith(("correction_bias", "expert_bias")):  # LFM2-MoE's expert_bias too
                 b.add_(0.3 * torch.randn_like(b))
             if name.endswith("act_fn.beta"):  # xIELU's beta (0.5 in every layer)
                 b.add_(0.2 * torch.randn_like(b))

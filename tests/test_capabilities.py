@@ -62,6 +62,8 @@ HYBRID = {"model.linear_layers": [0, 1, 2], "model.linear_num_key_heads": 2, "mo
 MLA = {"model.architecture": "DeepseekV3ForCausalLM", "model.kv_lora_rank": 32, "model.qk_rope_head_dim": 16,
        "model.qk_nope_head_dim": 16, "model.v_head_dim": 16, "model.num_kv_heads": 1, "model.head_dim": 48,
        "model.rotary_dim": 16}
+DSA = {**MLA, "model.q_lora_rank": 16, "model.index_topk": 8, "model.index_n_heads": 2, "model.index_head_dim": 16,
+       "model.head_dim": 64}
 # Gemma 4's shape: full layers with their own head dim beside sliding ones
 MIXED_KV = {"model.sliding_window": 8, "model.layer_types": ["sliding", "full"] * 2, "model.global_head_dim": 64}
 # one config (tiny_random overrides, extra flags) that breaks each rule and no earlier one
@@ -73,7 +75,7 @@ BREAKS = {
     ("linear", "mesh.data"): ({**HYBRID, "mesh.data": 2}, ()),
     ("linear", "mesh.sequence"): ({**HYBRID, "mesh.sequence": 2}, ()),
     ("linear", "mesh.stage"): ({**HYBRID, "mesh.stage": 2}, ()),
-    ("linear", "mesh.expert"): ({**HYBRID, "mesh.expert": 2}, ()),
+    ("linear", "!short_conv", "mesh.expert"): ({**HYBRID, "mesh.expert": 2}, ()),
     ("linear", "mesh.num_processes"): ({**HYBRID, "mesh.num_processes": 2, "mesh.coordinator": "127.0.0.1:1"}, ()),
     ("linear", "engine.scan_layers"): ({**HYBRID, "engine.scan_layers": True}, ()),
     ("linear", "engine.disk_kv_cache_dir"): ({**HYBRID, "engine.host_kv_cache_gb": 1, "engine.disk_kv_cache_gb": 1,
@@ -81,6 +83,7 @@ BREAKS = {
     ("linear", "model.weight_dtype=int8"): ({**HYBRID, "model.weight_dtype": "int8"}, ()),
     ("mla", "model.weight_dtype=int8"): ({**MLA, "model.weight_dtype": "int8"}, ()),
     ("mesh.expert", "!moe"): ({"mesh.expert": 2}, ()),
+    ("dsa", "mesh.sequence"): ({**DSA, "mesh.sequence": 2}, ()),
     ("mesh.stage", "mesh.sequence"): ({"mesh.stage": 2, "mesh.sequence": 2}, ()),
     ("engine.scan_layers", "mesh.stage"): ({"engine.scan_layers": True, "mesh.stage": 2}, ()),
     ("engine.attention_impl=pallas", "mesh.sequence"): ({"engine.attention_impl": "pallas_gpu",
@@ -132,6 +135,7 @@ def test_accepted_combinations_pass():
 
 # what a test must set to run a column (prefix caching is on by default: its tests read hits)
 SETS = {"mesh.num_processes": "process", "engine.scan_layers": "scan", "model.weight_dtype=int8": "int8",
+        "model.weight_dtype=fp8_block": "fp8_block",
         "engine.kv_cache_dtype=int8": "int8", "engine.kv_cache_dtype=float8_e4m3fn": "float8_e4m3fn",
         "engine.enable_prefix_caching": "cached", "engine.host_kv_cache_gb": "host_kv_cache_gb",
         "engine.disk_kv_cache_dir": "disk_kv_cache_dir"}

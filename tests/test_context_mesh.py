@@ -4,7 +4,8 @@
 three fresh sequences (17, 30 and 9 tokens, pages dealt j -> rank j mod N) into a
 NaN-filled pool and attends them, once by the ring (nothing cached: `lax.cond` picks it)
 and once by pass-Q (ring=None). Both must equal exact causal attention of the rows'
-own K/V in float64 (one with a sliding window and soft cap), and both must leave the
+own K/V in float64 (one with a sliding window and soft cap, one with Llama 4's chunks of
+8 positions), and both must leave the
 pool the same: every live slot holding its row's K/V on the rank the rule names, every
 other slot still NaN. This file runs itself as a script in a subprocess (the device
 count is fixed when jax starts).
@@ -30,18 +31,19 @@ def test_ring_and_pass_q_equal_the_oracle():
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     res = json.loads([x for x in out.stdout.splitlines() if x.startswith("RESULT ")][-1][7:])
-    assert len(res) == 8  # 2 meshes x 2 windows x 2 modes
+    assert len(res) == 12  # 2 meshes x 3 windows x 2 modes
     for name, r in res.items():
         assert r["finite"] and r["err"] < 1e-5, (name, r)
         assert r["pages_ok"], (name, r)
 
 
-def oracle(q, k, v, window=None, cap=None):  # float64 causal attention per sequence
+def oracle(q, k, v, window=None, cap=None, chunk=None):  # float64 causal attention per sequence
     out = np.zeros(q.shape)
     start = 0
     for n in SEQS:
         for i in range(n):
             lo = 0 if window is None else max(0, i - window + 1)
+            lo = lo if chunk is None else i - i % chunk
             for h in range(HQ):
                 kh = h // (HQ // HKV)
                 sc = k[start + lo:start + i + 1, kh] @ q[start + i, h] * D ** -0.5
@@ -89,16 +91,16 @@ def main():
             cu_q_lens=jnp.asarray(cu + [start], jnp.int32), kv_lens=jnp.asarray(list(SEQS) + [0], jnp.int32),
             page_indices=jnp.asarray(table), num_seqs=jnp.asarray([3], jnp.int32),
             slot_mapping=jnp.asarray(slots), logits_indices=jnp.zeros(4, jnp.int32))
-        for window, cap in ((None, None), (7, 20.0)):
+        for window, cap, chunk in ((None, None, None), (7, 20.0, None), (None, None, 8)):
             def attend(q, k, v, pages, meta, _, share):
                 pages = write_kv(pages, k, v, meta.slot_mapping)
                 return ragged_paged_attention(q, pages, meta.kv_lens, meta.page_indices, meta.cu_q_lens,
                                               meta.num_seqs, sm_scale=D ** -0.5, sliding_window=window,
-                                              soft_cap=cap, **share), pages
+                                              attention_chunk=chunk, soft_cap=cap, **share), pages
 
             pages = np.full((s * per, PAGE, 2 * HKV, D), np.nan, np.float32)
-            want = oracle(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), window, cap)
-            for mode, ring in (("ring", RingSpec(D ** -0.5, cap, window)), ("pass_q", None)):
+            want = oracle(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), window, cap, chunk)
+            for mode, ring in (("ring", RingSpec(D ** -0.5, cap, window, chunk)), ("pass_q", None)):
                 with jax.set_mesh(mesh):
                     fn = jax.jit(lambda q, k, v, p, m: sharded_attention(attend, q, k, v, p, m, ring=ring))
                     out, new = fn(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(pages), meta)
@@ -107,7 +109,7 @@ def main():
                 written = np.zeros(len(new), bool)
                 written[slots[:live]] = True
                 pages_ok = bool(np.array_equal(new[slots[:live]], kv[:live]) and np.isnan(new[~written]).all())
-                results[f"t{t}s{s}/w{window}/{mode}"] = {
+                results[f"t{t}s{s}/w{window}c{chunk}/{mode}"] = {
                     "err": float(np.abs(out - want[:live]).max() / np.abs(want[:live]).max()),
                     "finite": bool(np.isfinite(out).all()), "pages_ok": pages_ok}
     print("RESULT " + json.dumps(results))

@@ -20,7 +20,7 @@ import re
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-README_MAX_BYTES = 15_000
+README_PROSE_MAX_BYTES = 12_000  # all but the generated capability matrix, which grows a row a family
 TABLE_CELL_MAX_CHARS = 300
 SKIP_DIRS = {"__pycache__", "build", "dist", "out", "jaxfill-bench"}
 CHECKED_SUFFIXES = (".py", ".md", ".toml", ".sh", ".proto")  # a bare file name with one of these is ours
@@ -217,8 +217,15 @@ def test_the_check_finds_stale_paths(tree):
 
 
 def test_readme_is_short():
-    size = os.path.getsize(os.path.join(ROOT, "README.md"))
-    assert size < README_MAX_BYTES, f"README.md is {size} bytes; move details to docs/ (limit {README_MAX_BYTES})"
+    """The prose, not the matrix: the matrix is generated from the capability table and
+    gains a row with every family, while the prose is what a newcomer reads through."""
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    begin, end = "<!-- capability-matrix:begin -->", "<!-- capability-matrix:end -->"
+    assert begin in text and end in text, "README.md lost its capability-matrix markers"
+    prose = text[:text.index(begin)] + text[text.index(end):]
+    size = len(prose.encode())
+    assert size < README_PROSE_MAX_BYTES, (f"README.md's prose is {size} bytes; move details to docs/ "
+                                           f"(limit {README_PROSE_MAX_BYTES})")
 
 
 @pytest.mark.parametrize("doc", doc_files(), ids=lambda p: os.path.relpath(p, ROOT))

@@ -32,7 +32,9 @@ CLASSES = {  # architecture -> transformers config class
     "OlmoeForCausalLM": tf.OlmoeConfig, "MiniMaxM2ForCausalLM": tf.MiniMaxM2Config,
     "Ernie4_5ForCausalLM": tf.Ernie4_5Config, "Ernie4_5_MoeForCausalLM": tf.Ernie4_5_MoeConfig,
     "HunYuanDenseV1ForCausalLM": tf.HunYuanDenseV1Config, "HunYuanMoEV1ForCausalLM": tf.HunYuanMoEV1Config,
-    "PhimoeForCausalLM": tf.PhimoeConfig, "Gemma4ForCausalLM": tf.Gemma4TextConfig,
+    "PhimoeForCausalLM": tf.PhimoeConfig, "Lfm2ForCausalLM": tf.Lfm2Config, "Lfm2MoeForCausalLM": tf.Lfm2MoeConfig,
+    "GraniteMoeHybridForCausalLM": tf.GraniteMoeHybridConfig,
+    "Gemma4ForCausalLM": tf.Gemma4TextConfig,
 }
 SKIP = {"self", "kwargs"}
 # Values for fields whose default is None (the walker cannot guess a type).
@@ -72,7 +74,13 @@ def small_kwargs(arch):
     if arch == "NemotronHForCausalLM":  # dense blocks (its default pattern has an "E"), 4 SSM heads in 2 groups
         kw.update(layers_block_type=["linear_attention", "mlp", "full_attention", "mlp"], mamba_num_heads=4,
                   mamba_head_dim=16, n_groups=2, ssm_state_size=16, head_dim=16)
-    if arch == "Gemma4ForCausalLM":  # no per-layer embeddings (refused), global layers 32 wide
+    if arch == "Lfm2MoeForCausalLM":  # transformers builds no default layer_types for it
+        kw.update(layer_types=["full_attention", "conv", "conv", "full_attention"])
+    if arch == "GraniteMoeHybridForCausalLM":  # Mamba2 and attention, 8 SSM heads of 16 in 2 groups, 4 experts
+        kw.pop("num_experts"), kw.pop("moe_intermediate_size")  # "Moe" in its name: not its spelling
+        kw.update(layer_types=["linear_attention", "full_attention"] * 2, mamba_n_heads=8, mamba_n_groups=2,
+                  mamba_d_state=16, num_local_experts=4, num_experts_per_tok=2)
+    if arch == "Gemma4ForCausalLM":  # no per-layer inputs (their fields walk with `depends`), global layers 32 wide
         kw.update(head_dim=16, global_head_dim=32, hidden_size_per_layer_input=0)
     if name == "phi3":
         kw.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)

@@ -265,6 +265,22 @@ def test_plan_cli_table(capsys):
     assert rc == 0 and "TTFT floor" in out and "2048" in out and "tpu_v6e" in out
 
 
+@pytest.mark.parametrize("config, formula", [
+    ("qwen3_5_397b_a17b", (2, 15, 2, 256, 2)),  # only the 15 attention layers of 60 hold KV
+    ("deepseek_v3", (61, 576, 2)),  # one latent row per token, K and V read from it
+    ("minimax_m2", (2, 62, 8, 128, 2)),
+])
+def test_plan_table_explains_the_kv_bytes_it_reports(config, formula, capsys):
+    """The KV line's factors multiply to the bytes it reports."""
+    import math
+    import re
+
+    rc, out, _ = run_cli(["plan", "--config", config, "--set", "mesh.tensor=2", "--prompt-len", "128"], capsys)
+    line = next(line for line in out.splitlines() if line.startswith("KV "))
+    assert rc == 0 and tuple(int(n) for n in re.findall(r"(\d+)(?= layers| kv| x| B\))", line.split("(")[1])) == formula
+    assert int(line.split()[1]) == math.prod(formula)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--hardware", "a100"], "unknown hardware 'a100'"),
     (["--set", "mesh.tensor=3"], "mesh.tensor=3 does not divide model.num_heads=32"),

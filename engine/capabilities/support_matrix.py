@@ -17,7 +17,8 @@ from jaxfill.engine.capabilities.evidence import tests_of
 COLUMNS = tuple(CAPABILITIES)
 SHORT = {"mesh.tensor": "tensor", "mesh.sequence": "sequence", "mesh.data": "data", "mesh.stage": "stage",
          "mesh.expert": "expert", "mesh.num_processes": "multi-process", "engine.scan_layers": "scan",
-         "model.weight_dtype=int8": "int8 weights", "engine.kv_cache_dtype=int8": "int8 KV",
+         "model.weight_dtype=int8": "int8 weights", "model.weight_dtype=fp8_block": "fp8 weights",
+         "engine.kv_cache_dtype=int8": "int8 KV",
          "engine.kv_cache_dtype=float8_e4m3fn": "fp8 KV", "engine.enable_prefix_caching": "prefix cache",
          "engine.host_kv_cache_gb": "host tier", "engine.disk_kv_cache_dir": "disk tier"}
 MATRIX_BEGIN, MATRIX_END = "<!-- capability-matrix:begin -->", "<!-- capability-matrix:end -->"

@@ -8,7 +8,9 @@ nothing downgrades silently.
 
 A condition is a capability key (a config setting that is "on": `mesh.tensor` means
 mesh.tensor > 1), a model kind (`mla`, `moe`, `linear`, `gated_deltanet`, `mamba2`,
-`attention`, `mixed_kv`: attention layers of two shapes, Gemma 4's global ones), `platform=cpu`, or `serve.role=prefill/decode`; a leading `!` negates it.
+`short_conv`, `kda`, `attention`, `dsa`: DeepSeek sparse attention's indexer,
+`mixed_kv`: attention layers of two shapes, Gemma 4's global ones), `platform=cpu`, or
+`serve.role=prefill/decode`; a leading `!` negates it.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ CAPABILITIES: dict[str, Capability] = {c.key: c for c in (
     Capability("mesh.num_processes", lambda c: int(c.mesh.num_processes) > 1, {"mesh.num_processes": 2}, 2),
     Capability("engine.scan_layers", lambda c: bool(c.engine.scan_layers), {"engine.scan_layers": True}),
     Capability("model.weight_dtype=int8", lambda c: c.model.weight_dtype == "int8", {"model.weight_dtype": "int8"}),
+    Capability("model.weight_dtype=fp8_block", lambda c: c.model.weight_dtype == "fp8_block",
+               {"model.weight_dtype": "fp8_block", "model.weight_block_size": [16, 16]}),
     Capability("engine.kv_cache_dtype=int8", lambda c: c.engine.kv_cache_dtype == "int8",
                {"engine.kv_cache_dtype": "int8"}),
     Capability("engine.kv_cache_dtype=float8_e4m3fn", lambda c: c.engine.kv_cache_dtype == "float8_e4m3fn",
@@ -53,7 +57,8 @@ SETTINGS: dict[str, Callable] = {
     "engine.kv_cache_dtype=quantized": lambda c: c.engine.kv_cache_dtype != "auto",
     "model.dtype=bfloat16": lambda c: str(c.model.dtype) == "bfloat16",
 }
-KINDS = ("attention", "mla", "gated_deltanet", "mamba2", "linear", "moe", "mixed_kv")
+KINDS = ("attention", "mla", "gated_deltanet", "mamba2", "short_conv", "kda", "linear", "moe", "dsa", "mixed_kv")
+LINEAR_KINDS = ("gated_deltanet", "mamba2", "short_conv", "kda")  # each is also "linear"
 
 
 def model_kinds(model) -> frozenset[str]:
@@ -65,6 +70,8 @@ def model_kinds(model) -> frozenset[str]:
         kinds.add("mla" if model.mla.kv_lora_rank else "attention")
     if model.moe.num_experts:
         kinds.add("moe")
+    if model.mla.index_topk:
+        kinds.add("dsa")
     if model.mixed_kv:
         kinds.add("mixed_kv")
     return frozenset(kinds)
@@ -72,8 +79,9 @@ def model_kinds(model) -> frozenset[str]:
 
 def family_kinds(family) -> frozenset[str]:
     """What a family's models hold, from its declared mixers (models/families/base.py)."""
-    kinds = set(family.mixers) | ({"moe"} if family.experts else set()) | ({"mixed_kv"} if family.mixed_kv else set())
-    return frozenset(kinds | ({"linear"} if kinds & {"gated_deltanet", "mamba2"} else set()))
+    kinds = set(family.mixers) | ({"moe"} if family.experts else set()) | ({"dsa"} if family.indexer else set())
+    kinds |= {"mixed_kv"} if family.mixed_kv else set()
+    return frozenset(kinds | ({"linear"} if kinds & set(LINEAR_KINDS) else set()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,14 +97,16 @@ class Rule:
 
 _HYBRID = "linear-attention state is per request and replicated whole"
 RULES: tuple[Rule, ...] = (
-    # hybrids (Gated DeltaNet, Mamba2): what their recurrent state does not split over yet
+    # hybrids (Gated DeltaNet, Mamba2, LFM2's short convolution): what their state does not split over yet
     *(Rule(("linear", key), f"{_HYBRID}: {why}", f"{key} (hybrids run on mesh.tensor)") for key, why in (
         ("mesh.data", "data replicas of the state slots are not built"),
         ("mesh.sequence", "no context-parallel form of the recurrent scan"),
         ("mesh.stage", "the state pool is not split into pipeline stages"),
-        ("mesh.expert", "the state is not laid out over expert ranks"),
         ("mesh.num_processes", "state slots are not kept in lockstep across processes"),
     )),
+    # the short convolution's channels split over tensor alone, its history replicated over expert ranks
+    Rule(("linear", "!short_conv", "mesh.expert"), f"{_HYBRID}: the recurrent state is not laid out over expert "
+         "ranks", "mesh.expert (hybrids run on mesh.tensor)"),
     Rule(("linear", "engine.scan_layers"), "linear and attention layers differ, so they cannot stack as one scan",
          "engine.scan_layers = false"),
     Rule(("linear", "engine.disk_kv_cache_dir"), "state snapshots have no disk format",
@@ -114,6 +124,8 @@ RULES: tuple[Rule, ...] = (
     Rule(("mla", "model.weight_dtype=int8"), "the latent projections have no int8 path",
          "model.weight_dtype = auto"),
     Rule(("mesh.expert", "!moe"), "mesh.expert splits experts, and this model has none", "mesh.expert = 1"),
+    Rule(("dsa", "mesh.sequence"), "the sparse-attention indexer scores every cached key of a sequence, which "
+         "context parallelism deals over ranks", "mesh.sequence = 1"),
     # layouts
     Rule(("mesh.stage", "mesh.sequence"), "pipeline stages compose with mesh.tensor and mesh.data, not sequence",
          "mesh.stage = 1 or mesh.sequence = 1"),

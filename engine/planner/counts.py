@@ -66,8 +66,14 @@ def last_layer_matmul_saving(model: ModelConfig, num_tokens: int) -> float:
     return 2 * (num_tokens - 1) * (layer_matmul_params(model, last) - kv_projection_params(model))
 
 
-def visible_pairs(num_tokens: int, context: int = 0, sliding_window: int | None = None) -> int:
-    """Sum over new tokens at positions context..context+T-1 of the keys each one sees."""
+def visible_pairs(num_tokens: int, context: int = 0, sliding_window: int | None = None,
+                  attention_chunk: int | None = None) -> int:
+    """Sum over new tokens at positions context..context+T-1 of the keys each one sees
+    (in a chunked layer, Llama 4's, the keys of its own chunk up to it)."""
+    if attention_chunk is not None:
+        pos = np.arange(context, context + num_tokens, dtype=np.int64)
+        keys = pos % attention_chunk + 1
+        return int((keys if sliding_window is None else np.minimum(keys, sliding_window)).sum())
     lo, hi = context + 1, context + num_tokens  # visible keys = position + 1
     if sliding_window is None or hi <= sliding_window:
         return (lo + hi) * (hi - lo + 1) // 2
@@ -87,14 +93,14 @@ def attention_flops(model: ModelConfig, num_tokens: int, context: int = 0, causa
     for layer in range(model.num_layers):  # each layer with its own window (Gemma's full/sliding)
         if layer in model.linear.layers or layer in model.no_mixer_layers:
             continue  # a hybrid's linear layers (linear_mixer_flops) and MLP-only layers
-        window = model.attention.layer_window(layer)
+        window = model.attention.layer_window(layer), model.attention.layer_chunk(layer)
         if not causal:
             keys = kv_len if kv_len is not None else context + num_tokens
             total += keys if sampled_last_layer and layer == model.num_layers - 1 else num_tokens * keys
         elif sampled_last_layer and layer == model.num_layers - 1:
-            total += visible_pairs(1, context + num_tokens - 1, window)
+            total += visible_pairs(1, context + num_tokens - 1, *window)
         else:
-            total += visible_pairs(num_tokens, context, window)
+            total += visible_pairs(num_tokens, context, *window)
     return per_pair * total
 
 

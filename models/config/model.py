@@ -18,7 +18,10 @@ from jaxfill.models.config.sections import (AttentionConfig, EmbeddingConfig, Li
                                             NormConfig)
 
 DTYPES = ("float32", "bfloat16", "float16")  # jax.numpy names; jax is imported only when one is used
-WEIGHT_DTYPES = ("auto", "int8")  # auto: projections stored in `dtype`; int8: see models/quant.py
+# auto: projections stored in `dtype`; int8: see models/quant.py; fp8_block: kept as an FP8
+# checkpoint stores them, with a scale per weight_block_size block (models/fp8_block.py)
+WEIGHT_DTYPES = ("auto", "int8", "fp8_block")
+WEIGHT_FP8 = ("float8_e4m3fn", "float8_e5m2")
 # relu2: relu(x)^2 (Nemotron-H's MLP); xielu: xIELU with learned per-layer scalars (Apertus),
 # in the ungated dense MLP only (models/layers.py)
 ACTIVATIONS = ("silu", "gelu_tanh", "relu2", "xielu")
@@ -33,7 +36,9 @@ RENAMED = {
     "attn_output_gate": ("attention", "output_gate"), "mla_form": ("mla", "form"),
     "moe_intermediate_size": ("moe", "intermediate_size"), "router_scoring": ("moe", "scoring"),
     "router_renormalize": ("moe", "renormalize"), "router_renormalize_min": ("moe", "renormalize_min"),
-    "router_bias": ("moe", "selection_bias"), "moe_beside_dense": ("moe", "beside_dense"),
+    "router_renormalize_eps": ("moe", "renormalize_eps"),
+    "router_bias": ("moe", "selection_bias"), "router_weights_inputs": ("moe", "weights_inputs"),
+    "moe_beside_dense": ("moe", "beside_dense"),
     "router_groups": ("moe", "groups"), "router_topk_groups": ("moe", "topk_groups"),
     **{"linear_" + f: ("linear", f) for f in ("layers", "kind", "impl", "num_key_heads", "num_value_heads",
                                               "key_head_dim", "value_head_dim", "conv_kernel", "grouped_proj",
@@ -44,7 +49,8 @@ RENAMED = {
 }
 FLAT_KEYS = {**{f.name: (section, f.name) for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)
                 if (section, f.name) not in RENAMED.values()}, **RENAMED}
-TUPLE_KEYS = ("layer_types", "nope_layers", "dense_layers", "linear_layers", "no_mlp_layers", "no_mixer_layers")
+TUPLE_KEYS = ("weight_block_size", "layer_types", "nope_layers", "dense_layers", "linear_layers", "no_mlp_layers",
+              "no_mixer_layers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +87,10 @@ class ModelConfig:
     norms: NormConfig = NormConfig()
     embeddings: EmbeddingConfig = EmbeddingConfig()
     dtype: str = "float32"  # parameter and activation dtype
-    weight_dtype: str = "auto"  # projection weights: "auto" (= dtype) or "int8" (w8a16, per-channel f32 scales)
+    # projection weights: "auto" (= dtype), "int8" (w8a16, per-channel f32 scales), "fp8_block"
+    weight_dtype: str = "auto"
+    weight_fp8: str = "float8_e4m3fn"  # fp8_block: the fp8 format the projections are kept in
+    weight_block_size: tuple[int, int] = (128, 128)  # an fp8 checkpoint's scale blocks (outputs, inputs)
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     tokenizer: str = "byte"  # "byte" or "hf" (tokenizer.json beside the weights)
@@ -92,6 +101,10 @@ class ModelConfig:
             raise ConfigError(f"model.dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
         if self.weight_dtype not in WEIGHT_DTYPES:
             raise ConfigError(f"model.weight_dtype must be one of {list(WEIGHT_DTYPES)}, got {self.weight_dtype!r}")
+        if self.weight_fp8 not in WEIGHT_FP8:
+            raise ConfigError(f"model.weight_fp8 must be one of {list(WEIGHT_FP8)}, got {self.weight_fp8!r}")
+        if len(self.weight_block_size) != 2 or min(int(b) for b in self.weight_block_size) <= 0:
+            raise ConfigError(f"model.weight_block_size must be two positive sizes, got {list(self.weight_block_size)}")
         if self.hidden_act not in ACTIVATIONS:
             raise ConfigError(f"model.hidden_act must be one of {list(ACTIVATIONS)}, got {self.hidden_act!r}")
         if self.hidden_act == "xielu" and (self.mlp_gated or self.moe.num_experts):
@@ -118,7 +131,7 @@ class ModelConfig:
         """What a section cannot check alone: its fields against the model's shapes."""
         a, mla = self.attention, self.mla
         if mla.enabled:
-            want = dict(num_kv_heads=1, head_dim=mla.kv_lora_rank + mla.qk_rope_head_dim)
+            want = dict(num_kv_heads=1, head_dim=mla.entry_width)
             bad = {k: getattr(self, k) for k, v in want.items() if getattr(self, k) != v}
             if a.rotary_dim != mla.qk_rope_head_dim:
                 bad["rotary_dim"] = a.rotary_dim
@@ -203,6 +216,15 @@ class ModelConfig:
         import jax.numpy as jnp
 
         return getattr(jnp, self.dtype)
+
+    @property
+    def weight_form(self):
+        """How projections are stored: weight_dtype, or for fp8_block its format and blocks."""
+        from jaxfill.models.fp8_block import Fp8Format
+
+        if self.weight_dtype != "fp8_block":
+            return self.weight_dtype
+        return Fp8Format(self.weight_fp8, tuple(int(b) for b in self.weight_block_size))
 
     @property
     def rope_dim(self) -> int:

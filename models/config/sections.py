@@ -14,7 +14,7 @@ from typing import Any
 
 from jaxfill.models.config.errors import ConfigError
 
-LAYER_TYPES = ("full", "sliding")
+LAYER_TYPES = ("full", "sliding", "chunked")
 
 
 def _choose(name: str, value, allowed) -> None:
@@ -34,10 +34,14 @@ class AttentionConfig:
     rotary_dim: int = 0  # rope over each head's first rotary_dim dims (partial rotary, GLM); 0: all
     nope_layers: tuple[int, ...] = ()  # layers without rotary embedding (SmolLM3)
     sliding_window: int | None = None  # the window of "sliding" layers (all layers if layer_types is empty)
-    layer_types: tuple[str, ...] = ()  # per layer "full" | "sliding"; () = every layer alike
+    layer_types: tuple[str, ...] = ()  # per layer "full" | "sliding" | "chunked"; () = every layer alike
+    # "chunked" layers see only keys of the row's own chunk [k C, (k + 1) C) of positions
+    # (Llama 4's local layers; all layers if layer_types is empty); None: no chunks
+    attention_chunk: int | None = None
     bias: bool = False  # q/k/v bias (Qwen2; Llama/Qwen3 attention_bias)
     out_bias: bool = False  # o bias (Llama/Qwen3/OLMo 2 attention_bias)
-    # head: RMSNorm over each head's D (Qwen3, Gemma 3); projection: over all Hq*D (OLMo 2)
+    # head: RMSNorm over each head's D (Qwen3, Gemma 3); projection: over all Hq*D (OLMo 2);
+    # weightless: RMS over each head's D with no weight, on layers with rope only (Llama 4)
     qk_norm: str = "none"
     qk_norm_after_rope: bool = False  # the q/k norms apply to the roped q and k (Hunyuan), not before rope
     qkv_clip: float | None = None  # q, k and v clipped to [-clip, clip] after bias and norms (OLMoE clip_qkv)
@@ -46,6 +50,9 @@ class AttentionConfig:
     # Llama-4-style attention temperature); beta 0: off
     query_temperature_beta: float = 0.0
     query_temperature_length: int = 0
+    # Llama 4's form: positions counted from 1 (floor((position + 1) / length)), on NoPE layers only
+    query_temperature_offset: int = 0
+    query_temperature_nope_only: bool = False
     soft_cap: float | None = None  # cap * tanh(score / cap) (Gemma 2)
     sinks: bool = False  # a learned per-head logit in each softmax denominator (gpt-oss)
     # "full" layers with their own KV shape (Gemma 4's global layers); 0: head_dim / num_kv_heads.
@@ -62,11 +69,11 @@ class AttentionConfig:
     context_attention: str = "auto"
 
     def __post_init__(self):
-        _choose("qk_norm", self.qk_norm, ("none", "head", "projection"))
+        _choose("qk_norm", self.qk_norm, ("none", "head", "projection", "weightless"))
         _choose("context_attention", self.context_attention, ("auto", "pass_q", "pass_kv"))
         if self.qk_norm_after_rope and self.qk_norm == "none":
             raise ConfigError("model.qk_norm_after_rope needs a qk_norm (head or projection)")
-        if self.qk_norm_after_rope and self.rope_interleave:
+        if self.qk_norm_after_rope and self.rope_interleave and self.qk_norm != "weightless":
             raise ConfigError("model.qk_norm_after_rope with rope_interleave would norm permuted heads")
         if self.qkv_clip is not None and self.qkv_clip <= 0:
             raise ConfigError(f"model.qkv_clip must be positive, got {self.qkv_clip}")
@@ -82,12 +89,22 @@ class AttentionConfig:
                               f"({self.global_kv_heads}) >= 0 (0: the other layers')")
         if "sliding" in self.layer_types and self.sliding_window is None:
             raise ConfigError("model.layer_types has sliding layers but model.sliding_window is not set")
+        if self.attention_chunk is not None and self.attention_chunk <= 0:
+            raise ConfigError(f"model.attention_chunk must be positive, got {self.attention_chunk}")
+        if "chunked" in self.layer_types and self.attention_chunk is None:
+            raise ConfigError("model.layer_types has chunked layers but model.attention_chunk is not set")
 
     def layer_window(self, layer: int) -> int | None:
-        """The sliding window of `layer` (None: full attention)."""
-        if self.layer_types and self.layer_types[layer] == "full":
+        """The sliding window of `layer` (None: none)."""
+        if self.layer_types and self.layer_types[layer] != "sliding":
             return None
         return self.sliding_window
+
+    def layer_chunk(self, layer: int) -> int | None:
+        """The attention chunk of `layer` (None: none)."""
+        if self.layer_types and self.layer_types[layer] != "chunked":
+            return None
+        return self.attention_chunk
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
@@ -98,7 +115,10 @@ class AttentionConfig:
 class MLAConfig:
     """Multi-head latent attention (models/mixers/mla.py, DeepSeek); kv_lora_rank = 0: not MLA. The
     cache then holds one "head" per token: the normalised latent and the roped key,
-    head_dim = kv_lora_rank + qk_rope_head_dim, num_kv_heads = 1."""
+    head_dim = kv_lora_rank + qk_rope_head_dim, num_kv_heads = 1. DeepSeek sparse attention
+    (index_topk > 0, models/mixers/mla_indexer.py: V3.2, GLM-5) adds the lightning
+    indexer's key as index_head_dim more columns of that entry, and each query attends
+    only the index_topk cached positions its indexer scores highest."""
     kv_lora_rank: int = 0
     q_lora_rank: int = 0  # 0: q straight from the hidden state (V2-Lite)
     qk_nope_head_dim: int = 0
@@ -107,9 +127,22 @@ class MLAConfig:
     # absorbed: attend over the latent; expanded: K/V per head from it (models/mixers/mla_expanded.py);
     # auto: per step, whichever costs fewer multiply-adds for the batch's lengths
     form: str = "auto"
+    index_topk: int = 0  # keys each query attends (DeepSeek sparse attention); 0: every causal key
+    index_n_heads: int = 0  # the indexer's query heads
+    index_head_dim: int = 0  # its key (one per token, cached) and query head width
+    # the indexer's rope turns (even, odd) pairs (GLM-5), not the halves (V3.2)
+    index_rope_interleave: bool = False
 
     def __post_init__(self):
         _choose("mla_form", self.form, ("auto", "absorbed", "expanded"))
+        if self.index_topk < 0:
+            raise ConfigError(f"model.index_topk must be >= 0, got {self.index_topk}")
+        if self.index_topk and not (self.kv_lora_rank and self.q_lora_rank and self.index_n_heads > 0
+                                    and self.qk_rope_head_dim <= self.index_head_dim):
+            raise ConfigError("model.index_topk (DeepSeek sparse attention) needs an MLA model with q_lora_rank "
+                              "(the indexer's queries come from the q latent), index_n_heads > 0 and "
+                              f"index_head_dim >= qk_rope_head_dim; got q_lora_rank={self.q_lora_rank}, "
+                              f"index_n_heads={self.index_n_heads}, index_head_dim={self.index_head_dim}")
         if self.kv_lora_rank and not (self.qk_nope_head_dim > 0 and self.qk_rope_head_dim > 0
                                       and self.v_head_dim > 0):
             raise ConfigError(f"an MLA model (kv_lora_rank={self.kv_lora_rank}) needs positive "
@@ -118,6 +151,11 @@ class MLAConfig:
     @property
     def enabled(self) -> bool:
         return self.kv_lora_rank > 0
+
+    @property
+    def entry_width(self) -> int:
+        """A cached token's values: the latent, the roped key and the indexer's key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim + (self.index_head_dim if self.index_topk else 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,11 +173,16 @@ class MoEConfig:
     scoring: str = "softmax"
     renormalize: bool = True  # top-k weights divided by their sum
     renormalize_min: float = 0.0  # ... clamped below at this (ERNIE 4.5's moe_norm_min); 0: not clamped
+    # ... plus this before dividing (LFM2-MoE: 1e-6); None: 1e-20 under sigmoid scoring (DeepSeek), else 0
+    renormalize_eps: float | None = None
     # a per-expert correction bias on the selection scores only (sigmoid, softmax)
     selection_bias: bool = False
     groups: int = 1  # experts in this many groups; only the best topk_groups are chosen from
     topk_groups: int = 1
     routed_scaling: float = 1.0  # the routed experts' weights times this
+    # each expert gets its token times the routing weight and its output is summed as it
+    # is (Llama 4), instead of the weight times the expert's output
+    weights_inputs: bool = False
     router_f32: bool = False  # router weight and matmul in f32 whatever the dtype (DeepSeek, GLM)
     router_logit_bias: bool = False  # the router is x @ w + b (gpt-oss)
     shared_expert_size: int = 0  # intermediate size of the always-on shared expert(s), 0: none
@@ -162,6 +205,8 @@ class MoEConfig:
                               "shared experts")
         if self.sparsemixer_eps < 0:
             raise ConfigError(f"model.sparsemixer_eps must be >= 0, got {self.sparsemixer_eps}")
+        if self.renormalize_eps is not None and self.renormalize_eps < 0:
+            raise ConfigError(f"model.router_renormalize_eps must be >= 0, got {self.renormalize_eps}")
         if self.renormalize_min < 0:
             raise ConfigError(f"model.router_renormalize_min must be >= 0, got {self.renormalize_min}")
         if self.selection_bias and self.scoring in ("topk_softmax", "sparsemixer"):
@@ -198,7 +243,9 @@ class LinearConfig:
     C per group), key head dim = ssm_state_size, value heads = the SSM heads, value head
     dim = their head_dim; the state is [value heads, Dk, Dv]."""
     layers: tuple[int, ...] = ()
-    # Gated DeltaNet (models/mixers/gated_deltanet.py, Qwen3.5) or Mamba2's SSD (models/mixers/mamba2.py, Nemotron-H)
+    # Gated DeltaNet (models/mixers/gated_deltanet.py, Qwen3.5), Mamba2's SSD (models/mixers/mamba2.py,
+    # Nemotron-H) or Kimi Delta Attention (models/mixers/kda.py, Kimi Linear: key heads = value heads,
+    # key head dim = value head dim)
     kind: str = "gated_deltanet"
     # the chunk loop: XLA's, or the Pallas TPU kernel (pallas_kernels/gated_delta_rule_tpu.py,
     # ssd_tpu.py); auto = xla until a TPU measurement says otherwise
@@ -209,24 +256,37 @@ class LinearConfig:
     value_head_dim: int = 0
     conv_kernel: int = 4  # the short causal convolution over q, k, v (Mamba2: x, B, C)
     grouped_proj: bool = False  # q, k, v, z (and b, a) fused per key head (Qwen3-Next), not apart
-    conv_bias: bool = False  # the convolution adds a bias (Mamba2)
+    conv_bias: bool = False  # the convolution adds a bias (Mamba2; LFM2: its projections too)
     dt_limit: tuple[float, float] | None = None  # Mamba2's time steps clipped to [lo, hi]; None: not
 
     def __post_init__(self):
-        _choose("linear_kind", self.kind, ("gated_deltanet", "mamba2"))
+        _choose("linear_kind", self.kind, ("gated_deltanet", "mamba2", "short_conv", "kda"))
         _choose("linear_impl", self.impl, ("auto", "xla", "pallas_tpu"))
-        if self.layers:
+        if self.layers and self.kind == "short_conv" and self.conv_kernel < 2:
+            raise ConfigError(f"model.linear_conv_kernel must be >= 2, got {self.conv_kernel}")
+        if self.layers and self.kind != "short_conv":
             dims = (self.num_key_heads, self.num_value_heads, self.key_head_dim, self.value_head_dim,
                     self.conv_kernel - 1)
             if min(dims) <= 0 or self.num_value_heads % self.num_key_heads:
                 raise ConfigError("model.linear_layers needs positive linear_* head counts and dims (value heads "
                                   f"a multiple of key heads) and linear_conv_kernel >= 2; got {dims}")
         mamba = {"linear_conv_bias": self.conv_bias, "linear_dt_limit": self.dt_limit is not None}
+        if self.kind == "short_conv":
+            mamba.pop("linear_conv_bias")
         if self.kind != "mamba2" and any(mamba.values()):
             raise ConfigError(f"model.{', '.join(k for k, on in mamba.items() if on)} apply to linear_kind mamba2 "
                               f"only, not {self.kind}")
-        if self.kind == "mamba2" and self.grouped_proj:
-            raise ConfigError("model.linear_grouped_proj is Qwen3-Next's DeltaNet layout, not mamba2's")
+        if self.kind != "gated_deltanet" and self.grouped_proj:
+            raise ConfigError(f"model.linear_grouped_proj is Qwen3-Next's DeltaNet layout, not {self.kind}'s")
+        if self.kind == "kda" and self.impl == "pallas_tpu":
+            raise ConfigError("model.linear_impl = pallas_tpu has no Kimi delta rule kernel (linear_kind kda runs "
+                              "the XLA chunk loop: linear_impl = auto or xla)")
+        if self.kind == "kda" and self.layers and (self.num_key_heads != self.num_value_heads
+                                                   or self.key_head_dim != self.value_head_dim):
+            raise ConfigError("model.linear_kind = kda gives every head its own q, k and v: linear_num_key_heads "
+                              "= linear_num_value_heads and linear_key_head_dim = linear_value_head_dim; got "
+                              f"{self.num_key_heads}, {self.num_value_heads}, {self.key_head_dim}, "
+                              f"{self.value_head_dim}")
         limit = self.dt_limit
         if limit is not None and not (len(limit) == 2 and 0 <= limit[0] < limit[1]):
             raise ConfigError(f"model.linear_dt_limit must be [lo, hi] with 0 <= lo < hi, got {list(limit)}")

@@ -70,8 +70,9 @@ class Family:
     partial_rotary = False  # honours partial_rotary_factor (model_fields reads it into rotary_dim)
     # What its models hold: the capability table (engine/capabilities/table.py) derives what runs
     # on them from these, never from a hand-written list.
-    mixers: tuple[str, ...] = ("attention",)  # attention | mla | gated_deltanet | mamba2
+    mixers: tuple[str, ...] = ("attention",)  # attention | mla | gated_deltanet | mamba2 | kda
     experts = False  # mixture-of-experts MLPs
+    indexer = False  # DeepSeek sparse attention's lightning indexer over MLA (kind "dsa")
     mixed_kv = False  # attention layers of two shapes (Gemma 4's global layers: ModelConfig.mixed_kv)
     tested = ""  # what the parity tests show, for `jaxfill models` and the README table
 

@@ -95,7 +95,7 @@ class NemotronH(Family):
         act = hf.get("mlp_hidden_act") or "relu2"
         if act != "relu2" and act not in ACTIVATIONS:
             raise ConfigError(f"config.json mlp_hidden_act={act!r} is not supported (relu2, {', '.join(ACTIVATIONS)})")
-        lo, hi = (_number(v) for v in hf.get("time_step_limit") or (0.0, math.inf))
+        lo, hi = (json_number(v) for v in hf.get("time_step_limit") or (0.0, math.inf))
         heads, groups = hf["mamba_num_heads"], hf["n_groups"]
         if heads % groups:
             raise ConfigError(f"config.json mamba_num_heads={heads} is not a multiple of n_groups={groups}")
@@ -141,7 +141,7 @@ class NemotronH(Family):
         return {**table, **mamba2_tensors(c, p + "mixer.", layer + ("attn",))}
 
 
-def _number(v) -> float:
+def json_number(v) -> float:
     """A float as config.json holds it: transformers 5 writes infinities as {"__float__": "Infinity"}."""
     return float(v["__float__"] if isinstance(v, dict) and "__float__" in v else v)
 

@@ -11,12 +11,20 @@ import importlib
 import math
 from typing import Any, NamedTuple
 
-from jaxfill.models.config import ConfigError
+from jaxfill.models.config import ConfigError, quantization
 
 MODULES = ("llama", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "olmo3", "glm", "seed_oss", "exaone4",
            "ministral", "arcee", "apertus", "smollm3", "granite", "mixtral", "qwen3_moe", "glm4_moe", "gpt_oss",
            "deepseek", "qwen3_5", "qwen3_next", "qwen3_5_moe", "nemotron_h", "olmoe", "minimax_m2", "ernie4_5",
-           "hunyuan", "phimoe", "gemma4")
+           "hunyuan", "phimoe", "lfm2", "lfm2_moe", "llama4", "granitemoehybrid",
+           "kimi_linear", "deepseek_dsa", "gemma4")
+
+# Architectures known and refused, with why (their config.json is never half-read)
+REFUSED = {
+    "FalconH1ForCausalLM": "every Falcon-H1 layer runs attention and Mamba2 in parallel on the same input, so "
+                           "it needs KV pages and a state slot at once, and the cache holds one entry per layer "
+                           "(pages or a LinearState, models/kv_cache.py)",
+}
 
 
 @functools.lru_cache(maxsize=1)
@@ -40,25 +48,36 @@ def families() -> list:
 
 def family_of(architecture: str | None):
     table = _by_architecture()
+    if architecture in REFUSED:
+        raise ConfigError(f"architecture {architecture!r} is not supported: {REFUSED[architecture]}")
     if architecture not in table:
         raise ConfigError(f"architecture {architecture!r} is not supported; supported: {', '.join(table)}")
     return table[architecture]
 
 
 def config_from_hf(config):
-    """A Hugging Face config.json (a dict, a file, or a directory holding it) ->
-    ModelConfig, through the family its `architectures[0]` names."""
+    """A Hugging Face config.json (a dict, a file, or a directory holding it; or a GGUF
+    file, through the config transformers derives from it: models/gguf/) -> ModelConfig,
+    through the family its `architectures[0]` names."""
     import os
 
     from jaxfill.models.config import read_config_json
+    from jaxfill.models.gguf import gguf_file, hf_config_of
 
     if not isinstance(config, dict):
-        config = read_config_json(os.fspath(config))
+        gguf = gguf_file(config)
+        config = hf_config_of(gguf) if gguf else read_config_json(os.fspath(config))
     archs = config.get("architectures") or []
     arch = archs[0] if archs else None
+    if arch in REFUSED:
+        raise ConfigError(f"config.json architecture {arch!r} is not supported: {REFUSED[arch]}")
     if arch not in _by_architecture():
         raise ConfigError(f"config.json architecture {arch!r} is not supported; "
                           f"supported: {', '.join(architectures())}")
+    if quantization.is_fp8(config):  # any family: the projections' storage, not their math
+        fields = quantization.fp8_fields(config["quantization_config"])
+        plain = {k: v for k, v in config.items() if k != "quantization_config"}
+        return family_of(arch).to_model_config(plain, arch).replace(**fields)
     return family_of(arch).to_model_config(config, arch)
 
 
@@ -195,8 +214,10 @@ def layer_projection_params(config, layer: int = 0) -> dict[tuple, float]:
 
 
 # Multi-head latent attention's projections (models/mixers/mla.py) beside q and o: each weight
-# multiplies every token once (w_ukv: W_uk on the queries, W_uv on the outputs)
-LATENT_PROJECTIONS = ("q_a", "q_b", "kv_a", "w_ukv")
-# A linear layer's projections: Gated DeltaNet's (models/mixers/gated_deltanet.py, either layout)
-# and Mamba2's (models/mixers/mamba2.py)
-LINEAR_PROJECTIONS = ("q", "k", "v", "z", "b", "a", "out", "qkvz", "ba", "x", "c", "dt")
+# multiplies every token once (w_ukv: W_uk on the queries, W_uv on the outputs; index_*: the
+# sparse-attention indexer's, models/mixers/mla_indexer.py)
+LATENT_PROJECTIONS = ("q_a", "q_b", "kv_a", "w_ukv", "index_q", "index_k", "index_weights")
+# A linear layer's projections: Gated DeltaNet's (models/mixers/gated_deltanet.py, either layout),
+# Mamba2's (models/mixers/mamba2.py), LFM2's short convolution (b, c, x, out) and KDA's
+# (models/mixers/kda.py: the gates' two bottlenecks)
+LINEAR_PROJECTIONS = ("q", "k", "v", "z", "b", "a", "out", "qkvz", "ba", "x", "c", "dt", "f_a", "f_b", "g_a", "g_b")

@@ -7,10 +7,13 @@ from __future__ import annotations
 from jaxfill.models.mixers.attention import Attention
 from jaxfill.models.mixers.context import Mixer, MixerContext
 from jaxfill.models.mixers.gated_deltanet import GatedDeltaNet
+from jaxfill.models.mixers.kda import KimiDeltaAttention
 from jaxfill.models.mixers.mamba2 import Mamba2
 from jaxfill.models.mixers.mla import LatentAttention
+from jaxfill.models.mixers.short_conv import ShortConv
 
-MIXERS = {"attention": Attention, "mla": LatentAttention, "gated_deltanet": GatedDeltaNet, "mamba2": Mamba2}
+MIXERS = {"attention": Attention, "mla": LatentAttention, "gated_deltanet": GatedDeltaNet, "mamba2": Mamba2,
+          "short_conv": ShortConv, "kda": KimiDeltaAttention}
 
 
 def mixer_kind(config, layer: int) -> str | None:
@@ -29,5 +32,5 @@ def build_mixer(config, rngs, layer: int) -> Mixer | None:
     return None if kind is None else MIXERS[kind](config, rngs)
 
 
-__all__ = ["Attention", "GatedDeltaNet", "LatentAttention", "Mamba2", "Mixer", "MixerContext", "MIXERS",
-           "build_mixer", "mixer_kind"]
+__all__ = ["Attention", "GatedDeltaNet", "KimiDeltaAttention", "LatentAttention", "Mamba2", "Mixer", "MixerContext",
+           "MIXERS", "ShortConv", "build_mixer", "mixer_kind"]

@@ -11,7 +11,7 @@ from flax import nnx
 from jaxfill.models.config import ModelConfig
 from jaxfill.models.kv_cache import sampled_rows_metadata
 from jaxfill.models.layer_settings import by_window, layer_settings
-from jaxfill.models.layers import RMSNorm, param, projection, unit_rms
+from jaxfill.models.layers import RMSNorm, param, projection, unit_rms as weightless_rms  # noqa: F401 (exported)
 from jaxfill.models.mixers.context import MixerContext
 from jaxfill.models.rope import apply_rope
 from jaxfill.models.quant import qeinsum
@@ -26,19 +26,19 @@ class Attention(nnx.Module):
         """`layer` picks the shapes: a "full" layer of a model with global_head_dim /
         global_kv_heads (Gemma 4) has its own; in a stacked layout all layers share one."""
         c, dt = config, config.jnp_dtype
-        (hk, d), e, hq, wd = c.attention_dims(layer), c.hidden_size, c.num_heads, c.weight_dtype
+        (hk, d), e, hq, wd = c.attention_dims(layer), c.hidden_size, c.num_heads, c.weight_form
         # Gemma 4's full layers may take V from the K projection (no v weight); its KV-sharing
         # layers read an earlier layer's pages (no k, v or k norm)
         k_is_v = c.attention.global_k_eq_v and c.attention.layer_window(layer) is None
         shared = c.kv_source(layer) is not None
         # with an output gate (Qwen3.5) q_proj gives each head [q, gate]: 2D columns
         q_cols = 2 * d if c.attention.output_gate else d
-        self.q, self.q_scale = projection(rngs, (e, hq, q_cols), ("embed", "q_heads", "head_dim"), dt, 1, wd)
-        self.k, self.k_scale = (None, None) if shared else projection(
-            rngs, (e, hk, d), ("embed", "kv_heads", "head_dim"), dt, 1, wd)
-        self.v, self.v_scale = (None, None) if k_is_v or shared else projection(
-            rngs, (e, hk, d), ("embed", "kv_heads", "head_dim"), dt, 1, wd)
-        self.o, self.o_scale = projection(rngs, (hq, d, e), ("q_heads", "head_dim", "embed"), dt, 2, wd)
+        qkv = ("embed", "q_heads", "head_dim"), ("embed", "kv_heads", "head_dim")
+        self.q, self.q_scale = projection(rngs, (e, hq, q_cols), qkv[0], dt, 1, wd, name="q")
+        self.k, self.k_scale = (None, None) if shared else projection(rngs, (e, hk, d), qkv[1], dt, 1, wd, name="k")
+        self.v, self.v_scale = (None, None) if k_is_v or shared else projection(rngs, (e, hk, d), qkv[1], dt, 1, wd,
+                                                                                name="v")
+        self.o, self.o_scale = projection(rngs, (hq, d, e), ("q_heads", "head_dim", "embed"), dt, 2, wd, name="o")
         if c.attention.bias:
             self.q_bias = param(rngs, (hq, d), ("q_heads", "head_dim"), dt)
             self.k_bias = None if shared else param(rngs, (hk, d), ("kv_heads", "head_dim"), dt)
@@ -93,7 +93,7 @@ class Attention(nnx.Module):
                  ctx: MixerContext):  # q [T', Hq, D], k, v [T, Hkv, D], gate [T', Hq, D] or None
         """q (T' = the rows ctx.sampled keeps), k and v of every row, biased, normed, roped."""
         a = self.config.attention
-        if self.k is None:  # a KV-sharing layer: q alone (rope and norm on None pass it through)
+        if self.k is None:  # a KV-sharing layer: q alone (rope and norms pass None through)
             k = v = None
         else:
             k = qeinsum("te,ehd->thd", x, self.k[...], self.k_scale)
@@ -106,29 +106,47 @@ class Attention(nnx.Module):
             q = q + self.q_bias[...]
             if k is not None:
                 k, v = k + self.k_bias[...], v + self.v_bias[...]
+        settings = layer_settings(self.config)
         if a.qk_norm != "none" and not a.qk_norm_after_rope:
-            q, k = self.q_norm(q), _maybe(self.k_norm, k)
+            q, k = self._norm_qk(q, k, settings, ctx.layer)
         if a.v_norm and v is not None:
-            v = unit_rms(v, self.config.norms.eps)
+            v = weightless_rms(v, self.config.norms.eps)
         if a.qkv_clip is not None:
             q, k, v = (jnp.clip(t, -a.qkv_clip, a.qkv_clip) for t in (q, k, v))
-        settings = layer_settings(self.config)
         if not (isinstance(ctx.layer, int) and not settings.has_rope[ctx.layer]):
             inv_freq, scale = settings.rope(ctx.layer)
             rope = functools.partial(apply_rope, inv_freq=inv_freq, scale=scale, interleaved=a.rope_interleave,
                                      in_f32=a.rope_f32)
             q, k = rope(q, ctx.sampled(ctx.positions)), _maybe(functools.partial(rope, positions=ctx.positions), k)
         if a.qk_norm_after_rope:
-            q, k = self.q_norm(q), _maybe(self.k_norm, k)
-        if a.query_temperature_beta:
-            q = q * query_temperature(ctx.sampled(ctx.positions), a.query_temperature_beta,
-                                      a.query_temperature_length).astype(q.dtype)[:, None, None]
+            q, k = self._norm_qk(q, k, settings, ctx.layer)
+        beta = settings.of_layer(settings.temperature, ctx.layer)
+        if a.query_temperature_beta and not (isinstance(ctx.layer, int) and beta == 0):
+            positions = ctx.sampled(ctx.positions) + a.query_temperature_offset
+            q = q * query_temperature(positions, beta, a.query_temperature_length).astype(q.dtype)[:, None, None]
         return q, k, v, gate
 
+    def _norm_qk(self, q, k, settings, layer):  # q [T', Hq, D], k [T, Hkv, D] -> the same
+        """The q/k norms; Llama 4's weightless RMS over each head's D only where the layer
+        turns rope (a traced layer selects)."""
+        if k is None:  # a KV-sharing layer (Gemma 4; qk_norm "head"): its q alone
+            return self.q_norm(q), None
+        if self.config.attention.qk_norm != "weightless":
+            return self.q_norm(q), self.k_norm(k)
+        has_rope = settings.of_layer(settings.has_rope, layer)
+        if isinstance(layer, int) and not has_rope:
+            return q, k
+        eps = self.config.norms.eps
+        nq, nk = weightless_rms(q, eps), weightless_rms(k, eps)
+        if isinstance(layer, int):
+            return nq, nk
+        return jnp.where(has_rope, nq, q), jnp.where(has_rope, nk, k)
+
     def _attend_window(self, q, k, v, pages, meta, sinks, impl: str, window):  # ([T', Hq, D], pages)
-        """Attention for one sliding window (None: full), over the mesh's shares of heads and rows."""
+        """Attention for one (sliding window, attention chunk) ((None, None): full), over the
+        mesh's shares of heads and rows."""
         a = self.config.attention
-        ring = RingSpec(self.sm_scale, a.soft_cap, window) if a.context_attention == "pass_kv" else None
+        ring = RingSpec(self.sm_scale, a.soft_cap, *window) if a.context_attention == "pass_kv" else None
         attend = functools.partial(self._write_and_attend, impl=impl, window=window, write=self.k is not None)
         return sharded_attention(attend, q, k, v, pages, meta, sinks, sinks=sinks is not None, ring=ring)
 
@@ -140,8 +158,8 @@ class Attention(nnx.Module):
         extra = {} if sinks is None else {"sinks": sinks}
         out = ragged_paged_attention(
             q, pages, meta.kv_lens, meta.page_indices, meta.cu_q_lens, meta.num_seqs,
-            sm_scale=self.sm_scale, sliding_window=window, soft_cap=self.config.attention.soft_cap, impl=impl,
-            **extra, **share)
+            sm_scale=self.sm_scale, sliding_window=window[0], attention_chunk=window[1],
+            soft_cap=self.config.attention.soft_cap, impl=impl, **extra, **share)
         return out, pages
 
 
@@ -149,9 +167,9 @@ def _maybe(f, x):
     return None if x is None else f(x)
 
 
-def query_temperature(positions: jax.Array,  # [T] int32
-                      beta: float, length: int) -> jax.Array:  # [T] f32
-    """1 + beta * log(1 + floor(position / length)): Ministral 3's query scale, 1 over the
-    first `length` positions, growing by beta * log 2 at the next boundary (f32, as
-    transformers computes it before the cast to q's dtype)."""
+def query_temperature(positions: jax.Array,  # [T] int32 (Llama 4: position + 1)
+                      beta, length: int) -> jax.Array:  # [T] f32; beta a float or traced []
+    """1 + beta * log(1 + floor(position / length)): Ministral 3's and Llama 4's query scale,
+    1 over the first `length` positions, growing by beta * log 2 at the next boundary (f32,
+    as transformers computes it before the cast to q's dtype)."""
     return 1.0 + beta * jnp.log(1.0 + jnp.floor(positions.astype(jnp.float32) / length))

@@ -13,7 +13,10 @@ dims. It runs through the same paged attention impls as every other model.
 
 The pages hold K only, [num_pages, page_size, Hkv = 1, D] (pallas_kernels/kv_cache.py
 "shared" pages): the value is the first kv_lora_rank dims of the same entry, so a token
-costs kv_lora_rank + qk_rope_head_dim values per layer, the latent's size.
+costs kv_lora_rank + qk_rope_head_dim values per layer, the latent's size. DeepSeek sparse
+attention (V3.2, GLM-5) appends its indexer's key to the entry and attends each query's
+top-k keys only (models/mixers/mla_indexer.py); the dense forms then pad their queries
+with zeros over those columns.
 """
 
 from __future__ import annotations
@@ -27,9 +30,12 @@ from flax import nnx
 from jaxfill.models.config import ModelConfig
 from jaxfill.models.kv_cache import AttentionMetadata, sampled_rows_metadata
 from jaxfill.models.layer_settings import layer_settings
-from jaxfill.models.layers import RMSNorm, param
+from jaxfill.models import fp8_block
+from jaxfill.models.layers import RMSNorm, projection
 from jaxfill.models.mixers.context import MixerContext
 from jaxfill.models.mixers.mla_expanded import EXPAND_KEYS_PER_TOKEN, expanded_attention, prefers_expanded
+from jaxfill.models.mixers.mla_indexer import Indexer, needs_selection, select, sparse_attention
+from jaxfill.models.quant import qeinsum
 from jaxfill.models.rope import apply_rope
 from jaxfill.models.parallel.context import sharded_attention
 from jaxfill.models.sharding import constrain, kv_heads_for
@@ -47,17 +53,22 @@ class LatentAttention(nnx.Module):
         c, dt = config, config.jnp_dtype
         e, h, lat, rope = c.hidden_size, c.num_heads, c.mla.kv_lora_rank, c.mla.qk_rope_head_dim
         nope, vd = c.mla.qk_nope_head_dim, c.mla.v_head_dim
+        # fp8 block-scaled projections as a checkpoint stores them (models/fp8_block.py); int8 is refused
+        wd = c.weight_form if c.weight_dtype == "fp8_block" else "auto"
+        heads = (None, "q_heads", "head_dim")
         if c.mla.q_lora_rank:
-            self.q_a = param(rngs, (e, c.mla.q_lora_rank), ("embed", None), dt)
-            self.q_a_norm = RMSNorm(c.mla.q_lora_rank, LATENT_NORM_EPS, dt, rngs, kind=c.norms.kind)
-            self.q_b = param(rngs, (c.mla.q_lora_rank, h, nope + rope), (None, "q_heads", "head_dim"), dt)
+            r = c.mla.q_lora_rank
+            self.q_a, self.q_a_scale = projection(rngs, (e, r), ("embed", None), dt, 1, wd, name="q_a")
+            self.q_a_norm = RMSNorm(r, LATENT_NORM_EPS, dt, rngs, kind=c.norms.kind)
+            self.q_b, self.q_b_scale = projection(rngs, (r, h, nope + rope), heads, dt, 1, wd, name="q_b")
         else:
-            self.q = param(rngs, (e, h, nope + rope), ("embed", "q_heads", "head_dim"), dt)
-        self.kv_a = param(rngs, (e, lat + rope), ("embed", None), dt)
+            self.q, self.q_scale = projection(rngs, (e, h, nope + rope), ("embed",) + heads[1:], dt, 1, wd, name="q")
+        self.kv_a, self.kv_a_scale = projection(rngs, (e, lat + rope), ("embed", None), dt, 1, wd, name="kv_a")
         self.kv_a_norm = RMSNorm(lat, LATENT_NORM_EPS, dt, rngs, kind=c.norms.kind)
         # kv_b_proj: per head, W_uk (the first nope columns) and W_uv (the last v_head_dim)
-        self.w_ukv = param(rngs, (lat, h, nope + vd), (None, "q_heads", "head_dim"), dt)
-        self.o = param(rngs, (h, vd, e), ("q_heads", "head_dim", "embed"), dt)
+        self.w_ukv, self.w_ukv_scale = projection(rngs, (lat, h, nope + vd), heads, dt, 1, wd, name="w_ukv")
+        self.o, self.o_scale = projection(rngs, (h, vd, e), ("q_heads", "head_dim", "embed"), dt, 2, wd, name="o")
+        self.indexer = Indexer(c, rngs) if c.mla.index_topk else None
         self.config = c
         self.sm_scale = c.attention.query_scale if c.attention.query_scale is not None else (nope + rope) ** -0.5
 
@@ -71,21 +82,28 @@ class LatentAttention(nnx.Module):
 
     def __call__(self,
                  x: jax.Array,  # [T, E]
-                 pages: jax.Array,  # [num_pages, page_size, r, kv_lora_rank + qk_rope_head_dim] (r: tensor repeats)
+                 pages: jax.Array,  # [num_pages, page_size, r, mla.entry_width] (r: tensor repeats)
                  ctx: MixerContext,
                  ) -> tuple[jax.Array, jax.Array]:  # [T, E] ([S, E] if ctx.sampled_only), pages
         c = self.config
         lat, nope = c.mla.kv_lora_rank, c.mla.qk_nope_head_dim
-        kv = x @ self.kv_a[...]  # [T, lat + rope]
+        kv = qeinsum("te,ec->tc", x, self.kv_a[...], self.kv_a_scale)  # [T, lat + rope]
         latent = self.kv_a_norm(kv[:, :lat])
         k_pe = self._rope(kv[:, None, lat:], ctx.positions, ctx.layer)  # [T, 1, rope]
-        k = jnp.concatenate([latent[:, None, :], k_pe.astype(latent.dtype)], axis=-1)  # [T, 1, lat + rope]
-        x = ctx.sampled(x)
+        parts = [latent[:, None, :], k_pe.astype(latent.dtype)]
+        if self.indexer is not None:
+            parts.append(self.indexer.key(x, ctx.positions, ctx.layer)[:, None, :].astype(latent.dtype))
+        k = jnp.concatenate(parts, axis=-1)  # [T, 1, entry_width]
+        x, positions = ctx.sampled(x), ctx.sampled(ctx.positions)
+        index = None
         if c.mla.q_lora_rank:
-            q = jnp.einsum("tr,rhd->thd", self.q_a_norm(x @ self.q_a[...]), self.q_b[...])
+            q_latent = self.q_a_norm(qeinsum("te,er->tr", x, self.q_a[...], self.q_a_scale))
+            q = qeinsum("tr,rhd->thd", q_latent, self.q_b[...], self.q_b_scale)
+            if self.indexer is not None:
+                index = (*self.indexer.queries(q_latent, x, positions, ctx.layer), positions)
         else:
-            q = jnp.einsum("te,ehd->thd", x, self.q[...])
-        q_pe = self._rope(q[..., nope:], ctx.sampled(ctx.positions), ctx.layer)
+            q = qeinsum("te,ehd->thd", x, self.q[...], self.q_scale)
+        q_pe = self._rope(q[..., nope:], positions, ctx.layer)
         q = jnp.concatenate([q[..., :nope], q_pe.astype(q.dtype)], axis=-1)
         r = kv_heads_for(2 * pages.shape[2], 1)  # a cache laid out for 'tensor' repeats the one head
         if r > 1:
@@ -93,20 +111,46 @@ class LatentAttention(nnx.Module):
         q = constrain(q, ("tokens", "act_heads", None))
         k = constrain(k, ("tokens", "act_kv_heads", None))
         q_meta = sampled_rows_metadata(ctx.meta) if ctx.sampled_only else ctx.meta
-        w_ukv = self.w_ukv[...].transpose(1, 0, 2)  # [H, lat, nope + vd]: heads first, split like q's
+        w_ukv = self.w_ukv[...]
+        if self.w_ukv_scale is not None:
+            w_ukv = fp8_block.dequantize_param(w_ukv, self.w_ukv_scale, x.dtype)
+        w_ukv = w_ukv.transpose(1, 0, 2)  # [H, lat, nope + vd]: heads first, split like q's
         attend = functools.partial(self._write_and_attend, impl=ctx.impl)
-        out, pages = sharded_attention(attend, q, k, k, pages, q_meta, w_ukv)  # [T, H, vd]
-        out = jnp.einsum("thv,hve->te", out, self.o[...])  # all-reduce over tensor
+        out, pages = sharded_attention(attend, q, k, k, pages, q_meta, w_ukv, replicated=index)  # [T, H, vd]
+        out = qeinsum("thv,hve->te", out, self.o[...], self.o_scale)  # all-reduce over tensor
         return constrain(out, ("tokens", "act_embed")), pages
 
-    def _write_and_attend(self, q, k, v, pages, meta, w_ukv, share, *, impl: str):
-        """One device's view under a mesh; v is k: K-only pages, the value is the latent."""
+    def _write_and_attend(self, q, k, v, pages, meta, w_ukv, share, *, impl: str, replicated=None):
+        """One device's view under a mesh; v is k: K-only pages, the value is the latent.
+        `replicated`: the indexer's (queries, weights, positions) of DeepSeek sparse attention."""
         pages = write_kv(pages, k, None, meta.slot_mapping)
         nope = self.config.mla.qk_nope_head_dim
-        return self._attend(q, pages, meta, w_ukv[..., :nope], w_ukv[..., nope:], impl, share), pages
+        w_uk, w_uv = w_ukv[..., :nope], w_ukv[..., nope:]
+        dense = lambda: self._attend(q, pages, meta, w_uk, w_uv, impl, share)  # noqa: E731
+        if replicated is None:
+            return dense(), pages
+        sparse = lambda: self._attend_selected(q, pages, meta, w_uk, w_uv, *replicated)  # noqa: E731
+        return jax.lax.cond(needs_selection(meta, self.config.mla.index_topk), sparse, dense), pages
+
+    def _attend_selected(self, q: jax.Array,  # [T, H, nope + rope]
+                         pages, meta: AttentionMetadata,
+                         w_uk: jax.Array,  # [H, lat, nope]
+                         w_uv: jax.Array,  # [H, lat, vd]
+                         index_q: jax.Array,  # [T, index heads, index_head_dim]
+                         index_weights: jax.Array,  # [T, index heads] f32
+                         positions: jax.Array,  # [T] int32
+                         ) -> jax.Array:  # [T, H, vd]
+        """DeepSeek sparse attention: the absorbed form over each row's top-k keys."""
+        m = self.config.mla
+        chosen, valid = select(pages, meta, index_q, index_weights, positions,
+                               m.kv_lora_rank + m.qk_rope_head_dim, m.index_topk)
+        q_lat = jnp.einsum("thn,hcn->thc", q[..., :m.qk_nope_head_dim], w_uk)
+        qa = jnp.concatenate([q_lat, q[..., m.qk_nope_head_dim:].astype(q_lat.dtype)], axis=-1)
+        out = sparse_attention(pages, meta, qa, chosen, valid, self.sm_scale, m.kv_lora_rank)
+        return jnp.einsum("thc,hcv->thv", out.astype(w_uv.dtype), w_uv)
 
     def _attend(self, q: jax.Array,  # [T, H, nope + rope]
-                pages,  # [N, page_size, 1, lat + rope] K-only latent pages (or QuantizedPages)
+                pages,  # [N, page_size, 1, entry_width] K-only latent pages (or QuantizedPages)
                 meta: AttentionMetadata,
                 w_uk: jax.Array,  # [H, lat, nope]
                 w_uv: jax.Array,  # [H, lat, vd]
@@ -116,10 +160,12 @@ class LatentAttention(nnx.Module):
         the expanded one sizes its copy by whole sequences, not by a rank's stripe."""
         c = self.config
         nope, lat = c.mla.qk_nope_head_dim, c.mla.kv_lora_rank
+        page_size, width = (pages.values if isinstance(pages, QuantizedPages) else pages).shape[1::2]
 
         def absorbed():
             q_lat = jnp.einsum("thn,hcn->thc", q[..., :nope], w_uk)  # [T, H, lat]
             qa = jnp.concatenate([q_lat, q[..., nope:].astype(q_lat.dtype)], axis=-1)
+            qa = jnp.pad(qa, ((0, 0), (0, 0), (0, width - qa.shape[-1])))  # zeros on the indexer's columns
             out = ragged_paged_attention(qa, pages, meta.kv_lens, meta.page_indices, meta.cu_q_lens,
                                          meta.num_seqs, sm_scale=self.sm_scale, impl=impl, kv_shared=True,
                                          **(share or {}))
@@ -128,7 +174,6 @@ class LatentAttention(nnx.Module):
             out = jnp.einsum("thc,hcv->thv", out[..., :lat].astype(w_uv.dtype), w_uv)
             return out if lse is None else (out.astype(jnp.float32), lse)
 
-        page_size = (pages.values if isinstance(pages, QuantizedPages) else pages).shape[1]
         s, p = meta.page_indices.shape
         forced = c.mla.form == "expanded"
         cap = s * p if forced else min(s * p, -(-EXPAND_KEYS_PER_TOKEN * q.shape[0] // page_size) + s)

@@ -51,17 +51,17 @@ def compact_page_table(page_indices: jax.Array,  # [S, P] int32
     return page_indices[owner, j].astype(jnp.int32), table
 
 
-def expand_pages(pages,  # [N, page_size, 1, lat + rope] array or QuantizedPages (K-only latent pages)
+def expand_pages(pages,  # [N, page_size, 1, lat + rope (+ indexer key)] array or QuantizedPages (K-only)
                  src: jax.Array,  # [cap] int32
                  w_uk: jax.Array,  # [H, lat, nope]
                  w_uv: jax.Array,  # [H, lat, vd]
-                 dtype) -> jax.Array:  # [cap, page_size, 2 * H, max(nope + rope, vd)]
+                 dtype, rope: int) -> jax.Array:  # [cap, page_size, 2 * H, max(nope + rope, vd)]
     lat = w_uk.shape[1]
     if isinstance(pages, QuantizedPages):
         entries = dequantize(pages.values[src], pages.scales[src], dtype)
     else:
         entries = pages[src].astype(dtype)
-    entries = entries[:, :, 0]  # [cap, ps, lat + rope]
+    entries = entries[:, :, 0, :lat + rope]  # [cap, ps, lat + rope]: not a sparse-attention indexer's key
     c, pe = entries[..., :lat], entries[..., lat:]
     heads = w_uk.shape[0]
     k_nope = jnp.einsum("pkc,hcn->pkhn", c, w_uk.astype(dtype))
@@ -100,7 +100,8 @@ def expanded_attention(q: jax.Array,  # [T, H, nope + rope], the rope part roped
     page_size = (pages.values if isinstance(pages, QuantizedPages) else pages).shape[1]
     per_seq = touched_pages(meta.kv_lens, meta.num_seqs, page_size)
     src, table = compact_page_table(meta.page_indices, per_seq, cap)
-    expanded = expand_pages(pages, src, w_uk, w_uv, q.dtype)  # [cap, ps, 2H, width]
+    rope = q.shape[-1] - w_uk.shape[-1]
+    expanded = expand_pages(pages, src, w_uk, w_uv, q.dtype, rope)  # [cap, ps, 2H, width]
     width = expanded.shape[-1]
     qe = jnp.pad(q, ((0, 0), (0, 0), (0, width - q.shape[-1])))
     out = ragged_paged_attention(qe, expanded, meta.kv_lens, table, meta.cu_q_lens, meta.num_seqs,

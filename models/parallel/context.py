@@ -43,6 +43,7 @@ def sharded_attention(attend: Callable, q: jax.Array, k: jax.Array, v: jax.Array
                       head_args=None,  # a pytree of per-head arrays, heads first, split like q's heads
                       sinks: bool = False,  # head_args are attention sinks [Hq] f32: the merge adds them
                       ring: RingSpec | None = None,  # the pass-KV ring's settings; None: pass-Q only
+                      replicated=None,  # a pytree every device gets whole; attend takes it as `replicated=`
                       ) -> tuple[jax.Array, jax.Array]:
     """Runs `attend(q, k, v, pages, meta, head_args, share) -> (result, pages)` per device.
 
@@ -53,17 +54,21 @@ def sharded_attention(attend: Callable, q: jax.Array, k: jax.Array, v: jax.Array
     'tensor' (q, k, v, the pages' head axis, head_args). Without a mesh: attend as is.
     With `ring` and unquantized pages, a step with nothing cached takes the pass-KV ring
     instead (models/parallel/ring_attention.py; `lax.cond` on the metadata, the same on every rank).
+    `replicated` (DeepSeek sparse attention's indexer queries, models/mixers/mla_indexer.py) is
+    not split: not over 'tensor', and it has no form under 'sequence' (refused at config time).
     """
     mesh = context_mesh()
     axes = () if mesh is None else free_axes(mesh, *HEADS, SEQUENCE)
     if not axes:
-        return attend(q, k, v, pages, meta, head_args, {})
+        return attend(q, k, v, pages, meta, head_args, {}, **_whole(replicated))
     heads = tuple(a for a in HEADS if a in axes)
     tp = (heads[0] if len(heads) == 1 else heads) if heads else None
     sp = SEQUENCE if SEQUENCE in axes else None
     if tp and (q.shape[1] % mesh_axis_size(mesh, tp) or k.shape[1] % mesh_axis_size(mesh, tp)):
         raise ValueError(f"heads q={q.shape[1]} k={k.shape[1]} must split over tensor x expert "
                          f"= {mesh_axis_size(mesh, tp)}")
+    if sp and replicated is not None:
+        raise ValueError("replicated attention inputs (the sparse-attention indexer) have no mesh.sequence form")
     if sp and q.shape[0] % mesh_axis_size(mesh, sp):
         raise ValueError(f"{q.shape[0]} tokens must split over sequence={mesh_axis_size(mesh, sp)}; pad the batch")
 
@@ -74,9 +79,9 @@ def sharded_attention(attend: Callable, q: jax.Array, k: jax.Array, v: jax.Array
         # deadlocked when one replica's ranks rang while another's gathered
         ring_now = jax.lax.pmin(ring_now.astype(jnp.int32), DATA) > 0
 
-    def local(q, k, v, pages, meta, head_args, ring_now):
+    def local(q, k, v, pages, meta, head_args, ring_now, replicated):
         if not sp:
-            return attend(q, k, v, pages, meta, head_args, {})
+            return attend(q, k, v, pages, meta, head_args, {}, **_whole(replicated))
         count = mesh_axis_size(mesh, sp)
         pass_q = lambda: context_attention(attend, q, k, v, pages, meta, head_args, sinks, sp, count)  # noqa: E731
         if not use_ring:
@@ -89,9 +94,14 @@ def sharded_attention(attend: Callable, q: jax.Array, k: jax.Array, v: jax.Array
     # per leaf: pages [N, ps, 2H, D] and, for a quantized layer, scales [N, ps, 2H]
     page_spec = jax.tree.map(lambda a: P(sp, None, tp, *([None] * (a.ndim - 3))), pages)
     head_spec = None if head_args is None else jax.tree.map(lambda _: P(tp), head_args)
-    return jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, page_spec, P(), head_spec, P()),
+    whole = None if replicated is None else jax.tree.map(lambda _: P(), replicated)
+    return jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, page_spec, P(), head_spec, P(), whole),
                          out_specs=(tok, page_spec), axis_names=set(axes),
-                         check_vma=False)(q, k, v, pages, meta, head_args, ring_now)
+                         check_vma=False)(q, k, v, pages, meta, head_args, ring_now, replicated)
+
+
+def _whole(replicated) -> dict:
+    return {} if replicated is None else {"replicated": replicated}
 
 
 def context_attention(attend: Callable,

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jaxfill.models import fp8_block
 from jaxfill.models.mixers.context import MixerContext
 from jaxfill.models.moe import MoE
 from jaxfill.models.moe_beside_dense import ExpertsBesideDense
@@ -46,9 +47,10 @@ def stack_layers(layers: list, stages: int) -> list:
         graphdef = nnx.split(layers[j])[0]
         group = [nnx.split(layers[s * k + j])[1] for s in range(stages)]
 
-        def stack(*vs):
+        def stack(*vs):  # fp8 block scales keep their layout (models/fp8_block.py)
+            carried = {k: v for k, v in vs[0].get_metadata().items() if k == fp8_block.META}
             return nnx.Param(jnp.stack([v[...] for v in vs]), out_sharding=("stage",) + var_axes(vs[0]),
-                             eager_sharding=False)
+                             eager_sharding=False, **carried)
 
         state = jax.tree.map(stack, *group, is_leaf=lambda x: isinstance(x, nnx.Variable))
         out.append(nnx.merge(graphdef, state))

@@ -9,7 +9,7 @@ plus a reduce-scatter of f32 outputs. With GQA that is (Hq/Hkv + ...) times fewe
 At hop i rank r holds rank (r - i) mod N's block. It writes the rows of that block whose
 pages it owns (so after N hops every row is in its page, exactly as pass-Q leaves the
 pool), and folds the block into an online softmax of its own query rows, masked by
-sequence, causality and the sliding window (positions and sequence ids come from the
+sequence, causality and the window, sliding or chunked (positions and sequence ids come from the
 step's metadata, so a block straddling sequences is fine). The block attention is dense
 [T/N x T/N] per hop in f32: fully masked blocks (keys after every query) are computed and
 discarded, so on compute it does up to 2x the causal minimum that pass-Q's paged kernel
@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jaxfill.pallas_kernels import write_kv
 from jaxfill.pallas_kernels.ragged_paged_attention.reference import token_layout
 from jaxfill.pallas_kernels.ragged_paged_attention.stripes import local_slots
+from jaxfill.pallas_kernels.ragged_paged_attention.window import in_window
 
 
 class RingSpec(NamedTuple):
@@ -33,6 +34,7 @@ class RingSpec(NamedTuple):
     sm_scale: float
     soft_cap: float | None = None
     sliding_window: int | None = None
+    attention_chunk: int | None = None  # Llama 4's chunked local layers
 
 
 def no_cached_keys(meta) -> jax.Array:  # bool scalar
@@ -75,8 +77,9 @@ def ring_attention(q: jax.Array,  # [n, Hq, D] this rank's rows (n = T / N)
         k_pos = rows(pos, src)
         vis = (rows(seq, src)[None, :] == q_seq[:, None]) & (k_pos[None, :] <= q_pos[:, None])
         vis &= k_ok[None, :] & q_ok[:, None]
-        if spec.sliding_window is not None:
-            vis &= k_pos[None, :] > q_pos[:, None] - spec.sliding_window
+        window = in_window(k_pos[None, :], q_pos[:, None], spec.sliding_window, spec.attention_chunk)
+        if window is not None:
+            vis &= window
         sc = jnp.where(vis[:, None, None, :], sc, -jnp.inf)
         m_new = jnp.maximum(m, sc.max(axis=-1))
         base = jnp.where(jnp.isfinite(m_new), m_new, 0.0)

@@ -76,6 +76,7 @@ def ragged_paged_attention(
     *,
     sm_scale: float,
     sliding_window: int | None = None,
+    attention_chunk: int | None = None,  # keys of the row's own chunk of C positions only (window.py)
     soft_cap: float | None = None,
     impl: str = "auto",
     kv_scales: jax.Array | None = None,  # [num_pages, page_size, 2 * Hkv] f32 for int8/fp8 pages
@@ -112,5 +113,5 @@ def ragged_paged_attention(
     if context:
         extra.update(kv_stride=kv_stride, kv_offset=kv_offset, return_lse=return_lse)
     return kernel(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
-                  sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                  sm_scale=sm_scale, sliding_window=sliding_window, attention_chunk=attention_chunk, soft_cap=soft_cap,
                   kv_scales=kv_scales, sinks=sinks, **extra)

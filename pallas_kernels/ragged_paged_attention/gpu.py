@@ -37,6 +37,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxfill.pallas_kernels.ragged_paged_attention.block_sizes import gpu_block_sizes
 from jaxfill.pallas_kernels.ragged_paged_attention.online_softmax import MASK_VALUE
+from jaxfill.pallas_kernels.ragged_paged_attention.window import in_window
 from jaxfill.pallas_kernels.ragged_paged_attention.work_items import item_bounds, sanitize_cu_q_lens, work_items
 
 LOG2E = math.log2(math.e)
@@ -52,7 +53,7 @@ def _kernel(kv_lens_ref, pidx_ref, cu_ref, item_block_ref, item_seq_ref, num_ite
             v_ref,  # [num_pages, page_size, D] (combined head 2h + 1)
             *refs,  # [ks_ref, vs_ref [num_pages, page_size] f32 if quantized],
                     # [sink_ref [Gp*block_q] f32 log2 units if sinks], o_ref [Gp, T_pad, D]
-            block_q, block_kv, pages_per_block, pages_per_seq, sliding_window, soft_cap,
+            block_q, block_kv, pages_per_block, pages_per_seq, sliding_window, attention_chunk, soft_cap,
             quantized, sinks):
     refs = list(refs)
     ks_ref, vs_ref = (refs.pop(0), refs.pop(0)) if quantized else (None, None)
@@ -66,7 +67,8 @@ def _kernel(kv_lens_ref, pidx_ref, cu_ref, item_block_ref, item_seq_ref, num_ite
     def _item():
         b = item_block_ref[i]
         s = item_seq_ref[i]
-        ib = item_bounds(b, s, cu_ref, kv_lens_ref, block_q, block_kv, sliding_window)
+        ib = item_bounds(b, s, cu_ref, kv_lens_ref, block_q, block_kv, sliding_window,
+                         attention_chunk=attention_chunk)
         kv_len = ib["kv_len"]
         r0 = ib["r0"]
         q = q_ref[:, pl.ds(r0, block_q), :].reshape(rows, head_dim)
@@ -89,8 +91,9 @@ def _kernel(kv_lens_ref, pidx_ref, cu_ref, item_block_ref, item_seq_ref, num_ite
             if soft_cap is not None:
                 sc = (soft_cap * LOG2E) * jnp.tanh(sc / soft_cap)
             vis = (key_pos[None, :] <= row_pos[:, None]) & in_len[None, :]
-            if sliding_window is not None:
-                vis &= key_pos[None, :] > row_pos[:, None] - sliding_window
+            window = in_window(key_pos[None, :], row_pos[:, None], sliding_window, attention_chunk)
+            if window is not None:
+                vis &= window
             sc = jnp.where(vis, sc, MASK_VALUE)
             m_new = jnp.maximum(m, sc.max(axis=-1))
             alpha = jnp.exp2(m - m_new)
@@ -114,7 +117,7 @@ def _kernel(kv_lens_ref, pidx_ref, cu_ref, item_block_ref, item_seq_ref, num_ite
         plgpu.store(o_ref.at[:, pl.ds(r0, block_q), :], o, mask=mask)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap",
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "attention_chunk", "soft_cap",
                                              "block_q", "block_kv", "interpret",
                                              "num_warps", "num_stages", "kv_shared"))
 def ragged_paged_attention_gpu(
@@ -127,6 +130,7 @@ def ragged_paged_attention_gpu(
     *,
     sm_scale: float,
     sliding_window: int | None = None,
+    attention_chunk: int | None = None,  # keys of the row's own chunk of C positions only (window.py)
     soft_cap: float | None = None,
     block_q: int | None = None,
     block_kv: int | None = None,
@@ -197,7 +201,8 @@ def ragged_paged_attention_gpu(
         operands.append(sink_rows)
     kernel = functools.partial(
         _kernel, block_q=bq, block_kv=bk, pages_per_block=ppb, pages_per_seq=pages_per_seq,
-        sliding_window=sliding_window, soft_cap=soft_cap, quantized=kv_scales is not None,
+        sliding_window=sliding_window, attention_chunk=attention_chunk, soft_cap=soft_cap,
+        quantized=kv_scales is not None,
         sinks=sinks is not None)
     compiler_params = None
     if not interpret:

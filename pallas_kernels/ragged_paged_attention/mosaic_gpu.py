@@ -78,11 +78,13 @@ def _refuse(q_dtype, head_dim: int, group: int, page_size: int, kv_dtype, kv_sha
                          f"use attention_impl='pallas_gpu' or 'xla'")
 
 
-def _item_meta(cu, kv_lens, num_seqs, num_blocks: int, block_q: int, sliding_window):
+def _item_meta(cu, kv_lens, num_seqs, num_blocks: int, block_q: int, sliding_window,
+               attention_chunk):
     """[M, 9] int32: each item's block, sequence, rows and KV block range, computed in XLA
     so the kernel reads plain scalars. Items past num_items get no rows and no KV blocks."""
     blk, seq, num_items = work_items(cu, num_seqs, num_blocks, block_q)
-    ib = jax.vmap(lambda b, s: item_bounds(b, s, cu, kv_lens, block_q, BLOCK_KV, sliding_window))(blk, seq)
+    ib = jax.vmap(lambda b, s: item_bounds(b, s, cu, kv_lens, block_q, BLOCK_KV, sliding_window,
+                                           attention_chunk=attention_chunk))(blk, seq)
     live = jnp.arange(blk.shape[0], dtype=jnp.int32) < num_items
     z = jnp.zeros_like(blk)
     cols = [blk, seq, ib["r0"], jnp.where(live, ib["lo"], z), jnp.where(live, ib["hi"], z),
@@ -108,8 +110,8 @@ def races_found() -> bool:
     return bool(get_races().races_found)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "kv_shared",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "attention_chunk", "soft_cap",
+                                             "kv_shared", "interpret"))
 def ragged_paged_attention_mosaic_gpu(
     q: jax.Array,  # [T, Hq, D] bf16/f16
     kv_pages: jax.Array,  # [num_pages, page_size, 2 * Hkv, D]
@@ -120,6 +122,7 @@ def ragged_paged_attention_mosaic_gpu(
     *,
     sm_scale: float,
     sliding_window: int | None = None,
+    attention_chunk: int | None = None,  # keys of the row's own chunk of C positions only (window.py)
     soft_cap: float | None = None,
     kv_scales: jax.Array | None = None,  # [num_pages, page_size, 2 * Hkv] f32 (int8/fp8 pages)
     sinks: jax.Array | None = None,  # [Hq] f32 attention sinks, natural-log units
@@ -150,7 +153,7 @@ def ragged_paged_attention_mosaic_gpu(
 
     cu = sanitize_cu_q_lens(cu_q_lens.astype(jnp.int32), num_seqs)
     kv_lens = kv_lens.astype(jnp.int32)
-    meta = _item_meta(cu, kv_lens, num_seqs, num_blocks, bq, sliding_window)
+    meta = _item_meta(cu, kv_lens, num_seqs, num_blocks, bq, sliding_window, attention_chunk)
     num_items = meta.shape[0]
     pidx = jnp.clip(page_indices.astype(jnp.int32), 0, num_pages - 1)
     pidx = jnp.pad(pidx, ((0, 0), (0, pages_per_seq - max_pages))).reshape(-1)
@@ -190,7 +193,7 @@ def ragged_paged_attention_mosaic_gpu(
         scratch += [plgpu.SMEM((2, BLOCK_KV), jnp.float32)] * 2
         scratch += [smem((BLOCK_KV, head_dim), q.dtype)] * 2
     body = functools.partial(kernel, block_q=bq, tiles_per_kv_head=nt, page_size=page_size, pages_per_seq=pages_per_seq,
-                               sliding_window=sliding_window, soft_cap=soft_cap,
+                               sliding_window=sliding_window, attention_chunk=attention_chunk, soft_cap=soft_cap,
                                sinks=sinks is not None, quantized=quantized, interpret=interpret)
     out = plgpu.kernel(
         body,

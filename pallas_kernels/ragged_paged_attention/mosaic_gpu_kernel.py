@@ -17,6 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxfill.pallas_kernels.ragged_paged_attention.online_softmax import MASK_VALUE
+from jaxfill.pallas_kernels.ragged_paged_attention.window import in_window
 
 LOG2E = math.log2(math.e)
 ROWS = 64  # one warpgroup's wgmma M
@@ -30,8 +31,8 @@ def kernel(meta_ref,  # [M, 9] int32 (GMEM)
             q_ref,  # [Hkv * n, num_blocks, ROWS, D] pre-scaled, g-major rows (GMEM)
             kv_ref,  # [num_pages, page_size, 2 * Hkv, D] bf16, or int8/fp8 (GMEM)
             *refs,  # see `names` below; [..] only with sinks / quantized pages
-            block_q, tiles_per_kv_head, page_size, pages_per_seq, sliding_window, soft_cap, sinks,
-            quantized, interpret):
+            block_q, tiles_per_kv_head, page_size, pages_per_seq, sliding_window, attention_chunk, soft_cap,
+            sinks, quantized, interpret):
     names = (["sink_ref"] * sinks  # [Hkv * n, ROWS] f32 sink logits in log2 units (GMEM)
              + ["scale_ref"] * quantized  # [2 * Hkv, S * P' * page_size] f32 (GMEM)
              + ["o_ref",  # [Hkv * n, M, ROWS, D] (GMEM)
@@ -130,8 +131,9 @@ def kernel(meta_ref,  # [M, 9] int32 (GMEM)
         key_pos = j * BLOCK_KV + iota((ROWS, BLOCK_KV), 1)
         row_pos = r0 + lax.rem(iota((ROWS, BLOCK_KV), 0), jnp.int32(block_q)) + off
         vis = (key_pos <= row_pos) & (key_pos < kv_len)
-        if sliding_window is not None:
-            vis &= key_pos > row_pos - sliding_window
+        window = in_window(key_pos, row_pos, sliding_window, attention_chunk)
+        if window is not None:
+            vis &= window
         sc = jnp.where(vis, sc, MASK_VALUE)
         m_new = jnp.maximum(m, sc.max(axis=1))
         alpha = jnp.exp2(m - m_new)

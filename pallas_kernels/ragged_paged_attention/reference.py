@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jaxfill.pallas_kernels.kv_cache import split_kv
 from jaxfill.pallas_kernels.kv_quant import dequantize
 from jaxfill.pallas_kernels.ragged_paged_attention.stripes import stripes
+from jaxfill.pallas_kernels.ragged_paged_attention.window import in_window
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: no inf - inf = NaN
 
@@ -46,6 +47,7 @@ def ragged_paged_attention_reference(
     *,
     sm_scale: float,
     sliding_window: int | None = None,
+    attention_chunk: int | None = None,  # keys of the row's own chunk of C positions only (window.py)
     soft_cap: float | None = None,
     kv_scales: jax.Array | None = None,  # [num_pages, page_size, 2 * Hkv] f32 (int8/fp8 pages)
     sinks: jax.Array | None = None,  # [Hq] f32, natural-log units
@@ -75,8 +77,9 @@ def ragged_paged_attention_reference(
         if soft_cap is not None:
             scores = soft_cap * jnp.tanh(scores / soft_cap)
         visible = in_len[None, :] & (key_pos[None, :] <= pos[:, None])
-        if sliding_window is not None:
-            visible &= key_pos[None, :] > pos[:, None] - sliding_window
+        window = in_window(key_pos[None, :], pos[:, None], sliding_window, attention_chunk)
+        if window is not None:
+            visible &= window
         scores = jnp.where(visible[:, None, None, :], scores, MASK_VALUE)
         if sinks is None:
             probs = jax.nn.softmax(scores, axis=-1)

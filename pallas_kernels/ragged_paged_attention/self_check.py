@@ -64,7 +64,7 @@ def tolerance(dtype) -> float:
 
 def check_impl(impl: str, *, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                dtype=jnp.float32, sliding_window: int | None = None, soft_cap: float | None = None,
-               seed: int = 0, kv_cache_dtype: str = "auto") -> str | None:
+               seed: int = 0, kv_cache_dtype: str = "auto", attention_chunk: int | None = None) -> str | None:
     """None when `impl` lowers, runs and matches `xla` on the live rows; else why not (one
     line). Never raises for a failing impl: the caller decides what to fall back to."""
     from jaxfill.pallas_kernels.ragged_paged_attention import ragged_paged_attention
@@ -81,7 +81,8 @@ def check_impl(impl: str, *, num_q_heads: int, num_kv_heads: int, head_dim: int,
 
     def run(name):
         fn = jax.jit(functools.partial(ragged_paged_attention, sm_scale=head_dim ** -0.5,
-                                       sliding_window=sliding_window, soft_cap=soft_cap, impl=name))
+                                       sliding_window=sliding_window, attention_chunk=attention_chunk,
+                                       soft_cap=soft_cap, impl=name))
         return np.asarray(fn(*args, kv_scales=scales), np.float32)[:live]
 
     want = run("xla")

@@ -44,6 +44,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jaxfill.pallas_kernels.ragged_paged_attention.block_sizes import tpu_block_sizes
 from jaxfill.pallas_kernels.ragged_paged_attention.online_softmax import MASK_VALUE
+from jaxfill.pallas_kernels.ragged_paged_attention.window import in_window
 from jaxfill.pallas_kernels.ragged_paged_attention.work_items import item_bounds, sanitize_cu_q_lens, work_items
 
 
@@ -69,7 +70,7 @@ def _kernel(kv_lens_ref, pidx_ref, cu_ref, num_seqs_ref, item_block_ref, item_se
                     # [G*bq, 1] f32 if sinks], o_ref [G, bq, D], k_buf, v_buf [2, ppb,
                     # page_size, D] VMEM, [s_buf [2, ppb, page_size, 2*Hkv] f32], sems DMA
                     # [2 or 3 (k/v/scales), 2 (slot)]
-            block_q, block_kv, pages_per_block, pages_per_seq, sliding_window, soft_cap,
+            block_q, block_kv, pages_per_block, pages_per_seq, sliding_window, attention_chunk, soft_cap,
             quantized, sinks, kv_shared):
     del num_seqs_ref  # folded into cu (sanitized) and the item table
     refs = list(refs)
@@ -110,7 +111,8 @@ def _kernel(kv_lens_ref, pidx_ref, cu_ref, num_seqs_ref, item_block_ref, item_se
 
     @pl.when(i < num_items_ref[0])
     def _item():
-        ib = item_bounds(b, s, cu_ref, kv_lens_ref, block_q, block_kv, sliding_window)
+        ib = item_bounds(b, s, cu_ref, kv_lens_ref, block_q, block_kv, sliding_window,
+                         attention_chunk=attention_chunk)
         kv_lo, kv_hi, kv_len = ib["kv_lo"], ib["kv_hi"], ib["kv_len"]
         q = q_ref[...].reshape(rows, head_dim)  # g-major rows: row r -> token r % bq
         row_tok = ib["r0"] + lax.rem(lax.broadcasted_iota(jnp.int32, (rows, block_kv), 0),
@@ -151,8 +153,9 @@ def _kernel(kv_lens_ref, pidx_ref, cu_ref, num_seqs_ref, item_block_ref, item_se
                 sc = soft_cap * jnp.tanh(sc / soft_cap)
             key_pos = j * block_kv + lax.broadcasted_iota(jnp.int32, (rows, block_kv), 1)
             vis = (key_pos <= row_pos) & (key_pos < kv_len)
-            if sliding_window is not None:
-                vis &= key_pos > row_pos - sliding_window
+            window = in_window(key_pos, row_pos, sliding_window, attention_chunk)
+            if window is not None:
+                vis &= window
             sc = jnp.where(vis, sc, MASK_VALUE)
             m_new = jnp.maximum(m, sc.max(axis=-1, keepdims=True))
             alpha = jnp.exp(m - m_new)
@@ -175,7 +178,7 @@ def _kernel(kv_lens_ref, pidx_ref, cu_ref, num_seqs_ref, item_block_ref, item_se
         o_ref[...] = jnp.where(mine, o.astype(o_ref.dtype), o_ref[...])
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap",
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "attention_chunk", "soft_cap",
                                              "block_q", "block_kv", "interpret", "kv_shared"))
 def ragged_paged_attention_tpu(
     q: jax.Array,  # [T, Hq, D]
@@ -187,6 +190,7 @@ def ragged_paged_attention_tpu(
     *,
     sm_scale: float,
     sliding_window: int | None = None,
+    attention_chunk: int | None = None,  # keys of the row's own chunk of C positions only (window.py)
     soft_cap: float | None = None,
     block_q: int | None = None,
     block_kv: int | None = None,
@@ -229,7 +233,8 @@ def ragged_paged_attention_tpu(
     block = pl.BlockSpec((None, group, bq, head_dim), q_map)
     kernel = functools.partial(
         _kernel, block_q=bq, block_kv=bk, pages_per_block=ppb, pages_per_seq=pages_per_seq,
-        sliding_window=sliding_window, soft_cap=soft_cap, quantized=kv_scales is not None,
+        sliding_window=sliding_window, attention_chunk=attention_chunk, soft_cap=soft_cap,
+        quantized=kv_scales is not None,
         sinks=sinks is not None, kv_shared=kv_shared)
     kv_buf = pltpu.VMEM((2, ppb, page_size, head_dim), kv_pages.dtype)
     hbm = pl.BlockSpec(memory_space=pl.ANY)

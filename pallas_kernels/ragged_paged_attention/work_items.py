@@ -11,6 +11,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from jaxfill.pallas_kernels.ragged_paged_attention.window import window_start
+
 
 def sanitize_cu_q_lens(cu_q_lens, num_seqs):
     """Entries past num_seqs (padding sequences) become the live total: empty sequences."""
@@ -52,10 +54,13 @@ def work_items(cu_q_lens,  # [S+1] int32, sanitized
     return blk, seq, num_items
 
 
-def item_bounds(b, s, cu, kv_lens, block_q: int, block_kv: int, sliding_window, stripes=None):
+def item_bounds(b, s, cu, kv_lens, block_q: int, block_kv: int, sliding_window, stripes=None,
+                attention_chunk=None):
     """Rows, positions and KV block ranges of one item; all int32 scalars. Positions are
     the sequence's; KV blocks count this rank's keys (`stripes`, see stripes.py: the same
-    thing without context parallelism)."""
+    thing without context parallelism). The window (sliding or chunked, window.py) starts
+    later for later rows, so the first row's start bounds the loop and the last row's
+    start is where the unmasked blocks begin."""
     count = (lambda x: jnp.maximum(x, 0)) if stripes is None else stripes.local_count
     q_start, q_end = cu[s], cu[s + 1]
     kv_len = kv_lens[s]
@@ -70,14 +75,14 @@ def item_bounds(b, s, cu, kv_lens, block_q: int, block_kv: int, sliding_window, 
     # backend (XLA, Mosaic scalar core, Triton) lowers; `//` would add sign fix-ups.
     div = lambda x, y: lax.div(jnp.maximum(x, 0), jnp.int32(y))
     kv_hi = jnp.where(empty, 0, div(count(jnp.minimum(pmax + 1, kv_len)) + block_kv - 1, block_kv))
-    if sliding_window is None:
+    first, last = (window_start(p, sliding_window, attention_chunk) for p in (pmin, pmax))
+    if first is None:
         kv_lo = jnp.int32(0)
         a = jnp.int32(0)
     else:
-        w = sliding_window
-        kv_lo = div(count(pmin - w + 1), block_kv)
-        # Blocks from `a` on have every key newer than pmax - W: visible to all rows.
-        a = div(count(pmax - w + 1) + block_kv - 1, block_kv)
+        kv_lo = div(count(first), block_kv)
+        # Blocks from `a` on hold only keys at or after the last row's start: visible to all rows.
+        a = div(count(last) + block_kv - 1, block_kv)
     kv_lo = jnp.minimum(kv_lo, kv_hi)
     a = jnp.clip(a, kv_lo, kv_hi)
     c = jnp.clip(div(count(pmin + 1), block_kv), a, kv_hi)  # blocks before c end at or below pmin

@@ -42,7 +42,7 @@ from jaxfill.pallas_kernels.ragged_paged_attention.stripes import stripes
 from jaxfill.pallas_kernels.ragged_paged_attention.work_items import sanitize_cu_q_lens, work_items
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap",
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "attention_chunk", "soft_cap",
                                              "block_q", "block_kv", "fast_exp", "sum_pad",
                                              "par", "short_q", "diag_splits", "kv_shared",
                                              "kv_stride", "return_lse"))
@@ -56,6 +56,7 @@ def ragged_paged_attention_xla(
     *,
     sm_scale: float,
     sliding_window: int | None = None,
+    attention_chunk: int | None = None,  # keys of the row's own chunk of C positions only (window.py)
     soft_cap: float | None = None,
     block_q: int | None = None,
     block_kv: int | None = None,
@@ -114,7 +115,8 @@ def ragged_paged_attention_xla(
     def by_items(q, seq_skip=jnp.zeros((num_slots,), jnp.bool_)):
         return xla_items.by_items(q, kv_pages, kv_scales, sinks2, pidx, cu, kv_lens, item_block, item_seq,
                                   num_items, seq_skip, q_scale=q_scale, bq=bq, bk=bk, ppb=ppb, par=par,
-                                  sliding_window=sliding_window, soft_cap=soft_cap, exp2_fn=exp2_fn,
+                                  sliding_window=sliding_window, attention_chunk=attention_chunk, soft_cap=soft_cap,
+                                  exp2_fn=exp2_fn,
                                   sum_pad=sum_pad, diag_splits=diag_splits, kv_shared=kv_shared,
                                   stripes=keys, want_lse=return_lse)
 
@@ -134,7 +136,8 @@ def ragged_paged_attention_xla(
         q_scaled = (q.astype(jnp.float32) * q_scale).astype(cdt)
         return xla_short.attend_short(q_scaled, kv_pages, kv_scales, sinks2, pidx_short, cu, kv_lens, num_seqs,
                                       seq_mask, q_max=q_max, bk=bk_short, ppb=ppb_short,
-                                      sliding_window=sliding_window, soft_cap=soft_cap, exp2_fn=exp2_fn,
+                                      sliding_window=sliding_window, attention_chunk=attention_chunk, soft_cap=soft_cap,
+                                  exp2_fn=exp2_fn,
                                       kv_shared=kv_shared, stripes=keys, want_lse=return_lse)
 
     def mixed(q):

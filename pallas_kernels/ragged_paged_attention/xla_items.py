@@ -22,12 +22,13 @@ from jaxfill.pallas_kernels.kv_cache import kv_slots, split_kv
 from jaxfill.pallas_kernels.kv_quant import dequantize
 from jaxfill.pallas_kernels.ragged_paged_attention.online_softmax import LOG2E, MASK_VALUE, log_sum_exp, normalize
 from jaxfill.pallas_kernels.ragged_paged_attention.work_items import item_bounds
+from jaxfill.pallas_kernels.ragged_paged_attention.window import in_window
 
 
 def by_items(q, kv_pages, kv_scales,
              sinks,  # [Hkv, G] f32 attention sinks in log2 units, or None
              pidx, cu, kv_lens, item_block, item_seq, num_items, seq_skip, *,
-             q_scale, bq, bk, ppb, par, sliding_window, soft_cap, exp2_fn, sum_pad, diag_splits,
+             q_scale, bq, bk, ppb, par, sliding_window, attention_chunk, soft_cap, exp2_fn, sum_pad, diag_splits,
              kv_shared=False, stripes, want_lse=False):
     """The item path: q [T, Hq, D] unscaled; returns out [T, Hq, D] f32 (and its LSE
     [T, Hq] f32 with want_lse)."""
@@ -56,7 +57,7 @@ def by_items(q, kv_pages, kv_scales,
             if kv_scales is not None and nh < num_kv_heads else kv_scales,
             sinks if sinks is None or len(splits) == 1 else sinks[h0:h0 + nh, g0:g0 + ng],
             pidx, cu, kv_lens, item_block, item_seq, num_items, seq_skip, q_scale=q_scale,
-            bq=bq, bk=bk, ppb=ppb, sliding_window=sliding_window, soft_cap=soft_cap,
+            bq=bq, bk=bk, ppb=ppb, sliding_window=sliding_window, attention_chunk=attention_chunk, soft_cap=soft_cap,
             exp2_fn=exp2_fn, sum_pad=sum_pad, diag_splits=diag_splits, kv_shared=kv_shared,
             stripes=stripes, want_lse=want_lse))
     axis = 1 if splits[0][3] == group else 2
@@ -75,7 +76,7 @@ def attend_items(q,  # [T_pad, Hkv', G', D] unscaled q, T_pad a multiple of bq; 
                  pidx,  # [S, P'] int32 page table padded to whole KV blocks, plus one block
                  cu, kv_lens, item_block, item_seq, num_items,
                  seq_skip,  # [S] bool: sequences another path serves (their items do nothing)
-                 *, q_scale, bq, bk, ppb, sliding_window, soft_cap, exp2_fn, sum_pad, diag_splits,
+                 *, q_scale, bq, bk, ppb, sliding_window, attention_chunk, soft_cap, exp2_fn, sum_pad, diag_splits,
                  kv_shared=False, stripes=None, want_lse=False):
     """One independent loop over all items for a subset of heads: out [T_pad, Hkv', G', D] f32,
     and with `want_lse` each row's log-sum-exp [T_pad, Hkv', G'] f32 (-inf: no key seen).
@@ -135,8 +136,9 @@ def attend_items(q,  # [T_pad, Hkv', G', D] unscaled q, T_pad a multiple of bq; 
         v = jnp.where(in_len, v, jnp.zeros((), v.dtype))
         sc = scores_of(qb, k)
         vis = (key_pos[None, :] <= row_pos[:, None]) & (key_pos[None, :] < key_end)
-        if sliding_window is not None:
-            vis &= key_pos[None, :] > row_pos[:, None] - sliding_window
+        window = in_window(key_pos[None, :], row_pos[:, None], sliding_window, attention_chunk)
+        if window is not None:
+            vis &= window
         sc = jnp.where(vis[None], sc, MASK_VALUE)
         return update(carry, sc, v)
 
@@ -148,7 +150,7 @@ def attend_items(q,  # [T_pad, Hkv', G', D] unscaled q, T_pad a multiple of bq; 
 
     def one_item(i, outs_so_far):
         b, s = item_block[i], item_seq[i]
-        ib = item_bounds(b, s, cu, kv_lens, bq, bk, sliding_window, stripes)
+        ib = item_bounds(b, s, cu, kv_lens, bq, bk, sliding_window, stripes, attention_chunk)
         skip = seq_skip[s]
         for edge in ("a", "c", "kv_hi"):  # a skipped item runs no KV block at all
             ib[edge] = jnp.where(skip, ib["kv_lo"], ib[edge])

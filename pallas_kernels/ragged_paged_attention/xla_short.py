@@ -12,6 +12,7 @@ from jax import lax
 from jaxfill.pallas_kernels.kv_cache import split_kv
 from jaxfill.pallas_kernels.kv_quant import dequantize
 from jaxfill.pallas_kernels.ragged_paged_attention.online_softmax import LOG2E, MASK_VALUE, log_sum_exp, normalize
+from jaxfill.pallas_kernels.ragged_paged_attention.window import in_window, window_start
 
 
 def attend_short(qs,  # [T, Hq, D] scaled q (log2 units unless soft_cap)
@@ -19,7 +20,7 @@ def attend_short(qs,  # [T, Hq, D] scaled q (log2 units unless soft_cap)
                  sinks,  # [Hkv, G] f32 attention sinks in log2 units, or None
                  pidx, cu, kv_lens, num_seqs,
                  seq_mask,  # [S] bool: the sequences this path serves (each <= q_max new tokens)
-                 *, q_max, bk, ppb, sliding_window, soft_cap, exp2_fn, kv_shared=False,
+                 *, q_max, bk, ppb, sliding_window, attention_chunk, soft_cap, exp2_fn, kv_shared=False,
                  stripes, want_lse=False):
     """Sequence-batched path for sequences with <= q_max new tokens (decode, speculative
     decode): one loop over KV blocks, all of them at once, instead of one item per
@@ -46,10 +47,11 @@ def attend_short(qs,  # [T, Hq, D] scaled q (log2 units unless soft_cap)
     row_pos = jnp.tile(pos, (1, group))  # [S, R] g-major, like qb's rows
     nkb = -(-stripes.local_count(kv_len) // bk)
     j_hi = jnp.max(nkb)
-    if sliding_window is None:
+    start = window_start(pos[:, 0], sliding_window, attention_chunk)
+    if start is None:
         j_lo = jnp.int32(0)
     else:
-        first = stripes.local_count(pos[:, 0] - sliding_window + 1) // bk
+        first = stripes.local_count(start) // bk
         j_lo = jnp.min(jnp.where(q_len > 0, first, j_hi))
     key_iota = jnp.arange(bk, dtype=jnp.int32)
 
@@ -67,8 +69,9 @@ def attend_short(qs,  # [T, Hq, D] scaled q (log2 units unless soft_cap)
         if soft_cap is not None:
             sc = (soft_cap * LOG2E) * jnp.tanh(sc / soft_cap)
         vis = (key_pos[None, None, :] <= row_pos[:, :, None]) & in_len[:, None, :]
-        if sliding_window is not None:
-            vis &= key_pos[None, None, :] > row_pos[:, :, None] - sliding_window
+        window = in_window(key_pos[None, None, :], row_pos[:, :, None], sliding_window, attention_chunk)
+        if window is not None:
+            vis &= window
         sc = jnp.where(vis[:, None], sc, MASK_VALUE)
         m_new = jnp.maximum(m, sc.max(axis=-1))
         alpha = exp2_fn(m - m_new)

@@ -167,8 +167,10 @@ def run(args) -> int:
     kv_dtype = config.engine.kv_cache_dtype
     per_head = (f"{m.head_dim} x {m.jnp_dtype.dtype.itemsize} B" if kv_dtype == "auto"
                 else f"({m.head_dim} x 1 B + 4 B f32 scale)")
+    kv_formula = (f"{m.kv_layers} layers x one latent" if m.mla.enabled  # K and V share the latent row
+                  else f"2 x {m.kv_layers} layers x {m.num_kv_heads} kv heads")
     print(f"KV      {first['kv_bytes_per_token']} bytes/token, {kv_dtype if kv_dtype != 'auto' else m.dtype} "
-          f"(2 x {m.num_layers} layers x {m.num_kv_heads} kv heads x {per_head}), "
+          f"({kv_formula} x {per_head}), "
           f"page_size {config.engine.page_size}")
     print(f"pool    engine.num_pages=0: {pool['kv_pool_pages']} pages = {pool['kv_pool_tokens']} tokens per "
           f"replica at memory_utilization {pool['memory_utilization']:g}, activations "
