@@ -94,7 +94,8 @@ def check_mesh(model, mesh) -> None:
     split = "mesh.tensor" if mesh.expert == 1 else "mesh.tensor x mesh.expert"
     if model.num_heads % tp:
         raise ValueError(f"{split}={tp} does not divide model.num_heads={model.num_heads}")
-    head_repeat(model.num_kv_heads, tp)  # raises unless Hkv and the split divide one another
+    for heads in {model.attention_dims(n)[0] for n in range(model.num_layers)}:  # Gemma 4's global layers: their own
+        head_repeat(heads, tp)  # raises unless Hkv and the split divide one another
     has_dense = not model.moe.num_experts or bool(model.moe.dense_layers)
     if has_dense and model.intermediate_size % tp:
         raise ValueError(f"{split}={tp} does not divide model.intermediate_size={model.intermediate_size}")

@@ -23,6 +23,8 @@ from jaxfill.models.kv_cache import AttentionMetadata, KVCache
 from jaxfill.models.layers import MLP, Embed, GatedMLP, RMSNorm, param
 from jaxfill.models.mixers import MixerContext, build_mixer
 from jaxfill.models.moe import MoE, is_moe_layer
+from jaxfill.models.moe_beside_dense import ExpertsBesideDense
+from jaxfill.models.per_layer_inputs import PerLayerBlock, PerLayerInputs
 from jaxfill.models.parallel.pipeline import pipeline_layers, run_layers, stack_layers
 from jaxfill.models.sharding import constrain, rows_split_over_sequence
 
@@ -33,9 +35,10 @@ def mlp(c: ModelConfig, rngs: nnx.Rngs, index: int):
     if index in c.no_mlp_layers:
         return None
     if is_moe_layer(c, index):
-        return MoE(c, rngs)
+        return ExpertsBesideDense(c, rngs) if c.moe.beside_dense else MoE(c, rngs)
     dense = GatedMLP if c.mlp_gated else MLP
-    return dense(c.hidden_size, c.intermediate_size, c.jnp_dtype, rngs, c.weight_form, c.hidden_act)
+    wide = 2 if c.double_wide_shared_mlp and c.kv_source(index) is not None else 1  # Gemma 4's KV-sharing layers
+    return dense(c.hidden_size, wide * c.intermediate_size, c.jnp_dtype, rngs, c.weight_form, c.hidden_act)
 
 
 class DecoderLayer(nnx.Module):
@@ -53,16 +56,30 @@ class DecoderLayer(nnx.Module):
         self.attn_norm = norm(has_mixer, c.norms.layout != "post")
         self.attn = build_mixer(c, rngs, index)
         self.attn_post_norm = norm(has_mixer, c.norms.layout != "pre")
-        self.mlp_norm = norm(has_mlp, c.norms.layout != "post")
+        # Gemma 4's experts-beside-dense block norms its two branches itself
+        self.mlp_norm = norm(has_mlp and not (c.moe.beside_dense and is_moe_layer(c, index)), c.norms.layout != "post")
         self.mlp = mlp(c, rngs, index)
         self.mlp_post_norm = norm(has_mlp, c.norms.layout != "pre")
         self.residual_scale = c.residual_scale
+        # Gemma 4: the layer's whole output (residual included) times a learned scalar
+        self.layer_scalar = param(rngs, (1,), (None,), dt, init="one_plus_normal", scale=0.1) if c.layer_scalar \
+            else None
+        self.per_layer = PerLayerBlock(c, rngs) if c.per_layer_input_size else None  # Gemma 4's E models
+        self.kv_source = c.kv_source(index)  # the layer whose pages this one reads (models/parallel/pipeline.py)
 
     def __call__(self,
                  x: jax.Array,  # [T, E]
                  pages,  # this layer's cache entry (KV pages, latent pages, a LinearState or None)
                  ctx: MixerContext,
                  ):  # ([T, E] or [S, E], pages, expert token counts [experts] int32 or None)
+        x, pages, counts = self._blocks(x, pages, ctx)
+        if self.per_layer is not None:
+            x = self.per_layer(x, ctx.sampled(ctx.per_layer_input[:, ctx.layer]))
+        if self.layer_scalar is not None:
+            x = x * self.layer_scalar[...]
+        return x, pages, counts
+
+    def _blocks(self, x, pages, ctx: MixerContext):
         if self.attn is not None:
             h, pages = self.attn(_maybe(self.attn_norm, x), pages, ctx)
         x = ctx.sampled(x)  # with sampled_only, only the sampled rows go on
@@ -71,7 +88,7 @@ class DecoderLayer(nnx.Module):
         if self.mlp is None:
             return x, pages, None
         h, counts = _maybe(self.mlp_norm, x), None
-        if isinstance(self.mlp, MoE):
+        if isinstance(self.mlp, (MoE, ExpertsBesideDense)):
             valid = ctx.meta.slot_mapping >= 0  # real token rows: padding is computed, never counted
             if ctx.sampled_only:
                 valid = ctx.sampled(valid) & (jnp.arange(x.shape[0]) < ctx.meta.num_seqs[0])
@@ -101,6 +118,7 @@ class Decoder(nnx.Module):
         self.attention_impl = attention_impl
         self.plan = plan
         self.embed = Embed(config.vocab_size, config.hidden_size, dt, rngs)
+        self.per_layer_inputs = PerLayerInputs(config, rngs) if config.per_layer_input_size else None
         layers = [DecoderLayer(config, rngs, n) for n in range(config.num_layers)]
         self.layers = nnx.List(stack_layers(layers, self.stages) if self.stages > 1 else layers)
         self.norm = RMSNorm(config.hidden_size, config.norms.eps, dt, rngs, kind=config.norms.kind)
@@ -148,8 +166,9 @@ class Decoder(nnx.Module):
             if prune and rows_split_over_sequence():
                 raise ValueError("the execution plan runs the last layer on the sampled rows, but the mesh splits "
                                  "the rows over 'sequence': build the model with ExecutionPlan.of(..., mesh)")
+            per_layer = None if self.per_layer_inputs is None else self.per_layer_inputs(tokens, x)
             x, new_pages, counts = run_layers(self.layers, x, positions, kv_cache.pages, meta,
-                                              self.attention_impl, prune)
+                                              self.attention_impl, prune, per_layer=per_layer)
             if not prune:
                 x = jnp.take(x, meta.logits_indices, axis=0)
         x = self.norm(constrain(x, ("seqs", "act_embed")))  # [S, E]

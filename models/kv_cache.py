@@ -85,22 +85,24 @@ class KVCache:
         An MLP-only layer (config.no_mixer_layers) holds nothing: its entry is None."""
         if config.num_layers % stages:
             raise ValueError(f"{config.num_layers} layers do not split into {stages} equal stages")
-        heads, replicas = config.num_kv_heads, 1
-        if mesh is not None:
-            heads, replicas = kv_cache_heads(config, mesh), int(dict(mesh.shape).get(DATA, 1))
+        replicas = int(dict(mesh.shape).get(DATA, 1)) if mesh is not None else 1
         pool = num_pages * replicas
         shared = shares_kv(config)
-        if kv_cache_dtype != "auto":
-            dtype = kv_storage_dtype(kv_cache_dtype, config.jnp_dtype)
-            layer = lambda: init_quantized_pages(pool, page_size, heads, config.head_dim, dtype,  # noqa: E731
-                                                 fill_value, shared)
-        else:
-            dtype = dtype or config.jnp_dtype
-            layer = lambda: init_kv_pages(pool, page_size, heads, config.head_dim, dtype, fill_value, shared)  # noqa: E731
-        make = lambda: cache_entry(layer, stages)  # noqa: E731
+        quantized = kv_cache_dtype != "auto"
+        dtype = kv_storage_dtype(kv_cache_dtype, config.jnp_dtype) if quantized else dtype or config.jnp_dtype
+
+        def layer(j: int):  # layer j's fresh pages, in its own shape (Gemma 4's full layers have theirs)
+            heads, head_dim = config.attention_dims(j)
+            if mesh is not None:
+                heads = kv_cache_heads(config, mesh, heads)
+            if quantized:
+                return init_quantized_pages(pool, page_size, heads, head_dim, dtype, fill_value, shared)
+            return init_kv_pages(pool, page_size, heads, head_dim, dtype, fill_value, shared)
+
+        make = lambda j: cache_entry(lambda: layer(j), stages)  # noqa: E731
         counter = lambda: cache_entry(lambda: jnp.zeros((replicas * config.moe.num_experts,), jnp.int32), stages)  # noqa: E731
         if mesh is not None:
-            make = jax.jit(make, out_shardings=_cache_shardings(mesh, stages > 1, kv_cache_dtype != "auto"))
+            make = jax.jit(make, static_argnums=0, out_shardings=_cache_shardings(mesh, stages > 1, quantized))
             counter = jax.jit(counter, out_shardings=kv_cache_sharding(mesh, staged=stages > 1, axes=("replicas",)))
         entries = range(config.num_layers // stages)
         if config.linear.layers:
@@ -112,11 +114,13 @@ class KVCache:
             if mesh is not None:
                 state = jax.jit(state, out_shardings=linear_state_sharding(mesh))
             return cls(tuple(None if j in config.no_mixer_layers else state() if j in config.linear.layers
-                             else make() for j in entries), stages)
+                             else make(j) for j in entries), stages)
         counters = None
         if config.moe.num_experts:  # stacked layouts hold one layer kind per entry (engine/config.check_stackable)
             counters = tuple(counter() if is_moe_layer(config, j) else None for j in entries)
-        return cls(tuple(None if j in config.no_mixer_layers else make() for j in entries), stages, counters)
+        # an MLP-only layer holds nothing, nor does a layer reading an earlier one's pages (Gemma 4's E models)
+        return cls(tuple(None if j in config.no_mixer_layers or config.kv_source(j) is not None else make(j)
+                         for j in entries), stages, counters)
 
     def updated(self, pages, counts: tuple) -> "KVCache":
         """The cache after a forward: its new pages, and the forward's expert token counts

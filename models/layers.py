@@ -81,6 +81,12 @@ class RMSNorm(nnx.Module):
         return (xf * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
 
 
+def unit_rms(x: jax.Array, eps: float) -> jax.Array:  # [..., D] -> same
+    """RMSNorm over the last axis without a weight, in f32 (Gemma 4's V norm and router input)."""
+    xf = x.astype(jnp.float32)
+    return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
                "relu2": lambda x: jnp.square(jax.nn.relu(x))}
 

@@ -199,16 +199,21 @@ class MoE(nnx.Module):
     def __call__(self,
                  x: jax.Array,  # [T, H]
                  valid: jax.Array | None = None,  # [T] bool: rows of real tokens (None: all)
+                 router_input: jax.Array | None = None,  # [T, H] what the router reads (None: x)
+                 expert_scale: jax.Array | None = None,  # [E] each expert's weights times this (Gemma 4)
                  ) -> tuple[jax.Array, jax.Array]:  # [T, H], tokens routed to each expert [E] int32
         """The layer's output, and how many (valid token, expert) pairs each expert got in
         this call: the load statistics the engine accumulates (engine/expert_load.py)."""
         c = self.config
         with jax.named_scope("moe"):
-            xr = x.astype(jnp.float32) if c.moe.router_f32 else x
+            xr = x if router_input is None else router_input
+            xr = xr.astype(jnp.float32) if c.moe.router_f32 else xr
             logits = jnp.einsum("th,he->te", xr, self.router[...])  # [T, experts]
             if self.router_logit_bias is not None:
                 logits = logits + self.router_logit_bias[...]
             weights, ids = route(logits.astype(jnp.float32), c, _value(self.router_bias))
+            if expert_scale is not None:
+                weights = weights * jnp.take(expert_scale.astype(jnp.float32), ids)
             swiglu = None if c.moe.swiglu_limit is None else (c.moe.swiglu_limit, c.moe.swiglu_alpha)
 
             block = c.weight_form.block if c.weight_dtype == "fp8_block" else None

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # what a family accepts unless it says otherwise
-# beside them: longrope, which a family names in its rope_types (Phi-3, Phi-3.5-MoE)
+# beside them: longrope (Phi-3, Phi-3.5-MoE) and proportional (Gemma 4), which a family names in its rope_types
 
 
 def theta_powers(head_dim: int, theta: float) -> np.ndarray:  # [D/2] f32: theta ** (2i / D)
@@ -50,7 +50,9 @@ def rope_parameters(head_dim: int, theta: float, scaling: dict | None,
         return _yarn(head_dim, theta, scaling, max_position_embeddings)
     if kind == "longrope":
         return _longrope(head_dim, theta, scaling, max_position_embeddings)
-    raise ValueError(f"rope type {kind!r} is not one of {ROPE_TYPES + ('longrope',)}")
+    if kind == "proportional":
+        return _proportional(head_dim, theta, scaling), 1.0
+    raise ValueError(f"rope type {kind!r} is not one of {ROPE_TYPES + ('longrope', 'proportional')}")
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> np.ndarray:
@@ -120,6 +122,17 @@ def _longrope(dim: int, theta: float, scaling: dict, max_position_embeddings: in
         attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     inv = np.float32(1.0) / (factors * theta_powers(dim, theta))
     return inv.astype(np.float32), float(attention)
+
+
+def _proportional(head_dim: int, theta: float, scaling: dict) -> np.ndarray:
+    """Gemma 4's proportional rope: the first partial_rotary_factor of each half-head's pairs
+    turn at theta ** (2i / head_dim) (the whole head's exponents, not the turned part's), the
+    rest at frequency 0; all divided by `factor`. The rotation stays rotate-half over the
+    whole head, so it is not partial rotary (which would pair other dims)."""
+    turned = int(float(scaling.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+    inv = base_inv_freq(head_dim, theta)
+    inv[turned:] = 0.0
+    return (inv / np.float32(scaling.get("factor", 1.0))).astype(np.float32)
 
 
 def apply_rope(x: jax.Array,  # [T, H, D]

@@ -175,9 +175,11 @@ def kv_repeat(num_kv_heads: int, mesh) -> int:
     return head_repeat(num_kv_heads, mesh_axis_size(mesh, HEADS))
 
 
-def kv_cache_heads(config, mesh) -> int:
-    """KV heads per layer the cache holds under `mesh` (Hkv, or Hkv repeated up to tensor)."""
-    return config.num_kv_heads * kv_repeat(config.num_kv_heads, mesh)
+def kv_cache_heads(config, mesh, num_kv_heads: int | None = None) -> int:
+    """KV heads per layer the cache holds under `mesh` (Hkv, or Hkv repeated up to tensor);
+    `num_kv_heads`: a layer's own count (Gemma 4's full layers), else the model's."""
+    heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
+    return heads * kv_repeat(heads, mesh)
 
 
 def kv_cache_sharding(mesh: jax.sharding.Mesh, rules: Mapping[str, Any] | None = None,

@@ -142,6 +142,29 @@ HYBRID_KWARGS = {
                                        n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=1.8,
                                        pad_token_id=0, bos_token_id=1, eos_token_id=2)),
 }
+# Gemma 4 (tests/test_gemma4.py): sliding, full, sliding, full; the full layers with their own
+# head dim (32, not 16), one KV head (not 2) and V = K; the proportional rope over half of each
+# full head; a sliding theta apart from the full one; a window (24) shorter than the prompts
+GEMMA4_KWARGS = {
+    "gemma4": (("Gemma4Text", "Gemma4"), dict(num_hidden_layers=4, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+                                  attention_k_eq_v=True, sliding_window=24, final_logit_softcapping=3.0,
+                                  hidden_size_per_layer_input=0,
+                                  layer_types=["sliding_attention", "full_attention"] * 2,
+                                  rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e3},
+                                                   "full_attention": {"rope_type": "proportional",
+                                                                      "partial_rotary_factor": 0.5,
+                                                                      "rope_theta": 1e4}})),
+}
+# Gemma 4's MoE block in every layer: 8 experts, top 2, beside the dense MLP
+GEMMA4_KWARGS["gemma4_moe"] = (GEMMA4_KWARGS["gemma4"][0], dict(GEMMA4_KWARGS["gemma4"][1], enable_moe_block=True,
+                                                                num_experts=8, top_k_experts=2,
+                                                                moe_intermediate_size=32))
+# Gemma 4's "E" shape: 8-wide per-layer inputs; layers 2 and 3 read the K/V of layers 0 (sliding)
+# and 1 (full) with twice-wide MLPs; the full layers with their own V here (k_eq_v off)
+GEMMA4_KWARGS["gemma4_e"] = (GEMMA4_KWARGS["gemma4"][0], dict(GEMMA4_KWARGS["gemma4"][1], attention_k_eq_v=False,
+                                                              hidden_size_per_layer_input=8,
+                                                              vocab_size_per_layer_input=512, num_kv_shared_layers=2,
+                                                              use_double_wide_mlp=True))
 ARCHS = ("llama", "mistral", "qwen2") + tuple(FAMILY_KWARGS)
 # DeepSeek sparse attention's MoE models (V3.2, GLM-5, in MOE_KWARGS): a dense first layer
 # then two sparse ones, MLA with a low-rank q (the indexer's queries come from it)
@@ -267,8 +290,8 @@ def make_hf_checkpoint(directory: str, arch: str, dtype: torch.dtype = torch.flo
     elif arch == "qwen2":
         kw.setdefault("tie_word_embeddings", True)
         cfg, cls = tf.Qwen2Config(**kw), tf.Qwen2ForCausalLM
-    elif arch in FAMILY_KWARGS or arch in MOE_KWARGS or arch in HYBRID_KWARGS:
-        name, extra = {**FAMILY_KWARGS, **MOE_KWARGS, **HYBRID_KWARGS}[arch]
+    elif arch in FAMILY_KWARGS or arch in MOE_KWARGS or arch in HYBRID_KWARGS or arch in GEMMA4_KWARGS:
+        name, extra = {**FAMILY_KWARGS, **MOE_KWARGS, **HYBRID_KWARGS, **GEMMA4_KWARGS}[arch]
         kw = dict(HF_SMALL, **extra)
         kw.update(overrides)
         config_name, model_name = (name, name) if isinstance(name, str) else name
@@ -287,11 +310,15 @@ def make_hf_checkpoint(directory: str, arch: str, dtype: torch.dtype = torch.flo
                 p.add_(0.3 * torch.randn_like(p))
             if name.endswith(("act_fn.alpha_p", "act_fn.alpha_n")):  # xIELU (Apertus): alike in every layer
                 p.add_(0.3 * torch.randn_like(p))
+            if name.endswith(("router.scale", "router.per_expert_scale")):  # Gemma 4: ones
+                p.add_(0.3 * torch.randn_like(p))
         for name, b in model.named_buffers():  # a router's selection bias (GLM, LFM2-MoE) starts at 0
             if name.endswith(("correction_bias", "expert_bias")):  # LFM2-MoE's expert_bias too
                 b.add_(0.3 * torch.randn_like(b))
             if name.endswith("act_fn.beta"):  # xIELU's beta (0.5 in every layer)
                 b.add_(0.2 * torch.randn_like(b))
+            if name.endswith("layer_scalar"):  # Gemma 4: 1 in every layer
+                b.add_(0.3 * torch.randn_like(b))
     os.makedirs(directory, exist_ok=True)
     model.save_pretrained(directory, safe_serialization=True)
     return directory

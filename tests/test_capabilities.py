@@ -64,8 +64,14 @@ MLA = {"model.architecture": "DeepseekV3ForCausalLM", "model.kv_lora_rank": 32, 
        "model.rotary_dim": 16}
 DSA = {**MLA, "model.q_lora_rank": 16, "model.index_topk": 8, "model.index_n_heads": 2, "model.index_head_dim": 16,
        "model.head_dim": 64}
+# Gemma 4's shape: full layers with their own head dim beside sliding ones
+MIXED_KV = {"model.sliding_window": 8, "model.layer_types": ["sliding", "full"] * 2, "model.global_head_dim": 64}
 # one config (tiny_random overrides, extra flags) that breaks each rule and no earlier one
 BREAKS = {
+    ("mixed_kv", "engine.scan_layers"): ({**MIXED_KV, "engine.scan_layers": True}, ()),
+    ("mixed_kv", "mesh.stage"): ({**MIXED_KV, "mesh.stage": 2}, ()),
+    ("mixed_kv", "engine.host_kv_cache_gb"): ({**MIXED_KV, "engine.host_kv_cache_gb": 1}, ()),
+    ("mixed_kv", "serve.role=prefill/decode"): (MIXED_KV, ("serve.role=prefill/decode",)),
     ("linear", "mesh.data"): ({**HYBRID, "mesh.data": 2}, ()),
     ("linear", "mesh.sequence"): ({**HYBRID, "mesh.sequence": 2}, ()),
     ("linear", "mesh.stage"): ({**HYBRID, "mesh.stage": 2}, ()),

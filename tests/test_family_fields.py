@@ -34,6 +34,7 @@ CLASSES = {  # architecture -> transformers config class
     "HunYuanDenseV1ForCausalLM": tf.HunYuanDenseV1Config, "HunYuanMoEV1ForCausalLM": tf.HunYuanMoEV1Config,
     "PhimoeForCausalLM": tf.PhimoeConfig, "Lfm2ForCausalLM": tf.Lfm2Config, "Lfm2MoeForCausalLM": tf.Lfm2MoeConfig,
     "GraniteMoeHybridForCausalLM": tf.GraniteMoeHybridConfig,
+    "Gemma4ForCausalLM": tf.Gemma4TextConfig,
 }
 SKIP = {"self", "kwargs"}
 # Values for fields whose default is None (the walker cannot guess a type).
@@ -79,6 +80,8 @@ def small_kwargs(arch):
         kw.pop("num_experts"), kw.pop("moe_intermediate_size")  # "Moe" in its name: not its spelling
         kw.update(layer_types=["linear_attention", "full_attention"] * 2, mamba_n_heads=8, mamba_n_groups=2,
                   mamba_d_state=16, num_local_experts=4, num_experts_per_tok=2)
+    if arch == "Gemma4ForCausalLM":  # no per-layer inputs (their fields walk with `depends`), global layers 32 wide
+        kw.update(head_dim=16, global_head_dim=32, hidden_size_per_layer_input=0)
     if name == "phi3":
         kw.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
     return kw

@@ -57,6 +57,10 @@ EVIDENCE: tuple[Evidence, ...] = (
            ("apertus", "ernie4_5", "hunyuan_v1_dense"), _LAYOUTS),
     *_each("tests/test_family_layouts_sliding.py::test_every_layout_gives_the_same_tokens",
            ("gemma2", "gemma3", "phi3"), _LAYOUTS),
+    # Gemma 4: layers of two shapes (stacking and the KV tiers refused, engine/capabilities/table.py)
+    Evidence("tests/test_gemma4_layouts.py::test_every_layout_gives_the_same_tokens", ("gemma4",),
+             ("mesh.tensor", "mesh.sequence", "model.weight_dtype=int8", "engine.kv_cache_dtype=int8",
+              "engine.enable_prefix_caching")),
     Evidence("tests/test_weight_quant.py::test_logits_equal_float64_model_with_the_same_quantized_weights[qwen2]",
              ("qwen2",), ("model.weight_dtype=int8",)),
     # mixtures of experts

@@ -8,7 +8,8 @@ nothing downgrades silently.
 
 A condition is a capability key (a config setting that is "on": `mesh.tensor` means
 mesh.tensor > 1), a model kind (`mla`, `moe`, `linear`, `gated_deltanet`, `mamba2`,
-`short_conv`, `kda`, `attention`, `dsa`: DeepSeek sparse attention's indexer), `platform=cpu`, or
+`short_conv`, `kda`, `attention`, `dsa`: DeepSeek sparse attention's indexer,
+`mixed_kv`: attention layers of two shapes, Gemma 4's global ones), `platform=cpu`, or
 `serve.role=prefill/decode`; a leading `!` negates it.
 """
 
@@ -56,7 +57,7 @@ SETTINGS: dict[str, Callable] = {
     "engine.kv_cache_dtype=quantized": lambda c: c.engine.kv_cache_dtype != "auto",
     "model.dtype=bfloat16": lambda c: str(c.model.dtype) == "bfloat16",
 }
-KINDS = ("attention", "mla", "gated_deltanet", "mamba2", "short_conv", "kda", "linear", "moe", "dsa")
+KINDS = ("attention", "mla", "gated_deltanet", "mamba2", "short_conv", "kda", "linear", "moe", "dsa", "mixed_kv")
 LINEAR_KINDS = ("gated_deltanet", "mamba2", "short_conv", "kda")  # each is also "linear"
 
 
@@ -71,12 +72,15 @@ def model_kinds(model) -> frozenset[str]:
         kinds.add("moe")
     if model.mla.index_topk:
         kinds.add("dsa")
+    if model.mixed_kv:
+        kinds.add("mixed_kv")
     return frozenset(kinds)
 
 
 def family_kinds(family) -> frozenset[str]:
     """What a family's models hold, from its declared mixers (models/families/base.py)."""
     kinds = set(family.mixers) | ({"moe"} if family.experts else set()) | ({"dsa"} if family.indexer else set())
+    kinds |= {"mixed_kv"} if family.mixed_kv else set()
     return frozenset(kinds | ({"linear"} if kinds & set(LINEAR_KINDS) else set()))
 
 
@@ -109,6 +113,14 @@ RULES: tuple[Rule, ...] = (
          "engine.disk_kv_cache_dir = \"\""),
     Rule(("linear", "model.weight_dtype=int8"), "the linear layers' projections have no int8 path",
          "model.weight_dtype = auto"),
+    # Gemma 4: global layers with their own head dim / KV heads / V = K beside the sliding ones
+    *(Rule(("mixed_kv", key), f"attention layers of two shapes: {why}", change) for key, why, change in (
+        ("engine.scan_layers", "they cannot stack as one scan", "engine.scan_layers = false"),
+        ("mesh.stage", "they cannot stack into pipeline stages", "mesh.stage = 1"),
+        # (the disk tier sits below the host tier: refused with it)
+        ("engine.host_kv_cache_gb", "the host tier's blocks hold one page shape", "engine.host_kv_cache_gb = 0"),
+        ("serve.role=prefill/decode", "the KV hand-off exports one page shape", "--role both"),
+    )),
     Rule(("mla", "model.weight_dtype=int8"), "the latent projections have no int8 path",
          "model.weight_dtype = auto"),
     Rule(("mesh.expert", "!moe"), "mesh.expert splits experts, and this model has none", "mesh.expert = 1"),

@@ -165,9 +165,11 @@ def kv_bytes_per_token(model: ModelConfig, kv_heads: int | None = None,
                        kv_cache_dtype: str = "auto") -> int:
     """K and V of every attention layer (int8 / fp8: plus their f32 scales), as the cache
     allocates them: the one formula lives beside KVCache (models/kv_cache.py)."""
-    heads = model.num_kv_heads if kv_heads is None else kv_heads
-    return cache_bytes_per_token(model.kv_layers, heads, model.head_dim, kv_cache_dtype, model.jnp_dtype,
-                                 shares_kv(model))
+    if kv_heads is not None:
+        return cache_bytes_per_token(model.kv_layers, kv_heads, model.head_dim, kv_cache_dtype, model.jnp_dtype,
+                                     shares_kv(model))
+    return sum(cache_bytes_per_token(layers, heads, dim, kv_cache_dtype, model.jnp_dtype, shares_kv(model))
+               for (heads, dim), layers in model.kv_shapes().items())  # Gemma 4: two shapes
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:

@@ -92,8 +92,13 @@ def kv_heads_per_device(model: ModelConfig, heads_split: int) -> int:
 
 def kv_bytes_per_token_per_device(model: ModelConfig, mesh: MeshSettings, kv_cache_dtype: str = "auto") -> int:
     """Cache bytes one token costs on one device: its stage's L / p layers, its heads."""
-    return cache_bytes_per_token(model.kv_layers // mesh.stage, kv_heads_per_device(model, mesh.heads),
-                                 model.head_dim, kv_cache_dtype, model.jnp_dtype, shares_kv(model))
+    if not model.mixed_kv:
+        return cache_bytes_per_token(model.kv_layers // mesh.stage, kv_heads_per_device(model, mesh.heads),
+                                     model.head_dim, kv_cache_dtype, model.jnp_dtype, shares_kv(model))
+    split = mesh.heads  # Gemma 4: each shape's layers with their own heads (never staged: capability table)
+    return sum(cache_bytes_per_token(layers, heads * head_repeat(heads, split) // split, dim, kv_cache_dtype,
+                                     model.jnp_dtype, shares_kv(model))
+               for (heads, dim), layers in model.kv_shapes().items())
 
 
 def pipeline_microbatches(mesh: MeshSettings, num_tokens: int) -> int:

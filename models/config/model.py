@@ -38,6 +38,7 @@ RENAMED = {
     "router_renormalize": ("moe", "renormalize"), "router_renormalize_min": ("moe", "renormalize_min"),
     "router_renormalize_eps": ("moe", "renormalize_eps"),
     "router_bias": ("moe", "selection_bias"), "router_weights_inputs": ("moe", "weights_inputs"),
+    "moe_beside_dense": ("moe", "beside_dense"),
     "router_groups": ("moe", "groups"), "router_topk_groups": ("moe", "topk_groups"),
     **{"linear_" + f: ("linear", f) for f in ("layers", "kind", "impl", "num_key_heads", "num_value_heads",
                                               "key_head_dim", "value_head_dim", "conv_kernel", "grouped_proj",
@@ -66,6 +67,15 @@ class ModelConfig:
     hidden_act: str = "silu"
     mlp_gated: bool = True  # act(x W_gate) * (x W_up) -> W_down; False: act(x W_up) -> W_down
     residual_scale: float = 1.0  # each block's output times this before the residual add (Granite)
+    layer_scalar: bool = False  # each layer's output times its own learned scalar (Gemma 4)
+    # Gemma 4's "E" models (models/per_layer_inputs.py): each layer adds a gated input of this
+    # width from a per-layer embedding table (of per_layer_vocab_size rows, 0: vocab_size)
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
+    # ... and their last kv_shared_layers layers attend over the K/V of the last earlier layer
+    # of their type (its pages), writing none; their MLP twice as wide with double_wide_shared_mlp
+    kv_shared_layers: int = 0
+    double_wide_shared_mlp: bool = False
     # Single-block layers (Nemotron-H): a layer is its mixer (attention or linear) and its MLP,
     # each behind its norm, unless named here; an MLP-only layer holds no cache entry (None)
     no_mlp_layers: tuple[int, ...] = ()
@@ -137,6 +147,19 @@ class ModelConfig:
         if self.norms.kind == "layer" and (a.qk_norm != "none" or mla.enabled or self.linear.layers):
             raise ConfigError("model.norm_kind = layer (LayerNorm) is for the blocks' norms: it does not combine "
                               "with qk_norm, MLA or linear layers, whose norms are RMSNorms")
+        if (a.global_head_dim or a.global_kv_heads or a.global_k_eq_v) and (mla.enabled or a.rotary_dim):
+            raise ConfigError("model.global_head_dim / global_kv_heads / global_k_eq_v are for plain attention "
+                              "(no MLA, rotary_dim = 0)")
+        if self.num_heads % self.attention_dims(self.num_layers - 1, full=True)[0]:
+            raise ConfigError(f"model.num_heads ({self.num_heads}) must be a multiple of model.global_kv_heads "
+                              f"({self.attention.global_kv_heads})")
+        if self.kv_shared_layers:
+            if mla.enabled or self.linear.layers or self.no_mixer_layers or a.context_attention == "pass_kv":
+                raise ConfigError("model.kv_shared_layers is for plain attention layers (no MLA, linear or "
+                                  "MLP-only layers, context_attention not pass_kv)")
+            if not 0 < self.kv_shared_layers < self.num_layers or None in map(self._kv_source, self.shared_layers):
+                raise ConfigError(f"model.kv_shared_layers ({self.kv_shared_layers}) must leave an earlier layer of "
+                                  "each of their types to read")
         if set(self.no_mixer_layers) & (set(self.no_mlp_layers) | set(self.linear.layers)):
             raise ConfigError(f"model.no_mixer_layers {list(self.no_mixer_layers)} must be neither no_mlp_layers "
                               f"{list(self.no_mlp_layers)} (a layer with no block) nor linear_layers")
@@ -212,7 +235,51 @@ class ModelConfig:
     def kv_layers(self) -> int:
         """Layers that hold KV pages (a hybrid's linear layers hold a fixed state instead, its
         MLP-only layers nothing)."""
-        return self.num_layers - len(self.linear.layers) - len(self.no_mixer_layers)
+        return self.num_layers - len(self.linear.layers) - len(self.no_mixer_layers) - self.kv_shared_layers
+
+    def attention_dims(self, layer: int, full: bool | None = None) -> tuple[int, int]:
+        """(KV heads, head dim) of attention layer `layer`: a "full" layer's own when the
+        model gives full layers another shape (global_head_dim / global_kv_heads)."""
+        a = self.attention
+        if full is None:
+            full = a.layer_window(layer) is None
+        if not full:
+            return self.num_kv_heads, self.head_dim
+        return a.global_kv_heads or self.num_kv_heads, a.global_head_dim or self.head_dim
+
+    @property
+    def shared_layers(self) -> range:
+        """The layers that read an earlier layer's K/V (Gemma 4's kv_shared_layers)."""
+        return range(self.num_layers - self.kv_shared_layers, self.num_layers)
+
+    def kv_source(self, layer: int) -> int | None:
+        """The layer whose pages `layer` attends over, None when it writes its own."""
+        return self._kv_source(layer) if layer in self.shared_layers else None
+
+    def _kv_source(self, layer: int) -> int | None:
+        window = self.attention.layer_window(layer)
+        earlier = [n for n in range(self.num_layers - self.kv_shared_layers)
+                   if self.attention.layer_window(n) == window]
+        return earlier[-1] if earlier else None
+
+    def kv_shapes(self) -> dict[tuple[int, int], int]:
+        """{(KV heads, head dim): attention layers of that shape}: what the planner counts."""
+        out: dict[tuple[int, int], int] = {}
+        for n in range(self.num_layers):
+            if n not in self.linear.layers and n not in self.no_mixer_layers and self.kv_source(n) is None:
+                out[self.attention_dims(n)] = out.get(self.attention_dims(n), 0) + 1
+        return out
+
+    @property
+    def mixed_kv(self) -> bool:
+        """Whether attention layers differ in shape (Gemma 4's global layers: their pages, or
+        their V taken from K; its E models' layers reading others' pages, their per-layer
+        inputs), so they neither stack nor share one page format."""
+        a = self.attention
+        kinds = {(self.attention_dims(n), a.global_k_eq_v and a.layer_window(n) is None)
+                 for n in range(self.num_layers) if n not in self.linear.layers and n not in self.no_mixer_layers}
+        # layers reading others' pages, or a per-layer input: not stackable either
+        return len(kinds) > 1 or bool(self.kv_shared_layers or self.per_layer_input_size)
 
     @property
     def q_per_kv(self) -> int:

@@ -55,6 +55,12 @@ class AttentionConfig:
     query_temperature_nope_only: bool = False
     soft_cap: float | None = None  # cap * tanh(score / cap) (Gemma 2)
     sinks: bool = False  # a learned per-head logit in each softmax denominator (gpt-oss)
+    # "full" layers with their own KV shape (Gemma 4's global layers); 0: head_dim / num_kv_heads.
+    # Such a model's layers hold pages of two shapes, so they neither stack nor share one page format
+    global_head_dim: int = 0
+    global_kv_heads: int = 0
+    global_k_eq_v: bool = False  # "full" layers' V is their K projection, before the K norm (Gemma 4)
+    v_norm: bool = False  # V through an RMSNorm without weight over each head (Gemma 4)
     output_gate: bool = False  # output times sigmoid(a per-head gate q_proj also gives) (Qwen3.5)
     # mesh.sequence > 1 (models/parallel/context.py): pass_kv = the pass-KV ring for a step
     # with nothing cached (unquantized pages), pass-Q otherwise; pass_q = always pass-Q;
@@ -78,6 +84,9 @@ class AttentionConfig:
         if self.query_temperature_beta and self.query_temperature_length <= 0:
             raise ConfigError(f"model.query_temperature_beta = {self.query_temperature_beta} needs a positive "
                               f"query_temperature_length, got {self.query_temperature_length}")
+        if min(self.global_head_dim, self.global_kv_heads) < 0 or self.global_head_dim % 2:
+            raise ConfigError(f"model.global_head_dim ({self.global_head_dim}) must be even and global_kv_heads "
+                              f"({self.global_kv_heads}) >= 0 (0: the other layers')")
         if "sliding" in self.layer_types and self.sliding_window is None:
             raise ConfigError("model.layer_types has sliding layers but model.sliding_window is not set")
         if self.attention_chunk is not None and self.attention_chunk <= 0:
@@ -184,9 +193,16 @@ class MoEConfig:
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
     sparsemixer_eps: float = 0.01  # sparsemixer's relative threshold (Phi-3.5-MoE's router_jitter_noise)
+    # the experts beside the dense MLP, each with its own norms, the router reading the
+    # unnormed input through a weightless norm and a learned scale, each expert's weight
+    # times a learned scale (Gemma 4: models/moe_beside_dense.py)
+    beside_dense: bool = False
 
     def __post_init__(self):
         _choose("router_scoring", self.scoring, ("softmax", "sigmoid", "topk_softmax", "sparsemixer"))
+        if self.beside_dense and (self.scoring != "softmax" or self.selection_bias or self.shared_expert_size):
+            raise ConfigError("model.beside_dense (Gemma 4's block) routes by softmax, without a selection bias or "
+                              "shared experts")
         if self.sparsemixer_eps < 0:
             raise ConfigError(f"model.sparsemixer_eps must be >= 0, got {self.sparsemixer_eps}")
         if self.renormalize_eps is not None and self.renormalize_eps < 0:

@@ -17,7 +17,7 @@ MODULES = ("llama", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "olmo3", "glm"
            "ministral", "arcee", "apertus", "smollm3", "granite", "mixtral", "qwen3_moe", "glm4_moe", "gpt_oss",
            "deepseek", "qwen3_5", "qwen3_next", "qwen3_5_moe", "nemotron_h", "olmoe", "minimax_m2", "ernie4_5",
            "hunyuan", "phimoe", "lfm2", "lfm2_moe", "llama4", "granitemoehybrid",
-           "kimi_linear", "deepseek_dsa")
+           "kimi_linear", "deepseek_dsa", "gemma4")
 
 # Architectures known and refused, with why (their config.json is never half-read)
 REFUSED = {
@@ -137,6 +137,10 @@ def layer_kind(config, layer: int) -> str:
     from jaxfill.models.moe import is_moe_layer
 
     mixer = "nomixer_" if layer in config.no_mixer_layers else "linear_" if layer in config.linear.layers else ""
+    if not mixer and config.mixed_kv and config.attention.layer_window(layer) is None:
+        mixer = "global_"  # Gemma 4's full layers: their own head dim and KV heads
+    if config.kv_source(layer) is not None:
+        mixer = "shared_" + mixer  # Gemma 4's E models: no k/v of its own (its MLP maybe twice as wide)
     mlp = "nomlp" if layer in config.no_mlp_layers else "moe" if is_moe_layer(config, layer) else "dense"
     return mixer + mlp
 
@@ -158,7 +162,13 @@ def _abstract_sizes(config) -> tuple[int, dict]:
     kinds = {}
     rest = 0
     for kind in sorted({layer_kind(config, n) for n in range(config.num_layers)}):
-        one = config.replace(num_layers=1, layer_types=config.attention.layer_types[:1],
+        types = config.attention.layer_types[:1]
+        if config.mixed_kv and config.attention.layer_types:
+            types = ("full",) if "global_" in kind else ("sliding",)
+        # a KV-sharing layer needs an earlier one to read: layer 1 of two stands for it
+        shared = kind.startswith("shared_")
+        one = config.replace(num_layers=2 if shared else 1, layer_types=types * (2 if shared else 1),
+                             kv_shared_layers=int(shared),
                                   nope_layers=tuple(n for n in config.attention.nope_layers if n == 0),
                                   dense_layers=(0,) if kind.endswith("dense") and config.moe.num_experts else (),
                                   linear_layers=(0,) if kind.startswith("linear_") else (),
@@ -166,8 +176,12 @@ def _abstract_sizes(config) -> tuple[int, dict]:
                                   no_mlp_layers=(0,) if kind.endswith("nomlp") else ())
         state = nnx.state(nnx.eval_shape(lambda: new_model(one, nnx.Rngs(0))))
         kinds[kind] = tuple(ParamShape(tuple(path[2:]), tuple(var.shape), tuple(var_axes(var)), var.dtype)
-                            for path, var in nnx.to_flat_state(state) if path[:2] == ("layers", 0))
-        rest = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(state)) - _count(kinds[kind])
+                            for path, var in nnx.to_flat_state(state) if path[:2] == ("layers", int(shared)))
+        if not shared:
+            rest = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(state)) - _count(kinds[kind])
+    if config.per_layer_input_size:  # Gemma 4's per-layer tables hold P columns per layer; the model above one
+        rest += (config.num_layers - 1) * config.per_layer_input_size * (
+            (config.per_layer_vocab_size or config.vocab_size) + config.hidden_size)
     return rest, kinds
 
 

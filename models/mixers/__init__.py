@@ -27,6 +27,8 @@ def mixer_kind(config, layer: int) -> str | None:
 
 def build_mixer(config, rngs, layer: int) -> Mixer | None:
     kind = mixer_kind(config, layer)
+    if kind == "attention":  # its shapes may be the layer's own (models/config/model.py attention_dims)
+        return Attention(config, rngs, layer)
     return None if kind is None else MIXERS[kind](config, rngs)
 
 

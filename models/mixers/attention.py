@@ -11,7 +11,7 @@ from flax import nnx
 from jaxfill.models.config import ModelConfig
 from jaxfill.models.kv_cache import sampled_rows_metadata
 from jaxfill.models.layer_settings import by_window, layer_settings
-from jaxfill.models.layers import RMSNorm, param, projection
+from jaxfill.models.layers import RMSNorm, param, projection, unit_rms as weightless_rms  # noqa: F401 (exported)
 from jaxfill.models.mixers.context import MixerContext
 from jaxfill.models.rope import apply_rope
 from jaxfill.models.quant import qeinsum
@@ -22,23 +22,31 @@ from jaxfill.pallas_kernels import ragged_paged_attention, write_kv
 
 
 class Attention(nnx.Module):
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, layer: int = 0):
+        """`layer` picks the shapes: a "full" layer of a model with global_head_dim /
+        global_kv_heads (Gemma 4) has its own; in a stacked layout all layers share one."""
         c, dt = config, config.jnp_dtype
-        e, hq, hk, d, wd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.weight_form
+        (hk, d), e, hq, wd = c.attention_dims(layer), c.hidden_size, c.num_heads, c.weight_form
+        # Gemma 4's full layers may take V from the K projection (no v weight); its KV-sharing
+        # layers read an earlier layer's pages (no k, v or k norm)
+        k_is_v = c.attention.global_k_eq_v and c.attention.layer_window(layer) is None
+        shared = c.kv_source(layer) is not None
         # with an output gate (Qwen3.5) q_proj gives each head [q, gate]: 2D columns
         q_cols = 2 * d if c.attention.output_gate else d
         qkv = ("embed", "q_heads", "head_dim"), ("embed", "kv_heads", "head_dim")
         self.q, self.q_scale = projection(rngs, (e, hq, q_cols), qkv[0], dt, 1, wd, name="q")
-        self.k, self.k_scale = projection(rngs, (e, hk, d), qkv[1], dt, 1, wd, name="k")
-        self.v, self.v_scale = projection(rngs, (e, hk, d), qkv[1], dt, 1, wd, name="v")
+        self.k, self.k_scale = (None, None) if shared else projection(rngs, (e, hk, d), qkv[1], dt, 1, wd, name="k")
+        self.v, self.v_scale = (None, None) if k_is_v or shared else projection(rngs, (e, hk, d), qkv[1], dt, 1, wd,
+                                                                                name="v")
         self.o, self.o_scale = projection(rngs, (hq, d, e), ("q_heads", "head_dim", "embed"), dt, 2, wd, name="o")
         if c.attention.bias:
-            self.q_bias = param(rngs, (c.num_heads, c.head_dim), ("q_heads", "head_dim"), dt)
-            self.k_bias = param(rngs, (c.num_kv_heads, c.head_dim), ("kv_heads", "head_dim"), dt)
-            self.v_bias = param(rngs, (c.num_kv_heads, c.head_dim), ("kv_heads", "head_dim"), dt)
+            self.q_bias = param(rngs, (hq, d), ("q_heads", "head_dim"), dt)
+            self.k_bias = None if shared else param(rngs, (hk, d), ("kv_heads", "head_dim"), dt)
+            self.v_bias = None if shared else param(rngs, (hk, d), ("kv_heads", "head_dim"), dt)
         if c.attention.qk_norm == "head":  # over each head's D
             self.q_norm = RMSNorm(d, c.norms.eps, dt, rngs, kind=c.norms.kind, axes=("head_dim",))
-            self.k_norm = RMSNorm(d, c.norms.eps, dt, rngs, kind=c.norms.kind, axes=("head_dim",))
+            self.k_norm = None if shared else RMSNorm(d, c.norms.eps, dt, rngs, kind=c.norms.kind,
+                                                      axes=("head_dim",))
         elif c.attention.qk_norm == "projection":  # over all heads of the projection
             self.q_norm = RMSNorm(d, c.norms.eps, dt, rngs, kind=c.norms.kind, shape=(hq, d),
                                   axes=("q_heads", "head_dim"))
@@ -48,8 +56,8 @@ class Attention(nnx.Module):
             self.o_bias = param(rngs, (e,), ("embed",), dt)
         # gpt-oss: one learned logit per head in the softmax denominator
         self.sinks = param(rngs, (hq,), ("q_heads",), dt, scale=1.0) if c.attention.sinks else None
-        self.config = c
-        self.sm_scale = c.attention.query_scale if c.attention.query_scale is not None else c.head_dim ** -0.5
+        self.config, self.head_dim = c, d
+        self.sm_scale = c.attention.query_scale if c.attention.query_scale is not None else d ** -0.5
 
     def __call__(self,
                  x: jax.Array,  # [T, E]
@@ -60,6 +68,8 @@ class Attention(nnx.Module):
         rows ctx.sampled keeps. The layer's rope and window come from
         models/layer_settings.py by `ctx.layer`."""
         q, k, v, gate = self._project(x, ctx)
+        if k is None:  # a KV-sharing layer (Gemma 4): no rows to write; zeros stand in for the kernel's k/v
+            k = v = jnp.zeros((x.shape[0], jax.tree.leaves(pages)[0].shape[2] // 2, self.head_dim), q.dtype)
         # A cache laid out for more KV heads than the model has (tensor parallel with
         # Hkv < tensor, see models/sharding.py) holds each head repeated r times in a row.
         r = kv_heads_for(pages.shape[2], k.shape[1])
@@ -83,24 +93,31 @@ class Attention(nnx.Module):
                  ctx: MixerContext):  # q [T', Hq, D], k, v [T, Hkv, D], gate [T', Hq, D] or None
         """q (T' = the rows ctx.sampled keeps), k and v of every row, biased, normed, roped."""
         a = self.config.attention
-        k = qeinsum("te,ehd->thd", x, self.k[...], self.k_scale)
-        v = qeinsum("te,ehd->thd", x, self.v[...], self.v_scale)
+        if self.k is None:  # a KV-sharing layer: q alone (rope and norms pass None through)
+            k = v = None
+        else:
+            k = qeinsum("te,ehd->thd", x, self.k[...], self.k_scale)
+            v = k if self.v is None else qeinsum("te,ehd->thd", x, self.v[...], self.v_scale)
         q = qeinsum("te,ehd->thd", ctx.sampled(x), self.q[...], self.q_scale)
         gate = None
         if a.output_gate:
-            q, gate = q[..., :self.config.head_dim], q[..., self.config.head_dim:]  # [T, Hq, D] each
+            q, gate = q[..., :self.head_dim], q[..., self.head_dim:]  # [T, Hq, D] each
         if a.bias:
-            q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+            q = q + self.q_bias[...]
+            if k is not None:
+                k, v = k + self.k_bias[...], v + self.v_bias[...]
         settings = layer_settings(self.config)
         if a.qk_norm != "none" and not a.qk_norm_after_rope:
             q, k = self._norm_qk(q, k, settings, ctx.layer)
+        if a.v_norm and v is not None:
+            v = weightless_rms(v, self.config.norms.eps)
         if a.qkv_clip is not None:
             q, k, v = (jnp.clip(t, -a.qkv_clip, a.qkv_clip) for t in (q, k, v))
         if not (isinstance(ctx.layer, int) and not settings.has_rope[ctx.layer]):
             inv_freq, scale = settings.rope(ctx.layer)
             rope = functools.partial(apply_rope, inv_freq=inv_freq, scale=scale, interleaved=a.rope_interleave,
                                      in_f32=a.rope_f32)
-            q, k = rope(q, ctx.sampled(ctx.positions)), rope(k, ctx.positions)
+            q, k = rope(q, ctx.sampled(ctx.positions)), _maybe(functools.partial(rope, positions=ctx.positions), k)
         if a.qk_norm_after_rope:
             q, k = self._norm_qk(q, k, settings, ctx.layer)
         beta = settings.of_layer(settings.temperature, ctx.layer)
@@ -112,6 +129,8 @@ class Attention(nnx.Module):
     def _norm_qk(self, q, k, settings, layer):  # q [T', Hq, D], k [T, Hkv, D] -> the same
         """The q/k norms; Llama 4's weightless RMS over each head's D only where the layer
         turns rope (a traced layer selects)."""
+        if k is None:  # a KV-sharing layer (Gemma 4; qk_norm "head"): its q alone
+            return self.q_norm(q), None
         if self.config.attention.qk_norm != "weightless":
             return self.q_norm(q), self.k_norm(k)
         has_rope = settings.of_layer(settings.has_rope, layer)
@@ -128,12 +147,14 @@ class Attention(nnx.Module):
         mesh's shares of heads and rows."""
         a = self.config.attention
         ring = RingSpec(self.sm_scale, a.soft_cap, *window) if a.context_attention == "pass_kv" else None
-        attend = functools.partial(self._write_and_attend, impl=impl, window=window)
+        attend = functools.partial(self._write_and_attend, impl=impl, window=window, write=self.k is not None)
         return sharded_attention(attend, q, k, v, pages, meta, sinks, sinks=sinks is not None, ring=ring)
 
-    def _write_and_attend(self, q, k, v, pages, meta, sinks, share, *, impl: str, window):
-        """One device's view under a mesh: this step's K/V rows into the pages, then the kernel."""
-        pages = write_kv(pages, k, v, meta.slot_mapping)
+    def _write_and_attend(self, q, k, v, pages, meta, sinks, share, *, impl: str, window, write: bool = True):
+        """One device's view under a mesh: this step's K/V rows into the pages (unless the
+        pages are an earlier layer's, `write` False), then the kernel."""
+        if write:
+            pages = write_kv(pages, k, v, meta.slot_mapping)
         extra = {} if sinks is None else {"sinks": sinks}
         out = ragged_paged_attention(
             q, pages, meta.kv_lens, meta.page_indices, meta.cu_q_lens, meta.num_seqs,
@@ -142,10 +163,8 @@ class Attention(nnx.Module):
         return out, pages
 
 
-def weightless_rms(x: jax.Array, eps: float) -> jax.Array:  # [T, H, D] -> the same
-    """x / rms(x) over each head's D in f32, no weight (Llama 4's q/k "L2" norm)."""
-    xf = x.astype(jnp.float32)
-    return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+def _maybe(f, x):
+    return None if x is None else f(x)
 
 
 def query_temperature(positions: jax.Array,  # [T] int32 (Llama 4: position + 1)

@@ -28,6 +28,7 @@ class MixerContext:
     # the output is only each sequence's sampled row (meta.logits_indices): in the last
     # layer no other row feeds anything (the execution plan's prunes_last_layer)
     sampled_only: bool = False
+    per_layer_input: jax.Array | None = None  # [T, L, P] Gemma 4's per-layer inputs (models/per_layer_inputs.py)
 
     def sampled(self, rows: jax.Array) -> jax.Array:  # [T, ...] -> [S, ...] when sampled_only
         return jax.numpy.take(rows, self.meta.logits_indices, axis=0) if self.sampled_only else rows

@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 from jaxfill.models import fp8_block
 from jaxfill.models.mixers.context import MixerContext
 from jaxfill.models.moe import MoE
+from jaxfill.models.moe_beside_dense import ExpertsBesideDense
 from jaxfill.models.sharding import STAGE, context_mesh, mesh_axis_size, var_axes
 
 
@@ -90,19 +91,22 @@ def microbatch_metadata(meta,  # AttentionMetadata of the whole step
                                slot_mapping=jnp.where(valid, slots, -1).astype(jnp.int32))
 
 
-def run_layers(layers, x, positions, pages, meta, impl, prune_last: bool = False, row=0):
+def run_layers(layers, x, positions, pages, meta, impl, prune_last: bool = False, row=0, per_layer=None):
     """The one layer loop of every layout: the unrolled model's L layers, and one stage's
     (or one scan step's) group of K, which is row `row` (traced there) of the stacked
     modules: module i of it is layer row * K + i. `prune_last`: the last layer runs on
-    the sampled rows only (the execution plan's prunes_last_layer). Returns x, the new
-    pages and each layer's expert token counts ([experts] int32; None for a dense layer)."""
+    the sampled rows only (the execution plan's prunes_last_layer). `per_layer`: Gemma 4's
+    per-layer inputs [T, L, P]; its KV-sharing layers (`kv_source`, unrolled only) attend
+    over an earlier layer's new pages and hold none. Returns x, the new pages and each
+    layer's expert token counts ([experts] int32; None for a dense layer)."""
     new, counts = [], []
     for i, (layer, layer_pages) in enumerate(zip(layers, pages)):
         ctx = MixerContext(positions, meta, impl, layer=row * len(pages) + i,
-                           sampled_only=prune_last and i == len(pages) - 1)
+                           sampled_only=prune_last and i == len(pages) - 1, per_layer_input=per_layer)
+        source = getattr(layer, "kv_source", None)
         with jax.named_scope(f"layer_{i}"):
-            x, layer_pages, layer_counts = layer(x, layer_pages, ctx)
-        new.append(layer_pages)
+            x, layer_pages, layer_counts = layer(x, layer_pages if source is None else new[source], ctx)
+        new.append(layer_pages if source is None else None)
         counts.append(layer_counts)
     return x, tuple(new), tuple(counts)
 
@@ -164,7 +168,8 @@ def pipeline_layers(layers,  # nnx.List of K layers, params [p, ...]
 
 def zero_counts(layers) -> tuple:
     """Zero expert token counts shaped as run_layers returns them for these layers."""
-    return tuple(jnp.zeros((layer.mlp.config.moe.num_experts,), jnp.int32) if isinstance(layer.mlp, MoE) else None
+    return tuple(jnp.zeros((layer.mlp.config.moe.num_experts,), jnp.int32)
+                 if isinstance(layer.mlp, (MoE, ExpertsBesideDense)) else None
                  for layer in layers)
 
 
