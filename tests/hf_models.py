@@ -141,6 +141,20 @@ HYBRID_KWARGS = {
                                        num_local_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                        n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=1.8,
                                        pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # Ling 2.5: KDA, KDA, roped MLA with its per-head gate, KDA; 4 KDA heads of 16 (head_dim
+    # = qk_rope_head_dim: transformers re-derives the KDA head dim from the head_dim it saves,
+    # qk_rope_head_dim); the bounded decay at -3; layer 0 dense, then 8 experts top 2 in 4
+    # groups (the best 2 chosen from), x1.8, beside one shared expert
+    "bailing_hybrid": ("BailingHybrid", dict(num_hidden_layers=4, num_key_value_heads=4, kv_lora_rank=32,
+                                             q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=24,
+                                             v_head_dim=20, head_dim=16, short_conv_kernel_size=3,
+                                             layer_types=["linear_attention", "linear_attention", "full_attention",
+                                                          "linear_attention"],
+                                             kda_lower_bound=-3.0, first_k_dense_replace=1,
+                                             num_local_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                             n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=1.8,
+                                             rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+                                             pad_token_id=0, bos_token_id=1, eos_token_id=2)),
 }
 # Gemma 4 (tests/test_gemma4.py): sliding, full, sliding, full; the full layers with their own
 # head dim (32, not 16), one KV head (not 2) and V = K; the proportional rope over half of each

@@ -70,13 +70,14 @@ WEIGHT_ABLATIONS = {
 }
 
 
-def with_changed(model, config, leaf: str, change):
-    """A copy of `model` whose KDA params named `leaf` are `change`d."""
+def with_changed(model, config, leaf: str, change, layer: int | None = None):
+    """A copy of `model` whose mixer params named `leaf` (in `layer` only, if given) are `change`d."""
     other = new_model(config, nnx.Rngs(1))
     params = dict(nnx.to_flat_state(nnx.state(other)))
     for path, var in nnx.to_flat_state(nnx.state(model)):
         value = np.asarray(var[...])
-        params[path].set_value(change(value) if path[-1] == leaf and path[2] == "attn" else value)
+        hit = path[-1] == leaf and path[2] == "attn" and layer in (None, path[1])
+        params[path].set_value(change(value) if hit else value)
     return other
 
 

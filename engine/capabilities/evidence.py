@@ -107,6 +107,8 @@ EVIDENCE: tuple[Evidence, ...] = (
                ("mesh.tensor", "engine.enable_prefix_caching")) for variant in ("moe", "dense")),
     Evidence("tests/test_kimi_linear_layouts.py::test_kimi_linear_layouts_agree", ("kimi_linear",),
              ("mesh.tensor", "engine.enable_prefix_caching")),
+    Evidence("tests/test_bailing_hybrid_layouts.py::test_bailing_hybrid_layouts_agree", ("bailing_hybrid",),
+             ("mesh.tensor", "engine.enable_prefix_caching")),
     Evidence("tests/test_hybrid_engine.py::test_quantized_attention_pages_beside_f32_state[int8]", ("qwen3_5",),
              ("engine.kv_cache_dtype=int8",)),
     Evidence("tests/test_hybrid_host_tier.py::test_host_tier_snapshots_resume_like_prefix_caching_off", ("qwen3_5",),

@@ -132,6 +132,9 @@ class MLAConfig:
     index_head_dim: int = 0  # its key (one per token, cached) and query head width
     # the indexer's rope turns (even, odd) pairs (GLM-5), not the halves (V3.2)
     index_rope_interleave: bool = False
+    # each head's output times sigmoid(x @ w_g), one scalar per head and token, before the
+    # output projection (Ling 2.5's MLA: BailingHybridAttention's g_proj)
+    head_gate: bool = False
 
     def __post_init__(self):
         _choose("mla_form", self.form, ("auto", "absorbed", "expanded"))
@@ -143,6 +146,8 @@ class MLAConfig:
                               "(the indexer's queries come from the q latent), index_n_heads > 0 and "
                               f"index_head_dim >= qk_rope_head_dim; got q_lora_rank={self.q_lora_rank}, "
                               f"index_n_heads={self.index_n_heads}, index_head_dim={self.index_head_dim}")
+        if self.head_gate and not self.kv_lora_rank:
+            raise ConfigError("model.mla_head_gate gates latent attention's heads: it needs kv_lora_rank > 0")
         if self.kv_lora_rank and not (self.qk_nope_head_dim > 0 and self.qk_rope_head_dim > 0
                                       and self.v_head_dim > 0):
             raise ConfigError(f"an MLA model (kv_lora_rank={self.kv_lora_rank}) needs positive "
@@ -258,6 +263,13 @@ class LinearConfig:
     grouped_proj: bool = False  # q, k, v, z (and b, a) fused per key head (Qwen3-Next), not apart
     conv_bias: bool = False  # the convolution adds a bias (Mamba2; LFM2: its projections too)
     dt_limit: tuple[float, float] | None = None  # Mamba2's time steps clipped to [lo, hi]; None: not
+    # KDA's forget and output gates projected E -> H x D in one matrix each (Ling 2.5), not
+    # through Kimi Linear's rank-D bottleneck (f_a f_b, g_a g_b)
+    full_rank_gates: bool = False
+    # KDA's bounded forget gate, log decay = bound * sigmoid(exp(A_log) (f + dt_bias)) in
+    # [bound, 0] (Ling 2.5's kda_safe_gate, kda_lower_bound); None: Kimi's unbounded
+    # -exp(A_log) softplus(f + dt_bias)
+    gate_lower_bound: float | None = None
 
     def __post_init__(self):
         _choose("linear_kind", self.kind, ("gated_deltanet", "mamba2", "short_conv", "kda"))
@@ -278,6 +290,14 @@ class LinearConfig:
                               f"only, not {self.kind}")
         if self.kind != "gated_deltanet" and self.grouped_proj:
             raise ConfigError(f"model.linear_grouped_proj is Qwen3-Next's DeltaNet layout, not {self.kind}'s")
+        kda = {"linear_full_rank_gates": self.full_rank_gates,
+               "linear_gate_lower_bound": self.gate_lower_bound is not None}
+        if self.kind != "kda" and any(kda.values()):
+            raise ConfigError(f"model.{', '.join(k for k, on in kda.items() if on)} apply to linear_kind kda "
+                              f"only, not {self.kind}")
+        if self.gate_lower_bound is not None and not self.gate_lower_bound < 0:
+            raise ConfigError(f"model.linear_gate_lower_bound must be negative (a log decay), got "
+                              f"{self.gate_lower_bound}")
         if self.kind == "kda" and self.impl == "pallas_tpu":
             raise ConfigError("model.linear_impl = pallas_tpu has no Kimi delta rule kernel (linear_kind kda runs "
                               "the XLA chunk loop: linear_impl = auto or xla)")

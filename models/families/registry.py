@@ -17,13 +17,22 @@ MODULES = ("llama", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "olmo3", "glm"
            "ministral", "arcee", "apertus", "smollm3", "granite", "mixtral", "qwen3_moe", "glm4_moe", "gpt_oss",
            "deepseek", "qwen3_5", "qwen3_next", "qwen3_5_moe", "nemotron_h", "olmoe", "minimax_m2", "ernie4_5",
            "hunyuan", "phimoe", "lfm2", "lfm2_moe", "llama4", "granitemoehybrid",
-           "kimi_linear", "deepseek_dsa", "gemma4")
+           "kimi_linear", "deepseek_dsa", "gemma4", "bailing_hybrid")
 
 # Architectures known and refused, with why (their config.json is never half-read)
 REFUSED = {
     "FalconH1ForCausalLM": "every Falcon-H1 layer runs attention and Mamba2 in parallel on the same input, so "
                            "it needs KV pages and a state slot at once, and the cache holds one entry per layer "
                            "(pages or a LinearState, models/kv_cache.py)",
+    # transformers 5.25 runs it on CPU; what it adds over V3.2 is a new model, not a feature
+    "DeepseekV4ForCausalLM": "DeepSeek V4 is not V3.2 plus a feature; missing here: manifold-constrained "
+                             "hyper-connections (hc_mult residual streams mixed by Sinkhorn-normalised weights "
+                             "around every block, collapsed by a hyper head), compressed attention (a sliding "
+                             "window of single-KV-head MQA with K = V, beside KV compressed every 4 tokens and "
+                             "chosen by a lightning indexer (CSA) or every 128 tokens (HCA), each compressor with "
+                             "its own cache and rope theta), per-head attention sinks, the output rope at -position, "
+                             "a grouped low-rank output projection (o_groups, o_lora_rank), hash-routed MoE layers "
+                             "(tid2eid[input_ids]), sqrtsoftplus router scoring and SwiGLU clipping (swiglu_limit)",
 }
 
 

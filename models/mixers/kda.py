@@ -40,18 +40,26 @@ def _l2norm(x: jax.Array) -> jax.Array:  # [..., D] f32
     return x / jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
 
 
-def log_decay(f: jax.Array,  # [T, H, D] f_b(f_a(x)) in the model dtype
+def log_decay(f: jax.Array,  # [T, H, D] the forget gate's projection in the model dtype
               a_log: jax.Array,  # [H]
               dt_bias: jax.Array,  # [H, D]
+              lower_bound: float | None = None,
               ) -> jax.Array:  # [T, H, D] f32, <= 0
+    """Kimi's -exp(A_log) softplus(f + dt_bias); with `lower_bound` (Ling 2.5's safe
+    gate) bound * sigmoid(exp(A_log) (f + dt_bias)), cast to the model dtype as
+    transformers' forget gate returns it."""
     g = f.astype(jnp.float32) + dt_bias.astype(jnp.float32)
+    if lower_bound is not None:
+        bounded = lower_bound * jax.nn.sigmoid(jnp.exp(a_log.astype(jnp.float32))[:, None] * g)
+        return bounded.astype(f.dtype).astype(jnp.float32)
     softplus = jnp.where(g > SOFTPLUS_LINEAR, g, jnp.log(1.0 + jnp.exp(jnp.minimum(g, SOFTPLUS_LINEAR))))
     return -jnp.exp(a_log.astype(jnp.float32))[:, None] * softplus
 
 
 class KimiDeltaAttention(nnx.Module):
     """Params split by head over 'tensor' (every head is alike); the two bottlenecks'
-    first halves (f_a, g_a: E -> D) are replicated."""
+    first halves (f_a, g_a: E -> D) are replicated. With `linear_full_rank_gates` (Ling
+    2.5) the gates are one E -> H x D matrix each (f, g), split by head too."""
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         c, dt = config, config.jnp_dtype
@@ -60,13 +68,16 @@ class KimiDeltaAttention(nnx.Module):
         self.q, self.k, self.v = (param(rngs, (e, h, d), heads, dt) for _ in range(3))
         self.conv_q, self.conv_k, self.conv_v = (param(rngs, (h, d, k), ("q_heads", None, None), dt, scale=0.3)
                                                  for _ in range(3))
-        self.f_a = param(rngs, (e, d), ("embed", None), dt)
-        self.f_b = param(rngs, (d, h, d), (None, "q_heads", None), dt, scale=0.3)
+        if c.linear.full_rank_gates:
+            self.f, self.g = (param(rngs, (e, h, d), heads, dt) for _ in range(2))
+        else:
+            self.f_a = param(rngs, (e, d), ("embed", None), dt)
+            self.f_b = param(rngs, (d, h, d), (None, "q_heads", None), dt, scale=0.3)
+            self.g_a = param(rngs, (e, d), ("embed", None), dt)
+            self.g_b = param(rngs, (d, h, d), (None, "q_heads", None), dt, scale=0.3)
         self.dt_bias = param(rngs, (h, d), ("q_heads", None), dt, init="one_plus_normal", scale=0.1)
         self.a_log = param(rngs, (h,), ("q_heads",), dt, scale=1.0)
         self.b = param(rngs, (e, h), ("embed", "q_heads"), dt)
-        self.g_a = param(rngs, (e, d), ("embed", None), dt)
-        self.g_b = param(rngs, (d, h, d), (None, "q_heads", None), dt, scale=0.3)
         self.norm = param(rngs, (d,), (None,), dt, init="one_plus_normal", scale=0.1)
         self.out = param(rngs, (h, d, e), ("q_heads", None, "embed"), dt)
         self.config = c
@@ -78,11 +89,14 @@ class KimiDeltaAttention(nnx.Module):
                  ) -> tuple[jax.Array, LinearState]:  # [T, E] ([S, E] if ctx.sampled_only), state
         proj = lambda w: jnp.einsum("te,e...->t...", x, w[...])  # noqa: E731
         q, k, v, b = proj(self.q), proj(self.k), proj(self.v), proj(self.b)
-        f = jnp.einsum("td,dhk->thk", x @ self.f_a[...], self.f_b[...])  # [T, H, D]
-        gate = jnp.einsum("td,dhk->thk", x @ self.g_a[...], self.g_b[...])  # [T, H, D]
+        if self.config.linear.full_rank_gates:
+            f, gate = proj(self.f), proj(self.g)  # [T, H, D] each
+        else:
+            f = jnp.einsum("td,dhk->thk", x @ self.f_a[...], self.f_b[...])  # [T, H, D]
+            gate = jnp.einsum("td,dhk->thk", x @ self.g_a[...], self.g_b[...])  # [T, H, D]
         conv = (self.conv_q[...], self.conv_k[...], self.conv_v[...])
         o, state = split_over_heads(
-            lambda *args: mix(*args, eps=self.config.norms.eps),
+            lambda *args: mix(*args, eps=self.config.norms.eps, lower_bound=self.config.linear.gate_lower_bound),
             (q, k, v, f, b, gate, conv, (self.a_log[...], self.dt_bias[...]), self.norm[...], state, ctx.meta),
             (1, 1, 1, 1, 1, 1, 0, 0, None, LinearState(1, 1), None), (1, LinearState(1, 1)))
         out = jnp.einsum("thd,hde->te", ctx.sampled(o), self.out[...])
@@ -101,6 +115,7 @@ def mix(q: jax.Array,  # [T, H, D]  (one rank's heads throughout)
         state: LinearState,  # recurrent [slots, H, D, D], conv [slots, H 3D, K-1]
         meta: AttentionMetadata,
         eps: float,
+        lower_bound: float | None = None,  # see log_decay
         ) -> tuple[jax.Array, LinearState]:  # [T, H, D] in the model dtype, the new state
     """Convolution, Kimi delta rule and sigmoid-gated RMSNorm over a rank's heads."""
     t, h, d = q.shape
@@ -114,7 +129,7 @@ def mix(q: jax.Array,  # [T, H, D]  (one rank's heads throughout)
     q, k, v = (mixed[..., i * d:(i + 1) * d].astype(jnp.float32) for i in range(3))
     q, k = _l2norm(q) * d ** -0.5, _l2norm(k)
     beta = jax.nn.sigmoid(b).astype(jnp.float32)  # in the model dtype, as transformers has it
-    g = log_decay(f, *decay)
+    g = log_decay(f, *decay, lower_bound)
     o, recurrent = kimi_delta_rule_chunked(q, k, v, g, beta, meta.cu_q_lens, meta.num_seqs, read.recurrent)
 
     # RMSNorm per head (weight in f32), times sigmoid(gate): transformers' RMSNormGated

@@ -31,7 +31,7 @@ from jaxfill.models.config import ModelConfig
 from jaxfill.models.kv_cache import AttentionMetadata, sampled_rows_metadata
 from jaxfill.models.layer_settings import layer_settings
 from jaxfill.models import fp8_block
-from jaxfill.models.layers import RMSNorm, projection
+from jaxfill.models.layers import RMSNorm, param, projection
 from jaxfill.models.mixers.context import MixerContext
 from jaxfill.models.mixers.mla_expanded import EXPAND_KEYS_PER_TOKEN, expanded_attention, prefers_expanded
 from jaxfill.models.mixers.mla_indexer import Indexer, needs_selection, select, sparse_attention
@@ -69,6 +69,8 @@ class LatentAttention(nnx.Module):
         self.w_ukv, self.w_ukv_scale = projection(rngs, (lat, h, nope + vd), heads, dt, 1, wd, name="w_ukv")
         self.o, self.o_scale = projection(rngs, (h, vd, e), ("q_heads", "head_dim", "embed"), dt, 2, wd, name="o")
         self.indexer = Indexer(c, rngs) if c.mla.index_topk else None
+        # Ling 2.5's per-head output gate (mla_head_gate): sigmoid(x @ g), one scalar per head
+        self.g = param(rngs, (e, h), ("embed", "q_heads"), dt) if c.mla.head_gate else None
         self.config = c
         self.sm_scale = c.attention.query_scale if c.attention.query_scale is not None else (nope + rope) ** -0.5
 
@@ -117,6 +119,9 @@ class LatentAttention(nnx.Module):
         w_ukv = w_ukv.transpose(1, 0, 2)  # [H, lat, nope + vd]: heads first, split like q's
         attend = functools.partial(self._write_and_attend, impl=ctx.impl)
         out, pages = sharded_attention(attend, q, k, k, pages, q_meta, w_ukv, replicated=index)  # [T, H, vd]
+        if self.g is not None:  # the gate in f32, cast to the model dtype, as transformers has it
+            gate = jax.nn.sigmoid(jnp.einsum("te,eh->th", x, self.g[...]).astype(jnp.float32)).astype(x.dtype)
+            out = out * constrain(gate, ("tokens", "act_heads"))[..., None]
         out = qeinsum("thv,hve->te", out, self.o[...], self.o_scale)  # all-reduce over tensor
         return constrain(out, ("tokens", "act_embed")), pages
 
