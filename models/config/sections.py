@@ -123,6 +123,8 @@ class MLAConfig:
     index_head_dim: int = 0  # its key (one per token, cached) and query head width
     # the indexer's rope turns (even, odd) pairs (GLM-5), not the halves (V3.2)
     index_rope_interleave: bool = False
+    # the normalised latent times this before it is cached (LongCat-Flash's sqrt(hidden / kv_lora_rank))
+    latent_scale: float = 1.0
 
     def __post_init__(self):
         _choose("mla_form", self.form, ("auto", "absorbed", "expanded"))
@@ -184,6 +186,12 @@ class MoEConfig:
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
     sparsemixer_eps: float = 0.01  # sparsemixer's relative threshold (Phi-3.5-MoE's router_jitter_noise)
+    # zero-compute experts (LongCat-Flash): router columns num_experts .. + zero_experts - 1 are
+    # identity experts, their weight times the token itself; they hold no weights
+    zero_experts: int = 0
+    # the MoE of each even layer reads that layer's MLP input and is added to the next
+    # layer's output (LongCat-Flash's shortcut MoE, models/shortcut_decoder.py)
+    shortcut: bool = False
 
     def __post_init__(self):
         _choose("router_scoring", self.scoring, ("softmax", "sigmoid", "topk_softmax", "sparsemixer"))
@@ -193,11 +201,14 @@ class MoEConfig:
             raise ConfigError(f"model.router_renormalize_eps must be >= 0, got {self.renormalize_eps}")
         if self.renormalize_min < 0:
             raise ConfigError(f"model.router_renormalize_min must be >= 0, got {self.renormalize_min}")
+        if self.zero_experts < 0 or (self.zero_experts and self.scoring != "softmax"):
+            raise ConfigError(f"model.zero_experts ({self.zero_experts}) must be >= 0, and > 0 only with "
+                              "router_scoring = softmax")
         if self.selection_bias and self.scoring in ("topk_softmax", "sparsemixer"):
             raise ConfigError("model.router_bias (a selection bias) applies to router_scoring softmax or sigmoid")
         if not self.num_experts:
             return
-        if self.num_experts < 0 or not 1 <= self.experts_per_token <= self.num_experts:
+        if self.num_experts < 0 or not 1 <= self.experts_per_token <= self.num_experts + self.zero_experts:
             raise ConfigError(f"model.experts_per_token must be in [1, num_experts={self.num_experts}], "
                               f"got {self.experts_per_token}")
         if self.intermediate_size <= 0:
@@ -214,6 +225,11 @@ class MoEConfig:
             raise ConfigError("model.router_groups > 1 needs router_scoring = sigmoid and 2+ experts per group")
         if g > 1 and kg * self.num_experts // g < self.experts_per_token:
             raise ConfigError(f"the best {kg} of {g} expert groups hold fewer than experts_per_token experts")
+
+    @property
+    def router_width(self) -> int:
+        """The router's columns: the experts, then the zero-compute ones."""
+        return self.num_experts + self.zero_experts
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers

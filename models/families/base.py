@@ -73,6 +73,7 @@ class Family:
     mixers: tuple[str, ...] = ("attention",)  # attention | mla | gated_deltanet | mamba2 | kda
     experts = False  # mixture-of-experts MLPs
     indexer = False  # DeepSeek sparse attention's lightning indexer over MLA (kind "dsa")
+    shortcut = False  # a MoE whose output skips to the next layer (kind "shortcut", models/shortcut_decoder.py)
     tested = ""  # what the parity tests show, for `jaxfill models` and the README table
 
     # --- config.json -> ModelConfig ------------------------------------------------
