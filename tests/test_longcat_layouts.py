@@ -1,6 +1,6 @@
 """LongCat-Flash through the Engine (tests/family_layouts.py's run, from the HF checkpoint of
-tests/hf_models.py): unchunked == chunks of 7 == prefix-cached == mesh.tensor=2 ==
-mesh.expert=2 == mesh.expert=4 == expert 2 x tensor 2, tokens, logprobs and each
+tests/hf_models.py): unchunked == chunks of 7 == prefix-cached == mesh.tensor=4 ==
+mesh.expert=4 == expert 2 x tensor 2 (4 fake CPU devices), tokens, logprobs and each
 expert's routed pairs alike. The zero-compute experts hold no weights and run where the
 token is (models/moe.py identity_experts), so under every expert split their pairs are
 dropped from the dispatch and from the counts: a layer counts at most top_k pairs a row."""
@@ -11,13 +11,13 @@ from family_layouts import LAYOUTS, run_layouts
 from hf_models import make_hf_checkpoint
 
 CHUNK7 = {"engine.enable_prefix_caching": False, "engine.max_num_batched_tokens": 7, "engine.token_buckets": [7]}
-EXACT = ("chunk7", "prefix", "tensor2", "expert2", "expert4", "expert2_tensor2")
+EXACT = ("chunk7", "prefix", "tensor4", "expert4", "expert2_tensor2")
 
 
 def test_longcat_layouts(tmp_path):
     model = make_hf_checkpoint(str(tmp_path / "longcat"), "longcat_flash")
     layouts = {"whole": LAYOUTS["whole"], "chunk7": CHUNK7, "prefix": LAYOUTS["prefix"],
-               "tensor2": {"mesh.tensor": 2}, "expert2": {"mesh.expert": 2}, "expert4": {"mesh.expert": 4},
+               "tensor4": {"mesh.tensor": 4}, "expert4": {"mesh.expert": 4},
                "expert2_tensor2": {"mesh.expert": 2, "mesh.tensor": 2}}
     r = run_layouts(model, layouts, devices=4)
     want = r["whole"]
