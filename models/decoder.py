@@ -89,10 +89,7 @@ class DecoderLayer(nnx.Module):
             return x, pages, None
         h, counts = _maybe(self.mlp_norm, x), None
         if isinstance(self.mlp, (MoE, ExpertsBesideDense)):
-            valid = ctx.meta.slot_mapping >= 0  # real token rows: padding is computed, never counted
-            if ctx.sampled_only:
-                valid = ctx.sampled(valid) & (jnp.arange(x.shape[0]) < ctx.meta.num_seqs[0])
-            h, counts = self.mlp(h, valid)
+            h, counts = self.mlp(h, token_rows(x, ctx))
         else:
             h = self.mlp(h)
         h = _maybe(self.mlp_post_norm, h)
@@ -102,11 +99,22 @@ class DecoderLayer(nnx.Module):
         return h if self.residual_scale == 1.0 else h * jnp.asarray(self.residual_scale, h.dtype)
 
 
+def token_rows(x: jax.Array,  # [T, E] or [S, E]: the rows the MLP runs on
+               ctx: MixerContext) -> jax.Array:  # [T] or [S] bool
+    """Which of the rows are real tokens: padding is computed, never counted as expert load."""
+    valid = ctx.meta.slot_mapping >= 0
+    if ctx.sampled_only:
+        valid = ctx.sampled(valid) & (jnp.arange(x.shape[0]) < ctx.meta.num_seqs[0])
+    return valid
+
+
 def _maybe(norm, x):
     return x if norm is None else norm(x)
 
 
 class Decoder(nnx.Module):
+    layer_class = DecoderLayer  # a layer composition of its own (models/shortcut_decoder.py) overrides it
+
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs | None = None,
                  attention_impl: str = "auto", plan: ExecutionPlan = ExecutionPlan()):
         """`plan`: the layers' layout (unrolled, or stacked for a scan or pipeline stages)
@@ -119,13 +127,19 @@ class Decoder(nnx.Module):
         self.plan = plan
         self.embed = Embed(config.vocab_size, config.hidden_size, dt, rngs)
         self.per_layer_inputs = PerLayerInputs(config, rngs) if config.per_layer_input_size else None
-        layers = [DecoderLayer(config, rngs, n) for n in range(config.num_layers)]
+        layers = [self.layer_class(config, rngs, n) for n in range(config.num_layers)]
         self.layers = nnx.List(stack_layers(layers, self.stages) if self.stages > 1 else layers)
         self.norm = RMSNorm(config.hidden_size, config.norms.eps, dt, rngs, kind=config.norms.kind)
         if not config.embeddings.tied:
             self.lm_head = param(rngs, (config.hidden_size, config.vocab_size), ("embed", "vocab"), dt)
         if config.embeddings.head_bias:
             self.lm_head_bias = param(rngs, (config.vocab_size,), ("vocab",), dt)
+
+    def stream_in(self, x: jax.Array) -> jax.Array:  # [T, E] embedded -> what the layers carry
+        return x
+
+    def stream_out(self, x: jax.Array) -> jax.Array:  # what the layers carry ([S, ...] rows) -> [S, E]
+        return x
 
     @property
     def stages(self) -> int:
@@ -153,6 +167,7 @@ class Decoder(nnx.Module):
         x = self.embed(tokens)
         if self.config.embeddings.scale != 1.0:
             x = x * jnp.asarray(self.config.embeddings.scale, x.dtype)
+        x = self.stream_in(x)
         if self.stages > 1:
             x, new_pages, counts = pipeline_layers(self.layers, x, positions, kv_cache.pages, meta,
                                                    self.attention_impl, self.plan.microbatches)
@@ -171,7 +186,7 @@ class Decoder(nnx.Module):
                                               self.attention_impl, prune, per_layer=per_layer)
             if not prune:
                 x = jnp.take(x, meta.logits_indices, axis=0)
-        x = self.norm(constrain(x, ("seqs", "act_embed")))  # [S, E]
+        x = self.norm(constrain(self.stream_out(x), ("seqs", "act_embed")))  # [S, E]
         if self.config.embeddings.tied:
             logits = self.embed.attend(x)
         else:

@@ -181,8 +181,8 @@ class MoE(nnx.Module):
         e, h, i = c.moe.num_experts, c.hidden_size, c.moe.intermediate_size
         self.config = c
         rdt = jnp.float32 if c.moe.router_f32 else dt
-        self.router = param(rngs, (h, e), ("embed", None), rdt)
-        self.router_bias = (param(rngs, (e,), (None,), jnp.float32, scale=0.1)
+        self.router = param(rngs, (h, c.moe.router_width), ("embed", None), rdt)
+        self.router_bias = (param(rngs, (c.moe.router_width,), (None,), jnp.float32, scale=0.1)
                             if c.moe.selection_bias else None)
         self.router_logit_bias = param(rngs, (e,), (None,), rdt, scale=0.1) if c.moe.router_logit_bias else None
         self.experts_gate_up, self.experts_gate_up_scale = projection(
@@ -224,7 +224,10 @@ class MoE(nnx.Module):
 
             params = {name: _value(getattr(self, "experts_" + name, None)) for name in EXPERT_AXES}
             axes = {**EXPERT_AXES, **FP8_SCALE_AXES} if block else EXPERT_AXES
+            # a zero-compute expert's id is past every rank's experts, so no rank dispatches it
             out = expert_parallel(local, x, weights, ids, params, axes)
+            if c.moe.zero_experts:
+                out = out + identity_experts(x, weights, ids, c.moe.num_experts)
             out = constrain(out.astype(x.dtype), ("tokens", "act_embed"))
             if self.shared is not None:
                 shared = self.shared(x)
@@ -235,13 +238,25 @@ class MoE(nnx.Module):
             return out, expert_token_counts(ids, valid, c.moe.num_experts)
 
 
+def identity_experts(x: jax.Array,  # [T, H]
+                     weights: jax.Array,  # [T, k] f32
+                     ids: jax.Array,  # [T, k] int32
+                     num_experts: int) -> jax.Array:  # [T, H] f32
+    """The zero-compute experts' share (LongCat-Flash): each returns its token, so their
+    output is the token times the weights routed to ids >= num_experts. They hold no
+    weights and run where the token is, before any dispatch (replicated under mesh.expert)."""
+    identity = jnp.where(ids >= num_experts, weights, 0.0).sum(-1, keepdims=True)  # [T, 1]
+    return x.astype(jnp.float32) * identity
+
+
 def expert_token_counts(ids: jax.Array,  # [T, k] int32
                         valid: jax.Array | None,  # [T] bool, or None (every row counts)
                         num_experts: int) -> jax.Array:  # [E] int32
     """Valid (token, expert) pairs per expert: a scatter-add of T*k ones, never [T, k, E]."""
     ones = jnp.ones(ids.shape, jnp.int32) if valid is None else jnp.broadcast_to(
         valid[:, None], ids.shape).astype(jnp.int32)
-    return jnp.zeros((num_experts,), jnp.int32).at[ids.reshape(-1)].add(ones.reshape(-1))
+    # zero-compute experts' ids (>= num_experts) are dropped: they run no expert
+    return jnp.zeros((num_experts,), jnp.int32).at[ids.reshape(-1)].add(ones.reshape(-1), mode="drop")
 
 
 def _value(p):

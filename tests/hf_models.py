@@ -221,6 +221,13 @@ MOE_KWARGS = {
                                                         "mscale": 0.707, "mscale_all_dim": 1.0,
                                                         "beta_fast": 32.0, "beta_slow": 1.0,
                                                         "original_max_position_embeddings": 64})),
+    # LongCat-Flash: 2 layers of two MLA blocks + a shortcut MoE (our 4 layers); 8 experts and 4
+    # zero-compute ones, top 4 on softmax + the randomised correction bias, weights x 1.7
+    "longcat_flash": ("LongcatFlash", dict(num_hidden_layers=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48,
+                                           qk_rope_head_dim=16, head_dim=16, qk_nope_head_dim=24, v_head_dim=20,
+                                           n_routed_experts=8, zero_expert_num=4, moe_topk=4,
+                                           expert_ffn_hidden_size=32, routed_scaling_factor=1.7,
+                                           rope_parameters={"rope_type": "default", "rope_theta": 1e4})),
     # dense only, q straight from the hidden state (V2-Lite's shape), plain rope
     "deepseek_v3_dense": ("DeepseekV3", dict(num_hidden_layers=2, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None,
                                              qk_rope_head_dim=16, qk_nope_head_dim=24, v_head_dim=20,

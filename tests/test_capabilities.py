@@ -66,6 +66,9 @@ DSA = {**MLA, "model.q_lora_rank": 16, "model.index_topk": 8, "model.index_n_hea
        "model.head_dim": 64}
 # Gemma 4's shape: full layers with their own head dim beside sliding ones
 MIXED_KV = {"model.sliding_window": 8, "model.layer_types": ["sliding", "full"] * 2, "model.global_head_dim": 64}
+LONGCAT = {**MLA, "model.architecture": "LongcatFlashForCausalLM", "model.q_lora_rank": 16, "model.num_experts": 4,
+           "model.zero_experts": 2, "model.experts_per_token": 2, "model.moe_intermediate_size": 32,
+           "model.moe_shortcut": True, "model.router_bias": True}
 # one config (tiny_random overrides, extra flags) that breaks each rule and no earlier one
 BREAKS = {
     ("mixed_kv", "engine.scan_layers"): ({**MIXED_KV, "engine.scan_layers": True}, ()),
@@ -84,6 +87,8 @@ BREAKS = {
     ("mla", "model.weight_dtype=int8"): ({**MLA, "model.weight_dtype": "int8"}, ()),
     ("mesh.expert", "!moe"): ({"mesh.expert": 2}, ()),
     ("dsa", "mesh.sequence"): ({**DSA, "mesh.sequence": 2}, ()),
+    ("shortcut", "mesh.stage"): ({**LONGCAT, "mesh.stage": 2}, ()),
+    ("shortcut", "engine.scan_layers"): ({**LONGCAT, "engine.scan_layers": True}, ()),
     ("mesh.stage", "mesh.sequence"): ({"mesh.stage": 2, "mesh.sequence": 2}, ()),
     ("engine.scan_layers", "mesh.stage"): ({"engine.scan_layers": True, "mesh.stage": 2}, ()),
     ("engine.attention_impl=pallas", "mesh.sequence"): ({"engine.attention_impl": "pallas_gpu",

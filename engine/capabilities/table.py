@@ -9,7 +9,8 @@ nothing downgrades silently.
 A condition is a capability key (a config setting that is "on": `mesh.tensor` means
 mesh.tensor > 1), a model kind (`mla`, `moe`, `linear`, `gated_deltanet`, `mamba2`,
 `short_conv`, `kda`, `attention`, `dsa`: DeepSeek sparse attention's indexer,
-`mixed_kv`: attention layers of two shapes, Gemma 4's global ones), `platform=cpu`, or
+`mixed_kv`: attention layers of two shapes, Gemma 4's global ones, `shortcut`: LongCat-Flash's
+MoE carried to the next layer), `platform=cpu`, or
 `serve.role=prefill/decode`; a leading `!` negates it.
 """
 
@@ -57,7 +58,7 @@ SETTINGS: dict[str, Callable] = {
     "engine.kv_cache_dtype=quantized": lambda c: c.engine.kv_cache_dtype != "auto",
     "model.dtype=bfloat16": lambda c: str(c.model.dtype) == "bfloat16",
 }
-KINDS = ("attention", "mla", "gated_deltanet", "mamba2", "short_conv", "kda", "linear", "moe", "dsa", "mixed_kv")
+KINDS = ("attention", "mla", "gated_deltanet", "mamba2", "short_conv", "kda", "linear", "moe", "dsa", "mixed_kv", "shortcut")
 LINEAR_KINDS = ("gated_deltanet", "mamba2", "short_conv", "kda")  # each is also "linear"
 
 
@@ -74,6 +75,8 @@ def model_kinds(model) -> frozenset[str]:
         kinds.add("dsa")
     if model.mixed_kv:
         kinds.add("mixed_kv")
+    if model.moe.shortcut:
+        kinds.add("shortcut")
     return frozenset(kinds)
 
 
@@ -81,6 +84,7 @@ def family_kinds(family) -> frozenset[str]:
     """What a family's models hold, from its declared mixers (models/families/base.py)."""
     kinds = set(family.mixers) | ({"moe"} if family.experts else set()) | ({"dsa"} if family.indexer else set())
     kinds |= {"mixed_kv"} if family.mixed_kv else set()
+    kinds |= {"shortcut"} if family.shortcut else set()
     return frozenset(kinds | ({"linear"} if kinds & set(LINEAR_KINDS) else set()))
 
 
@@ -126,6 +130,11 @@ RULES: tuple[Rule, ...] = (
     Rule(("mesh.expert", "!moe"), "mesh.expert splits experts, and this model has none", "mesh.expert = 1"),
     Rule(("dsa", "mesh.sequence"), "the sparse-attention indexer scores every cached key of a sequence, which "
          "context parallelism deals over ranks", "mesh.sequence = 1"),
+    # LongCat-Flash: its layers alternate (a MoE in every other one) and hand a shortcut on
+    Rule(("shortcut", "mesh.stage"), "the shortcut MoE's stream is not handed between pipeline stages",
+         "mesh.stage = 1"),
+    Rule(("shortcut", "engine.scan_layers"), "layers with and without the shortcut MoE differ, so they cannot "
+         "stack as one scan", "engine.scan_layers = false"),
     # layouts
     Rule(("mesh.stage", "mesh.sequence"), "pipeline stages compose with mesh.tensor and mesh.data, not sequence",
          "mesh.stage = 1 or mesh.sequence = 1"),

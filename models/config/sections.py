@@ -135,6 +135,8 @@ class MLAConfig:
     # each head's output times sigmoid(x @ w_g), one scalar per head and token, before the
     # output projection (Ling 2.5's MLA: BailingHybridAttention's g_proj)
     head_gate: bool = False
+    # the normalised latent times this before it is cached (LongCat-Flash's sqrt(hidden / kv_lora_rank))
+    latent_scale: float = 1.0
 
     def __post_init__(self):
         _choose("mla_form", self.form, ("auto", "absorbed", "expanded"))
@@ -202,6 +204,12 @@ class MoEConfig:
     # unnormed input through a weightless norm and a learned scale, each expert's weight
     # times a learned scale (Gemma 4: models/moe_beside_dense.py)
     beside_dense: bool = False
+    # zero-compute experts (LongCat-Flash): router columns num_experts .. + zero_experts - 1 are
+    # identity experts, their weight times the token itself; they hold no weights
+    zero_experts: int = 0
+    # the MoE of each even layer reads that layer's MLP input and is added to the next
+    # layer's output (LongCat-Flash's shortcut MoE, models/shortcut_decoder.py)
+    shortcut: bool = False
 
     def __post_init__(self):
         _choose("router_scoring", self.scoring, ("softmax", "sigmoid", "topk_softmax", "sparsemixer"))
@@ -214,11 +222,14 @@ class MoEConfig:
             raise ConfigError(f"model.router_renormalize_eps must be >= 0, got {self.renormalize_eps}")
         if self.renormalize_min < 0:
             raise ConfigError(f"model.router_renormalize_min must be >= 0, got {self.renormalize_min}")
+        if self.zero_experts < 0 or (self.zero_experts and self.scoring != "softmax"):
+            raise ConfigError(f"model.zero_experts ({self.zero_experts}) must be >= 0, and > 0 only with "
+                              "router_scoring = softmax")
         if self.selection_bias and self.scoring in ("topk_softmax", "sparsemixer"):
             raise ConfigError("model.router_bias (a selection bias) applies to router_scoring softmax or sigmoid")
         if not self.num_experts:
             return
-        if self.num_experts < 0 or not 1 <= self.experts_per_token <= self.num_experts:
+        if self.num_experts < 0 or not 1 <= self.experts_per_token <= self.num_experts + self.zero_experts:
             raise ConfigError(f"model.experts_per_token must be in [1, num_experts={self.num_experts}], "
                               f"got {self.experts_per_token}")
         if self.intermediate_size <= 0:
@@ -235,6 +246,11 @@ class MoEConfig:
             raise ConfigError("model.router_groups > 1 needs router_scoring = sigmoid and 2+ experts per group")
         if g > 1 and kg * self.num_experts // g < self.experts_per_token:
             raise ConfigError(f"the best {kg} of {g} expert groups hold fewer than experts_per_token experts")
+
+    @property
+    def router_width(self) -> int:
+        """The router's columns: the experts, then the zero-compute ones."""
+        return self.num_experts + self.zero_experts
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers

@@ -91,6 +91,8 @@ class LatentAttention(nnx.Module):
         lat, nope = c.mla.kv_lora_rank, c.mla.qk_nope_head_dim
         kv = qeinsum("te,ec->tc", x, self.kv_a[...], self.kv_a_scale)  # [T, lat + rope]
         latent = self.kv_a_norm(kv[:, :lat])
+        if c.mla.latent_scale != 1.0:  # LongCat-Flash scales the latent before it keys and values anything
+            latent = latent * jnp.asarray(c.mla.latent_scale, latent.dtype)
         k_pe = self._rope(kv[:, None, lat:], ctx.positions, ctx.layer)  # [T, 1, rope]
         parts = [latent[:, None, :], k_pe.astype(latent.dtype)]
         if self.indexer is not None:
