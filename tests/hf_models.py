@@ -237,6 +237,14 @@ MOE_KWARGS = {
                                             attention_bias=True,
                                             rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
                                                              "rope_theta": 1e4})),
+    # AFMoE (Arcee Trinity): sliding (24-token window, roped), global (NoPE), sliding, global;
+    # q/k/v/o biases, the output gate, muP embeddings; a dense first layer, then top 3 of 8
+    # sigmoid scores + the selection bias (randomised below, as the router HF inits to 0)
+    # times route_scale 2.5, beside two shared experts
+    "afmoe": ("Afmoe", dict(num_hidden_layers=4, head_dim=24, global_attn_every_n_layers=2, sliding_window=24,
+                            attention_bias=True, mup_enabled=True, num_dense_layers=1, num_experts=8,
+                            num_experts_per_tok=3, num_shared_experts=2, moe_intermediate_size=32,
+                            route_scale=2.5, rope_parameters={"rope_type": "default", "rope_theta": 1e4})),
     # Phi-3.5-MoE: sparsemixer with a neighbourhood (router_jitter_noise) wide enough that its
     # softmax weighs several experts, LayerNorms, biased attention and LM head; longrope whose
     # original context (64) the 300-token prompt passes (equal mscales: the same rope throughout)
@@ -287,6 +295,8 @@ def make_hf_checkpoint(directory: str, arch: str, dtype: torch.dtype = torch.flo
                 p.add_(0.3 * torch.randn_like(p))
             if name.endswith(("act_fn.alpha_p", "act_fn.alpha_n")):  # xIELU (Apertus): alike in every layer
                 p.add_(0.3 * torch.randn_like(p))
+            if name.endswith("router.gate.weight") and not p.any():  # AFMoE inits its router to 0
+                p.add_(0.1 * torch.randn_like(p))
         for name, b in model.named_buffers():  # a router's selection bias (GLM, LFM2-MoE) starts at 0
             if name.endswith(("correction_bias", "expert_bias")):  # LFM2-MoE's expert_bias too
                 b.add_(0.3 * torch.randn_like(b))

@@ -75,6 +75,9 @@ EVIDENCE: tuple[Evidence, ...] = (
     Evidence("tests/test_llama4_layouts.py::test_llama4_layouts", ("llama4",),
              ("mesh.expert", "mesh.tensor", "mesh.sequence", "model.weight_dtype=int8", "engine.kv_cache_dtype=int8",
               "engine.enable_prefix_caching")),
+    Evidence("tests/test_afmoe.py::test_afmoe_layouts", ("afmoe",),
+             ("mesh.expert", "mesh.tensor", "mesh.sequence", "model.weight_dtype=int8", "engine.kv_cache_dtype=int8",
+              "engine.enable_prefix_caching")),
     # multi-head latent attention
     Evidence("tests/test_mla_layouts.py::test_dense_mla", ("deepseek_v3",),
              ("mesh.tensor", "mesh.sequence", "mesh.stage", "engine.scan_layers", "engine.kv_cache_dtype=int8",

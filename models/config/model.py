@@ -33,7 +33,8 @@ SECTIONS = {"attention": AttentionConfig, "mla": MLAConfig, "moe": MoEConfig, "l
 RENAMED = {
     "attention_bias": ("attention", "bias"), "attention_out_bias": ("attention", "out_bias"),
     "attn_soft_cap": ("attention", "soft_cap"), "attention_sinks": ("attention", "sinks"),
-    "attn_output_gate": ("attention", "output_gate"), "mla_form": ("mla", "form"),
+    "attn_output_gate": ("attention", "output_gate"),
+    "attn_gate_proj": ("attention", "gate_proj"), "mla_form": ("mla", "form"),
     "moe_intermediate_size": ("moe", "intermediate_size"), "router_scoring": ("moe", "scoring"),
     "router_renormalize": ("moe", "renormalize"), "router_renormalize_min": ("moe", "renormalize_min"),
     "router_renormalize_eps": ("moe", "renormalize_eps"),

@@ -56,6 +56,7 @@ class AttentionConfig:
     soft_cap: float | None = None  # cap * tanh(score / cap) (Gemma 2)
     sinks: bool = False  # a learned per-head logit in each softmax denominator (gpt-oss)
     output_gate: bool = False  # output times sigmoid(a per-head gate q_proj also gives) (Qwen3.5)
+    gate_proj: bool = False  # output times sigmoid(x @ a gate projection of its own, [Hq, D]) (AFMoE)
     # mesh.sequence > 1 (models/parallel/context.py): pass_kv = the pass-KV ring for a step
     # with nothing cached (unquantized pages), pass-Q otherwise; pass_q = always pass-Q;
     # auto = pass_q until an accelerator measures the ring ahead (on CPU it is 2-17x
@@ -69,6 +70,9 @@ class AttentionConfig:
             raise ConfigError("model.qk_norm_after_rope needs a qk_norm (head or projection)")
         if self.qk_norm_after_rope and self.rope_interleave and self.qk_norm != "weightless":
             raise ConfigError("model.qk_norm_after_rope with rope_interleave would norm permuted heads")
+        if self.output_gate and self.gate_proj:
+            raise ConfigError("model.attn_output_gate (the gate from q_proj) and model.attn_gate_proj (from a "
+                              "projection of its own) are two spellings of one gate: set one")
         if self.qkv_clip is not None and self.qkv_clip <= 0:
             raise ConfigError(f"model.qkv_clip must be positive, got {self.qkv_clip}")
         if self.sliding_window is not None and self.sliding_window <= 0:

@@ -32,6 +32,8 @@ class Attention(nnx.Module):
         self.k, self.k_scale = projection(rngs, (e, hk, d), qkv[1], dt, 1, wd, name="k")
         self.v, self.v_scale = projection(rngs, (e, hk, d), qkv[1], dt, 1, wd, name="v")
         self.o, self.o_scale = projection(rngs, (hq, d, e), ("q_heads", "head_dim", "embed"), dt, 2, wd, name="o")
+        if c.attention.gate_proj:  # AFMoE: the output gate from a projection of its own
+            self.gate, self.gate_scale = projection(rngs, (e, hq, d), qkv[0], dt, 1, wd, name="gate")
         if c.attention.bias:
             self.q_bias = param(rngs, (c.num_heads, c.head_dim), ("q_heads", "head_dim"), dt)
             self.k_bias = param(rngs, (c.num_kv_heads, c.head_dim), ("kv_heads", "head_dim"), dt)
@@ -89,6 +91,8 @@ class Attention(nnx.Module):
         gate = None
         if a.output_gate:
             q, gate = q[..., :self.config.head_dim], q[..., self.config.head_dim:]  # [T, Hq, D] each
+        elif a.gate_proj:
+            gate = qeinsum("te,ehd->thd", ctx.sampled(x), self.gate[...], self.gate_scale)  # [T', Hq, D]
         if a.bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         settings = layer_settings(self.config)
