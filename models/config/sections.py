@@ -164,7 +164,8 @@ class MoEConfig:
     # selection bias (ERNIE 4.5); sigmoid: sigmoid scores, top k of score + bias within the
     # best groups (DeepSeek-V3, GLM-4.5, MiniMax-M2); topk_softmax: top k of the logits,
     # softmax over those k (gpt-oss); sparsemixer: two experts, each the best left, weighted
-    # by a softmax over the experts within 2 * sparsemixer_eps of it (Phi-3.5-MoE)
+    # by a softmax over the experts within 2 * sparsemixer_eps of it (Phi-3.5-MoE); softmax and
+    # sigmoid take router_groups alike (Mistral 4: softmax probabilities in groups)
     scoring: str = "softmax"
     renormalize: bool = True  # top-k weights divided by their sum
     renormalize_min: float = 0.0  # ... clamped below at this (ERNIE 4.5's moe_norm_min); 0: not clamped
@@ -214,8 +215,9 @@ class MoEConfig:
         if g < 1 or self.num_experts % g or not 1 <= kg <= g:
             raise ConfigError(f"model.router_groups ({g}) must divide num_experts ({self.num_experts}) and "
                               f"router_topk_groups ({kg}) be in [1, router_groups]")
-        if g > 1 and (self.scoring != "sigmoid" or self.num_experts // g < 2):
-            raise ConfigError("model.router_groups > 1 needs router_scoring = sigmoid and 2+ experts per group")
+        if g > 1 and (self.scoring not in ("sigmoid", "softmax") or self.num_experts // g < 2):
+            raise ConfigError("model.router_groups > 1 needs router_scoring = sigmoid or softmax and 2+ experts "
+                              "per group")
         if g > 1 and kg * self.num_experts // g < self.experts_per_token:
             raise ConfigError(f"the best {kg} of {g} expert groups hold fewer than experts_per_token experts")
 
