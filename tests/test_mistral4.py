@@ -48,3 +48,42 @@ def test_mistral4_layouts(tmp_path):
     model = make_hf_checkpoint(str(tmp_path / "mistral4"), "mistral4", num_hidden_layers=2)
     results = run_layouts(model, MISTRAL4_LAYOUTS, devices=4)
     check_layouts(results, "mistral4", ("chunk7", "prefix", "tensor2", "sequence2", "expert2_tensor2"))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_text_tower_of_mistral3_conditional_generation_matches_hf(tmp_path, tied):
+    """Mistral3ForConditionalGeneration with a tiny Pixtral tower and a Mistral 4 text
+    config, as Mistral Small 4 ships: `language_model.model.*` loads, `vision_tower.*` and
+    `multi_modal_projector.*` are skipped, the outer tie_word_embeddings ties the head, and
+    the logits of text-only prompts are HF's; a Mistral 3 text tower is refused by name."""
+    import json
+
+    import transformers as tf
+
+    from hf_models import HF_SMALL, MOE_KWARGS, torch
+    from jaxfill.models.checkpoint import load_hf_params
+    from jaxfill.models.config import ConfigError
+    from jaxfill.models.families.registry import config_from_hf
+    from test_model_parity import hf_last_logits, ours_last_logits, prompts, rel_l2
+
+    text = dict(HF_SMALL, **{**MOE_KWARGS["mistral4"][1], "num_hidden_layers": 2}, model_type="mistral4")
+    vision = dict(model_type="pixtral", hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  intermediate_size=64, image_size=28, patch_size=14, head_dim=16)
+    torch.manual_seed(0)
+    hf = tf.Mistral3ForConditionalGeneration(tf.Mistral3Config(text_config=text, vision_config=vision,
+                                                               tie_word_embeddings=tied)).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    hf.save_pretrained(str(tmp_path))
+    config = config_from_hf(str(tmp_path))
+    assert config.architecture == "Mistral3ForConditionalGeneration" and config.embeddings.tied == tied
+    model = load_hf_params(str(tmp_path), config, progress=False)
+    for length, tokens in prompts(config.vocab_size)[2:]:
+        err = rel_l2(ours_last_logits(model, config, tokens), hf_last_logits(hf, tokens))
+        assert err <= 1e-5, (length, err)
+    raw = json.load(open(tmp_path / "config.json"))
+    raw["text_config"]["model_type"] = "ministral3"
+    with pytest.raises(ConfigError, match="text_config.model_type='ministral3'"):
+        config_from_hf(raw)

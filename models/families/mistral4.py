@@ -85,4 +85,33 @@ class Mistral4(DeepseekV3):
         }
 
 
-FAMILIES = (Mistral4(),)
+class Mistral4Multimodal(Mistral4):
+    """The text tower of Mistral3ForConditionalGeneration whose text_config is Mistral 4's
+    (as Mistral Small 4 ships); the vision tower and projector are skipped. Another text
+    tower under that architecture is refused by name. Tying the LM head to the embeddings
+    is the outer config's `tie_word_embeddings`, as transformers ties it."""
+    architectures = ("Mistral3ForConditionalGeneration",)
+    prefix = "language_model.model."
+    ignored_prefixes = ("vision_tower.", "multi_modal_projector.")
+    tested = "HF parity f32 of the text tower (text-only prompts), vision weights skipped"
+
+    def to_model_config(self, hf, architecture):
+        text = dict(hf.get("text_config") or {})
+        if text.get("model_type") != "mistral4":
+            raise ConfigError(f"Mistral3ForConditionalGeneration text_config.model_type="
+                              f"{text.get('model_type')!r} is not supported (only 'mistral4')")
+        text.pop("model_type")
+        text["tie_word_embeddings"] = bool(hf.get("tie_word_embeddings", True))
+        for key in ("bos_token_id", "eos_token_id", "dtype", "torch_dtype"):
+            if key in hf and key not in text:
+                text[key] = hf[key]
+        return super().to_model_config(text, architecture)
+
+    def tensors(self, config):
+        table = super().tensors(config)
+        if "lm_head.weight" in table:
+            table["language_model.lm_head.weight"] = table.pop("lm_head.weight")
+        return table
+
+
+FAMILIES = (Mistral4(), Mistral4Multimodal())
