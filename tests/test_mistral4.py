@@ -36,18 +36,19 @@ def chunks(n: int) -> dict:
 
 
 MISTRAL4_LAYOUTS = {"whole": LAYOUTS["whole"], "chunk7": chunks(7), "prefix": LAYOUTS["prefix"],
-                    "tensor2": {"mesh.tensor": 2}, "sequence2": LAYOUTS["sequence2"],
-                    "expert2_tensor2": {"mesh.expert": 2, "mesh.tensor": 2},
+                    "tensor4": {"mesh.tensor": 4}, "expert2_tensor2": {"mesh.expert": 2, "mesh.tensor": 2},
+                    "expert2_sequence2": {"mesh.expert": 2, "mesh.sequence": 2},
                     "int8": {"engine.kv_cache_dtype": "int8"}}
 
 
 def test_mistral4_layouts(tmp_path):
     """Two layers: a dense one, then softmax grouped routing beside a shared expert; the
     query temperature steps every 16 positions, so 7-token chunks and the prefix-cached
-    resume cross its boundaries; an int8 latent cache stays close."""
+    resume cross its boundaries; the heads split 4 ways or over expert x tensor, the rows
+    over sequence; an int8 latent cache stays close."""
     model = make_hf_checkpoint(str(tmp_path / "mistral4"), "mistral4", num_hidden_layers=2)
     results = run_layouts(model, MISTRAL4_LAYOUTS, devices=4)
-    check_layouts(results, "mistral4", ("chunk7", "prefix", "tensor2", "sequence2", "expert2_tensor2"))
+    check_layouts(results, "mistral4", ("chunk7", "prefix", "tensor4", "expert2_tensor2", "expert2_sequence2"))
 
 
 @pytest.mark.parametrize("tied", [True, False])
