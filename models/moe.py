@@ -34,14 +34,15 @@ def route(logits: jax.Array,  # [T, E] f32 router logits
     (gpt-oss). sparsemixer: two experts in turn (Phi-3.5-MoE, `sparsemixer`). sigmoid: sigmoid scores, experts chosen on score + bias within the best
     `router_topk_groups` of `router_groups` groups (a group scores the sum of its two
     best), weights from the plain scores, renormalised and times `routed_scaling`
-    (DeepSeek-V3, GLM-4.5, MiniMax-M2; LFM2-MoE in one group, its sum + 1e-6)."""
+    (DeepSeek-V3, GLM-4.5, MiniMax-M2; LFM2-MoE in one group, its sum + 1e-6). Softmax
+    probabilities take the same groups (Mistral 4)."""
     c, k = config, config.moe.experts_per_token
     if c.moe.scoring == "softmax":
         probs = jax.nn.softmax(logits, axis=-1)
-        if bias is None:
+        if bias is None and c.moe.groups == 1:
             weights, ids = jax.lax.top_k(probs, k)
         else:
-            _, ids = jax.lax.top_k(probs + bias, k)
+            _, ids = jax.lax.top_k(best_groups(probs if bias is None else probs + bias, c), k)
             weights = jnp.take_along_axis(probs, ids, axis=1)
     elif c.moe.scoring == "sparsemixer":
         weights, ids = sparsemixer(logits, c.moe.sparsemixer_eps)
@@ -50,15 +51,7 @@ def route(logits: jax.Array,  # [T, E] f32 router logits
         weights = jax.nn.softmax(top, axis=-1)
     else:
         scores = jax.nn.sigmoid(logits)
-        choice = scores if bias is None else scores + bias
-        if c.moe.groups > 1:
-            t, e = choice.shape
-            grouped = choice.reshape(t, c.moe.groups, e // c.moe.groups)
-            group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [T, G]
-            _, best = jax.lax.top_k(group_score, c.moe.topk_groups)
-            keep = jnp.zeros_like(group_score, bool).at[jnp.arange(t)[:, None], best].set(True)
-            choice = jnp.where(jnp.repeat(keep, e // c.moe.groups, axis=1), choice, -jnp.inf)
-        _, ids = jax.lax.top_k(choice, k)
+        _, ids = jax.lax.top_k(best_groups(scores if bias is None else scores + bias, c), k)
         weights = jnp.take_along_axis(scores, ids, axis=1)
     if c.moe.renormalize:
         eps = c.moe.renormalize_eps
@@ -68,6 +61,20 @@ def route(logits: jax.Array,  # [T, E] f32 router logits
             total = jnp.maximum(total, c.moe.renormalize_min)
         weights = weights / total
     return weights * c.moe.routed_scaling, ids.astype(jnp.int32)
+
+
+def best_groups(choice: jax.Array,  # [T, E] f32 selection scores
+                config: ModelConfig) -> jax.Array:  # [T, E]: -inf outside each row's best groups
+    """The experts of the best `router_topk_groups` of `router_groups` groups (a group
+    scores the sum of its two best); the scores as they are in one group."""
+    g = config.moe.groups
+    if g == 1:
+        return choice
+    t, e = choice.shape
+    group_score = jax.lax.top_k(choice.reshape(t, g, e // g), 2)[0].sum(-1)  # [T, G]
+    _, best = jax.lax.top_k(group_score, config.moe.topk_groups)
+    keep = jnp.zeros_like(group_score, bool).at[jnp.arange(t)[:, None], best].set(True)
+    return jnp.where(jnp.repeat(keep, e // g, axis=1), choice, -jnp.inf)
 
 
 def sparsemixer(scores: jax.Array,  # [T, E] f32 router logits

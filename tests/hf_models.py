@@ -281,6 +281,25 @@ MOE_KWARGS = {
                                             attention_bias=True,
                                             rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
                                                              "rope_theta": 1e4})),
+    # AFMoE (Arcee Trinity): sliding (24-token window, roped), global (NoPE), sliding, global;
+    # q/k/v/o biases, the output gate, muP embeddings; a dense first layer, then top 3 of 8
+    # sigmoid scores + the selection bias (randomised below, as the router HF inits to 0)
+    # times route_scale 2.5, beside two shared experts
+    "afmoe": ("Afmoe", dict(num_hidden_layers=4, head_dim=24, global_attn_every_n_layers=2, sliding_window=24,
+                            attention_bias=True, mup_enabled=True, num_dense_layers=1, num_experts=8,
+                            num_experts_per_tok=3, num_shared_experts=2, moe_intermediate_size=32,
+                            route_scale=2.5, rope_parameters={"rope_type": "default", "rope_theta": 1e4})),
+    # Mistral 4: DeepSeek V3's MLA (low-rank q, interleaved YaRN rope with the mscale
+    # correction) whose query temperature steps every 16 positions (beta 0.5, not 0.1); a
+    # dense first layer, then softmax routing, top 3 of the best 2 of 4 groups, x1.8
+    "mistral4": ("Mistral4", dict(num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48,
+                                  qk_rope_head_dim=16, qk_nope_head_dim=24, v_head_dim=20, n_routed_experts=8,
+                                  num_experts_per_tok=3, moe_intermediate_size=32, n_shared_experts=1, n_group=4,
+                                  topk_group=2, routed_scaling_factor=1.8, first_k_dense_replace=1,
+                                  rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                                                   "mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 32.0,
+                                                   "beta_slow": 1.0, "original_max_position_embeddings": 16,
+                                                   "llama_4_scaling_beta": 0.5})),
     # Phi-3.5-MoE: sparsemixer with a neighbourhood (router_jitter_noise) wide enough that its
     # softmax weighs several experts, LayerNorms, biased attention and LM head; longrope whose
     # original context (64) the 300-token prompt passes (equal mscales: the same rope throughout)
@@ -333,6 +352,8 @@ def make_hf_checkpoint(directory: str, arch: str, dtype: torch.dtype = torch.flo
                 p.add_(0.3 * torch.randn_like(p))
             if name.endswith(("router.scale", "router.per_expert_scale")):  # Gemma 4: ones
                 p.add_(0.3 * torch.randn_like(p))
+            if name.endswith("router.gate.weight") and not p.any():  # AFMoE inits its router to 0
+                p.add_(0.1 * torch.randn_like(p))
         for name, b in model.named_buffers():  # a router's selection bias (GLM, LFM2-MoE) starts at 0
             if name.endswith(("correction_bias", "expert_bias")):  # LFM2-MoE's expert_bias too
                 b.add_(0.3 * torch.randn_like(b))
@@ -349,6 +370,10 @@ def load_hf(directory: str, dtype: torch.dtype = torch.float32):
     import transformers as tf
 
     # eager experts too: the grouped-mm kernel of a MoE has no float64 (the truth runs)
-    model = tf.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, attn_implementation="eager",
-                                                    experts_implementation="eager")
+    kwargs = dict(dtype=dtype, attn_implementation="eager", experts_implementation="eager")
+    try:
+        model = tf.AutoModelForCausalLM.from_pretrained(directory, **kwargs)
+    except ValueError:  # transformers 5.25 maps no AutoModelForCausalLM to Mistral4Config: the class it names
+        model = getattr(tf, tf.AutoConfig.from_pretrained(directory).architectures[0]).from_pretrained(directory,
+                                                                                                       **kwargs)
     return model.eval()

@@ -35,6 +35,7 @@ CLASSES = {  # architecture -> transformers config class
     "PhimoeForCausalLM": tf.PhimoeConfig, "Lfm2ForCausalLM": tf.Lfm2Config, "Lfm2MoeForCausalLM": tf.Lfm2MoeConfig,
     "GraniteMoeHybridForCausalLM": tf.GraniteMoeHybridConfig,
     "Gemma4ForCausalLM": tf.Gemma4TextConfig,
+    "AfmoeForCausalLM": tf.AfmoeConfig, "Mistral4ForCausalLM": tf.Mistral4Config,
 }
 SKIP = {"self", "kwargs"}
 # Values for fields whose default is None (the walker cannot guess a type).
@@ -64,6 +65,10 @@ def small_kwargs(arch):
         kw.update(num_local_experts=4, num_experts_per_tok=2, head_dim=16)
     elif arch == "OlmoeForCausalLM":
         kw.update(num_experts=4, num_experts_per_tok=2)
+    elif arch == "AfmoeForCausalLM":
+        kw.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    elif arch == "Mistral4ForCausalLM":
+        kw.update(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1)
     elif "Moe" in arch or "Mixtral" in arch:
         kw.update(num_experts_per_tok=2, **({"num_local_experts": 4} if "Mixtral" in arch else
                                             {"num_experts": 4, "moe_intermediate_size": 32}))
@@ -145,7 +150,8 @@ def test_every_hf_field_is_read_or_refused(arch):
             assert any(k in str(e) for k in changed) or name in str(e), (arch, name, str(e))
             checked += 1
             continue
-        if name in family.honoured | COMMON_READ - {"rope_scaling", "rope_parameters"}:
+        # a common field the family declares inert changes nothing (MLA's num_key_value_heads)
+        if name in (family.honoured | COMMON_READ - {"rope_scaling", "rope_parameters"}) - family.inert:
             assert got != ours, f"{arch}: {name}={value!r} is said to be honoured but changes nothing"
         elif name in family.fixed:
             assert hf.get(name) == family.fixed[name] or hf.get(name) in (None, False), (arch, name)

@@ -81,6 +81,9 @@ EVIDENCE: tuple[Evidence, ...] = (
               "engine.enable_prefix_caching")),
     Evidence("tests/test_longcat_layouts.py::test_longcat_layouts", ("longcat_flash",),
              ("mesh.expert", "mesh.tensor", "engine.enable_prefix_caching")),
+    Evidence("tests/test_afmoe.py::test_afmoe_layouts", ("afmoe",),
+             ("mesh.expert", "mesh.tensor", "mesh.sequence", "model.weight_dtype=int8", "engine.kv_cache_dtype=int8",
+              "engine.enable_prefix_caching")),
     # multi-head latent attention
     Evidence("tests/test_mla_layouts.py::test_dense_mla", ("deepseek_v3",),
              ("mesh.tensor", "mesh.sequence", "mesh.stage", "engine.scan_layers", "engine.kv_cache_dtype=int8",
@@ -88,6 +91,9 @@ EVIDENCE: tuple[Evidence, ...] = (
     Evidence("tests/test_mla_layouts.py::test_mla_with_experts", ("deepseek_v3",), ("mesh.expert",)),
     Evidence("tests/test_multihost.py::test_latent_attention_over_two_processes", ("deepseek_v3",),
              ("mesh.num_processes",)),
+    Evidence("tests/test_mistral4.py::test_mistral4_layouts", ("mistral4",),
+             ("mesh.tensor", "mesh.sequence", "mesh.expert", "engine.kv_cache_dtype=int8",
+              "engine.enable_prefix_caching")),
     # DeepSeek sparse attention (MLA + the lightning indexer's top-k)
     Evidence("tests/test_dsa_layouts.py::test_deepseek_v32_layouts", ("deepseek_v32",),
              ("mesh.tensor", "mesh.stage", "engine.scan_layers", "engine.kv_cache_dtype=int8",

@@ -36,6 +36,7 @@ RENAMED = {
     "attn_output_gate": ("attention", "output_gate"), "mla_form": ("mla", "form"),
     "mla_head_gate": ("mla", "head_gate"),
     "mla_latent_scale": ("mla", "latent_scale"), "moe_shortcut": ("moe", "shortcut"),
+    "attn_gate_proj": ("attention", "gate_proj"),
     "moe_intermediate_size": ("moe", "intermediate_size"), "router_scoring": ("moe", "scoring"),
     "router_renormalize": ("moe", "renormalize"), "router_renormalize_min": ("moe", "renormalize_min"),
     "router_renormalize_eps": ("moe", "renormalize_eps"),

@@ -62,6 +62,7 @@ class AttentionConfig:
     global_k_eq_v: bool = False  # "full" layers' V is their K projection, before the K norm (Gemma 4)
     v_norm: bool = False  # V through an RMSNorm without weight over each head (Gemma 4)
     output_gate: bool = False  # output times sigmoid(a per-head gate q_proj also gives) (Qwen3.5)
+    gate_proj: bool = False  # output times sigmoid(x @ a gate projection of its own, [Hq, D]) (AFMoE)
     # mesh.sequence > 1 (models/parallel/context.py): pass_kv = the pass-KV ring for a step
     # with nothing cached (unquantized pages), pass-Q otherwise; pass_q = always pass-Q;
     # auto = pass_q until an accelerator measures the ring ahead (on CPU it is 2-17x
@@ -75,6 +76,9 @@ class AttentionConfig:
             raise ConfigError("model.qk_norm_after_rope needs a qk_norm (head or projection)")
         if self.qk_norm_after_rope and self.rope_interleave and self.qk_norm != "weightless":
             raise ConfigError("model.qk_norm_after_rope with rope_interleave would norm permuted heads")
+        if self.output_gate and self.gate_proj:
+            raise ConfigError("model.attn_output_gate (the gate from q_proj) and model.attn_gate_proj (from a "
+                              "projection of its own) are two spellings of one gate: set one")
         if self.qkv_clip is not None and self.qkv_clip <= 0:
             raise ConfigError(f"model.qkv_clip must be positive, got {self.qkv_clip}")
         if self.sliding_window is not None and self.sliding_window <= 0:
@@ -176,7 +180,8 @@ class MoEConfig:
     # selection bias (ERNIE 4.5); sigmoid: sigmoid scores, top k of score + bias within the
     # best groups (DeepSeek-V3, GLM-4.5, MiniMax-M2); topk_softmax: top k of the logits,
     # softmax over those k (gpt-oss); sparsemixer: two experts, each the best left, weighted
-    # by a softmax over the experts within 2 * sparsemixer_eps of it (Phi-3.5-MoE)
+    # by a softmax over the experts within 2 * sparsemixer_eps of it (Phi-3.5-MoE); softmax and
+    # sigmoid take router_groups alike (Mistral 4: softmax probabilities in groups)
     scoring: str = "softmax"
     renormalize: bool = True  # top-k weights divided by their sum
     renormalize_min: float = 0.0  # ... clamped below at this (ERNIE 4.5's moe_norm_min); 0: not clamped
@@ -242,8 +247,9 @@ class MoEConfig:
         if g < 1 or self.num_experts % g or not 1 <= kg <= g:
             raise ConfigError(f"model.router_groups ({g}) must divide num_experts ({self.num_experts}) and "
                               f"router_topk_groups ({kg}) be in [1, router_groups]")
-        if g > 1 and (self.scoring != "sigmoid" or self.num_experts // g < 2):
-            raise ConfigError("model.router_groups > 1 needs router_scoring = sigmoid and 2+ experts per group")
+        if g > 1 and (self.scoring not in ("sigmoid", "softmax") or self.num_experts // g < 2):
+            raise ConfigError("model.router_groups > 1 needs router_scoring = sigmoid or softmax and 2+ experts "
+                              "per group")
         if g > 1 and kg * self.num_experts // g < self.experts_per_token:
             raise ConfigError(f"the best {kg} of {g} expert groups hold fewer than experts_per_token experts")
 

@@ -17,7 +17,8 @@ MODULES = ("llama", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "olmo3", "glm"
            "ministral", "arcee", "apertus", "smollm3", "granite", "mixtral", "qwen3_moe", "glm4_moe", "gpt_oss",
            "deepseek", "qwen3_5", "qwen3_next", "qwen3_5_moe", "nemotron_h", "olmoe", "minimax_m2", "ernie4_5",
            "hunyuan", "phimoe", "lfm2", "lfm2_moe", "llama4", "granitemoehybrid",
-           "kimi_linear", "deepseek_dsa", "gemma4", "bailing_hybrid", "longcat")
+           "kimi_linear", "deepseek_dsa", "gemma4", "bailing_hybrid", "longcat",
+           "afmoe", "mistral4")
 
 # Architectures known and refused, with why (their config.json is never half-read)
 REFUSED = {

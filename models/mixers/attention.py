@@ -39,6 +39,8 @@ class Attention(nnx.Module):
         self.v, self.v_scale = (None, None) if k_is_v or shared else projection(rngs, (e, hk, d), qkv[1], dt, 1, wd,
                                                                                 name="v")
         self.o, self.o_scale = projection(rngs, (hq, d, e), ("q_heads", "head_dim", "embed"), dt, 2, wd, name="o")
+        if c.attention.gate_proj:  # AFMoE: the output gate from a projection of its own
+            self.gate, self.gate_scale = projection(rngs, (e, hq, d), qkv[0], dt, 1, wd, name="gate")
         if c.attention.bias:
             self.q_bias = param(rngs, (hq, d), ("q_heads", "head_dim"), dt)
             self.k_bias = None if shared else param(rngs, (hk, d), ("kv_heads", "head_dim"), dt)
@@ -102,6 +104,8 @@ class Attention(nnx.Module):
         gate = None
         if a.output_gate:
             q, gate = q[..., :self.head_dim], q[..., self.head_dim:]  # [T, Hq, D] each
+        elif a.gate_proj:
+            gate = qeinsum("te,ehd->thd", ctx.sampled(x), self.gate[...], self.gate_scale)  # [T', Hq, D]
         if a.bias:
             q = q + self.q_bias[...]
             if k is not None:

@@ -32,6 +32,7 @@ from jaxfill.models.kv_cache import AttentionMetadata, sampled_rows_metadata
 from jaxfill.models.layer_settings import layer_settings
 from jaxfill.models import fp8_block
 from jaxfill.models.layers import RMSNorm, param, projection
+from jaxfill.models.mixers.attention import query_temperature
 from jaxfill.models.mixers.context import MixerContext
 from jaxfill.models.mixers.mla_expanded import EXPAND_KEYS_PER_TOKEN, expanded_attention, prefers_expanded
 from jaxfill.models.mixers.mla_indexer import Indexer, needs_selection, select, sparse_attention
@@ -109,6 +110,10 @@ class LatentAttention(nnx.Module):
             q = qeinsum("te,ehd->thd", x, self.q[...], self.q_scale)
         q_pe = self._rope(q[..., nope:], positions, ctx.layer)
         q = jnp.concatenate([q[..., :nope], q_pe.astype(q.dtype)], axis=-1)
+        a, beta = c.attention, layer_settings(c).of_layer(layer_settings(c).temperature, ctx.layer)
+        if a.query_temperature_beta and not (isinstance(ctx.layer, int) and beta == 0):  # Mistral 4: after rope
+            scale = query_temperature(positions + a.query_temperature_offset, beta, a.query_temperature_length)
+            q = q * scale.astype(q.dtype)[:, None, None]  # nope and rope dims alike
         r = kv_heads_for(2 * pages.shape[2], 1)  # a cache laid out for 'tensor' repeats the one head
         if r > 1:
             k = jnp.repeat(k, r, axis=1)
