@@ -48,6 +48,7 @@ def kinds(hf: dict, key: str, allowed: tuple, default: list) -> list:
 class BailingHybrid(KimiLinear):
     name = "bailing_hybrid"
     architectures = ("BailingHybridForCausalLM",)
+    moe_defaults = (512, 8, 4, 2.5)  # BailingHybridConfig's
     honoured = (KimiLinear.honoured - {"linear_attn_config", "linear_head_dim", "linear_num_heads",
                                        "linear_conv_kernel_dim"}) | {"head_dim", "short_conv_kernel_size",
                                                                      "layer_group_size", "kda_safe_gate",
@@ -88,15 +89,7 @@ class BailingHybrid(KimiLinear):
                       linear_full_rank_gates=True,
                       linear_gate_lower_bound=float(hf.get("kda_lower_bound", -5.0)) if safe else None)
         if "sparse" in mlp:
-            inter = int(hf["moe_intermediate_size"])
-            fields.update(num_experts=int(read(hf, "num_local_experts", 512)),
-                          experts_per_token=int(read(hf, "num_experts_per_tok", 8)), moe_intermediate_size=inter,
-                          dense_layers=tuple(n for n, t in enumerate(mlp) if t == "dense"),
-                          router_scoring="sigmoid", router_bias=True, router_f32=True,
-                          router_renormalize=bool(read(hf, "norm_topk_prob", True)),
-                          router_groups=int(read(hf, "n_group", 8)), router_topk_groups=int(hf.get("topk_group") or 4),
-                          routed_scaling=float(hf.get("routed_scaling_factor", 2.5)),
-                          shared_expert_size=int(read(hf, "n_shared_experts", 1)) * inter)
+            fields.update(self.moe_fields(hf, mlp))
         return fields
 
     def model_defaults(self, hidden_size):

@@ -283,6 +283,28 @@ def longrope_scaling(hf: dict[str, Any], scaling: dict) -> dict:
     return scaling
 
 
+def text_tower_config(hf: dict[str, Any], architecture: str, tie_default: bool, outer_tie: bool = False) -> dict:
+    """An image-text checkpoint's `text_config` with the top-level fields its text tower
+    reads: the tie of the embeddings (the outer one wins with `outer_tie`, where transformers
+    follows it), the special tokens and the dtype."""
+    text = dict(hf.get("text_config") or {})
+    if not text:
+        raise ConfigError(f"{architecture} config.json has no text_config")
+    tie = hf.get("tie_word_embeddings", tie_default)
+    text["tie_word_embeddings"] = bool(tie) if outer_tie else text.get("tie_word_embeddings", tie)
+    for key in ("bos_token_id", "eos_token_id", "dtype", "torch_dtype"):
+        if key in hf and key not in text:
+            text[key] = hf[key]
+    return text
+
+
+def head_under(table: dict, prefix: str) -> dict:
+    """The tensor table with the LM head stored under `prefix` (image-text checkpoints)."""
+    if "lm_head.weight" in table:
+        table[prefix + "lm_head.weight"] = table.pop("lm_head.weight")
+    return table
+
+
 def same(path: tuple, shape: tuple) -> HFTensor:
     return HFTensor(path, shape, shape, tuple(range(len(shape))))
 

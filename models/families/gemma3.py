@@ -8,9 +8,9 @@ pattern (5 sliding : 1 full), and two ropes: sliding layers use the local base
 
 from __future__ import annotations
 
-from jaxfill.models.config import ConfigError, freeze
+from jaxfill.models.config import freeze
 from jaxfill.models.families.base import (
-    FAMILY_TESTED, activation, layer_type_ropes, layer_types_from, window_fields,
+    FAMILY_TESTED, activation, layer_type_ropes, layer_types_from, text_tower_config, window_fields,
 )
 from jaxfill.models.families.gemma2 import Gemma2, _cap
 
@@ -70,13 +70,7 @@ class Gemma3Multimodal(Gemma3):
     tested = "HF parity f32 of the text tower (text-only prompts), vision weights skipped"
 
     def to_model_config(self, hf, architecture):
-        text = dict(hf.get("text_config") or {})
-        if not text:
-            raise ConfigError("Gemma3ForConditionalGeneration config.json has no text_config")
-        text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", True))
-        for key in ("bos_token_id", "eos_token_id", "dtype", "torch_dtype"):
-            if key in hf and key not in text:
-                text[key] = hf[key]
+        text = text_tower_config(hf, "Gemma3ForConditionalGeneration", tie_default=True)
         return super().to_model_config(text, architecture)
 
     def model_fields(self, hf):

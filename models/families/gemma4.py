@@ -18,7 +18,9 @@ bidirectional attention (`use_bidirectional_attention`, "vision" accepted for th
 from __future__ import annotations
 
 from jaxfill.models.config import ConfigError, freeze
-from jaxfill.models.families.base import Family, HFTensor, activation, layer_types_from, same, window_fields
+from jaxfill.models.families.base import (
+    Family, HFTensor, activation, layer_types_from, same, text_tower_config, window_fields,
+)
 
 GLOBAL_KEYS = ("head_dim", "num_key_value_heads")  # what a per_layer_config entry may override
 
@@ -225,13 +227,7 @@ class Gemma4Multimodal(Gemma4):
     tested = "HF parity f32 of the text tower (text-only prompts), vision and audio weights skipped"
 
     def to_model_config(self, hf, architecture):
-        text = dict(hf.get("text_config") or {})
-        if not text:
-            raise ConfigError("Gemma4ForConditionalGeneration config.json has no text_config")
-        text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", True))
-        for key in ("bos_token_id", "eos_token_id", "dtype", "torch_dtype"):
-            if key in hf and key not in text:
-                text[key] = hf[key]
+        text = text_tower_config(hf, "Gemma4ForConditionalGeneration", tie_default=True)
         if text.get("use_bidirectional_attention") == "vision":  # image tokens only: text prompts are causal
             text["use_bidirectional_attention"] = None
         return super().to_model_config(text, architecture)

@@ -100,16 +100,25 @@ class KimiLinear(DeepseekV3):
                       linear_value_head_dim=dim,
                       linear_conv_kernel=int(lin.get("short_conv_kernel_size", hf.get("linear_conv_kernel_dim", 4))))
         if "sparse" in mlp:
-            inter = int(hf["moe_intermediate_size"])
-            fields.update(num_experts=int(read(hf, "num_local_experts", 256)),
-                          experts_per_token=int(read(hf, "num_experts_per_tok", 8)), moe_intermediate_size=inter,
-                          dense_layers=tuple(n for n, t in enumerate(mlp) if t == "dense"),
-                          router_scoring="sigmoid", router_bias=True, router_f32=True,
-                          router_renormalize=bool(read(hf, "norm_topk_prob", True)),
-                          router_groups=int(read(hf, "n_group", 1)), router_topk_groups=int(hf.get("topk_group") or 1),
-                          routed_scaling=float(hf.get("routed_scaling_factor", 2.446)),
-                          shared_expert_size=int(read(hf, "n_shared_experts", 1)) * inter)
+            fields.update(self.moe_fields(hf, mlp))
         return fields
+
+    # transformers' defaults of the config class: experts, groups, groups kept, routed scaling
+    moe_defaults = (256, 1, 1, 2.446)
+
+    def moe_fields(self, hf, mlp: list[str]) -> dict:
+        """DeepSeek V3's MoE (sigmoid scores with a correction bias, groups, shared experts)
+        under this family's names and defaults."""
+        experts, groups, kept, scaling = self.moe_defaults
+        inter = int(hf["moe_intermediate_size"])
+        return dict(num_experts=int(read(hf, "num_local_experts", experts)),
+                    experts_per_token=int(read(hf, "num_experts_per_tok", 8)), moe_intermediate_size=inter,
+                    dense_layers=tuple(n for n, t in enumerate(mlp) if t == "dense"),
+                    router_scoring="sigmoid", router_bias=True, router_f32=True,
+                    router_renormalize=bool(read(hf, "norm_topk_prob", True)),
+                    router_groups=int(read(hf, "n_group", groups)), router_topk_groups=int(hf.get("topk_group") or kept),
+                    routed_scaling=float(hf.get("routed_scaling_factor", scaling)),
+                    shared_expert_size=int(read(hf, "n_shared_experts", 1)) * inter)
 
     def model_defaults(self, hidden_size):
         return dict(super().model_defaults(hidden_size), rope_interleave=False, linear_kind="kda",

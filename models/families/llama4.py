@@ -18,7 +18,7 @@ complex numbers, in f32) and three departures:
 from __future__ import annotations
 
 from jaxfill.models.config import ConfigError
-from jaxfill.models.families.base import Family, HFTensor, activation, same
+from jaxfill.models.families.base import Family, HFTensor, activation, head_under, same, text_tower_config
 from jaxfill.models.families.experts import shared_expert_tensors
 from jaxfill.models.moe import is_moe_layer
 
@@ -122,20 +122,11 @@ class Llama4Multimodal(Llama4):
     tested = "HF parity f32 of the text tower (text-only prompts), vision weights skipped"
 
     def to_model_config(self, hf, architecture):
-        text = dict(hf.get("text_config") or {})
-        if not text:
-            raise ConfigError("Llama4ForConditionalGeneration config.json has no text_config")
-        text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", False))
-        for key in ("bos_token_id", "eos_token_id", "dtype", "torch_dtype"):
-            if key in hf and key not in text:
-                text[key] = hf[key]
+        text = text_tower_config(hf, "Llama4ForConditionalGeneration", tie_default=False)
         return super().to_model_config(text, architecture)
 
     def tensors(self, config):
-        table = super().tensors(config)
-        if "lm_head.weight" in table:
-            table["language_model.lm_head.weight"] = table.pop("lm_head.weight")
-        return table
+        return head_under(super().tensors(config), "language_model.")
 
 
 FAMILIES = (Llama4(), Llama4Multimodal())

@@ -18,7 +18,7 @@ Only a YaRN rope is accepted: transformers' default rope spans the whole head_di
 from __future__ import annotations
 
 from jaxfill.models.config import ConfigError
-from jaxfill.models.families.base import Family, HFTensor
+from jaxfill.models.families.base import Family, HFTensor, head_under, text_tower_config
 from jaxfill.models.families.deepseek import DeepseekV3
 from jaxfill.models.families.experts import shared_expert_tensors
 from jaxfill.models.families.ministral import TEMPERATURE_KEYS
@@ -96,22 +96,15 @@ class Mistral4Multimodal(Mistral4):
     tested = "HF parity f32 of the text tower (text-only prompts), vision weights skipped"
 
     def to_model_config(self, hf, architecture):
-        text = dict(hf.get("text_config") or {})
+        text = text_tower_config(hf, "Mistral3ForConditionalGeneration", tie_default=True, outer_tie=True)
         if text.get("model_type") != "mistral4":
             raise ConfigError(f"Mistral3ForConditionalGeneration text_config.model_type="
                               f"{text.get('model_type')!r} is not supported (only 'mistral4')")
         text.pop("model_type")
-        text["tie_word_embeddings"] = bool(hf.get("tie_word_embeddings", True))
-        for key in ("bos_token_id", "eos_token_id", "dtype", "torch_dtype"):
-            if key in hf and key not in text:
-                text[key] = hf[key]
         return super().to_model_config(text, architecture)
 
     def tensors(self, config):
-        table = super().tensors(config)
-        if "lm_head.weight" in table:
-            table["language_model.lm_head.weight"] = table.pop("lm_head.weight")
-        return table
+        return head_under(super().tensors(config), "language_model.")
 
 
 FAMILIES = (Mistral4(), Mistral4Multimodal())
