@@ -16,6 +16,7 @@ import numpy as np
 
 from jaxfill.models import fp8_block
 from jaxfill.models.gguf import GGUFTensor
+from jaxfill.models.stored_box import stored_box
 
 
 SAFETENSORS_DTYPES = {
@@ -58,13 +59,7 @@ class TensorSlices:
     def read(self, index: tuple = ()) -> np.ndarray:
         """The box `index` (slices with step 1, as make_array_from_callback passes) of the
         param: a new C-contiguous array in the target dtype, independent of the file."""
-        index = tuple(index) + (slice(None),) * (len(self.perm) - len(tuple(index)))
-        box = [(0, 0)] * len(self.perm)
-        for axis, (s, dim) in enumerate(zip(index, self.shape)):
-            start, stop, step = s.indices(dim)
-            if step != 1:
-                raise ValueError(f"slice {s} of a checkpoint tensor must have step 1")
-            box[self.perm[axis]] = (start, max(start, stop))
+        box = stored_box(index, self.shape, self.perm)
         lengths = [hi - lo for lo, hi in box]
         if 0 in lengths:
             return np.empty([lengths[p] for p in self.perm], self.target)

@@ -15,6 +15,7 @@ import numpy as np
 from jaxfill.models.config import ConfigError
 from jaxfill.models.gguf import quants
 from jaxfill.models.gguf.reader import TensorInfo
+from jaxfill.models.stored_box import stored_box
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,13 +89,7 @@ class GGUFSlices:
         return tuple(self.stored_shape[p] for p in self.perm)
 
     def read(self, index: tuple = ()) -> np.ndarray:
-        index = tuple(index) + (slice(None),) * (len(self.perm) - len(tuple(index)))
-        box = [(0, 0)] * len(self.perm)
-        for axis, (s, dim) in enumerate(zip(index, self.shape)):
-            start, stop, step = s.indices(dim)
-            if step != 1:
-                raise ValueError(f"slice {s} of a checkpoint tensor must have step 1")
-            box[self.perm[axis]] = (start, max(start, stop))
+        box = stored_box(index, self.shape, self.perm)
         lengths = [hi - lo for lo, hi in box]
         if 0 in lengths:
             return np.empty([lengths[p] for p in self.perm], self.target)
