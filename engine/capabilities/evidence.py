@@ -61,6 +61,7 @@ EVIDENCE: tuple[Evidence, ...] = (
     Evidence("tests/test_gemma4_layouts.py::test_every_layout_gives_the_same_tokens", ("gemma4",),
              ("mesh.tensor", "mesh.sequence", "model.weight_dtype=int8", "engine.kv_cache_dtype=int8",
               "engine.enable_prefix_caching")),
+    Evidence("tests/test_gemma4_layouts.py::test_moe_block_layouts", ("gemma4",), ("mesh.expert",)),
     Evidence("tests/test_weight_quant.py::test_logits_equal_float64_model_with_the_same_quantized_weights[qwen2]",
              ("qwen2",), ("model.weight_dtype=int8",)),
     # mixtures of experts

@@ -45,6 +45,7 @@ class Gemma4(Family):
     norm_names = {"attn_norm": "input_layernorm", "attn_post_norm": "post_attention_layernorm",
                   "mlp_norm": "pre_feedforward_layernorm", "mlp_post_norm": "post_feedforward_layernorm"}
     mixed_kv = True  # global layers hold pages of their own shape (engine/capabilities/table.py)
+    experts = True  # the MoE checkpoints (enable_moe_block) share the architecture name with the dense ones
     tested = ("HF f32 logits and greedy tokens (global layers of their own head dim, KV heads and V = K; the MoE "
               "block; the E models' per-layer inputs and KV-sharing layers), bf16 at the noise floor; chunked = "
               "prefix-cached = tensor 2 = sequence 2 through the Engine (MoE: = expert 4 = expert 2 x tensor 2); "
