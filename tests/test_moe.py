@@ -87,8 +87,10 @@ def test_router_settings_are_checked():
         MOE.replace(router_groups=3)
     with pytest.raises(ConfigError, match="experts_per_token"):
         MOE.replace(experts_per_token=9)
-    with pytest.raises(ConfigError, match="sigmoid"):
-        MOE.replace(router_groups=2)
+    with pytest.raises(ConfigError, match="sigmoid or softmax"):  # groups of softmax probabilities: Mistral 4
+        MOE.replace(router_groups=2, router_scoring="topk_softmax")
+    with pytest.raises(ConfigError, match="fewer than experts_per_token"):
+        MOE.replace(router_groups=4, router_topk_groups=1, experts_per_token=3)
 
 
 @pytest.mark.parametrize("first", [0, 2, 6])
