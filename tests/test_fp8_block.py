@@ -15,6 +15,8 @@ import sys
 import ml_dtypes
 import numpy as np
 import pytest
+
+torch = pytest.importorskip("torch", reason="the Hugging Face reference and the writer need torch (the test extra)")
 from flax import nnx
 from safetensors.torch import load_file as load_torch, save_file
 

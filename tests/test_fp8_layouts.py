@@ -9,7 +9,9 @@ Engine.stats() and the planner report the bytes the device holds."""
 import jax
 import ml_dtypes
 import numpy as np
+import pytest
 
+torch = pytest.importorskip("torch", reason="the checkpoint writer needs torch (the test extra)")
 from family_layouts import LAYOUTS, check_layouts, run_layouts
 from fp8_checkpoints import write_fp8
 from hf_models import make_hf_checkpoint
