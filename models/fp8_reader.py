@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxfill.models import fp8_block
+import jaxfill.models.fp8_block as fp8_block
 from jaxfill.models.safetensors_file import CheckpointError, StoredTensor, TensorSlices, rows_of
 from jaxfill.models.families.base import HFTensor
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxfill.models import fp8_block
+import jaxfill.models.fp8_block as fp8_block
 from jaxfill.models.quant import qeinsum, quantize
 from jaxfill.models.parallel.vocab import vocab_parallel_embed
 from jaxfill.models.sharding import constrain

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxfill.models import fp8_block
+import jaxfill.models.fp8_block as fp8_block
 from jaxfill.models.config import ModelConfig
 from jaxfill.models.grouped_matmul import grouped_matmul
 from jaxfill.models.layers import ACTIVATIONS, GatedMLP, param, projection

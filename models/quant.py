@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfill.models import fp8_block
+import jaxfill.models.fp8_block as fp8_block
 
 QMAX = 127
 # projection param name -> how many leading axes are input axes (the rest are outputs)

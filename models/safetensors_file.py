@@ -14,7 +14,7 @@ from typing import Iterator, NamedTuple
 import ml_dtypes
 import numpy as np
 
-from jaxfill.models import fp8_block
+import jaxfill.models.fp8_block as fp8_block
 from jaxfill.models.gguf import GGUFTensor
 from jaxfill.models.stored_box import stored_box
 

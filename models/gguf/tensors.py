@@ -13,7 +13,7 @@ import dataclasses
 import numpy as np
 
 from jaxfill.models.config import ConfigError
-from jaxfill.models.gguf import quants
+import jaxfill.models.gguf.quants as quants
 from jaxfill.models.gguf.reader import TensorInfo
 from jaxfill.models.stored_box import stored_box
 

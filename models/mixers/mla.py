@@ -30,7 +30,7 @@ from flax import nnx
 from jaxfill.models.config import ModelConfig
 from jaxfill.models.kv_cache import AttentionMetadata, sampled_rows_metadata
 from jaxfill.models.layer_settings import layer_settings
-from jaxfill.models import fp8_block
+import jaxfill.models.fp8_block as fp8_block
 from jaxfill.models.layers import RMSNorm, param, projection
 from jaxfill.models.mixers.attention import query_temperature
 from jaxfill.models.mixers.context import MixerContext

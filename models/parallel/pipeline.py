@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxfill.models import fp8_block
+import jaxfill.models.fp8_block as fp8_block
 from jaxfill.models.mixers.context import MixerContext
 from jaxfill.models.moe import MoE
 from jaxfill.models.moe_beside_dense import ExpertsBesideDense
