@@ -17,7 +17,7 @@ in the 256 bucket). transformers runs `benchmarks/prefill_hf_worker.py` (sdpa, l
 --threads threads) on the same random-init bench-shape checkpoint. Every configuration
 runs in its own process, rounds alternate the order, and the tables quote medians and
 ratios of this one run. `--arch` saves the bench shape as another family instead
-(prefill_hf_worker.py ARCHS: Qwen3, Gemma 3 text). Writes benchmarks/results/generate_cpu.json.
+(prefill_hf_worker.py ARCHS: Qwen3, Gemma 3 and 4 text, Qwen3.5-MoE, DeepSeek V3.2). Writes benchmarks/results/generate_cpu.json.
 """
 
 from __future__ import annotations

@@ -41,6 +41,23 @@ ARCHS = {
     "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(
         linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=704, shared_expert_intermediate_size=704)),
+    # Gemma 4 dense (issue 45): sliding 512 : full at 3:1, the full layers with 128-wide heads,
+    # one KV head and V = K, proportional rope over a quarter of them; no per-layer inputs
+    "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(
+        global_head_dim=128, num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=512,
+        final_logit_softcapping=30.0, hidden_size_per_layer_input=0,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"] + ["sliding_attention"] * 3 + ["full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                            "rope_theta": 1e6}})),
+    # DeepSeek V3.2 (issue 45): MLA (latent 256 + rope 32) over 8 heads, a first dense layer then
+    # 8 experts of 704 top 2 beside one shared; the lightning indexer 8 heads x 64 keeping the top
+    # 256 keys, so both bench lengths run sparse (transformers masks, dense cost)
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", dict(
+        num_key_value_heads=8, kv_lora_rank=256, q_lora_rank=384, qk_rope_head_dim=32, qk_nope_head_dim=64,
+        v_head_dim=64, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=704, n_shared_experts=1,
+        n_group=1, topk_group=1, first_k_dense_replace=1, index_topk=256, index_head_dim=64, index_n_heads=8,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4})),
 }
 
 
