@@ -19,6 +19,15 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 # test_kv_quant_engine[float8_e4m3fn]: 70 s -> 57 s; the whole suite, cold cache, 2 workers:
 # 38.5 -> 28.7 min.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+# XLA:CPU's fusion emitters (jaxlib 0.10's default) spend compile time that these tiny
+# programs never win back: tests/test_lfm2_layouts.py took 80 instead of 96 CPU seconds
+# without them, one engine build 2-3 instead of 4-5 (2026-12-06, loaded 2-core machine).
+# jaxlib 0.11.2 has no such flag and aborts on it, so only 0.10 gets it. Subprocesses
+# inherit it through tests/xla_flags.py.
+from importlib.metadata import version  # noqa: E402
+
+if version("jaxlib").startswith("0.10.") and "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_use_fusion_emitters=false").strip()
 
 # In-process tests run on exactly one CPU device, whatever the core count (the Engine
 # would otherwise ask for one per core, engine/cpu_devices.py). A jax config, not an

@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import numpy as np
+from xla_flags import fake_devices
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = """
@@ -75,7 +76,7 @@ def check_every_layout(model_dir: str, arch: str, layouts: dict = LAYOUTS, exact
 
 def run_layouts(model_dir: str, layouts: dict, devices: int) -> dict:
     """Runs `layouts` in one subprocess on `devices` fake CPU devices: {name: result}."""
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env = dict(os.environ, XLA_FLAGS=fake_devices(devices))
     proc = subprocess.run([sys.executable, "-c", SCRIPT, model_dir, json.dumps(layouts)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]

@@ -19,6 +19,7 @@ import subprocess
 import sys
 
 import pytest
+from xla_flags import fake_devices
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = {"model.max_position_embeddings": 8192, "engine.max_model_len": 8192,
@@ -27,7 +28,7 @@ PAGES_OF_LONG = 8000 // 16
 
 
 def run(devices: int, overrides: dict, long: bool = False, mid: int = 1536, abort: bool = True) -> dict:
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=fake_devices(devices), JAX_PLATFORMS="cpu")
     spec = json.dumps({"overrides": {**BASE, **overrides}, "long": long, "mid": mid, "abort": abort})
     out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "context_worker.py"), spec],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

@@ -19,13 +19,14 @@ import subprocess
 import sys
 
 import numpy as np
+from xla_flags import fake_devices
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEQS, PAGE, HQ, HKV, D, T = (17, 30, 9), 4, 4, 2, 16, 64
 
 
 def test_ring_and_pass_q_equal_the_oracle():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=fake_devices(4), JAX_PLATFORMS="cpu",
                PYTHONPATH=ROOT + os.pathsep + os.path.dirname(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=600)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from xla_flags import fake_devices
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = """
@@ -34,7 +35,7 @@ BASE = {"engine.max_num_batched_tokens": 64, "engine.num_pages": 64}
 
 
 def run(overrides, devices):
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env = dict(os.environ, XLA_FLAGS=fake_devices(devices))
     out = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps({**BASE, **overrides})], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]

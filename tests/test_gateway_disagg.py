@@ -26,13 +26,14 @@ from gateway_util import SmgProcess, kill_all, smg_binary, start_worker, wait_un
 from serving_util import compile_cache_dir, scrape
 
 import openai  # the test extra installs it, and smg: missing is a failure, never a skip
+from xla_flags import fake_devices
 
 assert smg_binary(), "the smg gateway binary is not on PATH: pip install -e '.[test]'"
 
 SMG_FLAGS = ["--worker-wedge-secs", "30", "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
              "--health-success-threshold", "1", "--retry-max-retries", "2", "--retry-initial-backoff-ms", "200",
              "--retry-max-backoff-ms", "500"]
-TWO_FAKE_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+TWO_FAKE_DEVICES = {"XLA_FLAGS": fake_devices(2)}
 
 VERSE = ("ROMEO:\nBut, soft! what light through yonder window breaks? It is the east, and Juliet is the sun. "
          "Arise, fair sun, and kill the envious moon, who is already sick and pale with grief.\n")

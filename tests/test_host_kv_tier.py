@@ -14,6 +14,7 @@ from jaxfill.engine.block_manager import prefix_hashes
 from jaxfill.engine.kv_tier.host import HostKVTier, KVBlock
 from jaxfill.engine.kv_tier.page_offload import gather_blocks
 from jaxfill.models.config import ConfigError
+from xla_flags import fake_devices
 
 TIER = {"engine.host_kv_cache_gb": 0.001}  # ~1 MB: every block of the workload fits
 
@@ -192,7 +193,7 @@ def test_host_tier_under_a_mesh_gives_the_single_device_tokens(plain, mesh):
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = dict(os.environ, XLA_FLAGS=fake_devices(2))
     out = subprocess.run([sys.executable, os.path.join(root, "tests", "kv_tier_workload.py"),
                           json.dumps({**TIER, **mesh})], cwd=root, env=env, capture_output=True, text=True,
                          timeout=900)

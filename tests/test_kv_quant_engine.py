@@ -19,6 +19,7 @@ from jaxfill.engine.request import SamplingParams
 from jaxfill.engine.simple import generate_one
 from jaxfill.models.kv_cache import KVCache
 from jaxfill.pallas_kernels import QuantizedPages
+from xla_flags import fake_devices
 
 KV_DTYPES = ["int8", "float8_e4m3fn"]
 BASE = {"engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64], "engine.num_pages": 64,
@@ -106,7 +107,7 @@ print(json.dumps({"tokens": [c.token_ids for c in out],
 
 
 def run_sharded(overrides, devices):
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env = dict(os.environ, XLA_FLAGS=fake_devices(devices))
     out = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps({**BASE, **overrides}), json.dumps(PROMPTS)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -24,6 +24,7 @@ from jaxfill.engine.engine import Engine
 from jaxfill.engine.request import QueueFull, SamplingParams
 from jaxfill.models.kv_cache import KVCache
 from jaxfill.pallas_kernels import QuantizedPages
+from xla_flags import fake_devices
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = {"engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64], "engine.num_pages": 64,
@@ -204,7 +205,7 @@ def test_prefill_in_another_process_on_another_mesh(engines, mesh):
     _, dst = engines
     params = SamplingParams(max_tokens=10, temperature=0.7, seed=3)
     want = dst.generate([PROMPT], params)[0]
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={max(mesh.values())}")
+    env = dict(os.environ, XLA_FLAGS=fake_devices(max(mesh.values())))
     over = {**BASE, "engine.page_size": 16, **mesh}
     proc = subprocess.Popen([sys.executable, "-c", PREFILL_SCRIPT, json.dumps(over), json.dumps(PROMPT)],
                             cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 from serving_util import free_port, run_process_pair
+from xla_flags import fake_devices
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "multihost_worker.py")
@@ -22,7 +23,7 @@ TIMEOUT_S = 420
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("multihost")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=fake_devices(4), JAX_PLATFORMS="cpu",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     port = free_port()
     outs = [tmp / f"out{i}.json" for i in range(2)]

@@ -22,6 +22,7 @@ from jaxfill.models.forward import forward
 from jaxfill.models.kv_cache import KVCache, single_sequence_metadata
 from jaxfill.models.decoder import Decoder
 from jaxfill.models.parallel.pipeline import microbatch_count, microbatch_metadata
+from xla_flags import fake_devices
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = {"engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64], "engine.num_pages": 48,
@@ -102,7 +103,7 @@ print(json.dumps(results))
 
 
 def run(configs, devices, preset="tiny_random"):
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env = dict(os.environ, XLA_FLAGS=fake_devices(devices))
     out = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps([{**BASE, **c} for c in configs]), preset],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]

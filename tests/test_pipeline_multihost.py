@@ -14,11 +14,12 @@ import time
 
 import pytest
 from serving_util import ServeProcess, compile_cache_dir, free_port, run_process_pair
+from xla_flags import fake_devices
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "pipeline_multihost_worker.py")
 TIMEOUT_S = 420
-ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+ENV = {"XLA_FLAGS": fake_devices(2), "JAX_PLATFORMS": "cpu"}
 
 
 def run_workers(tmp_path, axis: str) -> list[dict]:

@@ -17,6 +17,7 @@ from jaxfill.engine.planner.context import PASS_KV, PASS_Q, activation_estimate,
 from jaxfill.engine.planner.counts import attention_flops, kv_bytes_per_token
 from jaxfill.engine.planner.layout import weight_bytes_per_device
 from jaxfill.serving.cli import main
+from xla_flags import fake_devices
 
 H200 = load_hardware("h200")
 MILLION = 1 << 20
@@ -140,7 +141,7 @@ def test_engine_pool_under_sequence_2():
     import subprocess
     import sys
 
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=fake_devices(2), JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-c", POOL_WORKER], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads([x for x in out.stdout.splitlines() if x.startswith("RESULT ")][-1][len("RESULT "):])

@@ -13,6 +13,7 @@ import pytest
 
 from jaxfill.serving.client import Client
 from serving_util import ServeProcess, compile_cache_dir, free_port
+from xla_flags import fake_devices
 
 ENGINE = {"engine.max_num_batched_tokens": 32, "engine.max_num_seqs": 4, "engine.num_pages": 64,
           "engine.max_model_len": 256}
@@ -40,7 +41,7 @@ def reference():
 def test_two_process_server_matches_one_process_and_stops_cleanly(tmp_path_factory, reference):
     cache = compile_cache_dir(tmp_path_factory)
     port = free_port()
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    env = {"XLA_FLAGS": fake_devices(2), "JAX_PLATFORMS": "cpu"}
     follower = ServeProcess(*_args(1, port), cache_dir=cache, env=env, listens=False)
     leader = None
     try:

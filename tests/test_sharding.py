@@ -18,6 +18,7 @@ import sys
 import traceback
 
 import pytest
+from xla_flags import fake_devices
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESHES = [(1, 2, 1), (1, 4, 1), (1, 8, 1), (1, 1, 2), (1, 1, 4), (1, 2, 4)]  # (data, tensor, sequence)
@@ -26,7 +27,7 @@ MESH_IDS = [f"t{t}s{s}" for _, t, s in MESHES]
 
 @pytest.fixture(scope="module")
 def results():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=fake_devices(8), JAX_PLATFORMS="cpu",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600)

@@ -23,6 +23,7 @@ from jaxfill.models import KVCache, Decoder
 from jaxfill.models.families.registry import config_from_hf
 from jaxfill.models.checkpoint import hf_to_param, load_hf_params, quantize_model, tensor_parts
 from jaxfill.models.quant import QUANTIZED_INPUT_AXES, dequantize, param_bytes, quantize
+from xla_flags import fake_devices
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGE = 16
@@ -191,7 +192,7 @@ BASE = {"model.weight_dtype": "int8", "engine.num_pages": 64, "engine.max_model_
 
 
 def run_engine(overrides, devices, hf_dir):
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env = dict(os.environ, XLA_FLAGS=fake_devices(devices))
     out = subprocess.run([sys.executable, "-c", MESH_SCRIPT, json.dumps({**BASE, **overrides}), hf_dir],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
