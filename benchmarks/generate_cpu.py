@@ -38,7 +38,8 @@ RESULTS = os.path.join(ROOT, "benchmarks", "results", "generate_cpu.json")
 PAGE = 16
 
 
-def worker_jax(model_dir: str, lengths: list[int], repeats: int, devices: int, dtype: str) -> dict:
+def worker_jax(model_dir: str, lengths: list[int], repeats: int, devices: int, dtype: str,
+               settings: dict | None = None) -> dict:
     """Times Engine.generate and the bare forward per length, one engine per length (one
     token bucket = the prompt, so neither side pays for padding)."""
     import jax
@@ -55,7 +56,7 @@ def worker_jax(model_dir: str, lengths: list[int], repeats: int, devices: int, d
         overrides = {"engine.max_num_batched_tokens": n, "engine.token_buckets": [n],
                      "engine.max_num_seqs": 1, "engine.seq_buckets": [1],
                      "engine.num_pages": n // PAGE + 8, "engine.max_model_len": n + PAGE,
-                     "model.dtype": dtype}
+                     "model.dtype": dtype, **(settings or {})}
         if devices:  # else the engine's CPU default
             overrides["mesh.tensor"] = devices
         engine = Engine.from_config("bench", model_path=model_dir, overrides=overrides, progress=False)
@@ -94,6 +95,18 @@ def worker_jax(model_dir: str, lengths: list[int], repeats: int, devices: int, d
     return out
 
 
+def parse_settings(pairs: list[str]) -> dict:
+    """--set KEY=JSON pairs -> overrides (a value that is not JSON stays a string)."""
+    out = {}
+    for kv in pairs:
+        key, _, raw = kv.partition("=")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
+
+
 def fmt_ms(seconds) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.0f} ms"
 
@@ -106,13 +119,13 @@ def run(cmd: list[str], env=None) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def jax_run(model_dir, lengths, repeats, devices, dtype, pin) -> dict:
+def jax_run(model_dir, lengths, repeats, devices, dtype, pin, settings: list[str]) -> dict:
     env = dict(os.environ)
     if devices:  # 0: the engine's CPU default chooses
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}").strip()
     return run(pin + [sys.executable, os.path.abspath(__file__), "--worker", model_dir, "--lengths",
                 *map(str, lengths), "--repeats", str(repeats), "--devices", str(devices),
-                "--dtypes", dtype], env)
+                "--dtypes", dtype, *(a for kv in settings for a in ("--set", kv))], env)
 
 
 def hf_run(model_dir, lengths, repeats, threads, dtype, pin) -> dict:
@@ -179,6 +192,8 @@ def main() -> None:
                         "disturb far less than wall time")
     p.add_argument("--out", default=RESULTS)
     p.add_argument("--arch", default="llama", help="family of the bench-shape checkpoint (prefill_hf_worker.py)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                   help="an engine setting for every jaxfill run, e.g. engine.enable_prefix_caching=false")
     p.add_argument("--worker", metavar="MODEL_DIR", help=argparse.SUPPRESS)
     p.add_argument("--two-core", metavar="JSON", help="print the two-core table of a finished run's JSON")
     args = p.parse_args()
@@ -194,7 +209,8 @@ def main() -> None:
                 f"jaxfill {d} dev {fmt_ms(r[f'jax_{d}dev_s'])} (n={r[f'jax_{d}dev_calls']})" for d in devices))
         return
     if args.worker:
-        print(json.dumps(worker_jax(args.worker, args.lengths, args.repeats, args.devices[0], args.dtypes[0])))
+        print(json.dumps(worker_jax(args.worker, args.lengths, args.repeats, args.devices[0], args.dtypes[0],
+                                    parse_settings(args.set))))
         return
 
     pin = [] if args.pin is None else ["taskset", "-c", str(args.pin)]
@@ -210,7 +226,7 @@ def main() -> None:
             for v in (variants if i % 2 == 0 else variants[::-1]):
                 who, n, dtype = v
                 runs[v].append(hf_run(model_dir, args.lengths, args.repeats, args.threads, dtype, pin) if who == "hf"
-                               else jax_run(model_dir, args.lengths, args.repeats, n, dtype, pin))
+                               else jax_run(model_dir, args.lengths, args.repeats, n, dtype, pin, args.set))
             print(f"round {i + 1}/{args.rounds} done, {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
 
     rows = summarize(runs, args.dtypes, args.lengths, args.devices, pin)
@@ -219,6 +235,7 @@ def main() -> None:
               "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
               "load_average_start": load_start, "load_average_end": os.getloadavg(),
               "rounds": args.rounds, "repeats": args.repeats, "threads_hf": args.threads,
+              "settings": parse_settings(args.set),
               "measure": "process CPU time, one pinned core" if pin else "wall time",
               "rows": rows, "two_core_rows": two_core, "raw": {f"{w}/{n}/{d}": r for (w, n, d), r in runs.items()},
               "wall_s": time.time() - t0}
