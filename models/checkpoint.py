@@ -31,9 +31,7 @@ from jaxfill.models.progress import progress_bar
 from jaxfill.models.safetensors_file import (  # noqa: F401 (CheckpointError, StoredTensor: their old home)
     CheckpointError, StoredTensor, TensorSlices, read_safetensors, rows_of, safetensors_files,
 )
-from jaxfill.models.quant import (
-    QUANTIZED_INPUT_AXES, STACKED_AXES, QuantizedSlices, is_quantized, quantize_param, scale_path,
-)
+from jaxfill.models.quant import STACKED_AXES, QuantizedSlices, input_axes, is_int8, quantize_param, scale_path
 
 
 class StackedSlices:
@@ -64,10 +62,10 @@ def assemble(parts: dict, levels: tuple):
                           for i in range(count)], axis)
 
 
-def scale_stack(name: str, stack: tuple) -> tuple:
-    """A stacked projection's stack as its scales see it: they lack the input axes."""
+def scale_stack(name: str, num_in: int, stack: tuple) -> tuple:
+    """A stacked projection's stack as its scales see it: they lack the `num_in` input axes."""
     first = STACKED_AXES.get(name, 0)
-    inputs = range(first, first + QUANTIZED_INPUT_AXES[name])
+    inputs = range(first, first + num_in)
     return tuple((axis - sum(i < axis for i in inputs), index, count) for axis, index, count in stack)
 
 
@@ -194,11 +192,14 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
             s, n, _ = fp8_block.LAYOUTS[path[-1]]
             stack = tuple((axis - (n - 1) * (axis >= s + n), index, count) for axis, index, count in spec.stack)
             pairs = [(path, reader_of(dtype_of(path)), spec.stack), (scale_path(path), reader_of.scales, stack)]
-        elif is_quantized(path, config.weight_dtype):  # int8 from the f32 values, slice by slice
+        elif is_int8(dtype_of(path)):  # the model keeps it int8: quantized from the f32 values, slice by slice
             # experts stacked in the checkpoint itself (gpt-oss) carry their expert axis
             stacked = 0 if spec.stack else STACKED_AXES.get(path[-1], 0)
-            tensor = QuantizedSlices(reader_of(np.dtype(np.float32)), QUANTIZED_INPUT_AXES[path[-1]], stacked)
-            pairs = [(path, tensor, spec.stack), (scale_path(path), tensor.scales, scale_stack(path[-1], spec.stack))]
+            floats = reader_of(np.dtype(np.float32))
+            num_in = input_axes(path[-1], len(floats.shape), stacked)
+            tensor = QuantizedSlices(floats, num_in, stacked)
+            pairs = [(path, tensor, spec.stack),
+                     (scale_path(path), tensor.scales, scale_stack(path[-1], num_in, spec.stack))]
         else:
             pairs = [(path, reader_of(target), spec.stack)]
         for p, reader, stack in pairs:
@@ -227,7 +228,7 @@ def quantize_model(model: Decoder, weight_dtype: str = "int8") -> Decoder:
                                                                  attention_impl=model.attention_impl)))
     params = dict(nnx.to_flat_state(state))
     for path, var in nnx.to_flat_state(nnx.state(model)):
-        if is_quantized(path, weight_dtype):
+        if is_int8(params[path].dtype):  # the quantized model's own choice (models/layers.py projection)
             q, scale = quantize_param(path[-1], np.asarray(var[...], np.float32))
             params[path].set_value(jnp.asarray(q))
             params[scale_path(path)].set_value(jnp.asarray(scale))

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import jaxfill.models.fp8_block as fp8_block
-from jaxfill.models.quant import qeinsum, quantize
+from jaxfill.models.quant import input_axes, qeinsum, quantize
 from jaxfill.models.parallel.vocab import vocab_parallel_embed
 from jaxfill.models.sharding import constrain
 
@@ -30,13 +30,14 @@ def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dtype,
 
 
 def projection(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dtype, num_in: int,
-               weight_dtype="auto", stacked: int = 0, name: str = "") -> tuple[nnx.Param, nnx.Param | None]:
+               weight_dtype="auto", stacked: int = 0, name: str = "", init_scale: float = 0.02,
+               ) -> tuple[nnx.Param, nnx.Param | None]:
     """A projection weight [stacked..., in..., out...] and its scales: None for "auto";
     per output channel for "int8" (stacked experts get their own); per block for an
     fp8_block.Fp8Format (ModelConfig.weight_form), the layout of fp8_block.LAYOUTS[name]
     carried as the scale's metadata. Both quantize the very values the float model would
     have, so a random-init quantized model is the float one quantized."""
-    w = param(rngs, shape, axes, dtype)
+    w = param(rngs, shape, axes, dtype, scale=init_scale)
     if weight_dtype == "auto":
         return w, None
     if isinstance(weight_dtype, fp8_block.Fp8Format):
@@ -49,6 +50,27 @@ def projection(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dt
     scale_axes = axes[:stacked] + axes[stacked + num_in:]
     return (nnx.Param(q, out_sharding=axes, eager_sharding=False),
             nnx.Param(scale, out_sharding=scale_axes, eager_sharding=False))
+
+
+def int8_form(config) -> str:
+    """The weight form of a projection with an int8 path but no fp8 block layout (the
+    linear mixers', the indexer's, MLA's head gate): int8 with model.weight_dtype = int8,
+    else the model dtype (an fp8 checkpoint's are dequantized at load)."""
+    return "int8" if config.weight_dtype == "int8" else "auto"
+
+
+def mixer_projection(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dtype, weight_dtype, name: str,
+                     init_scale: float = 0.02) -> tuple[nnx.Param, nnx.Param | None]:
+    """`projection` with its input axes from quant.input_axes, the rule the loader and
+    quantize_model use too, so the model, its scales and a loaded checkpoint agree."""
+    return projection(rngs, shape, axes, dtype, input_axes(name, len(shape)), weight_dtype, name=name,
+                      init_scale=init_scale)
+
+
+def project(module: nnx.Module, name: str, eq: str, x: jax.Array) -> jax.Array:
+    """einsum(eq, x, module.<name>) through the weight's form (quant.qeinsum): float, or
+    int8 times `<name>_scale` per output channel, whose axes must end eq's result."""
+    return qeinsum(eq, x, getattr(module, name)[...], getattr(module, name + "_scale"))
 
 
 class RMSNorm(nnx.Module):

@@ -7,9 +7,15 @@ states the exact bound). The matmul
 runs in the compute dtype on Q cast inside the jitted program, and the scale multiplies
 the result: (x @ Q) * scale == x @ (Q * scale), with no dequantized copy of W kept.
 
-Only the seven projections (q, k, v, o, gate, up, down) are quantized. The embedding,
-the LM head, norms and biases stay in the model dtype, as vLLM does by default: the
-head's errors go straight into the logits, and a gather reads only a few rows anyway.
+What is quantized is what the model builds as int8 (models/layers.py `projection`, the
+mixers' `int8_form`): attention's and the MLPs' projections, the experts', MLA's (q, the
+latent's kv_a and its up-projection w_ukv, o, Ling's head gate), the sparse-attention
+indexer's q and k, and the linear mixers' input and output projections. The loader and
+`quantize_model` follow the model's own dtypes, so no list of names has to agree with it.
+The embedding, the LM head, norms, biases, the linear mixers' depthwise convolutions and
+the f32 indexer weights stay in the model dtype, as vLLM does by default: the head's
+errors go straight into the logits, a gather reads only a few rows anyway, and a
+convolution holds a few values per channel.
 
 Scales are per output channel, so a slice of columns (what tensor parallelism gives
 q/k/v/gate/up) quantizes on its own. A slice of rows (o, down under tensor parallelism)
@@ -26,9 +32,11 @@ import numpy as np
 import jaxfill.models.fp8_block as fp8_block
 
 QMAX = 127
-# projection param name -> how many leading axes are input axes (the rest are outputs)
+# attention's, the MLPs' and the experts' projections -> their input axes (input_axes' answer)
 QUANTIZED_INPUT_AXES = {"q": 1, "k": 1, "v": 1, "o": 2, "gate": 1, "up": 1, "down": 1,
                         "experts_gate_up": 1, "experts_down": 1}
+# projections back into the residual stream: every axis but the last (embed) is an input
+OUTPUT_PROJECTIONS = ("o", "out", "down", "experts_down")
 # projections stacked over experts: how many leading axes stack them ([E, in, out...]);
 # each expert is quantized on its own (scales [E, out...])
 STACKED_AXES = {"experts_gate_up": 1, "experts_down": 1}
@@ -36,9 +44,17 @@ SCALE_SUFFIX = "_scale"
 CHUNK_ELEMENTS = 1 << 22  # rows streamed at a time when a slice's scales need the whole column
 
 
-def is_quantized(path: tuple, weight_dtype: str) -> bool:
-    """Whether the param at `path` (e.g. ("layers", 0, "attn", "q")) is stored as int8."""
-    return weight_dtype == "int8" and bool(path) and path[-1] in QUANTIZED_INPUT_AXES
+def input_axes(name: str, ndim: int, stacked: int = 0) -> int:
+    """How many axes of projection `name` [stacked..., in..., out...] (`ndim` in all) its
+    matmul contracts, the axes its per-output-channel scale is taken over: an output
+    projection's all but the last (o [H, D, E], out [H, P, E], down [I, E]); an input
+    projection's first (q [E, H, D], w_ukv [lat, H, nope + vd], qkvz [E, Hk, W])."""
+    return ndim - stacked - 1 if name in OUTPUT_PROJECTIONS else 1
+
+
+def is_int8(dtype) -> bool:
+    """Whether a param of this dtype is an int8 projection (it has a `_scale` beside it)."""
+    return np.dtype(dtype) == np.dtype(np.int8)
 
 
 def scale_path(path: tuple) -> tuple:
@@ -74,7 +90,8 @@ def quantize(w,  # [stacked..., in..., out...] float, numpy or jax
 
 def quantize_param(name: str, w):  # (int8 like w, f32 scales)
     """`quantize` with the input and stacked axes of the projection called `name`."""
-    return quantize(w, QUANTIZED_INPUT_AXES[name], STACKED_AXES.get(name, 0))
+    stacked = STACKED_AXES.get(name, 0)
+    return quantize(w, input_axes(name, w.ndim, stacked), stacked)
 
 
 def dequantize(q,  # [in..., out...] int8

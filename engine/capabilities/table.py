@@ -115,8 +115,6 @@ RULES: tuple[Rule, ...] = (
          "engine.scan_layers = false"),
     Rule(("linear", "engine.disk_kv_cache_dir"), "state snapshots have no disk format",
          "engine.disk_kv_cache_dir = \"\""),
-    Rule(("linear", "model.weight_dtype=int8"), "the linear layers' projections have no int8 path",
-         "model.weight_dtype = auto"),
     # Gemma 4: global layers with their own head dim / KV heads / V = K beside the sliding ones
     *(Rule(("mixed_kv", key), f"attention layers of two shapes: {why}", change) for key, why, change in (
         ("engine.scan_layers", "they cannot stack as one scan", "engine.scan_layers = false"),
@@ -125,8 +123,6 @@ RULES: tuple[Rule, ...] = (
         ("engine.host_kv_cache_gb", "the host tier's blocks hold one page shape", "engine.host_kv_cache_gb = 0"),
         ("serve.role=prefill/decode", "the KV hand-off exports one page shape", "--role both"),
     )),
-    Rule(("mla", "model.weight_dtype=int8"), "the latent projections have no int8 path",
-         "model.weight_dtype = auto"),
     Rule(("mesh.expert", "!moe"), "mesh.expert splits experts, and this model has none", "mesh.expert = 1"),
     Rule(("dsa", "mesh.sequence"), "the sparse-attention indexer scores every cached key of a sequence, which "
          "context parallelism deals over ranks", "mesh.sequence = 1"),

@@ -224,10 +224,11 @@ def layer_projection_params(config, layer: int = 0) -> dict[tuple, float]:
 
 
 # Multi-head latent attention's projections (models/mixers/mla.py) beside q and o: each weight
-# multiplies every token once (w_ukv: W_uk on the queries, W_uv on the outputs; index_*: the
-# sparse-attention indexer's, models/mixers/mla_indexer.py)
-LATENT_PROJECTIONS = ("q_a", "q_b", "kv_a", "w_ukv", "index_q", "index_k", "index_weights")
+# multiplies every token once (w_ukv: W_uk on the queries, W_uv on the outputs; g: Ling 2.5's
+# per-head gate; index_*: the sparse-attention indexer's, models/mixers/mla_indexer.py)
+LATENT_PROJECTIONS = ("q_a", "q_b", "kv_a", "w_ukv", "g", "index_q", "index_k", "index_weights")
 # A linear layer's projections: Gated DeltaNet's (models/mixers/gated_deltanet.py, either layout),
 # Mamba2's (models/mixers/mamba2.py), LFM2's short convolution (b, c, x, out) and KDA's
-# (models/mixers/kda.py: the gates' two bottlenecks)
-LINEAR_PROJECTIONS = ("q", "k", "v", "z", "b", "a", "out", "qkvz", "ba", "x", "c", "dt", "f_a", "f_b", "g_a", "g_b")
+# (models/mixers/kda.py: the gates' two bottlenecks, or Ling 2.5's full-rank f and g)
+LINEAR_PROJECTIONS = ("q", "k", "v", "z", "b", "a", "out", "qkvz", "ba", "x", "c", "dt", "f_a", "f_b", "g_a", "g_b",
+                      "f", "g")

@@ -21,7 +21,7 @@ from flax import nnx
 from jaxfill.models.causal_conv import causal_conv
 from jaxfill.models.config import ModelConfig
 from jaxfill.models.kv_cache import AttentionMetadata
-from jaxfill.models.layers import param
+from jaxfill.models.layers import int8_form, mixer_projection, param, project
 from jaxfill.models.linear_slots import read_slots, write_slots
 from jaxfill.models.linear_state import LinearState
 from jaxfill.models.mixers.context import MixerContext
@@ -48,17 +48,19 @@ class GatedDeltaNet(nnx.Module):
         c, dt = config, config.jnp_dtype
         e, hk, hv, dk, dv = (c.hidden_size, c.linear.num_key_heads, c.linear.num_value_heads, c.linear.key_head_dim,
                              c.linear.value_head_dim)
-        r = hv // hk
+        r, wd = hv // hk, int8_form(c)
         if c.linear.grouped_proj:  # per key head [q, k, v, z] and [b, a] (Qwen3-Next's in_proj_qkvz / _ba)
-            self.qkvz = param(rngs, (e, hk, 2 * dk + 2 * r * dv), ("embed", "kv_heads", None), dt)
-            self.ba = param(rngs, (e, hk, 2 * r), ("embed", "kv_heads", None), dt)
+            shapes = {"qkvz": ((e, hk, 2 * dk + 2 * r * dv), ("embed", "kv_heads", None)),
+                      "ba": ((e, hk, 2 * r), ("embed", "kv_heads", None))}
         else:
-            self.q = param(rngs, (e, hk, dk), ("embed", "kv_heads", None), dt)
-            self.k = param(rngs, (e, hk, dk), ("embed", "kv_heads", None), dt)
-            self.v = param(rngs, (e, hk, r * dv), ("embed", "kv_heads", None), dt)
-            self.z = param(rngs, (e, hv, dv), ("embed", "q_heads", None), dt)
-            self.b = param(rngs, (e, hv), ("embed", "q_heads"), dt)
-            self.a = param(rngs, (e, hv), ("embed", "q_heads"), dt)
+            shapes = {"q": ((e, hk, dk), ("embed", "kv_heads", None)), "k": ((e, hk, dk), ("embed", "kv_heads", None)),
+                      "v": ((e, hk, r * dv), ("embed", "kv_heads", None)), "z": ((e, hv, dv), ("embed", "q_heads", None)),
+                      "b": ((e, hv), ("embed", "q_heads")), "a": ((e, hv), ("embed", "q_heads"))}
+        for name, (shape, axes) in shapes.items():  # int8 with their scales, or float (models/quant.py)
+            w, scale = mixer_projection(rngs, shape, axes, dt, wd, name)
+            setattr(self, name, w)
+            setattr(self, name + "_scale", scale)
+        # the depthwise convolutions stay in the model dtype: K values per channel
         k = c.linear.conv_kernel
         self.conv_q = param(rngs, (hk, dk, k), ("kv_heads", None, None), dt, scale=0.3)
         self.conv_k = param(rngs, (hk, dk, k), ("kv_heads", None, None), dt, scale=0.3)
@@ -66,7 +68,7 @@ class GatedDeltaNet(nnx.Module):
         self.dt_bias = param(rngs, (hv,), ("q_heads",), dt, init="one_plus_normal", scale=0.1)
         self.a_log = param(rngs, (hv,), ("q_heads",), dt, scale=1.0)
         self.norm = param(rngs, (dv,), (None,), dt, init="one_plus_normal", scale=0.1)
-        self.out = param(rngs, (hv, dv, e), ("q_heads", None, "embed"), dt)
+        self.out, self.out_scale = mixer_projection(rngs, (hv, dv, e), ("q_heads", None, "embed"), dt, wd, "out")
         self.config = c
 
     def project(self, x: jax.Array,  # [T, E]
@@ -74,13 +76,12 @@ class GatedDeltaNet(nnx.Module):
         """The input projections, whatever the checkpoint's layout."""
         c = self.config
         if not c.linear.grouped_proj:
-            proj = lambda w: jnp.einsum("te,e...->t...", x, w[...])  # noqa: E731
-            return tuple(proj(w) for w in (self.q, self.k, self.v, self.z, self.b, self.a))
+            return tuple(project(self, name, "te,e...->t...", x) for name in ("q", "k", "v", "z", "b", "a"))
         t, dk, dv = x.shape[0], c.linear.key_head_dim, c.linear.value_head_dim
-        p = jnp.einsum("te,egw->tgw", x, self.qkvz[...])  # [T, Hk, 2 Dk + 2 r Dv]
+        p = project(self, "qkvz", "te,egw->tgw", x)  # [T, Hk, 2 Dk + 2 r Dv]
         rdv = (p.shape[-1] - 2 * dk) // 2
         q, k, v, z = p[..., :dk], p[..., dk:2 * dk], p[..., 2 * dk:2 * dk + rdv], p[..., 2 * dk + rdv:]
-        ba = jnp.einsum("te,egw->tgw", x, self.ba[...])  # [T, Hk, 2r]
+        ba = project(self, "ba", "te,egw->tgw", x)  # [T, Hk, 2r]
         r = ba.shape[-1] // 2
         return q, k, v, z.reshape(t, -1, dv), ba[..., :r].reshape(t, -1), ba[..., r:].reshape(t, -1)
 
@@ -97,7 +98,7 @@ class GatedDeltaNet(nnx.Module):
             lambda *args: mix(*args, eps=c.norms.eps, kernel=c.linear.impl == "pallas_tpu"),
             (q, k, v, b, a, z, conv, decay, self.norm[...], state, ctx.meta),
             (1, 1, 1, 1, 1, 1, 0, 0, None, LinearState(1, 1), None), (1, LinearState(1, 1)))
-        out = jnp.einsum("thd,hde->te", ctx.sampled(o), self.out[...])
+        out = project(self, "out", "thd,hde->te", ctx.sampled(o))
         return constrain(out, ("tokens", "act_embed")), state  # an all-reduce over 'tensor'
 
 

@@ -23,7 +23,7 @@ from flax import nnx
 from jaxfill.models.causal_conv import causal_conv
 from jaxfill.models.config import ModelConfig
 from jaxfill.models.kv_cache import AttentionMetadata
-from jaxfill.models.layers import param
+from jaxfill.models.layers import int8_form, mixer_projection, param, project
 from jaxfill.models.linear_slots import read_slots, write_slots
 from jaxfill.models.linear_state import LinearState
 from jaxfill.models.mixers.context import MixerContext
@@ -64,22 +64,31 @@ class KimiDeltaAttention(nnx.Module):
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         c, dt = config, config.jnp_dtype
         e, h, d, k = c.hidden_size, c.linear.num_value_heads, c.linear.key_head_dim, c.linear.conv_kernel
-        heads = ("embed", "q_heads", None)
-        self.q, self.k, self.v = (param(rngs, (e, h, d), heads, dt) for _ in range(3))
+        heads, wd = ("embed", "q_heads", None), int8_form(c)
+
+        def projection(name, shape, axes, init_scale=0.02):  # int8 with its scales, or float (models/quant.py)
+            w, scale = mixer_projection(rngs, shape, axes, dt, wd, name, init_scale)
+            setattr(self, name, w)
+            setattr(self, name + "_scale", scale)
+
+        for name in ("q", "k", "v"):
+            projection(name, (e, h, d), heads)
+        # the depthwise convolutions stay in the model dtype: K values per channel
         self.conv_q, self.conv_k, self.conv_v = (param(rngs, (h, d, k), ("q_heads", None, None), dt, scale=0.3)
                                                  for _ in range(3))
         if c.linear.full_rank_gates:
-            self.f, self.g = (param(rngs, (e, h, d), heads, dt) for _ in range(2))
+            projection("f", (e, h, d), heads)
+            projection("g", (e, h, d), heads)
         else:
-            self.f_a = param(rngs, (e, d), ("embed", None), dt)
-            self.f_b = param(rngs, (d, h, d), (None, "q_heads", None), dt, scale=0.3)
-            self.g_a = param(rngs, (e, d), ("embed", None), dt)
-            self.g_b = param(rngs, (d, h, d), (None, "q_heads", None), dt, scale=0.3)
+            projection("f_a", (e, d), ("embed", None))
+            projection("f_b", (d, h, d), (None, "q_heads", None), 0.3)
+            projection("g_a", (e, d), ("embed", None))
+            projection("g_b", (d, h, d), (None, "q_heads", None), 0.3)
         self.dt_bias = param(rngs, (h, d), ("q_heads", None), dt, init="one_plus_normal", scale=0.1)
         self.a_log = param(rngs, (h,), ("q_heads",), dt, scale=1.0)
-        self.b = param(rngs, (e, h), ("embed", "q_heads"), dt)
+        projection("b", (e, h), ("embed", "q_heads"))
         self.norm = param(rngs, (d,), (None,), dt, init="one_plus_normal", scale=0.1)
-        self.out = param(rngs, (h, d, e), ("q_heads", None, "embed"), dt)
+        projection("out", (h, d, e), ("q_heads", None, "embed"))
         self.config = c
 
     def __call__(self,
@@ -87,19 +96,19 @@ class KimiDeltaAttention(nnx.Module):
                  state: LinearState,
                  ctx: MixerContext,
                  ) -> tuple[jax.Array, LinearState]:  # [T, E] ([S, E] if ctx.sampled_only), state
-        proj = lambda w: jnp.einsum("te,e...->t...", x, w[...])  # noqa: E731
-        q, k, v, b = proj(self.q), proj(self.k), proj(self.v), proj(self.b)
+        proj = lambda name: project(self, name, "te,e...->t...", x)  # noqa: E731
+        q, k, v, b = proj("q"), proj("k"), proj("v"), proj("b")
         if self.config.linear.full_rank_gates:
-            f, gate = proj(self.f), proj(self.g)  # [T, H, D] each
-        else:
-            f = jnp.einsum("td,dhk->thk", x @ self.f_a[...], self.f_b[...])  # [T, H, D]
-            gate = jnp.einsum("td,dhk->thk", x @ self.g_a[...], self.g_b[...])  # [T, H, D]
+            f, gate = proj("f"), proj("g")  # [T, H, D] each
+        else:  # the rank-D bottlenecks, [T, D] between their halves
+            f = project(self, "f_b", "td,dhk->thk", proj("f_a"))  # [T, H, D]
+            gate = project(self, "g_b", "td,dhk->thk", proj("g_a"))  # [T, H, D]
         conv = (self.conv_q[...], self.conv_k[...], self.conv_v[...])
         o, state = split_over_heads(
             lambda *args: mix(*args, eps=self.config.norms.eps, lower_bound=self.config.linear.gate_lower_bound),
             (q, k, v, f, b, gate, conv, (self.a_log[...], self.dt_bias[...]), self.norm[...], state, ctx.meta),
             (1, 1, 1, 1, 1, 1, 0, 0, None, LinearState(1, 1), None), (1, LinearState(1, 1)))
-        out = jnp.einsum("thd,hde->te", ctx.sampled(o), self.out[...])
+        out = project(self, "out", "thd,hde->te", ctx.sampled(o))
         return constrain(out, ("tokens", "act_embed")), state  # an all-reduce over 'tensor'
 
 

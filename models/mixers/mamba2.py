@@ -24,7 +24,7 @@ from flax import nnx
 from jaxfill.models.causal_conv import causal_conv
 from jaxfill.models.config import ModelConfig
 from jaxfill.models.kv_cache import AttentionMetadata
-from jaxfill.models.layers import param
+from jaxfill.models.layers import int8_form, mixer_projection, param, project
 from jaxfill.models.linear_slots import read_slots, write_slots
 from jaxfill.models.linear_state import LinearState
 from jaxfill.models.mixers.context import MixerContext
@@ -48,19 +48,23 @@ class Mamba2(nnx.Module):
         c, dt = config, config.jnp_dtype
         e, g, n, h, p, k = (c.hidden_size, c.linear.num_key_heads, c.linear.key_head_dim, c.linear.num_value_heads,
                             c.linear.value_head_dim, c.linear.conv_kernel)
-        widths = {"x": h // g * p, "b": n, "c": n}
-        self.z = param(rngs, (e, h, p), ("embed", "q_heads", None), dt)
+        widths, wd = {"x": h // g * p, "b": n, "c": n}, int8_form(c)
+        # the projections int8 with their scales, or float (models/quant.py); the depthwise
+        # convolutions stay in the model dtype (K values per channel)
+        self.z, self.z_scale = mixer_projection(rngs, (e, h, p), ("embed", "q_heads", None), dt, wd, "z")
         for part, w in widths.items():
-            setattr(self, part, param(rngs, (e, g, w), ("embed", "kv_heads", None), dt))
+            weight, scale = mixer_projection(rngs, (e, g, w), ("embed", "kv_heads", None), dt, wd, part)
+            setattr(self, part, weight)
+            setattr(self, part + "_scale", scale)
             setattr(self, "conv_" + part, param(rngs, (g, w, k), ("kv_heads", None, None), dt, scale=0.3))
             if c.linear.conv_bias:
                 setattr(self, "conv_bias_" + part, param(rngs, (g, w), ("kv_heads", None), dt, scale=0.1))
-        self.dt = param(rngs, (e, h), ("embed", "q_heads"), dt)
+        self.dt, self.dt_scale = mixer_projection(rngs, (e, h), ("embed", "q_heads"), dt, wd, "dt")
         self.dt_bias = param(rngs, (h,), ("q_heads",), dt, init="one_plus_normal", scale=0.1)
         self.a_log = param(rngs, (h,), ("q_heads",), dt, scale=1.0)
         self.d = param(rngs, (h,), ("q_heads",), dt, init="one_plus_normal", scale=0.1)
         self.norm = param(rngs, (h, p), ("q_heads", None), dt, init="one_plus_normal", scale=0.1)
-        self.out = param(rngs, (h, p, e), ("q_heads", None, "embed"), dt)
+        self.out, self.out_scale = mixer_projection(rngs, (h, p, e), ("q_heads", None, "embed"), dt, wd, "out")
         self.config = c
 
     def __call__(self,
@@ -69,8 +73,7 @@ class Mamba2(nnx.Module):
                  ctx: MixerContext,  # model.linear_impl, not ctx.impl, picks the scan's kernel
                  ) -> tuple[jax.Array, LinearState]:  # [T, E] ([S, E] if ctx.sampled_only), state
         c = self.config
-        proj = lambda w: jnp.einsum("te,e...->t...", x, w[...])  # noqa: E731
-        xs, b, cc, z, dt = (proj(w) for w in (self.x, self.b, self.c, self.z, self.dt))
+        xs, b, cc, z, dt = (project(self, name, "te,e...->t...", x) for name in ("x", "b", "c", "z", "dt"))
         conv = (tuple(getattr(self, "conv_" + part)[...] for part in CONV_PARTS),
                 tuple(getattr(self, "conv_bias_" + part)[...] for part in CONV_PARTS) if c.linear.conv_bias else None)
         heads = (self.dt_bias[...], self.a_log[...], self.d[...], self.norm[...])
@@ -79,7 +82,7 @@ class Mamba2(nnx.Module):
                               kernel=c.linear.impl == "pallas_tpu"),
             (xs, b, cc, z, dt, conv, heads, state, ctx.meta),
             (1, 1, 1, 1, 1, 0, 0, LinearState(1, 1), None), (1, LinearState(1, 1)))
-        out = jnp.einsum("thp,hpe->te", ctx.sampled(y), self.out[...])
+        out = project(self, "out", "thp,hpe->te", ctx.sampled(y))
         return constrain(out, ("tokens", "act_embed")), state  # an all-reduce over 'tensor'
 
 

@@ -31,12 +31,12 @@ from jaxfill.models.config import ModelConfig
 from jaxfill.models.kv_cache import AttentionMetadata, sampled_rows_metadata
 from jaxfill.models.layer_settings import layer_settings
 import jaxfill.models.fp8_block as fp8_block
-from jaxfill.models.layers import RMSNorm, param, projection
+from jaxfill.models.layers import RMSNorm, int8_form, mixer_projection, project, projection
 from jaxfill.models.mixers.attention import query_temperature
 from jaxfill.models.mixers.context import MixerContext
 from jaxfill.models.mixers.mla_expanded import EXPAND_KEYS_PER_TOKEN, expanded_attention, prefers_expanded
 from jaxfill.models.mixers.mla_indexer import Indexer, needs_selection, select, sparse_attention
-from jaxfill.models.quant import qeinsum
+from jaxfill.models.quant import dequantize, qeinsum
 from jaxfill.models.rope import apply_rope
 from jaxfill.models.parallel.context import sharded_attention
 from jaxfill.models.sharding import constrain, kv_heads_for
@@ -54,8 +54,9 @@ class LatentAttention(nnx.Module):
         c, dt = config, config.jnp_dtype
         e, h, lat, rope = c.hidden_size, c.num_heads, c.mla.kv_lora_rank, c.mla.qk_rope_head_dim
         nope, vd = c.mla.qk_nope_head_dim, c.mla.v_head_dim
-        # fp8 block-scaled projections as a checkpoint stores them (models/fp8_block.py); int8 is refused
-        wd = c.weight_form if c.weight_dtype == "fp8_block" else "auto"
+        # int8 per output channel (models/quant.py), or fp8 block-scaled as a checkpoint stores them
+        # (models/fp8_block.py)
+        wd = c.weight_form
         heads = (None, "q_heads", "head_dim")
         if c.mla.q_lora_rank:
             r = c.mla.q_lora_rank
@@ -71,7 +72,8 @@ class LatentAttention(nnx.Module):
         self.o, self.o_scale = projection(rngs, (h, vd, e), ("q_heads", "head_dim", "embed"), dt, 2, wd, name="o")
         self.indexer = Indexer(c, rngs) if c.mla.index_topk else None
         # Ling 2.5's per-head output gate (mla_head_gate): sigmoid(x @ g), one scalar per head
-        self.g = param(rngs, (e, h), ("embed", "q_heads"), dt) if c.mla.head_gate else None
+        self.g, self.g_scale = (mixer_projection(rngs, (e, h), ("embed", "q_heads"), dt, int8_form(c), "g")
+                                if c.mla.head_gate else (None, None))
         self.config = c
         self.sm_scale = c.attention.query_scale if c.attention.query_scale is not None else (nope + rope) ** -0.5
 
@@ -120,17 +122,27 @@ class LatentAttention(nnx.Module):
         q = constrain(q, ("tokens", "act_heads", None))
         k = constrain(k, ("tokens", "act_kv_heads", None))
         q_meta = sampled_rows_metadata(ctx.meta) if ctx.sampled_only else ctx.meta
-        w_ukv = self.w_ukv[...]
-        if self.w_ukv_scale is not None:
-            w_ukv = fp8_block.dequantize_param(w_ukv, self.w_ukv_scale, x.dtype)
+        w_ukv = self._up_projection(x.dtype)
         w_ukv = w_ukv.transpose(1, 0, 2)  # [H, lat, nope + vd]: heads first, split like q's
         attend = functools.partial(self._write_and_attend, impl=ctx.impl)
         out, pages = sharded_attention(attend, q, k, k, pages, q_meta, w_ukv, replicated=index)  # [T, H, vd]
         if self.g is not None:  # the gate in f32, cast to the model dtype, as transformers has it
-            gate = jax.nn.sigmoid(jnp.einsum("te,eh->th", x, self.g[...]).astype(jnp.float32)).astype(x.dtype)
+            gate = jax.nn.sigmoid(project(self, "g", "te,eh->th", x).astype(jnp.float32)).astype(x.dtype)
             out = out * constrain(gate, ("tokens", "act_heads"))[..., None]
         out = qeinsum("thv,hve->te", out, self.o[...], self.o_scale)  # all-reduce over tensor
         return constrain(out, ("tokens", "act_embed")), pages
+
+    def _up_projection(self, dtype) -> jax.Array:  # [lat, H, nope + vd]
+        """kv_b_proj in `dtype`, dequantized once per step: the absorbed form contracts W_uk
+        over its output channels (q_nope . W_uk), where a per-output-channel scale cannot
+        wait until after the matmul. int8: one scale per column of the [lat, H (nope + vd)]
+        matrix; fp8: its blocks."""
+        w, scale = self.w_ukv[...], self.w_ukv_scale
+        if scale is None:
+            return w
+        if fp8_block.is_fp8(w.dtype):
+            return fp8_block.dequantize_param(w, scale, dtype)
+        return dequantize(w, scale[...], dtype)
 
     def _write_and_attend(self, q, k, v, pages, meta, w_ukv, share, *, impl: str, replicated=None):
         """One device's view under a mesh; v is k: K-only pages, the value is the latent.

@@ -34,7 +34,7 @@ from flax import nnx
 
 from jaxfill.models.config import ModelConfig
 from jaxfill.models.kv_cache import AttentionMetadata
-from jaxfill.models.layers import RMSNorm, param
+from jaxfill.models.layers import RMSNorm, int8_form, mixer_projection, param, project
 from jaxfill.models.layer_settings import layer_settings
 from jaxfill.models.rope import apply_rope
 from jaxfill.pallas_kernels.kv_quant import QuantizedPages, dequantize
@@ -51,8 +51,11 @@ class Indexer(nnx.Module):
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         c, dt = config, config.jnp_dtype
         h, d = c.mla.index_n_heads, c.mla.index_head_dim
-        self.index_q = param(rngs, (c.mla.q_lora_rank, h, d), (None, None, None), dt)
-        self.index_k = param(rngs, (c.hidden_size, d), ("embed", None), dt)
+        wd = int8_form(c)
+        self.index_q, self.index_q_scale = mixer_projection(rngs, (c.mla.q_lora_rank, h, d), (None, None, None), dt,
+                                                            wd, "index_q")
+        self.index_k, self.index_k_scale = mixer_projection(rngs, (c.hidden_size, d), ("embed", None), dt, wd,
+                                                            "index_k")
         self.k_norm = RMSNorm(d, INDEX_NORM_EPS, dt, rngs, kind="layer")
         # f32 whatever the model's dtype, as transformers keeps it (_keep_in_fp32_modules)
         self.index_weights = param(rngs, (c.hidden_size, h), ("embed", None), jnp.float32)
@@ -69,14 +72,14 @@ class Indexer(nnx.Module):
     def key(self, x: jax.Array,  # [T, E] the layer's normed input
             positions: jax.Array,  # [T] int32
             layer) -> jax.Array:  # [T, index_head_dim]
-        k = self.k_norm(x @ self.index_k[...])
+        k = self.k_norm(project(self, "index_k", "te,ed->td", x))
         return self._rope(k[:, None, :], positions, layer)[:, 0]
 
     def queries(self, q_latent: jax.Array,  # [T, q_lora_rank], q_a_norm's output
                 x: jax.Array,  # [T, E]
                 positions: jax.Array,  # [T] int32
                 layer) -> tuple[jax.Array, jax.Array]:  # q [T, H, D], weights [T, H] f32
-        q = self._rope(jnp.einsum("tr,rhd->thd", q_latent, self.index_q[...]), positions, layer)
+        q = self._rope(project(self, "index_q", "tr,rhd->thd", q_latent), positions, layer)
         h = self.config.mla.index_n_heads
         weights = (x.astype(jnp.float32) @ self.index_weights[...]) * h ** -0.5
         return q, weights

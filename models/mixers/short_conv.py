@@ -16,13 +16,12 @@ continues exactly from its slot.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from jaxfill.models.causal_conv import causal_conv
 from jaxfill.models.config import ModelConfig
 from jaxfill.models.kv_cache import AttentionMetadata
-from jaxfill.models.layers import param
+from jaxfill.models.layers import int8_form, mixer_projection, param, project
 from jaxfill.models.linear_slots import read_slots, write_slots
 from jaxfill.models.linear_state import LinearState
 from jaxfill.models.mixers.context import MixerContext
@@ -42,10 +41,13 @@ class ShortConv(nnx.Module):
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         c, dt = config, config.jnp_dtype
         e, k = c.hidden_size, c.linear.conv_kernel
-        for part in IN_PARTS:
-            setattr(self, part, param(rngs, (e, e), ("embed", "mlp"), dt))
-        self.conv = param(rngs, (e, k), ("mlp", None), dt, scale=0.3)
-        self.out = param(rngs, (e, e), ("mlp", "embed"), dt)
+        wd = int8_form(c)
+        for part in IN_PARTS:  # int8 with their scales, or float (models/quant.py)
+            w, scale = mixer_projection(rngs, (e, e), ("embed", "mlp"), dt, wd, part)
+            setattr(self, part, w)
+            setattr(self, part + "_scale", scale)
+        self.conv = param(rngs, (e, k), ("mlp", None), dt, scale=0.3)  # K values per channel: kept in the model dtype
+        self.out, self.out_scale = mixer_projection(rngs, (e, e), ("mlp", "embed"), dt, wd, "out")
         if c.linear.conv_bias:
             for part in IN_PARTS:
                 setattr(self, part + "_bias", param(rngs, (e,), ("mlp",), dt, scale=0.1))
@@ -61,14 +63,14 @@ class ShortConv(nnx.Module):
         bias = self.config.linear.conv_bias
 
         def proj(part):  # [T, E] channels
-            y = jnp.einsum("te,ec->tc", x, getattr(self, part)[...])
+            y = project(self, part, "te,ec->tc", x)
             return y + getattr(self, part + "_bias")[...] if bias else y
 
         b, c, xs = (proj(part) for part in IN_PARTS)
         conv_bias = self.conv_bias[...] if bias else None
         y, state = split_over_heads(mix, (b, c, xs, self.conv[...], conv_bias, state, ctx.meta),
                                     (1, 1, 1, 0, 0, LinearState(1, 1), None), (1, LinearState(1, 1)))
-        out = jnp.einsum("tc,ce->te", ctx.sampled(y), self.out[...])
+        out = project(self, "out", "tc,ce->te", ctx.sampled(y))
         out = constrain(out, ("tokens", "act_embed"))  # an all-reduce over 'tensor'
         return (out + self.out_bias[...] if bias else out), state
 
