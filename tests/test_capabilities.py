@@ -83,8 +83,6 @@ BREAKS = {
     ("linear", "engine.scan_layers"): ({**HYBRID, "engine.scan_layers": True}, ()),
     ("linear", "engine.disk_kv_cache_dir"): ({**HYBRID, "engine.host_kv_cache_gb": 1, "engine.disk_kv_cache_gb": 1,
                                               "engine.disk_kv_cache_dir": "/tmp/x"}, ()),
-    ("linear", "model.weight_dtype=int8"): ({**HYBRID, "model.weight_dtype": "int8"}, ()),
-    ("mla", "model.weight_dtype=int8"): ({**MLA, "model.weight_dtype": "int8"}, ()),
     ("mesh.expert", "!moe"): ({"mesh.expert": 2}, ()),
     ("dsa", "mesh.sequence"): ({**DSA, "mesh.sequence": 2}, ()),
     ("shortcut", "mesh.stage"): ({**LONGCAT, "mesh.stage": 2}, ()),

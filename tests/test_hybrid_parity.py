@@ -15,7 +15,6 @@ from flax import nnx
 from hf_models import load_hf, make_hf_checkpoint
 from jaxfill.engine.simple import prefill_chunks
 from jaxfill.models.checkpoint import load_hf_params
-from jaxfill.models.config import ConfigError
 from jaxfill.models.families.registry import config_from_hf, param_count
 from jaxfill.models.forward import forward
 from jaxfill.models.kv_cache import AttentionMetadata, KVCache
@@ -123,14 +122,6 @@ def check_fresh_sequence_ignores_its_slot(model, config) -> None:
 
 def test_a_fresh_sequence_ignores_what_its_slot_holds(qwen3_5):
     check_fresh_sequence_ignores_its_slot(qwen3_5[2], qwen3_5[1])
-
-
-def test_int8_weights_are_refused_by_name(qwen3_5):
-    """Refused by the capability table at load_config (engine/capabilities/table.py)."""
-    from jaxfill.engine.config import load_config
-
-    with pytest.raises(ConfigError, match="model.weight_dtype = 'int8' is refused"):
-        load_config("tiny", {"model.weight_dtype": "int8"}, qwen3_5[0])
 
 
 def check_hf_parity_and_chunks(directory, config, model) -> None:

@@ -1,8 +1,8 @@
 """Mistral 4 beyond tests/test_moe_parity.py's HF parity (MOE_KWARGS "mistral4": f32 logits
 and greedy tokens equal to transformers'): each feature it adds to DeepSeek V3's MLA + MoE
 moves the logits far past that tolerance when skipped, and the Engine gives the same
-tokens in every layout the capability table lets it run (int8 weights are refused for MLA),
-on 4 fake CPU devices."""
+tokens in every layout it runs here, on 4 fake CPU devices (MLA's int8 weights:
+tests/test_int8_mla_linear.py)."""
 
 import pytest
 

@@ -118,6 +118,15 @@ EVIDENCE: tuple[Evidence, ...] = (
              ("mesh.tensor", "engine.enable_prefix_caching")),
     Evidence("tests/test_bailing_hybrid_layouts.py::test_bailing_hybrid_layouts_agree", ("bailing_hybrid",),
              ("mesh.tensor", "engine.enable_prefix_caching")),
+    # int8 weights on MLA, the indexer and the linear mixers: logits against the dequantized f32
+    # model, then through the Engine at mesh.tensor = 2 in chunks with a prefix hit
+    *(Evidence(f"tests/test_int8_mla_linear.py::test_int8_logits_equal_the_dequantized_f32_model[{kind}]",
+               (family,), ("model.weight_dtype=int8",))
+      for kind, family in (("mla", "deepseek_v3"), ("dsa", "deepseek_v32"), ("gated_deltanet", "qwen3_next"),
+                           ("mamba2", "nemotron_h"), ("kda", "kimi_linear"), ("kda_gates", "bailing_hybrid"),
+                           ("short_conv", "lfm2"))),
+    Evidence("tests/test_int8_mla_linear.py::test_engine_int8_tensor2_chunked_cached_equal_whole",
+             ("deepseek_v32", "kimi_linear"), ("model.weight_dtype=int8",)),
     Evidence("tests/test_hybrid_engine.py::test_quantized_attention_pages_beside_f32_state[int8]", ("qwen3_5",),
              ("engine.kv_cache_dtype=int8",)),
     Evidence("tests/test_hybrid_host_tier.py::test_host_tier_snapshots_resume_like_prefix_caching_off", ("qwen3_5",),
