@@ -54,7 +54,8 @@ KINDS = {
                   | at(1, "g", "w_ukv"), (3e-3, 0.06)),
     "short_conv": ("lfm2", dict(full_attn_idxs=[1]), at(0, "b", "c", "x", "out"), (3e-3, 0.06)),
 }
-ENGINE_KINDS = ("dsa", "kda")  # MLA with the indexer; KDA beside MLA
+# MLA with the indexer; KDA beside MLA: each with the output projections whose rows tensor = 2 splits
+ENGINE_KINDS = {"dsa": {(0, "o"), (1, "o")}, "kda": {(0, "out"), (1, "o")}}
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +153,7 @@ def test_int8_logits_equal_the_dequantized_f32_model(dirs, kind):
 
 ENGINE_SCRIPT = """
 import json, sys
+from flax import nnx
 from jaxfill.engine.engine import Engine
 from jaxfill.engine.request import SamplingParams
 runs, prompts = json.loads(sys.argv[1]), json.loads(sys.argv[2])
@@ -163,7 +165,10 @@ for kind, directory in runs.items():
     engine = Engine.from_config("tiny", model_path=directory, overrides=base, progress=False)
     done = [engine.generate([p], SamplingParams(max_tokens=3, logprobs=1))[0] for p in prompts]
     out[kind] = {"tokens": [c.token_ids for c in done], "logprob": [c.logprobs[0]["logprob"] for c in done],
-                 "cached": [c.cached_tokens for c in done]}
+                 "cached": [c.cached_tokens for c in done],
+                 # the int8 params as placed: (path, rows on one device, rows)
+                 "int8": [[list(p), v[...].addressable_shards[0].data.shape[0], v[...].shape[0]]
+                          for p, v in nnx.to_flat_state(engine.runner.state) if str(v[...].dtype) == "int8"]}
 print("RESULT " + json.dumps(out))
 """
 
@@ -178,6 +183,11 @@ def test_engine_int8_tensor2_chunked_cached_equal_whole(dirs):
     got = json.loads(lines[-1][len("RESULT "):])
     for kind in ENGINE_KINDS:
         model = load_hf_params(dirs[kind], model_config(dirs[kind], "int8"), progress=False)
+        int8 = {p: v[...].shape[0] for p, v in nnx.to_flat_state(nnx.state(model)) if is_int8(v[...].dtype)}
+        assert {tuple(p): rows for p, _, rows in got[kind]["int8"]} == int8, kind  # the same params int8
+        split = {(p[1], p[-1]) for p, local, rows in got[kind]["int8"] if local < rows}
+        # the output projections' rows split over tensor: their scales came from whole columns
+        assert ENGINE_KINDS[kind] <= split, (kind, split)
         want = [greedy(model, p, 3) for p in (PROMPT, SECOND)]
         assert got[kind]["tokens"] == [t for t, _ in want], kind
         np.testing.assert_allclose(got[kind]["logprob"], [lp for _, lp in want], atol=2e-4, err_msg=kind)
