@@ -21,6 +21,7 @@ pytest.importorskip("torch", reason="the HF checkpoints need torch (the test ext
 from flax import nnx
 
 from hf_models import make_hf_checkpoint
+from xla_flags import fake_devices
 from jaxfill.engine.planner.counts import weight_bytes
 from jaxfill.engine.simple import prefill_chunks
 from jaxfill.models import KVCache
@@ -174,7 +175,7 @@ print("RESULT " + json.dumps(out))
 
 
 def test_engine_int8_tensor2_chunked_cached_equal_whole(dirs):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = dict(os.environ, XLA_FLAGS=fake_devices(2))
     runs = {kind: dirs[kind] for kind in ENGINE_KINDS}
     proc = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT, json.dumps(runs), json.dumps([PROMPT, SECOND])],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
