@@ -3,7 +3,8 @@ sparse attention's indexer and the four linear mixers, one 2-layer HF checkpoint
 (tests/hf_models.py): loading slice by slice equals quantizing the f32 model; the logits
 equal those of the f32 model whose weights are the dequantized int8 ones (exact up to f32
 rounding) and stay near the original f32 model's (quantization's own error, bounded both
-ways so the exact check is shown to see it); the planner's byte count is the model's.
+ways so the exact check is shown to see it); the planner's bytes are the model's and its
+FLOPs run through exactly the int8 weights (the indexer's f32 head weights aside).
 Through the Engine, one subprocess on 2 fake CPU devices, one engine per kind for an MLA
 (+ indexer) and a linear kind: mesh.tensor = 2, 16-token chunks and a prefix-cache hit
 give the greedy tokens and first logprob of the whole prompt run in one step here."""
@@ -26,7 +27,7 @@ from jaxfill.engine.planner.counts import weight_bytes
 from jaxfill.engine.simple import prefill_chunks
 from jaxfill.models import KVCache
 from jaxfill.models.checkpoint import load_hf_params, quantize_model
-from jaxfill.models.families.registry import config_from_hf
+from jaxfill.models.families.registry import config_from_hf, layer_projection_params
 from jaxfill.models.quant import STACKED_AXES, dequantize, input_axes, is_int8, param_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -142,6 +143,10 @@ def test_int8_logits_equal_the_dequantized_f32_model(dirs, kind):
     assert not any(name.startswith("conv") for _, name in quantized)  # depthwise convolutions stay float
     # the planner counts what the model allocates (MLA's gate, KDA's gates, every scale)
     assert param_bytes(nnx.state(int8)) == weight_bytes(q_config) < weight_bytes(config)
+    for layer in range(config.num_layers):  # and its FLOPs multiply through exactly the int8 weights
+        counted = {p: n for p, n in layer_projection_params(config, layer).items() if p[-1] != "index_weights"}
+        held = {p[2:]: v.size for p, v in q.items() if p[:2] == ("layers", layer) and is_int8(v.dtype)}
+        assert counted == held, (kind, layer, set(counted) ^ set(held))
 
     ours = last_logits(int8, PROMPT)
     exact = last_logits(with_values(load_hf_params(directory, config, progress=False), dequantized(q)), PROMPT)
