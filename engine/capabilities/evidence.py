@@ -118,6 +118,11 @@ EVIDENCE: tuple[Evidence, ...] = (
              ("mesh.tensor", "engine.enable_prefix_caching")),
     Evidence("tests/test_bailing_hybrid_layouts.py::test_bailing_hybrid_layouts_agree", ("bailing_hybrid",),
              ("mesh.tensor", "engine.enable_prefix_caching")),
+    # Falcon-H1: attention beside Mamba2 in every layer (pages and a state slot per layer)
+    Evidence("tests/test_falcon_h1_engine.py::test_layouts_agree", ("falcon_h1",),
+             ("mesh.tensor", "engine.enable_prefix_caching", "engine.kv_cache_dtype=int8")),
+    Evidence("tests/test_falcon_h1_tiers.py::test_host_tier_snapshots_resume_like_prefix_caching_off", ("falcon_h1",),
+             ("engine.host_kv_cache_gb",)),
     Evidence("tests/test_hybrid_engine.py::test_quantized_attention_pages_beside_f32_state[int8]", ("qwen3_5",),
              ("engine.kv_cache_dtype=int8",)),
     Evidence("tests/test_hybrid_host_tier.py::test_host_tier_snapshots_resume_like_prefix_caching_off", ("qwen3_5",),
