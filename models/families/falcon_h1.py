@@ -54,6 +54,9 @@ class FalconH1(Family):
     inert = frozenset({"mamba_chunk_size", "num_logits_to_keep", "time_step_min", "time_step_max",
                        "time_step_floor", "time_step_rank", "mamba_use_mlp", "mlp_expansion_factor"})
     fixed = {"mamba_proj_bias": False, "mlp_bias": False, "hidden_act": "silu"}
+    # fields that count only beside others: the width without mamba_d_ssm, the norm's place with the norm
+    depends = {"mamba_expand": {"mamba_d_ssm": None, "mamba_d_head": "auto"},
+               "mamba_norm_before_gate": {"mamba_rms_norm": True}}
     mixers = ("attention", "mamba2")
     tested = ("HF f32 logits and greedy tokens (every multiplier off 1; with and without Mamba's gated norm, "
               "either side of the gate; projectors and attention biases); through the Engine: unchunked = "
