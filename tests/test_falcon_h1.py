@@ -5,7 +5,9 @@ projectors bias), at the model level (engine/simple.py): f32 last-row logits wit
 relative and greedy tokens equal to HF's generate; two variants (the norm after the gate
 with attention biases and a time-step limit that binds; no Mamba norm with tied
 embeddings and the Mamba width from mamba_expand); each new multiplier moves the logits; a
-fresh sequence ignores its slot (chunked = whole: tests/test_falcon_h1_engine.py); what is not reproduced is refused by name. Unused pages and slots are NaN-filled."""
+fresh sequence ignores its slot (chunked = whole: tests/test_falcon_h1_engine.py); what is
+not reproduced is refused by name; the planner counts every layer's attention. Unused
+pages and slots are NaN-filled."""
 
 import json
 import os
@@ -122,3 +124,15 @@ def test_what_it_cannot_reproduce_is_refused_by_name(falcon):
         with pytest.raises(ConfigError, match=f"{key} = .* is refused"):
             load_config("tiny", {key: value}, falcon[0])
     assert "FalconH1ForCausalLM" in registry.architectures() and "FalconH1ForCausalLM" not in registry.REFUSED
+
+
+def test_the_planner_counts_each_layers_attention(falcon):
+    """Every layer attends beside its Mamba2: the plan's attention FLOPs and KV bytes are
+    those of the same layers without Mamba2 (the state counted apart)."""
+    from jaxfill.engine.planner.counts import attention_flops, state_bytes
+
+    config = falcon[1]
+    plain = config.replace(linear_layers=())
+    assert config.kv_layers == plain.kv_layers == config.num_layers
+    assert attention_flops(config, 64) == attention_flops(plain, 64) > 0
+    assert state_bytes(config) > 0 == state_bytes(plain)

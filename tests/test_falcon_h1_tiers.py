@@ -35,7 +35,8 @@ def test_host_tier_snapshots_resume_like_prefix_caching_off(falcon):
     e.runner.kv_offload.flush()
     st = e.stats()
     assert st["host_state_snapshots_restored"] >= 1 and st["host_kv_hits"] >= 1, st
-    assert st["pages_free"] == st["pages_total"] and len(e.scheduler.replicas[0].free_slots) == e.config.engine.state_slots
+    assert st["pages_free"] == st["pages_total"]
+    assert len(e.scheduler.replicas[0].free_slots) == e.config.engine.state_slots
 
 
 def test_disaggregated_prefill_hands_pages_and_state(tmp_path_factory):
