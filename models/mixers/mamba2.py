@@ -9,6 +9,11 @@ RMSNorm over each of the G groups of H / G heads (not per head, not over all: Ne
 `NemotronHRMSNormGated`), in f32 with the weight applied before the one cast; the
 output projection.
 
+Falcon-H1 (models/mixers/parallel_hybrid.py) configures it further through the same
+section: muP multipliers on its input, on each projected part (z, x, B, C, dt, before the
+convolution) and on its output; the norm before the gate, or no norm (the gate alone);
+a bias on the output projection.
+
 The shapes ride on ModelConfig's linear section (models/config/sections.py): key heads = G,
 key head dim = N, value heads = H, value head dim = P. What a sequence carries between
 steps is its `LinearState` (the state and the convolution's last K-1 inputs), in a
