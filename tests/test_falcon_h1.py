@@ -110,6 +110,34 @@ def test_a_fresh_sequence_ignores_what_its_slot_holds(falcon):
     np.testing.assert_array_equal(np.asarray(reused), np.asarray(clean))
 
 
+def test_slot_copies_carry_the_parallel_layers_states(falcon):
+    """copy_state_slots (snapshots taken, then restored) copies each PagesAndState layer's
+    recurrent state and conv history, and leaves its pages as they were."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxfill.models.kv_cache import KVCache
+    from jaxfill.models.linear_state import LinearState, copy_state_slots
+
+    cache = KVCache.create(falcon[1], num_pages=4, page_size=16, state_slots=3)
+    keys = iter(jax.random.split(jax.random.key(3), 3 * len(cache.pages)))
+    draw = lambda a: jax.random.normal(next(keys), a.shape, jnp.float32).astype(a.dtype)  # noqa: E731
+    cache = dataclasses.replace(cache, pages=tuple(
+        PagesAndState(draw(e.pages), LinearState(draw(e.state.recurrent), draw(e.state.conv))) for e in cache.pages))
+    before = [(np.asarray(e.pages), np.asarray(e.state.recurrent), np.asarray(e.state.conv)) for e in cache.pages]
+    one = lambda v: jnp.asarray([v], jnp.int32)  # noqa: E731
+    after = copy_state_slots(cache, one(0), one(1), one(1), one(2))  # 0 -> 1, then 1 -> 2 (the cache donated)
+    for (pages, recurrent, conv), entry in zip(before, after.pages):
+        for want, got in ((recurrent, entry.state.recurrent), (conv, entry.state.conv)):
+            got = np.asarray(got)
+            assert not np.array_equal(want[2], want[0])
+            np.testing.assert_array_equal(got[1], want[0])
+            np.testing.assert_array_equal(got[2], want[0])
+        np.testing.assert_array_equal(np.asarray(entry.pages), pages)
+
+
 def test_what_it_cannot_reproduce_is_refused_by_name(falcon):
     from jaxfill.engine.config import load_config
 
