@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxfill.models.linear_state import LinearState, cache_states, joined_entry, split_entry
 from jaxfill.pallas_kernels import QuantizedPages
 
 
@@ -50,7 +51,7 @@ class Layout:
         leaf = paged_entries(cache)[0]
         values = leaf.values if isinstance(leaf, QuantizedPages) else leaf
         m = config.model
-        states = [e for e in cache.pages if hasattr(e, "recurrent")]
+        states = cache_states(cache.pages)
         state = tuple((len(states),) + tuple(a.shape[1:]) for a in (states[0].recurrent, states[0].conv)) \
             if states else ()
         return cls(m.kv_layers, m.num_kv_heads, m.head_dim, str(values.dtype), isinstance(leaf, QuantizedPages),
@@ -61,16 +62,17 @@ class Layout:
 
 
 def paged_entries(cache) -> tuple:
-    """The entries that hold pages (a hybrid's linear layers hold a state instead, its
-    MLP-only layers nothing)."""
-    return tuple(e for e in cache.pages if e is not None and not hasattr(e, "recurrent"))
+    """The pages of the entries that hold some (a hybrid's linear layers hold a state instead,
+    its MLP-only layers nothing; a parallel layer's PagesAndState gives its pages)."""
+    return tuple(p for p in (split_entry(e)[0] for e in cache.pages) if p is not None)
 
 
 def with_paged(cache, paged: tuple):
     """The cache with its paged entries replaced, in order."""
     it = iter(paged)
-    return dataclasses.replace(cache, pages=tuple(e if e is None or hasattr(e, "recurrent") else next(it)
-                                                  for e in cache.pages))
+    entries = (split_entry(e) for e in cache.pages)
+    return dataclasses.replace(cache, pages=tuple(joined_entry(None if p is None else next(it), s)
+                                                  for p, s in entries))
 
 
 def padded_tokens(num_tokens: int, page_size: int) -> int:
@@ -200,7 +202,7 @@ def _onto(cache, a: jax.Array) -> jax.Array:
 
 @jax.jit
 def _gather_state(pages: tuple, slot: jax.Array):  # slot: [] int32
-    states = [e for e in pages if hasattr(e, "recurrent")]
+    states = cache_states(pages)
     return jnp.stack([e.recurrent[slot] for e in states]), jnp.stack([e.conv[slot] for e in states])
 
 
@@ -211,9 +213,10 @@ def _scatter_state(pages: tuple,  # KVCache.pages (donated)
                    slot: jax.Array):  # [] int32
     out, i = [], 0
     for e in pages:
-        if hasattr(e, "recurrent"):
-            e = type(e)(e.recurrent.at[slot].set(recurrent[i]), e.conv.at[slot].set(conv[i].astype(e.conv.dtype)))
-            i += 1
+        paged, s = split_entry(e)
+        if s is not None:  # a linear layer's state, or a parallel layer's beside its pages
+            s = LinearState(s.recurrent.at[slot].set(recurrent[i]), s.conv.at[slot].set(conv[i].astype(s.conv.dtype)))
+            e, i = joined_entry(paged, s), i + 1
         out.append(e)
     return tuple(out)
 

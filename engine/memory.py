@@ -36,6 +36,8 @@ import logging
 import jax
 import numpy as np
 
+from jaxfill.models.linear_state import cache_states
+
 log = logging.getLogger("jaxfill.memory")
 
 MEMINFO = "/proc/meminfo"
@@ -118,7 +120,7 @@ def size_pool(runner, probe_cache, probe_pages: int) -> PoolSize:
     s = runner.config.engine
     devices = [d for d in runner.mesh.devices.flat if d.process_index == jax.process_index()] \
         if runner.mesh is not None else [jax.local_devices()[0]]
-    states = [e for e in probe_cache.pages if hasattr(e, "recurrent")]  # a hybrid's fixed state slots
+    states = cache_states(probe_cache.pages)  # a hybrid's fixed state slots
     state_bytes = max(shard_bytes(states, d) for d in devices)
     sequence = runner.config.mesh.sequence
     if probe_pages % sequence:

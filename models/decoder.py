@@ -36,9 +36,11 @@ def mlp(c: ModelConfig, rngs: nnx.Rngs, index: int):
         return None
     if is_moe_layer(c, index):
         return ExpertsBesideDense(c, rngs) if c.moe.beside_dense else MoE(c, rngs)
-    dense = GatedMLP if c.mlp_gated else MLP
     wide = 2 if c.double_wide_shared_mlp and c.kv_source(index) is not None else 1  # Gemma 4's KV-sharing layers
-    return dense(c.hidden_size, wide * c.intermediate_size, c.jnp_dtype, rngs, c.weight_form, c.hidden_act)
+    if c.mlp_gated:
+        return GatedMLP(c.hidden_size, wide * c.intermediate_size, c.jnp_dtype, rngs, c.weight_form, c.hidden_act,
+                        c.mlp_scales)
+    return MLP(c.hidden_size, wide * c.intermediate_size, c.jnp_dtype, rngs, c.weight_form, c.hidden_act)
 
 
 class DecoderLayer(nnx.Module):

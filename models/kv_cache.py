@@ -7,6 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxfill.models.linear_state import cache_states, init_linear_state, joined_entry, split_entry
 from jaxfill.models.moe import is_moe_layer
 from jaxfill.models.sharding import (DATA, KV_CACHE_AXES, SEQUENCE, kv_cache_heads, kv_cache_sharding,
                                      linear_state_sharding)
@@ -81,7 +82,8 @@ class KVCache:
         repeated up to 'tensor' (models/sharding.py), and quantized scales are split like
         the pages' first three axes. With `stages` > 1 each entry is [stages, ...]. A
         linear-attention layer's entry is its LinearState (models/linear_state.py) with
-        `state_slots` slots, split by heads over 'tensor'; hybrids run unstaged for now.
+        `state_slots` slots, split by heads over 'tensor'; a layer running attention beside
+        its linear mixer (Falcon-H1) holds both, a PagesAndState; hybrids run unstaged for now.
         An MLP-only layer (config.no_mixer_layers) holds nothing: its entry is None."""
         if config.num_layers % stages:
             raise ValueError(f"{config.num_layers} layers do not split into {stages} equal stages")
@@ -108,13 +110,11 @@ class KVCache:
         if config.linear.layers:
             if stages > 1:
                 raise ValueError("linear-attention hybrids run unstaged for now")
-            from jaxfill.models.linear_state import init_linear_state
-
             state = lambda: init_linear_state(config, state_slots, fill_value)  # noqa: E731
             if mesh is not None:
                 state = jax.jit(state, out_shardings=linear_state_sharding(mesh))
-            return cls(tuple(None if j in config.no_mixer_layers else state() if j in config.linear.layers
-                             else make(j) for j in entries), stages)
+            return cls(tuple(joined_entry(make(j) if config.attends(j) else None,
+                                          state() if j in config.linear.layers else None) for j in entries), stages)
         counters = None
         if config.moe.num_experts:  # stacked layouts hold one layer kind per entry (engine/config.check_stackable)
             counters = tuple(counter() if is_moe_layer(config, j) else None for j in entries)
@@ -131,8 +131,8 @@ class KVCache:
                        tuple(None if old is None else old + new for old, new in zip(self.expert_tokens, counts)))
 
     @property
-    def _paged(self):  # the first entry that holds pages (a hybrid's linear layers hold states, MLP-only ones None)
-        return next(p for p in self.pages if p is not None and not hasattr(p, "recurrent"))
+    def _paged(self):  # the first layer's pages (a hybrid's linear layers hold states, MLP-only ones None)
+        return next(p for p in (split_entry(e)[0] for e in self.pages) if p is not None)
 
     @property
     def _values_shape(self) -> tuple[int, ...]:  # one layer's [num_pages, page_size, 2H, D]
@@ -182,7 +182,7 @@ class KVCache:
     def state_bytes(self) -> int:
         """Bytes of the linear-attention layers' state slots (a hybrid's; 0 otherwise): fixed,
         whatever the number of pages."""
-        states = [e for e in self.pages if hasattr(e, "recurrent")]
+        states = cache_states(self.pages)
         return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(states))
 
     def bytes_per_token(self) -> int:

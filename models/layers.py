@@ -115,9 +115,11 @@ ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approx
 
 class GatedMLP(nnx.Module):
     def __init__(self, hidden: int, intermediate: int, dtype, rngs: nnx.Rngs, weight_dtype="auto",
-                 activation: str = "silu"):
+                 activation: str = "silu", scales: tuple[float, float] = (1.0, 1.0)):
+        """`scales`: the gate's pre-activation and the output times these (Falcon-H1's
+        mlp_multipliers; ModelConfig.mlp_scales)."""
         wd = weight_dtype
-        self.activation = activation
+        self.activation, self.scales = activation, tuple(scales)
         self.gate, self.gate_scale = projection(rngs, (hidden, intermediate), ("embed", "mlp"), dtype, 1, wd,
                                                 name="gate")
         self.up, self.up_scale = projection(rngs, (hidden, intermediate), ("embed", "mlp"), dtype, 1, wd, name="up")
@@ -126,10 +128,14 @@ class GatedMLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [T, E] -> [T, E]
         with jax.named_scope("mlp"):
-            h = (ACTIVATIONS[self.activation](qeinsum("te,ei->ti", x, self.gate[...], self.gate_scale))
-                 * qeinsum("te,ei->ti", x, self.up[...], self.up_scale))
+            g = qeinsum("te,ei->ti", x, self.gate[...], self.gate_scale)
+            if self.scales[0] != 1.0:
+                g = g * jnp.asarray(self.scales[0], g.dtype)
+            h = ACTIVATIONS[self.activation](g) * qeinsum("te,ei->ti", x, self.up[...], self.up_scale)
             h = constrain(h, ("tokens", "act_mlp"))
             out = qeinsum("ti,ie->te", h, self.down[...], self.down_scale)
+            if self.scales[1] != 1.0:
+                out = out * jnp.asarray(self.scales[1], out.dtype)
             return constrain(out, ("tokens", "act_embed"))  # all-reduce over tensor
 
 

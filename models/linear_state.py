@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,39 @@ class LinearState:
 
     recurrent: jax.Array  # [slots, Hv, Dk, Dv] f32 (Mamba2: [slots, H, N, P]; short conv: [slots, 0])
     conv: jax.Array  # [slots, conv_dim, kernel - 1] in the model dtype, channels group by group
+
+
+class PagesAndState(NamedTuple):
+    """The cache entry of a layer that runs attention and a linear mixer side by side
+    (Falcon-H1, linear.parallel): its KV pages and its LinearState. Every reader of the
+    per-layer cache goes through `split_entry` / `joined_entry`, so such a layer's pages
+    count, move and tier as an attention layer's and its state as a linear layer's."""
+
+    pages: Any  # [num_pages, page_size, 2 * Hkv, D] or QuantizedPages
+    state: LinearState
+
+
+def split_entry(entry) -> tuple[Any, LinearState | None]:
+    """One cache entry -> (its pages or None, its LinearState or None)."""
+    if entry is None:
+        return None, None
+    if isinstance(entry, PagesAndState):
+        return entry.pages, entry.state
+    if isinstance(entry, LinearState):
+        return None, entry
+    return entry, None
+
+
+def joined_entry(pages, state):
+    """The entry holding these pages and / or this state (the inverse of split_entry)."""
+    if pages is not None and state is not None:
+        return PagesAndState(pages, state)
+    return state if pages is None else pages
+
+
+def cache_states(entries) -> list[LinearState]:
+    """The LinearStates of a cache's entries, in layer order (linear and parallel layers)."""
+    return [s for s in (split_entry(e)[1] for e in entries) if s is not None]
 
 
 def conv_dim(c: ModelConfig) -> int:
@@ -56,9 +90,11 @@ def init_linear_state(c: ModelConfig, slots: int, fill_value: float = 0.0) -> Li
 
 
 def _copy(entry, src, dst):  # src, dst: [N] int32 slots
-    if not isinstance(entry, LinearState):
+    pages, state = split_entry(entry)
+    if state is None:
         return entry  # an attention layer's pages
-    return LinearState(entry.recurrent.at[dst].set(entry.recurrent[src]), entry.conv.at[dst].set(entry.conv[src]))
+    state = LinearState(state.recurrent.at[dst].set(state.recurrent[src]), state.conv.at[dst].set(state.conv[src]))
+    return joined_entry(pages, state)  # a parallel layer's state is copied too, its pages kept
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -68,7 +104,7 @@ def copy_state_slots(cache,
                      then_src: jax.Array,  # [N] int32
                      then_dst: jax.Array,  # [N] int32
                      ):
-    """Every linear layer's slots copied src -> dst, the `first` pairs before the `then`
+    """Every linear (and parallel) layer's slots copied src -> dst, the `first` pairs before the `then`
     pairs (state snapshots taken, then restored into working slots: a restore may read a
     snapshot written by the first round). Padding pairs copy the null slot onto itself."""
     pages = tuple(_copy(_copy(e, first_src, first_dst), then_src, then_dst) for e in cache.pages)

@@ -23,6 +23,7 @@ import json, sys
 import numpy as np
 from jaxfill.engine.engine import Engine
 from jaxfill.engine.request import SamplingParams
+from jaxfill.models.linear_state import cache_states
 model_dir, layouts = sys.argv[1], json.loads(sys.argv[2])
 # one bucket: the whole 100-token prompt, then the 84 + 3 of the second call, in one step each
 base = {"engine.max_num_batched_tokens": 128, "engine.token_buckets": [128], "engine.num_pages": 48,
@@ -35,8 +36,8 @@ for name, overrides in layouts.items():
     engine = Engine.from_config("tiny", model_path=model_dir, overrides={**base, **overrides}, progress=False)
     # a hybrid's first linear layer as a fresh cache allocates it (warm-up steps return the
     # engine's own cache in the step's output shardings): each state array's shape on one device
-    state_shard = [list(a.addressable_shards[0].data.shape) for e in engine.runner.new_cache(2).pages
-                   if hasattr(e, "recurrent") for a in (e.recurrent, e.conv)][:2]
+    state_shard = [list(a.addressable_shards[0].data.shape) for e in cache_states(engine.runner.new_cache(2).pages)
+                   for a in (e.recurrent, e.conv)][:2]
     first = engine.generate([prompts[0]], SamplingParams(max_tokens=6, logprobs=1))
     rest = engine.generate(prompts[1:], SamplingParams(max_tokens=6, logprobs=1))
     st = engine.stats()

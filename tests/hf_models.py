@@ -155,6 +155,19 @@ HYBRID_KWARGS = {
                                              n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=1.8,
                                              rope_parameters={"rope_type": "default", "rope_theta": 1e4},
                                              pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # Falcon-H1: attention (4 heads of 16, 2 KV heads) beside Mamba2 (8 SSM heads of 12 in 2
+    # groups, a 16-wide state, mamba_d_ssm 96 not expand x hidden, 16-token SSD chunks) in each
+    # of 3 layers; the gated norm before the gate, a projectors (out_proj) bias; every muP
+    # multiplier off 1 and each apart from the others
+    "falcon_h1": ("FalconH1", dict(num_hidden_layers=3, mamba_d_ssm=96, mamba_n_heads=8, mamba_d_head=12,
+                                   mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=16,
+                                   mamba_rms_norm=True, mamba_norm_before_gate=True, projectors_bias=True,
+                                   embedding_multiplier=2.0, lm_head_multiplier=0.5, key_multiplier=0.6,
+                                   attention_in_multiplier=1.3, attention_out_multiplier=0.7,
+                                   ssm_in_multiplier=1.2, ssm_out_multiplier=0.8,
+                                   ssm_multipliers=[0.7, 1.3, 0.8, 1.2, 0.9], mlp_multipliers=[1.4, 0.6],
+                                   rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+                                   pad_token_id=0, bos_token_id=1, eos_token_id=2)),
 }
 # Gemma 4 (tests/test_gemma4.py): sliding, full, sliding, full; the full layers with their own
 # head dim (32, not 16), one KV head (not 2) and V = K; the proportional rope over half of each

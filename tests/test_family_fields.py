@@ -36,13 +36,15 @@ CLASSES = {  # architecture -> transformers config class
     "GraniteMoeHybridForCausalLM": tf.GraniteMoeHybridConfig,
     "Gemma4ForCausalLM": tf.Gemma4TextConfig,
     "AfmoeForCausalLM": tf.AfmoeConfig, "Mistral4ForCausalLM": tf.Mistral4Config,
+    "FalconH1ForCausalLM": tf.FalconH1Config,
 }
 SKIP = {"self", "kwargs"}
 # Values for fields whose default is None (the walker cannot guess a type).
 NONE_VALUES = {"sliding_window": 16, "attn_logit_softcapping": 5.0, "final_logit_softcapping": 5.0,
                "pad_token_id": 3, "bos_token_id": 4, "eos_token_id": 5, "head_dim": 48,
                "use_bidirectional_attention": True, "num_key_value_heads": 1, "rope_parameters": None,
-               "layer_types": None, "no_rope_layers": None, "rope_scaling": None}
+               "layer_types": None, "no_rope_layers": None, "rope_scaling": None,
+               "ssm_multipliers": [0.5, 1.0, 1.0, 1.0, 1.0], "mlp_multipliers": [0.5, 1.0]}
 
 
 def small_kwargs(arch):
@@ -85,6 +87,8 @@ def small_kwargs(arch):
         kw.pop("num_experts"), kw.pop("moe_intermediate_size")  # "Moe" in its name: not its spelling
         kw.update(layer_types=["linear_attention", "full_attention"] * 2, mamba_n_heads=8, mamba_n_groups=2,
                   mamba_d_state=16, num_local_experts=4, num_experts_per_tok=2)
+    if arch == "FalconH1ForCausalLM":  # Mamba2 96 wide: 8 SSM heads of 12 in 2 groups, a 16-wide state
+        kw.update(mamba_d_ssm=96, mamba_n_heads=8, mamba_d_head=12, mamba_n_groups=2, mamba_d_state=16)
     if arch == "Gemma4ForCausalLM":  # no per-layer inputs (their fields walk with `depends`), global layers 32 wide
         kw.update(head_dim=16, global_head_dim=32, hidden_size_per_layer_input=0)
     if name == "phi3":

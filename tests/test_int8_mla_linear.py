@@ -55,6 +55,8 @@ KINDS = {
     "kda_gates": ("bailing_hybrid", dict(layer_types=LINEAR, first_k_dense_replace=2), at(0, "f", "g", "out")
                   | at(1, "g", "w_ukv"), (3e-3, 0.06)),
     "short_conv": ("lfm2", dict(full_attn_idxs=[1]), at(0, "b", "c", "x", "out"), (3e-3, 0.06)),
+    # Falcon-H1: attention and Mamba2 side by side in one layer, both int8
+    "parallel_hybrid": ("falcon_h1", {}, at(0, "q", "k", "v", "o", "x", "b", "c", "z", "dt", "out"), (3e-3, 0.06)),
 }
 # MLA with the indexer; KDA beside MLA: each with the output projections whose rows tensor = 2 splits
 ENGINE_KINDS = {"dsa": {(0, "o"), (1, "o")}, "kda": {(0, "out"), (1, "o")}}

@@ -124,9 +124,14 @@ EVIDENCE: tuple[Evidence, ...] = (
                (family,), ("model.weight_dtype=int8",))
       for kind, family in (("mla", "deepseek_v3"), ("dsa", "deepseek_v32"), ("gated_deltanet", "qwen3_next"),
                            ("mamba2", "nemotron_h"), ("kda", "kimi_linear"), ("kda_gates", "bailing_hybrid"),
-                           ("short_conv", "lfm2"))),
+                           ("short_conv", "lfm2"), ("parallel_hybrid", "falcon_h1"))),
     Evidence("tests/test_int8_mla_linear.py::test_engine_int8_tensor2_chunked_cached_equal_whole",
              ("deepseek_v32", "kimi_linear"), ("model.weight_dtype=int8",)),
+    # Falcon-H1: attention beside Mamba2 in every layer (pages and a state slot per layer)
+    Evidence("tests/test_falcon_h1_engine.py::test_layouts_agree", ("falcon_h1",),
+             ("mesh.tensor", "engine.enable_prefix_caching", "engine.kv_cache_dtype=int8")),
+    Evidence("tests/test_falcon_h1_tiers.py::test_host_tier_snapshots_resume_like_prefix_caching_off", ("falcon_h1",),
+             ("engine.host_kv_cache_gb",)),
     Evidence("tests/test_hybrid_engine.py::test_quantized_attention_pages_beside_f32_state[int8]", ("qwen3_5",),
              ("engine.kv_cache_dtype=int8",)),
     Evidence("tests/test_hybrid_host_tier.py::test_host_tier_snapshots_resume_like_prefix_caching_off", ("qwen3_5",),

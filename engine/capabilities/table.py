@@ -67,7 +67,7 @@ def model_kinds(model) -> frozenset[str]:
     kinds = set()
     if model.linear.layers:
         kinds |= {"linear", model.linear.kind}
-    if len(model.linear.layers) + len(model.no_mixer_layers) < model.num_layers:
+    if any(model.attends(n) for n in range(model.num_layers)):  # Falcon-H1's parallel layers attend too
         kinds.add("mla" if model.mla.kv_lora_rank else "attention")
     if model.moe.num_experts:
         kinds.add("moe")

@@ -91,8 +91,8 @@ def attention_flops(model: ModelConfig, num_tokens: int, context: int = 0, causa
     per_pair = 4 * model.num_heads * model.head_dim
     total = 0
     for layer in range(model.num_layers):  # each layer with its own window (Gemma's full/sliding)
-        if layer in model.linear.layers or layer in model.no_mixer_layers:
-            continue  # a hybrid's linear layers (linear_mixer_flops) and MLP-only layers
+        if not model.attends(layer):
+            continue  # a hybrid's linear layers (linear_mixer_flops) and MLP-only layers; Falcon-H1's attend too
         window = model.attention.layer_window(layer), model.attention.layer_chunk(layer)
         if not causal:
             keys = kv_len if kv_len is not None else context + num_tokens

@@ -46,15 +46,18 @@ RENAMED = {
     **{"linear_" + f: ("linear", f) for f in ("layers", "kind", "impl", "num_key_heads", "num_value_heads",
                                               "key_head_dim", "value_head_dim", "conv_kernel", "grouped_proj",
                                               "conv_bias", "dt_limit", "full_rank_gates",
-                                              "gate_lower_bound")},
+                                              "gate_lower_bound", "parallel", "in_scale", "out_scale",
+                                              "part_scales", "gated_norm", "out_bias")},
+    "key_scale": ("attention", "key_scale"), "attention_in_scale": ("attention", "in_scale"),
+    "attention_out_scale": ("attention", "out_scale"),
     "rms_norm_eps": ("norms", "eps"), "norm_kind": ("norms", "kind"), "norm_layout": ("norms", "layout"),
     "tie_word_embeddings": ("embeddings", "tied"), "embed_scale": ("embeddings", "scale"),
     "lm_head_bias": ("embeddings", "head_bias"),
 }
 FLAT_KEYS = {**{f.name: (section, f.name) for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)
                 if (section, f.name) not in RENAMED.values()}, **RENAMED}
-TUPLE_KEYS = ("weight_block_size", "layer_types", "nope_layers", "dense_layers", "linear_layers", "no_mlp_layers",
-              "no_mixer_layers")
+TUPLE_KEYS = ("weight_block_size", "mlp_scales", "linear_part_scales", "layer_types", "nope_layers", "dense_layers",
+              "linear_layers", "no_mlp_layers", "no_mixer_layers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +74,8 @@ class ModelConfig:
     hidden_act: str = "silu"
     mlp_gated: bool = True  # act(x W_gate) * (x W_up) -> W_down; False: act(x W_up) -> W_down
     residual_scale: float = 1.0  # each block's output times this before the residual add (Granite)
+    # the gated MLP's gate pre-activation and its output times these (Falcon-H1's mlp_multipliers)
+    mlp_scales: tuple[float, float] = (1.0, 1.0)
     layer_scalar: bool = False  # each layer's output times its own learned scalar (Gemma 4)
     # Gemma 4's "E" models (models/per_layer_inputs.py): each layer adds a gated input of this
     # width from a per-layer embedding table (of per_layer_vocab_size rows, 0: vocab_size)
@@ -123,6 +128,11 @@ class ModelConfig:
                 f"model.num_heads ({self.num_heads}) must be a multiple of "
                 f"model.num_kv_heads ({self.num_kv_heads})"
             )
+        if len(self.mlp_scales) != 2 or (tuple(self.mlp_scales) != (1.0, 1.0)
+                                         and (not self.mlp_gated or self.moe.num_experts)):
+            raise ConfigError(f"model.mlp_scales must be two multipliers (gate, down) of a dense gated MLP, got "
+                              f"{list(self.mlp_scales)} (mlp_gated = {self.mlp_gated}, "
+                              f"num_experts = {self.moe.num_experts})")
         if self.head_dim % 2:
             raise ConfigError(f"model.head_dim must be even (rotary pairs), got {self.head_dim}")
         self._check_sections_fit()
@@ -239,7 +249,15 @@ class ModelConfig:
     def kv_layers(self) -> int:
         """Layers that hold KV pages (a hybrid's linear layers hold a fixed state instead, its
         MLP-only layers nothing)."""
-        return self.num_layers - len(self.linear.layers) - len(self.no_mixer_layers) - self.kv_shared_layers
+        return sum(self.attends(n) for n in range(self.num_layers)) - self.kv_shared_layers
+
+    def attends(self, layer: int) -> bool:
+        """Whether layer `layer` runs attention: an attention layer, or a linear layer that
+        runs it beside its linear mixer (linear.parallel, Falcon-H1), whose cache entry holds
+        pages and a state slot (models/linear_state.PagesAndState)."""
+        if layer in self.no_mixer_layers:
+            return False
+        return layer not in self.linear.layers or self.linear.parallel
 
     def attention_dims(self, layer: int, full: bool | None = None) -> tuple[int, int]:
         """(KV heads, head dim) of attention layer `layer`: a "full" layer's own when the
@@ -270,7 +288,7 @@ class ModelConfig:
         """{(KV heads, head dim): attention layers of that shape}: what the planner counts."""
         out: dict[tuple[int, int], int] = {}
         for n in range(self.num_layers):
-            if n not in self.linear.layers and n not in self.no_mixer_layers and self.kv_source(n) is None:
+            if self.attends(n) and self.kv_source(n) is None:
                 out[self.attention_dims(n)] = out.get(self.attention_dims(n), 0) + 1
         return out
 
@@ -281,7 +299,7 @@ class ModelConfig:
         inputs), so they neither stack nor share one page format."""
         a = self.attention
         kinds = {(self.attention_dims(n), a.global_k_eq_v and a.layer_window(n) is None)
-                 for n in range(self.num_layers) if n not in self.linear.layers and n not in self.no_mixer_layers}
+                 for n in range(self.num_layers) if self.attends(n)}
         # layers reading others' pages, or a per-layer input: not stackable either
         return len(kinds) > 1 or bool(self.kv_shared_layers or self.per_layer_input_size)
 

@@ -63,6 +63,11 @@ class AttentionConfig:
     v_norm: bool = False  # V through an RMSNorm without weight over each head (Gemma 4)
     output_gate: bool = False  # output times sigmoid(a per-head gate q_proj also gives) (Qwen3.5)
     gate_proj: bool = False  # output times sigmoid(x @ a gate projection of its own, [Hq, D]) (AFMoE)
+    # Falcon-H1's muP multipliers: K times key_scale (before rope), the block's input times
+    # in_scale and its output times out_scale (1.0: off)
+    key_scale: float = 1.0
+    in_scale: float = 1.0
+    out_scale: float = 1.0
     # mesh.sequence > 1 (models/parallel/context.py): pass_kv = the pass-KV ring for a step
     # with nothing cached (unquantized pages), pass-Q otherwise; pass_q = always pass-Q;
     # auto = pass_q until an accelerator measures the ring ahead (on CPU it is 2-17x
@@ -292,8 +297,30 @@ class LinearConfig:
     # [bound, 0] (Ling 2.5's kda_safe_gate, kda_lower_bound); None: Kimi's unbounded
     # -exp(A_log) softplus(f + dt_bias)
     gate_lower_bound: float | None = None
+    # Falcon-H1: each linear layer also runs attention on the same normed input and adds both
+    # outputs (models/mixers/parallel_hybrid.py); such a layer holds pages and a state slot
+    parallel: bool = False
+    # Mamba2 as Falcon-H1 configures it: its input times in_scale, its output times out_scale,
+    # the projections (z, x, B, C, dt) times part_scales (the muP vector; (): all 1), the
+    # gated norm "after_gate" (Nemotron-H: norm(y * silu(z))), "before_gate" (norm(y) *
+    # silu(z)) or "none" (y * silu(z), no norm weight), and a bias on the output projection
+    in_scale: float = 1.0
+    out_scale: float = 1.0
+    part_scales: tuple[float, ...] = ()
+    gated_norm: str = "after_gate"
+    out_bias: bool = False
 
     def __post_init__(self):
+        _choose("linear_gated_norm", self.gated_norm, ("after_gate", "before_gate", "none"))
+        if self.part_scales and len(self.part_scales) != 5:
+            raise ConfigError(f"model.linear_part_scales must be 5 multipliers (z, x, B, C, dt), got "
+                              f"{list(self.part_scales)}")
+        falcon = {"linear_parallel": self.parallel, "linear_in_scale": self.in_scale != 1.0,
+                  "linear_out_scale": self.out_scale != 1.0, "linear_part_scales": bool(self.part_scales),
+                  "linear_gated_norm": self.gated_norm != "after_gate", "linear_out_bias": self.out_bias}
+        if self.kind != "mamba2" and any(falcon.values()):
+            raise ConfigError(f"model.{', '.join(k for k, on in falcon.items() if on)} apply to linear_kind mamba2 "
+                              f"only, not {self.kind}")
         _choose("linear_kind", self.kind, ("gated_deltanet", "mamba2", "short_conv", "kda"))
         _choose("linear_impl", self.impl, ("auto", "xla", "pallas_tpu"))
         if self.layers and self.kind == "short_conv" and self.conv_kernel < 2:

@@ -18,13 +18,10 @@ MODULES = ("llama", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "olmo3", "glm"
            "deepseek", "qwen3_5", "qwen3_next", "qwen3_5_moe", "nemotron_h", "olmoe", "minimax_m2", "ernie4_5",
            "hunyuan", "phimoe", "lfm2", "lfm2_moe", "llama4", "granitemoehybrid",
            "kimi_linear", "deepseek_dsa", "gemma4", "bailing_hybrid", "longcat",
-           "afmoe", "mistral4")
+           "afmoe", "mistral4", "falcon_h1")
 
 # Architectures known and refused, with why (their config.json is never half-read)
 REFUSED = {
-    "FalconH1ForCausalLM": "every Falcon-H1 layer runs attention and Mamba2 in parallel on the same input, so "
-                           "it needs KV pages and a state slot at once, and the cache holds one entry per layer "
-                           "(pages or a LinearState, models/kv_cache.py)",
     # transformers 5.25 runs it on CPU; what it adds over V3.2 is a new model, not a feature
     "DeepseekV4ForCausalLM": "DeepSeek V4 is not V3.2 plus a feature; missing here: manifold-constrained "
                              "hyper-connections (hc_mult residual streams mixed by Sinkhorn-normalised weights "

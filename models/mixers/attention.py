@@ -69,6 +69,9 @@ class Attention(nnx.Module):
         """K/V of every row go into the pages; queries (and the output) exist only for the
         rows ctx.sampled keeps. The layer's rope and window come from
         models/layer_settings.py by `ctx.layer`."""
+        a = self.config.attention
+        if a.in_scale != 1.0:  # Falcon-H1's attention_in_multiplier
+            x = x * jnp.asarray(a.in_scale, x.dtype)
         q, k, v, gate = self._project(x, ctx)
         if k is None:  # a KV-sharing layer (Gemma 4): no rows to write; zeros stand in for the kernel's k/v
             k = v = jnp.zeros((x.shape[0], jax.tree.leaves(pages)[0].shape[2] // 2, self.head_dim), q.dtype)
@@ -87,8 +90,10 @@ class Attention(nnx.Module):
         if gate is not None:
             out = out * jax.nn.sigmoid(gate).astype(out.dtype)
         out = qeinsum("thd,hde->te", out, self.o[...], self.o_scale)  # all-reduce over tensor
-        if self.config.attention.out_bias:
+        if a.out_bias:
             out = out + self.o_bias[...]
+        if a.out_scale != 1.0:  # Falcon-H1's attention_out_multiplier
+            out = out * jnp.asarray(a.out_scale, out.dtype)
         return constrain(out, ("tokens", "act_embed")), pages
 
     def _project(self, x: jax.Array,  # [T, E]
@@ -110,6 +115,8 @@ class Attention(nnx.Module):
             q = q + self.q_bias[...]
             if k is not None:
                 k, v = k + self.k_bias[...], v + self.v_bias[...]
+        if a.key_scale != 1.0 and k is not None:  # Falcon-H1's key_multiplier (V = K is not its layout)
+            k = k * jnp.asarray(a.key_scale, k.dtype)
         settings = layer_settings(self.config)
         if a.qk_norm != "none" and not a.qk_norm_after_rope:
             q, k = self._norm_qk(q, k, settings, ctx.layer)

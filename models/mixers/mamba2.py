@@ -9,6 +9,11 @@ RMSNorm over each of the G groups of H / G heads (not per head, not over all: Ne
 `NemotronHRMSNormGated`), in f32 with the weight applied before the one cast; the
 output projection.
 
+Falcon-H1 (models/mixers/parallel_hybrid.py) configures it further through the same
+section: muP multipliers on its input, on each projected part (z, x, B, C, dt, before the
+convolution) and on its output; the norm before the gate, or no norm (the gate alone);
+a bias on the output projection.
+
 The shapes ride on ModelConfig's linear section (models/config/sections.py): key heads = G,
 key head dim = N, value heads = H, value head dim = P. What a sequence carries between
 steps is its `LinearState` (the state and the convolution's last K-1 inputs), in a
@@ -63,8 +68,10 @@ class Mamba2(nnx.Module):
         self.dt_bias = param(rngs, (h,), ("q_heads",), dt, init="one_plus_normal", scale=0.1)
         self.a_log = param(rngs, (h,), ("q_heads",), dt, scale=1.0)
         self.d = param(rngs, (h,), ("q_heads",), dt, init="one_plus_normal", scale=0.1)
-        self.norm = param(rngs, (h, p), ("q_heads", None), dt, init="one_plus_normal", scale=0.1)
+        self.norm = None if c.linear.gated_norm == "none" else \
+            param(rngs, (h, p), ("q_heads", None), dt, init="one_plus_normal", scale=0.1)
         self.out, self.out_scale = mixer_projection(rngs, (h, p, e), ("q_heads", None, "embed"), dt, wd, "out")
+        self.out_bias = param(rngs, (e,), ("embed",), dt, scale=0.1) if c.linear.out_bias else None
         self.config = c
 
     def __call__(self,
@@ -73,16 +80,24 @@ class Mamba2(nnx.Module):
                  ctx: MixerContext,  # model.linear_impl, not ctx.impl, picks the scan's kernel
                  ) -> tuple[jax.Array, LinearState]:  # [T, E] ([S, E] if ctx.sampled_only), state
         c = self.config
-        xs, b, cc, z, dt = (project(self, name, "te,e...->t...", x) for name in ("x", "b", "c", "z", "dt"))
+        if c.linear.in_scale != 1.0:  # Falcon-H1's ssm_in_multiplier
+            x = x * jnp.asarray(c.linear.in_scale, x.dtype)
+        z, xs, b, cc, dt = (project(self, name, "te,e...->t...", x) for name in ("z", "x", "b", "c", "dt"))
+        if c.linear.part_scales:  # Falcon-H1's muP vector over the in_proj groups, before the convolution
+            z, xs, b, cc, dt = (t * jnp.asarray(m, t.dtype) for t, m in zip((z, xs, b, cc, dt), c.linear.part_scales))
         conv = (tuple(getattr(self, "conv_" + part)[...] for part in CONV_PARTS),
                 tuple(getattr(self, "conv_bias_" + part)[...] for part in CONV_PARTS) if c.linear.conv_bias else None)
-        heads = (self.dt_bias[...], self.a_log[...], self.d[...], self.norm[...])
+        heads = (self.dt_bias[...], self.a_log[...], self.d[...], None if self.norm is None else self.norm[...])
         y, state = split_over_heads(
             lambda *args: mix(*args, eps=c.norms.eps, dt_limit=c.linear.dt_limit,
-                              kernel=c.linear.impl == "pallas_tpu"),
+                              kernel=c.linear.impl == "pallas_tpu", gated_norm=c.linear.gated_norm),
             (xs, b, cc, z, dt, conv, heads, state, ctx.meta),
             (1, 1, 1, 1, 1, 0, 0, LinearState(1, 1), None), (1, LinearState(1, 1)))
         out = project(self, "out", "thp,hpe->te", ctx.sampled(y))
+        if self.out_bias is not None:
+            out = out + self.out_bias[...]
+        if c.linear.out_scale != 1.0:  # Falcon-H1's ssm_out_multiplier
+            out = out * jnp.asarray(c.linear.out_scale, out.dtype)
         return constrain(out, ("tokens", "act_embed")), state  # an all-reduce over 'tensor'
 
 
@@ -92,12 +107,13 @@ def mix(x: jax.Array,  # [T, G, H/G P]  (one rank's groups throughout)
         z: jax.Array,  # [T, H, P]
         dt: jax.Array,  # [T, H] the raw time steps
         conv: tuple,  # weights ([G, H/G P, K], [G, N, K], [G, N, K]), biases ([G, H/G P], [G, N], [G, N]) or None
-        heads: tuple,  # dt_bias, a_log, D [H], norm [H, P]
+        heads: tuple,  # dt_bias, a_log, D [H], norm [H, P] (None: gated_norm "none")
         state: LinearState,  # recurrent [slots, H, N, P], conv [slots, G (H/G P + 2N), K-1]
         meta: AttentionMetadata,
         eps: float,
         dt_limit: tuple | None,
         kernel: bool = False,  # the chunk loop as the Pallas TPU kernel (auto: XLA, never measured on TPU)
+        gated_norm: str = "after_gate",  # LinearConfig.gated_norm: where the norm sits beside the gate
         ) -> tuple[jax.Array, LinearState]:  # [T, H, P] in the model dtype, the new state
     """Convolution, SSD and gated per-group RMSNorm over a rank's groups."""
     f32, dtype = jnp.float32, x.dtype
@@ -120,8 +136,16 @@ def mix(x: jax.Array,  # [T, G, H/G P]  (one rank's groups throughout)
     y, recurrent = scan(xs, time_steps(dt, dt_bias, dt_limit), a, b, c, d, meta.cu_q_lens, meta.num_seqs,
                         read.recurrent)
 
-    # gate, then RMSNorm over each group of h / g heads, in f32; the weight before the cast
-    y = (y * jax.nn.silu(z.astype(f32))).reshape(t, g, w)
+    gate = jax.nn.silu(z.astype(f32))
+    if gated_norm == "none":  # Falcon-H1 without mamba_rms_norm: the gate alone
+        return (y * gate).astype(dtype), write_slots(state, read, recurrent, history)
+    # RMSNorm over each group of h / g heads, in f32, the weight before the cast; the gate
+    # before it (Nemotron-H, Granite) or after it (Falcon-H1's mamba_norm_before_gate)
+    if gated_norm == "after_gate":
+        y = y * gate
+    y = y.reshape(t, g, w)
     y = y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + eps)
-    y = (norm.astype(f32) * y.reshape(t, h, p)).astype(dtype)
-    return y, write_slots(state, read, recurrent, history)
+    y = norm.astype(f32) * y.reshape(t, h, p)
+    if gated_norm == "before_gate":
+        y = y * gate
+    return y.astype(dtype), write_slots(state, read, recurrent, history)
