@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxfill.models.config import ModelConfig
+from jaxfill.models.grouped_matmul import TILE, tiled_grouped_matmul
 from jaxfill.models.kv_cache import AttentionMetadata
 from jaxfill.models.layers import RMSNorm, int8_form, mixer_projection, param, project
 from jaxfill.models.layer_settings import layer_settings
@@ -116,18 +117,28 @@ def select(pages,  # [N, page_size, r, entry_width] (or QuantizedPages), this st
            key_from: int, topk: int) -> tuple[jax.Array, jax.Array]:  # positions [T, k], valid [T, k]
     """Each row's top-k causal positions by index score (k = min(topk, the page table's
     span)); `valid` is False where a row has fewer causal keys than k. Ties fall to the
-    lower position (lax.top_k), as torch.topk does on CPU."""
+    lower position (lax.top_k), as torch.topk does on CPU.
+
+    The keys are gathered once per sequence ([S, span, D]) and each sequence's rows are
+    scored against its own keys by a grouped matmul (rows are (token, head) pairs, grouped
+    by sequence, which the ragged layout keeps contiguous). Gathering them per query row
+    instead copied [T, span, D] and scored row by row: 18-40x dense MLA's time on CPU
+    (benchmarks/RESULTS.md, issue 45)."""
     page_size = (pages.values if isinstance(pages, QuantizedPages) else pages).shape[1]
     seq, live = row_sequences(meta, q.shape[0])
+    (t, h, d), seqs = q.shape, meta.page_indices.shape[0]
     span = meta.page_indices.shape[1] * page_size
     j = jnp.arange(span)
-    table = meta.page_indices[seq]  # [T, P]
-    keys = _entries(pages, table[:, j // page_size], j % page_size, key_from, None, jnp.float32)  # [T, L, D]
-    causal = live[:, None] & (j[None, :] <= positions[:, None])  # [T, L]
-    keys = jnp.where(causal[..., None], keys, 0.0)  # unwritten slots may hold NaN
-    d = q.shape[-1]
-    scores = jax.nn.relu(jnp.einsum("thd,tld->thl", q.astype(jnp.float32), keys) * d ** -0.5)
+    keys = _entries(pages, meta.page_indices[:, j // page_size], j % page_size, key_from, None,
+                    jnp.float32)  # [S, L, D]
+    keys = jnp.where((j[None, :] < meta.kv_lens[:, None])[..., None], keys, 0.0)  # unwritten slots may hold NaN
+    rows = (meta.cu_q_lens[1:] - meta.cu_q_lens[:-1]) * h  # [S] (token, head) rows per sequence
+    # prefill-sized groups fill 128-row tiles; a decode row's group is h rows: tiles near that
+    tile = TILE if t >= 4 * seqs else max(8, 1 << (h - 1).bit_length())
+    scores = tiled_grouped_matmul(q.astype(jnp.float32).reshape(t * h, d), keys.transpose(0, 2, 1), rows, tile)
+    scores = jax.nn.relu(scores.reshape(t, h, span) * d ** -0.5)
     index = jnp.einsum("th,thl->tl", weights, scores)
+    causal = live[:, None] & (j[None, :] <= positions[:, None])  # [T, L]
     index = jnp.where(causal, index, -jnp.inf)
     _, chosen = jax.lax.top_k(index, min(topk, span))
     return chosen, jnp.take_along_axis(causal, chosen, axis=1)
