@@ -118,7 +118,8 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
     checkpoint fails fast and whole. With a stacked `plan` the params go straight into the
     stacked layout of models/parallel/pipeline.py: `place` gets each stacked param as one
     StackedSlices, so a device reads only its own stage's layers."""
-    from jaxfill.models.config.int_quantization import file_format, is_int
+    from jaxfill.models.config.int_quantization import file_format, int_format_of, is_int
+    from jaxfill.models.int_group import IntGroupFormat
     from jaxfill.models.fp8_reader import Fp8Reader  # it reads through this module's TensorSlices
     from jaxfill.models.int_group_reader import IntGroupReader, projection_of
 
@@ -140,7 +141,8 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
     fp8_scales: dict[str, StoredTensor] = {}  # fp8 weight name -> its weight_scale_inv
     fp8: list[tuple[str, StoredTensor, tuple]] = []  # (name, stored, parts) of fp8 weights
     # AWQ / GPTQ / compressed-tensors: projection weight name -> {stored suffix: stored}
-    int_fmt = file_format(hf["quantization_config"]) if config.weight_dtype == "int_group" and is_int(hf) else None
+    int_fmt = file_format(hf["quantization_config"]) if is_int(hf) else None
+    int_form = int_fmt and IntGroupFormat(**int_format_of(hf["quantization_config"]))
     packed_ints: dict[str, dict] = {}
     for path in files:
         for name, stored in gguf_tensors(path) if gguf else read_safetensors(path):
@@ -184,7 +186,7 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
         spec = table.pop(base)
         todo.append((spec, _mxfp4_reader(base, pair, spec)))
     for base, parts in packed_ints.items():
-        todo.extend((spec, IntGroupReader(base, parts, spec, int_fmt[0], config.weight_form, int_fmt[1]))
+        todo.extend((spec, IntGroupReader(base, parts, spec, int_fmt[0], int_form, int_fmt[1]))
                     for spec in tensor_parts(table.pop(base)))
     if table:
         missing = sorted(table)
@@ -200,7 +202,7 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
 
     for spec, reader_of in todo:
         path = spec.param_path
-        if isinstance(reader_of, IntGroupReader):  # packed codes with their scales (models/int_group.py)
+        if isinstance(reader_of, IntGroupReader) and config.weight_dtype == "int_group":  # codes and scales
             pairs = [(p, reader, ()) for p, reader in reader_of.pairs(path)]
         elif config.weight_dtype == "int_group" and path[-1] in INT_GROUP_INPUT_AXES:
             raise CheckpointError(f"{path} is stored unquantized but model.weight_dtype = int_group keeps it packed "

@@ -153,6 +153,8 @@ class IntGroupReader:
                 raise CheckpointError(f"int tensor {name!r}: g_idx reorders the groups but desc_act is false")
         elif form.act_order:
             raise CheckpointError(f"int tensor {name!r} has no g_idx, and desc_act is true")
+        self.q, self.s, self.z, self.idx = q, s, z, g_idx
+        self.spec, self.k, self.form = spec, k, form
         lo, hi = spec.rows or (0, n_out)
         outs, ins = spec.stored_shape[:k], spec.stored_shape[k:]
         num_in = len(ins)
@@ -161,6 +163,16 @@ class IntGroupReader:
         self.scale = _Whole(np.ascontiguousarray(s[:, lo:hi]).reshape((s.shape[0],) + tuple(outs)))
         self.zero = _Whole(np.ascontiguousarray(z[:, lo:hi]).reshape((z.shape[0],) + tuple(outs)))
         self.g_idx = _Whole(g_idx.reshape(ins)) if form.act_order else None
+
+    def __call__(self, target: np.dtype):
+        """The param's values dequantized, (Q - Z) * S in f32 then `target` (a model kept in
+        auto or int8 on an int checkpoint)."""
+        idx = self.idx if self.idx is not None else np.arange(self.q.shape[1]) // int_group.group_of(
+            self.form.group, self.q.shape[1])
+        w = (self.q.astype(np.float32) - self.z[idx].T) * self.s[idx].T  # [out, in]
+        lo, hi = self.spec.rows or (0, w.shape[0])
+        ks = self.spec.stored_shape
+        return _Whole(np.ascontiguousarray(w[lo:hi].reshape(ks).transpose(self.spec.perm), dtype=target))
 
     def pairs(self, path: tuple) -> list[tuple[tuple, object]]:
         """(param path, reader) of the codes and each IntGroupScales param."""

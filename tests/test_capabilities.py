@@ -140,7 +140,7 @@ def test_accepted_combinations_pass():
 
 # what a test must set to run a column (prefix caching is on by default: its tests read hits)
 SETS = {"mesh.num_processes": "process", "engine.scan_layers": "scan", "model.weight_dtype=int8": "int8",
-        "model.weight_dtype=fp8_block": "fp8_block",
+        "model.weight_dtype=fp8_block": "fp8_block", "model.weight_dtype=int_group": "int_group",
         "engine.kv_cache_dtype=int8": "int8", "engine.kv_cache_dtype=float8_e4m3fn": "float8_e4m3fn",
         "engine.enable_prefix_caching": "cached", "engine.host_kv_cache_gb": "host_kv_cache_gb",
         "engine.disk_kv_cache_dir": "disk_kv_cache_dir"}

@@ -39,6 +39,9 @@ CAPABILITIES: dict[str, Capability] = {c.key: c for c in (
     Capability("model.weight_dtype=int8", lambda c: c.model.weight_dtype == "int8", {"model.weight_dtype": "int8"}),
     Capability("model.weight_dtype=fp8_block", lambda c: c.model.weight_dtype == "fp8_block",
                {"model.weight_dtype": "fp8_block", "model.weight_block_size": [16, 16]}),
+    # AWQ / GPTQ / compressed-tensors ints kept packed (models/int_group.py); random init quantizes
+    Capability("model.weight_dtype=int_group", lambda c: c.model.weight_dtype == "int_group",
+               {"model.weight_dtype": "int_group", "model.weight_group_size": 32}),
     Capability("engine.kv_cache_dtype=int8", lambda c: c.engine.kv_cache_dtype == "int8",
                {"engine.kv_cache_dtype": "int8"}),
     Capability("engine.kv_cache_dtype=float8_e4m3fn", lambda c: c.engine.kv_cache_dtype == "float8_e4m3fn",
@@ -127,6 +130,10 @@ RULES: tuple[Rule, ...] = (
     )),
     Rule(("mla", "model.weight_dtype=int8"), "the latent projections have no int8 path",
          "model.weight_dtype = auto"),
+    # packed int codes (models/int_group.py): dense attention and MLP projections only
+    *(Rule((kind, "model.weight_dtype=int_group"), f"{what} have no packed int path", "model.weight_dtype = auto "
+           "(the checkpoint's codes dequantized at load)") for kind, what in (
+        ("moe", "expert tensors"), ("mla", "the latent projections"), ("linear", "the linear layers' projections"))),
     Rule(("mesh.expert", "!moe"), "mesh.expert splits experts, and this model has none", "mesh.expert = 1"),
     Rule(("dsa", "mesh.sequence"), "the sparse-attention indexer scores every cached key of a sequence, which "
          "context parallelism deals over ranks", "mesh.sequence = 1"),

@@ -158,6 +158,13 @@ def _compressed_tensors(quant: dict) -> dict:
                 weight_zero_point=not w.get("symmetric", True), weight_act_order=False)
 
 
+def int_format_of(quant: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of models.int_group.IntGroupFormat the file's codes are in."""
+    f = int_fields(quant)
+    return dict(bits=f["weight_bits"], group=f["weight_group_size"], zero_point=f["weight_zero_point"],
+                act_order=f["weight_act_order"])
+
+
 def file_format(quant: dict[str, Any]) -> tuple[str, bool]:
     """(models/int_group_reader.py's format name, GPTQ v1 zeros stored off by one)."""
     method = quant.get("quant_method")
@@ -167,3 +174,20 @@ def file_format(quant: dict[str, Any]) -> tuple[str, bool]:
     if method == "awq":
         return "awq", False
     return ("ct_pack" if quant.get("format") == "pack-quantized" else "ct_int"), False
+
+
+def check_checkpoint(model, hf: dict[str, Any], path: str) -> None:
+    """int_group keeps an int checkpoint's codes as stored: it needs one, with the bits and
+    groups its quantization_config names (model.weight_dtype auto or int8 load its values
+    dequantized instead)."""
+    if not is_int(hf):
+        if model.weight_dtype == "int_group":
+            raise ConfigError(f"model.weight_dtype = 'int_group' keeps an AWQ / GPTQ / compressed-tensors "
+                              f"checkpoint's codes as stored, and {path} is not one (no quantization_config "
+                              "quant_method gptq, awq or compressed-tensors): use auto or int8")
+        return
+    if model.weight_dtype == "int_group":
+        for key, value in int_fields(hf["quantization_config"]).items():
+            if getattr(model, key) != value:
+                raise ConfigError(f"model.{key} = {getattr(model, key)!r}, but {path}'s quantization_config "
+                                  f"stores {value!r}: int_group keeps the codes as stored")

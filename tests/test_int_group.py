@@ -1,0 +1,176 @@
+"""AWQ / GPTQ / compressed-tensors integer checkpoints (models/int_group.py): their
+quantization_config chooses model.weight_dtype = int_group, the projections stay packed
+on the device (uint8, two 4-bit codes a byte, f32 group scales and zero points beside,
+g_idx for GPTQ's act order), and the f32 logits and greedy tokens are HF's on the
+checkpoint's dequantized values (tests/int_checkpoints.py writes both). A Llama of
+hidden 128 / intermediate 256 lets groups of 32, 64 and 128 each cut the inputs whole.
+The GPTQ and AWQ layouts here; compressed-tensors in tests/test_int_group_ct.py."""
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the Hugging Face reference and the writer need torch (the test extra)")
+from flax import nnx
+
+from hf_models import load_hf, make_hf_checkpoint
+from int_checkpoints import FORMATS, write_int
+from jaxfill.engine.config import load_config
+from jaxfill.engine.simple import generate_one
+from jaxfill.models.checkpoint import CheckpointError, load_hf_params
+from jaxfill.models.config import ConfigError
+from jaxfill.models.families.registry import config_from_hf
+from jaxfill.models.int_group import INPUT_AXES, packed_shape, scale_shape
+from test_model_parity import PARITY_PAGES, STEP_ROWS, hf_last_logits, ours_last_logits, parity_cache, prompts, rel_l2
+
+SHAPE = dict(hidden_size=128, intermediate_size=256)
+
+
+@pytest.fixture(scope="module")
+def int_dirs(tmp_path_factory):
+    """format name -> its checkpoint (the dequantized twin at + "_ref"), made once."""
+    root, made = tmp_path_factory.mktemp("int"), {}
+    plain = make_hf_checkpoint(str(root / "plain"), "llama", **SHAPE)
+
+    def make(name: str) -> str:
+        if name not in made:
+            made[name] = write_int(plain, str(root / name), name)
+        return made[name]
+    return make
+
+
+def packed_params(model) -> dict:
+    return {p: v[...] for p, v in nnx.to_flat_state(nnx.state(model)) if p[-1] in INPUT_AXES}
+
+
+def check_int_checkpoint(directory: str, name: str) -> None:
+    """Loaded packed with the file's bits and groups; last-row logits of two prompts within
+    1e-5 of HF on the dequantized twin, 8 greedy tokens equal to HF generate's."""
+    _, bits, group, zero_point, extra = FORMATS[name]
+    config = config_from_hf(directory)
+    assert (config.weight_dtype, config.weight_bits, config.weight_group_size, config.weight_zero_point,
+            config.weight_act_order) == ("int_group", bits, group, zero_point, bool(extra.get("desc_act")))
+    model = load_hf_params(directory, config, progress=False)
+    state = dict(nnx.to_flat_state(nnx.state(model)))
+    packed = packed_params(model)
+    assert len(packed) == 7 * config.num_layers
+    for path, w in packed.items():
+        num_in = INPUT_AXES[path[-1]]
+        scales = path[:-1] + (path[-1] + "_scale",)
+        full = w.shape[:num_in - 1] + (w.shape[num_in - 1] * (8 // bits),) + w.shape[num_in:]
+        assert w.dtype == np.uint8 and w.shape == packed_shape(full, num_in, bits), path
+        for part in ("scale", "zero"):
+            a = state[scales + (part,)][...]
+            assert a.dtype == np.float32 and a.shape == scale_shape(full, num_in, group), (path, part)
+        assert (scales + ("g_idx",) in state) == config.weight_act_order
+    hf = load_hf(directory + "_ref")
+    for n, tokens in prompts(config.vocab_size)[1:3]:
+        ours, ref = ours_last_logits(model, config, tokens), hf_last_logits(hf, tokens)
+        assert rel_l2(ours, ref) <= 1e-5, (name, n, rel_l2(ours, ref))
+    prompt = list(prompts(config.vocab_size)[2][1])
+    with torch.no_grad():
+        out = hf.generate(torch.tensor(prompt)[None], max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+    expected = out[0, len(prompt):].tolist()
+    got, _ = generate_one(model, prompt, parity_cache(config), 8, pages=PARITY_PAGES, step_rows=STEP_ROWS)
+    assert got == expected and len(set(expected)) > 1, (name, got, expected)
+
+
+@pytest.mark.parametrize("name", ["gptq", "gptq_act_order", "gptq_v2_8bit", "awq"])
+def test_int_checkpoint_matches_hf_on_its_dequantized_weights(int_dirs, name):
+    """GPTQ v1 (zeros stored minus one) asymmetric in groups of 32; desc_act with a
+    permuted g_idx (symmetric); v2 8-bit in groups of 64; AWQ GEMM's interleaved nibbles
+    in groups of 64."""
+    check_int_checkpoint(int_dirs(name), name)
+
+
+def test_auto_and_int8_on_an_int_checkpoint_load_its_dequantized_values(int_dirs):
+    """model.weight_dtype auto (or int8) on a GPTQ act-order checkpoint: every param is the
+    dequantized twin's, bit for bit (int8: re-quantized from those values)."""
+    directory = int_dirs("gptq_act_order")
+    for weight_dtype in ("auto", "int8"):
+        config = config_from_hf(directory).replace(weight_dtype=weight_dtype)
+        a = load_hf_params(directory, config, progress=False)
+        b = load_hf_params(directory + "_ref", config, progress=False)
+        for (path, x), (_, y) in zip(nnx.to_flat_state(nnx.state(a)), nnx.to_flat_state(nnx.state(b))):
+            np.testing.assert_array_equal(np.asarray(x[...]), np.asarray(y[...]), err_msg=f"{weight_dtype} {path}")
+
+
+BASE = {"engine.num_pages": 8, "engine.max_model_len": 64}
+
+
+def test_engine_config_refusals_name_the_key(int_dirs):
+    """int_group on a float checkpoint, a group size other than the file's, and a tensor
+    split that cuts a group (o's 128 inputs over 2 devices, groups of 128): one line each."""
+    plain = os.path.join(os.path.dirname(int_dirs("gptq")), "plain")
+    cases = [(plain, {"model.weight_dtype": "int_group"}, "not one"),
+             (int_dirs("gptq"), {"model.weight_group_size": 64}, "weight_group_size"),
+             (int_dirs("gptq"), {"model.weight_dtype": "fp8_block"}, "fp8_block")]
+    for directory, overrides, match in cases:
+        with pytest.raises(ConfigError, match=match) as e:
+            load_config("tiny", {**BASE, **overrides}, directory)
+        assert "\n" not in str(e.value)
+    ct = write_int(plain, os.path.join(os.path.dirname(plain), "ct_split"), "ct_w4a16_asym")  # groups of 128
+    with pytest.raises(ConfigError, match=r"mesh.tensor = 2.*cuts a quantization group \(o \[4, 32, 128\]") as e:
+        load_config("tiny", {**BASE, "mesh.tensor": 2}, ct)
+    load_config("tiny", {**BASE, "mesh.tensor": 2}, int_dirs("gptq"))  # groups of 32: whole on each device
+
+
+BAD = {
+    "3 bits": ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "bits=3"),
+    "gptq unknown key": ({"quant_method": "gptq", "bits": 4, "group_size": 128, "zero_shift": 1}, "zero_shift"),
+    "gptq marlin packing": ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "checkpoint_format"),
+    "awq gemv": ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "version"),
+    "awq 8 bits": ({"quant_method": "awq", "bits": 8, "group_size": 128, "version": "gemm"}, "bits=8"),
+    "unconverted modules": ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm",
+                             "modules_to_not_convert": ["lm_head", "mlp.down_proj"]}, "modules_to_not_convert"),
+    "odd group": ({"quant_method": "gptq", "bits": 4, "group_size": 33}, "group_size=33"),
+}
+
+
+def _ct(weights: dict, **top) -> dict:
+    group = {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                                "group_size": 32, "dynamic": False, **weights}}
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": group},
+            "ignore": ["lm_head"], "quantization_status": "compressed", **top}
+
+
+BAD.update({
+    "ct fp8 weights": (_ct({"type": "float", "num_bits": 8}, format="float-quantized"), "format"),
+    "ct float type": (_ct({"type": "float"}), "type"),
+    "ct ignored attention (Kimi K2)": (_ct({}, ignore=["lm_head", "re:.*self_attn.*"]), "ignore"),
+    "ct act order g_idx": (_ct({"actorder": "group"}), "actorder"),
+    "ct tensor strategy": (_ct({"strategy": "tensor"}), "strategy"),
+    "ct two groups": (_ct({}, config_groups={"a": {}, "b": {}}), "config_groups"),
+    "ct frozen": (_ct({}, quantization_status="frozen"), "quantization_status"),
+})
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_other_quantization_configs_are_refused_by_name(case):
+    from jaxfill.models.config.int_quantization import int_fields
+
+    quant, key = BAD[case]
+    with pytest.raises(ConfigError, match=key) as e:
+        int_fields(quant)
+    assert "\n" not in str(e.value)
+
+
+def test_missing_or_misshapen_int_tensors_are_refused_by_name(int_dirs, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file as load_torch, save_file
+
+    directory = int_dirs("awq")
+    tensors = load_torch(os.path.join(directory, "model.safetensors"))
+    name = "model.layers.1.mlp.down_proj.qzeros"
+    for case, change in {"missing": lambda t: t.pop(name), "shape": lambda t: t.update({name: t[name][:-1]})}.items():
+        bad = str(tmp_path / case)
+        shutil.copytree(directory, bad)
+        broken = dict(tensors)
+        change(broken)
+        save_file({k: v.contiguous() for k, v in broken.items()}, os.path.join(bad, "model.safetensors"),
+                  metadata={"format": "pt"})
+        with pytest.raises(CheckpointError, match="layers.1.mlp.down_proj"):
+            load_hf_params(bad, config_from_hf(bad), progress=False)
