@@ -25,6 +25,7 @@ FORMATS = {
     "gptq_act_order": ("gptq", 4, 32, False, {"desc_act": True}),
     "gptq_v2_8bit": ("gptq", 8, 64, True, {"checkpoint_format": "gptq_v2"}),
     "awq": ("awq", 4, 64, True, {}),
+    "awq_128": ("awq", 4, 128, True, {}),
     "ct_w4a16": ("ct", 4, 32, False, {"format": "pack-quantized"}),
     "ct_w4a16_asym": ("ct", 4, 128, True, {"format": "pack-quantized"}),
     "ct_w8a16": ("ct", 8, 128, False, {"format": "pack-quantized"}),

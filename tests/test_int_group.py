@@ -111,9 +111,8 @@ def test_engine_config_refusals_name_the_key(int_dirs):
         with pytest.raises(ConfigError, match=match) as e:
             load_config("tiny", {**BASE, **overrides}, directory)
         assert "\n" not in str(e.value)
-    ct = write_int(plain, os.path.join(os.path.dirname(plain), "ct_split"), "ct_w4a16_asym")  # groups of 128
     with pytest.raises(ConfigError, match=r"mesh.tensor = 2.*cuts a quantization group \(o \[4, 32, 128\]") as e:
-        load_config("tiny", {**BASE, "mesh.tensor": 2}, ct)
+        load_config("tiny", {**BASE, "mesh.tensor": 2}, int_dirs("awq_128"))  # groups of 128
     load_config("tiny", {**BASE, "mesh.tensor": 2}, int_dirs("gptq"))  # groups of 32: whole on each device
 
 
@@ -174,3 +173,27 @@ def test_missing_or_misshapen_int_tensors_are_refused_by_name(int_dirs, tmp_path
                   metadata={"format": "pt"})
         with pytest.raises(CheckpointError, match="layers.1.mlp.down_proj"):
             load_hf_params(bad, config_from_hf(bad), progress=False)
+
+
+def test_engine_stats_and_planner_report_the_packed_bytes(int_dirs):
+    """4-bit codes are half a byte a weight, plus an f32 scale and zero per 32-input group
+    and an int32 g_idx per input: what stats() and the planner count, against f32."""
+    import dataclasses
+
+    import jax
+
+    from jaxfill.engine.engine import Engine
+    from jaxfill.engine.planner.counts import weight_bytes
+    from jaxfill.models.quant import param_bytes
+
+    base = {"engine.num_pages": 8, "engine.max_model_len": 64, "engine.max_num_batched_tokens": 16,
+            "engine.token_buckets": [16], "engine.max_num_seqs": 1, "mesh.cpu_split": False}
+    packed = Engine.from_config("tiny", model_path=int_dirs("gptq_act_order"), overrides=base, progress=False)
+    c = packed.config.model
+    got, want = packed.stats()["weight_bytes"], weight_bytes(dataclasses.replace(c, weight_dtype="auto"))
+    assert c.weight_dtype == "int_group" and got == weight_bytes(c) == param_bytes(packed.runner.state)
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    e, i = c.hidden_size, c.intermediate_size
+    shapes = [(e, q), (e, kv), (e, kv), (q, e), (e, i), (e, i), (i, e)] * c.num_layers  # (in, out)
+    assert want - got == sum(n * m * 4 - (n * m // 2 + 2 * 4 * (n // 32) * m + 4 * n) for n, m in shapes)
+    assert np.dtype(np.uint8) in {leaf.dtype for leaf in jax.tree.leaves(packed.runner.state)}
