@@ -137,7 +137,7 @@ def _check_int_groups(model, mesh) -> None:
     import dataclasses
 
     from jaxfill.models.families.registry import layer_params
-    from jaxfill.models.int_group import INPUT_AXES, split_error
+    from jaxfill.models.int_group import INPUT_AXES, STACKED, split_error
     from jaxfill.models.sharding import MESH_AXES, RULES, logical_spec, mesh_axis_size
 
     sizes = _Mesh(MESH_AXES, tuple(int(getattr(mesh, a)) for a in MESH_AXES))
@@ -146,12 +146,13 @@ def _check_int_groups(model, mesh) -> None:
         for p in kind:
             if p.path[-1] not in INPUT_AXES:
                 continue
-            num_in = INPUT_AXES[p.path[-1]]
-            if form.bits == 4 and p.shape[num_in - 1] % 2:
+            num_in, stacked = INPUT_AXES[p.path[-1]], STACKED.get(p.path[-1], 0)
+            if form.bits == 4 and p.shape[stacked + num_in - 1] % 2:
                 raise ConfigError(f"{model.architecture}: model.weight_dtype = 'int_group' packs two 4-bit codes a "
                                   f"byte, and {p.path[-1]} {list(p.shape)} has an odd last input axis")
-            first = logical_spec(p.axes, RULES, sizes, p.shape)[0]
-            why = split_error(p.path[-1], p.shape, num_in, mesh_axis_size(sizes, first) if first else 1, form)
+            first = logical_spec(p.axes, RULES, sizes, p.shape)[stacked]
+            why = split_error(p.path[-1], p.shape, num_in, mesh_axis_size(sizes, first) if first else 1, form,
+                              stacked)
             if why:
                 raise ConfigError(f"{model.architecture}: model.weight_dtype = 'int_group' with mesh.tensor = "
                                   f"{mesh.tensor}, mesh.expert = {mesh.expert} cuts a quantization group ({why}); "

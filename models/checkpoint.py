@@ -203,7 +203,7 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
     for spec, reader_of in todo:
         path = spec.param_path
         if isinstance(reader_of, IntGroupReader) and config.weight_dtype == "int_group":  # codes and scales
-            pairs = [(p, reader, ()) for p, reader in reader_of.pairs(path)]
+            pairs = reader_of.pairs(path)
         elif config.weight_dtype == "int_group" and path[-1] in INT_GROUP_INPUT_AXES:
             raise CheckpointError(f"{path} is stored unquantized but model.weight_dtype = int_group keeps it packed "
                                   "as an AWQ / GPTQ / compressed-tensors checkpoint stores it")

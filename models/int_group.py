@@ -34,8 +34,10 @@ import numpy as np
 from flax import nnx
 
 BITS = (4, 8)
-# projection param -> its input axes (the rest are outputs); dense projections only
-INPUT_AXES = {"q": 1, "k": 1, "v": 1, "o": 2, "gate": 1, "up": 1, "down": 1}
+# projection param -> its input axes (the rest are outputs, a MoE's (gate, up) axis among them)
+INPUT_AXES = {"q": 1, "k": 1, "v": 1, "o": 2, "gate": 1, "up": 1, "down": 1, "experts_gate_up": 1, "experts_down": 1}
+# leading axes stacking experts ([E, in, out...]); each expert quantized on its own
+STACKED = {"experts_gate_up": 1, "experts_down": 1}
 
 
 class IntGroupFormat(NamedTuple):
@@ -50,27 +52,29 @@ def group_of(form_group: int, n_in: int) -> int:
     return n_in if form_group == -1 else form_group
 
 
-def packed_shape(shape: tuple, num_in: int, bits: int) -> tuple:
-    """The uint8 param of a [in..., out...] projection: the last input axis halved for 4 bits."""
+def packed_shape(shape: tuple, num_in: int, bits: int, stacked: int = 0) -> tuple:
+    """The uint8 param of a [stacked..., in..., out...] projection: the last input axis
+    halved for 4 bits."""
+    a = stacked + num_in - 1
     if bits == 8:
         return tuple(shape)
-    if shape[num_in - 1] % 2:
+    if shape[a] % 2:
         raise ValueError(f"int4 packs two inputs a byte: the last input axis of {list(shape)} must be even")
-    return tuple(shape[:num_in - 1]) + (shape[num_in - 1] // 2,) + tuple(shape[num_in:])
+    return tuple(shape[:a]) + (shape[a] // 2,) + tuple(shape[a + 1:])
 
 
-def scale_shape(shape: tuple, num_in: int, group: int) -> tuple:
-    n_in = math.prod(shape[:num_in])
-    return (-(-n_in // group_of(group, n_in)),) + tuple(shape[num_in:])
+def scale_shape(shape: tuple, num_in: int, group: int, stacked: int = 0) -> tuple:
+    n_in = math.prod(shape[stacked:stacked + num_in])
+    return tuple(shape[:stacked]) + (-(-n_in // group_of(group, n_in)),) + tuple(shape[stacked + num_in:])
 
 
-def pack(q, num_in: int, bits: int):  # [in..., out...] codes (< 2^bits) -> packed uint8
+def pack(q, num_in: int, bits: int, stacked: int = 0):  # [stacked..., in..., out...] codes -> packed uint8
     """Two 4-bit codes a byte along the last input axis (numpy or jax)."""
     xp = jnp if isinstance(q, jax.Array) else np
     q = q.astype(xp.uint8)
     if bits == 8:
         return q
-    a = num_in - 1
+    a = stacked + num_in - 1
     shape = q.shape[:a] + (q.shape[a] // 2, 2) + q.shape[a + 1:]
     pairs = q.reshape(shape)
     low, high = xp.take(pairs, 0, axis=a + 1), xp.take(pairs, 1, axis=a + 1)
@@ -78,101 +82,112 @@ def pack(q, num_in: int, bits: int):  # [in..., out...] codes (< 2^bits) -> pack
 
 
 def unpack(packed,  # packed_shape(...) uint8
-           num_in: int, bits: int):  # [in..., out...] uint8 codes
+           num_in: int, bits: int, stacked: int = 0):  # [stacked..., in..., out...] uint8 codes
     xp = jnp if isinstance(packed, jax.Array) else np
     if bits == 8:
         return packed
-    a = num_in - 1
+    a = stacked + num_in - 1
     pairs = xp.stack([packed & 15, packed >> 4], axis=a + 1)
     return pairs.reshape(packed.shape[:a] + (2 * packed.shape[a],) + packed.shape[a + 1:])
 
 
-def dequantize(packed,  # [in... (last halved for 4 bits), out...] uint8
-               scale, zero,  # [groups, out...] f32
+def dequantize(packed,  # [stacked..., in... (last halved for 4 bits), out...] uint8
+               scale, zero,  # [stacked..., groups, out...] f32
                g_idx,  # [in...] int32, or None: input i in group i // group
-               num_in: int, bits: int, group: int, dtype=np.float32):  # [in..., out...] in dtype
+               num_in: int, bits: int, group: int, dtype=np.float32, stacked: int = 0):  # like packed, unpacked
     """(q - z) * s in f32, one rounding to `dtype` (numpy or jax)."""
     xp = jnp if isinstance(packed, jax.Array) else np
-    q = unpack(packed, num_in, bits)
-    ins, outs = q.shape[:num_in], q.shape[num_in:]
+    q = unpack(packed, num_in, bits, stacked)
+    lead, ins, outs = q.shape[:stacked], q.shape[stacked:stacked + num_in], q.shape[stacked + num_in:]
     n_in = math.prod(ins)
-    flat = q.reshape((n_in,) + outs).astype(np.float32)
+    flat = q.reshape(lead + (n_in,) + outs).astype(np.float32)
     if g_idx is None:
         g = group_of(group, n_in)
-        s, z = (xp.repeat(a.astype(np.float32), g, axis=0)[:n_in] for a in (scale, zero))
+        take = (slice(None),) * stacked + (slice(0, n_in),)
+        s, z = (xp.repeat(a.astype(np.float32), g, axis=stacked)[take] for a in (scale, zero))
     else:
         idx = g_idx.reshape(n_in)
         s, z = (xp.take(a.astype(np.float32), idx, axis=0) for a in (scale, zero))
     return ((flat - z) * s).astype(dtype).reshape(q.shape)
 
 
-def quantize(w,  # [in..., out...] float (numpy or jax)
-             num_in: int, form: IntGroupFormat):  # (packed uint8, scale, zero [groups, out...] f32)
+def quantize(w,  # [stacked..., in..., out...] float (numpy or jax)
+             num_in: int, form: IntGroupFormat,
+             stacked: int = 0):  # (packed uint8, scale, zero [stacked..., groups, out...] f32)
     """Min/max group quantization (GPTQ's and AWQ's grid, zero inside [min, max]): random
     init of an int_group model, so a random-init one is the float one quantized."""
     xp = jnp if isinstance(w, jax.Array) else np
-    ins, outs = w.shape[:num_in], w.shape[num_in:]
+    lead, ins, outs = w.shape[:stacked], w.shape[stacked:stacked + num_in], w.shape[stacked + num_in:]
     n_in = math.prod(ins)
     g = group_of(form.group, n_in)
     n_groups = -(-n_in // g)
-    flat = w.astype(np.float32).reshape((n_in,) + outs)
-    pad = [(0, n_groups * g - n_in)] + [(0, 0)] * len(outs)
-    tiles = xp.pad(flat, pad, mode="edge").reshape((n_groups, g) + outs)
+    flat = w.astype(np.float32).reshape(lead + (n_in,) + outs)
+    pad = [(0, 0)] * stacked + [(0, n_groups * g - n_in)] + [(0, 0)] * len(outs)
+    tiles = xp.pad(flat, pad, mode="edge").reshape(lead + (n_groups, g) + outs)
+    k = stacked + 1  # the axis within a group
     top = np.float32(2 ** form.bits - 1)
     if form.zero_point:
-        lo, hi = xp.minimum(tiles.min(axis=1), 0), xp.maximum(tiles.max(axis=1), 0)
+        lo, hi = xp.minimum(tiles.min(axis=k), 0), xp.maximum(tiles.max(axis=k), 0)
         scale = (hi - lo) / top
         scale = xp.where(scale > 0, scale, np.float32(1)).astype(np.float32)
         zero = xp.clip(xp.rint(-lo / scale), 0, top).astype(np.float32)
     else:
         half = np.float32(2 ** (form.bits - 1))
-        amax = xp.abs(tiles).max(axis=1)
+        amax = xp.abs(tiles).max(axis=k)
         scale = xp.where(amax > 0, amax / (half - 1), np.float32(1)).astype(np.float32)
         zero = xp.full(scale.shape, half, np.float32)
-    s, z = (xp.repeat(a, g, axis=0)[:n_in] for a in (scale, zero))
+    take = (slice(None),) * stacked + (slice(0, n_in),)
+    s, z = (xp.repeat(a, g, axis=stacked)[take] for a in (scale, zero))
     q = xp.clip(xp.rint(flat / s) + z, 0, top).reshape(w.shape)
-    return pack(q, num_in, form.bits), scale, zero
+    return pack(q, num_in, form.bits, stacked), scale, zero
 
 
-def scale_axes(axes: tuple, num_in: int, form: IntGroupFormat) -> tuple:
+def scale_axes(axes: tuple, num_in: int, form: IntGroupFormat, stacked: int = 0) -> tuple:
     """The scales split their groups like the first input axis (whole groups a device:
     `split_error`), except act-order's (any input uses any group) and one group per column."""
     whole = form.act_order or form.group == -1
-    return (None if whole else axes[0],) + tuple(axes[num_in:])
+    return tuple(axes[:stacked]) + (None if whole else axes[stacked],) + tuple(axes[stacked + num_in:])
 
 
 class IntGroupScales(nnx.Module):
     """A packed projection's scales, zero points and (act order) input groups; qeinsum
     (models/quant.py) takes it as the projection's `scale`."""
 
-    def __init__(self, scale, zero, g_idx,  # [groups, out...] f32 twice; [in...] int32 or None
-                 axes: tuple, num_in: int, form: IntGroupFormat, n_in: int):
+    def __init__(self, scale, zero, g_idx,  # [stacked..., groups, out...] f32 twice; [in...] int32 or None
+                 axes: tuple, num_in: int, form: IntGroupFormat, n_in: int, stacked: int = 0):
         kw = dict(eager_sharding=False)
-        self.scale = nnx.Param(scale, out_sharding=scale_axes(axes, num_in, form), **kw)
-        self.zero = nnx.Param(zero, out_sharding=scale_axes(axes, num_in, form), **kw)
+        self.scale = nnx.Param(scale, out_sharding=scale_axes(axes, num_in, form, stacked), **kw)
+        self.zero = nnx.Param(zero, out_sharding=scale_axes(axes, num_in, form, stacked), **kw)
         self.g_idx = nnx.Param(g_idx, out_sharding=tuple(axes[:num_in]), **kw) if form.act_order else None
-        self.num_in, self.bits, self.group = num_in, form.bits, group_of(form.group, n_in)
+        self.num_in, self.bits, self.group, self.stacked = num_in, form.bits, group_of(form.group, n_in), stacked
 
     def dequantize(self, packed: jax.Array, dtype) -> jax.Array:
         g_idx = None if self.g_idx is None else self.g_idx[...]
-        return dequantize(packed, self.scale[...], self.zero[...], g_idx, self.num_in, self.bits, self.group, dtype)
+        return dequantize(packed, self.scale[...], self.zero[...], g_idx, self.num_in, self.bits, self.group, dtype,
+                          self.stacked)
 
 
-def projection(w: jax.Array,  # [in..., out...] float: the float model's init
-               axes: tuple, num_in: int, form: IntGroupFormat) -> tuple[nnx.Param, IntGroupScales]:
+def projection(w: jax.Array,  # [stacked..., in..., out...] float: the float model's init
+               axes: tuple, num_in: int, form: IntGroupFormat,
+               stacked: int = 0) -> tuple[nnx.Param, IntGroupScales]:
     """The packed param and its scales from a float init (models/layers.py's `projection`)."""
-    packed, scale, zero = quantize(w, num_in, form)
-    n_in = math.prod(w.shape[:num_in])
+    if stacked and form.act_order:
+        raise ValueError("int_group act order (g_idx) has no form for stacked experts")
+    packed, scale, zero = quantize(w, num_in, form, stacked)
+    n_in = math.prod(w.shape[stacked:stacked + num_in])
     g_idx = None
     if form.act_order:
         g_idx = (jnp.arange(n_in, dtype=jnp.int32) // group_of(form.group, n_in)).reshape(w.shape[:num_in])
     return (nnx.Param(packed, out_sharding=axes, eager_sharding=False),
-            IntGroupScales(scale, zero, g_idx, axes, num_in, form, n_in))
+            IntGroupScales(scale, zero, g_idx, axes, num_in, form, n_in, stacked))
 
 
-def split_error(name: str, shape: tuple, num_in: int, split: int, form: IntGroupFormat) -> str | None:
-    """Why splitting the first input axis of `name` [in..., out...] (float shape) `split`
-    ways cuts a group, or None (each device holds dim / split of it times the other inputs)."""
+def split_error(name: str, shape: tuple, num_in: int, split: int, form: IntGroupFormat,
+                stacked: int = 0) -> str | None:
+    """Why splitting the first input axis of `name` [stacked..., in..., out...] (float
+    shape) `split` ways cuts a group, or None (each device holds dim / split of it times
+    the other inputs)."""
+    shape = tuple(shape[stacked:])
     n_in = math.prod(shape[:num_in])
     if split <= 1 or form.act_order or form.group == -1:
         return None

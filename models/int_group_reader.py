@@ -134,8 +134,9 @@ class IntGroupReader:
         missing = [s for s in NEEDS[fmt] if s not in parts]
         if missing:
             raise CheckpointError(f"int tensor {name!r} ({fmt}) lacks {', '.join(missing)}")
-        if len(spec.hf_shape) != 2 or spec.stack:
-            raise CheckpointError(f"int tensor {name!r} {list(spec.hf_shape)} is not a dense [out, in] projection")
+        if len(spec.hf_shape) != 2 or (spec.stack and form.act_order):
+            raise CheckpointError(f"int tensor {name!r} {list(spec.hf_shape)} is not an [out, in] projection (one "
+                                  "expert's, without act order)")
         k = len(spec.stored_shape) - spec.perm.index(0)  # stored axes flattening to HF's out
         if spec.perm != tuple(range(k, len(spec.perm))) + tuple(range(k)):
             raise CheckpointError(f"int tensor {name!r} is not an [out, in] projection the int loader maps")
@@ -174,9 +175,11 @@ class IntGroupReader:
         ks = self.spec.stored_shape
         return _Whole(np.ascontiguousarray(w[lo:hi].reshape(ks).transpose(self.spec.perm), dtype=target))
 
-    def pairs(self, path: tuple) -> list[tuple[tuple, object]]:
-        """(param path, reader) of the codes and each IntGroupScales param."""
-        scales = tuple(path[:-1]) + (path[-1] + "_scale",)
-        out = [(path, self.codes), (scales + ("scale",), self.scale), (scales + ("zero",), self.zero)]
-        return out + ([(scales + ("g_idx",), self.g_idx)] if self.g_idx is not None else [])
+    def pairs(self, path: tuple) -> list[tuple[tuple, object, tuple]]:
+        """(param path, reader, stack) of the codes and each IntGroupScales param: an
+        expert's codes, scales and zeros stack alike (the input axis is the groups')."""
+        scales, stack = tuple(path[:-1]) + (path[-1] + "_scale",), self.spec.stack
+        out = [(path, self.codes, stack), (scales + ("scale",), self.scale, stack),
+               (scales + ("zero",), self.zero, stack)]
+        return out + ([(scales + ("g_idx",), self.g_idx, ())] if self.g_idx is not None else [])
 

@@ -42,9 +42,7 @@ def projection(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dt
     if weight_dtype == "auto":
         return w, None
     if isinstance(weight_dtype, int_group.IntGroupFormat):
-        if stacked:  # refused by engine/capabilities/table.py (moe)
-            raise ValueError(f"int_group has no form for stacked experts ({name})")
-        return int_group.projection(w[...], axes, num_in, weight_dtype)
+        return int_group.projection(w[...], axes, num_in, weight_dtype, stacked)
     if isinstance(weight_dtype, fp8_block.Fp8Format):
         layout, block = fp8_block.LAYOUTS[name], weight_dtype.block
         q, scale = fp8_block.quantize(w[...], layout, block, fp8_block.FORMATS[weight_dtype.dtype])

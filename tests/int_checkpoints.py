@@ -30,6 +30,10 @@ FORMATS = {
     "ct_w4a16_asym": ("ct", 4, 128, True, {"format": "pack-quantized"}),
     "ct_w8a16": ("ct", 8, 128, False, {"format": "pack-quantized"}),
     "ct_w8a8": ("ct", 8, -1, False, {"format": "int-quantized"}),
+    # mixtures of experts (each expert's projections quantized on their own): groups of 16
+    # keep the 32-wide experts whole under mesh.tensor = 2
+    "ct_w4a16_g16": ("ct", 4, 16, False, {"format": "pack-quantized"}),
+    "gptq_g16": ("gptq", 4, 16, True, {}),
 }
 
 

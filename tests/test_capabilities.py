@@ -85,8 +85,9 @@ BREAKS = {
                                               "engine.disk_kv_cache_dir": "/tmp/x"}, ()),
     ("linear", "model.weight_dtype=int8"): ({**HYBRID, "model.weight_dtype": "int8"}, ()),
     ("mla", "model.weight_dtype=int8"): ({**MLA, "model.weight_dtype": "int8"}, ()),
-    ("moe", "model.weight_dtype=int_group"): ({"model.architecture": "MixtralForCausalLM", "model.num_experts": 4,
-                                               "model.experts_per_token": 2, "model.weight_dtype": "int_group"}, ()),
+    ("moe", "model.weight_dtype=int_group", "model.weight_act_order=true"): (
+        {"model.architecture": "MixtralForCausalLM", "model.num_experts": 4, "model.experts_per_token": 2,
+         "model.weight_dtype": "int_group", "model.weight_act_order": True}, ()),
     ("mla", "model.weight_dtype=int_group"): ({**MLA, "model.weight_dtype": "int_group"}, ()),
     ("linear", "model.weight_dtype=int_group"): ({**HYBRID, "model.weight_dtype": "int_group"}, ()),
     ("mesh.expert", "!moe"): ({"mesh.expert": 2}, ()),

@@ -60,6 +60,7 @@ SETTINGS: dict[str, Callable] = {
     "model.context_attention=pass_kv": lambda c: c.model.attention.context_attention == "pass_kv",
     "engine.kv_cache_dtype=quantized": lambda c: c.engine.kv_cache_dtype != "auto",
     "model.dtype=bfloat16": lambda c: str(c.model.dtype) == "bfloat16",
+    "model.weight_act_order=true": lambda c: bool(c.model.weight_act_order),
 }
 KINDS = ("attention", "mla", "gated_deltanet", "mamba2", "short_conv", "kda", "linear", "moe", "dsa", "mixed_kv", "shortcut")
 LINEAR_KINDS = ("gated_deltanet", "mamba2", "short_conv", "kda")  # each is also "linear"
@@ -133,7 +134,9 @@ RULES: tuple[Rule, ...] = (
     # packed int codes (models/int_group.py): dense attention and MLP projections only
     *(Rule((kind, "model.weight_dtype=int_group"), f"{what} have no packed int path", "model.weight_dtype = auto "
            "(the checkpoint's codes dequantized at load)") for kind, what in (
-        ("moe", "expert tensors"), ("mla", "the latent projections"), ("linear", "the linear layers' projections"))),
+        ("mla", "the latent projections"), ("linear", "the linear layers' projections"))),
+    Rule(("moe", "model.weight_dtype=int_group", "model.weight_act_order=true"), "stacked expert tensors have no "
+         "act-order (g_idx) form", "model.weight_dtype = auto (the checkpoint's codes dequantized at load)"),
     Rule(("mesh.expert", "!moe"), "mesh.expert splits experts, and this model has none", "mesh.expert = 1"),
     Rule(("dsa", "mesh.sequence"), "the sparse-attention indexer scores every cached key of a sequence, which "
          "context parallelism deals over ranks", "mesh.sequence = 1"),
