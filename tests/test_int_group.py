@@ -21,7 +21,7 @@ from jaxfill.engine.simple import generate_one
 from jaxfill.models.checkpoint import CheckpointError, load_hf_params
 from jaxfill.models.config import ConfigError
 from jaxfill.models.families.registry import config_from_hf
-from jaxfill.models.int_group import INPUT_AXES, packed_shape, scale_shape
+from jaxfill.models.int_group import INPUT_AXES, STACKED, packed_shape, scale_shape
 from test_model_parity import PARITY_PAGES, STEP_ROWS, hf_last_logits, ours_last_logits, parity_cache, prompts, rel_l2
 
 SHAPE = dict(hidden_size=128, intermediate_size=256)
@@ -29,19 +29,28 @@ SHAPE = dict(hidden_size=128, intermediate_size=256)
 
 @pytest.fixture(scope="module")
 def int_dirs(tmp_path_factory):
-    """format name -> its checkpoint (the dequantized twin at + "_ref"), made once."""
+    """format name (and arch) -> its checkpoint (the dequantized twin at + "_ref"), made once."""
     root, made = tmp_path_factory.mktemp("int"), {}
-    plain = make_hf_checkpoint(str(root / "plain"), "llama", **SHAPE)
 
-    def make(name: str) -> str:
-        if name not in made:
-            made[name] = write_int(plain, str(root / name), name)
-        return made[name]
+    def make(name: str, arch: str = "llama") -> str:
+        plain = str(root / f"plain_{arch}")
+        if not os.path.exists(plain):
+            make_hf_checkpoint(plain, arch, **(SHAPE if arch == "llama" else {}))
+        if (name, arch) not in made:
+            made[name, arch] = write_int(plain, str(root / f"{arch}_{name}"), name)
+        return made[name, arch]
     return make
 
 
 def packed_params(model) -> dict:
     return {p: v[...] for p, v in nnx.to_flat_state(nnx.state(model)) if p[-1] in INPUT_AXES}
+
+
+def projections(config) -> int:
+    """The params a checkpoint's quantized projections fill: 7 a dense layer, a MoE layer's
+    attention 4 + stacked experts 2 (+ 3 of its shared expert)."""
+    moe = 0 if not config.moe.num_experts else config.num_layers - len(config.moe.dense_layers)
+    return 7 * (config.num_layers - moe) + (6 + 3 * bool(config.moe.shared_expert_size)) * moe
 
 
 def check_int_checkpoint(directory: str, name: str) -> None:
@@ -54,15 +63,16 @@ def check_int_checkpoint(directory: str, name: str) -> None:
     model = load_hf_params(directory, config, progress=False)
     state = dict(nnx.to_flat_state(nnx.state(model)))
     packed = packed_params(model)
-    assert len(packed) == 7 * config.num_layers
+    assert len(packed) == projections(config)
     for path, w in packed.items():
-        num_in = INPUT_AXES[path[-1]]
+        num_in, stacked = INPUT_AXES[path[-1]], STACKED.get(path[-1], 0)
         scales = path[:-1] + (path[-1] + "_scale",)
-        full = w.shape[:num_in - 1] + (w.shape[num_in - 1] * (8 // bits),) + w.shape[num_in:]
-        assert w.dtype == np.uint8 and w.shape == packed_shape(full, num_in, bits), path
+        a = stacked + num_in - 1
+        full = w.shape[:a] + (w.shape[a] * (8 // bits),) + w.shape[a + 1:]
+        assert w.dtype == np.uint8 and w.shape == packed_shape(full, num_in, bits, stacked), path
         for part in ("scale", "zero"):
             a = state[scales + (part,)][...]
-            assert a.dtype == np.float32 and a.shape == scale_shape(full, num_in, group), (path, part)
+            assert a.dtype == np.float32 and a.shape == scale_shape(full, num_in, group, stacked), (path, part)
         assert (scales + ("g_idx",) in state) == config.weight_act_order
     hf = load_hf(directory + "_ref")
     for n, tokens in prompts(config.vocab_size)[1:3]:
@@ -103,7 +113,7 @@ BASE = {"engine.num_pages": 8, "engine.max_model_len": 64}
 def test_engine_config_refusals_name_the_key(int_dirs):
     """int_group on a float checkpoint, a group size other than the file's, and a tensor
     split that cuts a group (o's 128 inputs over 2 devices, groups of 128): one line each."""
-    plain = os.path.join(os.path.dirname(int_dirs("gptq")), "plain")
+    plain = os.path.join(os.path.dirname(int_dirs("gptq")), "plain_llama")
     cases = [(plain, {"model.weight_dtype": "int_group"}, "not one"),
              (int_dirs("gptq"), {"model.weight_group_size": 64}, "weight_group_size"),
              (int_dirs("gptq"), {"model.weight_dtype": "fp8_block"}, "fp8_block")]

@@ -1,7 +1,8 @@
 """Integer checkpoints through the Engine (tests/family_layouts.py's prompts and checks):
 GPTQ act order (packed 4-bit codes, replicated group scales, g_idx split with the inputs)
 kept as int_group: one device == chunked == prefix-cached == mesh.tensor=2 ==
-mesh.stage=2 (HF parity and the dequantized load: tests/test_int_group.py)."""
+mesh.stage=2 (experts: tests/test_int_group_moe_layouts.py; HF parity and the
+dequantized load: tests/test_int_group*.py)."""
 
 import pytest
 
@@ -13,8 +14,9 @@ from int_checkpoints import write_int
 INT_LAYOUTS = {name: LAYOUTS[name] for name in ("whole", "chunked", "prefix", "tensor2", "stage2")}
 
 
-def int_checkpoint(tmp_path, name: str) -> str:
-    plain = make_hf_checkpoint(str(tmp_path / "llama"), "llama", hidden_size=128, intermediate_size=256)
+def int_checkpoint(tmp_path, name: str, arch: str = "llama") -> str:
+    shape = dict(hidden_size=128, intermediate_size=256) if arch == "llama" else {}
+    plain = make_hf_checkpoint(str(tmp_path / arch), arch, **shape)
     return write_int(plain, str(tmp_path / name), name)
 
 
@@ -22,4 +24,5 @@ def test_int_group_act_order_layouts(tmp_path):
     model = int_checkpoint(tmp_path, "gptq_act_order")
     check_layouts(run_layouts(model, INT_LAYOUTS, devices=2), "llama",
                   ("chunked", "prefix", "tensor2", "stage2"))
+
 

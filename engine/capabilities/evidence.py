@@ -109,6 +109,10 @@ EVIDENCE: tuple[Evidence, ...] = (
              ("llama",), ("model.weight_dtype=int_group",)),
     Evidence("tests/test_int_group_layouts.py::test_int_group_act_order_layouts", ("llama",),
              ("model.weight_dtype=int_group",)),
+    Evidence("tests/test_int_group_ct.py::test_experts_kept_packed_match_hf", ("qwen2_moe",),
+             ("model.weight_dtype=int_group",)),
+    Evidence("tests/test_int_group_moe_layouts.py::test_int_group_experts_layouts", ("qwen3_moe",),
+             ("model.weight_dtype=int_group",)),
     # linear-attention hybrids
     *_each("tests/test_hybrid_layouts.py::test_hybrid_layouts_agree", ("qwen3_5", "qwen3_next", "qwen3_5_moe",
                                                                        "nemotron_h"),
