@@ -144,7 +144,7 @@ def _check_int_groups(model, mesh) -> None:
     plain, form = dataclasses.replace(model, weight_dtype="auto"), model.weight_form
     for kind in {id(ps): ps for ps in (layer_params(plain, n) for n in range(model.num_layers))}.values():
         for p in kind:
-            if p.path[-1] not in INPUT_AXES:
+            if p.path[-1] not in INPUT_AXES or (form.experts_only and p.path[-1] not in STACKED):
                 continue
             num_in, stacked = INPUT_AXES[p.path[-1]], STACKED.get(p.path[-1], 0)
             if form.bits == 4 and p.shape[stacked + num_in - 1] % 2:

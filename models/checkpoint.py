@@ -203,8 +203,11 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
     for spec, reader_of in todo:
         path = spec.param_path
         if isinstance(reader_of, IntGroupReader) and config.weight_dtype == "int_group":  # codes and scales
+            if dtype_of(path) != np.uint8:
+                raise CheckpointError(f"{path} is stored packed but model.weight_int_scope = "
+                                      f"{config.weight_int_scope!r} keeps it unquantized")
             pairs = reader_of.pairs(path)
-        elif config.weight_dtype == "int_group" and path[-1] in INT_GROUP_INPUT_AXES:
+        elif dtype_of(path) == np.uint8 and path[-1] in INT_GROUP_INPUT_AXES:
             raise CheckpointError(f"{path} is stored unquantized but model.weight_dtype = int_group keeps it packed "
                                   "as an AWQ / GPTQ / compressed-tensors checkpoint stores it")
         elif fp8_block.is_fp8(dtype_of(path)):  # kept as stored, with its block scales

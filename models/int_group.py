@@ -46,6 +46,7 @@ class IntGroupFormat(NamedTuple):
     group: int  # inputs per group; -1: one group over all inputs (per output channel)
     zero_point: bool  # the checkpoint stores zero points (asymmetric); else z = 2^(bits-1)
     act_order: bool  # GPTQ desc_act: g_idx [in] names each input's group
+    experts_only: bool = False  # the rest unquantized (compressed-tensors' ignore list: Kimi K2-Thinking)
 
 
 def group_of(form_group: int, n_in: int) -> int:

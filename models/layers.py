@@ -42,6 +42,8 @@ def projection(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dt
     if weight_dtype == "auto":
         return w, None
     if isinstance(weight_dtype, int_group.IntGroupFormat):
+        if weight_dtype.experts_only and not stacked:  # a checkpoint that leaves it unquantized
+            return w, None
         return int_group.projection(w[...], axes, num_in, weight_dtype, stacked)
     if isinstance(weight_dtype, fp8_block.Fp8Format):
         layout, block = fp8_block.LAYOUTS[name], weight_dtype.block

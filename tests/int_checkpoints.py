@@ -19,6 +19,7 @@ from safetensors.numpy import load_file
 from safetensors.torch import save_file
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+KIMI_IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"]
 # name -> (writer, bits, group size (-1: per channel), zero points, extra)
 FORMATS = {
     "gptq": ("gptq", 4, 32, True, {}),
@@ -34,6 +35,8 @@ FORMATS = {
     # keep the 32-wide experts whole under mesh.tensor = 2
     "ct_w4a16_g16": ("ct", 4, 16, False, {"format": "pack-quantized"}),
     "gptq_g16": ("gptq", 4, 16, True, {}),
+    # Kimi K2-Thinking's: routed experts alone in W4A16 groups of 32, the rest left in the ignore list
+    "ct_experts_only": ("ct", 4, 32, False, {"format": "pack-quantized", "ignore": KIMI_IGNORE}),
 }
 
 
@@ -150,8 +153,8 @@ def quant_config(name: str) -> dict:
     from compressed_tensors.quantization import QuantizationConfig
 
     scheme = _ct_scheme(bits, group, zero_point, extra["format"])
-    config = QuantizationConfig(config_groups={"group_0": scheme}, format=extra["format"], ignore=["lm_head"],
-                                quantization_status="compressed")
+    config = QuantizationConfig(config_groups={"group_0": scheme}, format=extra["format"],
+                                ignore=extra.get("ignore", ["lm_head"]), quantization_status="compressed")
     return json.loads(json.dumps(config.model_dump(), default=str))
 
 
@@ -164,7 +167,7 @@ def write_int(plain: str, out: str, name: str, seed: int = 0) -> str:
     tensors = load_file(os.path.join(plain, "model.safetensors"))
     packed, ref = {}, {}
     for key, value in tensors.items():
-        if is_projection(key, value):
+        if is_projection(key, value) and (".experts." in key or "ignore" not in extra):
             stored, deq = writer(value.astype(np.float32), bits, group, zero_point, extra, rng)
             stem = key[:-len("weight")]
             packed.update({stem + suffix: torch.from_numpy(np.ascontiguousarray(v)) for suffix, v in stored.items()})

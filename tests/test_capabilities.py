@@ -88,7 +88,10 @@ BREAKS = {
     ("moe", "model.weight_dtype=int_group", "model.weight_act_order=true"): (
         {"model.architecture": "MixtralForCausalLM", "model.num_experts": 4, "model.experts_per_token": 2,
          "model.weight_dtype": "int_group", "model.weight_act_order": True}, ()),
-    ("mla", "model.weight_dtype=int_group"): ({**MLA, "model.weight_dtype": "int_group"}, ()),
+    ("mla", "model.weight_dtype=int_group", "!model.weight_int_scope=experts"): (
+        {**MLA, "model.weight_dtype": "int_group"}, ()),
+    ("!moe", "model.weight_dtype=int_group", "model.weight_int_scope=experts"): (
+        {"model.weight_dtype": "int_group", "model.weight_int_scope": "experts"}, ()),
     ("linear", "model.weight_dtype=int_group"): ({**HYBRID, "model.weight_dtype": "int_group"}, ()),
     ("mesh.expert", "!moe"): ({"mesh.expert": 2}, ()),
     ("dsa", "mesh.sequence"): ({**DSA, "mesh.sequence": 2}, ()),

@@ -43,13 +43,15 @@ def int_dirs(tmp_path_factory):
 
 
 def packed_params(model) -> dict:
-    return {p: v[...] for p, v in nnx.to_flat_state(nnx.state(model)) if p[-1] in INPUT_AXES}
+    return {p: v[...] for p, v in nnx.to_flat_state(nnx.state(model)) if p[-1] in INPUT_AXES and v.dtype == np.uint8}
 
 
 def projections(config) -> int:
     """The params a checkpoint's quantized projections fill: 7 a dense layer, a MoE layer's
     attention 4 + stacked experts 2 (+ 3 of its shared expert)."""
     moe = 0 if not config.moe.num_experts else config.num_layers - len(config.moe.dense_layers)
+    if config.weight_int_scope == "experts":  # the routed experts alone (Kimi K2-Thinking)
+        return 2 * moe
     return 7 * (config.num_layers - moe) + (6 + 3 * bool(config.moe.shared_expert_size)) * moe
 
 
@@ -60,6 +62,7 @@ def check_int_checkpoint(directory: str, name: str) -> None:
     config = config_from_hf(directory)
     assert (config.weight_dtype, config.weight_bits, config.weight_group_size, config.weight_zero_point,
             config.weight_act_order) == ("int_group", bits, group, zero_point, bool(extra.get("desc_act")))
+    assert config.weight_int_scope == ("experts" if "ignore" in extra else "all")
     model = load_hf_params(directory, config, progress=False)
     state = dict(nnx.to_flat_state(nnx.state(model)))
     packed = packed_params(model)

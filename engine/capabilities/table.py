@@ -61,6 +61,7 @@ SETTINGS: dict[str, Callable] = {
     "engine.kv_cache_dtype=quantized": lambda c: c.engine.kv_cache_dtype != "auto",
     "model.dtype=bfloat16": lambda c: str(c.model.dtype) == "bfloat16",
     "model.weight_act_order=true": lambda c: bool(c.model.weight_act_order),
+    "model.weight_int_scope=experts": lambda c: c.model.weight_int_scope == "experts",
 }
 KINDS = ("attention", "mla", "gated_deltanet", "mamba2", "short_conv", "kda", "linear", "moe", "dsa", "mixed_kv", "shortcut")
 LINEAR_KINDS = ("gated_deltanet", "mamba2", "short_conv", "kda")  # each is also "linear"
@@ -132,9 +133,13 @@ RULES: tuple[Rule, ...] = (
     Rule(("mla", "model.weight_dtype=int8"), "the latent projections have no int8 path",
          "model.weight_dtype = auto"),
     # packed int codes (models/int_group.py): dense attention and MLP projections only
-    *(Rule((kind, "model.weight_dtype=int_group"), f"{what} have no packed int path", "model.weight_dtype = auto "
-           "(the checkpoint's codes dequantized at load)") for kind, what in (
-        ("mla", "the latent projections"), ("linear", "the linear layers' projections"))),
+    Rule(("linear", "model.weight_dtype=int_group"), "the linear layers' projections have no packed int path",
+         "model.weight_dtype = auto (the checkpoint's codes dequantized at load)"),
+    Rule(("mla", "model.weight_dtype=int_group", "!model.weight_int_scope=experts"), "the latent projections have "
+         "no packed int path (a checkpoint that packs the routed experts alone loads)",
+         "model.weight_dtype = auto (the checkpoint's codes dequantized at load)"),
+    Rule(("!moe", "model.weight_dtype=int_group", "model.weight_int_scope=experts"), "there are no routed experts "
+         "to keep packed", "model.weight_int_scope = all"),
     Rule(("moe", "model.weight_dtype=int_group", "model.weight_act_order=true"), "stacked expert tensors have no "
          "act-order (g_idx) form", "model.weight_dtype = auto (the checkpoint's codes dequantized at load)"),
     Rule(("mesh.expert", "!moe"), "mesh.expert splits experts, and this model has none", "mesh.expert = 1"),

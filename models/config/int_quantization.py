@@ -15,6 +15,7 @@ weights, modules left unquantized other than the LM head)."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from jaxfill.models.config.errors import ConfigError
@@ -73,6 +74,42 @@ def _no_unconverted(key: str, value) -> None:
         raise _refuse(key, value, "modules left unquantized other than lm_head have no per-module fallback")
 
 
+# module names of each kind a compressed-tensors `ignore` list may leave unquantized (layers 0,
+# 1 and 5; experts 0 and 3): it must leave each kind whole or not at all
+_KINDS = {
+    "attention": [f"self_attn.{x}" for x in ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj",
+                                             "kv_a_proj_with_mqa", "kv_b_proj")],
+    "dense MLP": [f"mlp.{x}" for x in ("gate_proj", "up_proj", "down_proj")],
+    # two spellings (DeepSeek's, Qwen2-MoE's): a list need only name the model's; the loader
+    # refuses a packed tensor where the model keeps one unquantized
+    "shared experts": [f"mlp.shared_experts.{x}" for x in ("gate_proj", "up_proj", "down_proj")],
+    "shared expert": [f"mlp.shared_expert.{x}" for x in ("gate_proj", "up_proj", "down_proj")],
+    "experts": [f"mlp.experts.{j}.{x}" for j in (0, 3) for x in ("gate_proj", "up_proj", "down_proj")],
+}
+
+
+def _ignored(name: str, patterns: list) -> bool:  # compressed-tensors' match: "re:" a regex from the start, else the name
+    return any(re.match(p[3:], name) if p.startswith("re:") else p == name for p in patterns)
+
+
+def _scope(ignore) -> str:
+    """weight_int_scope from an `ignore` list: nothing but the LM head ("all"), or the
+    attention, dense MLPs and shared experts whole with the routed experts kept ("experts",
+    Kimi K2-Thinking's). Anything between has no per-module fallback here."""
+    patterns = [] if ignore is None else list(ignore)
+    left = {}
+    for kind, names in _KINDS.items():
+        hits = [_ignored(f"model.layers.{i}.{n}", patterns) for i in (0, 1, 5) for n in names]
+        left[kind] = "all" if all(hits) else "none" if not any(hits) else "some"
+    if all(v == "none" for v in left.values()):
+        return "all"
+    if (left["attention"], left["dense MLP"], left["experts"]) == ("all", "all", "none") and "some" not in (
+            left["shared experts"], left["shared expert"]):
+        return "experts"
+    raise _refuse("ignore", ignore, f"it leaves {', '.join(f'{v} {k}' for k, v in left.items())} unquantized; "
+                  "kept packed: every projection, or the routed experts alone")
+
+
 def int_fields(quant: dict[str, Any]) -> dict[str, Any]:
     """weight_dtype int_group with its bits, group size, zero points and act order."""
     method = quant.get("quant_method")
@@ -120,7 +157,7 @@ def _compressed_tensors(quant: dict) -> dict:
     for key in ("kv_cache_scheme", "sparsity_config", "transform_config", "moe_sparsity_config"):
         if quant.get(key):
             raise _refuse(key, quant[key], "not reproduced")
-    _no_unconverted("ignore", quant.get("ignore"))
+    scope = _scope(quant.get("ignore"))
     groups = quant.get("config_groups") or {}
     if len(groups) != 1:
         raise _refuse("config_groups", sorted(groups), "exactly one group")
@@ -155,7 +192,7 @@ def _compressed_tensors(quant: dict) -> dict:
     if fmt == "int-quantized" and bits != 8:
         raise _refuse(f"{where}.weights.num_bits", bits, "int-quantized stores int8")
     return dict(weight_dtype="int_group", weight_bits=bits, weight_group_size=size,
-                weight_zero_point=not w.get("symmetric", True), weight_act_order=False)
+                weight_zero_point=not w.get("symmetric", True), weight_act_order=False, weight_int_scope=scope)
 
 
 def int_format_of(quant: dict[str, Any]) -> dict[str, Any]:

@@ -102,6 +102,7 @@ class ModelConfig:
     weight_group_size: int = 128
     weight_zero_point: bool = True
     weight_act_order: bool = False
+    weight_int_scope: str = "all"  # int_group: "all" projections, or "experts" (the rest unquantized)
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     tokenizer: str = "byte"  # "byte" or "hf" (tokenizer.json beside the weights)
@@ -116,6 +117,8 @@ class ModelConfig:
             raise ConfigError(f"model.weight_fp8 must be one of {list(WEIGHT_FP8)}, got {self.weight_fp8!r}")
         if len(self.weight_block_size) != 2 or min(int(b) for b in self.weight_block_size) <= 0:
             raise ConfigError(f"model.weight_block_size must be two positive sizes, got {list(self.weight_block_size)}")
+        if self.weight_int_scope not in ("all", "experts"):
+            raise ConfigError(f"model.weight_int_scope must be all or experts, got {self.weight_int_scope!r}")
         if self.weight_bits not in (4, 8):
             raise ConfigError(f"model.weight_bits must be 4 or 8, got {self.weight_bits!r}")
         if self.weight_group_size != -1 and (self.weight_group_size <= 0 or self.weight_group_size % 2):
@@ -242,7 +245,7 @@ class ModelConfig:
 
         if self.weight_dtype == "int_group":
             return IntGroupFormat(int(self.weight_bits), int(self.weight_group_size), bool(self.weight_zero_point),
-                                  bool(self.weight_act_order))
+                                  bool(self.weight_act_order), self.weight_int_scope == "experts")
         if self.weight_dtype != "fp8_block":
             return self.weight_dtype
         return Fp8Format(self.weight_fp8, tuple(int(b) for b in self.weight_block_size))
