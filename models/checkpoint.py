@@ -237,6 +237,7 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
             readers[p] = reader
     for path, reader in progress_bar(readers.items(), desc="loading weights", unit="tensor", disable=not progress):
         params[path].set_value(place(path, StackedSlices(reader) if isinstance(reader, list) else reader))
+    IntGroupReader._last = (None, None)  # the projection unpacked last
     return nnx.merge(graphdef, state)
 
 

@@ -68,7 +68,7 @@ def _unpack_words(words: np.ndarray, bits: int, axis: int) -> np.ndarray:
     shifts = (np.arange(per, dtype=np.uint32) * bits).reshape((per,) + (1,) * (u.ndim - axis - 1))
     vals = (np.expand_dims(u, axis + 1) >> shifts) & np.uint32(2 ** bits - 1)  # [..., n, per, ...]
     shape = u.shape[:axis] + (u.shape[axis] * per,) + u.shape[axis + 1:]
-    return vals.reshape(shape).astype(np.int64)
+    return vals.reshape(shape).astype(np.int16)  # v1 zeros may reach 2^bits
 
 
 def _awq_unpack(words: np.ndarray) -> np.ndarray:  # [rows, cols / 8] int32 -> [rows, cols] codes
@@ -99,36 +99,56 @@ def unpacked(fmt: str, parts: dict, n_out: int, n_in: int, bits: int, group: int
                 raise CheckpointError(f"weight_shape {list(shape)} is not the model's [{n_out}, {n_in}]")
             q = _unpack_words(_read(parts["weight_packed"]), bits, 1)[:, :n_in]
         else:
-            q = _read(parts["weight"]).astype(np.int64) + half
+            q = _read(parts["weight"]).astype(np.int16) + half
         s = _read(parts["weight_scale"], np.float32).T
         if "weight_zero_point" not in parts:
-            z = np.full(s.shape, half, np.int64)
+            z = np.full(s.shape, half, np.int16)
         elif fmt == "ct_pack":
             z = _unpack_words(_read(parts["weight_zero_point"]).T, bits, 1)[:, :n_out]
         else:
-            z = _read(parts["weight_zero_point"]).astype(np.int64).T + half
+            z = _read(parts["weight_zero_point"]).astype(np.int16).T + half
         g_idx = None
     for what, a, want in (("codes", q, (n_out, n_in)), ("scales", s, (n_groups, n_out)),
                           ("zero points", z, (n_groups, n_out))):
         if a.shape != want:
             raise CheckpointError(f"its {what} unpack to {list(a.shape)}; [{n_out}, {n_in}] in groups of {g} "
                                   f"({bits} bits) needs {list(want)}")
-    return q, s, z.astype(np.float32), g_idx
+    return q.astype(np.uint8), s, z.astype(np.float32), g_idx
 
 
-class _Whole:
-    """A param computed whole once, read a box at a time (the interface of TensorSlices)."""
+def stored_shapes(fmt: str, n_out: int, n_in: int, bits: int, n_groups: int) -> dict[str, tuple]:
+    """Each stored tensor's shape, checked on the headers before any data is read."""
+    words = lambda n: -(-n * bits // 32)  # noqa: E731
+    if fmt == "gptq":
+        return {"qweight": (words(n_in), n_out), "qzeros": (n_groups, words(n_out)), "scales": (n_groups, n_out),
+                "g_idx": (n_in,)}
+    if fmt == "awq":
+        return {"qweight": (n_in, words(n_out)), "qzeros": (n_groups, words(n_out)), "scales": (n_groups, n_out)}
+    shapes = {"weight_scale": (n_out, n_groups)}
+    if fmt == "ct_pack":
+        return shapes | {"weight_packed": (n_out, words(n_in)), "weight_zero_point": (words(n_out), n_groups),
+                         "weight_shape": (2,)}
+    return shapes | {"weight": (n_out, n_in), "weight_zero_point": (n_out, n_groups)}
 
-    def __init__(self, value: np.ndarray):
-        self.value, self.shape = value, value.shape
+
+class _Part:
+    """One param of a projection (codes, scale, zero or g_idx), read a box at a time (the
+    interface of TensorSlices) from the projection unpacked on first use."""
+
+    def __init__(self, owner: "IntGroupReader", key: str, shape: tuple):
+        self.owner, self.key, self.shape = owner, key, shape
 
     def read(self, index: tuple = ()) -> np.ndarray:
-        return np.ascontiguousarray(self.value[tuple(index)])
+        return np.ascontiguousarray(self.owner.values()[self.key][tuple(index)])
 
 
 class IntGroupReader:
-    """One projection part (`spec`: a fused tensor's rows) in our layout: `codes`, `scale`,
-    `zero` and (act order) `g_idx`, each with shape and read(index)."""
+    """One projection part (`spec`: a fused tensor's rows; one expert of a stack) in our
+    layout: `codes`, `scale`, `zero` and (act order) `g_idx`, each with shape and
+    read(index). Headers are checked here; the data is read and unpacked when the first
+    box is placed, and only the projection placed last stays unpacked."""
+
+    _last: tuple = (None, None)  # (reader, its values): one projection unpacked at a time
 
     def __init__(self, name: str, parts: dict, spec: HFTensor, fmt: str, form: int_group.IntGroupFormat, v1: bool):
         missing = [s for s in NEEDS[fmt] if s not in parts]
@@ -141,39 +161,57 @@ class IntGroupReader:
         if spec.perm != tuple(range(k, len(spec.perm))) + tuple(range(k)):
             raise CheckpointError(f"int tensor {name!r} is not an [out, in] projection the int loader maps")
         n_out, n_in = spec.hf_shape
-        try:
-            q, s, z, g_idx = unpacked(fmt, parts, n_out, n_in, form.bits, form.group, v1)
-        except CheckpointError as e:
-            raise CheckpointError(f"int tensor {name!r}: {e}") from None
-        if g_idx is not None:
-            plain = np.arange(n_in, dtype=np.int32) // int_group.group_of(form.group, n_in)
-            if g_idx.shape != (n_in,) or g_idx.min() < 0 or g_idx.max() >= s.shape[0]:
-                raise CheckpointError(f"int tensor {name!r}: g_idx {list(g_idx.shape)} does not name its "
-                                      f"{s.shape[0]} groups")
-            if not form.act_order and not np.array_equal(g_idx, plain):
-                raise CheckpointError(f"int tensor {name!r}: g_idx reorders the groups but desc_act is false")
-        elif form.act_order:
+        n_groups = -(-n_in // int_group.group_of(form.group, n_in))
+        for suffix, want in stored_shapes(fmt, n_out, n_in, form.bits, n_groups).items():
+            if suffix in parts and tuple(parts[suffix].shape) != want:
+                raise CheckpointError(f"int tensor {name[:-len('weight')] + suffix!r} is {list(parts[suffix].shape)}:"
+                                      f" [{n_out}, {n_in}] in {form.bits} bits, groups of "
+                                      f"{int_group.group_of(form.group, n_in)} ({fmt}) needs {list(want)}")
+        if form.act_order and "g_idx" not in parts:
             raise CheckpointError(f"int tensor {name!r} has no g_idx, and desc_act is true")
-        self.q, self.s, self.z, self.idx = q, s, z, g_idx
-        self.spec, self.k, self.form = spec, k, form
+        self.name, self.parts, self.spec, self.fmt, self.form, self.v1 = name, parts, spec, fmt, form, v1
+        outs, ins = tuple(spec.stored_shape[:k]), tuple(spec.stored_shape[k:])
         lo, hi = spec.rows or (0, n_out)
-        outs, ins = spec.stored_shape[:k], spec.stored_shape[k:]
-        num_in = len(ins)
-        codes = q[lo:hi].reshape(tuple(outs) + tuple(ins)).transpose(spec.perm)
-        self.codes = _Whole(int_group.pack(codes, num_in, form.bits))
-        self.scale = _Whole(np.ascontiguousarray(s[:, lo:hi]).reshape((s.shape[0],) + tuple(outs)))
-        self.zero = _Whole(np.ascontiguousarray(z[:, lo:hi]).reshape((z.shape[0],) + tuple(outs)))
-        self.g_idx = _Whole(g_idx.reshape(ins)) if form.act_order else None
+        self.outs, self.ins, self.rows = outs, ins, (lo, hi)
+        float_shape = ins + outs
+        self.codes = _Part(self, "codes", int_group.packed_shape(float_shape, len(ins), form.bits))
+        self.scale = _Part(self, "scale", (n_groups,) + outs)
+        self.zero = _Part(self, "zero", (n_groups,) + outs)
+        self.g_idx = _Part(self, "g_idx", ins) if form.act_order else None
+
+    def _unpacked(self):
+        """(Q [out, in], S, Z [groups, out], g_idx [in]): read, unpacked and checked."""
+        (n_out, n_in), form = self.spec.hf_shape, self.form
+        try:
+            q, s, z, g_idx = unpacked(self.fmt, self.parts, n_out, n_in, form.bits, form.group, self.v1)
+        except CheckpointError as e:
+            raise CheckpointError(f"int tensor {self.name!r}: {e}") from None
+        plain = np.arange(n_in, dtype=np.int32) // int_group.group_of(form.group, n_in)
+        if g_idx is None:
+            return q, s, z, plain
+        if g_idx.min() < 0 or g_idx.max() >= s.shape[0]:
+            raise CheckpointError(f"int tensor {self.name!r}: g_idx names groups outside its {s.shape[0]}")
+        if not form.act_order and not np.array_equal(g_idx, plain):
+            raise CheckpointError(f"int tensor {self.name!r}: g_idx reorders the groups but desc_act is false")
+        return q, s, z, g_idx
+
+    def values(self) -> dict[str, np.ndarray]:
+        """This part's params in our layout, unpacked once while it is being placed."""
+        if IntGroupReader._last[0] is not self:
+            q, s, z, g_idx = self._unpacked()
+            (lo, hi), perm = self.rows, self.spec.perm
+            codes = q[lo:hi].reshape(self.outs + self.ins).transpose(perm)
+            values = {"codes": int_group.pack(codes, len(self.ins), self.form.bits),
+                      "scale": np.ascontiguousarray(s[:, lo:hi]).reshape((s.shape[0],) + self.outs),
+                      "zero": np.ascontiguousarray(z[:, lo:hi]).reshape((z.shape[0],) + self.outs),
+                      "g_idx": g_idx.reshape(self.ins), "dequantized": (q, s, z, g_idx)}
+            IntGroupReader._last = (self, values)
+        return IntGroupReader._last[1]
 
     def __call__(self, target: np.dtype):
         """The param's values dequantized, (Q - Z) * S in f32 then `target` (a model kept in
-        auto or int8 on an int checkpoint)."""
-        idx = self.idx if self.idx is not None else np.arange(self.q.shape[1]) // int_group.group_of(
-            self.form.group, self.q.shape[1])
-        w = (self.q.astype(np.float32) - self.z[idx].T) * self.s[idx].T  # [out, in]
-        lo, hi = self.spec.rows or (0, w.shape[0])
-        ks = self.spec.stored_shape
-        return _Whole(np.ascontiguousarray(w[lo:hi].reshape(ks).transpose(self.spec.perm), dtype=target))
+        auto or int8 on an int checkpoint), read whole on first use."""
+        return _Dequantized(self, np.dtype(target))
 
     def pairs(self, path: tuple) -> list[tuple[tuple, object, tuple]]:
         """(param path, reader, stack) of the codes and each IntGroupScales param: an
@@ -183,3 +221,17 @@ class IntGroupReader:
                (scales + ("zero",), self.zero, stack)]
         return out + ([(scales + ("g_idx",), self.g_idx, ())] if self.g_idx is not None else [])
 
+
+class _Dequantized:
+    """A projection's dequantized values in param layout (shape, read(index))."""
+
+    def __init__(self, owner: IntGroupReader, target: np.dtype):
+        self.owner, self.target = owner, target
+        self.shape = tuple(owner.spec.stored_shape[p] for p in owner.spec.perm)
+
+    def read(self, index: tuple = ()) -> np.ndarray:
+        q, s, z, idx = self.owner.values()["dequantized"]
+        lo, hi = self.owner.rows
+        w = (q[lo:hi].astype(np.float32) - z[idx].T[lo:hi]) * s[idx].T[lo:hi]  # [out, in]
+        w = w.reshape(self.owner.spec.stored_shape).transpose(self.owner.spec.perm)
+        return np.ascontiguousarray(w[tuple(index)], dtype=self.target)
