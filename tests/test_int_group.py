@@ -138,6 +138,8 @@ BAD = {
     "unconverted modules": ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm",
                              "modules_to_not_convert": ["lm_head", "mlp.down_proj"]}, "modules_to_not_convert"),
     "odd group": ({"quant_method": "gptq", "bits": 4, "group_size": 33}, "group_size=33"),
+    "gptq per-module overrides": ({"quant_method": "gptq", "bits": 4, "group_size": 128,
+                                   "dynamic": {"-:.*down_proj": {}}}, "dynamic"),
 }
 
 
@@ -157,6 +159,28 @@ BAD.update({
     "ct two groups": (_ct({}, config_groups={"a": {}, "b": {}}), "config_groups"),
     "ct frozen": (_ct({}, quantization_status="frozen"), "quantization_status"),
 })
+
+
+def test_published_quantization_configs_read():
+    """As AutoGPTQ, GPTQModel, AutoAWQ and Kimi K2-Thinking write them."""
+    from jaxfill.models.config.int_quantization import int_fields
+
+    auto_gptq = {"bits": 4, "damp_percent": 0.01, "desc_act": True, "group_size": 128, "is_marlin_format": False,
+                 "model_file_base_name": None, "model_name_or_path": None, "quant_method": "gptq",
+                 "static_groups": False, "sym": True, "true_sequential": True}
+    gptq_model = {"bits": 8, "checkpoint_format": "gptq_v2", "damp_auto_increment": 0.0025, "damp_percent": 0.01,
+                  "desc_act": False, "dynamic": None, "group_size": 64, "lm_head": False, "meta": {"quantizer": []},
+                  "pack_dtype": "int32", "quant_method": "gptq", "static_groups": False, "sym": False,
+                  "true_sequential": True}
+    auto_awq = {"bits": 4, "group_size": 32, "modules_to_not_convert": None, "quant_method": "awq",
+                "version": "gemm", "zero_point": True}
+    kimi = _ct({"actorder": None, "observer": "minmax", "observer_kwargs": {}, "block_structure": None},
+               ignore=["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+                       "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"], kv_cache_scheme=None)
+    got = [tuple(int_fields(q)[k] for k in ("weight_bits", "weight_group_size", "weight_zero_point",
+                                             "weight_act_order")) for q in (auto_gptq, gptq_model, auto_awq, kimi)]
+    assert got == [(4, 128, False, True), (8, 64, True, False), (4, 32, True, False), (4, 32, False, False)]
+    assert int_fields(kimi)["weight_int_scope"] == "experts" and "weight_int_scope" not in int_fields(auto_awq)
 
 
 @pytest.mark.parametrize("case", sorted(BAD))

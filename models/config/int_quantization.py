@@ -28,7 +28,8 @@ CALIBRATION = {"tokenizer", "dataset", "damp_percent", "damp_auto_increment", "t
                "quantizer", "model_name_or_path", "model_file_base_name", "mse", "act_group_aware", "do_fuse",
                "fuse_max_seq_len", "modules_to_fuse", "hyb_act", "v2", "v2_alpha", "block_name_to_quantize"}
 GPTQ_KEYS = {"quant_method", "bits", "group_size", "desc_act", "sym", "checkpoint_format", "format",
-             "modules_to_not_convert", "modules_in_block_to_quantize", "lm_head", "pack_dtype"}
+             "modules_to_not_convert", "modules_in_block_to_quantize", "lm_head", "pack_dtype", "is_marlin_format",
+             "dynamic"}
 AWQ_KEYS = {"quant_method", "bits", "w_bit", "group_size", "q_group_size", "zero_point", "version", "format",
             "modules_to_not_convert", "desc_act", "sym", "checkpoint_format"}
 CT_KEYS = {"quant_method", "config_groups", "format", "ignore", "quantization_status", "kv_cache_scheme",
@@ -120,6 +121,10 @@ def int_fields(quant: dict[str, Any]) -> dict[str, Any]:
             raise _refuse("checkpoint_format", fmt, "gptq or gptq_v2 packing")
         if quant.get("lm_head"):
             raise _refuse("lm_head", True, "a quantized LM head")
+        if quant.get("is_marlin_format"):
+            raise _refuse("is_marlin_format", True, "gptq or gptq_v2 packing")
+        if quant.get("dynamic"):  # GPTQModel's per-module bits and groups
+            raise _refuse("dynamic", quant["dynamic"], "one bit width and group size for every module")
         if quant.get("pack_dtype", "int32") != "int32":
             raise _refuse("pack_dtype", quant["pack_dtype"], "int32 words")
         if quant.get("modules_in_block_to_quantize") is not None:
