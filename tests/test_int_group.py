@@ -98,6 +98,12 @@ def test_int_checkpoint_matches_hf_on_its_dequantized_weights(int_dirs, name):
     check_int_checkpoint(int_dirs(name), name)
 
 
+def test_fused_projections_split_by_rows(int_dirs):
+    """Phi-3's fused qkv_proj and gate_up_proj, GPTQ act order: each part's rows cut from
+    the unpacked codes, scales and zeros, the permuted g_idx shared by them."""
+    check_int_checkpoint(int_dirs("gptq_act_order", "phi3"), "gptq_act_order")
+
+
 def test_auto_and_int8_on_an_int_checkpoint_load_its_dequantized_values(int_dirs):
     """model.weight_dtype auto (or int8) on a GPTQ act-order checkpoint: every param is the
     dequantized twin's, bit for bit (int8: re-quantized from those values)."""

@@ -109,6 +109,8 @@ EVIDENCE: tuple[Evidence, ...] = (
              ("llama",), ("model.weight_dtype=int_group",)),
     Evidence("tests/test_int_group_layouts.py::test_int_group_act_order_layouts", ("llama",),
              ("model.weight_dtype=int_group",)),
+    Evidence("tests/test_int_group.py::test_fused_projections_split_by_rows", ("phi3",),
+             ("model.weight_dtype=int_group",)),
     Evidence("tests/test_int_group_experts.py::test_experts_kept_packed_match_hf", ("qwen2_moe",),
              ("model.weight_dtype=int_group",)),
     Evidence("tests/test_int_group_experts.py::test_kimi_k2_thinking_layout_routed_experts_alone", ("deepseek_v3",),
