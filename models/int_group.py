@@ -93,7 +93,7 @@ def unpack(packed,  # packed_shape(...) uint8
 
 
 def dequantize(packed,  # [stacked..., in... (last halved for 4 bits), out...] uint8
-               scale, zero,  # [stacked..., groups, out...] f32
+               scale, zero,  # [stacked..., groups, out...] f32; zero None: 2^(bits-1) (symmetric)
                g_idx,  # [in...] int32, or None: input i in group i // group
                num_in: int, bits: int, group: int, dtype=np.float32, stacked: int = 0):  # like packed, unpacked
     """(q - z) * s in f32, one rounding to `dtype` (numpy or jax)."""
@@ -102,13 +102,15 @@ def dequantize(packed,  # [stacked..., in... (last halved for 4 bits), out...] u
     lead, ins, outs = q.shape[:stacked], q.shape[stacked:stacked + num_in], q.shape[stacked + num_in:]
     n_in = math.prod(ins)
     flat = q.reshape(lead + (n_in,) + outs).astype(np.float32)
+    given = [a for a in (scale, zero) if a is not None]
     if g_idx is None:
         g = group_of(group, n_in)
         take = (slice(None),) * stacked + (slice(0, n_in),)
-        s, z = (xp.repeat(a.astype(np.float32), g, axis=stacked)[take] for a in (scale, zero))
+        s, *z = (xp.repeat(a.astype(np.float32), g, axis=stacked)[take] for a in given)
     else:
         idx = g_idx.reshape(n_in)
-        s, z = (xp.take(a.astype(np.float32), idx, axis=0) for a in (scale, zero))
+        s, *z = (xp.take(a.astype(np.float32), idx, axis=0) for a in given)
+    z = z[0] if z else np.float32(2 ** (bits - 1))
     return ((flat - z) * s).astype(dtype).reshape(q.shape)
 
 
@@ -158,13 +160,16 @@ class IntGroupScales(nnx.Module):
                  axes: tuple, num_in: int, form: IntGroupFormat, n_in: int, stacked: int = 0):
         kw = dict(eager_sharding=False)
         self.scale = nnx.Param(scale, out_sharding=scale_axes(axes, num_in, form, stacked), **kw)
-        self.zero = nnx.Param(zero, out_sharding=scale_axes(axes, num_in, form, stacked), **kw)
+        # symmetric formats: every zero point is 2^(bits-1), none stored
+        self.zero = nnx.Param(zero, out_sharding=scale_axes(axes, num_in, form, stacked), **kw) \
+            if form.zero_point else None
         self.g_idx = nnx.Param(g_idx, out_sharding=tuple(axes[:num_in]), **kw) if form.act_order else None
         self.num_in, self.bits, self.group, self.stacked = num_in, form.bits, group_of(form.group, n_in), stacked
 
     def dequantize(self, packed: jax.Array, dtype) -> jax.Array:
         g_idx = None if self.g_idx is None else self.g_idx[...]
-        return dequantize(packed, self.scale[...], self.zero[...], g_idx, self.num_in, self.bits, self.group, dtype,
+        zero = None if self.zero is None else self.zero[...]
+        return dequantize(packed, self.scale[...], zero, g_idx, self.num_in, self.bits, self.group, dtype,
                           self.stacked)
 
 

@@ -176,7 +176,7 @@ class IntGroupReader:
         float_shape = ins + outs
         self.codes = _Part(self, "codes", int_group.packed_shape(float_shape, len(ins), form.bits))
         self.scale = _Part(self, "scale", (n_groups,) + outs)
-        self.zero = _Part(self, "zero", (n_groups,) + outs)
+        self.zero = _Part(self, "zero", (n_groups,) + outs) if form.zero_point else None
         self.g_idx = _Part(self, "g_idx", ins) if form.act_order else None
 
     def _unpacked(self):
@@ -186,6 +186,9 @@ class IntGroupReader:
             q, s, z, g_idx = unpacked(self.fmt, self.parts, n_out, n_in, form.bits, form.group, self.v1)
         except CheckpointError as e:
             raise CheckpointError(f"int tensor {self.name!r}: {e}") from None
+        if not form.zero_point and np.any(z != 2 ** (form.bits - 1)):  # symmetric: none kept
+            raise CheckpointError(f"int tensor {self.name!r} stores zero points other than {2 ** (form.bits - 1)}, "
+                                  "but its quantization_config says symmetric")
         plain = np.arange(n_in, dtype=np.int32) // int_group.group_of(form.group, n_in)
         if g_idx is None:
             return q, s, z, plain
@@ -217,8 +220,8 @@ class IntGroupReader:
         """(param path, reader, stack) of the codes and each IntGroupScales param: an
         expert's codes, scales and zeros stack alike (the input axis is the groups')."""
         scales, stack = tuple(path[:-1]) + (path[-1] + "_scale",), self.spec.stack
-        out = [(path, self.codes, stack), (scales + ("scale",), self.scale, stack),
-               (scales + ("zero",), self.zero, stack)]
+        out = [(path, self.codes, stack), (scales + ("scale",), self.scale, stack)]
+        out += [(scales + ("zero",), self.zero, stack)] if self.zero is not None else []
         return out + ([(scales + ("g_idx",), self.g_idx, ())] if self.g_idx is not None else [])
 
 

@@ -135,8 +135,8 @@ def grouped_experts(x: jax.Array,  # [T, H]
         params = {k: v for k, v in params.items() if k not in ("gate_up_scale", "down_scale")} | weights_of
     if int_form is not None:  # packed codes (models/int_group.py): this rank's experts and input groups
         bits, group = int_form
-        weights_of = {name: int_group.dequantize(params[name], params[name + "_scale"], params[name + "_zero"], None,
-                                                 1, bits, group, x.dtype, stacked=1) for name in ("gate_up", "down")}
+        weights_of = {name: int_group.dequantize(params[name], params[name + "_scale"], params.get(name + "_zero"),
+                                                 None, 1, bits, group, x.dtype, stacked=1) for name in ("gate_up", "down")}
         params = {k: v for k, v in params.items() if not k.endswith(("_scale", "_zero"))} | weights_of
     gate_up, down = params["gate_up"], params["down"]
     t, k = ids.shape
@@ -243,7 +243,8 @@ class MoE(nnx.Module):
             if int_form:  # each IntGroupScales' arrays, split like its params
                 for name in ("gate_up", "down"):
                     scales = getattr(self, f"experts_{name}_scale")
-                    params |= {name + "_scale": scales.scale[...], name + "_zero": scales.zero[...]}
+                    params |= {name + "_scale": scales.scale[...]}
+                    params |= {name + "_zero": scales.zero[...]} if scales.zero is not None else {}
                     both = int_group.scale_axes(EXPERT_AXES[name], 1, c.weight_form, stacked=1)
                     axes = {**axes, name + "_scale": both, name + "_zero": both}
             # a zero-compute expert's id is past every rank's experts, so no rank dispatches it

@@ -73,9 +73,10 @@ def check_int_checkpoint(directory: str, name: str) -> None:
         a = stacked + num_in - 1
         full = w.shape[:a] + (w.shape[a] * (8 // bits),) + w.shape[a + 1:]
         assert w.dtype == np.uint8 and w.shape == packed_shape(full, num_in, bits, stacked), path
-        for part in ("scale", "zero"):
+        for part in ("scale", "zero") if zero_point else ("scale",):  # symmetric: no zeros stored
             a = state[scales + (part,)][...]
             assert a.dtype == np.float32 and a.shape == scale_shape(full, num_in, group, stacked), (path, part)
+        assert (scales + ("zero",) in state) == zero_point
         assert (scales + ("g_idx",) in state) == config.weight_act_order
     hf = load_hf(directory + "_ref")
     for n, tokens in prompts(config.vocab_size)[1:3]:
@@ -219,8 +220,8 @@ def test_missing_or_misshapen_int_tensors_are_refused_by_name(int_dirs, tmp_path
 
 
 def test_engine_stats_and_planner_report_the_packed_bytes(int_dirs):
-    """4-bit codes are half a byte a weight, plus an f32 scale and zero per 32-input group
-    and an int32 g_idx per input: what stats() and the planner count, against f32."""
+    """4-bit codes are half a byte a weight, plus an f32 scale per 32-input group (symmetric:
+    no zeros) and an int32 g_idx per input: what stats() and the planner count, against f32."""
     import dataclasses
 
     import jax
@@ -238,5 +239,5 @@ def test_engine_stats_and_planner_report_the_packed_bytes(int_dirs):
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     e, i = c.hidden_size, c.intermediate_size
     shapes = [(e, q), (e, kv), (e, kv), (q, e), (e, i), (e, i), (i, e)] * c.num_layers  # (in, out)
-    assert want - got == sum(n * m * 4 - (n * m // 2 + 2 * 4 * (n // 32) * m + 4 * n) for n, m in shapes)
+    assert want - got == sum(n * m * 4 - (n * m // 2 + 4 * (n // 32) * m + 4 * n) for n, m in shapes)
     assert np.dtype(np.uint8) in {leaf.dtype for leaf in jax.tree.leaves(packed.runner.state)}
