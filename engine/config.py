@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 from jaxfill.engine.checkpoint_settings import checkpoint_engine, checkpoint_name, describe
 from jaxfill.engine.presets import NOT_PRESETS, preset_names, read_preset  # noqa: F401 (their old home)
-from jaxfill.models.config import ConfigError, ModelConfig, flat_keys, quantization, read_config_json
+from jaxfill.models.config import ConfigError, ModelConfig, flat_keys, int_quantization, quantization, read_config_json
 from jaxfill.engine.validation import validate
 from jaxfill.models.families.registry import config_from_dict, config_from_hf
 
@@ -239,6 +239,11 @@ def load_config(config: str | None = None, overrides: Mapping[str, Any] | list[s
     else:
         model = config_from_dict({**data.get("model", {}), **extra.get("model", {})})
         model_path = os.path.join(base, checkpoint) if checkpoint else None
+    if model_path and os.path.exists(os.path.join(model_path, "config.json")):
+        int_quantization.check_checkpoint(model, read_config_json(model_path), model_path)
+    elif model.weight_dtype == "int_group" and model_path:
+        raise ConfigError(f"model.weight_dtype = 'int_group' keeps an AWQ / GPTQ / compressed-tensors checkpoint's "
+                          f"codes as stored, and {model_path} has no config.json naming one: use auto or int8")
     engine_values = {**data.get("engine", {}), **extra.get("engine", {})}
     engine_values = _fit_max_model_len(engine_values, "max_model_len" in extra.get("engine", {}), model)
     engine = _build(EngineSettings, engine_values)

@@ -84,6 +84,8 @@ def check_values(config) -> None:
         raise ConfigError(str(e)) from None
     if model.weight_dtype == "fp8_block":
         _check_fp8_blocks(model, mesh)
+    if model.weight_dtype == "int_group":
+        _check_int_groups(model, mesh)
 
 
 def check_mesh(model, mesh) -> None:
@@ -127,6 +129,34 @@ def _check_fp8_blocks(model, mesh) -> None:
                     raise ConfigError(f"{model.architecture}: model.weight_dtype = 'fp8_block' with mesh.tensor = "
                                       f"{mesh.tensor}, mesh.expert = {mesh.expert} cuts an fp8 block ({why}); change "
                                       f"mesh.tensor or model.weight_dtype = auto")
+
+
+def _check_int_groups(model, mesh) -> None:
+    """Packed int projections (models/int_group.py): two 4-bit codes a byte along the last
+    input axis, and a device holds whole groups of the inputs it splits."""
+    import dataclasses
+
+    from jaxfill.models.families.registry import layer_params
+    from jaxfill.models.int_group import INPUT_AXES, STACKED, split_error
+    from jaxfill.models.sharding import MESH_AXES, RULES, logical_spec, mesh_axis_size
+
+    sizes = _Mesh(MESH_AXES, tuple(int(getattr(mesh, a)) for a in MESH_AXES))
+    plain, form = dataclasses.replace(model, weight_dtype="auto"), model.weight_form
+    for kind in {id(ps): ps for ps in (layer_params(plain, n) for n in range(model.num_layers))}.values():
+        for p in kind:
+            if p.path[-1] not in INPUT_AXES or (form.experts_only and p.path[-1] not in STACKED):
+                continue
+            num_in, stacked = INPUT_AXES[p.path[-1]], STACKED.get(p.path[-1], 0)
+            if form.bits == 4 and p.shape[stacked + num_in - 1] % 2:
+                raise ConfigError(f"{model.architecture}: model.weight_dtype = 'int_group' packs two 4-bit codes a "
+                                  f"byte, and {p.path[-1]} {list(p.shape)} has an odd last input axis")
+            first = logical_spec(p.axes, RULES, sizes, p.shape)[stacked]
+            why = split_error(p.path[-1], p.shape, num_in, mesh_axis_size(sizes, first) if first else 1, form,
+                              stacked)
+            if why:
+                raise ConfigError(f"{model.architecture}: model.weight_dtype = 'int_group' with mesh.tensor = "
+                                  f"{mesh.tensor}, mesh.expert = {mesh.expert} cuts a quantization group ({why}); "
+                                  "change mesh.tensor")
 
 
 class _Mesh(NamedTuple):  # what models/sharding.py's logical_spec reads of a mesh

@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from jaxfill.models import fp8_block, mxfp4
+from jaxfill.models.int_group import INPUT_AXES as INT_GROUP_INPUT_AXES
 from jaxfill.models.config import ModelConfig
 from jaxfill.models.decoder import Decoder
 from jaxfill.models.execution_plan import ExecutionPlan
@@ -115,7 +116,10 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
     checkpoint fails fast and whole. With a stacked `plan` the params go straight into the
     stacked layout of models/parallel/pipeline.py: `place` gets each stacked param as one
     StackedSlices, so a device reads only its own stage's layers."""
+    from jaxfill.models.config.int_quantization import file_format, int_format_of, is_int
+    from jaxfill.models.int_group import IntGroupFormat
     from jaxfill.models.fp8_reader import Fp8Reader  # it reads through this module's TensorSlices
+    from jaxfill.models.int_group_reader import IntGroupReader, projection_of
 
     model = nnx.eval_shape(lambda: new_model(config, nnx.Rngs(0), attention_impl=attention_impl, plan=plan))
     graphdef, state = nnx.split(model)
@@ -134,6 +138,10 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
     packed: dict[str, dict] = {}  # MXFP4 tensors: name -> {suffix: stored}
     fp8_scales: dict[str, StoredTensor] = {}  # fp8 weight name -> its weight_scale_inv
     fp8: list[tuple[str, StoredTensor, tuple]] = []  # (name, stored, parts) of fp8 weights
+    # AWQ / GPTQ / compressed-tensors: projection weight name -> {stored suffix: stored}
+    int_fmt = file_format(hf["quantization_config"]) if is_int(hf) else None
+    int_form = int_fmt and IntGroupFormat(**int_format_of(hf["quantization_config"]))
+    packed_ints: dict[str, dict] = {}
     for path in files:
         for name, stored in gguf_tensors(path) if gguf else read_safetensors(path):
             name = rename(name)
@@ -147,6 +155,10 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
             if name.endswith((fp8_block.HF_SCALE, fp8_block.HF_ACTIVATION_SCALE)) and name not in table:
                 if name.endswith(fp8_block.HF_SCALE):
                     fp8_scales[name[:-len(fp8_block.HF_SCALE)] + ".weight"] = stored
+                continue
+            hit = int_fmt and projection_of(name, stored, table, int_fmt[0])
+            if hit:
+                packed_ints.setdefault(hit[0], {})[hit[1]] = stored
                 continue
             base = name[:-len(mxfp4.SUFFIXES[0])]
             if name not in table and name.endswith(mxfp4.SUFFIXES) and isinstance(table.get(base), HFTensor):
@@ -171,6 +183,9 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
     for base, pair in packed.items():
         spec = table.pop(base)
         todo.append((spec, _mxfp4_reader(base, pair, spec)))
+    for base, parts in packed_ints.items():
+        todo.extend((spec, IntGroupReader(base, parts, spec, int_fmt[0], int_form, int_fmt[1]))
+                    for spec in tensor_parts(table.pop(base)))
     if table:
         missing = sorted(table)
         raise CheckpointError(f"checkpoint {model_dir} is missing {len(missing)} tensors, e.g. {missing[:3]}")
@@ -185,7 +200,15 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
 
     for spec, reader_of in todo:
         path = spec.param_path
-        if fp8_block.is_fp8(dtype_of(path)):  # kept as stored, with its block scales
+        if isinstance(reader_of, IntGroupReader) and config.weight_dtype == "int_group":  # codes and scales
+            if dtype_of(path) != np.uint8:
+                raise CheckpointError(f"{path} is stored packed but model.weight_int_scope = "
+                                      f"{config.weight_int_scope!r} keeps it unquantized")
+            pairs = reader_of.pairs(path)
+        elif dtype_of(path) == np.uint8 and path[-1] in INT_GROUP_INPUT_AXES:
+            raise CheckpointError(f"{path} is stored unquantized but model.weight_dtype = int_group keeps it packed "
+                                  "as an AWQ / GPTQ / compressed-tensors checkpoint stores it")
+        elif fp8_block.is_fp8(dtype_of(path)):  # kept as stored, with its block scales
             if not isinstance(reader_of, Fp8Reader):
                 raise CheckpointError(f"{path} is stored unquantized but model.weight_dtype = fp8_block keeps it "
                                       "in fp8: set model.weight_dtype = auto")
@@ -215,6 +238,7 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
             readers[p] = reader
     for path, reader in progress_bar(readers.items(), desc="loading weights", unit="tensor", disable=not progress):
         params[path].set_value(place(path, StackedSlices(reader) if isinstance(reader, list) else reader))
+    IntGroupReader._last = (None, None)  # the projection unpacked last
     return nnx.merge(graphdef, state)
 
 

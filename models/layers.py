@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import jaxfill.models.fp8_block as fp8_block
+import jaxfill.models.int_group as int_group
 from jaxfill.models.quant import input_axes, qeinsum, quantize
 from jaxfill.models.parallel.vocab import vocab_parallel_embed
 from jaxfill.models.sharding import constrain
@@ -35,11 +36,16 @@ def projection(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dt
     """A projection weight [stacked..., in..., out...] and its scales: None for "auto";
     per output channel for "int8" (stacked experts get their own); per block for an
     fp8_block.Fp8Format (ModelConfig.weight_form), the layout of fp8_block.LAYOUTS[name]
-    carried as the scale's metadata. Both quantize the very values the float model would
-    have, so a random-init quantized model is the float one quantized."""
+    carried as the scale's metadata; for an int_group.IntGroupFormat packed codes and an
+    int_group.IntGroupScales. All quantize the very values the float model would have, so
+    a random-init quantized model is the float one quantized."""
     w = param(rngs, shape, axes, dtype, scale=init_scale)
     if weight_dtype == "auto":
         return w, None
+    if isinstance(weight_dtype, int_group.IntGroupFormat):
+        if weight_dtype.experts_only and not stacked:  # a checkpoint that leaves it unquantized
+            return w, None
+        return int_group.projection(w[...], axes, num_in, weight_dtype, stacked)
     if isinstance(weight_dtype, fp8_block.Fp8Format):
         layout, block = fp8_block.LAYOUTS[name], weight_dtype.block
         q, scale = fp8_block.quantize(w[...], layout, block, fp8_block.FORMATS[weight_dtype.dtype])

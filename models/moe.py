@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import jaxfill.models.fp8_block as fp8_block
+import jaxfill.models.int_group as int_group
 from jaxfill.models.config import ModelConfig
 from jaxfill.models.grouped_matmul import grouped_matmul
 from jaxfill.models.layers import ACTIVATIONS, GatedMLP, param, projection
@@ -121,6 +122,7 @@ def grouped_experts(x: jax.Array,  # [T, H]
                     swiglu: tuple[float, float] | None = None,  # see `gated`
                     weights_inputs: bool = False,  # the weight scales the expert's input (Llama 4)
                     block: tuple[int, int] | None = None,  # fp8 weights: their scales' blocks
+                    int_form: tuple[int, int] | None = None,  # int_group weights: (bits, group size)
                     ) -> jax.Array:  # [T, H] f32: this rank's share of the MoE output
     """The pairs routed to the local experts, sorted by expert, through two grouped
     matmuls (models/grouped_matmul.py). Pairs of other ranks' experts sort last, past
@@ -131,6 +133,11 @@ def grouped_experts(x: jax.Array,  # [T, H]
                                                  fp8_block.LAYOUTS["experts_" + name], block, x.dtype)
                       for name in ("gate_up", "down")}
         params = {k: v for k, v in params.items() if k not in ("gate_up_scale", "down_scale")} | weights_of
+    if int_form is not None:  # packed codes (models/int_group.py): this rank's experts and input groups
+        bits, group = int_form
+        weights_of = {name: int_group.dequantize(params[name], params[name + "_scale"], params.get(name + "_zero"),
+                                                 None, 1, bits, group, x.dtype, stacked=1) for name in ("gate_up", "down")}
+        params = {k: v for k, v in params.items() if not k.endswith(("_scale", "_zero"))} | weights_of
     gate_up, down = params["gate_up"], params["down"]
     t, k = ids.shape
     n_local, h, _, inter = gate_up.shape
@@ -224,13 +231,22 @@ class MoE(nnx.Module):
             swiglu = None if c.moe.swiglu_limit is None else (c.moe.swiglu_limit, c.moe.swiglu_alpha)
 
             block = c.weight_form.block if c.weight_dtype == "fp8_block" else None
+            int_form = (c.weight_bits, c.weight_group_size) if c.weight_dtype == "int_group" else None
 
             def local(x, weights, ids, params, first_expert, lead):
                 return grouped_experts(x, weights, ids, params, first_expert, c.hidden_act, lead, swiglu=swiglu,
-                                       weights_inputs=c.moe.weights_inputs, block=block)
+                                       weights_inputs=c.moe.weights_inputs, block=block, int_form=int_form)
 
-            params = {name: _value(getattr(self, "experts_" + name, None)) for name in EXPERT_AXES}
+            params = {name: _value(getattr(self, "experts_" + name, None)) for name in EXPERT_AXES
+                      if not (int_form and name.endswith("_scale"))}
             axes = {**EXPERT_AXES, **FP8_SCALE_AXES} if block else EXPERT_AXES
+            if int_form:  # each IntGroupScales' arrays, split like its params
+                for name in ("gate_up", "down"):
+                    scales = getattr(self, f"experts_{name}_scale")
+                    params |= {name + "_scale": scales.scale[...]}
+                    params |= {name + "_zero": scales.zero[...]} if scales.zero is not None else {}
+                    both = int_group.scale_axes(EXPERT_AXES[name], 1, c.weight_form, stacked=1)
+                    axes = {**axes, name + "_scale": both, name + "_zero": both}
             # a zero-compute expert's id is past every rank's experts, so no rank dispatches it
             out = expert_parallel(local, x, weights, ids, params, axes)
             if c.moe.zero_experts:

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxfill.models.fp8_block as fp8_block
+import jaxfill.models.int_group as int_group
 
 QMAX = 127
 # attention's, the MLPs' and the experts' projections -> their input axes (input_axes' answer)
@@ -104,9 +105,12 @@ def qeinsum(eq: str, x: jax.Array, w: jax.Array, scale) -> jax.Array:
     """einsum(eq, x, w) for a plain, int8 or fp8 block-scaled weight. int8: w is cast to x's
     dtype inside the jitted program and the per-output-channel scale multiplies the result
     (in f32, one rounding back to x's dtype); output channels must be the result's trailing
-    axes. fp8: w dequantized by its block scales first (models/fp8_block.py)."""
-    if scale is None:  # scale: None, or the f32 scales (an array or an nnx.Param)
+    axes. fp8: w dequantized by its block scales first (models/fp8_block.py); int_group:
+    the packed codes by their group scales and zeros (models/int_group.py)."""
+    if scale is None:  # scale: None, the f32 scales (an array or an nnx.Param), or IntGroupScales
         return jnp.einsum(eq, x, w)
+    if isinstance(scale, int_group.IntGroupScales):
+        return jnp.einsum(eq, x, scale.dequantize(w, x.dtype))
     if fp8_block.is_fp8(w.dtype):  # scale: the nnx.Param, which carries the block layout
         return jnp.einsum(eq, x, fp8_block.dequantize_param(w, scale, x.dtype))
     y = jnp.einsum(eq, x, w.astype(x.dtype))

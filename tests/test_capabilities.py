@@ -83,6 +83,14 @@ BREAKS = {
     ("linear", "engine.scan_layers"): ({**HYBRID, "engine.scan_layers": True}, ()),
     ("linear", "engine.disk_kv_cache_dir"): ({**HYBRID, "engine.host_kv_cache_gb": 1, "engine.disk_kv_cache_gb": 1,
                                               "engine.disk_kv_cache_dir": "/tmp/x"}, ()),
+    ("moe", "model.weight_dtype=int_group", "model.weight_act_order=true"): (
+        {"model.architecture": "MixtralForCausalLM", "model.num_experts": 4, "model.experts_per_token": 2,
+         "model.weight_dtype": "int_group", "model.weight_act_order": True}, ()),
+    ("mla", "model.weight_dtype=int_group", "!model.weight_int_scope=experts"): (
+        {**MLA, "model.weight_dtype": "int_group"}, ()),
+    ("!moe", "model.weight_dtype=int_group", "model.weight_int_scope=experts"): (
+        {"model.weight_dtype": "int_group", "model.weight_int_scope": "experts"}, ()),
+    ("linear", "model.weight_dtype=int_group"): ({**HYBRID, "model.weight_dtype": "int_group"}, ()),
     ("mesh.expert", "!moe"): ({"mesh.expert": 2}, ()),
     ("dsa", "mesh.sequence"): ({**DSA, "mesh.sequence": 2}, ()),
     ("shortcut", "mesh.stage"): ({**LONGCAT, "mesh.stage": 2}, ()),
@@ -138,7 +146,7 @@ def test_accepted_combinations_pass():
 
 # what a test must set to run a column (prefix caching is on by default: its tests read hits)
 SETS = {"mesh.num_processes": "process", "engine.scan_layers": "scan", "model.weight_dtype=int8": "int8",
-        "model.weight_dtype=fp8_block": "fp8_block",
+        "model.weight_dtype=fp8_block": "fp8_block", "model.weight_dtype=int_group": "int_group",
         "engine.kv_cache_dtype=int8": "int8", "engine.kv_cache_dtype=float8_e4m3fn": "float8_e4m3fn",
         "engine.enable_prefix_caching": "cached", "engine.host_kv_cache_gb": "host_kv_cache_gb",
         "engine.disk_kv_cache_dir": "disk_kv_cache_dir"}

@@ -104,6 +104,19 @@ EVIDENCE: tuple[Evidence, ...] = (
     # fp8 block-scaled checkpoints kept in fp8 (model.weight_dtype = fp8_block)
     *_each("tests/test_fp8_block.py::test_fp8_checkpoint_matches_hf_on_its_dequantized_weights",
            ("llama", "qwen3_moe", "deepseek_v3"), ("model.weight_dtype=fp8_block",)),
+    # AWQ / GPTQ / compressed-tensors ints kept packed (model.weight_dtype = int_group)
+    Evidence("tests/test_int_group.py::test_int_checkpoint_matches_hf_on_its_dequantized_weights[gptq_act_order]",
+             ("llama",), ("model.weight_dtype=int_group",)),
+    Evidence("tests/test_int_group_layouts.py::test_int_group_act_order_layouts", ("llama",),
+             ("model.weight_dtype=int_group",)),
+    Evidence("tests/test_int_group.py::test_fused_projections_split_by_rows", ("phi3",),
+             ("model.weight_dtype=int_group",)),
+    Evidence("tests/test_int_group_experts.py::test_experts_kept_packed_match_hf", ("qwen2_moe",),
+             ("model.weight_dtype=int_group",)),
+    Evidence("tests/test_int_group_experts.py::test_kimi_k2_thinking_layout_routed_experts_alone", ("deepseek_v3",),
+             ("model.weight_dtype=int_group",)),
+    Evidence("tests/test_int_group_moe_layouts.py::test_int_group_experts_layouts", ("qwen3_moe",),
+             ("model.weight_dtype=int_group",)),
     # linear-attention hybrids
     *_each("tests/test_hybrid_layouts.py::test_hybrid_layouts_agree", ("qwen3_5", "qwen3_next", "qwen3_5_moe",
                                                                        "nemotron_h"),

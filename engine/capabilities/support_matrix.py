@@ -18,6 +18,7 @@ COLUMNS = tuple(CAPABILITIES)
 SHORT = {"mesh.tensor": "tensor", "mesh.sequence": "sequence", "mesh.data": "data", "mesh.stage": "stage",
          "mesh.expert": "expert", "mesh.num_processes": "multi-process", "engine.scan_layers": "scan",
          "model.weight_dtype=int8": "int8 weights", "model.weight_dtype=fp8_block": "fp8 weights",
+         "model.weight_dtype=int_group": "int4/int8 groups",
          "engine.kv_cache_dtype=int8": "int8 KV",
          "engine.kv_cache_dtype=float8_e4m3fn": "fp8 KV", "engine.enable_prefix_caching": "prefix cache",
          "engine.host_kv_cache_gb": "host tier", "engine.disk_kv_cache_dir": "disk tier"}

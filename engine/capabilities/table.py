@@ -39,6 +39,9 @@ CAPABILITIES: dict[str, Capability] = {c.key: c for c in (
     Capability("model.weight_dtype=int8", lambda c: c.model.weight_dtype == "int8", {"model.weight_dtype": "int8"}),
     Capability("model.weight_dtype=fp8_block", lambda c: c.model.weight_dtype == "fp8_block",
                {"model.weight_dtype": "fp8_block", "model.weight_block_size": [16, 16]}),
+    # AWQ / GPTQ / compressed-tensors ints kept packed (models/int_group.py); random init quantizes
+    Capability("model.weight_dtype=int_group", lambda c: c.model.weight_dtype == "int_group",
+               {"model.weight_dtype": "int_group", "model.weight_group_size": 32}),
     Capability("engine.kv_cache_dtype=int8", lambda c: c.engine.kv_cache_dtype == "int8",
                {"engine.kv_cache_dtype": "int8"}),
     Capability("engine.kv_cache_dtype=float8_e4m3fn", lambda c: c.engine.kv_cache_dtype == "float8_e4m3fn",
@@ -57,6 +60,8 @@ SETTINGS: dict[str, Callable] = {
     "model.context_attention=pass_kv": lambda c: c.model.attention.context_attention == "pass_kv",
     "engine.kv_cache_dtype=quantized": lambda c: c.engine.kv_cache_dtype != "auto",
     "model.dtype=bfloat16": lambda c: str(c.model.dtype) == "bfloat16",
+    "model.weight_act_order=true": lambda c: bool(c.model.weight_act_order),
+    "model.weight_int_scope=experts": lambda c: c.model.weight_int_scope == "experts",
 }
 KINDS = ("attention", "mla", "gated_deltanet", "mamba2", "short_conv", "kda", "linear", "moe", "dsa", "mixed_kv", "shortcut")
 LINEAR_KINDS = ("gated_deltanet", "mamba2", "short_conv", "kda")  # each is also "linear"
@@ -123,6 +128,16 @@ RULES: tuple[Rule, ...] = (
         ("engine.host_kv_cache_gb", "the host tier's blocks hold one page shape", "engine.host_kv_cache_gb = 0"),
         ("serve.role=prefill/decode", "the KV hand-off exports one page shape", "--role both"),
     )),
+    # packed int codes (models/int_group.py): dense attention and MLP projections only
+    Rule(("linear", "model.weight_dtype=int_group"), "the linear layers' projections have no packed int path",
+         "model.weight_dtype = auto (the checkpoint's codes dequantized at load)"),
+    Rule(("mla", "model.weight_dtype=int_group", "!model.weight_int_scope=experts"), "the latent projections have "
+         "no packed int path (a checkpoint that packs the routed experts alone loads)",
+         "model.weight_dtype = auto (the checkpoint's codes dequantized at load)"),
+    Rule(("!moe", "model.weight_dtype=int_group", "model.weight_int_scope=experts"), "there are no routed experts "
+         "to keep packed", "model.weight_int_scope = all"),
+    Rule(("moe", "model.weight_dtype=int_group", "model.weight_act_order=true"), "stacked expert tensors have no "
+         "act-order (g_idx) form", "model.weight_dtype = auto (the checkpoint's codes dequantized at load)"),
     Rule(("mesh.expert", "!moe"), "mesh.expert splits experts, and this model has none", "mesh.expert = 1"),
     Rule(("dsa", "mesh.sequence"), "the sparse-attention indexer scores every cached key of a sequence, which "
          "context parallelism deals over ranks", "mesh.sequence = 1"),

@@ -19,8 +19,9 @@ from jaxfill.models.config.sections import (AttentionConfig, EmbeddingConfig, Li
 
 DTYPES = ("float32", "bfloat16", "float16")  # jax.numpy names; jax is imported only when one is used
 # auto: projections stored in `dtype`; int8: see models/quant.py; fp8_block: kept as an FP8
-# checkpoint stores them, with a scale per weight_block_size block (models/fp8_block.py)
-WEIGHT_DTYPES = ("auto", "int8", "fp8_block")
+# checkpoint stores them, with a scale per weight_block_size block (models/fp8_block.py);
+# int_group: AWQ / GPTQ / compressed-tensors integer codes kept packed (models/int_group.py)
+WEIGHT_DTYPES = ("auto", "int8", "fp8_block", "int_group")
 WEIGHT_FP8 = ("float8_e4m3fn", "float8_e5m2")
 # relu2: relu(x)^2 (Nemotron-H's MLP); xielu: xIELU with learned per-layer scalars (Apertus),
 # in the ungated dense MLP only (models/layers.py)
@@ -100,6 +101,13 @@ class ModelConfig:
     weight_dtype: str = "auto"
     weight_fp8: str = "float8_e4m3fn"  # fp8_block: the fp8 format the projections are kept in
     weight_block_size: tuple[int, int] = (128, 128)  # an fp8 checkpoint's scale blocks (outputs, inputs)
+    # int_group (from quantization_config, models/config/int_quantization.py): bits a code, inputs
+    # a group (-1: one group per output channel), stored zero points, GPTQ act order (g_idx)
+    weight_bits: int = 4
+    weight_group_size: int = 128
+    weight_zero_point: bool = True
+    weight_act_order: bool = False
+    weight_int_scope: str = "all"  # int_group: "all" projections, or "experts" (the rest unquantized)
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     tokenizer: str = "byte"  # "byte" or "hf" (tokenizer.json beside the weights)
@@ -114,6 +122,13 @@ class ModelConfig:
             raise ConfigError(f"model.weight_fp8 must be one of {list(WEIGHT_FP8)}, got {self.weight_fp8!r}")
         if len(self.weight_block_size) != 2 or min(int(b) for b in self.weight_block_size) <= 0:
             raise ConfigError(f"model.weight_block_size must be two positive sizes, got {list(self.weight_block_size)}")
+        if self.weight_int_scope not in ("all", "experts"):
+            raise ConfigError(f"model.weight_int_scope must be all or experts, got {self.weight_int_scope!r}")
+        if self.weight_bits not in (4, 8):
+            raise ConfigError(f"model.weight_bits must be 4 or 8, got {self.weight_bits!r}")
+        if self.weight_group_size != -1 and (self.weight_group_size <= 0 or self.weight_group_size % 2):
+            raise ConfigError(f"model.weight_group_size must be -1 (per output channel) or a positive even size, "
+                              f"got {self.weight_group_size!r}")
         if self.hidden_act not in ACTIVATIONS:
             raise ConfigError(f"model.hidden_act must be one of {list(ACTIVATIONS)}, got {self.hidden_act!r}")
         if self.hidden_act == "xielu" and (self.mlp_gated or self.moe.num_experts):
@@ -233,9 +248,14 @@ class ModelConfig:
 
     @property
     def weight_form(self):
-        """How projections are stored: weight_dtype, or for fp8_block its format and blocks."""
+        """How projections are stored: weight_dtype, or for fp8_block its format and blocks, for
+        int_group its bits, groups, zero points and act order."""
         from jaxfill.models.fp8_block import Fp8Format
+        from jaxfill.models.int_group import IntGroupFormat
 
+        if self.weight_dtype == "int_group":
+            return IntGroupFormat(int(self.weight_bits), int(self.weight_group_size), bool(self.weight_zero_point),
+                                  bool(self.weight_act_order), self.weight_int_scope == "experts")
         if self.weight_dtype != "fp8_block":
             return self.weight_dtype
         return Fp8Format(self.weight_fp8, tuple(int(b) for b in self.weight_block_size))

@@ -11,7 +11,7 @@ import importlib
 import math
 from typing import Any, NamedTuple
 
-from jaxfill.models.config import ConfigError, quantization
+from jaxfill.models.config import ConfigError, int_quantization, quantization
 
 MODULES = ("llama", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "olmo3", "glm", "seed_oss", "exaone4",
            "ministral", "arcee", "apertus", "smollm3", "granite", "mixtral", "qwen3_moe", "glm4_moe", "gpt_oss",
@@ -83,6 +83,10 @@ def config_from_hf(config):
                           f"supported: {', '.join(architectures())}")
     if quantization.is_fp8(config):  # any family: the projections' storage, not their math
         fields = quantization.fp8_fields(config["quantization_config"])
+        plain = {k: v for k, v in config.items() if k != "quantization_config"}
+        return family_of(arch).to_model_config(plain, arch).replace(**fields)
+    if int_quantization.is_int(config):  # AWQ / GPTQ / compressed-tensors ints, kept packed
+        fields = int_quantization.int_fields(config["quantization_config"])
         plain = {k: v for k, v in config.items() if k != "quantization_config"}
         return family_of(arch).to_model_config(plain, arch).replace(**fields)
     return family_of(arch).to_model_config(config, arch)
