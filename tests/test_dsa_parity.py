@@ -39,10 +39,14 @@ def test_below_index_topk_it_is_dense_mla(tmp_path):
     wide = same_weights(model, wide_config)
     for length, tokens in prompts(config.vocab_size):
         want = ours_last_logits(dense, dense_config, tokens)
-        np.testing.assert_array_equal(ours_last_logits(wide, wide_config, tokens), want, err_msg=str(length))
+        # the dense branch of the step's lax.cond: DeepSeek V3's attention, compiled beside the
+        # sparse branch. Bit for bit with XLA:CPU's fusion emitters; without them (tests/conftest.py)
+        # the two programs round apart by ~1e-6, three orders under what selection moves (below)
+        np.testing.assert_allclose(ours_last_logits(wide, wide_config, tokens), want, rtol=1e-5, atol=1e-5,
+                                   err_msg=str(length))
         got = ours_last_logits(model, config, tokens)
-        if length <= m.index_topk:  # every causal key selected: the same program as DeepSeek V3's
-            np.testing.assert_array_equal(got, want, err_msg=str(length))
+        if length <= m.index_topk:  # every causal key selected: the same attention as DeepSeek V3's
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=str(length))
         else:  # the top 16 of 64 or 300 keys: far from dense (HF agrees with this one)
             assert rel_l2(got, want) > 1e-2, length
 
