@@ -9,7 +9,7 @@ subprocess on 2 fake CPU devices builds the five engines."""
 
 import numpy as np
 import pytest
-import torch
+torch = pytest.importorskip("torch", reason="the Hugging Face reference needs torch (the test extra)")
 
 from family_layouts import check_layouts, run_layouts
 from hf_models import load_hf, make_hf_checkpoint
