@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jaxfill.models.kv_cache import AttentionMetadata
+from jaxfill.models.mixers import mla_indexer
 from jaxfill.models.mixers.mla_indexer import needs_selection, select, sparse_attention
 from jaxfill.pallas_kernels.kv_quant import QuantizedPages, dequantize, quantize
 
@@ -56,8 +57,13 @@ def oracle(entries, q, w, qa, positions, sm_scale):  # float64: [live rows, H, L
     return np.stack(out)
 
 
+@pytest.mark.parametrize("form", ["masked_dense", "gathered"])
 @pytest.mark.parametrize("quantized", [False, True], ids=["f32", "int8"])
-def test_top_k_attention_equals_the_float64_oracle(quantized):
+def test_top_k_attention_equals_the_float64_oracle(quantized, form, monkeypatch):
+    """Both forms of sparse_attention (this batch's span is short: the masked dense one
+    unless its size limit is set to 0)."""
+    if form == "gathered":
+        monkeypatch.setattr(mla_indexer, "DENSE_SCORES_MAX", 0)
     rng = np.random.default_rng(7)
     pages, entries, meta, positions = batch(rng)
     if quantized:  # the oracle reads what the int8 pages store

@@ -144,6 +144,12 @@ def select(pages,  # [N, page_size, r, entry_width] (or QuantizedPages), this st
     return chosen, jnp.take_along_axis(causal, chosen, axis=1)
 
 
+# Below these sizes sparse_attention scores the sequence's whole span with two grouped
+# matmuls and masks all but the chosen keys, instead of gathering [T, k, entry] per row
+DENSE_SCORES_MAX = 1 << 27  # T x heads x span f32 scores (512 MiB)
+DENSE_SPAN_PER_TOPK = 16  # span / top-k: past it the gather's fewer FLOPs win
+
+
 def sparse_attention(pages,  # [N, page_size, r, entry_width] (or QuantizedPages)
                      meta: AttentionMetadata,
                      qa: jax.Array,  # [T, H, lat + rope] absorbed queries (W_uk^T q_nope, roped q_pe)
@@ -151,17 +157,51 @@ def sparse_attention(pages,  # [N, page_size, r, entry_width] (or QuantizedPages
                      valid: jax.Array,  # [T, k] bool
                      sm_scale: float, lat: int) -> jax.Array:  # [T, H, lat] f32: softmax-weighted latents
     """Absorbed MLA over each row's chosen positions only: scores against [latent | roped
-    key], values the latent; f32 softmax, rows with nothing valid (padding) give 0."""
+    key], values the latent; f32 softmax, rows with nothing valid (padding) give 0. Two
+    forms of the same sum, chosen by static shapes: a short span runs as matmuls over the
+    sequence's entries with the unchosen keys masked (XLA's per-row gathers cost more than
+    the extra FLOPs there), a long one gathers each row's k entries."""
     page_size = (pages.values if isinstance(pages, QuantizedPages) else pages).shape[1]
-    seq, _ = row_sequences(meta, qa.shape[0])
+    t, h, width = qa.shape
+    span = meta.page_indices.shape[1] * page_size
+    if t * h * span <= DENSE_SCORES_MAX and span <= DENSE_SPAN_PER_TOPK * chosen.shape[1]:
+        return _masked_dense_attention(pages, meta, qa, chosen, valid, sm_scale, lat)
+    seq, _ = row_sequences(meta, t)
     page = jnp.take_along_axis(meta.page_indices[seq], chosen // page_size, axis=1)  # [T, k]
-    width = qa.shape[-1]
     entries = _entries(pages, page, chosen % page_size, 0, width, qa.dtype)  # [T, k, lat + rope]
     entries = jnp.where(valid[..., None], entries, jnp.zeros((), entries.dtype))
     scores = jnp.einsum("thd,tkd->thk", qa, entries, preferred_element_type=jnp.float32) * sm_scale
-    scores = jnp.where(valid[:, None, :], scores, -jnp.inf)
+    p = _softmax(jnp.where(valid[:, None, :], scores, -jnp.inf))
+    return jnp.einsum("thk,tkc->thc", p.astype(entries.dtype), entries[..., :lat], preferred_element_type=jnp.float32)
+
+
+def _masked_dense_attention(pages, meta: AttentionMetadata,
+                            qa: jax.Array,  # [T, H, lat + rope]
+                            chosen: jax.Array,  # [T, k] int32 positions
+                            valid: jax.Array,  # [T, k] bool
+                            sm_scale: float, lat: int) -> jax.Array:  # [T, H, lat] f32
+    """sparse_attention as two grouped matmuls over each sequence's entries, gathered once
+    per sequence; the keys no row chose are masked out of its softmax."""
+    page_size = (pages.values if isinstance(pages, QuantizedPages) else pages).shape[1]
+    (t, h, width), seqs = qa.shape, meta.page_indices.shape[0]
+    span = meta.page_indices.shape[1] * page_size
+    j = jnp.arange(span)
+    entries = _entries(pages, meta.page_indices[:, j // page_size], j % page_size, 0, width,
+                       jnp.float32)  # [S, L, lat + rope]
+    entries = jnp.where((j[None, :] < meta.kv_lens[:, None])[..., None], entries, 0.0)  # unwritten: NaN
+    rows = (meta.cu_q_lens[1:] - meta.cu_q_lens[:-1]) * h  # [S] (token, head) rows per sequence
+    tile = TILE if t >= 4 * seqs else max(8, 1 << (h - 1).bit_length())
+    scores = tiled_grouped_matmul(qa.astype(jnp.float32).reshape(t * h, width), entries.transpose(0, 2, 1), rows,
+                                  tile).reshape(t, h, span) * sm_scale
+    picked = jnp.zeros((t, span), bool).at[jnp.arange(t)[:, None], chosen].set(valid)  # [T, L]
+    p = _softmax(jnp.where(picked[:, None, :], scores, -jnp.inf))
+    out = tiled_grouped_matmul(p.reshape(t * h, span), entries[..., :lat], rows, tile)  # [T * H, lat]
+    return out.reshape(t, h, lat)
+
+
+def _softmax(scores: jax.Array) -> jax.Array:  # [T, H, n] f32 with -inf where masked
+    """Softmax over the last axis; a row with nothing unmasked (padding) gives 0s."""
     top = jnp.max(scores, axis=-1, keepdims=True)
     p = jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0))
     total = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(total > 0, total, 1.0)
-    return jnp.einsum("thk,tkc->thc", p.astype(entries.dtype), entries[..., :lat], preferred_element_type=jnp.float32)
+    return p / jnp.where(total > 0, total, 1.0)
