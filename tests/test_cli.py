@@ -87,3 +87,26 @@ def test_multi_process_flags_become_mesh_settings():
     assert (mesh.tensor, mesh.coordinator, mesh.num_processes, mesh.process_id) == (2, "10.0.0.1:8476", 2, 1)
     with pytest.raises(SystemExit):  # only commands that can run as N processes take them
         build_parser().parse_args(["plan", "--coordinator", "10.0.0.1:8476"])
+
+
+@pytest.mark.parametrize("quantization,message", [
+    ({"quant_method": "awq", "version": "gemv", "bits": 4, "group_size": 64, "zero_point": True},
+     "quantization_config.version='gemv' is not supported"),
+    ({"quant_method": "gptq", "bits": 3, "group_size": 128, "desc_act": False, "sym": True},
+     "quantization_config.bits=3 is not supported"),
+    ({"quant_method": "bitsandbytes"}, "field 'quantization_config' (= {'quant_method': 'bitsandbytes'}) is not understood"),
+])
+@pytest.mark.parametrize("command", [["generate", "--prompt-ids", "1"], ["plan"]])
+def test_unsupported_quantization_config_is_one_line(quantization, message, command, capsys, tmp_path):
+    """A checkpoint's quantization_config the engine cannot load: one line naming the field,
+    exit 2, before any weight is looked for (the directory holds config.json alone)."""
+    from jaxfill.serving.cli import main
+
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "vocab_size": 256, "max_position_embeddings": 128, "rms_norm_eps": 1e-6,
+              "quantization_config": quantization}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main([*command, "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
