@@ -189,19 +189,12 @@ def test_fp8_block_on_an_unquantized_checkpoint_is_refused(fp8_dirs):
 
 
 def test_missing_or_misshapen_scales_are_refused_by_name(fp8_dirs, tmp_path):
-    directory = fp8_dirs("llama")
-    tensors = load_torch(os.path.join(directory, "model.safetensors"))
+    from broken_checkpoints import assert_breaks_are_named
+
     name = "model.layers.1.mlp.down_proj.weight_scale_inv"
-    changes = {"missing": lambda t: t.pop(name), "shape": lambda t: t.update({name: t[name][:, :-1]})}
-    for case, change in changes.items():
-        bad = str(tmp_path / case)
-        shutil.copytree(directory, bad)
-        broken = dict(tensors)
-        change(broken)
-        save_file({k: v.contiguous() for k, v in broken.items()}, os.path.join(bad, "model.safetensors"),
-                  metadata={"format": "pt"})
-        with pytest.raises(CheckpointError, match="layers.1.mlp.down_proj"):
-            load_hf_params(bad, config_from_hf(bad), progress=False)
+    assert_breaks_are_named(fp8_dirs("llama"), name, {"missing": lambda t: t.pop(name),
+                                                      "shape": lambda t: t.update({name: t[name][:, :-1]})},
+                            tmp_path, "layers.1.mlp.down_proj")
 
 
 def test_planned_weight_bytes_of_deepseek_v3_in_fp8_are_half_of_bf16():

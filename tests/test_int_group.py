@@ -18,7 +18,7 @@ from hf_models import load_hf, make_hf_checkpoint
 from int_checkpoints import FORMATS, write_int
 from jaxfill.engine.config import load_config
 from jaxfill.engine.simple import generate_one
-from jaxfill.models.checkpoint import CheckpointError, load_hf_params
+from jaxfill.models.checkpoint import load_hf_params
 from jaxfill.models.config import ConfigError
 from jaxfill.models.families.registry import config_from_hf
 from jaxfill.models.int_group import INPUT_AXES, STACKED, packed_shape, scale_shape
@@ -201,22 +201,12 @@ def test_other_quantization_configs_are_refused_by_name(case):
 
 
 def test_missing_or_misshapen_int_tensors_are_refused_by_name(int_dirs, tmp_path):
-    import shutil
+    from broken_checkpoints import assert_breaks_are_named
 
-    from safetensors.torch import load_file as load_torch, save_file
-
-    directory = int_dirs("awq")
-    tensors = load_torch(os.path.join(directory, "model.safetensors"))
     name = "model.layers.1.mlp.down_proj.qzeros"
-    for case, change in {"missing": lambda t: t.pop(name), "shape": lambda t: t.update({name: t[name][:-1]})}.items():
-        bad = str(tmp_path / case)
-        shutil.copytree(directory, bad)
-        broken = dict(tensors)
-        change(broken)
-        save_file({k: v.contiguous() for k, v in broken.items()}, os.path.join(bad, "model.safetensors"),
-                  metadata={"format": "pt"})
-        with pytest.raises(CheckpointError, match="layers.1.mlp.down_proj"):
-            load_hf_params(bad, config_from_hf(bad), progress=False)
+    assert_breaks_are_named(int_dirs("awq"), name, {"missing": lambda t: t.pop(name),
+                                                    "shape": lambda t: t.update({name: t[name][:-1]})},
+                            tmp_path, "layers.1.mlp.down_proj")
 
 
 def test_engine_stats_and_planner_report_the_packed_bytes(int_dirs):
