@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 
 from hf_models import make_hf_checkpoint
-from test_hybrid_disagg import ONE_BUCKET, SAMPLED, all_back, make_engines, move
+from test_hybrid_disagg import check_snapshot_handoff
 from test_hybrid_host_tier import TIER, engine, run
-from test_kv_transfer import assert_same_logprobs
 
 ARCH = "falcon_h1"
 
@@ -42,12 +41,4 @@ def test_host_tier_snapshots_resume_like_prefix_caching_off(falcon):
 def test_disaggregated_prefill_hands_pages_and_state(tmp_path_factory):
     """A prompt ending inside a page, then one sharing its first 40 tokens, so both sides
     resume from their snapshots at 32."""
-    src, dst = make_engines(tmp_path_factory, ARCH, **ONE_BUCKET)
-    root = [(5 * i + 1) % 250 for i in range(40)]
-    for i, prompt in enumerate((root + [9, 8, 7, 6, 5], root + [1, 2, 3])):
-        want = dst.generate([prompt], SAMPLED)[0]
-        got, info = move(src, dst, prompt, f"f{i}")
-        assert got.token_ids == want.token_ids
-        assert_same_logprobs(got.logprobs, want.logprobs)
-    assert info["cached_tokens"] == 32 and src.stats()["state_snapshot_hits"] > 0
-    assert all_back(src) and all_back(dst)
+    check_snapshot_handoff(tmp_path_factory, ARCH)

@@ -92,11 +92,17 @@ def test_nemotron_h_mamba2_state_moves_too(tmp_path_factory):
     """Nemotron-H (Mamba2's [H, N, P] states and group-by-group conv histories): a prompt
     ending inside a page, then one sharing its first 40 tokens, so both sides resume
     from their snapshots at 32."""
-    src, dst = make_engines(tmp_path_factory, "nemotron_h", **ONE_BUCKET)
+    check_snapshot_handoff(tmp_path_factory, "nemotron_h")
+
+
+def check_snapshot_handoff(tmp_path_factory, arch: str) -> None:
+    """A prompt ending inside a page, then one sharing its first 40 tokens: both hand-offs
+    resume from the snapshots at 32 and decode like the decode engine alone."""
+    src, dst = make_engines(tmp_path_factory, arch, **ONE_BUCKET)
     root = [(5 * i + 1) % 250 for i in range(40)]
     for i, prompt in enumerate((root + [9, 8, 7, 6, 5], root + [1, 2, 3])):
         want = dst.generate([prompt], SAMPLED)[0]
-        got, info = move(src, dst, prompt, f"n{i}")
+        got, info = move(src, dst, prompt, f"{arch}{i}")
         assert got.token_ids == want.token_ids
         assert_same_logprobs(got.logprobs, want.logprobs)
     assert info["cached_tokens"] == 32 and src.stats()["state_snapshot_hits"] > 0
