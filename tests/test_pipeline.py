@@ -204,9 +204,13 @@ def test_staged_model_without_a_mesh_equals_the_plain_model():
     got, got_cache = forward(*nnx.split(staged), tokens, positions,
                              KVCache.create(config, 4, 16, fill_value=float("nan"), stages=2), meta)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+    # the same K/V rows up to float rounding: XLA may fuse a staged layer's projections
+    # differently (jaxlib 0.10 without fusion emitters: 2.4e-7 apart); a row written to the
+    # wrong page or layer is off by O(1), and NaN (the fill) where nothing was written
     for layer in range(config.num_layers):  # layer s*K + j is entry j, row s
         j, s = layer % 2, layer // 2
-        np.testing.assert_array_equal(np.asarray(got_cache.pages[j][s][1:3]), np.asarray(want_cache.pages[layer][1:3]))
+        np.testing.assert_allclose(np.asarray(got_cache.pages[j][s][1:3]), np.asarray(want_cache.pages[layer][1:3]),
+                                   rtol=0, atol=1e-6)
     # regrouping a built model gives the same layout as building it staged
     regrouped = nnx.split(plain.staged(ExecutionPlan.stacked(2, 4)))[1]
     for a, b in zip(jax.tree.leaves(regrouped), jax.tree.leaves(nnx.split(staged)[1])):
