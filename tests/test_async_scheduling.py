@@ -113,6 +113,7 @@ def reference(model):
     return drive(eng, [(f"s{i}", p, seeded(i)) for i, p in enumerate(prompts())])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pool", ["big", "small"])
 def test_async_on_and_off_give_the_same_outputs(model, reference, pool):
     s4 = reference["s4"][2].token_ids
@@ -184,6 +185,7 @@ def test_a_request_stopped_by_a_token_never_emits_the_extra_computed_token(model
     assert scheduled[True]["m"] == scheduled[False]["m"] and scheduled[True]["t"] == scheduled[False]["t"]
 
 
+@pytest.mark.slow
 def test_many_requests_finishing_at_different_steps_match_the_plain_run(model, reference):
     """Many requests at once, finishing at different steps, so rows move between steps."""
     eng = make_engine(model, True, **{"engine.max_num_seqs": 4})

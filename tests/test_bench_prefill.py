@@ -16,6 +16,7 @@ import pytest
 from jaxfill.serving.cli import main
 
 
+@pytest.mark.slow
 def test_bench_prefill_tiny(tmp_path, capsys):
     rc = main(["bench", "prefill", "--config", "tiny_random", "--lengths", "64", "128", "--chunk-sizes", "0", "64",
                "--repeats", "2", "--out", str(tmp_path), "--hardware", "cpu"])

@@ -17,6 +17,7 @@ def jaxfill(*args, timeout=600):
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_generate_streams_text_and_json_matches():
     out = jaxfill("generate", "--config", "configs/tiny.toml", "--prompt", "Hello", "--prompt", "Hi there",
                   "--max-tokens", "16", "--json")

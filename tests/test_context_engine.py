@@ -61,6 +61,7 @@ def sequence4():
     return run(4, {"mesh.sequence": 4}, long=True)
 
 
+@pytest.mark.slow
 def test_sequence4_serves_a_prompt_larger_than_a_device_share(one_device, sequence4):
     r = sequence4
     assert BASE["engine.num_pages"] // 4 < PAGES_OF_LONG < BASE["engine.num_pages"]
@@ -80,6 +81,7 @@ def one_device_short():
     return run(1, {}, mid=512, abort=False)
 
 
+@pytest.mark.slow
 def test_pass_kv_ring_equals_one_device(one_device_short):
     """model.context_attention = pass_kv: the fresh first prompt (512 tokens: the ring's
     dense blocks are slow on CPU) takes the ring, the prefix hit pass-Q. With data
@@ -92,6 +94,7 @@ def test_pass_kv_ring_equals_one_device(one_device_short):
     split_evenly(r, 4)  # data splits the pages too (a pool per replica)
 
 
+@pytest.mark.slow
 def test_odd_rank_count(one_device_short):
     """sequence=3: pages dealt over three ranks (576 = 3 x 192), bucket rows rounded up
     to a multiple of 3; aborts free per rank."""
@@ -101,6 +104,7 @@ def test_odd_rank_count(one_device_short):
     assert r["free_mid_prefill"] < r["pages_total"] == r["free_after_abort"]
 
 
+@pytest.mark.slow
 def test_int8_kv_with_tensor2_sequence2():
     over = {"engine.kv_cache_dtype": "int8"}
     ref = run(1, over, mid=512, abort=False)

@@ -19,12 +19,14 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from xla_flags import fake_devices
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEQS, PAGE, HQ, HKV, D, T = (17, 30, 9), 4, 4, 2, 16, 64
 
 
+@pytest.mark.slow
 def test_ring_and_pass_q_equal_the_oracle():
     env = dict(os.environ, XLA_FLAGS=fake_devices(4), JAX_PLATFORMS="cpu",
                PYTHONPATH=ROOT + os.pathsep + os.path.dirname(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))

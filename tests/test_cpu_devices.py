@@ -72,6 +72,7 @@ def same_outputs(r, ref) -> None:
         assert got == pytest.approx(want, abs=1e-4)
 
 
+@pytest.mark.slow
 @needs_two_cores
 def test_default_splits_heads_over_two_cores(one_device):
     r = run()
@@ -97,6 +98,7 @@ def test_one_core_gets_one_device(one_device):
     same_outputs(r, one_device)
 
 
+@pytest.mark.slow
 @needs_two_cores
 @pytest.mark.parametrize("count", [1, 4])
 def test_xla_flags_device_count_wins(one_device, count):

@@ -127,6 +127,7 @@ def test_character_split_between_prompt_and_output(tokenizers, name):
     assert splits >= 3
 
 
+@pytest.mark.slow
 def test_engine_stream_equals_decoded_difference(tokenizers):
     """Engine.add_request primes each request's detokenizer with its prompt."""
     from jaxfill.engine.config import load_config

@@ -42,6 +42,7 @@ def files(directory) -> list[str]:
     return sorted(os.path.join(directory, f) for f in os.listdir(directory) if f.endswith(".kvb"))
 
 
+@pytest.mark.slow
 def test_a_restarted_engine_serves_old_prefixes_from_disk(written, plain, tmp_path):
     directory, first = written
     copy = tmp_path / "kv"
@@ -76,6 +77,7 @@ def test_corrupt_and_truncated_files_are_refused(written, plain, tmp_path):
     assert sum(again["cached"][:wl.NUM_DOCS]) == 0  # the first round found nothing it could use
 
 
+@pytest.mark.slow
 def test_files_of_another_layout_are_ignored(written, caplog):
     directory, _ = written
     before = files(directory)

@@ -122,6 +122,7 @@ POINTS = ["schedule", "build_batch", "run_before_donation", "run_donated_not_sto
           "advance", "advance_bystander", "detokenize"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
 @pytest.mark.parametrize("point", POINTS)
 def test_interrupt_at_each_point_of_a_step(model, reference, monkeypatch, point, async_scheduling):

@@ -50,6 +50,7 @@ def single():
     return r
 
 
+@pytest.mark.slow
 def test_sharded_engine_equals_one_device(single):
     sharded = run({"mesh.tensor": 2, "mesh.sequence": 4}, 8)
     assert sharded["mesh"] == {"stage": 1, "data": 1, "tensor": 2, "expert": 1, "sequence": 4}
@@ -59,6 +60,7 @@ def test_sharded_engine_equals_one_device(single):
     assert sharded["pages_per_device"] * 4 == sharded["pages_global"] == BASE["engine.num_pages"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh,devices", [((2, 1, 1), 2), ((2, 2, 2), 8)], ids=["d2", "d2t2s2"])
 def test_data_replicas_equal_one_device(single, mesh, devices):
     d, t, s = mesh

@@ -8,6 +8,7 @@ import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxfill.engine.expert_load import LOAD_RATIO_BUCKETS, ExpertLoad, summary
@@ -93,6 +94,7 @@ def test_prometheus_histogram_of_load_ratios():
     assert samples[("jaxfill_moe_expert_load_ratio_sum", None)] == ratios.sum()
 
 
+@pytest.mark.slow
 def test_engine_stats_count_every_token_row_once():
     from jaxfill.engine.engine import Engine
     from jaxfill.engine.request import SamplingParams

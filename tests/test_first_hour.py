@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENGINE_TWICE = """
 import json, sys
@@ -46,6 +48,7 @@ def jaxfill_cli(*args, env=None, timeout=600):
                           text=True, timeout=timeout, env=env)
 
 
+@pytest.mark.slow
 def test_generate_json_keeps_progress_on_stderr_and_quiet_drops_it():
     base = ["generate", "--config", "tiny_random", "--prompt-ids", "1,2,3", "--max-tokens", "2", "--json",
             "--set", "engine.token_buckets=[16]", "--set", "engine.max_num_batched_tokens=16"]

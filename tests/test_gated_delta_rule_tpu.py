@@ -45,6 +45,7 @@ def test_lowers_for_tpu_at_qwen3_5_shapes():
     assert exp.out_avals[0].shape == (t, h, d) and exp.out_avals[1].shape == (s, h, d, d)
 
 
+@pytest.mark.slow
 def test_the_model_with_the_kernel_equals_the_xla_loop(monkeypatch):
     """A random Qwen3.5-shaped hybrid (4 layers, DeltaNet 2 key / 4 value heads of 16)."""
     from jaxfill.models.mixers import gated_deltanet

@@ -101,6 +101,7 @@ def chat_text(messages) -> str:
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
 
 
+@pytest.mark.slow
 def test_completions_plain_and_streaming_match_engine_generate(cluster, reference):
     prompt = "ROMEO:\nWhat light through yonder"
     ids = prompt_ids(prompt)

@@ -157,6 +157,7 @@ def expected(cluster):
     return [complete(client, cluster.plain.model, req) for req in workload()]
 
 
+@pytest.mark.slow
 def test_gateway_sees_one_prefill_and_one_decode_worker(cluster):
     workers = {w["url"]: w for w in cluster.pd.get("/workers")["workers"]}
     assert workers[f"grpc://{cluster.prefill.address}"]["worker_type"] == "prefill"

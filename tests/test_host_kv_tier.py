@@ -33,6 +33,7 @@ def bits(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a).view(np.uint8)  # NaN-safe, dtype-blind equality
 
 
+@pytest.mark.slow
 def test_host_tier_serves_evicted_prefixes_with_the_same_tokens(plain):
     e = engine(**TIER)
     programs = e.stats()["compiled_programs"]
@@ -49,6 +50,7 @@ def test_host_tier_serves_evicted_prefixes_with_the_same_tokens(plain):
     assert salted == [0]  # the unsalted copies of its document, on device and host, are not its
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
 def test_restore_after_eviction_is_bit_exact(kv_dtype):
     e = engine(**TIER, **{"engine.kv_cache_dtype": kv_dtype})
@@ -183,6 +185,7 @@ def test_bad_tier_settings_are_refused(overrides, match):
         load_config("tiny_random", overrides)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", [{"mesh.tensor": 2}, {"mesh.data": 2}], ids=["tensor2", "data2"])
 def test_host_tier_under_a_mesh_gives_the_single_device_tokens(plain, mesh):
     """Fake devices in a subprocess: tensor=2 splits each block's heads over two devices;

@@ -53,6 +53,7 @@ def test_check_impl_passes_a_correct_impl():
     assert check_impl("reference", num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=8) is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", sorted(BROKEN))
 def test_failing_impl_falls_back_to_xla_and_serves(impl, caplog, xla_tokens):
     with caplog.at_level(logging.WARNING, logger="jaxfill.runner"):

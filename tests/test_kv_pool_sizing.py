@@ -41,6 +41,7 @@ def _expected_pages(engine: Engine) -> int:
     return int(((HOST_FREE + weights) * c.engine.memory_utilization - weights - act) // page)
 
 
+@pytest.mark.slow
 def test_cpu_pool_matches_formula_and_serves(fake_meminfo):
     engine = _engine()
     pool = engine.runner.pool
@@ -68,6 +69,7 @@ def test_planner_agrees_with_engine(fake_meminfo):
     assert planned["kv_pool_tokens"] == (planned["kv_pool_pages"] - 1) * engine.settings.page_size
 
 
+@pytest.mark.slow
 def test_quantized_cache_fits_more_pages(fake_meminfo):
     bf16 = {"model.dtype": "bfloat16"}
     plain, quant = _engine(**bf16), _engine(**bf16, **{"engine.kv_cache_dtype": "int8"})

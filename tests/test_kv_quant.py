@@ -118,6 +118,7 @@ def test_write_kv_quantized_rejects_bad_input():
 
 
 # ----------------------------------------------------------------------- bytes
+@pytest.mark.slow
 def test_kv_bytes_per_token_agree_in_cache_planner_and_stats():
     """int8 / fp8 = one byte per value + one f32 scale per (token, K or V, head): for
     tiny_random (L layers, Hkv heads, D) 2*L*Hkv*(D + 4) vs 2*L*Hkv*D*itemsize, the same in
@@ -194,6 +195,7 @@ def scales_ignored(*args, kv_scales=None, **kw):  # reads int8 values as if the 
     return ragged_paged_attention_xla(*args, kv_scales=jnp.ones_like(kv_scales), **kw)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_warmup_self_check_runs_the_quantized_path(kv_dtype, monkeypatch):
     from jaxfill.pallas_kernels import IMPLS

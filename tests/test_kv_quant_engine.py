@@ -54,6 +54,7 @@ def plain_tokens(eng, kv_dtype):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_quantized_engine_chunked_cached_plain_agree(kv_dtype):
     eng = make_engine(kv_dtype)
@@ -119,6 +120,7 @@ def one_device():
     return run_sharded({"engine.kv_cache_dtype": "int8"}, 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh,devices", [({"mesh.tensor": 2}, 2), ({"mesh.data": 2}, 2),
                                           ({"mesh.tensor": 2, "mesh.sequence": 2}, 4)],
                          ids=["t2", "d2", "t2s2"])

@@ -100,6 +100,7 @@ def engines():
     return make(16, **{"engine.kv_transfer_timeout_s": 60}), make(8)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_dtype,scan", [("auto", (False, False)), ("int8", (False, False)),
                                            ("auto", (True, False)), ("int8", (False, True))],
                          ids=["auto", "int8", "stacked_to_plain", "plain_to_stacked_int8"])
@@ -198,6 +199,7 @@ print(json.dumps({"released": e.release_held(tid), "free": e.stats()["pages_free
 
 # tensor 4: each of the 2 KV heads repeated twice; sequence 4: the prompt's pages dealt
 # over four ranks (context parallelism), gathered into rows for a one-device decode
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", [{"mesh.tensor": 2}, {"mesh.tensor": 4}, {"mesh.sequence": 4}],
                          ids=["tensor2", "tensor4", "sequence4"])
 def test_prefill_in_another_process_on_another_mesh(engines, mesh):
@@ -225,6 +227,7 @@ def test_prefill_in_another_process_on_another_mesh(engines, mesh):
     assert dst.stats()["pages_free"] == dst.stats()["pages_total"]
 
 
+@pytest.mark.slow
 def test_admission_respects_the_batch_and_never_leaks_pages(engines):
     """A prefilled request counts against max_num_seqs (QueueFull, so the serving loop
     retries it with its hook), and rows too short for their prompt free what was taken."""
@@ -296,6 +299,7 @@ MLA = {"model.architecture": "DeepseekV3ForCausalLM", "model.num_kv_heads": 1, "
        "model.qk_rope_head_dim": 16, "model.v_head_dim": 24, "model.rope_interleave": True}
 
 
+@pytest.mark.slow
 def test_latent_rows_move_and_decode_continues_like_one_engine():
     """Disaggregated prefill of a multi-head latent attention model (models/mixers/mla.py): the
     latent "head" rows cross, and the decode side's tokens and logprobs are one engine's."""

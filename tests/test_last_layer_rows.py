@@ -75,6 +75,7 @@ def model_and_config():
     return Decoder(config), config
 
 
+@pytest.mark.slow
 def test_sampled_rows_match_the_full_last_layer(model_and_config):
     model, config = model_and_config
     logits, pages, _ = two_steps(model, config)
@@ -111,6 +112,7 @@ def test_last_layer_costs_fewer_flops(model_and_config):
     assert full - pruned >= 0.9 * (layer_matmuls - kept), (full, pruned)
 
 
+@pytest.mark.slow
 def test_every_row_logits_run_the_full_last_layer(model_and_config):
     """Asking for more logit rows than sequences (training / evaluation read every row)
     keeps the whole last layer: every row's logits equal the unpruned model's, and the

@@ -16,6 +16,7 @@ def engine(request):
                                                         "engine.max_num_seqs": 4}, progress=False)
 
 
+@pytest.mark.slow
 def test_logit_bias_forces_a_token_in_its_own_row_only(engine):
     plain, forced = engine.generate(["hello there", "hello there"],
                                     [SamplingParams(max_tokens=6),

@@ -21,6 +21,7 @@ def engine(request):
         yield e
 
 
+@pytest.mark.slow
 def test_each_sample_equals_a_single_request_with_its_seed(engine):
     done = engine.generate([PROMPT, "Hello"], [SamplingParams(n=4, max_tokens=10, temperature=1.0, seed=7),
                                                SamplingParams(max_tokens=5)])

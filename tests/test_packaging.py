@@ -57,6 +57,7 @@ def test_wheel_holds_only_the_jaxfill_package(tmp_path):
     assert not any(n.startswith("jaxfill/tests/") or n.startswith("jaxfill/benchmarks/") for n in names)
 
 
+@pytest.mark.slow
 def test_a_users_own_models_and_engine_do_not_shadow_ours(tmp_path):
     (tmp_path / "models.py").write_text("raise ImportError('the user models.py was imported')\n")
     (tmp_path / "engine").mkdir()

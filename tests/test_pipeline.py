@@ -142,6 +142,7 @@ def test_two_stages_equal_one_device(single):
     _check_stage_local(r, 2)
 
 
+@pytest.mark.slow
 def test_four_devices_four_stages_and_stage_with_tensor_and_data(single):
     four, with_tensor, with_data = run([{"mesh.stage": 4}, {"mesh.stage": 2, "mesh.tensor": 2},
                                         {"mesh.stage": 2, "mesh.data": 2}], 4)
@@ -152,6 +153,7 @@ def test_four_devices_four_stages_and_stage_with_tensor_and_data(single):
     _check_stage_local(with_data, 2)
 
 
+@pytest.mark.slow
 def test_microbatch_counts_and_scanned_layers_do_not_change_tokens(single):
     # 1: no overlap; 3: not a divisor of the buckets, cut to 2; 16: one token per microbatch
     # in the 16-token decode bucket. Last: engine.scan_layers under tensor parallelism.
@@ -160,6 +162,7 @@ def test_microbatch_counts_and_scanned_layers_do_not_change_tokens(single):
         _check_same(r, single)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_loads_straight_into_its_stages():
     """The trained tiny checkpoint (HF safetensors): each stage's devices read only their
     layers (StackedSlices), int8 weights quantized per layer as unstaged loading does."""

@@ -73,6 +73,7 @@ def assert_one_stage_per_process(layout: dict, k: int, mesh_sizes: dict) -> None
         assert stages_held(leaf, mesh_sizes) == {k}, (name, k, leaf)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("axis", ["tensor", "data"])
 def test_two_processes_as_two_stages_match_one_device(tmp_path, reference, axis):
     """stage 2 x (tensor or data) 2: process k's two devices are stage k."""
@@ -93,6 +94,7 @@ def test_two_processes_as_two_stages_match_one_device(tmp_path, reference, axis)
                 assert_one_stage_per_process(layout, 1 - k, sizes)
 
 
+@pytest.mark.slow
 def test_serve_two_processes_as_two_stages_answers_grpc(tmp_path_factory, reference):
     """`jaxfill serve --num-processes 2 --set mesh.stage=2` (x tensor 2): process 0 serves
     gRPC and leads, process 1 follows; Generate returns the one-device tokens."""

@@ -133,6 +133,7 @@ print("RESULT " + json.dumps(dict(pages=p.num_pages, page_bytes=p.page_bytes, ca
 """
 
 
+@pytest.mark.slow
 def test_engine_pool_under_sequence_2():
     """engine.num_pages = 0 on 2 fake devices, sequence = 2: page_bytes is one page as a
     device stores it (its probe shard holds probe_pages / 2 pages), and the pool is

@@ -52,6 +52,7 @@ def check_against(reference, ids: list[int], entries, k: int) -> None:
         assert all(abs(lp[i, t] - v) < 1e-4 for t, v in e["top"])
 
 
+@pytest.mark.slow
 def test_prompt_logprobs_equal_transformers(engine, reference):
     ids = engine.tokenizer.encode(TEXT)
     done = engine.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=5))[0]
@@ -71,6 +72,7 @@ def test_beside_other_requests_nothing_else_changes(engine, reference):
     check_against(reference, ids, mixed[1].prompt_logprobs, 2)
 
 
+@pytest.mark.slow
 def test_a_cached_prefix_is_recomputed_not_served(engine):
     ids = engine.tokenizer.encode(TEXT)
     engine.generate([ids], SamplingParams(max_tokens=2))  # caches the prompt's pages
@@ -98,6 +100,7 @@ def test_bad_values_are_refused_by_name(engine, value):
     assert e.value.field == "prompt_logprobs"
 
 
+@pytest.mark.slow
 def test_without_chunked_prefill_a_prompt_over_the_rows_is_refused():
     overrides = {**ENGINE, "engine.max_num_batched_tokens": 64, "engine.token_buckets": [64],
                  "engine.prompt_logprobs_rows": 16, "engine.chunked_prefill": False}

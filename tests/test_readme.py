@@ -4,10 +4,12 @@ command prints the sample the README quotes."""
 
 import os
 import re
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_notebook_example_matches_the_engine():
     from jaxfill import Engine, SamplingParams
 

@@ -104,6 +104,7 @@ TARGETS = [SamplingParams(max_tokens=10, ignore_eos=True, seed=s, temperature=t,
            for s, (t, k, p, m) in zip([11, 22, 33, 44, 55, 66, 77], ROW_PARAMS)]
 
 
+@pytest.mark.slow
 def test_engine_same_tokens_alone_in_a_crowd_and_across_budgets(engines):
     small, other = engines
     rng = random.Random(0)

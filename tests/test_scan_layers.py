@@ -37,6 +37,7 @@ def generate(overrides):
     return [c.token_ids for c in out + again], again[0].cached_tokens, engine
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [{}, {"engine.kv_cache_dtype": "int8"}, {"engine.async_scheduling": False}],
                          ids=["auto", "int8_kv", "sync"])
 def test_scanned_layers_give_the_unrolled_tokens(extra):
@@ -101,6 +102,7 @@ def test_the_scan_updates_the_cache_in_place():
     assert scanned < unrolled + cache_bytes / 4 / 4, (scanned, unrolled, cache_bytes)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("weights", ["auto", "int8"])
 def test_a_checkpoint_loads_straight_into_the_scanned_layout(weights):
     """The trained tiny checkpoint through models.checkpoint.StackedSlices (no mesh)."""

@@ -72,6 +72,7 @@ def _arun(coro, timeout=120):
     return asyncio.run(asyncio.wait_for(coro, timeout))
 
 
+@pytest.mark.slow
 def test_64_concurrent_streams_match_engine_generate(served):
     st, _engine, reference, _ = served
 

@@ -55,6 +55,7 @@ def _held(obj, name: str):
         delattr(obj, name)
 
 
+@pytest.mark.slow
 def test_warming_server_refuses_with_unavailable_and_client_waits_for_ready(engine):
     assert not engine.warmed_up  # the first test here: warm-up really runs behind the gate
     with _held(engine, "warmup") as gate, ServerThread(engine, host="127.0.0.1", port=0) as st:

@@ -78,6 +78,7 @@ def _wait_free(stub, timeout=10.0):
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_server_info_names_roles(workers):
     infos = {k: s.GetServerInfo(vpb.GetServerInfoRequest(), timeout=10) for k, (_, s) in workers.items()}
     assert (infos["prefill"].kv_connector, infos["prefill"].kv_role) == ("NixlConnector", "kv_producer")

@@ -32,6 +32,7 @@ class Boom(RuntimeError):
     pass
 
 
+@pytest.mark.slow
 def test_unexpected_exceptions_answer_internal_and_the_server_goes_on(tmp_path_factory, caplog, monkeypatch):
     compile_cache_dir(tmp_path_factory)
     engine = Engine(load_config("tiny_random", OVERRIDES), progress=False)

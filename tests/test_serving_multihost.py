@@ -38,6 +38,7 @@ def reference():
     return [c.token_ids for c in engine.generate(PROMPTS, [SamplingParams(**s) for s in SAMPLING])]
 
 
+@pytest.mark.slow
 def test_two_process_server_matches_one_process_and_stops_cleanly(tmp_path_factory, reference):
     cache = compile_cache_dir(tmp_path_factory)
     port = free_port()

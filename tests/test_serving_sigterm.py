@@ -26,6 +26,7 @@ def _health(stub, service=""):
     return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
 
 
+@pytest.mark.slow
 def test_serve_lifecycle_health_auth_and_sigterm_drain(tmp_path_factory):
     cache = compile_cache_dir(tmp_path_factory)
     srv = ServeProcess("--metrics-port", "0", "--api-key", KEY, "--grace-period", "60", cache_dir=cache)
@@ -79,6 +80,7 @@ def test_serve_lifecycle_health_auth_and_sigterm_drain(tmp_path_factory):
         srv.kill()
 
 
+@pytest.mark.slow
 def test_sigterm_aborts_what_outlives_the_grace_period(tmp_path_factory):
     cache = compile_cache_dir(tmp_path_factory)
     srv = ServeProcess("--grace-period", "0.5", "--metrics-port", "0", cache_dir=cache)

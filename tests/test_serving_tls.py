@@ -30,6 +30,7 @@ def tls_server(tmp_path_factory):
         yield st, expected, str(cert)
 
 
+@pytest.mark.slow
 def test_tls_client_gets_the_engine_tokens(tls_server):
     st, expected, cert = tls_server
     with Client(st.address, tls_ca=cert, tls_server_name="localhost") as client:

@@ -85,6 +85,7 @@ def _run(stub, req, timeout=60):
     return list(stub.Generate(req, timeout=timeout))
 
 
+@pytest.mark.slow
 def test_health_only_after_warmup(served):
     _st, _engine, stub, _ref, _lp, before = served
     assert not before["health"].healthy and "warming" in before["health"].message
@@ -370,6 +371,7 @@ def test_served_model_name_default():
     assert served_name(cfg) == "My-Model"
 
 
+@pytest.mark.slow
 def test_serve_cli_served_model_name_and_loopback_default(tmp_path_factory):
     from jaxfill.serving.cli import build_parser
 

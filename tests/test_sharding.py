@@ -43,6 +43,7 @@ def _get(results, key):
     return value
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", MESH_IDS)
 def test_prefill_logits_match_one_device(results, mesh):
     r = _get(results, f"generate/{mesh}")

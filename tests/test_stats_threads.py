@@ -11,6 +11,7 @@ return (and agree with the counts taken before the run).
 import threading
 
 import numpy as np
+import pytest
 
 from jaxfill.engine.config import load_config
 from jaxfill.engine.engine import Engine
@@ -20,6 +21,7 @@ OVERRIDES = {"engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 6
              "engine.max_model_len": 256, "engine.max_num_seqs": 8, "engine.async_scheduling": True}
 
 
+@pytest.mark.slow
 def test_stats_and_held_share_from_threads_during_donating_steps():
     eng = Engine(load_config("tiny_random", OVERRIDES), progress=False)
     eng.enable_kv_transfer()  # held_page_share reads the hand-off's state too

@@ -59,6 +59,7 @@ def engine(request):
         yield e
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(CONSTRAINTS))
 def test_every_kind_yields_text_the_constraint_accepts(engine, kind):
     so = CONSTRAINTS[kind]

@@ -48,6 +48,7 @@ def drive_deferred(eng, requests, abort_after: dict[str, int] = {}, lag: int = 0
     return {rid: (ids, "".join(text), done[rid]) for rid, (ids, text) in streamed.items()}, dropped
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pool,lag", [("big", 0), ("big", 2), ("small", 2)])
 def test_deferred_text_gives_what_inline_text_gives(model, reference, pool, lag):
     s4 = reference["s4"][2].token_ids

@@ -116,6 +116,7 @@ def generations(preset: str) -> list[str]:
     return [c.text for c in done]
 
 
+@pytest.mark.slow
 def test_trained_tiny_writes_english_words_random_init_does_not():
     assert os.path.samefile(load_config("tiny").model_path, TINY_DIR)  # the preset ships these weights
     trained_texts = generations("tiny")
