@@ -17,6 +17,7 @@ from jaxfill.engine.presets import NOT_PRESETS, preset_names, read_preset  # noq
 from jaxfill.models.config import ConfigError, ModelConfig, flat_keys, int_quantization, quantization, read_config_json
 from jaxfill.engine.validation import validate
 from jaxfill.models.families.registry import config_from_dict, config_from_hf
+from jaxfill.models.gguf import gguf_file, hf_config_of
 
 log = logging.getLogger("jaxfill.config")
 
@@ -239,7 +240,10 @@ def load_config(config: str | None = None, overrides: Mapping[str, Any] | list[s
     else:
         model = config_from_dict({**data.get("model", {}), **extra.get("model", {})})
         model_path = os.path.join(base, checkpoint) if checkpoint else None
-    if model_path and os.path.exists(os.path.join(model_path, "config.json")):
+    gguf = gguf_file(model_path)
+    if gguf:  # its projections' types decide whether int_group can keep them (models/gguf/int_codes.py)
+        int_quantization.check_checkpoint(model, hf_config_of(gguf), model_path)
+    elif model_path and os.path.exists(os.path.join(model_path, "config.json")):
         int_quantization.check_checkpoint(model, read_config_json(model_path), model_path)
     elif model.weight_dtype == "int_group" and model_path:
         raise ConfigError(f"model.weight_dtype = 'int_group' keeps an AWQ / GPTQ / compressed-tensors checkpoint's "

@@ -127,7 +127,7 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
     family = family_of(config.architecture)
     table = hf_to_param(config)
     rename = getattr(family, "rename", lambda name: name)
-    gguf = gguf_file(model_dir)  # a GGUF: its tensors dequantized at read (models/gguf/)
+    gguf = gguf_file(model_dir)  # a GGUF: its tensors dequantized at read, or kept packed (models/gguf/)
     files = [gguf] if gguf else safetensors_files(model_dir)
     hf_json = os.path.join(model_dir, "config.json")
     with open(hf_json) if os.path.exists(hf_json) and not gguf else open(os.devnull) as f:
@@ -139,7 +139,9 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
     fp8_scales: dict[str, StoredTensor] = {}  # fp8 weight name -> its weight_scale_inv
     fp8: list[tuple[str, StoredTensor, tuple]] = []  # (name, stored, parts) of fp8 weights
     # AWQ / GPTQ / compressed-tensors: projection weight name -> {stored suffix: stored}
-    int_fmt = file_format(hf["quantization_config"]) if is_int(hf) else None
+    # (a GGUF's packable projections: only when kept packed; auto and int8 read ggml's own values)
+    int_fmt = file_format(hf["quantization_config"]) if is_int(hf) and (
+        not gguf or config.weight_dtype == "int_group") else None
     int_form = int_fmt and IntGroupFormat(**int_format_of(hf["quantization_config"]))
     packed_ints: dict[str, dict] = {}
     for path in files:

@@ -36,12 +36,20 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble j of a word holds output 8c + AWQ
 SUFFIXES = {"qweight": ("gptq", "awq"), "qzeros": ("gptq", "awq"), "scales": ("gptq", "awq"), "g_idx": ("gptq",),
             "weight_packed": ("ct_pack",), "weight_scale": ("ct_pack", "ct_int"),
             "weight_zero_point": ("ct_pack", "ct_int"), "weight_shape": ("ct_pack",), "weight": ("ct_int",)}
+# a GGUF's packable tensor (models/gguf/int_codes.py) is its projection's only part
+GGUF = "gguf"
 NEEDS = {"gptq": ("qweight", "qzeros", "scales"), "awq": ("qweight", "qzeros", "scales"),
-         "ct_pack": ("weight_packed", "weight_scale", "weight_shape"), "ct_int": ("weight", "weight_scale")}
+         "ct_pack": ("weight_packed", "weight_scale", "weight_shape"), "ct_int": ("weight", "weight_scale"),
+         GGUF: (GGUF,)}
 
 
 def projection_of(name: str, stored: StoredTensor, table: dict, fmt: str) -> tuple[str, str] | None:
     """(the projection's `.weight` name, suffix) when `name` is one of its stored int tensors."""
+    if fmt == GGUF:
+        spec = table.get(name)
+        parts = (spec,) if isinstance(spec, HFTensor) else spec or ()
+        packable = getattr(stored, "info", None) is not None and len(stored.shape) == 2
+        return (name, GGUF) if packable and parts and parts[0].param_path[-1] in int_group.INPUT_AXES else None
     stem, _, suffix = name.rpartition(".")
     if fmt not in SUFFIXES.get(suffix, ()):
         return None
@@ -82,7 +90,17 @@ def unpacked(fmt: str, parts: dict, n_out: int, n_in: int, bits: int, group: int
     """The stored tensors -> (Q [out, in] codes, S, Z [groups, out] f32, g_idx [in] or None)."""
     g = int_group.group_of(group, n_in)
     n_groups = -(-n_in // g)
-    if fmt == "gptq":
+    if fmt == GGUF:
+        from jaxfill.models.gguf.int_codes import codes
+        from jaxfill.models.gguf.quants import TYPES
+
+        tensor = parts[GGUF]
+        try:
+            q, s, z = codes(TYPES[tensor.info.ggml_type][0], tensor.raw_rows(0, tensor.shape[0]), n_in)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
+        g_idx = None
+    elif fmt == "gptq":
         q = _unpack_words(_read(parts["qweight"]), bits, 0)[:n_in].T
         z = _unpack_words(_read(parts["qzeros"]), bits, 1)[:, :n_out] + (1 if v1 else 0)
         s = _read(parts["scales"], np.float32)
@@ -119,6 +137,8 @@ def unpacked(fmt: str, parts: dict, n_out: int, n_in: int, bits: int, group: int
 def stored_shapes(fmt: str, n_out: int, n_in: int, bits: int, n_groups: int) -> dict[str, tuple]:
     """Each stored tensor's shape, checked on the headers before any data is read."""
     words = lambda n: -(-n * bits // 32)  # noqa: E731
+    if fmt == GGUF:
+        return {GGUF: (n_out, n_in)}
     if fmt == "gptq":
         return {"qweight": (words(n_in), n_out), "qzeros": (n_groups, words(n_out)), "scales": (n_groups, n_out),
                 "g_idx": (n_in,)}

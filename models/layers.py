@@ -15,6 +15,17 @@ from jaxfill.models.parallel.vocab import vocab_parallel_embed
 from jaxfill.models.sharding import constrain
 
 
+def next_key(rngs: nnx.Rngs) -> jax.Array:
+    """The key `rngs.params()` gives, without its `count[...] += 1`: under nnx.eval_shape (every
+    checkpoint load builds the model abstractly) that indexed update asks the traced count
+    for its sharding, and jax's refusal builds a message that walks the whole trace so far:
+    quadratic in the model's size (SmolLM2-135M kept int_group: 24 s of a 37 s load)."""
+    stream = rngs.params
+    key = jax.random.fold_in(stream.key[...], stream.count[...])
+    stream.count.set_value(stream.count[...] + 1)
+    return key
+
+
 def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dtype,
           init: str = "normal", scale: float = 0.02) -> nnx.Param:
     """A parameter with logical axis names (mapped to mesh axes in models/sharding.py)."""
@@ -24,9 +35,9 @@ def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dtype,
     elif init == "zeros":
         value = jnp.zeros(shape, dtype)
     elif init == "one_plus_normal":
-        value = (1.0 + scale * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+        value = (1.0 + scale * jax.random.normal(next_key(rngs), shape, jnp.float32)).astype(dtype)
     else:
-        value = (scale * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+        value = (scale * jax.random.normal(next_key(rngs), shape, jnp.float32)).astype(dtype)
     return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from jaxfill.models.config.errors import ConfigError
 
-METHODS = ("gptq", "awq", "compressed-tensors")
+METHODS = ("gptq", "awq", "compressed-tensors", "gguf")  # gguf: models/gguf/int_codes.py
 # what a quantizer did to find the codes, not how the file stores them
 CALIBRATION = {"tokenizer", "dataset", "damp_percent", "damp_auto_increment", "true_sequential", "static_groups",
                "use_cuda_fp16", "model_seqlen", "module_name_preceding_first_block", "batch_size", "pad_token_id",
@@ -148,6 +148,12 @@ def int_fields(quant: dict[str, Any]) -> dict[str, Any]:
         return dict(weight_dtype="int_group", weight_bits=_bits("bits", bits, (4,)),
                     weight_group_size=_group("group_size", quant.get("group_size", quant.get("q_group_size", 128))),
                     weight_zero_point=True, weight_act_order=False)
+    if method == "gguf":  # a GGUF's Q4_0 / Q4_1 / Q8_0 projections (models/gguf/int_codes.py)
+        from jaxfill.models.gguf.int_codes import GROUP, PACKED
+
+        bits, zero_point = PACKED[quant["ggml_type"]]
+        return dict(weight_dtype="int_group", weight_bits=bits, weight_group_size=GROUP,
+                    weight_zero_point=zero_point, weight_act_order=False)
     return _compressed_tensors(quant)
 
 
@@ -213,8 +219,8 @@ def file_format(quant: dict[str, Any]) -> tuple[str, bool]:
     if method == "gptq":
         fmt = str(quant.get("checkpoint_format") or quant.get("format") or "gptq").lower()
         return "gptq", fmt == "gptq"
-    if method == "awq":
-        return "awq", False
+    if method in ("awq", "gguf"):
+        return method, False
     return ("ct_pack" if quant.get("format") == "pack-quantized" else "ct_int"), False
 
 
@@ -226,7 +232,8 @@ def check_checkpoint(model, hf: dict[str, Any], path: str) -> None:
         if model.weight_dtype == "int_group":
             raise ConfigError(f"model.weight_dtype = 'int_group' keeps an AWQ / GPTQ / compressed-tensors "
                               f"checkpoint's codes as stored, and {path} is not one (no quantization_config "
-                              "quant_method gptq, awq or compressed-tensors): use auto or int8")
+                              "quant_method gptq, awq or compressed-tensors, nor a GGUF whose projections are all "
+                              "Q4_0, Q4_1 or Q8_0): use auto or int8")
         return
     if model.weight_dtype == "int_group":
         for key, value in int_fields(hf["quantization_config"]).items():

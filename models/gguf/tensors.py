@@ -58,6 +58,10 @@ class GGUFTensor:
 
     def read_rows(self, lo: int, hi: int) -> np.ndarray:
         """HF rows [lo, hi) of this tensor, dequantized: [hi - lo, row values] float32."""
+        return quants.dequantize_rows(self.raw_rows(lo, hi), self.info.ggml_type, self.info.dims[0])
+
+    def raw_rows(self, lo: int, hi: int) -> np.ndarray:
+        """HF rows [lo, hi) of this tensor as stored: [hi - lo, row bytes] uint8 (its blocks)."""
         values = self.info.dims[0]
         nbytes = quants.row_bytes(self.info.ggml_type, values)
         wanted = np.arange(self.start + lo, self.start + hi)
@@ -66,10 +70,9 @@ class GGUFTensor:
         mapped = np.memmap(self.path, np.uint8, "r", offset=self.info.offset + first * nbytes,
                            shape=(max(last - first, 0), nbytes))
         try:
-            data = np.array(mapped[stored - first]) if self.order is not None else np.array(mapped)
+            return np.array(mapped[stored - first]) if self.order is not None else np.array(mapped)
         finally:
             del mapped
-        return quants.dequantize_rows(data, self.info.ggml_type, values)
 
     def slices(self, stored_shape: tuple, perm: tuple, target) -> "GGUFSlices":
         return GGUFSlices(self, tuple(stored_shape), tuple(perm), np.dtype(target))
