@@ -3,11 +3,13 @@ the same weights as a bf16 safetensors checkpoint, on CPU.
 
     python benchmarks/gguf_smollm2.py [--gguf PATH] [--lengths 512 2048] [--repeats 3]
 
-Load: seconds to build the model (weights dequantized to the model dtype) and the bytes on
-disk. TTFT: `Engine.generate(max_tokens=1)` per prompt length, one engine per
+Load: seconds to build the model and its weight bytes on device, the GGUF kept packed
+(model.weight_dtype = int_group, its default: Q4_1 codes, f32 group scales and zero points)
+or dequantized to the model dtype (auto), and the bytes on disk. TTFT: `Engine.generate(max_tokens=1)` per prompt length, one engine per
 (source, dtype, length) whose one token bucket is the prompt, median of --repeats after a
 warm run. Accuracy: the GGUF's f32 model is the reference (the unquantized original is not
-fetchable here: no hub access), so the cost measured is that of running it in bf16 and of
+fetchable here: no hub access), so the cost measured is that of keeping it packed
+(int_group: the same values up to Q4_1's f32 zero point), of running it in bf16 and of
 re-quantizing it to int8 (model.weight_dtype=int8): max |dlogprob| of the chosen tokens and
 greedy agreement over 100 tokens of a chat prompt. Writes benchmarks/results/gguf_smollm2.json.
 """
@@ -44,16 +46,21 @@ def bf16_checkpoint(gguf: str, directory: str) -> str:
     return directory
 
 
-def load_seconds(path: str, dtype: str) -> float:
+def load(path: str, dtype: str, weight_dtype: str = "auto") -> dict:
+    """Seconds to build the model, and its params' bytes."""
+    import jax
+    from flax import nnx
+
     from jaxfill.models.checkpoint import load_hf_params
     from jaxfill.models.families.registry import config_from_hf
 
     start = time.perf_counter()
-    load_hf_params(path, config_from_hf(path).replace(dtype=dtype), progress=False)
-    return time.perf_counter() - start
+    model = load_hf_params(path, config_from_hf(path).replace(dtype=dtype, weight_dtype=weight_dtype), progress=False)
+    seconds = time.perf_counter() - start
+    return {"s": seconds, "param_bytes": sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))}
 
 
-def ttft(path: str, dtype: str, n: int, repeats: int) -> float:
+def ttft(path: str, dtype: str, n: int, repeats: int, weight_dtype: str = "auto") -> float:
     import numpy as np
 
     from jaxfill.engine.engine import Engine
@@ -61,7 +68,7 @@ def ttft(path: str, dtype: str, n: int, repeats: int) -> float:
 
     over = {"engine.max_num_batched_tokens": n, "engine.token_buckets": [n], "engine.max_num_seqs": 1,
             "engine.seq_buckets": [1], "engine.num_pages": n // 16 + 8, "engine.max_model_len": n + 16,
-            "engine.enable_prefix_caching": False, "model.dtype": dtype}
+            "engine.enable_prefix_caching": False, "model.dtype": dtype, "model.weight_dtype": weight_dtype}
     engine = Engine.from_config(model_path=path, overrides=over, progress=False)
     prompt = [int(t) for t in np.random.default_rng(0).integers(100, 40000, n)]
     engine.generate([prompt], SamplingParams(max_tokens=1))
@@ -84,7 +91,9 @@ def accuracy(gguf: str, new_tokens: int = 100) -> dict:
     base = {"engine.max_model_len": 512, "engine.num_pages": 40, "engine.max_num_seqs": 1,
             "engine.max_num_batched_tokens": 256, "engine.token_buckets": [256], "engine.seq_buckets": [1],
             "engine.scan_layers": True}
-    runs = {"f32": {"model.dtype": "float32"}, "bf16": {"model.dtype": "bfloat16"},
+    runs = {"f32": {"model.dtype": "float32", "model.weight_dtype": "auto"},
+            "int_group f32": {"model.dtype": "float32", "model.weight_dtype": "int_group"},
+            "bf16": {"model.dtype": "bfloat16", "model.weight_dtype": "auto"},
             "int8": {"model.dtype": "float32", "model.weight_dtype": "int8"}}
     out, ref = {}, None
     for name, over in runs.items():
@@ -118,13 +127,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         st = bf16_checkpoint(args.gguf, tmp)
         result["bf16_safetensors_bytes"] = os.path.getsize(os.path.join(st, "model.safetensors"))
-        result["load_s"] = {"gguf->f32": load_seconds(args.gguf, "float32"),
-                            "gguf->bf16": load_seconds(args.gguf, "bfloat16"),
-                            "safetensors bf16->bf16": load_seconds(st, "bfloat16")}
-        result["ttft_s"] = {f"{src} {dtype} {n}": ttft(path, dtype, n, args.repeats)
-                            for n in args.lengths
-                            for src, path, dtype in (("gguf", args.gguf, "float32"), ("gguf", args.gguf, "bfloat16"),
-                                                     ("safetensors", st, "bfloat16"))}
+        runs = (("gguf int_group", args.gguf, "float32", "int_group"), ("gguf int_group", args.gguf, "bfloat16",
+                                                                            "int_group"),
+                ("gguf", args.gguf, "float32", "auto"), ("gguf", args.gguf, "bfloat16", "auto"),
+                ("safetensors", st, "bfloat16", "auto"))
+        result["load"] = {f"{src} {dtype}": load(path, dtype, wd) for src, path, dtype, wd in runs}
+        result["ttft_s"] = {f"{src} {dtype} {n}": ttft(path, dtype, n, args.repeats, wd)
+                            for n in args.lengths for src, path, dtype, wd in runs}
     result["accuracy"] = accuracy(args.gguf)
     os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
     with open(RESULTS, "w") as f:

@@ -117,6 +117,8 @@ EVIDENCE: tuple[Evidence, ...] = (
              ("model.weight_dtype=int_group",)),
     Evidence("tests/test_int_group_moe_layouts.py::test_int_group_experts_layouts", ("qwen3_moe",),
              ("model.weight_dtype=int_group",)),
+    Evidence("tests/test_gguf_int_group.py::test_packed_model_equals_the_dequantized_load[qwen2_Q4_1]", ("qwen2",),
+             ("model.weight_dtype=int_group",)),
     # linear-attention hybrids
     *_each("tests/test_hybrid_layouts.py::test_hybrid_layouts_agree", ("qwen3_5", "qwen3_next", "qwen3_5_moe",
                                                                        "nemotron_h"),
