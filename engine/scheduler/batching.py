@@ -42,13 +42,17 @@ from jaxfill.engine.scheduler.prefix_lookup import PrefixLookup
 from jaxfill.engine.scheduler.state_snapshots import StateSnapshots
 from jaxfill.engine.scheduler.step_plan import Restore, Scheduled, SchedulerOutput, to_compute, total_tokens
 from jaxfill.engine.scheduler.transitions import RequestTransitions
+from jaxfill.engine.scheduler.verification import Verification
 
 
-class Scheduler(RequestTransitions):
-    """One data replica's queues and page pool; transitions.py changes its requests' progress."""
+class Scheduler(RequestTransitions, Verification):
+    """One data replica's queues and page pool; transitions.py changes its requests' progress,
+    verification.py its speculative proposals'."""
 
-    def __init__(self, settings, block_manager: BlockManager | None = None, tier=None, page_ranks: int = 1):
+    def __init__(self, settings, block_manager: BlockManager | None = None, tier=None, page_ranks: int = 1,
+                 speculative=None):
         s = settings
+        self.init_speculative(speculative)
         self.page_size = s.page_size
         self.max_tokens = s.max_num_batched_tokens
         self.max_seqs = s.max_num_seqs
@@ -180,6 +184,12 @@ class Scheduler(RequestTransitions):
             n, scored = self._prompt_rows_cap(req, req.num_computed, n, lp_left)
             if n == 0:
                 continue  # this step's prompt_logprobs rows are taken
+            draft = []
+            if req in decodes:  # proposals only from the budget the later decodes leave
+                later = len(decodes) - 1 - decodes.index(req)
+                draft = self.draft_for(req, budget - n - later)
+                if draft and not self._grow(req, req.num_computed + n + len(draft)):
+                    draft = []  # no page for them: a plain decode, never a preemption for proposals
             while not self._grow(req, req.num_computed + n):
                 victim = max(self.running, key=self._key)
                 if victim is req and len(self.running) == 1:
@@ -200,8 +210,8 @@ class Scheduler(RequestTransitions):
                     break
             if req is None:
                 continue
-            seqs.append(Scheduled(req, req.num_computed, n))
-            budget -= n
+            seqs.append(Scheduled(req, req.num_computed, n + len(draft), draft=draft))
+            budget -= n + len(draft)
             lp_left -= scored
 
         if preempted:
