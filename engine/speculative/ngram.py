@@ -13,7 +13,7 @@ from typing import Sequence
 def propose_ngram(tokens: Sequence[int], k: int, ngram_max: int, ngram_min: int) -> list[int]:
     """Up to k tokens that followed the most recent earlier occurrence of the last n
     tokens of `tokens` (prompt + output) that is followed by k tokens (else the most recent
-    one's shorter continuation), trying n = ngram_max down to ngram_min; [] when none
+    longest shorter continuation), trying n = ngram_max down to ngram_min; [] when none
     occurs. Longer n first: a longer match predicts its continuation better."""
     size = len(tokens)
     if k <= 0:
@@ -27,7 +27,8 @@ def propose_ngram(tokens: Sequence[int], k: int, ngram_max: int, ngram_min: int)
                 follow = toks[start + n:start + n + k]
                 if len(follow) == k:
                     return follow
-                best = best or follow  # a match near the end has a short continuation: keep looking
+                if len(follow) > len(best):  # a match near the end has a short continuation: keep looking
+                    best = follow
         if best:
             return best
     return []
