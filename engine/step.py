@@ -83,11 +83,11 @@ def _step_body(forward, batch: StepBatch, prev_tokens: jax.Array,  # [P] i32
     meta = batch.meta
     s = meta.logits_indices.shape[-1]
     verify = batch.verify  # rows verifying proposals (one replica only: speculative refuses mesh.data)
-    if verify is not None:  # they come last, after the sampled and scored rows
-        meta = dataclasses.replace(meta, logits_indices=jnp.concatenate([meta.logits_indices, verify.rows]))
     if scores_prompt:  # more rows than one per sequence: the last layer is not pruned
         meta = dataclasses.replace(meta, logits_indices=jnp.concatenate(
-            [meta.logits_indices[..., :s], jnp.maximum(batch.lp_rows, 0), meta.logits_indices[..., s:]], axis=-1))
+            [meta.logits_indices, jnp.maximum(batch.lp_rows, 0)], axis=-1))
+    if verify is not None:  # they come last, after the sampled and scored rows
+        meta = dataclasses.replace(meta, logits_indices=jnp.concatenate([meta.logits_indices, verify.rows]))
     with jax.named_scope("model"):
         logits, kv_cache = forward(batch.tokens.reshape(n), batch.positions.reshape(n), meta)
     if verify is not None:  # [S (+ P) + Q, V] -> the rest, and the Q verification rows
