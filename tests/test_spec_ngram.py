@@ -165,3 +165,15 @@ def test_stop_ids_and_max_tokens_inside_an_accepted_run_cut_exactly(model):
     assert_same(ref, out)
     assert out[0].token_ids[-1] == stop and len(out[1].token_ids) == 6
     assert_clean(eng)
+
+
+def test_prometheus_counts_the_stats_growth_under_vllms_names():
+    from jaxfill.serving.metrics import ServerMetrics
+
+    m = ServerMetrics(model_name="tiny")
+    m.update_stats({"spec_verifications": 2, "spec_proposed_tokens": 6, "spec_accepted_tokens": 3})
+    m.update_stats({"spec_verifications": 5, "spec_proposed_tokens": 15, "spec_accepted_tokens": 9})
+    text = m.render().decode()
+    assert 'jaxfill_spec_decode_num_drafts_total{model_name="tiny"} 3.0' in text
+    assert 'jaxfill_spec_decode_num_draft_tokens_total{model_name="tiny"} 9.0' in text
+    assert 'jaxfill_spec_decode_num_accepted_tokens_total{model_name="tiny"} 6.0' in text
