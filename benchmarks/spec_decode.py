@@ -1,6 +1,7 @@
 """Speculative decoding benchmark, in process: decode tokens/s at batch 1 with and without
 n-gram proposals (speculative.method = ngram) on (a) a prompt that repeats itself and (b)
-one that does not, medians of --repeats runs side by side, plus the acceptance stats.
+one that does not, medians of --repeats interleaved runs side by side, plus the acceptance stats. "off_sync"
+is the synchronous engine without proposals (speculation steps synchronously).
 
     python benchmarks/spec_decode.py [--config tiny_random] [--tokens 128] [--repeats 5] [--out ...]
 
@@ -63,20 +64,25 @@ def main() -> None:
     a = ap.parse_args()
     model = build_model(load_config(a.config, COMMON), progress=False)
     engines = {name: Engine(load_config(a.config, {**COMMON, **extra}), progress=False, model=model)
-               for name, extra in (("off", {}), ("ngram", SPEC))}
+               for name, extra in (("off", {}), ("off_sync", {"engine.async_scheduling": False}), ("ngram", SPEC))}
     results = {}
     for pname, prompt in prompts(load_config(a.config, COMMON).model.vocab_size).items():
+        for eng in engines.values():
+            decode_rate(eng, prompt, a.tokens)  # compiles every program the runs use
+        before = {name: eng.stats() for name, eng in engines.items()}
+        rates = {name: [] for name in engines}
+        for _ in range(a.repeats):  # interleaved, so a busy host slows both alike
+            for name, eng in engines.items():
+                rates[name].append(decode_rate(eng, prompt, a.tokens))
         row = {}
         for name, eng in engines.items():
-            decode_rate(eng, prompt, 16)  # compiles the verification programs
-            before = eng.stats()
-            rates = [decode_rate(eng, prompt, a.tokens) for _ in range(a.repeats)]
             st = eng.stats()
-            row[name] = {"decode_tok_s_median": statistics.median(rates), "runs": rates}
+            row[name] = {"decode_tok_s_median": statistics.median(rates[name]), "runs": rates[name]}
             if "spec_proposed_tokens" in st:
-                prop = st["spec_proposed_tokens"] - before["spec_proposed_tokens"]
-                acc = st["spec_accepted_tokens"] - before["spec_accepted_tokens"]
-                ver = st["spec_verifications"] - before["spec_verifications"]
+                b = before[name]
+                prop = st["spec_proposed_tokens"] - b["spec_proposed_tokens"]
+                acc = st["spec_accepted_tokens"] - b["spec_accepted_tokens"]
+                ver = st["spec_verifications"] - b["spec_verifications"]
                 row[name].update(proposed=prop, accepted=acc, mean_acceptance_length=(acc + ver) / max(ver, 1))
         row["speedup"] = row["ngram"]["decode_tok_s_median"] / row["off"]["decode_tok_s_median"]
         results[pname] = row
