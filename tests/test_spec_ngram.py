@@ -177,3 +177,27 @@ def test_prometheus_counts_the_stats_growth_under_vllms_names():
     assert 'jaxfill_spec_decode_num_drafts_total{model_name="tiny"} 3.0' in text
     assert 'jaxfill_spec_decode_num_draft_tokens_total{model_name="tiny"} 9.0' in text
     assert 'jaxfill_spec_decode_num_accepted_tokens_total{model_name="tiny"} 6.0' in text
+
+
+@pytest.mark.slow
+def test_prompt_logprobs_rows_and_verification_rows_share_a_step(model):
+    # the long prompt's scored chunks run while the short one decodes with proposals
+    reqs = [([2, 7, 1, 8] * 4, SamplingParams(max_tokens=14)),
+            (list(range(40, 100)), SamplingParams(max_tokens=4, prompt_logprobs=1))]
+    extra = {"engine.long_prefill_token_threshold": 8}
+    ref = generate(make_engine(model, **extra), reqs)
+    eng = make_engine(model, **SPEC, **extra)
+    both, run = [], eng.runner.run
+
+    def spy(batch):
+        both.append(batch.verify is not None and bool((np.asarray(batch.lp_rows) >= 0).any()))
+        return run(batch)
+
+    eng.runner.run = spy
+    out = generate(eng, reqs)
+    assert any(both)  # a step verified proposals and scored prompt rows
+    assert_same(ref, out)
+    for a, b in zip(ref[1].prompt_logprobs[1:], out[1].prompt_logprobs[1:]):
+        assert a["token_id"] == b["token_id"] and abs(a["logprob"] - b["logprob"]) < 1e-4
+    assert eng.stats()["spec_accepted_tokens"] > 0
+    assert_clean(eng)
