@@ -201,3 +201,26 @@ def test_prompt_logprobs_rows_and_verification_rows_share_a_step(model):
         assert a["token_id"] == b["token_id"] and abs(a["logprob"] - b["logprob"]) < 1e-4
     assert eng.stats()["spec_accepted_tokens"] > 0
     assert_clean(eng)
+
+
+def test_proposals_are_cut_to_room_max_tokens_and_max_model_len_and_skip_grammars():
+    from types import SimpleNamespace
+
+    from jaxfill.engine.config import SpeculativeSettings
+    from jaxfill.engine.scheduler import Scheduler
+
+    cfg = load_config("tiny_random", {**OVERRIDES, "engine.max_model_len": 40})
+    sched = Scheduler(cfg.engine, speculative=SpeculativeSettings(method="ngram", num_tokens=4, ngram_min=1))
+
+    def req(out, max_tokens=100, matcher=None, in_flight=0):
+        prompt = [1, 2, 3, 4, 5, 6, 7, 8] * 3
+        return SimpleNamespace(prompt_ids=prompt, output_ids=out, matcher=matcher, in_flight=in_flight,
+                               num_tokens=len(prompt) + len(out), params=SamplingParams(max_tokens=max_tokens))
+
+    assert sched.draft_for(req([1, 2]), room=10) == [3, 4, 5, 6]
+    assert sched.draft_for(req([1, 2]), room=2) == [3, 4]  # the step's budget
+    assert sched.draft_for(req([1, 2], max_tokens=4), room=10) == [3]  # 2 emitted + 1 proposal + 1 bonus = 4
+    assert sched.draft_for(req([1, 2] + [9] * 12), room=10) == [9, 9]  # 38 tokens of max_model_len 40
+    assert sched.draft_for(req([1, 2], matcher=object()), room=10) == []  # structured output: no proposals
+    assert sched.draft_for(req([1, 2], in_flight=1), room=10) == []
+    assert Scheduler(cfg.engine).draft_for(req([1, 2]), room=10) == []  # speculative off
