@@ -156,14 +156,19 @@ def test_chunked_prefill_and_a_tight_budget_keep_the_output(model, reference):
 
 def test_stop_ids_and_max_tokens_inside_an_accepted_run_cut_exactly(model):
     prompt = [3, 1, 4, 1, 5] * 8
-    plain = make_engine(model).generate([prompt], SamplingParams(max_tokens=30))[0].token_ids
-    stop = plain[5]  # a token the run emits: it must end the output where one step at a time would
-    cases = [SamplingParams(max_tokens=30, stop_token_ids=[stop]), SamplingParams(max_tokens=6)]
-    ref = make_engine(model).generate([prompt] * 2, cases)
+    first = make_engine(model).generate([prompt], SamplingParams(max_tokens=30))[0]
+    stop = first.token_ids[5]  # a token the run emits: it must end the output where one step at a time would
+    text_stop = first.text[len(first.text) // 2:][:2]  # and a stop string from the middle of its text
+    cases = [SamplingParams(max_tokens=30, stop_token_ids=[stop]), SamplingParams(max_tokens=6),
+             SamplingParams(max_tokens=30, stop=[text_stop])]
+    ref = make_engine(model).generate([prompt] * 3, cases)
     eng = make_engine(model, **SPEC)
-    out = eng.generate([prompt] * 2, cases)
+    out = eng.generate([prompt] * 3, cases)
     assert_same(ref, out)
+    assert [c.text for c in out] == [c.text for c in ref]
     assert out[0].token_ids[-1] == stop and len(out[1].token_ids) == 6
+    assert text_stop and out[2].finish_reason == "stop" and len(out[2].token_ids) < 30
+    assert eng.stats()["spec_accepted_tokens"] > 0
     assert_clean(eng)
 
 
