@@ -229,3 +229,21 @@ def test_proposals_are_cut_to_room_max_tokens_and_max_model_len_and_skip_grammar
     assert sched.draft_for(req([1, 2], matcher=object()), room=10) == []  # structured output: no proposals
     assert sched.draft_for(req([1, 2], in_flight=1), room=10) == []
     assert Scheduler(cfg.engine).draft_for(req([1, 2]), room=10) == []  # speculative off
+
+
+def test_rejected_rows_pages_go_back_after_every_step(model):
+    """After each step a running request holds the pages of its computed rows, no more:
+    pages taken for proposals that were rejected are back in the pool at once."""
+    eng = make_engine(model, **SPEC)
+    for i, (prompt, sp) in enumerate(requests()):
+        eng.add_request(prompt, sp, request_id=str(i))
+    page = eng.settings.page_size
+    while eng.has_unfinished():
+        eng.step()
+        for sched in eng.scheduler.replicas:
+            for req in sched.running:
+                if req.output_ids:
+                    assert len(req.pages) == -(-req.num_computed // page), req.request_id
+    st = eng.stats()
+    assert 0 < st["spec_accepted_tokens"] < st["spec_proposed_tokens"]
+    assert_clean(eng)
