@@ -39,9 +39,6 @@ class StepPhases:
         self.num_steps = 0  # steps whose tokens reached the host
         self.num_errors = 0  # steps that raised (their requests finished with "error")
         self.num_cache_resets = 0  # KV caches rebuilt (their running requests recomputed)
-        spec = runner.config.speculative
-        # rows a step may verify proposals on (engine/speculative/verify_rows.py); 0 = off
-        self.verify_rows = settings.max_num_seqs * spec.num_tokens if spec.enabled else 0
 
     def schedule(self, outputs: list[RequestOutput]) -> Launch | None:
         """[lock] The launch, or None when nothing runs."""
@@ -98,7 +95,7 @@ class StepPhases:
         try:
             launch.batch = stack_batches([build_batch(sc, launch.shape, s.page_size, s.max_pages_per_seq,
                                                       self.vocab_size, s.penalty_window, self.runner.prompt_rows,
-                                                      s.state_slots > 0, self.verify_rows)
+                                                      s.state_slots > 0, self.runner.verify_rows)
                                           for sc in launch.scheds])
         except Exception as e:  # noqa: BLE001 - a bad request must not stop the engine
             outputs += self.fail(launch.scheds, e)

@@ -53,3 +53,8 @@ class VerifyRowsBuilder:
 
     def build(self) -> VerifyRows | None:
         return VerifyRows(self.rows, self.sampling) if self.used else None
+
+
+def padding_rows(size: int, penalty_window: int, vocab_size: int) -> VerifyRows:
+    """`size` padding verification rows (warm-up compiles the program with them)."""
+    return VerifyRows(np.zeros(size, np.int32), empty_sampling(size, penalty_window, vocab_size))
