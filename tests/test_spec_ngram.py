@@ -247,3 +247,14 @@ def test_rejected_rows_pages_go_back_after_every_step(model):
     st = eng.stats()
     assert 0 < st["spec_accepted_tokens"] < st["spec_proposed_tokens"]
     assert_clean(eng)
+
+
+def test_n_samples_keep_their_seeded_outputs(model):
+    prompt = [4, 4, 2, 9, 4, 4, 2, 9, 4, 4, 2]
+    sp = SamplingParams(n=3, max_tokens=12, temperature=1.0, seed=7)
+    ref = make_engine(model).generate([prompt], sp)
+    eng = make_engine(model, **SPEC)
+    out = eng.generate([prompt], sp)
+    assert sorted((c.index, c.token_ids) for c in out) == sorted((c.index, c.token_ids) for c in ref)
+    assert eng.stats()["spec_proposed_tokens"] > 0
+    assert_clean(eng)
