@@ -20,7 +20,9 @@ import dataclasses
 from typing import Sequence
 
 
-def accept_prefix(draft: Sequence[int], targets: Sequence[int]) -> list[int]:
+def accept_prefix(draft: Sequence[int],  # [d] proposed tokens
+                  targets: Sequence[int],  # [d + 1] tokens sampled at the verification rows
+                  ) -> list[int]:  # [a + 1] emitted: a accepted proposals, then the target's own
     """The tokens a verification emits: the accepted proposals, then the target's token at
     the first mismatch, or the bonus token after all of them. `targets` has one token per
     verification row: len(draft) + 1."""

@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Sequence
 
 
-def propose_ngram(tokens: Sequence[int], k: int, ngram_max: int, ngram_min: int) -> list[int]:
+def propose_ngram(tokens: Sequence[int],  # [n] prompt + output ids
+                  k: int, ngram_max: int, ngram_min: int) -> list[int]:  # [<= k]
     """Up to k tokens that followed the most recent earlier occurrence of the last n
     tokens of `tokens` (prompt + output) that is followed by k tokens (else the most recent
     longest shorter continuation), trying n = ngram_max down to ngram_min; [] when none
