@@ -53,5 +53,6 @@ def assemble(config: Config, model=None, progress: bool = True, compile_cache: s
     # engine.host_kv_cache_gb > 0: evicted prefix pages kept in host memory (and on disk)
     runner.kv_offload = offload = build_kv_offload(config, runner.kv_cache, runner.stages)
     scheduler = ReplicaScheduler(s, runner.num_replicas, tier=offload and offload.tier,
-                                 on_evict=offload and offload.on_evict, page_ranks=config.mesh.sequence)
+                                 on_evict=offload and offload.on_evict, page_ranks=config.mesh.sequence,
+                                 speculative=config.speculative)
     return Parts(config, runner, scheduler, RequestFactory(config, tokenizer, scheduler.requests), shapes)

@@ -17,10 +17,10 @@ import dataclasses
 import jax
 import numpy as np
 
-from jaxfill.engine.request import LOGIT_BIAS_SLOTS
 from jaxfill.engine.sampler import SamplingArrays
-from jaxfill.engine.structured_output import bitmask_words, fill_bitmask
+from jaxfill.engine.sampling_rows import empty_sampling, fill_sampling
 from jaxfill.engine.scheduler import SchedulerOutput
+from jaxfill.engine.speculative.verify_rows import VerifyRows, VerifyRowsBuilder
 from jaxfill.models.kv_cache import AttentionMetadata
 
 
@@ -35,6 +35,7 @@ class StepBatch:
     hist_src: jax.Array  # [S] i32: the same for hist[:, 0], or -1
     lp_rows: jax.Array  # [P] i32: token rows scored for prompt_logprobs, -1 = none (engine/step.py)
     lp_targets: jax.Array  # [P] i32: the prompt token each of those rows predicts
+    verify: VerifyRows | None = None  # rows verifying proposals (engine/speculative/verify_rows.py)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -95,14 +96,11 @@ def prompt_logprob_positions(sch) -> range:
     return range(sch.start, max(sch.start, min(sch.start + sch.num_new, len(req.prompt_ids) - 1)))
 
 
-def _split_seed(seed: int) -> tuple[int, int]:
-    seed &= (1 << 64) - 1
-    return seed >> 32, seed & 0xFFFFFFFF
-
-
 def build_batch(out: SchedulerOutput, shape: tuple[int, int], page_size: int, max_pages: int,
-                vocab_size: int, penalty_window: int, prompt_rows: int = 1, state_slots: bool = False) -> StepBatch:
-    """`state_slots`: the batch names each sequence's recurrent-state slot (linear-attention hybrids)."""
+                vocab_size: int, penalty_window: int, prompt_rows: int = 1, state_slots: bool = False,
+                verify_rows: int = 0) -> StepBatch:
+    """`state_slots`: the batch names each sequence's recurrent-state slot (linear-attention hybrids).
+    `verify_rows`: the static number of rows verifying proposals, when any sequence has some."""
     t_pad, s_pad = shape
     tokens = np.zeros(t_pad, np.int32)
     positions = np.zeros(t_pad, np.int32)
@@ -112,42 +110,34 @@ def build_batch(out: SchedulerOutput, shape: tuple[int, int], page_size: int, ma
     page_indices = np.zeros((s_pad, max_pages), np.int32)
     logits_idx = np.zeros(s_pad, np.int32)
     seq_slots = np.zeros(s_pad, np.int32) if state_slots else None
-    temp = np.zeros(s_pad, np.float32)
-    top_k = np.zeros(s_pad, np.int32)
-    top_p = np.ones(s_pad, np.float32)
-    min_p = np.zeros(s_pad, np.float32)
-    seed_hi = np.zeros(s_pad, np.uint32)
-    seed_lo = np.zeros(s_pad, np.uint32)
-    out_index = np.zeros(s_pad, np.int32)
-    rep = np.ones(s_pad, np.float32)
-    pres = np.zeros(s_pad, np.float32)
-    freq = np.zeros(s_pad, np.float32)
-    hist = np.full((s_pad, penalty_window), -1, np.int32)
-    want_lp = np.zeros(s_pad, np.bool_)
-    bias_ids = np.full((s_pad, LOGIT_BIAS_SLOTS), -1, np.int32)
-    bias_values = np.zeros((s_pad, LOGIT_BIAS_SLOTS), np.float32)
-    allowed = np.full((s_pad, bitmask_words(vocab_size)), -1, np.int32)
+    sampling = empty_sampling(s_pad, penalty_window, vocab_size)
     prev_src = np.full(t_pad, -1, np.int32)
     hist_src = np.full(s_pad, -1, np.int32)
     lp_rows = np.full(prompt_rows, -1, np.int32)
     lp_targets = np.full(prompt_rows, -1, np.int32)
     num_lp = 0
+    verify = VerifyRowsBuilder(verify_rows, penalty_window, vocab_size)
 
     pos_t = 0
     for i, sch in enumerate(out.seqs):
         req, start, n = sch.req, sch.start, sch.num_new
         end = start + n
+        known = end - len(sch.draft)  # proposals (speculative decoding) follow the known tokens
         npr = len(req.prompt_ids)
-        sl = slice(pos_t, pos_t + n)
-        if end > req.num_tokens:  # its input is the token still in flight
+        sl = slice(pos_t, pos_t + n - len(sch.draft))
+        if known > req.num_tokens:  # its input is the token still in flight
             if n != 1 or start != req.num_tokens or req.pending_row < 0:
                 raise ValueError(f"{req.request_id}: only a one-token decode may take an in-flight token "
                                  f"(start {start}, {n} tokens, {req.num_tokens} known)")
             prev_src[pos_t] = req.pending_row
         elif start >= npr:
-            tokens[sl] = req.output_ids[start - npr:end - npr]
+            tokens[sl] = req.output_ids[start - npr:known - npr]
         else:
-            tokens[sl] = req.prompt_ids[start:end] + (req.output_ids[:end - npr] if end > npr else [])
+            tokens[sl] = req.prompt_ids[start:known] + (req.output_ids[:known - npr] if known > npr else [])
+        if sch.draft:
+            tokens[pos_t + n - len(sch.draft):pos_t + n] = sch.draft
+            verify.add(sch, pos_t)
+        sl = slice(pos_t, pos_t + n)
         pos = np.arange(start, end, dtype=np.int32)
         positions[sl] = pos
         scored = prompt_logprob_positions(sch)
@@ -168,41 +158,13 @@ def build_batch(out: SchedulerOutput, shape: tuple[int, int], page_size: int, ma
         if state_slots:
             seq_slots[i] = req.state_slot
         if sch.samples:
-            p = req.params
-            temp[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
-            seed_hi[i], seed_lo[i] = _split_seed(req.seed)
-            out_index[i] = len(req.output_ids) + req.in_flight
-            want_lp[i] = p.logprobs is not None
-            bias = list(p.logit_bias)
-            if out_index[i] < p.min_tokens:
-                bias += [(t, -np.inf) for t in (*req.eos_token_ids, *p.stop_token_ids)]
-            if req.matcher is not None:
-                fill_bitmask(req.matcher, allowed[i])
-            if bias:
-                bias_ids[i, :len(bias)] = [t for t, _ in bias]
-                bias_values[i, :len(bias)] = [b for _, b in bias]
-            if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
-                rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
-                pend = 1 if req.in_flight else 0  # slot 0 takes the in-flight token on the device
-                keep = penalty_window - pend
-                outs = req.output_ids[max(0, len(req.output_ids) - keep):]
-                room = keep - len(outs)
-                prompt = req.prompt_ids[-room:] if room > 0 else []
-                h = np.asarray(list(outs) + [x + vocab_size for x in prompt], np.int32)
-                hist[i, pend:pend + len(h)] = h
-                if pend:
-                    hist_src[i] = req.pending_row
+            hist_src[i] = fill_sampling(sampling, i, req, vocab_size, sch.draft)
     num = len(out.seqs)
     cu[num + 1:] = pos_t
     meta = AttentionMetadata(cu_q_lens=cu, kv_lens=kv_lens, page_indices=page_indices,
                              num_seqs=np.asarray([num], np.int32), slot_mapping=slots,
                              logits_indices=logits_idx, state_slots=seq_slots)
-    sampling = SamplingArrays(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
-                              seed_hi=seed_hi, seed_lo=seed_lo, out_index=out_index,
-                              repetition_penalty=rep, presence_penalty=pres, frequency_penalty=freq,
-                              hist=hist, want_logprobs=want_lp, bias_ids=bias_ids, bias_values=bias_values,
-                              allowed=allowed)
-    return StepBatch(tokens, positions, meta, sampling, prev_src, hist_src, lp_rows, lp_targets)
+    return StepBatch(tokens, positions, meta, sampling, prev_src, hist_src, lp_rows, lp_targets, verify.build())
 
 
 def dummy_batch(shape: tuple[int, int], max_pages: int, penalty_window: int, vocab_size: int,

@@ -153,6 +153,38 @@ class MeshSettings:
         return self.tensor * self.expert
 
 
+SPEC_METHODS = ("none", "ngram")  # built; DESIGN.md names suffix, mtp and eagle3 for later slices
+SPEC_LATER = ("suffix", "mtp", "eagle3")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeSettings:
+    """Speculative decoding (engine/speculative/): each decode proposes up to num_tokens
+    tokens and verifies them as a short chunk in the same ragged step. ngram: prompt
+    lookup, the tokens that followed the most recent earlier occurrence of the last n
+    tokens (n from ngram_max down to ngram_min)."""
+
+    method: str = "none"  # "none" | "ngram"
+    num_tokens: int = 4  # proposals per decode and step (k)
+    ngram_max: int = 4
+    ngram_min: int = 2
+
+    def __post_init__(self):
+        if self.method in SPEC_LATER:
+            raise ConfigError(f"speculative.method = {self.method!r} is not built yet; use 'ngram' or 'none'")
+        if self.method not in SPEC_METHODS:
+            raise ConfigError(f"speculative.method must be one of {', '.join(SPEC_METHODS)}, got {self.method!r}")
+        if int(self.num_tokens) <= 0:
+            raise ConfigError(f"speculative.num_tokens must be positive, got {self.num_tokens}")
+        if not 1 <= int(self.ngram_min) <= int(self.ngram_max):
+            raise ConfigError(f"speculative.ngram_min must be in [1, speculative.ngram_max]; "
+                              f"got {self.ngram_min}, {self.ngram_max}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     name: str
@@ -160,9 +192,10 @@ class Config:
     engine: EngineSettings
     mesh: MeshSettings
     model_path: str | None = None
+    speculative: SpeculativeSettings = SpeculativeSettings()
 
 
-SECTIONS = {"model": ModelConfig, "engine": EngineSettings, "mesh": MeshSettings}
+SECTIONS = {"model": ModelConfig, "engine": EngineSettings, "mesh": MeshSettings, "speculative": SpeculativeSettings}
 
 
 def parse_overrides(overrides: Mapping[str, Any] | list[str] | None) -> dict[str, dict[str, Any]]:
@@ -181,7 +214,7 @@ def parse_overrides(overrides: Mapping[str, Any] | list[str] | None) -> dict[str
     for key, value in overrides.items():
         section, _, field = key.partition(".")
         if section not in SECTIONS or not field:
-            raise ConfigError(f"override key {key!r} must be one of model.*, engine.*, mesh.*")
+            raise ConfigError(f"override key {key!r} must be one of model.*, engine.*, mesh.*, speculative.*")
         known = flat_keys() if section == "model" else {f.name for f in dataclasses.fields(SECTIONS[section])}
         if field not in known:
             raise ConfigError(f"unknown key {key!r}; {section} has: {', '.join(sorted(known))}")
@@ -224,7 +257,7 @@ def load_config(config: str | None = None, overrides: Mapping[str, Any] | list[s
     unknown = set(data) - set(SECTIONS)
     if unknown:
         raise ConfigError(f"{config}: unknown sections {sorted(unknown)}; expected [model] [engine] [mesh] "
-                          "and an optional checkpoint = \"DIR\"")
+                          "[speculative] and an optional checkpoint = \"DIR\"")
     extra = parse_overrides(overrides)
     if model_path:
         model = config_from_hf(model_path)
@@ -254,7 +287,8 @@ def load_config(config: str | None = None, overrides: Mapping[str, Any] | list[s
     mesh = _build(MeshSettings, {**data.get("mesh", {}), **extra.get("mesh", {})})
     if model.linear.layers:
         engine, mesh = hybrid_settings(model, engine, mesh)
-    config = Config(name=name, model=model, engine=engine, mesh=mesh, model_path=model_path)
+    speculative = _build(SpeculativeSettings, {**data.get("speculative", {}), **extra.get("speculative", {})})
+    config = Config(name=name, model=model, engine=engine, mesh=mesh, model_path=model_path, speculative=speculative)
     validate(config)  # every combination refused here, before any weight is read
     return config
 

@@ -65,6 +65,9 @@ class EngineCore:
         self._outbox: list[RequestOutput] = []  # reported by the next step()
         self._guard = StepGuard(self._lock)  # one thread steps (engine/stepping.py)
         self._in_flight: Launch | None = None  # async scheduling: the step whose tokens are not yet taken
+        # Speculative decoding proposes from the newest token and verifies on the host before the
+        # next step is scheduled: the engine steps synchronously while it is on.
+        self.async_scheduling = self.settings.async_scheduling and not self.config.speculative.enabled
         self.warmed_up = False
         self.warmup_s: float | None = None
         self.warmup_programs: tuple | None = None  # (loaded from the cache, compiled)
@@ -242,7 +245,7 @@ class EngineCore:
                         launch = phases.build(launch, outputs)
                 if launch is not None:
                     launch = phases.run(launch, outputs)
-                if self.settings.async_scheduling:
+                if self.async_scheduling:
                     prev, self._in_flight = self._in_flight, launch
                 else:
                     prev, launch = launch, None

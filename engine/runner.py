@@ -33,6 +33,7 @@ from jaxfill.engine.batch import StepBatch, dummy_batch, stack_batches
 from jaxfill.engine.expert_load import ExpertLoad
 from jaxfill.engine.lockstep import HEARTBEAT, KV_RESTORE, KV_SAVE, KV_WARMUP, RESET, RUN, STOP, USE_XLA, Lockstep
 from jaxfill.engine.kv_tier.runner_side import RunnerKVTier
+from jaxfill.engine.speculative.verify_rows import padding_rows
 from jaxfill.engine.step import step, step_replicas
 from jaxfill.models.kv_cache import KVCache
 from jaxfill.models.quant import param_bytes
@@ -93,6 +94,9 @@ class Runner(RunnerKVTier):
         self.page_size = s.page_size
         # rows of a step's prompt_logprobs scoring (the scheduler's cap; one static size)
         self.prompt_rows = min(s.prompt_logprobs_rows, s.max_num_batched_tokens)
+        # rows a step may verify proposals on (engine/speculative/verify_rows.py); 0 = off
+        spec = config.speculative
+        self.verify_rows = s.max_num_seqs * spec.num_tokens if spec.enabled else 0
         self.shapes = list(shapes)
         self.prev_tokens = self._no_prev_tokens()  # [R * max_num_seqs] the last step's tokens
         self.pool = None  # engine.memory.PoolSize when engine.num_pages = 0 sized the pool
@@ -150,11 +154,15 @@ class Runner(RunnerKVTier):
         zeros = np.zeros(n, np.int32)
         return jax.make_array_from_callback((n,), NamedSharding(self.mesh, PartitionSpec()), lambda i: zeros[i])
 
-    def dummy(self, shape: tuple[int, int]) -> StepBatch:
-        """An all-padding batch of one bucket (warm-up, and what followers receive into)."""
+    def dummy(self, shape: tuple[int, int], verify: bool = False) -> StepBatch:
+        """An all-padding batch of one bucket (warm-up, and what followers receive into);
+        `verify`: with padding verification rows (speculative decoding's program)."""
         s = self.config.engine
         one = dummy_batch(shape, s.max_pages_per_seq, s.penalty_window, self.config.model.vocab_size,
                           self.prompt_rows, s.state_slots > 0)
+        if verify:
+            one = dataclasses.replace(one, verify=padding_rows(self.verify_rows, s.penalty_window,
+                                                               self.config.model.vocab_size))
         return stack_batches([one] * self.num_replicas)
 
     def mesh_context(self):
@@ -276,6 +284,8 @@ class Runner(RunnerKVTier):
         with count_cache_hits() as counts:
             for shape in it:
                 self.run(self.dummy(shape)).get()
+                if self.verify_rows:  # speculative decoding's programs too, so no request waits for one
+                    self.run(self.dummy(shape, verify=True)).get()
             if self.kv_offload is not None:  # the host tier's gathers and scatters
                 if self.lockstep is not None:
                     self.lockstep.send(KV_WARMUP)

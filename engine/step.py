@@ -14,6 +14,10 @@ last layer runs on every row and the logits also cover `batch.lp_rows`, whose lo
 gives prompt_logprobs requests each prompt token's logprob and top-N. Steps without
 such a request keep the pruned program.
 
+A batch with `verify` rows (speculative decoding) is another pytree, so another program
+per bucket, compiled on first use: those rows' logits are sampled after the S rows, and
+the output has S + Q rows (engine/speculative/verify_rows.py).
+
 Both take `prev_tokens`, the previous step's sampled tokens padded to R * max_num_seqs
 (one shape for every bucket, so no extra compiles), and return this step's: a decode
 whose input is still on the device (async scheduling) takes it from there by the row
@@ -78,23 +82,33 @@ def _step_body(forward, batch: StepBatch, prev_tokens: jax.Array,  # [P] i32
     n = batch.tokens.size
     meta = batch.meta
     s = meta.logits_indices.shape[-1]
+    verify = batch.verify  # rows verifying proposals (one replica only: speculative refuses mesh.data)
     if scores_prompt:  # more rows than one per sequence: the last layer is not pruned
         meta = dataclasses.replace(meta, logits_indices=jnp.concatenate(
             [meta.logits_indices, jnp.maximum(batch.lp_rows, 0)], axis=-1))
+    if verify is not None:  # they come last, after the sampled and scored rows
+        meta = dataclasses.replace(meta, logits_indices=jnp.concatenate([meta.logits_indices, verify.rows]))
     with jax.named_scope("model"):
         logits, kv_cache = forward(batch.tokens.reshape(n), batch.positions.reshape(n), meta)
+    if verify is not None:  # [S (+ P) + Q, V] -> the rest, and the Q verification rows
+        q = verify.rows.shape[0]
+        logits, verify_logits = logits[:-q], logits[-q:]
     prompt = None
     if scores_prompt:  # [R * (S + P), V] replica-major -> sampled rows, scored rows
         v = logits.shape[-1]
-        per = logits.reshape(-1, meta.logits_indices.shape[-1], v)
+        per = logits.reshape(-1, s + batch.lp_rows.shape[-1], v)
         logits = per[:, :s].reshape(-1, v)
         prompt = prompt_logprobs(per[:, s:].reshape(-1, v), batch.lp_targets.reshape(-1))
     with jax.named_scope("sampler"):
         sampling = batch.sampling
         if batch.tokens.ndim == 2:  # [R, ...] replicas: one row axis, replica-major
             sampling = jax.tree.map(lambda x: x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:]), sampling)
+        if verify is not None:  # one sampler call: rows [S + Q], each row's draw its own (sampler.py)
+            logits = jnp.concatenate([logits, verify_logits])
+            sampling = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), sampling, verify.sampling)
         out = dataclasses.replace(sample(logits, sampling), prompt=prompt)
-    return out, kv_cache, _pad_tokens(out.tokens, prev_tokens.shape[0])
+    sampled = out.tokens if verify is None else out.tokens[:s]
+    return out, kv_cache, _pad_tokens(sampled, prev_tokens.shape[0])
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=2)

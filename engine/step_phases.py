@@ -95,7 +95,7 @@ class StepPhases:
         try:
             launch.batch = stack_batches([build_batch(sc, launch.shape, s.page_size, s.max_pages_per_seq,
                                                       self.vocab_size, s.penalty_window, self.runner.prompt_rows,
-                                                      s.state_slots > 0)
+                                                      s.state_slots > 0, self.runner.verify_rows)
                                           for sc in launch.scheds])
         except Exception as e:  # noqa: BLE001 - a bad request must not stop the engine
             outputs += self.fail(launch.scheds, e)
@@ -127,9 +127,16 @@ class StepPhases:
             now = time.perf_counter()
             if host.prompt is not None:
                 record_prompt_logprobs(launch.scheds, host.prompt, self.runner.prompt_rows)
+            verified = launch.shape[1]  # verification rows follow the S sampled rows (one replica)
             for sch, row in launch.rows():
                 req = sch.req
                 try:
+                    if sch.draft:
+                        rows = [verified + j for j in range(len(sch.draft))] + [row]
+                        verified += len(sch.draft)
+                        outputs += self._verified_outputs(sch, host, rows, now, defer_text)
+                        done.add(id(sch))
+                        continue
                     sampled = self.scheduler.update_from_output(sch, int(host.tokens[row]), now)
                     out = None if sampled is None else self._token_output(req, sampled, host, row, defer_text)
                 except Exception as e:  # noqa: BLE001 - this request fails, the others go on
@@ -137,6 +144,21 @@ class StepPhases:
                 done.add(id(sch))
                 if out is not None:
                     outputs.append(out)
+
+    def _verified_outputs(self, sch, host, rows: list[int], now: float, defer_text: bool) -> list[RequestOutput]:
+        """[lock] A decode that verified proposals: its emitted tokens one output each, in
+        order, as if they had come one per step; the first that finishes it (EOS, stop
+        ids, max_tokens, a stop string) ends it and drops the rest."""
+        emitted = self.scheduler.verify(sch, [int(host.tokens[r]) for r in rows])
+        outs = []
+        for j, token in enumerate(emitted):
+            out = self._token_output(sch.req, self.scheduler.record_verified(sch, token, now), host, rows[j],
+                                     defer_text)
+            outs.append(out)
+            if out.finished:
+                break
+        self.scheduler.settle(sch, len(outs))
+        return outs
 
     def _token_output(self, req: Request, sampled, host, row: int, defer_text: bool) -> RequestOutput:
         out, reason = token_output(req, sampled, host, row, defer_text)

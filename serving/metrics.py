@@ -32,7 +32,8 @@ TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0
 FINISHED_REASONS = ("stop", "length", "abort", "error", "cancelled", "deadline")
 # Engine.stats() counters -> whether they count pages (x page_size: tokens, as vLLM counts)
 _ENGINE_COUNTERS = {"prefix_cache_queries": True, "prefix_cache_hits": True, "num_preemptions": False,
-                    "host_kv_queries": True, "host_kv_hits": True, "disk_kv_queries": True, "disk_kv_hits": True}
+                    "host_kv_queries": True, "host_kv_hits": True, "disk_kv_queries": True, "disk_kv_hits": True,
+                    "spec_verifications": False, "spec_proposed_tokens": False, "spec_accepted_tokens": False}
 
 
 def count_buckets(limit: int) -> tuple[int, ...]:
@@ -145,6 +146,11 @@ class ServerMetrics:
             self.engine_counters[f"{tier}_kv_hits"] = Counter(
                 f"jaxfill_{tier}_prefix_cache_hits", f"Prompt tokens restored from the {tier} KV tier.", m,
                 registry=r).labels(model_name)
+        # speculative decoding (engine/speculative/), under vLLM's names: zeros while it is off
+        for key, name, doc in (("spec_verifications", "num_drafts", "Decodes that verified proposals."),
+                               ("spec_proposed_tokens", "num_draft_tokens", "Proposed tokens verified."),
+                               ("spec_accepted_tokens", "num_accepted_tokens", "Proposed tokens accepted.")):
+            self.engine_counters[key] = Counter(f"jaxfill_spec_decode_{name}", doc, m, registry=r).labels(model_name)
         self.tier_bytes = Gauge("jaxfill_kv_tier_usage_bytes", "Bytes of K/V kept in each tier below the device.",
                                 ["model_name", "tier"], registry=r)
         self.success = Counter("jaxfill_request_success", "Ended requests by finished reason.",

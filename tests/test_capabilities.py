@@ -113,6 +113,14 @@ BREAKS = {
          "mesh.num_processes": 2, "mesh.coordinator": "127.0.0.1:1"}, ()),
     ("serve.role=prefill/decode", "mesh.data"): ({"mesh.data": 2}, ("serve.role=prefill/decode",)),
     ("serve.role=prefill/decode", "mesh.num_processes"): ({"mesh.num_processes": 2, "mesh.coordinator": "127.0.0.1:1"}, ("serve.role=prefill/decode",)),
+    ("linear", "speculative.method=ngram"): ({**HYBRID, "speculative.method": "ngram"}, ()),
+    ("mesh.data", "speculative.method=ngram"): ({"mesh.data": 2, "speculative.method": "ngram"}, ()),
+    ("mesh.stage", "speculative.method=ngram"): ({"mesh.stage": 2, "speculative.method": "ngram"}, ()),
+    ("mesh.sequence", "speculative.method=ngram"): ({"mesh.sequence": 2, "speculative.method": "ngram"}, ()),
+    ("mesh.num_processes", "speculative.method=ngram"): (
+        {"mesh.num_processes": 2, "mesh.coordinator": "127.0.0.1:1", "speculative.method": "ngram"}, ()),
+    ("serve.role=prefill/decode", "speculative.method=ngram"): ({"speculative.method": "ngram"},
+                                                                ("serve.role=prefill/decode",)),
 }
 
 

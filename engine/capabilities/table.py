@@ -62,6 +62,7 @@ SETTINGS: dict[str, Callable] = {
     "model.dtype=bfloat16": lambda c: str(c.model.dtype) == "bfloat16",
     "model.weight_act_order=true": lambda c: bool(c.model.weight_act_order),
     "model.weight_int_scope=experts": lambda c: c.model.weight_int_scope == "experts",
+    "speculative.method=ngram": lambda c: c.speculative.method == "ngram",
 }
 KINDS = ("attention", "mla", "gated_deltanet", "mamba2", "short_conv", "kda", "linear", "moe", "dsa", "mixed_kv", "shortcut")
 LINEAR_KINDS = ("gated_deltanet", "mamba2", "short_conv", "kda")  # each is also "linear"
@@ -171,6 +172,20 @@ RULES: tuple[Rule, ...] = (
          "mesh.data = 1 or --role both"),
     Rule(("serve.role=prefill/decode", "mesh.num_processes"), "export and import run on process 0 alone; "
          "followers would replay steps without them", "mesh.num_processes = 1 or --role both"),
+    # speculative decoding (engine/speculative/): proposals verified as rows of one replica's ragged step
+    *(Rule((cond, "speculative.method=ngram"), f"speculative decoding: {why}", change) for cond, why, change in (
+        ("linear", "a recurrent state cannot roll back rejected proposals yet", "speculative.method = none"),
+        ("mesh.data", "verification rows are laid out for one data replica", "speculative.method = none or "
+         "mesh.data = 1"),
+        ("mesh.stage", "pipeline microbatches do not carry verification rows", "speculative.method = none or "
+         "mesh.stage = 1"),
+        ("mesh.sequence", "verification under context parallelism is not tested", "speculative.method = none or "
+         "mesh.sequence = 1"),
+        ("mesh.num_processes", "followers' replay of verification steps is not tested",
+         "speculative.method = none or mesh.num_processes = 1"),
+        ("serve.role=prefill/decode", "the KV hand-off is not tested with verification steps",
+         "speculative.method = none or --role both"),
+    )),
 )
 
 

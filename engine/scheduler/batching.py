@@ -42,13 +42,17 @@ from jaxfill.engine.scheduler.prefix_lookup import PrefixLookup
 from jaxfill.engine.scheduler.state_snapshots import StateSnapshots
 from jaxfill.engine.scheduler.step_plan import Restore, Scheduled, SchedulerOutput, to_compute, total_tokens
 from jaxfill.engine.scheduler.transitions import RequestTransitions
+from jaxfill.engine.scheduler.verification import Verification
 
 
-class Scheduler(RequestTransitions):
-    """One data replica's queues and page pool; transitions.py changes its requests' progress."""
+class Scheduler(RequestTransitions, Verification):
+    """One data replica's queues and page pool; transitions.py changes its requests' progress,
+    verification.py its speculative proposals'."""
 
-    def __init__(self, settings, block_manager: BlockManager | None = None, tier=None, page_ranks: int = 1):
+    def __init__(self, settings, block_manager: BlockManager | None = None, tier=None, page_ranks: int = 1,
+                 speculative=None):
         s = settings
+        self.init_speculative(speculative)
         self.page_size = s.page_size
         self.max_tokens = s.max_num_batched_tokens
         self.max_seqs = s.max_num_seqs
@@ -171,7 +175,7 @@ class Scheduler(RequestTransitions):
         decodes = [r for r in self.running if to_compute(r) == 1 and not self._ends_in_flight(r)
                    and not (r.matcher is not None and r.in_flight)]
         prefills = [r for r in self.running if to_compute(r) > 1]
-        for req in decodes + prefills:
+        for at, req in enumerate(decodes + prefills):
             if req.status != Status.RUNNING:
                 continue  # preempted by an earlier request of this loop
             if budget == 0 or len(seqs) >= self.max_seqs:
@@ -180,6 +184,11 @@ class Scheduler(RequestTransitions):
             n, scored = self._prompt_rows_cap(req, req.num_computed, n, lp_left)
             if n == 0:
                 continue  # this step's prompt_logprobs rows are taken
+            draft = []
+            if at < len(decodes):  # proposals only from the budget the later decodes leave
+                draft = self.draft_for(req, budget - n - (len(decodes) - 1 - at))
+                if draft and not self._grow(req, req.num_computed + n + len(draft)):
+                    draft = []  # no page for them: a plain decode, never a preemption for proposals
             while not self._grow(req, req.num_computed + n):
                 victim = max(self.running, key=self._key)
                 if victim is req and len(self.running) == 1:
@@ -200,8 +209,8 @@ class Scheduler(RequestTransitions):
                     break
             if req is None:
                 continue
-            seqs.append(Scheduled(req, req.num_computed, n))
-            budget -= n
+            seqs.append(Scheduled(req, req.num_computed, n + len(draft), draft=draft))
+            budget -= n + len(draft)
             lp_left -= scored
 
         if preempted:

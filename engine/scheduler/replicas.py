@@ -19,16 +19,20 @@ from jaxfill.engine.request import InvalidRequest, Request
 from jaxfill.engine.scheduler.batching import Scheduler
 from jaxfill.engine.scheduler.step_plan import SchedulerOutput
 from jaxfill.engine.scheduler.transitions import Sampled
+from jaxfill.engine.speculative.acceptance import SpecCounters
 
 
 class ReplicaScheduler:
-    def __init__(self, settings, num_replicas: int = 1, tier=None, on_evict=None, page_ranks: int = 1):
+    def __init__(self, settings, num_replicas: int = 1, tier=None, on_evict=None, page_ranks: int = 1,
+                 speculative=None):
         """`tier`: the host KV tier all replicas share (None: off); `on_evict(replica, page,
         hash, parent, tokens)` hears the pages each replica's pool evicts (to save them);
-        `page_ranks`: mesh.sequence, the ranks each replica's pool is dealt over."""
+        `page_ranks`: mesh.sequence, the ranks each replica's pool is dealt over;
+        `speculative`: the config's SpeculativeSettings (None: off)."""
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
-        self.replicas = [Scheduler(settings, tier=tier, page_ranks=page_ranks) for _ in range(num_replicas)]
+        self.replicas = [Scheduler(settings, tier=tier, page_ranks=page_ranks, speculative=speculative)
+                         for _ in range(num_replicas)]
         if on_evict is not None:
             for i, s in enumerate(self.replicas):
                 s.bm.on_evict = lambda *ev, _i=i: on_evict(_i, *ev)
@@ -90,6 +94,15 @@ class ReplicaScheduler:
     def update_from_output(self, sch, token: int, now: float) -> Sampled | None:
         return self.replicas[sch.req.replica].update_from_output(sch, token, now)
 
+    def verify(self, sch, targets: list[int]) -> list[int]:
+        return self.replicas[sch.req.replica].verify(sch, targets)
+
+    def record_verified(self, sch, token: int, now: float) -> Sampled:
+        return self.replicas[sch.req.replica].record_verified(sch, token, now)
+
+    def settle(self, sch, num_emitted: int) -> None:
+        self.replicas[sch.req.replica].settle(sch, num_emitted)
+
     def restored(self, sch, ok: bool) -> None:
         self.replicas[sch.req.replica].restored(sch, ok)
 
@@ -138,7 +151,15 @@ class ReplicaScheduler:
             "cached_tokens_total": sum(s.cached_tokens_total for s in self.replicas),
             "num_preemptions": sum(s.num_preemptions for s in self.replicas),
             **self._snapshot_stats(),
+            **self._spec_stats(),
         }
+
+    def _spec_stats(self) -> dict:
+        """Speculative decoding's proposed / accepted counts (engine/speculative/); {} when off."""
+        counters = [s.spec for s in self.replicas if s.speculative is not None and s.speculative.enabled]
+        if not counters:
+            return {}
+        return SpecCounters.total(counters).stats()
 
     def _snapshot_stats(self) -> dict:
         """Linear-attention state snapshots (prefix caching of hybrids); {} for other models."""

@@ -29,12 +29,15 @@ class Scheduled:
     restores: list[Restore] = dataclasses.field(default_factory=list)  # pages to write before the step
     state_from: int | None = None  # a snapshot slot to copy into the request's state slot first (hybrids)
     state_host: bytes | None = None  # or the hash of a snapshot in the host tier to write there
+    # proposals (speculative decoding) run after the known tokens: the chunk's last num_new - len(draft)
+    # rows are known tokens, the rest proposed (engine/speculative/)
+    draft: list[int] = dataclasses.field(default_factory=list)
     samples: bool = dataclasses.field(init=False)  # the chunk reaches the end: a token is drawn
 
     def __post_init__(self):
         # Fixed when scheduled: with async scheduling the request's counts move on before
         # this step's results come back.
-        self.samples = self.start + self.num_new == total_tokens(self.req)
+        self.samples = self.start + self.num_new - len(self.draft) == total_tokens(self.req)
 
 
 def total_tokens(req: Request) -> int:

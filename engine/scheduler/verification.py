@@ -1,0 +1,71 @@
+"""Speculative decoding's side of the scheduler: proposals scheduled, verifications settled.
+
+    draft_for()      a running decode's proposals this step (engine/speculative/ngram.py),
+                     cut to the token budget, max_tokens and max_model_len
+    verify()         the step's sampled rows decide how many proposals are accepted
+    record_verified  each emitted token recorded as one step would (EOS, stop ids, lengths)
+    settle()         the rows of rejected proposals roll back: num_computed covers the
+                     accepted ones only, pages past them go back to the pool, and only
+                     accepted tokens reach the prefix cache
+
+Rejected proposals' K/V rows stay in the pages the request keeps until its next chunk
+overwrites them; no page whose rows include one is ever published (publish covers full
+pages of accepted tokens only).
+"""
+
+from __future__ import annotations
+
+from jaxfill.engine.request import Request, Status
+from jaxfill.engine.scheduler.step_plan import total_tokens
+from jaxfill.engine.speculative.acceptance import SpecCounters, accept_prefix
+from jaxfill.engine.speculative.ngram import propose_ngram
+
+
+class Verification:
+    """Mixin of Scheduler (batching.py): `speculative` is the config's SpeculativeSettings."""
+
+    def init_speculative(self, speculative) -> None:
+        self.speculative = speculative
+        self.spec = SpecCounters(speculative.num_tokens if speculative is not None else 0)
+
+    def draft_for(self, req: Request, room: int) -> list[int]:
+        """Proposals for a one-token decode given `room` extra rows of the step's budget.
+        None for a constrained request (its grammar masks need each token first) or a
+        token still in flight (async scheduling)."""
+        sp = self.speculative
+        if sp is None or not sp.enabled or room <= 0 or req.matcher is not None or req.in_flight:
+            return []
+        k = min(sp.num_tokens, room, req.params.max_tokens - len(req.output_ids) - 1,
+                self.max_model_len - total_tokens(req))
+        if k <= 0:
+            return []
+        return propose_ngram(req.prompt_ids + req.output_ids, k, sp.ngram_max, sp.ngram_min)
+
+    def verify(self, sch, targets: list[int]) -> list[int]:
+        """The tokens the verification emits (accepted proposals, then the target's own);
+        [] when the request finished meanwhile."""
+        req = sch.req
+        if req.finished:
+            return []
+        emitted = accept_prefix(sch.draft, targets)
+        self.spec.record(len(sch.draft), len(emitted) - 1)
+        req.in_flight -= 1
+        return emitted
+
+    def record_verified(self, sch, token: int, now: float):
+        from jaxfill.engine.scheduler.transitions import Sampled
+
+        return Sampled(token, self._record_token(sch.req, token, now))
+
+    def settle(self, sch, num_emitted: int) -> None:
+        """After the emitted tokens are recorded: K/V is valid for the chunk's known token
+        and the accepted proposals, i.e. up to the newest token (not yet computed)."""
+        req = sch.req
+        if req.finished or req.status != Status.RUNNING:
+            return
+        req.num_computed = min(sch.start + num_emitted, req.num_tokens - 1)
+        self.prefix.publish(req, req.num_computed, sch.start)
+        keep = self.bm.pages_for(req.num_computed)
+        if len(req.pages) > keep:
+            self.bm.free(req.pages[keep:])
+            del req.pages[keep:]

@@ -1,0 +1,6 @@
+"""Speculative decoding: proposals verified as short prefill rows of the ragged step.
+
+    ngram.py       prompt-lookup proposals on the host (pure Python)
+    acceptance.py  which proposals a step's sampled rows accept, and the counters stats() reports
+    verify_rows.py the rows of a step that verify proposals (batch.py builds them)
+"""
