@@ -15,7 +15,7 @@ gives prompt_logprobs requests each prompt token's logprob and top-N. Steps with
 such a request keep the pruned program.
 
 A batch with `verify` rows (speculative decoding) is another pytree, so another program
-per bucket, compiled on first use: those rows' logits are sampled after the S rows, and
+per bucket (the runner's warm-up compiles it beside the plain one): those rows' logits are sampled after the S rows, and
 the output has S + Q rows (engine/speculative/verify_rows.py).
 
 Both take `prev_tokens`, the previous step's sampled tokens padded to R * max_num_seqs
