@@ -11,7 +11,8 @@ import sys
 import numpy as np
 
 # page_size 8 and 16 pages: the device holds about three of the six 32-token documents.
-BASE = {"engine.page_size": 8, "engine.num_pages": 16, "engine.max_num_batched_tokens": 64,
+BASE = {"engine.attention_impl": "reference",  # tests/fast_engine.py
+        "engine.page_size": 8, "engine.num_pages": 16, "engine.max_num_batched_tokens": 64,
         "engine.max_num_seqs": 4, "engine.kv_fill_value": float("nan")}
 NUM_DOCS, DOC_TOKENS = 6, 32
 

@@ -131,6 +131,7 @@ def engine_run(settings, mesh_shape: tuple[int, int, int], prompts: list[list[in
         "engine.page_size": 8, "engine.num_pages": 64, "engine.max_model_len": 256,
         "engine.max_num_seqs": 1, "engine.max_num_batched_tokens": CHUNK,
         "engine.token_buckets": [CHUNK], "engine.seq_buckets": [1],
+        "engine.attention_impl": "reference",  # tests/fast_engine.py
         **(extra or {}),
     })
     config = load_config("tiny_random", overrides)

@@ -24,7 +24,8 @@ sys.path.insert(0, ROOT)
 
 # Small buckets; 16-token chunks so the 40-token prompt is prefilled in 3 steps and the
 # second round's prompts find its first two 8-token pages in the prefix cache.
-ENGINE = {"engine.page_size": 8, "engine.max_num_batched_tokens": 16, "engine.token_buckets": [16],
+ENGINE = {"engine.attention_impl": "reference",  # tests/fast_engine.py
+          "engine.page_size": 8, "engine.max_num_batched_tokens": 16, "engine.token_buckets": [16],
           "engine.seq_buckets": [4], "engine.max_num_seqs": 4, "engine.num_pages": 64,
           "engine.max_model_len": 256}
 LONG = [(37 * i + 11) % 250 for i in range(40)]

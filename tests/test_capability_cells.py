@@ -18,9 +18,11 @@ from jaxfill.engine.request import SamplingParams
 from jaxfill.engine.capabilities.support_matrix import family_support
 from jaxfill.models.config import ConfigError
 from jaxfill.models.families import registry
+from fast_engine import REFERENCE_ATTENTION
 
 FAMILIES = list(dict.fromkeys(f.name for f in registry.families()))  # gemma3, qwen3_5: two classes each
-BASE = {"engine.num_pages": 24, "engine.max_model_len": 64, "engine.max_num_batched_tokens": 32,
+BASE = {**REFERENCE_ATTENTION,  # tests/fast_engine.py
+        "engine.num_pages": 24, "engine.max_model_len": 64, "engine.max_num_batched_tokens": 32,
         "engine.token_buckets": [32], "engine.max_num_seqs": 2, "mesh.cpu_split": False}
 ONE_DEVICE = ("engine.kv_cache_dtype=int8", "engine.enable_prefix_caching", "model.weight_dtype=int8",
               "engine.kv_cache_dtype=float8_e4m3fn", "engine.host_kv_cache_gb")

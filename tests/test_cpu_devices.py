@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from fast_engine import REFERENCE_ATTENTION
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHILD = """
 import json, logging, os, sys
@@ -39,7 +41,8 @@ print(json.dumps({"devices": len(jax.devices()), "mesh": dict(mesh.shape) if mes
                   "config_tensor": engine.config.mesh.tensor, "tokens": [c.token_ids for c in out],
                   "logprobs": [[lp["logprob"] for lp in c.logprobs] for c in out], "log": records}))
 """
-BASE = {"engine.num_pages": 32, "engine.max_model_len": 128, "engine.max_num_batched_tokens": 64,
+BASE = {**REFERENCE_ATTENTION,  # tests/fast_engine.py
+        "engine.num_pages": 32, "engine.max_model_len": 128, "engine.max_num_batched_tokens": 64,
         "engine.token_buckets": [64], "engine.max_num_seqs": 2, "engine.seq_buckets": [2]}
 SPLIT_LINE = "INFO CPU: heads split over 2 XLA CPU devices, one per core (mesh.tensor=2); set mesh.cpu_split=false for one device"
 

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 from xla_flags import fake_devices
+from fast_engine import REFERENCE_ATTENTION
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = """
@@ -31,7 +32,8 @@ print(json.dumps({"tokens": [c.token_ids for c in out + alone], "mesh": dict(eng
                   "pages_per_device": pages.addressable_shards[0].data.shape[0], "pages_global": pages.shape[0],
                   "free": st["pages_free"], "total": st["pages_total"], "per_replica": st["requests_per_replica"]}))
 """
-BASE = {"engine.max_num_batched_tokens": 64, "engine.num_pages": 64}
+BASE = {**REFERENCE_ATTENTION,  # tests/fast_engine.py
+        "engine.max_num_batched_tokens": 64, "engine.num_pages": 64}
 
 
 def run(overrides, devices):

@@ -27,6 +27,7 @@ from jaxfill.models.kv_cache import KVCache
 from test_family_parity import check_feature_changes_the_logits
 from test_hybrid_parity import check_chunked_equals_whole, check_fresh_sequence_ignores_its_slot, checkpoint
 from test_model_parity import check_greedy_matches_hf, hf_last_logits, ours_last_logits, prompts, rel_l2
+from fast_engine import REFERENCE_ATTENTION
 
 ARCH = "granitemoehybrid"
 NAN = float("nan")
@@ -101,7 +102,8 @@ def test_what_it_cannot_reproduce_is_refused_by_name(granite):
 # ------------------------------------------------------------------- through the engine
 NEW = 5
 GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
-BASE = {"engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64], "engine.num_pages": 64,
+BASE = {**REFERENCE_ATTENTION,  # tests/fast_engine.py
+        "engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64], "engine.num_pages": 64,
         "engine.max_model_len": 128, "engine.max_num_seqs": 2, "engine.kv_fill_value": NAN,
         "engine.state_snapshot_tokens": 16}
 

@@ -15,8 +15,10 @@ from jaxfill.engine.disagg import transfer as kvt
 from jaxfill.engine.engine import Engine
 from jaxfill.engine.request import SamplingParams
 from test_kv_transfer import assert_same_logprobs, run_one
+from fast_engine import REFERENCE_ATTENTION
 
-BASE = {"engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64], "engine.num_pages": 64,
+BASE = {**REFERENCE_ATTENTION,  # tests/fast_engine.py
+        "engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64], "engine.num_pages": 64,
         "engine.max_model_len": 128, "engine.max_num_seqs": 3, "engine.kv_fill_value": float("nan"),
         "engine.state_snapshot_tokens": 16}
 PREFILL_ONLY = SamplingParams(max_tokens=1, ignore_eos=True)

@@ -20,10 +20,12 @@ from jaxfill.models.config import ConfigError
 from jaxfill.engine.config import load_config
 from jaxfill.models.families.registry import config_from_hf
 from jaxfill.models.kv_cache import KVCache
+from fast_engine import REFERENCE_ATTENTION
 
 NEW = 5
 GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
-BASE = {"engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64], "engine.num_pages": 64,
+BASE = {**REFERENCE_ATTENTION,  # tests/fast_engine.py
+        "engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64], "engine.num_pages": 64,
         "engine.max_model_len": 128, "engine.max_num_seqs": 2, "engine.kv_fill_value": float("nan"),
         "engine.state_snapshot_tokens": 16}
 

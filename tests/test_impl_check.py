@@ -21,7 +21,7 @@ BROKEN = {"mosaic_off_tpu": "Only interpret mode", "rows_shifted": "relative err
 
 @pytest.fixture(autouse=True)
 def broken_impls(monkeypatch):
-    for name in BROKEN:
+    for name in (*BROKEN, "reference_twin"):
         monkeypatch.setitem(IMPLS, name, ("broken_impls", name))
 
 
@@ -67,8 +67,16 @@ def test_failing_impl_falls_back_to_xla_and_serves(impl, caplog, xla_tokens):
 
 def test_correct_impl_is_kept(caplog, xla_tokens):
     with caplog.at_level(logging.WARNING, logger="jaxfill.runner"):
-        eng = engine("reference")
+        eng = engine("reference_twin")
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
-    assert eng.runner.attention_impl == "reference" and served_impl(eng.runner) == "reference"
+    assert eng.runner.attention_impl == "reference_twin" and served_impl(eng.runner) == "reference_twin"
     assert "matches xla" in eng.runner.attention_check
+    assert tokens(eng) == xla_tokens
+
+
+def test_reference_serves_unchecked_and_gives_xla_tokens(xla_tokens):
+    """The oracle impl skips the check (it would compile xla for nothing) and still serves
+    the xla impl's tokens: the suite's engine tests use it for its cheaper compile."""
+    eng = engine("reference")
+    assert eng.runner.attention_impl == "reference" and "baseline" in eng.runner.attention_check
     assert tokens(eng) == xla_tokens

@@ -167,7 +167,8 @@ from jaxfill.engine.request import SamplingParams
 runs, prompts = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 base = {"model.weight_dtype": "int8", "mesh.tensor": 2, "engine.max_num_batched_tokens": 16,
         "engine.token_buckets": [16], "engine.num_pages": 24, "engine.max_model_len": 64, "engine.max_num_seqs": 2,
-        "engine.state_snapshot_tokens": 16, "mesh.cpu_split": False}
+        "engine.state_snapshot_tokens": 16, "mesh.cpu_split": False,
+        "engine.attention_impl": "reference"}  # tests/fast_engine.py
 out = {}
 for kind, directory in runs.items():
     engine = Engine.from_config("tiny", model_path=directory, overrides=base, progress=False)

@@ -20,6 +20,7 @@ from jaxfill.engine.simple import generate_one
 from jaxfill.models.kv_cache import KVCache
 from jaxfill.pallas_kernels import QuantizedPages
 from xla_flags import fake_devices
+from fast_engine import REFERENCE_ATTENTION
 
 KV_DTYPES = ["int8", "float8_e4m3fn"]
 BASE = {"engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64], "engine.num_pages": 64,
@@ -109,7 +110,10 @@ print(json.dumps({"tokens": [c.token_ids for c in out],
 
 def run_sharded(overrides, devices):
     env = dict(os.environ, XLA_FLAGS=fake_devices(devices))
-    out = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps({**BASE, **overrides}), json.dumps(PROMPTS)],
+    # the sharded runs compare with each other: the reference impl's faster compile
+    # (tests/fast_engine.py); the in-process tests above keep xla's quantized-page path
+    over = {**BASE, **REFERENCE_ATTENTION, **overrides}
+    out = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(over), json.dumps(PROMPTS)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -25,9 +25,11 @@ from jaxfill.engine.request import QueueFull, SamplingParams
 from jaxfill.models.kv_cache import KVCache
 from jaxfill.pallas_kernels import QuantizedPages
 from xla_flags import fake_devices
+from fast_engine import REFERENCE_ATTENTION
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BASE = {"engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64], "engine.num_pages": 64,
+BASE = {**REFERENCE_ATTENTION,  # tests/fast_engine.py
+        "engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64], "engine.num_pages": 64,
         "engine.max_model_len": 256, "engine.max_num_seqs": 4}
 PROMPT = [(7 * i + 3) % 250 for i in range(45)]  # 44 rows sent: 2.75 prefill pages, 5.5 decode pages
 PREFILL_ONLY = SamplingParams(max_tokens=1, ignore_eos=True)

@@ -27,6 +27,7 @@ from jaxfill.models.kv_cache import KVCache
 from test_hybrid_parity import (check_chunked_equals_whole, check_fresh_sequence_ignores_its_slot, checkpoint,
                                 fresh_cache)
 from test_model_parity import check_greedy_matches_hf, hf_last_logits, ours_last_logits, prompts, rel_l2
+from fast_engine import REFERENCE_ATTENTION
 
 NAN = float("nan")
 
@@ -120,7 +121,8 @@ def test_a_tensor_split_that_cuts_a_group_is_refused_by_name(nemotron_h):
 # ------------------------------------------------------------------- through the engine
 NEW = 5
 GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
-BASE = {"engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64], "engine.num_pages": 64,
+BASE = {**REFERENCE_ATTENTION,  # tests/fast_engine.py
+        "engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64], "engine.num_pages": 64,
         "engine.max_model_len": 128, "engine.max_num_seqs": 2, "engine.kv_fill_value": NAN,
         "engine.state_snapshot_tokens": 16}
 

@@ -23,9 +23,11 @@ from jaxfill.models.kv_cache import KVCache, single_sequence_metadata
 from jaxfill.models.decoder import Decoder
 from jaxfill.models.parallel.pipeline import microbatch_count, microbatch_metadata
 from xla_flags import fake_devices
+from fast_engine import REFERENCE_ATTENTION
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BASE = {"engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64], "engine.num_pages": 48,
+BASE = {**REFERENCE_ATTENTION,  # tests/fast_engine.py
+        "engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64], "engine.num_pages": 48,
         "engine.max_model_len": 256}
 SCRIPT = """
 import json, sys

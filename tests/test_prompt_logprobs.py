@@ -9,8 +9,10 @@ import pytest
 from jaxfill import Engine, SamplingParams
 from jaxfill.engine.config import load_config
 from jaxfill.engine.request import InvalidRequest
+from fast_engine import REFERENCE_ATTENTION
 
-ENGINE = {"engine.num_pages": 96, "engine.max_model_len": 256, "engine.max_num_seqs": 4}
+ENGINE = {**REFERENCE_ATTENTION,  # tests/fast_engine.py
+          "engine.num_pages": 96, "engine.max_model_len": 256, "engine.max_num_seqs": 4}
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks? It is the east."
 
 

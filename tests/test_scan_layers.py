@@ -19,8 +19,10 @@ from jaxfill.engine.step import step
 from jaxfill.models.config import ConfigError
 from jaxfill.models.kv_cache import KVCache
 from jaxfill.models.decoder import Decoder
+from fast_engine import REFERENCE_ATTENTION
 
-BASE = {"engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64], "engine.num_pages": 48,
+BASE = {**REFERENCE_ATTENTION,  # tests/fast_engine.py
+        "engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64], "engine.num_pages": 48,
         "engine.max_model_len": 256}
 SHARED = "A shared opening that fills whole pages of the cache, twice over. "
 PROMPTS = [SHARED + "one", "xyz" * 30, SHARED + "two", "Hi"]

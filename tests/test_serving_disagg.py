@@ -12,8 +12,10 @@ import pytest
 from serving_util import ServeProcess, compile_cache_dir
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
+from fast_engine import REFERENCE_ATTENTION
 
-OVERRIDES = {"engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64], "engine.num_pages": 64,
+OVERRIDES = {**REFERENCE_ATTENTION,  # tests/fast_engine.py
+             "engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64], "engine.num_pages": 64,
              "engine.max_model_len": 256, "engine.max_num_seqs": 4}
 PROMPTS = [[(i * 31 + j * 17) % 256 for j in range(n)] for i, n in enumerate([1, 5, 17, 40, 100])]
 NIXL_PREFILL = '{"do_remote_decode":true,"do_remote_prefill":false}'

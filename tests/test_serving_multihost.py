@@ -14,8 +14,10 @@ import pytest
 from jaxfill.serving.client import Client
 from serving_util import ServeProcess, compile_cache_dir, free_port
 from xla_flags import fake_devices
+from fast_engine import REFERENCE_ATTENTION
 
-ENGINE = {"engine.max_num_batched_tokens": 32, "engine.max_num_seqs": 4, "engine.num_pages": 64,
+ENGINE = {**REFERENCE_ATTENTION,  # tests/fast_engine.py
+          "engine.max_num_batched_tokens": 32, "engine.max_num_seqs": 4, "engine.num_pages": 64,
           "engine.max_model_len": 256}
 MESH = {"mesh.data": 2, "mesh.tensor": 2}
 PROMPTS = [[5, 6, 7, 8, 9], [(7 * i + 3) % 250 for i in range(40)], [11, 12], [(5 * i) % 200 for i in range(19)]]

@@ -28,8 +28,10 @@ from jaxfill.serving.server import ServerThread
 from jaxfill.serving.vllm_convert import DEFAULT_TEMPERATURE, sampling_from_proto
 from jaxfill.serving.vllm_service import served_name
 from serving_util import ServeProcess, compile_cache_dir
+from fast_engine import REFERENCE_ATTENTION
 
-OVERRIDES = {"engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64], "engine.num_pages": 64,
+OVERRIDES = {**REFERENCE_ATTENTION,  # tests/fast_engine.py
+             "engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64], "engine.num_pages": 64,
              "engine.max_model_len": 256}
 PAGE = 16
 MAX = 8

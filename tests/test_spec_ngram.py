@@ -17,8 +17,10 @@ from jaxfill.engine.request import SamplingParams
 from jaxfill.engine.speculative.acceptance import SpecCounters, accept_prefix
 from jaxfill.engine.speculative.ngram import propose_ngram
 from jaxfill.models.config import ConfigError
+from fast_engine import REFERENCE_ATTENTION
 
-OVERRIDES = {"engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64], "engine.num_pages": 64,
+OVERRIDES = {**REFERENCE_ATTENTION,  # tests/fast_engine.py
+             "engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64], "engine.num_pages": 64,
              "engine.max_model_len": 256, "engine.max_num_seqs": 4, "engine.page_size": 8}
 SPEC = {"speculative.method": "ngram", "speculative.num_tokens": 3, "speculative.ngram_max": 3,
         "speculative.ngram_min": 1}

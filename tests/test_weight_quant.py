@@ -24,6 +24,7 @@ from jaxfill.models.families.registry import config_from_hf
 from jaxfill.models.checkpoint import hf_to_param, load_hf_params, quantize_model, tensor_parts
 from jaxfill.models.quant import QUANTIZED_INPUT_AXES, dequantize, param_bytes, quantize
 from xla_flags import fake_devices
+from fast_engine import REFERENCE_ATTENTION
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGE = 16
@@ -187,7 +188,8 @@ if engine.runner.mesh is not None:  # an HF checkpoint read slice by slice into 
     out["down_rows_per_device"] = [down.addressable_shards[0].data.shape[0], down.shape[0]]
 print(json.dumps(out))
 """
-BASE = {"model.weight_dtype": "int8", "engine.num_pages": 64, "engine.max_model_len": 256,
+BASE = {**REFERENCE_ATTENTION,  # tests/fast_engine.py
+        "model.weight_dtype": "int8", "engine.num_pages": 64, "engine.max_model_len": 256,
         "engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64]}
 
 
