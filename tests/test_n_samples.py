@@ -8,8 +8,10 @@ import pytest
 from jaxfill import Engine, SamplingParams
 from jaxfill.engine.config import load_config
 from jaxfill.engine.request import InvalidRequest
+from fast_engine import REFERENCE_ATTENTION
 
-ENGINE = {"engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64], "engine.num_pages": 64,
+ENGINE = {**REFERENCE_ATTENTION,  # tests/fast_engine.py
+          "engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64], "engine.num_pages": 64,
           "engine.max_model_len": 256, "engine.max_num_seqs": 8, "engine.page_size": 16}
 PROMPT = list(b"ROMEO:\nBut soft, what light through yonder win")  # 46 tokens: 2 full pages + 14
 FULL = 2

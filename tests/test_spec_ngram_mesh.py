@@ -16,7 +16,8 @@ import json
 from jaxfill.engine.engine import Engine
 from jaxfill.engine.request import SamplingParams
 base = {"engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64], "engine.num_pages": 64,
-        "engine.max_model_len": 256, "engine.max_num_seqs": 4, "mesh.tensor": 2}
+        "engine.max_model_len": 256, "engine.max_num_seqs": 4, "mesh.tensor": 2,
+        "engine.attention_impl": "reference"}  # tests/fast_engine.py
 prompts = [[5, 17, 33, 42, 99, 7, 8] * 5, [3, 1, 4, 1, 5, 9, 2, 6] * 4]
 params = [SamplingParams(max_tokens=16), SamplingParams(max_tokens=16, temperature=0.8, seed=4)]
 out = {}
