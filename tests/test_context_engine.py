@@ -22,7 +22,7 @@ import pytest
 from xla_flags import fake_devices
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BASE = {"model.max_position_embeddings": 8192, "engine.max_model_len": 8192,
+BASE = {"engine.attention_impl": "reference", "model.max_position_embeddings": 8192, "engine.max_model_len": 8192,
         "engine.max_num_batched_tokens": 2048, "engine.max_num_seqs": 4, "engine.num_pages": 576}
 PAGES_OF_LONG = 8000 // 16
 
