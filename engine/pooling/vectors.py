@@ -3,7 +3,7 @@
 Chunked prefill computes a prompt over several steps; each step returns the sum of the
 chunk's pooled rows. A preemption or an interrupt recomputes from an earlier position, so a
 part that starts at or after a new part's start is dropped: the parts kept always tile the
-prompt once, and `vector` checks that they do.
+prompt once (after a cached prefix, for last-token pooling), and `vector` checks that they do.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ def vector(req) -> np.ndarray:  # -> [E] f32
     L2-normalized when the request asks."""
     parts, n = req.pool_parts, len(req.prompt_ids)
     covered = [(s, e) for s, e, _ in parts]
-    if not parts or covered[0][0] != 0 or covered[-1][1] != n or any(a[1] != b[0] for a, b in zip(covered,
-                                                                                                 covered[1:])):
+    first = 0 if req.pooling.every_row else covered[0][0]  # last-token pooling may start after a cached prefix
+    if covered[0][0] != first or covered[-1][1] != n or any(a[1] != b[0] for a, b in zip(covered, covered[1:])):
         raise RuntimeError(f"{req.request_id}: pooled chunks {covered} do not cover the prompt [0, {n})")
     total = np.sum([p for _, _, p in parts], axis=0)
     if req.pooling.mode == "mean":
