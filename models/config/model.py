@@ -15,7 +15,8 @@ from typing import Any
 
 from jaxfill.models.config.errors import ConfigError
 from jaxfill.models.config.sections import (AttentionConfig, EmbeddingConfig, LinearConfig, MLAConfig, MoEConfig,
-                                            NormConfig, PoolingConfig)
+                                            NormConfig)
+from jaxfill.models.config.pooling import PoolingConfig
 
 DTYPES = ("float32", "bfloat16", "float16")  # jax.numpy names; jax is imported only when one is used
 # auto: projections stored in `dtype`; int8: see models/quant.py; fp8_block: kept as an FP8

@@ -390,30 +390,3 @@ class EmbeddingConfig:
     # embeddings); such a model embeds and scores by pooling, and refuses generation
     head: bool = True
 
-
-POOLING_MODES = ("none", "last", "mean", "cls")
-
-
-@dataclasses.dataclass(frozen=True)
-class PoolingConfig:
-    """How Engine.embed and Engine.score turn a prompt's final-norm hidden states into a
-    vector or a number (engine/pooling/). A checkpoint's sentence-transformers files set
-    mode and normalize (models/config/sentence_transformers.py); "none" refuses embed."""
-    mode: str = "none"  # "last" token, "mean" over the prompt's rows, "cls" (the first row)
-    normalize: bool = False  # L2-normalize each vector (sentence-transformers' Normalize module)
-    # a CausalLM reranker (Qwen3-Reranker): score = p(first id) of the softmax over the logits of
-    # these two token ids ("yes", "no") at the last position; () = cosine of the embeddings
-    score_token_ids: tuple[int, ...] = ()
-    # the reranker's prompt: "{query}" and "{document}" are replaced (strings only)
-    score_template: str = "{query}{document}"
-
-    @property
-    def enabled(self) -> bool:
-        """The engine compiles its pooling program (engine/step.py): embed or score is asked for."""
-        return self.mode != "none" or bool(self.score_token_ids)
-
-    def __post_init__(self):
-        _choose("pooling", self.mode, POOLING_MODES)
-        if len(self.score_token_ids) not in (0, 2):
-            raise ConfigError(f"model.score_token_ids must be two ids (yes, no) or empty, "
-                              f"got {list(self.score_token_ids)}")
