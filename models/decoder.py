@@ -13,6 +13,8 @@ models/mixers/, called through one protocol (models/mixers/context.py).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -173,10 +175,10 @@ class Decoder(nnx.Module):
         if self.config.embeddings.scale != 1.0:
             x = x * jnp.asarray(self.config.embeddings.scale, x.dtype)
         x = self.stream_in(x)
-        if self.stages > 1:
-            if pool_seg is not None:
-                raise ValueError("pooling runs on unstacked or scanned layers, not pipeline stages")
-            x, new_pages, counts = pipeline_layers(self.layers, x, positions, kv_cache.pages, meta,
+        if self.stages > 1:  # stacked layers hand back the rows of logits_indices: all of them to pool
+            rows = meta if pool_seg is None else dataclasses.replace(
+                meta, logits_indices=jnp.arange(tokens.shape[0], dtype=jnp.int32))
+            x, new_pages, counts = pipeline_layers(self.layers, x, positions, kv_cache.pages, rows,
                                                    self.attention_impl, self.plan.microbatches)
         else:
             # The last layer's rows other than the sampled ones feed nothing (their K/V
@@ -191,13 +193,13 @@ class Decoder(nnx.Module):
             per_layer = None if self.per_layer_inputs is None else self.per_layer_inputs(tokens, x)
             x, new_pages, counts = run_layers(self.layers, x, positions, kv_cache.pages, meta,
                                               self.attention_impl, prune, per_layer=per_layer)
-            if pool_seg is not None:
-                pooled = pool_rows(self.norm(self.stream_out(x)), pool_seg, meta.kv_lens.shape[0])
-                logits = self.head(self.norm(jnp.take(self.stream_out(x), meta.logits_indices, axis=0))) \
-                    if self.has_head else None
-                return logits, kv_cache.updated(new_pages, counts), pooled
-            if not prune:
+            if not prune and pool_seg is None:
                 x = jnp.take(x, meta.logits_indices, axis=0)
+        if pool_seg is not None:  # x: every row [T, E]
+            pooled = pool_rows(self.norm(self.stream_out(x)), pool_seg, meta.kv_lens.shape[0])
+            logits = self.head(self.norm(jnp.take(self.stream_out(x), meta.logits_indices, axis=0))) \
+                if self.has_head else None
+            return logits, kv_cache.updated(new_pages, counts), pooled
         x = self.norm(constrain(self.stream_out(x), ("seqs", "act_embed")))  # [S, E]
         return self.head(x), kv_cache.updated(new_pages, counts)
 

@@ -178,7 +178,7 @@ RULES: tuple[Rule, ...] = (
     *(Rule(("model.pooling", cond), f"pooling: {why}", f"model.pooling = none (and no model.score_token_ids) or "
            f"{change}") for cond, why, change in (
         ("mesh.data", "pooled rows are laid out for one data replica", "mesh.data = 1"),
-        ("mesh.stage", "pipeline microbatches do not carry pooled rows", "mesh.stage = 1"),
+        ("mesh.stage", "pooled rows through pipeline stages are not tested", "mesh.stage = 1"),
         ("mesh.num_processes", "followers' replay of pooling steps is not built", "mesh.num_processes = 1"),
         ("speculative.method=ngram", "verification beside pooled rows is not tested", "speculative.method = none"),
     )),
