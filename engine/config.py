@@ -263,8 +263,8 @@ def load_config(config: str | None = None, overrides: Mapping[str, Any] | list[s
     if model_path:
         model = config_from_hf(model_path)
         if not gguf_file(model_path):  # sentence-transformers modules, an embedding backbone's missing head
-            model = model.replace(**sentence_transformers_fields(model_path),
-                                  has_lm_head=has_lm_head(model_path, model.embeddings.tied))
+            model = model.replace(**sentence_transformers_fields(model_path), has_lm_head=model.embeddings.head
+                                  and has_lm_head(model_path, model.embeddings.tied))
         model_extra = extra.get("model", {})
         model = model.replace(**model_extra) if model_extra else model
         if model.weight_dtype == "fp8_block" and not quantization.is_fp8(read_config_json(model_path)):

@@ -21,7 +21,7 @@ class RequestFactory:
         self.settings = config.engine
         self.vocab_size = config.model.vocab_size
         self.eos_token_ids = config.model.eos_token_id or ()
-        self.has_head = config.model.embeddings.head or config.model.embeddings.tied
+        self.has_head = config.model.embeddings.head
         self.tokenizer = tokenizer
         self.unfinished = unfinished  # the scheduler's registry of unfinished requests (read only)
         self._arrivals = itertools.count()

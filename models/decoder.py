@@ -138,6 +138,8 @@ class Decoder(nnx.Module):
             self.lm_head = param(rngs, (config.hidden_size, config.vocab_size), ("embed", "vocab"), dt)
         if config.embeddings.head_bias:
             self.lm_head_bias = param(rngs, (config.vocab_size,), ("vocab",), dt)
+        if config.pooling.num_labels:  # a sequence-classification head (engine/pooling/head.py)
+            self.score = param(rngs, (config.hidden_size, config.pooling.num_labels), ("embed", "labels"), dt)
 
     def stream_in(self, x: jax.Array) -> jax.Array:  # [T, E] embedded -> what the layers carry
         return x
@@ -205,7 +207,7 @@ class Decoder(nnx.Module):
 
     @property
     def has_head(self) -> bool:
-        return self.config.embeddings.tied or self.config.embeddings.head
+        return self.config.embeddings.head
 
     def head(self, x: jax.Array) -> jax.Array:  # [S, E] final-norm hidden -> [S, vocab] f32 logits
         if not self.has_head:

@@ -157,3 +157,31 @@ def test_bad_inputs_are_refused_with_every_page_back(engine):
         eng.embed([PROMPTS[0]], pooling="max")
     assert all_pages_back(eng)
     assert len(eng.embed([PROMPTS[0]])) == 1
+
+
+def test_sequence_classifier_scores_equal_transformers(tmp_path):
+    """Qwen3ForSequenceClassification: the decoder without an LM head, score.weight on the
+    last token; Engine.score gives sigmoid(logit), transformers' logits through the same sigmoid."""
+    import transformers as tf
+
+    from hf_models import FAMILY_KWARGS, HF_SMALL
+
+    torch.manual_seed(0)
+    model = tf.Qwen3ForSequenceClassification(tf.Qwen3Config(**{**HF_SMALL, **FAMILY_KWARGS["qwen3"][1]},
+                                                             num_labels=1, pad_token_id=0)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(str(tmp_path), safe_serialization=True)
+    eng = Engine.from_config("tiny", model_path=str(tmp_path), progress=False,
+                             overrides={**BASE, "engine.max_num_batched_tokens": 64, "engine.token_buckets": [64]})
+    assert eng.config.model.pooling.num_labels == 1 and not eng.config.model.embeddings.head
+    query, docs = PROMPTS[0], [PROMPTS[1], PROMPTS[2][:20], [7, 8, 9]]
+    with torch.no_grad():
+        want = [torch.sigmoid(model(input_ids=torch.tensor([query + d])).logits[0, 0]).item() for d in docs]
+    np.testing.assert_allclose(eng.score(query, docs), want, atol=1e-5)
+    assert max(want) - min(want) > 1e-3
+    with pytest.raises(InvalidRequest, match="no LM head"):
+        eng.generate([query], SamplingParams(max_tokens=2))
+    assert all_pages_back(eng)

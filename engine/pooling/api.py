@@ -4,14 +4,15 @@ Embeddings ride the same ragged prefill step as generation (a step may hold both
 request per input, pages freed as each finishes. Scoring is either the cosine of two
 embeddings (an embedding model) or, with model.score_token_ids = [yes, no], a CausalLM
 reranker's p(yes): the softmax over those two tokens' logits at the prompt's last position
-(Qwen3-Reranker), computed from the last-token hidden state through the model's own head.
+(Qwen3-Reranker), computed from the last-token hidden state through the model's own head;
+or a sequence-classification head's sigmoid(logit) on the last token (one label).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from jaxfill.engine.pooling.head import head_logits
+from jaxfill.engine.pooling.head import head_logits, label_logits
 from jaxfill.engine.request import InvalidRequest, PoolingParams, QueueFull
 
 
@@ -73,11 +74,17 @@ def score(engine, query, documents) -> list[float]:
     cfg = engine.config.model.pooling
     if not documents:
         return []
-    if cfg.score_token_ids:
+    if cfg.num_labels and cfg.num_labels != 1:
+        raise InvalidRequest("documents", f"score needs one label; this classifier has {cfg.num_labels}")
+    if cfg.score_token_ids or cfg.num_labels:
         prompts = [_pair(cfg.score_template, query, doc) for doc in documents]
         hidden = np.stack(run_pooling(engine, prompts, PoolingParams("last", False)))
-        yes_no = head_logits(engine.runner, hidden, cfg.score_token_ids).astype(np.float64)  # [n, 2]
-        return [float(p) for p in 1.0 / (1.0 + np.exp(yes_no[:, 1] - yes_no[:, 0]))]
+        if cfg.num_labels:  # sigmoid of the one label's logit, as sentence-transformers' CrossEncoder
+            logit = label_logits(engine.runner, hidden)[:, 0].astype(np.float64)
+        else:  # p(yes) of the softmax over (yes, no) = sigmoid(yes - no)
+            yes_no = head_logits(engine.runner, hidden, cfg.score_token_ids).astype(np.float64)  # [n, 2]
+            logit = yes_no[:, 0] - yes_no[:, 1]
+        return [float(p) for p in 1.0 / (1.0 + np.exp(-logit))]
     vectors = np.stack(embed(engine, [query] + documents)).astype(np.float64)
     unit = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
     return [float(c) for c in unit[1:] @ unit[0]]

@@ -163,7 +163,7 @@ class ModelConfig:
     def _check_sections_fit(self):
         """What a section cannot check alone: its fields against the model's shapes."""
         a, mla = self.attention, self.mla
-        if not (self.embeddings.head or self.embeddings.tied or self.pooling.enabled):
+        if not (self.embeddings.head or self.pooling.enabled):
             raise ConfigError("a model without an LM head (has_lm_head = false, untied) can only embed or score: "
                               "set model.pooling (last, mean or cls)")
         if mla.enabled:

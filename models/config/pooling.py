@@ -22,15 +22,20 @@ class PoolingConfig:
     score_token_ids: tuple[int, ...] = ()
     # the reranker's prompt: "{query}" and "{document}" are replaced (strings only)
     score_template: str = "{query}{document}"
+    # a sequence-classification head (`*ForSequenceClassification`: score.weight [num_labels,
+    # hidden] on the last token); 0 = none. Engine.score gives sigmoid(logit) for one label.
+    num_labels: int = 0
 
     @property
     def enabled(self) -> bool:
         """The engine compiles its pooling program (engine/step.py): embed or score is asked for."""
-        return self.mode != "none" or bool(self.score_token_ids)
+        return self.mode != "none" or bool(self.score_token_ids) or self.num_labels > 0
 
     def __post_init__(self):
         if self.mode not in POOLING_MODES:
             raise ConfigError(f"model.pooling must be one of {list(POOLING_MODES)}, got {self.mode!r}")
+        if int(self.num_labels) < 0:
+            raise ConfigError(f"model.num_labels must be >= 0 (0 = no classification head), got {self.num_labels}")
         if len(self.score_token_ids) not in (0, 2):
             raise ConfigError(f"model.score_token_ids must be two ids (yes, no) or empty, "
                               f"got {list(self.score_token_ids)}")
