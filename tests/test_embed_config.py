@@ -83,3 +83,28 @@ def test_pooling_keys_and_refusals():
     with pytest.raises(InvalidRequest, match="name last, mean or cls"):
         pooling_params(engine, None, None)
     assert pooling_params(engine, "mean", True).mode == "mean"
+
+
+def test_chunk_sums_after_a_recompute_tile_the_prompt_once():
+    """A preempted mean-pooling request recomputes from 0: the sums of its first pass are
+    dropped, not added twice; last-token pooling may start after a cached prefix."""
+    from jaxfill.engine.pooling.vectors import add_part, vector
+    from jaxfill.engine.request import PoolingParams
+
+    rows = np.arange(10 * 4, dtype=np.float64).reshape(10, 4)
+    req = types.SimpleNamespace(request_id="r", prompt_ids=list(range(10)), pool_parts=[],
+                                pooling=PoolingParams("mean"))
+    add_part(req, 0, 4, rows[:4].sum(0))
+    add_part(req, 4, 4, rows[4:8].sum(0))
+    add_part(req, 0, 6, rows[:6].sum(0))  # preempted: again from the start, in other chunks
+    with pytest.raises(RuntimeError, match="do not cover"):
+        vector(req)
+    add_part(req, 6, 4, rows[6:].sum(0))
+    np.testing.assert_allclose(vector(req), rows.mean(0), rtol=1e-6)
+    req.pooling, req.pool_parts = PoolingParams("last", normalize=True), []
+    add_part(req, 8, 2, rows[9])  # the first 8 tokens came from the prefix cache
+    np.testing.assert_allclose(vector(req), rows[9] / np.linalg.norm(rows[9]), rtol=1e-6)
+    req.pooling, req.pool_parts = PoolingParams("mean"), []
+    add_part(req, 8, 2, rows[8:].sum(0))
+    with pytest.raises(RuntimeError, match="do not cover"):
+        vector(req)
