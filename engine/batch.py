@@ -17,6 +17,7 @@ import dataclasses
 import jax
 import numpy as np
 
+from jaxfill.engine.pooling.rows import fill_pool_seg
 from jaxfill.engine.sampler import SamplingArrays
 from jaxfill.engine.sampling_rows import empty_sampling, fill_sampling
 from jaxfill.engine.scheduler import SchedulerOutput
@@ -36,6 +37,7 @@ class StepBatch:
     lp_rows: jax.Array  # [P] i32: token rows scored for prompt_logprobs, -1 = none (engine/step.py)
     lp_targets: jax.Array  # [P] i32: the prompt token each of those rows predicts
     verify: VerifyRows | None = None  # rows verifying proposals (engine/speculative/verify_rows.py)
+    pool_seg: jax.Array | None = None  # [T] i32: the sequence row each token pools into, S = none (engine/pooling/)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -98,9 +100,11 @@ def prompt_logprob_positions(sch) -> range:
 
 def build_batch(out: SchedulerOutput, shape: tuple[int, int], page_size: int, max_pages: int,
                 vocab_size: int, penalty_window: int, prompt_rows: int = 1, state_slots: bool = False,
-                verify_rows: int = 0) -> StepBatch:
+                verify_rows: int = 0, pool: bool = False) -> StepBatch:
     """`state_slots`: the batch names each sequence's recurrent-state slot (linear-attention hybrids).
-    `verify_rows`: the static number of rows verifying proposals, when any sequence has some."""
+    `verify_rows`: the static number of rows verifying proposals, when any sequence has some.
+    `pool`: the pooling variant even with no pooling request (a model without an LM head
+    runs no other); it is chosen anyway when a sequence pools."""
     t_pad, s_pad = shape
     tokens = np.zeros(t_pad, np.int32)
     positions = np.zeros(t_pad, np.int32)
@@ -117,6 +121,8 @@ def build_batch(out: SchedulerOutput, shape: tuple[int, int], page_size: int, ma
     lp_targets = np.full(prompt_rows, -1, np.int32)
     num_lp = 0
     verify = VerifyRowsBuilder(verify_rows, penalty_window, vocab_size)
+    pooling = pool or any(sch.req.pooling is not None for sch in out.seqs)
+    pool_seg = np.full(t_pad, s_pad, np.int32) if pooling else None  # the pooling variant (engine/pooling/)
 
     pos_t = 0
     for i, sch in enumerate(out.seqs):
@@ -155,6 +161,8 @@ def build_batch(out: SchedulerOutput, shape: tuple[int, int], page_size: int, ma
         kv_lens[i] = end
         page_indices[i, :len(pages)] = pages
         logits_idx[i] = pos_t - 1
+        if req.pooling is not None:
+            fill_pool_seg(pool_seg, i, pos_t - n, start, n, req)
         if state_slots:
             seq_slots[i] = req.state_slot
         if sch.samples:
@@ -164,18 +172,19 @@ def build_batch(out: SchedulerOutput, shape: tuple[int, int], page_size: int, ma
     meta = AttentionMetadata(cu_q_lens=cu, kv_lens=kv_lens, page_indices=page_indices,
                              num_seqs=np.asarray([num], np.int32), slot_mapping=slots,
                              logits_indices=logits_idx, state_slots=seq_slots)
-    return StepBatch(tokens, positions, meta, sampling, prev_src, hist_src, lp_rows, lp_targets, verify.build())
+    return StepBatch(tokens, positions, meta, sampling, prev_src, hist_src, lp_rows, lp_targets, verify.build(),
+                     pool_seg)
 
 
 def dummy_batch(shape: tuple[int, int], max_pages: int, penalty_window: int, vocab_size: int,
-                prompt_rows: int = 1, state_slots: bool = False) -> StepBatch:
+                prompt_rows: int = 1, state_slots: bool = False, pool: bool = False) -> StepBatch:
     """An all-padding batch of one bucket shape (warm-up): one live 1-token sequence on
     the null page whose write is skipped (slot -1)."""
     t_pad, s_pad = shape
     from jaxfill.engine.scheduler import SchedulerOutput
 
     b = build_batch(SchedulerOutput([], [], []), shape, 1, max_pages, vocab_size, penalty_window, prompt_rows,
-                    state_slots)
+                    state_slots, pool=pool)
     b.meta.cu_q_lens[1:] = 1
     b.meta.kv_lens[0] = 1
     b.meta.num_seqs[0] = 1

@@ -16,6 +16,7 @@ from jaxfill.engine.checkpoint_settings import checkpoint_engine, checkpoint_nam
 from jaxfill.engine.presets import NOT_PRESETS, preset_names, read_preset  # noqa: F401 (their old home)
 from jaxfill.models.config import ConfigError, ModelConfig, flat_keys, int_quantization, quantization, read_config_json
 from jaxfill.engine.validation import validate
+from jaxfill.models.embedding_checkpoint import has_lm_head, sentence_transformers_fields
 from jaxfill.models.families.registry import config_from_dict, config_from_hf
 from jaxfill.models.gguf import gguf_file, hf_config_of
 
@@ -261,6 +262,9 @@ def load_config(config: str | None = None, overrides: Mapping[str, Any] | list[s
     extra = parse_overrides(overrides)
     if model_path:
         model = config_from_hf(model_path)
+        if not gguf_file(model_path):  # sentence-transformers modules, an embedding backbone's missing head
+            model = model.replace(**sentence_transformers_fields(model_path), has_lm_head=model.embeddings.head
+                                  and has_lm_head(model_path, model.embeddings.tied))
         model_extra = extra.get("model", {})
         model = model.replace(**model_extra) if model_extra else model
         if model.weight_dtype == "fp8_block" and not quantization.is_fp8(read_config_json(model_path)):

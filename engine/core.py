@@ -145,6 +145,19 @@ class EngineCore:
                 self.scheduler.add(req)
             return samples[0].parent_id
 
+    def add_pooling_request(self, ids: list[int], pooling, request_id: str | None = None) -> str:
+        """Queues a pooling request (ids and PoolingParams from factory.check_pooling): it is
+        prefilled, never decoded, and finishes with its vector (engine/pooling/)."""
+        self.require_leader("add_pooling_request")
+        with self._lock:
+            waiting = self.scheduler.num_waiting()
+            if waiting >= self.settings.max_waiting:
+                raise QueueFull(f"{waiting} requests waiting (engine.max_waiting)")
+            req = self.factory.new(ids, SamplingParams(max_tokens=1, ignore_eos=True), request_id, with_text=False)
+            req.pooling = pooling
+            self.scheduler.add(req)
+            return req.request_id
+
     def abort(self, request_id: str) -> bool:
         with self._lock:
             reqs = self._requests_of(request_id)

@@ -28,6 +28,7 @@ from typing import Iterator
 from jaxfill.engine.assembly import assemble
 from jaxfill.engine.config import Config, load_config
 from jaxfill.engine.core import EngineCore
+from jaxfill.engine.pooling import api as pooling_api
 from jaxfill.engine.request import Completion, InvalidRequest, QueueFull, RequestOutput, SamplingParams
 
 
@@ -196,6 +197,19 @@ class Engine:
         except BaseException:
             self.core.discard(rids)
             raise
+
+    # ------------------------------------------------------------------ pooling (engine/pooling/)
+    def embed(self, inputs, pooling: str | None = None, normalize: bool | None = None) -> list:
+        """One numpy float32 [hidden] vector per input (a string or a list of token ids): its
+        final-norm hidden states pooled ("last", "mean", "cls"; default model.pooling) and
+        L2-normalized if asked (default model.normalize_embeddings). Prefill only, batched
+        with whatever else is running; each input's pages go back when it is done."""
+        return pooling_api.embed(self, inputs, pooling, normalize)
+
+    def score(self, query, documents) -> list[float]:
+        """One number per document: p(yes) of a reranker (model.score_token_ids), else the
+        cosine of the query's and the document's embeddings."""
+        return pooling_api.score(self, query, documents)
 
     def stats(self) -> dict:
         with self.core.locked():  # one moment of the scheduler's counts and the step's

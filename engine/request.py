@@ -162,6 +162,30 @@ class SamplingParams:
         return self
 
 
+POOLING_MODES = ("last", "mean", "cls")
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolingParams:
+    """A request that is prefilled, never decoded: its final-norm hidden states pooled
+    (engine/pooling/). mode: "last" token, "mean" over the prompt, "cls" (first token)."""
+
+    mode: str = "last"
+    normalize: bool = False  # L2-normalize the vector
+
+    def validate(self) -> "PoolingParams":
+        if self.mode not in POOLING_MODES:
+            raise InvalidRequest("pooling", f"must be one of {', '.join(POOLING_MODES)}, got {self.mode!r}")
+        if not isinstance(self.normalize, bool):
+            raise InvalidRequest("normalize", f"must be true or false, got {self.normalize!r}")
+        return self
+
+    @property
+    def every_row(self) -> bool:
+        """It pools rows before the last: a cached prefix would hide them, so none is used."""
+        return self.mode != "last"
+
+
 @dataclasses.dataclass
 class Completion:
     request_id: str
@@ -176,6 +200,7 @@ class Completion:
     # params.prompt_logprobs: one entry per prompt token, None for the first (nothing before it)
     prompt_logprobs: list[dict[str, Any] | None] | None = None
     index: int = 0  # which of the params.n samples
+    embedding: Any = None  # a pooling request's vector: numpy float32 [hidden] (engine/pooling/)
 
 
 @dataclasses.dataclass
@@ -239,6 +264,9 @@ class Request:
         self.parent_id: str | None = None
         self.prefill_after: Request | None = None  # a sibling sample whose prompt pages it waits to share
         self.state_slot: int | None = None  # its recurrent-state slot while running (linear-attention hybrids)
+        self.pooling: PoolingParams | None = None  # a pooling request (engine/pooling/): prefilled, never decoded
+        self.pool_parts: list[tuple] = []  # its chunks' (start, end, sum [E]) (engine/pooling/vectors.py)
+        self.embedding = None  # its vector once its prompt is done
         self.matcher = None  # llguidance LLMatcher of a structured_output request (engine/structured_output.py)
         # text
         self.detok = None
@@ -289,4 +317,4 @@ class Request:
         return Completion(self.request_id, list(self.output_ids), self.text, self.finish_reason or "abort",
                           len(self.prompt_ids), self.cached_tokens or 0, self.metrics(),
                           logprobs=self.logprobs, error=self.error, prompt_logprobs=self.prompt_logprobs,
-                          index=self.index)
+                          index=self.index, embedding=self.embedding)

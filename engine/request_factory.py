@@ -12,7 +12,7 @@ import itertools
 import random
 
 from jaxfill.engine.loading import validate_prompt
-from jaxfill.engine.request import InvalidRequest, Request, SamplingParams
+from jaxfill.engine.request import InvalidRequest, PoolingParams, Request, SamplingParams
 from jaxfill.engine.structured_output import GrammarCompiler
 
 
@@ -21,6 +21,7 @@ class RequestFactory:
         self.settings = config.engine
         self.vocab_size = config.model.vocab_size
         self.eos_token_ids = config.model.eos_token_id or ()
+        self.has_head = config.model.embeddings.head
         self.tokenizer = tokenizer
         self.unfinished = unfinished  # the scheduler's registry of unfinished requests (read only)
         self._arrivals = itertools.count()
@@ -34,17 +35,16 @@ class RequestFactory:
         if not isinstance(params, SamplingParams):
             raise InvalidRequest("params", f"must be SamplingParams, got {type(params).__name__}")
         params.validate(self.vocab_size)
+        if not self.has_head:
+            raise InvalidRequest("prompt", "this model has no LM head (an embedding backbone): it cannot generate; "
+                                 "use Engine.embed or Engine.score")
         if params.logprobs == -1:  # every token: a vocabulary this small fits the sampler's top-N
             params = dataclasses.replace(params, logprobs=self.vocab_size)
         ids = self._encode(prompt)
         if params.truncate_prompt_tokens is not None:
             ids = ids[-params.truncate_prompt_tokens:]  # the caller asked to keep the end
         s = self.settings
-        validate_prompt(ids, self.vocab_size, s.max_model_len)
-        need = -(-(len(ids) + 1) // s.page_size)
-        if need > s.num_pages - 1:
-            raise InvalidRequest("prompt", f"needs {need} KV pages; the pool has {s.num_pages - 1} "
-                                 f"(engine.num_pages x engine.page_size)")
+        self._check_fits(ids)
         if not isinstance(priority, int):
             raise InvalidRequest("priority", f"must be an integer, got {priority!r}")
         if params.structured_output is not None:
@@ -54,6 +54,24 @@ class RequestFactory:
             raise InvalidRequest("prompt_logprobs", f"a prompt over {rows + 1} tokens needs chunked prefill "
                                                     f"(engine.prompt_logprobs_rows = {s.prompt_logprobs_rows})")
         return ids, params
+
+    def check_pooling(self, prompt, pooling: PoolingParams) -> list[int]:
+        """A pooling request's prompt ids (engine/pooling/): the same limits as a prompt to
+        generate from, so a refused input never reaches the scheduler or a page."""
+        if not isinstance(pooling, PoolingParams):
+            raise InvalidRequest("pooling", f"must be PoolingParams, got {type(pooling).__name__}")
+        pooling.validate()
+        ids = self._encode(prompt)
+        self._check_fits(ids)
+        return ids
+
+    def _check_fits(self, ids: list[int]) -> None:
+        s = self.settings
+        validate_prompt(ids, self.vocab_size, s.max_model_len)
+        need = -(-(len(ids) + 1) // s.page_size)
+        if need > s.num_pages - 1:
+            raise InvalidRequest("prompt", f"needs {need} KV pages; the pool has {s.num_pages - 1} "
+                                 f"(engine.num_pages x engine.page_size)")
 
     def _encode(self, prompt) -> list[int]:
         if isinstance(prompt, str):

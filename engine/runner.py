@@ -49,6 +49,7 @@ class HostOutput:
     top_ids: np.ndarray  # [R * S, N]
     top_logprobs: np.ndarray  # [R * S, N]
     prompt: tuple | None = None  # a step that scored prompt rows: ([R * P] f32, [R * P, N] i32, [R * P, N] f32)
+    pooled: np.ndarray | None = None  # a pooling step: [S, E] f32 per-sequence sums (engine/pooling/)
 
 
 class PendingOutput:
@@ -62,9 +63,11 @@ class PendingOutput:
     def get(self) -> HostOutput:
         if self._host is None:
             o = self._out
-            tokens, lp, ids, lps, prompt = jax.device_get((o.tokens, o.logprob, o.top_ids, o.top_logprobs, o.prompt))
+            tokens, lp, ids, lps, prompt, pooled = jax.device_get((o.tokens, o.logprob, o.top_ids, o.top_logprobs,
+                                                                   o.prompt, o.pooled))
             self._host = HostOutput(np.asarray(tokens), np.asarray(lp), np.asarray(ids), np.asarray(lps),
-                                    None if prompt is None else tuple(np.asarray(x) for x in prompt))
+                                    None if prompt is None else tuple(np.asarray(x) for x in prompt),
+                                    None if pooled is None else np.asarray(pooled))
             self._out = None
         return self._host
 
@@ -97,6 +100,10 @@ class Runner(RunnerKVTier):
         # rows a step may verify proposals on (engine/speculative/verify_rows.py); 0 = off
         spec = config.speculative
         self.verify_rows = s.max_num_seqs * spec.num_tokens if spec.enabled else 0
+        # pooling requests (engine/pooling/) run the step's pooling variant; a model without an
+        # LM head (an embedding backbone) runs only that one
+        self.pooling = config.model.pooling.enabled
+        self.has_head = model.has_head
         self.shapes = list(shapes)
         self.prev_tokens = self._no_prev_tokens()  # [R * max_num_seqs] the last step's tokens
         self.pool = None  # engine.memory.PoolSize when engine.num_pages = 0 sized the pool
@@ -154,12 +161,13 @@ class Runner(RunnerKVTier):
         zeros = np.zeros(n, np.int32)
         return jax.make_array_from_callback((n,), NamedSharding(self.mesh, PartitionSpec()), lambda i: zeros[i])
 
-    def dummy(self, shape: tuple[int, int], verify: bool = False) -> StepBatch:
+    def dummy(self, shape: tuple[int, int], verify: bool = False, pool: bool = False) -> StepBatch:
         """An all-padding batch of one bucket (warm-up, and what followers receive into);
-        `verify`: with padding verification rows (speculative decoding's program)."""
+        `verify`: with padding verification rows (speculative decoding's program); `pool`:
+        the pooling program's."""
         s = self.config.engine
         one = dummy_batch(shape, s.max_pages_per_seq, s.penalty_window, self.config.model.vocab_size,
-                          self.prompt_rows, s.state_slots > 0)
+                          self.prompt_rows, s.state_slots > 0, pool)
         if verify:
             one = dataclasses.replace(one, verify=padding_rows(self.verify_rows, s.penalty_window,
                                                                self.config.model.vocab_size))
@@ -283,7 +291,10 @@ class Runner(RunnerKVTier):
             it = progress_bar(self.shapes, desc="step programs", unit="bucket")
         with count_cache_hits() as counts:
             for shape in it:
-                self.run(self.dummy(shape)).get()
+                if self.has_head:
+                    self.run(self.dummy(shape)).get()
+                if self.pooling:  # Engine.embed / score's program, so no pooling request waits for one
+                    self.run(self.dummy(shape, pool=True)).get()
                 if self.verify_rows:  # speculative decoding's programs too, so no request waits for one
                     self.run(self.dummy(shape, verify=True)).get()
             if self.kv_offload is not None:  # the host tier's gathers and scatters

@@ -67,6 +67,7 @@ class SampleOutput:
     top_logprobs: jax.Array  # [S, N] f32
     # a step that scores prompt rows (engine/step.py): (logprob [P], top ids [P, N], top logprobs [P, N])
     prompt: tuple | None = None
+    pooled: jax.Array | None = None  # a step with pooling rows (engine/pooling/): [S, E] f32 per-sequence sums
 
 
 def apply_penalties(logits: jax.Array,  # [S, V] f32

@@ -18,6 +18,12 @@ A batch with `verify` rows (speculative decoding) is another pytree, so another 
 per bucket (the runner's warm-up compiles it beside the plain one): those rows' logits are sampled after the S rows, and
 the output has S + Q rows (engine/speculative/verify_rows.py).
 
+A batch with `pool_seg` (Engine.embed / score, engine/pooling/) is a third pytree: the last
+layer runs on every row and the final-norm hidden states are summed per sequence as the
+host's `pool_seg` assigns rows (its last row, all of them, its first), so generation-only
+batches keep their program, which is compiled only when model.pooling is set. A model
+without an LM head only pools: nothing is sampled.
+
 Both take `prev_tokens`, the previous step's sampled tokens padded to R * max_num_seqs
 (one shape for every bucket, so no extra compiles), and return this step's: a decode
 whose input is still on the device (async scheduling) takes it from there by the row
@@ -73,6 +79,12 @@ def prompt_logprobs(logits: jax.Array,  # [P, V] f32
     return chosen, top_ids.astype(jnp.int32), top_lps
 
 
+def pooled_only(pooled: jax.Array) -> SampleOutput:  # [S, E] f32 -> an output with no sampled rows
+    s = pooled.shape[0]
+    zeros = jnp.zeros((s, MAX_LOGPROBS), jnp.float32)
+    return SampleOutput(jnp.zeros(s, jnp.int32), zeros[:, 0], zeros.astype(jnp.int32), zeros, pooled=pooled)
+
+
 def _step_body(forward, batch: StepBatch, prev_tokens: jax.Array,  # [P] i32
                scores_prompt: bool = False) -> tuple[SampleOutput, KVCache, jax.Array]:
     """What every step does: the previous step's tokens in, forward, sample, tokens out.
@@ -88,8 +100,15 @@ def _step_body(forward, batch: StepBatch, prev_tokens: jax.Array,  # [P] i32
             [meta.logits_indices, jnp.maximum(batch.lp_rows, 0)], axis=-1))
     if verify is not None:  # they come last, after the sampled and scored rows
         meta = dataclasses.replace(meta, logits_indices=jnp.concatenate([meta.logits_indices, verify.rows]))
+    pooled = None
     with jax.named_scope("model"):
-        logits, kv_cache = forward(batch.tokens.reshape(n), batch.positions.reshape(n), meta)
+        if batch.pool_seg is None:
+            logits, kv_cache = forward(batch.tokens.reshape(n), batch.positions.reshape(n), meta)
+        else:  # the pooling variant: every row's final-norm hidden state, summed per sequence
+            logits, kv_cache, pooled = forward(batch.tokens.reshape(n), batch.positions.reshape(n), meta,
+                                               pool_seg=batch.pool_seg.reshape(n))
+    if logits is None:  # a model without an LM head: it only pools, nothing is sampled
+        return pooled_only(pooled), kv_cache, prev_tokens
     if verify is not None:  # [S (+ P) + Q, V] -> the rest, and the Q verification rows
         q = verify.rows.shape[0]
         logits, verify_logits = logits[:-q], logits[-q:]
@@ -106,7 +125,7 @@ def _step_body(forward, batch: StepBatch, prev_tokens: jax.Array,  # [P] i32
         if verify is not None:  # one sampler call: rows [S + Q], each row's draw its own (sampler.py)
             logits = jnp.concatenate([logits, verify_logits])
             sampling = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), sampling, verify.sampling)
-        out = dataclasses.replace(sample(logits, sampling), prompt=prompt)
+        out = dataclasses.replace(sample(logits, sampling), prompt=prompt, pooled=pooled)
     sampled = out.tokens if verify is None else out.tokens[:s]
     return out, kv_cache, _pad_tokens(sampled, prev_tokens.shape[0])
 
@@ -120,8 +139,8 @@ def step(graphdef: nnx.GraphDef,
          scores_prompt: bool = False,
          ) -> tuple[SampleOutput, KVCache, jax.Array]:  # [S] rows, cache, [P] tokens
     model = nnx.merge(graphdef, state)
-    return _step_body(lambda tokens, positions, meta: model(tokens, positions, kv_cache, meta), batch, prev_tokens,
-                      scores_prompt)
+    return _step_body(lambda tokens, positions, meta, **pool: model(tokens, positions, kv_cache, meta, **pool), batch,
+                      prev_tokens, scores_prompt)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=2)

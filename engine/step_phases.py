@@ -24,6 +24,7 @@ from jaxfill.engine.async_step import Launch
 from jaxfill.engine.batch import build_batch, pick_bucket, stack_batches
 from jaxfill.engine.kv_tier.restore import restore_rows
 from jaxfill.engine.output import record_prompt_logprobs, token_output
+from jaxfill.engine.pooling.vectors import add_part, vector
 from jaxfill.engine.request import Request, RequestOutput
 
 
@@ -95,7 +96,8 @@ class StepPhases:
         try:
             launch.batch = stack_batches([build_batch(sc, launch.shape, s.page_size, s.max_pages_per_seq,
                                                       self.vocab_size, s.penalty_window, self.runner.prompt_rows,
-                                                      s.state_slots > 0, self.runner.verify_rows)
+                                                      s.state_slots > 0, self.runner.verify_rows,
+                                                      pool=not self.runner.has_head)
                                           for sc in launch.scheds])
         except Exception as e:  # noqa: BLE001 - a bad request must not stop the engine
             outputs += self.fail(launch.scheds, e)
@@ -131,6 +133,12 @@ class StepPhases:
             for sch, row in launch.rows():
                 req = sch.req
                 try:
+                    if req.pooling is not None:
+                        out = self._pooled_output(sch, host, row)
+                        done.add(id(sch))
+                        if out is not None:
+                            outputs.append(out)
+                        continue
                     if sch.draft:
                         rows = [verified + j for j in range(len(sch.draft))] + [row]
                         verified += len(sch.draft)
@@ -144,6 +152,17 @@ class StepPhases:
                 done.add(id(sch))
                 if out is not None:
                     outputs.append(out)
+
+    def _pooled_output(self, sch, host, row: int) -> RequestOutput | None:
+        """[lock] A pooling request's chunk: its sum kept; at the prompt's end it finishes with
+        its vector (engine/pooling/vectors.py), pages freed, no token drawn."""
+        if sch.req.finished:
+            return None
+        add_part(sch.req, sch.start, sch.num_new, host.pooled[row])
+        if not self.scheduler.update_pooled(sch):
+            return None
+        sch.req.embedding = vector(sch.req)
+        return self.finish(sch.req, "stop")
 
     def _verified_outputs(self, sch, host, rows: list[int], now: float, defer_text: bool) -> list[RequestOutput]:
         """[lock] A decode that verified proposals: its emitted tokens one output each, in

@@ -147,6 +147,8 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
     for path in files:
         for name, stored in gguf_tensors(path) if gguf else read_safetensors(path):
             name = rename(name)
+            if name not in table and "model." + name in table:
+                name = "model." + name  # a bare backbone (Qwen3-Embedding: embed_tokens.*, layers.*, norm.*)
             if name.endswith(family.ignored_tensors) or name.startswith(skipped):
                 continue
             if name == "lm_head.weight" and config.embeddings.tied:

@@ -13,6 +13,8 @@ models/mixers/, called through one protocol (models/mixers/context.py).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -132,10 +134,12 @@ class Decoder(nnx.Module):
         layers = [self.layer_class(config, rngs, n) for n in range(config.num_layers)]
         self.layers = nnx.List(stack_layers(layers, self.stages) if self.stages > 1 else layers)
         self.norm = RMSNorm(config.hidden_size, config.norms.eps, dt, rngs, kind=config.norms.kind)
-        if not config.embeddings.tied:
+        if not config.embeddings.tied and config.embeddings.head:
             self.lm_head = param(rngs, (config.hidden_size, config.vocab_size), ("embed", "vocab"), dt)
         if config.embeddings.head_bias:
             self.lm_head_bias = param(rngs, (config.vocab_size,), ("vocab",), dt)
+        if config.pooling.num_labels:  # a sequence-classification head (engine/pooling/head.py)
+            self.score = param(rngs, (config.hidden_size, config.pooling.num_labels), ("embed", "labels"), dt)
 
     def stream_in(self, x: jax.Array) -> jax.Array:  # [T, E] embedded -> what the layers carry
         return x
@@ -163,15 +167,20 @@ class Decoder(nnx.Module):
                  positions: jax.Array,  # [T] int32
                  kv_cache: KVCache,
                  meta: AttentionMetadata,
-                 ) -> tuple[jax.Array, KVCache]:  # logits [S, vocab] float32
+                 pool_seg: jax.Array | None = None,  # [T] i32: each row's sequence to pool into, S = none
+                 ):  # (logits [S, vocab] f32, cache), or with pool_seg (logits or None, cache, pooled [S, E] f32)
+        """`pool_seg` (engine/pooling/): the last layer runs on every row, and the final-norm
+        hidden states are summed per sequence row; a model without an LM head returns no logits."""
         if kv_cache.stages != self.stages:
             raise ValueError(f"the cache is laid out for {kv_cache.stages} stage(s), the model for {self.stages}")
         x = self.embed(tokens)
         if self.config.embeddings.scale != 1.0:
             x = x * jnp.asarray(self.config.embeddings.scale, x.dtype)
         x = self.stream_in(x)
-        if self.stages > 1:
-            x, new_pages, counts = pipeline_layers(self.layers, x, positions, kv_cache.pages, meta,
+        if self.stages > 1:  # stacked layers hand back the rows of logits_indices: all of them to pool
+            rows = meta if pool_seg is None else dataclasses.replace(
+                meta, logits_indices=jnp.arange(tokens.shape[0], dtype=jnp.int32))
+            x, new_pages, counts = pipeline_layers(self.layers, x, positions, kv_cache.pages, rows,
                                                    self.attention_impl, self.plan.microbatches)
         else:
             # The last layer's rows other than the sampled ones feed nothing (their K/V
@@ -179,23 +188,46 @@ class Decoder(nnx.Module):
             # caller asks for more rows than one per sequence (every-row logits, as
             # training and evaluation read them).
             one_row_per_seq = meta.logits_indices.shape[0] == meta.kv_lens.shape[0]
-            prune = one_row_per_seq and self.plan.prunes_last_layer
+            prune = one_row_per_seq and self.plan.prunes_last_layer and pool_seg is None
             if prune and rows_split_over_sequence():
                 raise ValueError("the execution plan runs the last layer on the sampled rows, but the mesh splits "
                                  "the rows over 'sequence': build the model with ExecutionPlan.of(..., mesh)")
             per_layer = None if self.per_layer_inputs is None else self.per_layer_inputs(tokens, x)
             x, new_pages, counts = run_layers(self.layers, x, positions, kv_cache.pages, meta,
                                               self.attention_impl, prune, per_layer=per_layer)
-            if not prune:
+            if not prune and pool_seg is None:
                 x = jnp.take(x, meta.logits_indices, axis=0)
+        if pool_seg is not None:  # x: every row [T, E]
+            pooled = pool_rows(self.norm(self.stream_out(x)), pool_seg, meta.kv_lens.shape[0])
+            logits = self.head(self.norm(jnp.take(self.stream_out(x), meta.logits_indices, axis=0))) \
+                if self.has_head else None
+            return logits, kv_cache.updated(new_pages, counts), pooled
         x = self.norm(constrain(self.stream_out(x), ("seqs", "act_embed")))  # [S, E]
+        return self.head(x), kv_cache.updated(new_pages, counts)
+
+    @property
+    def has_head(self) -> bool:
+        return self.config.embeddings.head
+
+    def head(self, x: jax.Array) -> jax.Array:  # [S, E] final-norm hidden -> [S, vocab] f32 logits
+        if not self.has_head:
+            raise ValueError("this model has no LM head (an embedding backbone): it embeds and scores, "
+                             "it does not generate")
         if self.config.embeddings.tied:
             logits = self.embed.attend(x)
         else:
             logits = constrain(x @ self.lm_head[...], ("seqs", "act_vocab"))  # vocab-parallel
         if self.config.embeddings.head_bias:
             logits = logits + self.lm_head_bias[...]
-        return final_logits(self.config, logits), kv_cache.updated(new_pages, counts)
+        return final_logits(self.config, logits)
+
+
+def pool_rows(h: jax.Array,  # [T, E] final-norm hidden states of the step's rows
+              seg: jax.Array,  # [T] i32: the sequence row each token row adds into; num_seqs = none
+              num_seqs: int) -> jax.Array:  # [S, E] f32 sums
+    """A segment sum over the ragged token axis: which rows a sequence pools (its last, all,
+    its first) is the host's choice of `seg`, so one program serves every pooling mode."""
+    return jax.ops.segment_sum(h.astype(jnp.float32), seg, num_segments=num_seqs + 1)[:num_seqs]
 
 
 def final_logits(config: ModelConfig, logits: jax.Array) -> jax.Array:  # [S, V] -> [S, V] f32

@@ -41,3 +41,18 @@ def test_readme_set_up_command_prints_the_quoted_text():
     assert out.returncode == 0, out.stderr
     printed = " / ".join(line.strip() for line in out.stdout.splitlines() if line.strip())
     assert quoted in printed, (quoted, printed)
+
+
+def test_readme_embeddings_example_runs():
+    """The "Embeddings and scoring" example: two unit vectors of the hidden size, two scores."""
+    import contextlib
+    import io
+
+    text = open(os.path.join(ROOT, "README.md")).read()
+    block = re.search(r"## Embeddings and scoring.*?```python\n(.*?)```", text, re.S).group(1)
+    namespace: dict = {}
+    with contextlib.redirect_stdout(io.StringIO()):
+        exec(compile(block, "README.md", "exec"), namespace)
+    vectors, engine = namespace["vectors"], namespace["engine"]
+    assert [v.shape for v in vectors] == [(engine.config.model.hidden_size,)] * 2
+    assert all(abs(float(v @ v) - 1) < 1e-5 for v in vectors)

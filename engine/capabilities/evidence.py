@@ -28,6 +28,8 @@ def _each(test: str, families: tuple[str, ...], columns: tuple[str, ...]) -> tup
 
 
 EVIDENCE: tuple[Evidence, ...] = (
+    # Engine.embed / score against sentence-transformers and transformers (engine/pooling/)
+    *_each("tests/test_embed.py::test_embeddings_equal_the_references", ("qwen3", "llama"), ("model.pooling",)),
     # Llama (tiny_random) through the Engine, each layout against one device
     Evidence("tests/test_engine_mesh.py::test_sharded_engine_equals_one_device", ("llama",), ("mesh.tensor",)),
     Evidence("tests/test_engine_mesh.py::test_data_replicas_equal_one_device[d2]", ("llama",), ("mesh.data",)),

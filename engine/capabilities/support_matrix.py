@@ -21,7 +21,7 @@ SHORT = {"mesh.tensor": "tensor", "mesh.sequence": "sequence", "mesh.data": "dat
          "model.weight_dtype=int_group": "int4/int8 groups",
          "engine.kv_cache_dtype=int8": "int8 KV",
          "engine.kv_cache_dtype=float8_e4m3fn": "fp8 KV", "engine.enable_prefix_caching": "prefix cache",
-         "engine.host_kv_cache_gb": "host tier", "engine.disk_kv_cache_dir": "disk tier"}
+         "engine.host_kv_cache_gb": "host tier", "engine.disk_kv_cache_dir": "disk tier", "model.pooling": "pooling"}
 MATRIX_BEGIN, MATRIX_END = "<!-- capability-matrix:begin -->", "<!-- capability-matrix:end -->"
 
 

@@ -53,6 +53,8 @@ CAPABILITIES: dict[str, Capability] = {c.key: c for c in (
     Capability("engine.disk_kv_cache_dir", lambda c: bool(c.engine.disk_kv_cache_dir),
                {"engine.disk_kv_cache_dir": "{tmp}", "engine.disk_kv_cache_gb": 0.01,
                 "engine.host_kv_cache_gb": 0.01}),
+    # Engine.embed / score (engine/pooling/): model.pooling, or a reranker's model.score_token_ids
+    Capability("model.pooling", lambda c: c.model.pooling.enabled, {"model.pooling": "last"}),
 )}
 # Settings that are conditions of rules but not columns of the matrix.
 SETTINGS: dict[str, Callable] = {
@@ -172,6 +174,14 @@ RULES: tuple[Rule, ...] = (
          "mesh.data = 1 or --role both"),
     Rule(("serve.role=prefill/decode", "mesh.num_processes"), "export and import run on process 0 alone; "
          "followers would replay steps without them", "mesh.num_processes = 1 or --role both"),
+    # pooling (engine/pooling/): Engine.embed / score rows in one replica's unstacked or scanned step
+    *(Rule(("model.pooling", cond), f"pooling: {why}", f"model.pooling = none (and no model.score_token_ids) or "
+           f"{change}") for cond, why, change in (
+        ("mesh.data", "pooled rows are laid out for one data replica", "mesh.data = 1"),
+        ("mesh.stage", "pooled rows through pipeline stages are not tested", "mesh.stage = 1"),
+        ("mesh.num_processes", "followers' replay of pooling steps is not built", "mesh.num_processes = 1"),
+        ("speculative.method=ngram", "verification beside pooled rows is not tested", "speculative.method = none"),
+    )),
     # speculative decoding (engine/speculative/): proposals verified as rows of one replica's ragged step
     *(Rule((cond, "speculative.method=ngram"), f"speculative decoding: {why}", change) for cond, why, change in (
         ("linear", "a recurrent state cannot roll back rejected proposals yet", "speculative.method = none"),

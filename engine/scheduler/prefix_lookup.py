@@ -42,8 +42,9 @@ class PrefixLookup:
 
     def hits(self, req: Request) -> list:
         """Per page of the longest prefix cached in any tier: its device page, or a Restore."""
-        if not self.bm.enable_prefix_caching or req.params.prompt_logprobs is not None:
-            return []  # prompt_logprobs needs every prompt row's logits: a cached prefix is recomputed
+        if not self.bm.enable_prefix_caching or req.params.prompt_logprobs is not None or (
+                req.pooling is not None and req.pooling.every_row):
+            return []  # prompt_logprobs (mean / cls pooling) needs every prompt row: a cached prefix is recomputed
         hits: list = []
         for h in self.hashes(req, req.num_tokens - 1):
             page = self.bm.page_of(h)

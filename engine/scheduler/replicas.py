@@ -94,6 +94,9 @@ class ReplicaScheduler:
     def update_from_output(self, sch, token: int, now: float) -> Sampled | None:
         return self.replicas[sch.req.replica].update_from_output(sch, token, now)
 
+    def update_pooled(self, sch) -> bool:
+        return self.replicas[sch.req.replica].update_pooled(sch)
+
     def verify(self, sch, targets: list[int]) -> list[int]:
         return self.replicas[sch.req.replica].verify(sch, targets)
 

@@ -5,6 +5,7 @@
                           a sampling chunk leaves one token in flight
     update_from_output()  one row of a finished step: pages published, the token recorded,
                           the stop the ids decide (EOS, stop ids, max_tokens, max_model_len)
+    update_pooled()       the same for a pooling request's row: no token; done at its prompt's end
     restored()            host-tier pages written back (they join the prefix cache), or
                           not (the request recomputes its prompt)
     rewind()              an interrupt lost steps: recompute from what the host knows
@@ -71,6 +72,19 @@ class RequestTransitions:
             return None
         req.in_flight -= 1
         return Sampled(token, self._record_token(req, token, now))
+
+    def update_pooled(self, sch) -> bool:
+        """A pooling request's row (engine/pooling/): its pages published as any chunk's; True
+        when the chunk ended its prompt, which then finishes with no token drawn."""
+        req = sch.req
+        if req.finished:
+            return False
+        if req.status == Status.RUNNING:
+            self.prefix.publish(req, min(sch.start + sch.num_new, req.num_computed), sch.start)
+        if not sch.samples:
+            return False
+        req.in_flight -= 1
+        return True
 
     def _record_token(self, req: Request, token: int, now: float) -> str | None:
         p = req.params

@@ -6,7 +6,8 @@ from jaxfill.models.config.model import (DTYPES, FLAT_KEYS, WEIGHT_DTYPES, Model
                                          freeze)
 from jaxfill.models.config.sections import (LAYER_TYPES, AttentionConfig, EmbeddingConfig, LinearConfig, MLAConfig,
                                             MoEConfig, NormConfig)
+from jaxfill.models.config.pooling import PoolingConfig
 
 __all__ = ["ConfigError", "read_config_json", "DTYPES", "FLAT_KEYS", "WEIGHT_DTYPES", "ModelConfig", "as_tuple",
            "flat_keys", "freeze", "LAYER_TYPES", "AttentionConfig", "EmbeddingConfig", "LinearConfig", "MLAConfig",
-           "MoEConfig", "NormConfig"]
+           "MoEConfig", "NormConfig", "PoolingConfig"]

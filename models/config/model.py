@@ -16,6 +16,7 @@ from typing import Any
 from jaxfill.models.config.errors import ConfigError
 from jaxfill.models.config.sections import (AttentionConfig, EmbeddingConfig, LinearConfig, MLAConfig, MoEConfig,
                                             NormConfig)
+from jaxfill.models.config.pooling import PoolingConfig
 
 DTYPES = ("float32", "bfloat16", "float16")  # jax.numpy names; jax is imported only when one is used
 # auto: projections stored in `dtype`; int8: see models/quant.py; fp8_block: kept as an FP8
@@ -28,7 +29,7 @@ WEIGHT_FP8 = ("float8_e4m3fn", "float8_e5m2")
 ACTIVATIONS = ("silu", "gelu_tanh", "relu2", "xielu")
 
 SECTIONS = {"attention": AttentionConfig, "mla": MLAConfig, "moe": MoEConfig, "linear": LinearConfig,
-            "norms": NormConfig, "embeddings": EmbeddingConfig}
+            "norms": NormConfig, "embeddings": EmbeddingConfig, "pooling": PoolingConfig}
 # flat key (TOML [model], --set model.x, a family's model_fields) -> (section, field); a
 # key a section names as it is (rope_theta, num_experts) is added below
 RENAMED = {
@@ -53,12 +54,14 @@ RENAMED = {
     "attention_out_scale": ("attention", "out_scale"),
     "rms_norm_eps": ("norms", "eps"), "norm_kind": ("norms", "kind"), "norm_layout": ("norms", "layout"),
     "tie_word_embeddings": ("embeddings", "tied"), "embed_scale": ("embeddings", "scale"),
-    "lm_head_bias": ("embeddings", "head_bias"),
+    "lm_head_bias": ("embeddings", "head_bias"), "has_lm_head": ("embeddings", "head"),
+    "pooling": ("pooling", "mode"), "normalize_embeddings": ("pooling", "normalize"),
 }
 FLAT_KEYS = {**{f.name: (section, f.name) for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)
                 if (section, f.name) not in RENAMED.values()}, **RENAMED}
 TUPLE_KEYS = ("weight_block_size", "mlp_scales", "linear_part_scales", "layer_types", "nope_layers", "dense_layers",
-              "linear_layers", "no_mlp_layers", "no_mixer_layers")
+              "linear_layers", "no_mlp_layers", "no_mixer_layers",
+              "score_token_ids")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +99,7 @@ class ModelConfig:
     linear: LinearConfig = LinearConfig()
     norms: NormConfig = NormConfig()
     embeddings: EmbeddingConfig = EmbeddingConfig()
+    pooling: PoolingConfig = PoolingConfig()
     dtype: str = "float32"  # parameter and activation dtype
     # projection weights: "auto" (= dtype), "int8" (w8a16, per-channel f32 scales), "fp8_block"
     weight_dtype: str = "auto"
@@ -159,6 +163,9 @@ class ModelConfig:
     def _check_sections_fit(self):
         """What a section cannot check alone: its fields against the model's shapes."""
         a, mla = self.attention, self.mla
+        if not (self.embeddings.head or self.pooling.enabled):
+            raise ConfigError("a model without an LM head (has_lm_head = false, untied) can only embed or score: "
+                              "set model.pooling (last, mean or cls)")
         if mla.enabled:
             want = dict(num_kv_heads=1, head_dim=mla.entry_width)
             bad = {k: getattr(self, k) for k, v in want.items() if getattr(self, k) != v}

@@ -386,3 +386,7 @@ class EmbeddingConfig:
     logits_scale: float = 1.0  # logits times this (Granite: 1 / logits_scaling)
     final_soft_cap: float | None = None  # cap * tanh(logits / cap) (Gemma 2)
     head_bias: bool = False  # the LM head adds a bias (Phi-3.5-MoE's lm_head_bias)
+    # False: no LM head at all (an embedding backbone: neither lm_head.weight nor tied
+    # embeddings); such a model embeds and scores by pooling, and refuses generation
+    head: bool = True
+

@@ -184,8 +184,10 @@ class Family:
             pre + "embed_tokens.weight": same(("embed", "embedding"), (c.vocab_size, e)),
             pre + "norm.weight": same(("norm", "weight"), (e,)),
         }
-        if not c.embeddings.tied:
+        if not c.embeddings.tied and c.embeddings.head:
             table["lm_head.weight"] = HFTensor(("lm_head",), (c.vocab_size, e), (c.vocab_size, e), (1, 0))
+        if c.pooling.num_labels:
+            table["score.weight"] = HFTensor(("score",), (c.pooling.num_labels, e), (c.pooling.num_labels, e), (1, 0))
         if c.embeddings.head_bias:
             table["lm_head.bias"] = same(("lm_head_bias",), (c.vocab_size,))
         if c.norms.kind == "layer":  # LayerNorms carry a bias

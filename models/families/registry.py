@@ -34,6 +34,11 @@ REFUSED = {
 }
 
 
+# `<X>ForSequenceClassification` of a registered `<X>ForCausalLM` (engine/pooling/)
+CLASSIFIER = "ForSequenceClassification"
+CLASSIFIER_KEYS = ("id2label", "label2id", "num_labels", "problem_type", "pad_token_id")
+
+
 @functools.lru_cache(maxsize=1)
 def _by_architecture() -> dict[str, Any]:
     out = {}
@@ -76,6 +81,12 @@ def config_from_hf(config):
         config = hf_config_of(gguf) if gguf else read_config_json(os.fspath(config))
     archs = config.get("architectures") or []
     arch = archs[0] if archs else None
+    classifier = arch and arch.endswith(CLASSIFIER) and arch.replace(CLASSIFIER, "ForCausalLM") in _by_architecture()
+    if classifier:  # the decoder of its CausalLM, no LM head, score.weight on the last token
+        labels = int(config.get("num_labels") or len(config.get("id2label") or {}) or 2)
+        plain = {k: v for k, v in config.items() if k not in CLASSIFIER_KEYS}
+        plain["architectures"] = [arch.replace(CLASSIFIER, "ForCausalLM")]
+        return config_from_hf(plain).replace(num_labels=labels, has_lm_head=False)
     if arch in REFUSED:
         raise ConfigError(f"config.json architecture {arch!r} is not supported: {REFUSED[arch]}")
     if arch not in _by_architecture():
