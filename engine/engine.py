@@ -29,7 +29,8 @@ from jaxfill.engine.assembly import assemble
 from jaxfill.engine.config import Config, load_config
 from jaxfill.engine.core import EngineCore
 from jaxfill.engine.pooling import api as pooling_api
-from jaxfill.engine.request import Completion, InvalidRequest, QueueFull, RequestOutput, SamplingParams
+from jaxfill.engine.request import (Completion, InvalidRequest, PoolingParams, QueueFull, RequestOutput,
+                                   SamplingParams)
 
 
 def _core_attr(name: str, doc: str = "", writable: bool = False) -> property:
@@ -205,6 +206,13 @@ class Engine:
         L2-normalized if asked (default model.normalize_embeddings). Prefill only, batched
         with whatever else is running; each input's pages go back when it is done."""
         return pooling_api.embed(self, inputs, pooling, normalize)
+
+    def add_pooling_request(self, prompt_ids: list[int], pooling: PoolingParams, request_id: str | None = None) -> str:
+        """Queues one pooling request for whoever steps (a serving loop): it is prefilled,
+        never decoded, and its final output's `completion.embedding` is its vector. Checked
+        as `embed` checks its inputs (InvalidRequest, nothing queued)."""
+        ids = self.factory.check_pooling(prompt_ids, pooling)
+        return self.core.add_pooling_request(ids, pooling, request_id)
 
     def score(self, query, documents) -> list[float]:
         """One number per document: p(yes) of a reranker (model.score_token_ids), else the

@@ -44,7 +44,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from jaxfill.engine.request import InvalidRequest, QueueFull, SamplingParams
+from jaxfill.engine.request import InvalidRequest, PoolingParams, QueueFull, SamplingParams
 from jaxfill.serving.engine_thread import (DRAINING, FAILED, SERVING, STOPPED, WARMING, Abort, Add, Call,  # noqa: F401
                                            EngineThread, StopAt)
 from jaxfill.serving.kv_events import KVEventBus
@@ -140,13 +140,7 @@ class EngineLoop(EngineThread):
         Raises InvalidRequest for a request id already in flight and QueueFull when
         `capacity` requests are in flight.
         """
-        if request_id in self._streams:
-            raise InvalidRequest("request_id", f"{request_id!r} is already in flight")
-        if len(self._streams) >= self.capacity:
-            raise QueueFull(f"server is full: {len(self._streams)} requests in flight fill the "
-                            f"{self.batch_slots} batch slots and {self.max_waiting} waiting places "
-                            "(engine.max_num_seqs, engine.max_waiting); retry later")
-        stream = RequestStream(request_id, len(prompt_ids), arrival or time.monotonic())
+        stream = self._new_stream(request_id, len(prompt_ids), arrival)
         try:
             self._text.start(request_id, prompt_ids, params)
         except Exception:  # noqa: BLE001 - ids the tokenizer cannot prime on: add_request refuses them
@@ -155,6 +149,27 @@ class EngineLoop(EngineThread):
         self._inbox.append(Add(stream, prompt_ids, params, priority, after))
         self._wake.set()
         return stream
+
+    def submit_pooling(self, prompt_ids: list[int], pooling: PoolingParams, request_id: str,
+                       arrival: float | None = None) -> RequestStream:
+        """Queues an embedding (the Embed RPC) under the same admission as submit(). Its
+        stream ends with one finished output whose `completion.embedding` is the vector;
+        it has no text, so the TextStage passes it through untouched."""
+        stream = self._new_stream(request_id, len(prompt_ids), arrival)
+        self._streams[request_id] = stream
+        self._inbox.append(Add(stream, prompt_ids, SamplingParams(max_tokens=1), pooling=pooling))
+        self._wake.set()
+        return stream
+
+    def _new_stream(self, request_id: str, num_prompt: int, arrival: float | None) -> RequestStream:
+        """Admission: a fresh id and a free place among `capacity`, else raises."""
+        if request_id in self._streams:
+            raise InvalidRequest("request_id", f"{request_id!r} is already in flight")
+        if len(self._streams) >= self.capacity:
+            raise QueueFull(f"server is full: {len(self._streams)} requests in flight fill the "
+                            f"{self.batch_slots} batch slots and {self.max_waiting} waiting places "
+                            "(engine.max_num_seqs, engine.max_waiting); retry later")
+        return RequestStream(request_id, num_prompt, arrival or time.monotonic())
 
     def abort(self, request_id: str, notify: bool = False, reason: str = "cancelled") -> bool:
         """Aborts a request. notify=True (Abort RPC, shutdown): its stream gets an "aborted"

@@ -15,7 +15,7 @@ import time
 import traceback
 from typing import Any, Callable
 
-from jaxfill.engine.request import InvalidRequest, QueueFull, RequestOutput, SamplingParams
+from jaxfill.engine.request import InvalidRequest, PoolingParams, QueueFull, RequestOutput, SamplingParams
 
 log = logging.getLogger("jaxfill.serving")
 
@@ -33,6 +33,7 @@ class Add:
     params: SamplingParams
     priority: int = 0
     after: str | None = None  # a sibling sample's request id (Engine.add_request's `after`)
+    pooling: PoolingParams | None = None  # set: an embedding (Engine.add_pooling_request), params unused
 
 
 @dataclasses.dataclass
@@ -162,6 +163,8 @@ class EngineThread:
             admit = self.admit_hooks.get(stream.request_id)  # serving/disagg.py
             if admit is not None:
                 admit(self.engine, add.prompt_ids, add.params, stream.request_id, add.priority)
+            elif add.pooling is not None:
+                self.engine.add_pooling_request(add.prompt_ids, add.pooling, request_id=stream.request_id)
             else:
                 self.engine.add_request(add.prompt_ids, add.params, request_id=stream.request_id,
                                         priority=add.priority, after=add.after)

@@ -3,7 +3,8 @@
 What the smg gateway speaks to its workers: it tokenizes (with the HF tokenizer files
 GetModelInfo points it at), sends token ids, reads token ids back and detokenizes itself.
 Field translation lives in vllm_convert.py; engine behaviour is the engine's.
-Embed, FlushCache and the profiler RPCs are left UNIMPLEMENTED.
+Embed (serving/vllm_embed.py: the gateway's /v1/embeddings) runs Engine.embed's pooling
+through the engine loop. FlushCache and the profiler RPCs are left UNIMPLEMENTED.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from jaxfill.engine.tokenizer import ByteTokenizer
 from jaxfill.serving import vllm_convert as conv
+from jaxfill.serving import vllm_embed
 from jaxfill.models.families.registry import family_of
 from jaxfill.serving.disagg import Disagg
+from jaxfill.serving.fanout import merged, samples_of
 from jaxfill.serving.engine_loop import DRAINING, SERVING
 from jaxfill.serving.request_core import BadField, RequestCore, served_name
 
@@ -158,6 +161,10 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         conv.set_matched_stop(msg, completion, params, self.core.tokenizer)
         return msg
 
+    async def Embed(self, request: vpb.EmbedRequest, context):
+        self.last_receive = time.time()
+        return await vllm_embed.embed(self.core, request, context)
+
     async def Abort(self, request: vpb.AbortRequest, context):
         for rid in self.disagg.take_releases(request.request_ids):  # "kvx-release:<id>": a decode side pulled
             self.core.loop.abort(rid, notify=True)
@@ -257,41 +264,3 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         finally:
             loop.unsubscribe_kv(q)
 
-
-def samples_of(params):
-    """n > 1: one n = 1 request per sample, sample i seeded seed + i (as Engine's own n)."""
-    import dataclasses
-
-    return [dataclasses.replace(params, n=1, seed=None if params.seed is None else (params.seed + i) % 2**63)
-            for i in range(params.n)]
-
-
-async def merged(gens):
-    """The messages of several async generators as they come; one failing fails all."""
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(gen):
-        try:
-            async with contextlib.aclosing(gen):
-                async for msg in gen:
-                    await queue.put(msg)
-            await queue.put(done)
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
-            await queue.put(e)
-
-    tasks = [asyncio.ensure_future(pump(g)) for g in gens]
-    try:
-        left = len(tasks)
-        while left:
-            msg = await queue.get()
-            if msg is done:
-                left -= 1
-            elif isinstance(msg, BaseException):
-                raise msg
-            else:
-                yield msg
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
