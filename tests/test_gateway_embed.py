@@ -127,6 +127,19 @@ def test_what_smg_answers_for_token_ids_rerank_and_score(gateway):
         assert status == 404 and json.loads(body)["error"]["code"] == "unknown_url", body
 
 
+def test_classify_is_a_softmax_over_the_embed_vector(gateway, reference):
+    """smg 1.13's /v1/classify calls Embed too and reads the vector as class logits: for an
+    embedding model, a softmax over the hidden size with made-up LABEL_<i> names."""
+    _w, gw, _client = gateway
+    status, body = post(gw, "/v1/classify", {"model": gw.model, "input": TEXTS[0]})
+    assert status == 200, body
+    (d,) = json.loads(body)["data"]
+    v = reference[0][0].astype(np.float64)
+    want = np.exp(v - v.max()) / np.exp(v - v.max()).sum()
+    np.testing.assert_allclose(d["probs"], want, atol=1e-5)
+    assert d["label"] == f"LABEL_{int(np.argmax(v))}"
+
+
 def _assert_top(entries, want, tokenizer):
     """entries: (token text, logprob, [(text, logprob)] * TOP) per position; want: Completion.logprobs."""
     assert len(entries) == MAX_TOKENS
