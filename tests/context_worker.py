@@ -12,7 +12,7 @@ import sys
 
 import numpy as np
 
-LONG, MID = 8000, 1536  # prompt lengths: the long one needs 500 pages of 16
+LONG, MID = 4000, 1536  # prompt lengths: the long one needs 250 pages of 16
 
 
 def prompts(long: bool, mid_len: int = MID) -> list[list[int]]:
@@ -46,7 +46,7 @@ def main(spec: dict) -> dict:
     if not spec.get("abort", True):
         return out
     # An abort after the first chunk of a long prefill gives every page back.
-    rid = engine.add_request(prompts(False)[0] * 3, SamplingParams(max_tokens=4))
+    rid = engine.add_request(prompts(False)[0] * 2, SamplingParams(max_tokens=4))
     engine.step()
     held = engine.stats()["pages_free"]
     engine.abort(rid)

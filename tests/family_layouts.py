@@ -13,8 +13,8 @@ The engines serve with the `reference` attention impl unless a caller asks for a
 these checks compare layouts with each other, not attention numerics (the HF parity
 tests run every family through `xla`, tests/test_attention_oracle.py every impl against
 float64), and the reference's step program compiles ~4x faster than xla's blocked loops
-(tiny_random: 3.1 -> 0.8 s). Qwen3 and Gemma 3 keep `auto` (xla), so xla still runs
-under every mesh layout."""
+(tiny_random: 3.1 -> 0.8 s). tests/test_family_layouts.py runs Qwen3 through `auto` (xla)
+under every mesh axis too."""
 
 import json
 import os

@@ -3,12 +3,12 @@ device serves, token for token.
 
 Each configuration runs tests/context_worker.py in its own process (fake CPU devices):
 a 1536-token prompt (one unchunked step; 512 in the short runs), a prompt sharing its
-first two thirds (a prefix-cache hit of whole pages), and with `long` an 8000-token
-prompt (4 chunks of 2048) whose 500 pages exceed what one device holds under sequence=4
-(576 / 4 = 144), then an abort after the first chunk of a 4608-token prefill. Compared
+first two thirds (a prefix-cache hit of whole pages), and with `long` a 4000-token
+prompt (2 chunks of 2048) whose 250 pages exceed what one device holds under sequence=4
+(288 / 4 = 72), then an abort after the first chunk of a 3072-token prefill. Compared
 with one device holding the whole pool: greedy tokens, first-token logprobs, prefix
 hits, and the pool's bytes per device read from the shards (a 1/N share on every
-device). Why this file takes over a minute: seven engines, two through an 8k prefill.
+device). Why this file takes over a minute: seven engines, two through a 4k prefill.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import pytest
 from xla_flags import fake_devices
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BASE = {"engine.attention_impl": "reference", "model.max_position_embeddings": 8192, "engine.max_model_len": 8192,
-        "engine.max_num_batched_tokens": 2048, "engine.max_num_seqs": 4, "engine.num_pages": 576}
-PAGES_OF_LONG = 8000 // 16
+BASE = {"engine.attention_impl": "reference", "model.max_position_embeddings": 4608, "engine.max_model_len": 4608,
+        "engine.max_num_batched_tokens": 2048, "engine.max_num_seqs": 4, "engine.num_pages": 288}
+PAGES_OF_LONG = 4000 // 16
 
 
 def run(devices: int, overrides: dict, long: bool = False, mid: int = 1536, abort: bool = True) -> dict:
@@ -96,7 +96,7 @@ def test_pass_kv_ring_equals_one_device(one_device_short):
 
 @pytest.mark.slow
 def test_odd_rank_count(one_device_short):
-    """sequence=3: pages dealt over three ranks (576 = 3 x 192), bucket rows rounded up
+    """sequence=3: pages dealt over three ranks (288 = 3 x 96), bucket rows rounded up
     to a multiple of 3; aborts free per rank."""
     r = run(3, {"mesh.sequence": 3}, mid=512)
     same_answers(r, one_device_short)

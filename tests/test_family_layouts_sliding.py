@@ -26,5 +26,4 @@ def model_dirs(hf_dirs, tmp_path_factory):
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3"])
 def test_every_layout_gives_the_same_tokens(model_dirs, arch):
-    # Gemma 3's windows through xla (the others: the reference impl, tests/family_layouts.py)
-    check_every_layout(model_dirs[arch], arch, impl="auto" if arch == "gemma3" else "reference")
+    check_every_layout(model_dirs[arch], arch)

@@ -58,7 +58,9 @@ def plain_tokens(eng, kv_dtype):
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_quantized_engine_chunked_cached_plain_agree(kv_dtype):
-    eng = make_engine(kv_dtype)
+    # fp8 through xla's per-block dequantization; int8 on the reference impl (cheaper to
+    # compile, tests/fast_engine.py): both impls read quantized pages in an engine
+    eng = make_engine(kv_dtype, **(REFERENCE_ATTENTION if kv_dtype == "int8" else {}))
     layer = eng.runner.kv_cache.pages[0]
     assert isinstance(layer, QuantizedPages) and layer.values.dtype == jnp.dtype(kv_dtype)
     done = eng.generate(PROMPTS, GREEDY)
@@ -111,7 +113,7 @@ print(json.dumps({"tokens": [c.token_ids for c in out],
 def run_sharded(overrides, devices):
     env = dict(os.environ, XLA_FLAGS=fake_devices(devices))
     # the sharded runs compare with each other: the reference impl's faster compile
-    # (tests/fast_engine.py); the in-process tests above keep xla's quantized-page path
+    # (tests/fast_engine.py)
     over = {**BASE, **REFERENCE_ATTENTION, **overrides}
     out = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(over), json.dumps(PROMPTS)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
