@@ -1,7 +1,10 @@
 """Speculative decoding's side of the scheduler: proposals scheduled, verifications settled.
 
+    proposing()      whether a step may carry proposals at all (the batch-size switch,
+                     engine/speculative/policy.py)
     draft_for()      a running decode's proposals this step (engine/speculative/ngram.py),
-                     cut to the token budget, max_tokens and max_model_len
+                     cut to the token budget, max_tokens and max_model_len; none while the
+                     request backs off
     verify()         the step's sampled rows decide how many proposals are accepted
     record_verified  each emitted token recorded as one step would (EOS, stop ids, lengths)
     settle()         the rows of rejected proposals roll back: num_computed covers the
@@ -19,6 +22,7 @@ from jaxfill.engine.request import Request, Status
 from jaxfill.engine.scheduler.step_plan import total_tokens
 from jaxfill.engine.speculative.acceptance import SpecCounters, accept_prefix
 from jaxfill.engine.speculative.ngram import propose_ngram
+from jaxfill.engine.speculative.policy import SpecPolicy
 
 
 class Verification:
@@ -27,6 +31,11 @@ class Verification:
     def init_speculative(self, speculative) -> None:
         self.speculative = speculative
         self.spec = SpecCounters(speculative.num_tokens if speculative is not None else 0)
+        self.spec_policy = SpecPolicy(speculative) if speculative is not None and speculative.enabled else None
+
+    def proposing(self, num_decodes: int) -> bool:
+        """Whether this step's decodes may propose: off at speculative.disable_by_batch_size."""
+        return self.spec_policy is not None and self.spec_policy.step_allows(num_decodes)
 
     def draft_for(self, req: Request, room: int) -> list[int]:
         """Proposals for a one-token decode given `room` extra rows of the step's budget.
@@ -35,6 +44,8 @@ class Verification:
         sp = self.speculative
         if sp is None or not sp.enabled or room <= 0 or req.matcher is not None or req.in_flight:
             return []
+        if not self.spec_policy.may_propose(req):
+            return []  # backing off: its recent proposals were mostly rejected
         k = min(sp.num_tokens, room, req.params.max_tokens - len(req.output_ids) - 1,
                 self.max_model_len - total_tokens(req))
         if k <= 0:
@@ -49,6 +60,7 @@ class Verification:
             return []
         emitted = accept_prefix(sch.draft, targets)
         self.spec.record(len(sch.draft), len(emitted) - 1)
+        self.spec_policy.record(req, len(sch.draft), len(emitted) - 1)
         req.in_flight -= 1
         return emitted
 
