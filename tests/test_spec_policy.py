@@ -58,13 +58,16 @@ def watch_plans(eng: Engine) -> list[tuple[int, dict[str, int]]]:
     return plans
 
 
-def run(eng: Engine, reqs) -> list[list[int]]:
+def run(eng: Engine, reqs, overlapped: list | None = None) -> list[list[int]]:
+    """Each request's tokens; `overlapped` gets, per step, whether a step was left in flight."""
     for i, (prompt, sp) in enumerate(reqs):
         eng.add_request(prompt, sp, request_id=f"r{i}")
     got = {f"r{i}": [] for i in range(len(reqs))}
     while eng.has_unfinished():
         for o in eng.step():
             got[o.request_id] += list(o.new_token_ids)
+        if overlapped is not None:
+            overlapped.append(eng.core._in_flight is not None)
     st = eng.stats()
     assert st["pages_free"] == st["pages_total"]
     return [got[f"r{i}"] for i in range(len(reqs))]
@@ -106,8 +109,9 @@ def test_batch_size_switch_keeps_proposals_out_of_big_steps_and_the_output(model
     reqs.append((pat * 4 + [3], SamplingParams(max_tokens=20, temperature=0.8, seed=4)))
     ref = run(make_engine(model), reqs)
     eng = make_engine(model, **SPEC, **{"speculative.disable_by_batch_size": 3, "speculative.backoff_window": 0})
-    plans = watch_plans(eng)
-    assert run(eng, reqs) == ref
+    plans, overlapped = watch_plans(eng), []
+    assert run(eng, reqs, overlapped) == ref
+    assert any(overlapped)  # steps without proposals overlap again (async scheduling), output unchanged
     big = [drafts for n, drafts in plans if n >= 3]
     small = [drafts for n, drafts in plans if n < 3]
     assert big and small

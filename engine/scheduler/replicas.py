@@ -158,6 +158,10 @@ class ReplicaScheduler:
             **self._spec_stats(),
         }
 
+    def wants_proposals(self) -> bool:
+        """Whether a step planned now could carry proposals (verification.py); one replica only."""
+        return any(s.wants_proposals() for s in self.replicas)
+
     def _spec_stats(self) -> dict:
         """Speculative decoding's proposed / accepted counts (engine/speculative/); {} when off."""
         counters = [s.spec for s in self.replicas if s.speculative is not None and s.speculative.enabled]

@@ -10,11 +10,14 @@ make them not pay, and each has its own switch (config keys under speculative.*)
   count reaches it carries no proposals, so it runs the very program the engine uses
   without speculation.
 * Text that does not repeat. Prompt lookup still finds short n-grams in prose ("of the")
-  whose continuations are mostly wrong. A request whose last `backoff_window`
-  verifications accepted under `backoff_min_acceptance` of their proposals stops proposing
-  for `backoff_steps` of its decode steps, doubling (up to `backoff_max_steps`) each time it
-  backs off again, and back to `backoff_steps` after a window that passes. Backed off, it
-  costs nothing: not even the n-gram search runs.
+  whose continuations are mostly wrong, and most decodes find no match at all, yet each
+  costs a synchronous step (proposals need the newest token on the host). A request whose
+  last `backoff_window` attempts (verifications, and searches that found nothing, counted
+  as k rejected proposals) accepted under `backoff_min_acceptance` of their proposals
+  stops proposing for `backoff_steps` of its decode steps, doubling (up to
+  `backoff_max_steps`) each time it backs off again, and back to `backoff_steps` after a
+  window that passes. Backed off it costs nothing: no n-gram search, and while no running
+  request may propose the engine overlaps steps again (async scheduling, engine/core.py).
 
 Neither decision touches what is emitted (acceptance.py): output is the same whatever the
 policy decides, only the number of steps changes.
@@ -69,6 +72,14 @@ class SpecPolicy:
             return False
         return True
 
+    def would_propose(self, running: list) -> bool:
+        """Whether a step of these running requests may carry proposals (no counters move):
+        under the batch-size limit and with one of them not backing off."""
+        limit = self.settings.disable_by_batch_size
+        if not running or (limit and len(running) >= limit):
+            return False
+        return any(r.spec_backoff is None or r.spec_backoff.skip <= 0 for r in running)
+
     def may_propose(self, req) -> bool:
         """Whether `req` proposes this step; a backed-off request spends one step of its backoff."""
         b = req.spec_backoff
@@ -77,6 +88,12 @@ class SpecPolicy:
         b.skip -= 1
         self.counters.backoff_skipped += 1
         return False
+
+    def record_miss(self, req, k: int) -> None:
+        """A decode that searched and found no n-gram: to the window, k proposals none accepted.
+        Text that never repeats backs off like text whose proposals fail, so its steps go
+        back to overlapping (async scheduling) instead of waiting for each token."""
+        self.record(req, k, 0)
 
     def record(self, req, proposed: int, accepted: int) -> None:
         """One verification of `req`: back off when its window's acceptance is too low."""
