@@ -101,6 +101,11 @@ def test_backoff_doubles_and_resets_after_a_window_that_pays():
     policy.record(req, 3, 3)
     policy.record(req, 3, 1)  # 4 of 6 accepted: this window pays, the next backoff is short again
     assert req.spec_backoff.next_skip == 2 and req.spec_backoff.skip == 0
+    # the engine takes the step in flight first only when some running request may propose
+    resting = SimpleNamespace(spec_backoff=SimpleNamespace(skip=3))
+    assert policy.would_propose([req, resting]) and not policy.would_propose([resting])
+    limited = SpecPolicy(SpeculativeSettings(method="ngram", disable_by_batch_size=2))
+    assert limited.would_propose([req]) and not limited.would_propose([req, req])
 
 
 def test_batch_size_switch_keeps_proposals_out_of_big_steps_and_the_output(model):
