@@ -36,3 +36,7 @@ class Launch:
 
     def scheduled(self):
         return [sch for sched in self.scheds for sch in sched.seqs]
+
+    def has_proposals(self) -> bool:
+        """Speculative decoding: a step verifying proposals is taken at once (engine/core.py)."""
+        return any(sch.draft for sch in self.scheduled())

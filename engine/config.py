@@ -169,6 +169,16 @@ class SpeculativeSettings:
     num_tokens: int = 4  # proposals per decode and step (k)
     ngram_max: int = 4
     ngram_min: int = 2
+    # when proposing does not pay (engine/speculative/policy.py): no proposals in a step whose
+    # running decode count reaches disable_by_batch_size (0 = never; vLLM's name; default measured
+    # in benchmarks/RESULTS.md); a request whose last backoff_window verifications accepted under
+    # backoff_min_acceptance of their proposals stops proposing for backoff_steps of its decode
+    # steps, doubling up to backoff_max_steps (backoff_window = 0: never)
+    disable_by_batch_size: int = 8
+    backoff_window: int = 4
+    backoff_min_acceptance: float = 0.25
+    backoff_steps: int = 8
+    backoff_max_steps: int = 128
 
     def __post_init__(self):
         if self.method in SPEC_LATER:
@@ -180,6 +190,20 @@ class SpeculativeSettings:
         if not 1 <= int(self.ngram_min) <= int(self.ngram_max):
             raise ConfigError(f"speculative.ngram_min must be in [1, speculative.ngram_max]; "
                               f"got {self.ngram_min}, {self.ngram_max}")
+        for key in ("disable_by_batch_size", "backoff_window", "backoff_steps", "backoff_max_steps"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"speculative.{key} must be an integer >= 0, got {value!r}")
+        if self.disable_by_batch_size == 1:
+            raise ConfigError("speculative.disable_by_batch_size = 1 would never propose (every step with a decode "
+                              "reaches it): use speculative.method = none, 0 (never disable) or >= 2")
+        if isinstance(self.backoff_min_acceptance, bool) or not isinstance(self.backoff_min_acceptance, (int, float)) \
+                or not 0.0 <= self.backoff_min_acceptance <= 1.0:
+            raise ConfigError(f"speculative.backoff_min_acceptance must be a fraction in [0, 1] of the proposals "
+                              f"accepted, got {self.backoff_min_acceptance!r}")
+        if self.backoff_window and not 1 <= self.backoff_steps <= self.backoff_max_steps:
+            raise ConfigError(f"speculative.backoff_steps must be in [1, speculative.backoff_max_steps] while "
+                              f"speculative.backoff_window > 0; got {self.backoff_steps}, {self.backoff_max_steps}")
 
     @property
     def enabled(self) -> bool:

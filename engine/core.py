@@ -66,7 +66,10 @@ class EngineCore:
         self._guard = StepGuard(self._lock)  # one thread steps (engine/stepping.py)
         self._in_flight: Launch | None = None  # async scheduling: the step whose tokens are not yet taken
         # Speculative decoding proposes from the newest token and verifies on the host before the
-        # next step is scheduled: the engine steps synchronously while it is on.
+        # next step is scheduled: a step with proposals is taken at once. With async scheduling
+        # on, steps without them still overlap, and the step in flight is taken first only when
+        # the policy would let some decode propose (engine/speculative/policy.py).
+        self.spec_async = self.settings.async_scheduling and self.config.speculative.enabled
         self.async_scheduling = self.settings.async_scheduling and not self.config.speculative.enabled
         self.warmed_up = False
         self.warmup_s: float | None = None
@@ -241,16 +244,23 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """schedule -> restore -> build -> run -> update (engine/step_phases.py). With async
         scheduling step N+1 is dispatched before step N's tokens are taken; without, the
-        step just dispatched is taken at once: the same code, one step at a time."""
+        step just dispatched is taken at once: the same code, one step at a time. With
+        speculative decoding (spec_async) a step verifying proposals is taken at once, and
+        the step in flight is taken before planning when some decode may propose."""
         outputs: list[RequestOutput] = []
         phases = self._phases
         with self._guard.claim():
             done: set[int] = set()  # id() of the Scheduled rows taken
-            prev = launch = None
+            prev = launch = drained = None
             try:
                 with self._lock:
                     outputs += self._outbox  # first: they were made before this step
                     self._outbox = []
+                    drain = self._in_flight is not None and self.spec_async and self.scheduler.wants_proposals()
+                if drain:
+                    drained, self._in_flight = self._in_flight, None  # its tokens first: proposals need them
+                    phases.update(drained, outputs, done, self.defer_text)
+                with self._lock:
                     launch = phases.schedule(outputs)
                     if launch is not None:
                         launch = phases.restore(launch)
@@ -258,15 +268,18 @@ class EngineCore:
                         launch = phases.build(launch, outputs)
                 if launch is not None:
                     launch = phases.run(launch, outputs)
-                if self.async_scheduling:
+                if self.async_scheduling or (self.spec_async and launch is not None and not launch.has_proposals()):
                     prev, self._in_flight = self._in_flight, launch
                 else:
+                    if self._in_flight is not None:  # spec_async: an older step's tokens come first
+                        drained, self._in_flight = self._in_flight, None
+                        phases.update(drained, outputs, done, self.defer_text)
                     prev, launch = launch, None
                 if prev is not None:
                     phases.update(prev, outputs, done, self.defer_text)
             except BaseException:
                 with self._lock:  # an interrupt: nothing taken is lost, nothing in flight half-known
-                    lost = [x for x in (self._in_flight, prev, launch) if x is not None]
+                    lost = [x for x in (drained, self._in_flight, prev, launch) if x is not None]
                     self.scheduler.rewind([sch for x in lost for sch in x.scheduled()], done)
                     self._in_flight = None
                     self._outbox[:0] = outputs

@@ -267,6 +267,7 @@ class Request:
         self.pooling: PoolingParams | None = None  # a pooling request (engine/pooling/): prefilled, never decoded
         self.pool_parts: list[tuple] = []  # its chunks' (start, end, sum [E]) (engine/pooling/vectors.py)
         self.embedding = None  # its vector once its prompt is done
+        self.spec_backoff = None  # its speculative proposals' recent acceptance (engine/speculative/policy.py)
         self.matcher = None  # llguidance LLMatcher of a structured_output request (engine/structured_output.py)
         # text
         self.detok = None

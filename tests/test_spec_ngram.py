@@ -221,7 +221,7 @@ def test_proposals_are_cut_to_room_max_tokens_and_max_model_len_and_skip_grammar
 
     def req(out, max_tokens=100, matcher=None, in_flight=0):
         prompt = [1, 2, 3, 4, 5, 6, 7, 8] * 3
-        return SimpleNamespace(prompt_ids=prompt, output_ids=out, matcher=matcher, in_flight=in_flight,
+        return SimpleNamespace(prompt_ids=prompt, output_ids=out, matcher=matcher, in_flight=in_flight, spec_backoff=None,
                                num_tokens=len(prompt) + len(out), params=SamplingParams(max_tokens=max_tokens))
 
     assert sched.draft_for(req([1, 2]), room=10) == [3, 4, 5, 6]

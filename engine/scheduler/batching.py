@@ -175,6 +175,7 @@ class Scheduler(RequestTransitions, Verification):
         decodes = [r for r in self.running if to_compute(r) == 1 and not self._ends_in_flight(r)
                    and not (r.matcher is not None and r.in_flight)]
         prefills = [r for r in self.running if to_compute(r) > 1]
+        propose = bool(decodes) and self.proposing(len(decodes))  # the batch-size switch (verification.py)
         for at, req in enumerate(decodes + prefills):
             if req.status != Status.RUNNING:
                 continue  # preempted by an earlier request of this loop
@@ -185,7 +186,7 @@ class Scheduler(RequestTransitions, Verification):
             if n == 0:
                 continue  # this step's prompt_logprobs rows are taken
             draft = []
-            if at < len(decodes):  # proposals only from the budget the later decodes leave
+            if propose and at < len(decodes):  # proposals only from the budget the later decodes leave
                 draft = self.draft_for(req, budget - n - (len(decodes) - 1 - at))
                 if draft and not self._grow(req, req.num_computed + n + len(draft)):
                     draft = []  # no page for them: a plain decode, never a preemption for proposals

@@ -20,6 +20,7 @@ from jaxfill.engine.scheduler.batching import Scheduler
 from jaxfill.engine.scheduler.step_plan import SchedulerOutput
 from jaxfill.engine.scheduler.transitions import Sampled
 from jaxfill.engine.speculative.acceptance import SpecCounters
+from jaxfill.engine.speculative.policy import PolicyCounters
 
 
 class ReplicaScheduler:
@@ -157,12 +158,17 @@ class ReplicaScheduler:
             **self._spec_stats(),
         }
 
+    def wants_proposals(self) -> bool:
+        """Whether a step planned now could carry proposals (verification.py); one replica only."""
+        return any(s.wants_proposals() for s in self.replicas)
+
     def _spec_stats(self) -> dict:
         """Speculative decoding's proposed / accepted counts (engine/speculative/); {} when off."""
         counters = [s.spec for s in self.replicas if s.speculative is not None and s.speculative.enabled]
         if not counters:
             return {}
-        return SpecCounters.total(counters).stats()
+        policies = PolicyCounters.total([s.spec_policy.counters for s in self.replicas if s.spec_policy is not None])
+        return {**SpecCounters.total(counters).stats(), **policies.stats()}
 
     def _snapshot_stats(self) -> dict:
         """Linear-attention state snapshots (prefix caching of hybrids); {} for other models."""

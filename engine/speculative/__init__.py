@@ -3,4 +3,5 @@
     ngram.py       prompt-lookup proposals on the host (pure Python)
     acceptance.py  which proposals a step's sampled rows accept, and the counters stats() reports
     verify_rows.py the rows of a step that verify proposals (batch.py builds them)
+    policy.py      when proposing does not pay: the batch-size switch and per-request backoff
 """
