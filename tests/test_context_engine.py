@@ -70,6 +70,7 @@ def test_sequence4_serves_a_prompt_larger_than_a_device_share(one_device, sequen
     assert one_device["kv_bytes_device"] == one_device["kv_bytes"] == r["kv_bytes"]
 
 
+@pytest.mark.slow  # it needs both long-prompt engines: 160 s of leg 2 (CI) for an abort
 def test_abort_mid_prefill_gives_every_page_back(one_device, sequence4):
     for r in (one_device, sequence4):
         assert r["free_mid_prefill"] < r["pages_total"]  # the first chunk holds pages
