@@ -18,13 +18,12 @@ from jaxfill.engine.request import SamplingParams
 from jaxfill.engine.speculative.policy import SpecPolicy
 from jaxfill.models.config import ConfigError
 from fast_engine import REFERENCE_ATTENTION
+from test_spec_ngram import SPEC
 
 OVERRIDES = {**REFERENCE_ATTENTION,  # tests/fast_engine.py; one token bucket
              "engine.max_num_batched_tokens": 32, "engine.token_buckets": [32], "engine.num_pages": 64,
              "engine.max_model_len": 128, "engine.max_num_seqs": 4, "engine.page_size": 8,
              "engine.kv_fill_value": float("nan")}
-SPEC = {"speculative.method": "ngram", "speculative.num_tokens": 3, "speculative.ngram_max": 3,
-        "speculative.ngram_min": 1}
 
 
 @pytest.fixture(scope="module")
