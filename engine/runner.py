@@ -11,9 +11,9 @@ Multi-process (jax.distributed): process 0 broadcasts every batch before running
 the other processes run it from `follow()` (engine/lockstep.py), so all run the same
 jitted programs in the same order.
 
-Warm-up first checks the attention impl the model was built with against `xla` on a
-small mixed batch at the model's head shapes (pallas_kernels/ragged_paged_attention/
-self_check.py); if it fails to lower or disagrees, one warning, and the engine serves
+Warm-up first checks the attention impl the model was built with (unless `xla` or the
+`reference` oracle) against `xla` on a small mixed batch at the model's head shapes
+(pallas_kernels/ragged_paged_attention/self_check.py); if it fails to lower or disagrees, one warning, and the engine serves
 with `xla` (`attention_impl` says which impl serves, `attention_check` why). Process 0
 decides and tells the followers, so every process compiles the same program.
 """
