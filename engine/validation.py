@@ -147,6 +147,7 @@ def _check_int_groups(model, mesh) -> None:
             if p.path[-1] not in INPUT_AXES or (form.experts_only and p.path[-1] not in STACKED):
                 continue
             num_in, stacked = INPUT_AXES[p.path[-1]], STACKED.get(p.path[-1], 0)
+            form = model.weight_form.of(p.path[-1])  # a GGUF's projections differ
             if form.bits == 4 and p.shape[stacked + num_in - 1] % 2:
                 raise ConfigError(f"{model.architecture}: model.weight_dtype = 'int_group' packs two 4-bit codes a "
                                   f"byte, and {p.path[-1]} {list(p.shape)} has an odd last input axis")

@@ -188,8 +188,8 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
         spec = table.pop(base)
         todo.append((spec, _mxfp4_reader(base, pair, spec)))
     for base, parts in packed_ints.items():
-        todo.extend((spec, IntGroupReader(base, parts, spec, int_fmt[0], int_form, int_fmt[1]))
-                    for spec in tensor_parts(table.pop(base)))
+        todo.extend((spec, IntGroupReader(base, parts, spec, int_fmt[0], int_form.of(spec.param_path[-1]),
+                                          int_fmt[1])) for spec in tensor_parts(table.pop(base)))
     if table:
         missing = sorted(table)
         raise CheckpointError(f"checkpoint {model_dir} is missing {len(missing)} tensors, e.g. {missing[:3]}")

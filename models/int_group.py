@@ -47,6 +47,29 @@ class IntGroupFormat(NamedTuple):
     zero_point: bool  # the checkpoint stores zero points (asymmetric); else z = 2^(bits-1)
     act_order: bool  # GPTQ desc_act: g_idx [in] names each input's group
     experts_only: bool = False  # the rest unquantized (compressed-tensors' ignore list: Kimi K2-Thinking)
+    # projections kept in another (bits, group, zero_point): ((name, bits, group, zero_point), ...)
+    others: tuple = ()
+
+    def of(self, name: str) -> "IntGroupFormat":
+        """The form projection `name` is kept in (a GGUF mixes types per projection)."""
+        for other, bits, group, zero_point in self.others:
+            if other == name:
+                return self._replace(bits=bits, group=group, zero_point=zero_point, others=())
+        return self
+
+
+def parse_forms(text: str) -> tuple:
+    """ModelConfig.weight_int_forms "name:bits:group:zero_point,..." -> IntGroupFormat.others."""
+    out = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        parts = item.split(":")
+        if len(parts) != 4 or parts[0] not in INPUT_AXES or not all(p.lstrip("-").isdigit() for p in parts[1:]):
+            raise ValueError(f"{item!r} is not name:bits:group:zero_point with name one of {', '.join(INPUT_AXES)}")
+        bits, group, zero = (int(p) for p in parts[1:])
+        if bits not in BITS or (group != -1 and (group <= 0 or group % 2)) or zero not in (0, 1):
+            raise ValueError(f"{item!r}: bits 4 or 8, an even group size or -1, zero_point 0 or 1")
+        out.append((parts[0], bits, group, bool(zero)))
+    return tuple(out)
 
 
 def group_of(form_group: int, n_in: int) -> int:

@@ -86,8 +86,9 @@ def _awq_unpack(words: np.ndarray) -> np.ndarray:  # [rows, cols / 8] int32 -> [
     return out.reshape(words.shape[0], -1)
 
 
-def unpacked(fmt: str, parts: dict, n_out: int, n_in: int, bits: int, group: int, v1: bool):
-    """The stored tensors -> (Q [out, in] codes, S, Z [groups, out] f32, g_idx [in] or None)."""
+def unpacked(fmt: str, parts: dict, n_out: int, n_in: int, bits: int, group: int, v1: bool, zero_point: bool = True):
+    """The stored tensors -> (Q [out, in] codes, S, Z [groups, out] f32, g_idx [in] or None);
+    a GGUF's blocks in the projection's form (bits, group, zero_point)."""
     g = int_group.group_of(group, n_in)
     n_groups = -(-n_in // g)
     if fmt == GGUF:
@@ -96,7 +97,8 @@ def unpacked(fmt: str, parts: dict, n_out: int, n_in: int, bits: int, group: int
 
         tensor = parts[GGUF]
         try:
-            q, s, z = codes(TYPES[tensor.info.ggml_type][0], tensor.raw_rows(0, tensor.shape[0]), n_in)
+            q, s, z = codes(TYPES[tensor.info.ggml_type][0], tensor.raw_rows(0, tensor.shape[0]), n_in,
+                            (bits, group, zero_point))
         except ValueError as e:
             raise CheckpointError(str(e)) from None
         g_idx = None
@@ -203,7 +205,8 @@ class IntGroupReader:
         """(Q [out, in], S, Z [groups, out], g_idx [in]): read, unpacked and checked."""
         (n_out, n_in), form = self.spec.hf_shape, self.form
         try:
-            q, s, z, g_idx = unpacked(self.fmt, self.parts, n_out, n_in, form.bits, form.group, self.v1)
+            q, s, z, g_idx = unpacked(self.fmt, self.parts, n_out, n_in, form.bits, form.group, self.v1,
+                                      form.zero_point)
         except CheckpointError as e:
             raise CheckpointError(f"int tensor {self.name!r}: {e}") from None
         if not form.zero_point and np.any(z != 2 ** (form.bits - 1)):  # symmetric: none kept

@@ -56,7 +56,7 @@ def projection(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dt
     if isinstance(weight_dtype, int_group.IntGroupFormat):
         if weight_dtype.experts_only and not stacked:  # a checkpoint that leaves it unquantized
             return w, None
-        return int_group.projection(w[...], axes, num_in, weight_dtype, stacked)
+        return int_group.projection(w[...], axes, num_in, weight_dtype.of(name), stacked)
     if isinstance(weight_dtype, fp8_block.Fp8Format):
         layout, block = fp8_block.LAYOUTS[name], weight_dtype.block
         q, scale = fp8_block.quantize(w[...], layout, block, fp8_block.FORMATS[weight_dtype.dtype])

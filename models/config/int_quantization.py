@@ -148,13 +148,33 @@ def int_fields(quant: dict[str, Any]) -> dict[str, Any]:
         return dict(weight_dtype="int_group", weight_bits=_bits("bits", bits, (4,)),
                     weight_group_size=_group("group_size", quant.get("group_size", quant.get("q_group_size", 128))),
                     weight_zero_point=True, weight_act_order=False)
-    if method == "gguf":  # a GGUF's Q4_0 / Q4_1 / Q8_0 projections (models/gguf/int_codes.py)
-        from jaxfill.models.gguf.int_codes import GROUP, PACKED
-
-        bits, zero_point = PACKED[quant["ggml_type"]]
-        return dict(weight_dtype="int_group", weight_bits=bits, weight_group_size=GROUP,
-                    weight_zero_point=zero_point, weight_act_order=False)
+    if method == "gguf":  # a GGUF's quantized projections (models/gguf/int_codes.py)
+        return _gguf(quant)
     return _compressed_tensors(quant)
+
+
+def _gguf(quant: dict) -> dict:
+    """Each projection in the form holding its layers' types; the most common form is the
+    model's, the others are named in weight_int_forms."""
+    from jaxfill.models.gguf.int_codes import FORMS, PROJECTIONS, common_form
+
+    _known(quant, {"quant_method", "ggml_types"}, "gguf")
+    types = quant.get("ggml_types")
+    if not isinstance(types, dict) or not types:
+        raise _refuse("ggml_types", types, "a mapping of projection to its GGUF types")
+    forms = {}
+    for name, kinds in types.items():
+        listed = [k for k in str(kinds).split(",") if k]
+        if name not in PROJECTIONS.values() or not listed or any(k not in FORMS for k in listed):
+            raise _refuse(f"ggml_types.{name}", kinds, f"projections {', '.join(PROJECTIONS.values())} in "
+                          f"{', '.join(FORMS)}")
+        forms[name] = common_form(listed)
+    values = list(forms.values())
+    bits, group, zero_point = max(values, key=values.count)
+    others = ",".join(f"{name}:{b}:{g}:{int(z)}" for name, (b, g, z) in forms.items() if (b, g, z) != (bits, group,
+                                                                                                      zero_point))
+    return dict(weight_dtype="int_group", weight_bits=bits, weight_group_size=group, weight_zero_point=zero_point,
+                weight_act_order=False, weight_int_forms=others)
 
 
 def _compressed_tensors(quant: dict) -> dict:
@@ -209,8 +229,10 @@ def _compressed_tensors(quant: dict) -> dict:
 def int_format_of(quant: dict[str, Any]) -> dict[str, Any]:
     """The keyword arguments of models.int_group.IntGroupFormat the file's codes are in."""
     f = int_fields(quant)
+    from jaxfill.models.int_group import parse_forms
+
     return dict(bits=f["weight_bits"], group=f["weight_group_size"], zero_point=f["weight_zero_point"],
-                act_order=f["weight_act_order"])
+                act_order=f["weight_act_order"], others=parse_forms(f.get("weight_int_forms", "")))
 
 
 def file_format(quant: dict[str, Any]) -> tuple[str, bool]:
@@ -233,7 +255,7 @@ def check_checkpoint(model, hf: dict[str, Any], path: str) -> None:
             raise ConfigError(f"model.weight_dtype = 'int_group' keeps an AWQ / GPTQ / compressed-tensors "
                               f"checkpoint's codes as stored, and {path} is not one (no quantization_config "
                               "quant_method gptq, awq or compressed-tensors, nor a GGUF whose projections are all "
-                              "Q4_0, Q4_1 or Q8_0): use auto or int8")
+                              "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K): use auto or int8")
         return
     if model.weight_dtype == "int_group":
         for key, value in int_fields(hf["quantization_config"]).items():

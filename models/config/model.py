@@ -112,6 +112,9 @@ class ModelConfig:
     weight_zero_point: bool = True
     weight_act_order: bool = False
     weight_int_scope: str = "all"  # int_group: "all" projections, or "experts" (the rest unquantized)
+    # int_group: projections kept in another form, "name:bits:group:zero_point,..." (a GGUF's
+    # mix of types, e.g. Q4_K_M's "v:8:16:1,down:8:16:1"; models/gguf/int_codes.py)
+    weight_int_forms: str = ""
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     tokenizer: str = "byte"  # "byte" or "hf" (tokenizer.json beside the weights)
@@ -133,6 +136,12 @@ class ModelConfig:
         if self.weight_group_size != -1 and (self.weight_group_size <= 0 or self.weight_group_size % 2):
             raise ConfigError(f"model.weight_group_size must be -1 (per output channel) or a positive even size, "
                               f"got {self.weight_group_size!r}")
+        from jaxfill.models.int_group import parse_forms
+
+        try:
+            parse_forms(self.weight_int_forms)
+        except ValueError as e:
+            raise ConfigError(f"model.weight_int_forms = {self.weight_int_forms!r}: {e}") from None
         if self.hidden_act not in ACTIVATIONS:
             raise ConfigError(f"model.hidden_act must be one of {list(ACTIVATIONS)}, got {self.hidden_act!r}")
         if self.hidden_act == "xielu" and (self.mlp_gated or self.moe.num_experts):
@@ -258,11 +267,12 @@ class ModelConfig:
         """How projections are stored: weight_dtype, or for fp8_block its format and blocks, for
         int_group its bits, groups, zero points and act order."""
         from jaxfill.models.fp8_block import Fp8Format
-        from jaxfill.models.int_group import IntGroupFormat
+        from jaxfill.models.int_group import IntGroupFormat, parse_forms
 
         if self.weight_dtype == "int_group":
             return IntGroupFormat(int(self.weight_bits), int(self.weight_group_size), bool(self.weight_zero_point),
-                                  bool(self.weight_act_order), self.weight_int_scope == "experts")
+                                  bool(self.weight_act_order), self.weight_int_scope == "experts",
+                                  parse_forms(self.weight_int_forms))
         if self.weight_dtype != "fp8_block":
             return self.weight_dtype
         return Fp8Format(self.weight_fp8, tuple(int(b) for b in self.weight_block_size))
