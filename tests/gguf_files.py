@@ -55,13 +55,21 @@ def llama_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(directory: str, arch: str, seed: int = 0, projections: str | None = None, **meta) -> str:
+def write_gguf(directory: str, arch: str, seed: int = 0, projections: str | None = None, every: str | None = None,
+               sizes: dict | None = None, tied: bool | None = None, **meta) -> str:
     """A random `arch` model ("llama", "qwen2", "qwen3") as `directory`/model.gguf; every
-    projection in the type `projections` names, if given (a file int_group keeps packed)."""
+    projection in the type `projections` names, if given (a file int_group keeps packed);
+    every tensor in type `every` (F32: a source for llama.cpp's quantizer); `sizes` over
+    SMALL's; `tied`: no output.weight (default: as TYPES has it)."""
     rng = np.random.default_rng(seed)
-    s, types = SMALL, dict(TYPES[arch])
+    s, types = {**SMALL, **(sizes or {})}, dict(TYPES[arch])
+    if tied is not None:
+        types.pop("output", None)
+        types.update({} if tied else {"output": "F32"})
     if projections:
         types.update({k: projections for k in types if k.startswith(("attn_", "ffn_"))})
+    if every:
+        types = {k: every for k in types}
     head_dim = 128 if arch == "qwen3" else s["hidden"] // s["heads"]  # transformers' Qwen3 reads no head_dim
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, "model.gguf")

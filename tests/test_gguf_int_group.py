@@ -1,4 +1,5 @@
-"""GGUF files whose projections are all Q4_0, Q4_1 or Q8_0 stay packed on the device
+"""GGUF files whose projections are all quantized (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
+Q6_K; tests/test_gguf_kquant.py: llama.cpp's own k-quant mixes) stay packed on the device
 (models/gguf/int_codes.py -> model.weight_dtype = int_group, the default for them): the
 codes, scales and zero points give ggml's own values (tests/test_gguf.py proves those
 against the reference dequantizer and transformers), the packed model's logits and greedy
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gguf_files import random_blocks, write_gguf
+from gguf_files import gguf, random_blocks, write_gguf
 from jaxfill.engine.config import load_config
 from jaxfill.engine.engine import Engine
 from jaxfill.engine.request import SamplingParams
@@ -25,29 +26,40 @@ KINDS = ("Q4_0", "Q4_1", "Q8_0")
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@pytest.mark.parametrize("kind", KINDS)
-def test_codes_scales_and_zeros_give_ggml_values(kind):
+@pytest.mark.parametrize("form", [None, (8, 16, True), (8, 16, False)], ids=["own", "bytes16_zeros", "bytes16_sym"])
+@pytest.mark.parametrize("kind", sorted(int_codes.FORMS))
+def test_codes_scales_and_zeros_give_ggml_values(kind, form):
+    """Each type in its own form and lifted into bytes in groups of 16 (a projection whose
+    layers mix it with Q6_K), against gguf's reference dequantizer: exact where the zero
+    point is an integer, an f32 rounding or two of the group's size where it is -m / d or
+    dmin * mn / (d * sc). Blocks of scale 0 (one value everywhere, whatever their codes)
+    are among them."""
     rng = np.random.default_rng(1)
-    rows, n_in = 6, 256
+    rows, n_in = 6, 512
     data = random_blocks(rng, kind, rows, n_in)
-    if kind == "Q4_1":  # minimums of the scales' size; blocks of scale 0 (llama.cpp writes codes 0 there)
-        blocks = data.reshape(-1, 20)
+    nbytes = quants.TYPES[quants.NAMES[kind]][2]
+    blocks = data.reshape(-1, nbytes)
+    if kind in ("Q4_1", "Q5_1"):  # minimums of the scales' size, some blocks of scale 0 with mixed codes
         blocks[:, 2:4] = (-0.08 * rng.random((len(blocks), 1))).astype(np.float16).view(np.uint8)
         blocks[::5, 0:2] = 0
-        blocks[::5, 4:] = 0
-    want = quants.dequantize_rows(data, quants.NAMES[kind], n_in)  # [rows, in]
-    q, s, z = int_codes.codes(kind, data, n_in)  # [rows, in]; [in / 32, rows] twice
-    assert q.dtype == np.uint8 and s.shape == z.shape == (n_in // 32, rows)
-    group = np.arange(n_in) // 32
-    got = (q.astype(np.float32) - z[group].T) * s[group].T
-    # Q4_0 / Q8_0: exact; Q4_1's float zero point -m/d: an f32 rounding or two of the block's size
-    np.testing.assert_allclose(got, want, rtol=0, atol=0 if kind != "Q4_1" else 2e-7 * np.abs(want).max())
-    assert np.isfinite(want).all() and (kind != "Q4_1" or np.any(want[0, :32] == want[0, 0]))
-    if kind == "Q4_1":
-        mixed = data.copy().reshape(-1, 20)
-        mixed[0, 0:2], mixed[0, 4] = 0, 0x21  # scale 0 beside two different codes: no (s, z) gives it
-        with pytest.raises(ValueError, match="scale 0"):
-            int_codes.codes(kind, mixed.reshape(rows, -1), n_in)
+    if kind in ("Q4_K", "Q5_K"):  # a sub-block of 6-bit scale 0 (its minimum kept) in every block
+        blocks[:, 4] &= 0xC0
+    if kind == "Q6_K":
+        blocks[::3, 192] = 0
+    want = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[kind])  # [rows, in]
+    fits = form is None or not int_codes.FORMS[kind][2] or form[2]
+    if not fits:  # a type with zero points into a symmetric form: refused, never approximated
+        with pytest.raises(ValueError, match="without zero points"):
+            int_codes.codes(kind, data, n_in, form)
+        return
+    q, s, z = int_codes.codes(kind, data, n_in, form)  # [rows, in]; [in / group, rows] twice
+    group = (form or int_codes.FORMS[kind])[1]
+    assert q.dtype == np.uint8 and s.shape == z.shape == (n_in // group, rows)
+    g = np.arange(n_in) // group
+    got = (q.astype(np.float32) - z[g].T) * s[g].T
+    exact = not int_codes.FORMS[kind][2]
+    np.testing.assert_allclose(got, want, rtol=0, atol=0 if exact else 2e-7 * np.abs(want).max())
+    assert np.isfinite(want).all() and (exact or kind == "Q6_K" or np.any(want[0, :32] == want[0, 0]))
 
 
 @pytest.fixture(scope="module")
@@ -98,9 +110,10 @@ def test_engine_greedy_tokens_packed_equal_dequantized(files):
 
 def test_mixed_types_load_dequantized_and_refuse_int_group(files):
     path = os.path.join(files["mixed"], "model.gguf")
-    assert int_codes.packed_type(__import__("jaxfill.models.gguf", fromlist=["header"]).header(path).tensors) is None
+    assert int_codes.quantization_config(__import__("jaxfill.models.gguf", fromlist=["header"]).header(path).tensors) \
+        is None  # BF16 / F16 projections beside the quantized ones
     assert load_config("tiny", model_path=files["mixed"]).model.weight_dtype == "auto"
-    with pytest.raises(ConfigError, match="Q4_0, Q4_1 or Q8_0") as e:
+    with pytest.raises(ConfigError, match="Q4_K, Q5_K or Q6_K") as e:
         load_config("tiny", {"model.weight_dtype": "int_group"}, model_path=files["mixed"])
     assert "\n" not in str(e.value)
     # the packed file read dequantized on request: ggml's values, no codes kept
