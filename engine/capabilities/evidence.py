@@ -121,6 +121,9 @@ EVIDENCE: tuple[Evidence, ...] = (
              ("model.weight_dtype=int_group",)),
     Evidence("tests/test_gguf_int_group.py::test_packed_model_equals_the_dequantized_load[qwen2_Q4_1]", ("qwen2",),
              ("model.weight_dtype=int_group",)),
+    # llama.cpp's k-quant mixes, each projection in its own form (models/gguf/int_codes.py)
+    Evidence("tests/test_gguf_kquant.py::test_llama_cpp_mix_packed_equals_transformers_and_our_dequantized_run"
+             "[qwen3_Q5_K_M]", ("qwen3",), ("model.weight_dtype=int_group",)),
     # linear-attention hybrids
     *_each("tests/test_hybrid_layouts.py::test_hybrid_layouts_agree", ("qwen3_5", "qwen3_next", "qwen3_5_moe",
                                                                        "nemotron_h"),

@@ -170,9 +170,8 @@ def _gguf(quant: dict) -> dict:
                           f"{', '.join(FORMS)}")
         forms[name] = common_form(listed)
     values = list(forms.values())
-    bits, group, zero_point = max(values, key=values.count)
-    others = ",".join(f"{name}:{b}:{g}:{int(z)}" for name, (b, g, z) in forms.items() if (b, g, z) != (bits, group,
-                                                                                                      zero_point))
+    bits, group, zero_point = base = max(values, key=values.count)
+    others = ",".join(f"{name}:{b}:{g}:{int(z)}" for name, (b, g, z) in forms.items() if (b, g, z) != base)
     return dict(weight_dtype="int_group", weight_bits=bits, weight_group_size=group, weight_zero_point=zero_point,
                 weight_act_order=False, weight_int_forms=others)
 

@@ -3,10 +3,12 @@ holding one GGUF and no config.json.
 
 reader.py parses the header, quants.py dequantizes ggml's blocks, arch.py derives the HF
 config and tensor names transformers would, tensors.py reads a tensor's rows into the
-loader of models/checkpoint.py. A file whose projections are all Q4_0, Q4_1 or Q8_0 keeps
-them packed (int_codes.py: model.weight_dtype = int_group, its default); every other
-tensor, and every tensor of other files or of weight_dtype auto / int8, is dequantized at
-load to the model's dtype (or re-quantized to int8 with model.weight_dtype=int8).
+loader of models/checkpoint.py. A file whose projections are all of quantized types (the
+32-value ones and the k-quants, llama.cpp's per-layer mixes included) keeps them packed
+(int_codes.py: model.weight_dtype = int_group, its default; each projection in its own
+form); every other tensor, and every tensor of files with float projections or of
+weight_dtype auto / int8, is dequantized at load to the model's dtype (or re-quantized to
+int8 with model.weight_dtype=int8).
 """
 
 from __future__ import annotations

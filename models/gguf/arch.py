@@ -68,7 +68,7 @@ def hf_config(header: GGUFHeader) -> dict:
     config["tie_word_embeddings"] = "output.weight" not in header.tensors
     config["_name_or_path"] = meta.get("general.name", "")
     config["dtype"] = "float32" if meta.get("general.file_type", 0) == 0 else "bfloat16"
-    quant = quantization_config(header.tensors)  # Q4_0 / Q4_1 / Q8_0 projections stay packed
+    quant = quantization_config(header.tensors)  # quantized projections stay packed
     if quant:
         config["quantization_config"] = quant
     return config
