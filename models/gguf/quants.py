@@ -5,8 +5,8 @@ Each quantized row is a run of blocks; a block holds its scale(s) and packed int
 Q5_0, Q5_1 (32 values a block; llama.cpp's k-quant mixes fall back to Q5_0 / Q5_1 / Q8_0 for
 tensors whose rows are not whole 256-value super-blocks, e.g. a 576- or 896-wide model) and
 the k-quants Q4_K, Q5_K, Q6_K (256 values a block, in 16- or 32-value groups with 6- or
-8-bit scales), plus the plain F32, F16 and BF16. Every function takes [n_blocks, block_bytes] uint8 and returns [n_blocks, block_values] float32; the
-arithmetic is ggml's own (scale times integer, minus the minimum), in float32.
+8-bit scales), plus the plain F32, F16 and BF16. Every function takes [n_blocks,
+block_bytes] uint8 and returns [n_blocks, block_values] float32; the arithmetic is ggml's own (scale times integer, minus the minimum), in float32.
 """
 
 from __future__ import annotations
