@@ -6,7 +6,8 @@ Q5_0, Q5_1 (32 values a block; llama.cpp's k-quant mixes fall back to Q5_0 / Q5_
 tensors whose rows are not whole 256-value super-blocks, e.g. a 576- or 896-wide model) and
 the k-quants Q4_K, Q5_K, Q6_K (256 values a block, in 16- or 32-value groups with 6- or
 8-bit scales), plus the plain F32, F16 and BF16. Every function takes [n_blocks,
-block_bytes] uint8 and returns [n_blocks, block_values] float32; the arithmetic is ggml's own (scale times integer, minus the minimum), in float32.
+block_bytes] uint8 and returns [n_blocks, block_values] float32; the arithmetic is ggml's
+own (scale times integer, minus the minimum), in float32.
 """
 
 from __future__ import annotations
