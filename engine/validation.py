@@ -119,6 +119,10 @@ def _check_fp8_blocks(model, mesh) -> None:
     from jaxfill.models.sharding import MESH_AXES, RULES, logical_spec, mesh_axis_size
 
     sizes = _Mesh(MESH_AXES, tuple(int(getattr(mesh, a)) for a in MESH_AXES))
+    if 0 in tuple(model.weight_block_size) and model.moe.num_experts:
+        raise ConfigError(f"{model.architecture}: model.weight_block_size = {list(model.weight_block_size)} "
+                          "(compressed-tensors fp8 channel / tensor scales) on routed experts is not built: use "
+                          "model.weight_dtype = auto")
     for kind in {id(ps): ps for ps in (layer_params(model, n) for n in range(model.num_layers))}.values():
         for p in kind:
             if p.path[-1] in LAYOUTS and is_fp8(p.dtype):

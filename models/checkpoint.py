@@ -144,6 +144,10 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
         not gguf or config.weight_dtype == "int_group") else None
     int_form = int_fmt and IntGroupFormat(**int_format_of(hf["quantization_config"]))
     packed_ints: dict[str, dict] = {}
+    # fp8 weights' scales and (unused: weight-only) activation scales; compressed-tensors spells them otherwise
+    quant = hf.get("quantization_config") or {}
+    fp8_suffixes = (".weight_scale", ".input_scale") if quant.get("format") == "float-quantized" else (
+        fp8_block.HF_SCALE, fp8_block.HF_ACTIVATION_SCALE)
     for path in files:
         for name, stored in gguf_tensors(path) if gguf else read_safetensors(path):
             name = rename(name)
@@ -156,9 +160,9 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
             if name in seen:
                 raise CheckpointError(f"tensor {name!r} appears twice ({os.path.basename(path)} again)")
             seen.add(name)
-            if name.endswith((fp8_block.HF_SCALE, fp8_block.HF_ACTIVATION_SCALE)) and name not in table:
-                if name.endswith(fp8_block.HF_SCALE):
-                    fp8_scales[name[:-len(fp8_block.HF_SCALE)] + ".weight"] = stored
+            if name.endswith(fp8_suffixes) and name not in table:
+                if name.endswith(fp8_suffixes[0]):
+                    fp8_scales[name[:-len(fp8_suffixes[0])] + ".weight"] = stored
                 continue
             hit = int_fmt and projection_of(name, stored, table, int_fmt[0])
             if hit:

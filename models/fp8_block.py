@@ -13,6 +13,10 @@ one axis per group: [stacked..., ceil(in / B1), parts..., ceil(out / B0)], where
 out are the group's axes flattened in C order, as the HF [out, in] tensor is. That lets
 a head split (q [E, H, D] with D = 192 and B0 = 128) keep blocks that straddle heads.
 
+A block size of 0 spans the whole axis: compressed-tensors' fp8 `channel` strategy is
+(1, 0), one scale per output row, its `tensor` strategy (0, 0), one scale a tensor
+(models/config/quantization.py); `sides` resolves it per param.
+
 The matmul dequantizes the weight inside the jitted program (`dequantize`: fp8 -> f32
 times the scales repeated over their blocks, one rounding to the compute dtype), which
 XLA fuses into the operand of the dot: weight-only, the same numbers as transformers'
@@ -58,16 +62,23 @@ def groups(shape: tuple, layout: tuple) -> tuple[tuple, int, tuple, int]:
     return shape[:s], math.prod(shape[s:s + n]), shape[s + n:s + n + p], math.prod(shape[s + n + p:])
 
 
+def sides(block: tuple, n_out: int, n_in: int) -> tuple[int, int]:
+    """(B0, B1) of a param with n_out outputs and n_in inputs: a 0 is the whole axis."""
+    return block[0] or max(n_out, 1), block[1] or max(n_in, 1)
+
+
 def scale_shape(shape: tuple, layout: tuple, block: tuple) -> tuple:
     lead, n_in, parts, n_out = groups(shape, layout)
-    return lead + (-(-n_in // block[1]),) + parts + (-(-n_out // block[0]),)
+    b0, b1 = sides(block, n_out, n_in)
+    return lead + (-(-n_in // b1),) + parts + (-(-n_out // b0),)
 
 
-def scale_axes(axes: tuple, layout: tuple) -> tuple:
+def scale_axes(axes: tuple, layout: tuple, block: tuple = (1, 1)) -> tuple:
     """The scales split like the first axis of each group (a whole block per device:
-    `split_error`)."""
+    `split_error`); a side whose one block spans the axis (size 0) is not split."""
     s, n, p = layout
-    return axes[:s] + (axes[s],) + axes[s + n:s + n + p] + (axes[s + n + p],)
+    return axes[:s] + (axes[s] if block[1] else None,) + axes[s + n:s + n + p] + (
+        axes[s + n + p] if block[0] else None,)
 
 
 def _repeat(x, axis: int, block: int, size: int):  # each scale over its block, the edge block cut
@@ -80,6 +91,7 @@ def dequantize(w,  # [stacked..., in..., parts..., out...] float8 (numpy or jax)
                layout: tuple, block: tuple, dtype=np.float32):  # like w, in dtype
     """fp8 * its block's scale in f32, then one rounding to `dtype`."""
     lead, n_in, parts, n_out = groups(w.shape, layout)
+    block = sides(block, n_out, n_in)
     flat = w.reshape(lead + (n_in,) + parts + (n_out,))
     s = scale.astype(np.float32)
     s = _repeat(_repeat(s, len(lead), block[1], n_in), -1, block[0], n_out)
@@ -92,6 +104,7 @@ def quantize(w,  # [stacked..., in..., parts..., out...] float (numpy or jax)
     random init of an fp8 model, and tests' checkpoints."""
     xp = jnp if isinstance(w, jax.Array) else np
     lead, n_in, parts, n_out = groups(w.shape, layout)
+    block = sides(block, n_out, n_in)
     bi, bo = -(-n_in // block[1]), -(-n_out // block[0])
     flat = w.astype(np.float32).reshape(lead + (n_in,) + parts + (n_out,))
     k = len(lead)
@@ -118,6 +131,8 @@ def split_error(name: str, shape: tuple, axes: tuple, spec, sizes, block: tuple)
     RULES): each device then holds dim / n of it times the rest of the group."""
     s, n, p = LAYOUTS[name]
     for start, stop, b in ((s, s + n, block[1]), (s + n + p, len(shape), block[0])):
+        if not b:  # one scale over the whole axis: every device uses it whole
+            continue
         for axis in range(start, stop):
             mesh_axes = spec[axis] if axis < len(spec) else None
             if not mesh_axes:
@@ -147,9 +162,10 @@ class DequantizedSlices:
                  stored_shape: tuple, perm: tuple,  # the param as a view of [out, in] (models.families.base.HFTensor)
                  num_out: int,  # stored_shape[:num_out] flatten to out, the rest to in
                  block: tuple, target):
-        self.weight, self.scales, self.block, self.target = weight, scales, block, np.dtype(target)
+        self.weight, self.scales, self.target = weight, scales, np.dtype(target)
         self.shape = tuple(stored_shape[p] for p in perm)
         self.num_in = len(stored_shape) - num_out
+        self.block = sides(block, *weight.shape)
 
     def read(self, index: tuple = ()) -> np.ndarray:
         index = tuple(index) + (slice(None),) * (len(self.shape) - len(tuple(index)))

@@ -3,11 +3,16 @@ stored values for a param kept in fp8, else its values dequantized a box at a ti
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 import jaxfill.models.fp8_block as fp8_block
 from jaxfill.models.safetensors_file import CheckpointError, StoredTensor, TensorSlices, rows_of
 from jaxfill.models.families.base import HFTensor
+
+
+# scales as stored: f32 (quant_method fp8), or the model dtype (compressed-tensors); read as f32, exactly
+SCALE_DTYPES = (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
 
 
 class Fp8Reader:
@@ -17,22 +22,29 @@ class Fp8Reader:
 
     def __init__(self, name: str, stored: StoredTensor, scales: StoredTensor | None, spec: HFTensor, block: tuple):
         if scales is None:
-            raise CheckpointError(f"fp8 tensor {name!r} has no {name[:-len('.weight')]}{fp8_block.HF_SCALE}")
+            raise CheckpointError(f"fp8 tensor {name!r} has no scales ({name[:-len('.weight')]}{fp8_block.HF_SCALE}, "
+                                  "or .weight_scale in compressed-tensors)")
         k = len(spec.stored_shape) - len(spec.perm[:spec.perm.index(0)])  # axes flattening to HF's out
         if len(spec.hf_shape) != 2 or spec.perm != tuple(range(k, len(spec.perm))) + tuple(range(k)):
             raise CheckpointError(f"fp8 tensor {name!r} {list(spec.hf_shape)} is not an [out, in] projection "
                                   "the block-scaled loader maps")
-        (n_out, n_in), (b0, b1) = spec.hf_shape, block
-        want = (-(-n_out // b0), -(-n_in // b1))
+        n_out, n_in = spec.hf_shape
         start, stop = spec.rows or (0, n_out)
-        if scales.shape != want or scales.dtype != np.float32 or start % b0:
-            cut = f", and part rows from {start} on a block boundary" if start % b0 else ""
-            raise CheckpointError(f"tensor {name[:-len('.weight')] + fp8_block.HF_SCALE!r} is {list(scales.shape)} "
-                                  f"{scales.dtype}: {list(spec.hf_shape)} in {b0}x{b1} blocks "
-                                  f"(model.weight_block_size) needs {list(want)} float32{cut}")
+        # a whole-axis block (0) spans the HF tensor: a fused tensor's parts share its one scale row
+        b0, b1 = fp8_block.sides(block, n_out, n_in)
+        want = (-(-n_out // b0), -(-n_in // b1))
+        whole_rows = not block[0]
+        if scales.shape == (1,) and want == (1, 1):  # compressed-tensors' tensor strategy: [1]
+            scales = scales._replace(shape=(1, 1))
+        cut_block = start % b0 and not whole_rows
+        if scales.shape != want or np.dtype(scales.dtype) not in SCALE_DTYPES or cut_block:
+            cut = f", and part rows from {start} on a block boundary" if cut_block else ""
+            raise CheckpointError(f"fp8 scales of {name!r} are {list(scales.shape)} {scales.dtype}: "
+                                  f"{list(spec.hf_shape)} in {b0}x{b1} blocks (model.weight_block_size) needs "
+                                  f"{list(want)} float32, bfloat16 or float16{cut}")
         self.weight = rows_of(stored, spec.rows)
         self.spec, self.block, self.num_out = spec, block, k
-        rows = rows_of(scales, (start // b0, -(-stop // b0)))
+        rows = rows_of(scales, (0, 1) if whole_rows else (start // b0, -(-stop // b0)))
         self.hf_scales = TensorSlices(rows, rows.shape, (0, 1), np.dtype(np.float32))
         self.scales = TensorSlices(rows, rows.shape, (1, 0), np.dtype(np.float32))
 

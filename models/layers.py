@@ -61,7 +61,7 @@ def projection(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], dt
         layout, block = fp8_block.LAYOUTS[name], weight_dtype.block
         q, scale = fp8_block.quantize(w[...], layout, block, fp8_block.FORMATS[weight_dtype.dtype])
         return (nnx.Param(q, out_sharding=axes, eager_sharding=False),
-                nnx.Param(scale, out_sharding=fp8_block.scale_axes(axes, layout), eager_sharding=False,
+                nnx.Param(scale, out_sharding=fp8_block.scale_axes(axes, layout, block), eager_sharding=False,
                           **{fp8_block.META: (block, layout)}))
     q, scale = quantize(w[...], num_in, stacked)
     scale_axes = axes[:stacked] + axes[stacked + num_in:]

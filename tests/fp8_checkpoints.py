@@ -72,3 +72,53 @@ def write_fp8(plain: str, out: str, block: tuple, fmt: str = "float8_e4m3fn", qu
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f)
     return out
+
+
+def write_ct_fp8(plain: str, out: str, strategy: str, block: tuple | None = None,
+                 scale_dtype=torch.bfloat16) -> str:
+    """`out`: `plain` as compressed-tensors' float-quantized W8A8 (llm-compressor's FP8_DYNAMIC
+    for `channel`, FP8 for `tensor`, FP8_BLOCK for `block`), scales in bf16 as llm-compressor
+    stores them (or `scale_dtype`: f32 ones transformers' own loader dequantizes exactly); fp8 values, packing and the dequantized twin (`out` + "_ref", f32) by the
+    compressed-tensors library's FloatQuantizationCompressor. The scales here: amax / 448
+    over the strategy's blocks."""
+    from compressed_tensors.compressors import FloatQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+
+    extra = {"block_structure": list(block)} if strategy == "block" else {}
+    scheme = QuantizationScheme(
+        targets=["Linear"], weights=QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy=strategy,
+                                                     **extra),
+        input_activations=QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True))
+    tensors = load_file(os.path.join(plain, "model.safetensors"))
+    fp8, ref = {}, {}
+    for name, value in tensors.items():
+        if not is_projection(name, value):
+            fp8[name] = ref[name] = torch.from_numpy(np.ascontiguousarray(value))
+            continue
+        w = torch.from_numpy(value.astype(np.float32))
+        if strategy == "channel":
+            amax = w.abs().amax(1, keepdim=True)
+        elif strategy == "tensor":
+            amax = w.abs().amax().reshape(1)
+        else:
+            b0, b1 = block
+            amax = torch.from_numpy(np.array([[np.abs(value[r:r + b0, c:c + b1]).max()
+                                               for c in range(0, value.shape[1], b1)]
+                                              for r in range(0, value.shape[0], b0)], np.float32))
+        scale = (amax / 448.0).to(scale_dtype)
+        stored = FloatQuantizationCompressor.compress({"weight": w, "weight_scale": scale}, scheme)
+        stem = name[:-len("weight")]
+        fp8.update({stem + k: v.contiguous() for k, v in stored.items()})
+        exact = {"weight": stored["weight"], "weight_scale": stored["weight_scale"].float()}
+        ref[name] = FloatQuantizationCompressor.decompress(exact, scheme)["weight"].float().contiguous()
+    for directory, data in ((out, fp8), (out + "_ref", ref)):
+        shutil.copytree(plain, directory)
+        save_file(data, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out, "config.json")) as f:
+        config = json.load(f)
+    quant = QuantizationConfig(config_groups={"group_0": scheme}, format="float-quantized", ignore=["lm_head"],
+                               quantization_status="compressed")
+    config["quantization_config"] = json.loads(json.dumps(quant.model_dump(), default=str))
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f)
+    return out

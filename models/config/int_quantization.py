@@ -39,8 +39,9 @@ CT_WEIGHT_KEYS = {"num_bits", "type", "symmetric", "strategy", "group_size", "dy
 
 
 def is_int(hf: dict[str, Any]) -> bool:
+    """Integer codes: compressed-tensors' float-quantized (fp8) is models/config/quantization.py's."""
     quant = hf.get("quantization_config")
-    return isinstance(quant, dict) and quant.get("quant_method") in METHODS
+    return isinstance(quant, dict) and quant.get("quant_method") in METHODS and quant.get("format") != "float-quantized"
 
 
 def _refuse(key: str, value, why: str) -> ConfigError:

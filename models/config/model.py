@@ -104,7 +104,8 @@ class ModelConfig:
     # projection weights: "auto" (= dtype), "int8" (w8a16, per-channel f32 scales), "fp8_block"
     weight_dtype: str = "auto"
     weight_fp8: str = "float8_e4m3fn"  # fp8_block: the fp8 format the projections are kept in
-    weight_block_size: tuple[int, int] = (128, 128)  # an fp8 checkpoint's scale blocks (outputs, inputs)
+    # an fp8 checkpoint's scale blocks (outputs, inputs); 0: the whole axis (compressed-tensors channel / tensor)
+    weight_block_size: tuple[int, int] = (128, 128)
     # int_group (from quantization_config, models/config/int_quantization.py): bits a code, inputs
     # a group (-1: one group per output channel), stored zero points, GPTQ act order (g_idx)
     weight_bits: int = 4
@@ -127,8 +128,9 @@ class ModelConfig:
             raise ConfigError(f"model.weight_dtype must be one of {list(WEIGHT_DTYPES)}, got {self.weight_dtype!r}")
         if self.weight_fp8 not in WEIGHT_FP8:
             raise ConfigError(f"model.weight_fp8 must be one of {list(WEIGHT_FP8)}, got {self.weight_fp8!r}")
-        if len(self.weight_block_size) != 2 or min(int(b) for b in self.weight_block_size) <= 0:
-            raise ConfigError(f"model.weight_block_size must be two positive sizes, got {list(self.weight_block_size)}")
+        if len(self.weight_block_size) != 2 or min(int(b) for b in self.weight_block_size) < 0:
+            raise ConfigError(f"model.weight_block_size must be two sizes (0: the whole axis), got "
+                              f"{list(self.weight_block_size)}")
         if self.weight_int_scope not in ("all", "experts"):
             raise ConfigError(f"model.weight_int_scope must be all or experts, got {self.weight_int_scope!r}")
         if self.weight_bits not in (4, 8):

@@ -21,12 +21,18 @@ READ = {"quant_method", "weight_block_size", "activation_scheme", "fmt", "dequan
 
 
 def is_fp8(hf: dict[str, Any]) -> bool:
+    """quant_method fp8, or compressed-tensors' float-quantized (models/config/ct_fp8.py)."""
     quant = hf.get("quantization_config")
-    return isinstance(quant, dict) and quant.get("quant_method") == "fp8"
+    return isinstance(quant, dict) and (quant.get("quant_method") == "fp8" or (
+        quant.get("quant_method") == "compressed-tensors" and quant.get("format") == "float-quantized"))
 
 
 def fp8_fields(quant: dict[str, Any]) -> dict[str, Any]:
     """weight_dtype fp8_block (auto where the file asks dequantize), weight_fp8, weight_block_size."""
+    if quant.get("quant_method") == "compressed-tensors":
+        from jaxfill.models.config.ct_fp8 import ct_fp8_fields
+
+        return ct_fp8_fields(quant)
     for key, value in quant.items():
         if key in FIXED and value not in FIXED[key]:
             raise ConfigError(f"config.json quantization_config.{key}={value!r} is not supported "
