@@ -17,6 +17,7 @@ from flax import nnx
 from family_layouts import LAYOUTS, check_layouts, run_layouts
 from gguf_files import gguf  # noqa: F401  (skips without the gguf package)
 from jaxfill.engine.config import load_config
+from jaxfill.engine.planner.counts import weight_bytes
 from jaxfill.models.checkpoint import load_hf_params
 from jaxfill.models.config import ConfigError
 from jaxfill.models.config.int_quantization import int_fields
@@ -64,6 +65,7 @@ def test_llama_cpp_mix_packed_equals_transformers_and_our_dequantized_run(name):
     plain = load_hf_params(FILES[name], config.replace(weight_dtype="auto"), progress=False)
     codes, total = uint8_bytes(model)
     assert codes > 0 and total < 0.6 * uint8_bytes(plain)[1]
+    assert weight_bytes(config) == total  # the planner's count (and so Engine.stats' plan) is what is held
     ours = {length: ours_last_logits(model, config, tokens) for length, tokens in prompts(config.vocab_size)[:3]}
     for length, tokens in prompts(config.vocab_size)[:3]:
         assert rel_l2(ours[length], ours_last_logits(plain, config.replace(weight_dtype="auto"), tokens)) <= 1e-5
