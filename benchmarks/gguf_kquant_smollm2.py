@@ -91,6 +91,16 @@ def load(path: str, dtype: str, weight_dtype: str) -> dict:
             "forms": [config.weight_bits, config.weight_group_size, config.weight_zero_point, config.weight_int_forms]}
 
 
+def chat_ids(text: str) -> list:
+    """The chat-templated prompt's ids, by the GGUF's own tokenizer and template (a safetensors
+    directory's chat_template.jinja is not read by jaxfill's tokenizer)."""
+    from jaxfill.engine.tokenizer import load_tokenizer
+    from jaxfill.models.families.registry import config_from_hf
+
+    tok = load_tokenizer(config_from_hf(SOURCE), SOURCE)
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
+
+
 def greedy_and_forced(path: str, over: dict, prompt_text: str, forced_tokens=None, new_tokens: int = 100):
     from jaxfill.engine.engine import Engine
     from jaxfill.engine.request import SamplingParams
@@ -99,8 +109,7 @@ def greedy_and_forced(path: str, over: dict, prompt_text: str, forced_tokens=Non
             "engine.max_num_batched_tokens": 256, "engine.token_buckets": [256], "engine.seq_buckets": [1],
             "engine.scan_layers": True, "model.dtype": "float32"}
     engine = Engine.from_config(model_path=path, overrides={**base, **over}, progress=False)
-    tok = engine.tokenizer
-    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt_text}]))
+    prompt = chat_ids(prompt_text)
     done = engine.generate([prompt], SamplingParams(max_tokens=new_tokens, ignore_eos=True))[0]
     full = prompt + list(forced_tokens or done.token_ids)
     c = engine.generate([full], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
@@ -172,6 +181,9 @@ def ct_fp8(original: str, lengths: list, repeats: int) -> dict:
             json.dump({**hf_config_of(original), "dtype": "float32"}, f)
     if not os.path.exists(out):
         write_ct_fp8(plain, out, "channel")
+    for directory in (plain, out):  # the GGUF's tokenizer and chat template, as transformers reads them
+        if not os.path.exists(os.path.join(directory, "tokenizer.json")):
+            tf.AutoTokenizer.from_pretrained(CACHE, gguf_file=os.path.basename(SOURCE)).save_pretrained(directory)
     prompt = "Tell me about the history of Paris."
     ref_tokens, ref_forced, _ = greedy_and_forced(original, {"model.weight_dtype": "auto"}, prompt)
     tokens, forced, text = greedy_and_forced(out, {}, prompt, ref_tokens)
