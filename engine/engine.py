@@ -199,6 +199,21 @@ class Engine:
             self.core.discard(rids)
             raise
 
+    # ------------------------------------------------------------------ LoRA adapters (engine/lora/)
+    def load_lora(self, name: str, path: str) -> dict:
+        """Reads a PEFT LoRA directory under `name` (requests name it in SamplingParams.lora);
+        it reaches a device slot when a request first uses it. InvalidRequest / AdapterError
+        name what is refused."""
+        return self.core.lora_call("load", name, path)
+
+    def unload_lora(self, name: str) -> bool:
+        """Forgets an adapter (refused while unfinished requests use it); False if unknown."""
+        return self.core.lora_call("unload", name)
+
+    def list_loras(self) -> list[dict]:
+        """Loaded adapters: name, path, device slot (0 = not on the device), on_host."""
+        return self.core.lora_call("list")
+
     # ------------------------------------------------------------------ pooling (engine/pooling/)
     def embed(self, inputs, pooling: str | None = None, normalize: bool | None = None) -> list:
         """One numpy float32 [hidden] vector per input (a string or a list of token ids): its
@@ -238,6 +253,7 @@ class Engine:
                 "compiled_programs": self.runner.cache_size(),
                 **(self.runner.expert_load.summary() if self.runner.expert_load else {}),
                 **self._host_tier_stats(),
+                **(self.core.lora.stats() if self.core.lora is not None else {}),
             }
 
     def _host_tier_stats(self) -> dict:

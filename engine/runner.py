@@ -167,7 +167,7 @@ class Runner(RunnerKVTier):
         the pooling program's."""
         s = self.config.engine
         one = dummy_batch(shape, s.max_pages_per_seq, s.penalty_window, self.config.model.vocab_size,
-                          self.prompt_rows, s.state_slots > 0, pool)
+                          self.prompt_rows, s.state_slots > 0, pool, self.config.lora.enabled)
         if verify:
             one = dataclasses.replace(one, verify=padding_rows(self.verify_rows, s.penalty_window,
                                                                self.config.model.vocab_size))

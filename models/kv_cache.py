@@ -204,6 +204,7 @@ class AttentionMetadata:
     logits_indices: jax.Array  # [S] int32, the row whose logits each sequence samples: its last new token
     # (any [R] rows may be asked for, e.g. every row for evaluation; then the last layer runs on all rows)
     state_slots: jax.Array | None = None  # [S] int32, each sequence's linear-layer state slot; None: its row
+    lora_slots: jax.Array | None = None  # [T] int32, each row's LoRA slot (0 = none; models/lora.py); None: no LoRA
 
 
 def sampled_rows_metadata(meta: AttentionMetadata) -> AttentionMetadata:
