@@ -208,7 +208,6 @@ RULES: tuple[Rule, ...] = (
         ("mesh.sequence", "rows split over sequence ranks are not tested", "mesh.sequence = 1"),
         ("mesh.stage", "stacked layer groups have no adapter tables", "mesh.stage = 1"),
         ("engine.scan_layers", "stacked layers have no adapter tables", "engine.scan_layers = false"),
-        ("mesh.expert", "tables split over expert ranks are not laid out", "mesh.expert = 1"),
         ("mesh.num_processes", "adapter loads are not broadcast to followers", "mesh.num_processes = 1"),
         ("model.weight_dtype=int8", "beside int8 weights it is not tested", "model.weight_dtype = auto"),
         ("model.weight_dtype=fp8_block", "beside fp8 weights it is not tested", "model.weight_dtype = auto"),
