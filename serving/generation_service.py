@@ -73,6 +73,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             raise BadField("cache_salt", f"longer than {MAX_CACHE_SALT_LEN} characters")
         if request.cache_salt:
             params = dataclasses.replace(params, cache_salt=request.cache_salt)
+        if request.lora:  # an adapter the server loaded (serve --lora)
+            core.check_lora(request.lora, "lora")
+            params = dataclasses.replace(params, lora=request.lora)
         core.check_params(params)
         core.check_fits(len(ids), params.max_tokens, "sampling.max_tokens")
         return rid, ids, params

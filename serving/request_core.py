@@ -121,6 +121,14 @@ class RequestCore:
         except InvalidRequest as e:
             raise BadField(field, str(e).split(": ", 1)[-1]) from None
 
+    def check_lora(self, name: str, field: str) -> None:
+        """A LoRA adapter the server has loaded (serve --lora), or BadField naming `field`."""
+        lora = self.engine.core.lora
+        if lora is None:
+            raise BadField(field, "LoRA adapters are not served here (start with --set lora.max_loras=N --lora NAME=PATH)")
+        if not lora.known(name):
+            raise BadField(field, f"unknown adapter {name!r}; loaded: {', '.join(lora.names_loaded()) or 'none'}")
+
     def check_params(self, params: SamplingParams, field: str = "sampling.") -> SamplingParams:
         """field: where the sampling fields sit in the message ("sampling." or "" for JetStream)."""
         try:

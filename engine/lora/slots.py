@@ -112,6 +112,13 @@ class LoraSlots:
     def _describe(self, name: str) -> dict:
         return {"name": name, "path": self.paths[name], "slot": self.slot_of(name), "on_host": name in self.host}
 
+    def known(self, name: str) -> bool:
+        """Loaded under that name (a dict read: the serving thread asks without the lock)."""
+        return name in self.paths
+
+    def names_loaded(self) -> list[str]:
+        return sorted(self.paths)
+
     def slot_of(self, name: str) -> int:
         return self.names.index(name) + 1 if name in self.names else 0
 
