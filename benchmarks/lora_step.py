@@ -9,7 +9,7 @@ unconfigured engine's (slot 0 adds an exact zero).
 Adapters are written here in PEFT's file layout (adapter_config.json +
 adapter_model.safetensors, random A and B), so no torch is needed.
 
-    python benchmarks/lora_step.py [--rounds 3] [--decode-steps 12] [--out benchmarks/results/lora_step.json]
+    python benchmarks/lora_step.py [--rounds 3] [--decode-steps 12] [--layers 4] [--out benchmarks/results/lora_step.json]
 """
 
 from __future__ import annotations
@@ -81,10 +81,11 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--batches", default="8,32")
     p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--layers", type=int, default=4, help="the preset's layers cut to this many (compile time)")
     p.add_argument("--out", default="benchmarks/results/lora_step.json")
     args = p.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    common = {"engine.max_num_seqs": max(batches), "engine.max_num_batched_tokens": 256,
+    common = {"model.num_layers": args.layers, "engine.max_num_seqs": max(batches), "engine.max_num_batched_tokens": 256,
               "engine.token_buckets": [8, 32, 256], "engine.num_pages": 512, "engine.max_model_len": 512}
     engines = {}
     for name, extra in (("base", {}), ("lora", {"lora.max_loras": 8, "lora.max_lora_rank": args.rank})):

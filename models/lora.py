@@ -15,7 +15,8 @@ formulation, no gathers and no sort:
     y   += einsum(xa, B)           [T, out...]
 
 which costs two projections of width L * R (max_loras 8 x rank 16 = 128 columns beside a
-4096-wide base). Writing an adapter into a slot replaces arrays of the same shape and
+4096-wide base) whenever any row of the step has an adapter; a step of base rows only
+skips them (a lax.cond). Writing an adapter into a slot replaces arrays of the same shape and
 sharding, so the step never recompiles (engine/lora/slots.py). A and B carry the base
 weight's logical axes: under mesh.tensor a column-parallel projection (q, k, v, gate, up)
 keeps A whole and splits B's output like W; a row-parallel one (o, down) splits A's
@@ -70,10 +71,16 @@ class LoraTables(nnx.Module):
         n_in = a.ndim - 2
         letters = "ijk"[:n_in]
         out = "pqr"[:b.ndim - 2]
-        xa = jnp.einsum(f"t{letters},l{letters}z->tlz", x.astype(a.dtype), a)  # [T, L, R]
-        hit = slots[:, None] == jnp.arange(1, a.shape[0] + 1, dtype=slots.dtype)[None, :]  # [T, L]
-        xa = xa * hit[:, :, None].astype(xa.dtype)
-        return jnp.einsum(f"tlz,lz{out}->t{out}", xa, b).astype(x.dtype)
+
+        def delta():
+            xa = jnp.einsum(f"t{letters},l{letters}z->tlz", x.astype(a.dtype), a)  # [T, L, R]
+            hit = slots[:, None] == jnp.arange(1, a.shape[0] + 1, dtype=slots.dtype)[None, :]  # [T, L]
+            xa = xa * hit[:, :, None].astype(xa.dtype)
+            return jnp.einsum(f"tlz,lz{out}->t{out}", xa, b).astype(x.dtype)
+
+        # a batch of base rows only skips the two matmuls (their delta is an exact zero anyway)
+        shape = x.shape[:1] + b.shape[2:]
+        return jax.lax.cond(jnp.any(slots > 0), delta, lambda: jnp.zeros(shape, x.dtype))
 
 
 def add_delta(module: nnx.Module, name: str,
