@@ -1,7 +1,7 @@
 """LoRA over gRPC: jaxfill.v1's `lora` and JetStream's `lora_adapter_id` pick a loaded
 adapter per request (the tokens Engine.generate gives, which tests/test_lora.py holds to
 transformers + PEFT); an adapter the server has not loaded is INVALID_ARGUMENT naming the
-field. vLLM's protocol (smg's vllm_engine.proto) carries no adapter field to wire."""
+field. smg's vLLM protocol carries no adapter field to wire."""
 
 import grpc
 import pytest
