@@ -1,15 +1,18 @@
 """Multi-LoRA step time: decode steps of 8 and 32 sequences whose rows use 0, 1, 4 or 8
 adapters, on an engine with lora.max_loras = 8 (rank 16, every q/k/v/o/gate/up/down
-projection targeted), against the same model with LoRA unconfigured. Both engines live in
-one process and take turns (the order flips every round); the numbers are medians. Also
+projection targeted), against the same model with LoRA unconfigured. One engine per case
+lives in the process (the LoRA ones load their programs from the compile cache) and the
+cases take one decode step each in turn, so load on the shared machine falls on all of
+them alike; the numbers are medians. Also
 the time to load an adapter (read + check, Engine.load_lora) and to write it into a slot
-on first use. Before timing: greedy tokens of base rows on the LoRA engine equal the
+on first use, and a 256-token prefill per case (one row set: the adapter a0, or none for
+base and lora0). Before timing: greedy tokens of base rows on the LoRA engine equal the
 unconfigured engine's (slot 0 adds an exact zero).
 
 Adapters are written here in PEFT's file layout (adapter_config.json +
 adapter_model.safetensors, random A and B), so no torch is needed.
 
-    python benchmarks/lora_step.py [--rounds 3] [--decode-steps 12] [--layers 4] [--out benchmarks/results/lora_step.json]
+    python benchmarks/lora_step.py [--rounds 3] [--decode-steps 20] [--layers 4] [--out benchmarks/results/lora_step.json]
 """
 
 from __future__ import annotations
@@ -55,21 +58,26 @@ def write_peft_adapter(path: str, model, rank: int, seed: int) -> str:
     return path
 
 
-def decode_step_seconds(engine: Engine, ids: list[list[int]], loras: list, steps: int) -> list[float]:
-    """Per engine.step() while all sequences decode (their prefill finished first)."""
-    for p, lora in zip(ids, loras):
-        engine.add_request(p, SamplingParams(max_tokens=steps + 64, ignore_eos=True, lora=lora))
-    produced: set[str] = set()
-    while len(produced) < len(ids):
-        produced |= {o.request_id for o in engine.step() if o.new_token_ids}
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
-    engine.abort_all()
-    while engine.has_unfinished():
-        engine.step()
+def interleaved_decode(cases: dict, ids: list[list[int]], steps: int) -> dict[str, list[float]]:
+    """Per engine.step() while every case's sequences decode: one step of each case in turn
+    (the order rotating), so load on the shared machine falls on all cases alike."""
+    for engine, loras in cases.values():
+        for p, lora in zip(ids, loras):
+            engine.add_request(p, SamplingParams(max_tokens=steps + 64, ignore_eos=True, lora=lora))
+    for engine, _ in cases.values():
+        produced: set[str] = set()
+        while len(produced) < len(ids):
+            produced |= {o.request_id for o in engine.step() if o.new_token_ids}
+    names, times = list(cases), {name: [] for name in cases}
+    for s in range(steps):
+        for name in names[s % len(names):] + names[:s % len(names)]:
+            t0 = time.perf_counter()
+            cases[name][0].step()
+            times[name].append(time.perf_counter() - t0)
+    for engine, _ in cases.values():
+        engine.abort_all()
+        while engine.has_unfinished():
+            engine.step()
     return times
 
 
@@ -77,8 +85,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="bench")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--decode-steps", type=int, default=12)
+    p.add_argument("--decode-steps", type=int, default=20)
     p.add_argument("--prompt", type=int, default=32)
+    p.add_argument("--prefills", type=int, default=4, help="256-token prefills per case and round")
     p.add_argument("--batches", default="8,32")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--layers", type=int, default=4, help="the preset's layers cut to this many (compile time)")
@@ -88,15 +97,17 @@ def main() -> None:
     common = {"model.num_layers": args.layers, "engine.max_num_seqs": max(batches), "engine.max_num_batched_tokens": 256,
               "engine.token_buckets": [8, 32, 256], "engine.num_pages": 512, "engine.max_model_len": 512}
     engines = {}
-    for name, extra in (("base", {}), ("lora", {"lora.max_loras": 8, "lora.max_lora_rank": args.rank})):
-        t0 = time.perf_counter()
+    lora_on = {"lora.max_loras": 8, "lora.max_lora_rank": args.rank}
+    counts = (0, 1, 4, 8)
+    for name, extra in [("base", {})] + [(f"lora{a}", lora_on) for a in counts]:
+        t0 = time.perf_counter()  # the LoRA engines after the first load their programs from the compile cache
         engines[name] = Engine.from_config(args.preset, overrides={**common, **extra}, progress=False)
         print(f"{name}: built and warmed up in {time.perf_counter() - t0:.1f} s", flush=True)
-    lora = engines["lora"]
+    lora = engines["lora8"]
     tmp = tempfile.mkdtemp(prefix="lora_bench_")
+    paths = [write_peft_adapter(os.path.join(tmp, f"a{k}"), lora.config.model, args.rank, seed=k) for k in range(8)]
     load_s, first_use_s = [], []
-    for k in range(8):
-        path = write_peft_adapter(os.path.join(tmp, f"a{k}"), lora.config.model, args.rank, seed=k)
+    for k, path in enumerate(paths):
         t0 = time.perf_counter()
         lora.load_lora(f"a{k}", path)
         load_s.append(time.perf_counter() - t0)
@@ -106,35 +117,50 @@ def main() -> None:
     t0 = time.perf_counter()
     lora.generate([[1, 2, 3]], SamplingParams(max_tokens=1, lora="a0"))  # on the device already
     resident_s = time.perf_counter() - t0
+    for a in counts[:-1]:
+        for k in range(a):
+            engines[f"lora{a}"].load_lora(f"a{k}", paths[k])
     rng = np.random.default_rng(0)
     check = [rng.integers(0, 256, 40).tolist() for _ in range(4)]
     greedy = SamplingParams(max_tokens=16, ignore_eos=True)
     same = [c.token_ids for c in engines["base"].generate(check, greedy)] == \
         [c.token_ids for c in lora.generate(check, greedy)]
     print(f"base rows on the LoRA engine == LoRA unconfigured: {same}", flush=True)
-    cases = [("base", 0)] + [("lora", a) for a in (0, 1, 4, 8)]
-    times = {(b, n, a): [] for b in batches for n, a in cases}
+    cases = [("base", 0)] + [(f"lora{a}", a) for a in counts]
+    times = {(b, name): [] for b in batches for name, _ in cases}
+    prefill = {name: [] for name, _ in cases}
     for r in range(args.rounds):
-        order = cases if r % 2 == 0 else cases[::-1]
         for b in batches:
             ids = [rng.integers(0, 256, args.prompt).tolist() for _ in range(b)]
-            for name, adapters in order:
-                loras = [f"a{j % adapters}" if adapters else None for j in range(b)]
-                times[(b, name, adapters)] += decode_step_seconds(engines[name], ids, loras, args.decode_steps)
+            run = {name: (engines[name], [f"a{j % a}" if a else None for j in range(b)]) for name, a in cases}
+            for name, xs in interleaved_decode(run, ids, args.decode_steps).items():
+                times[(b, name)] += xs
+        for k in range(args.prefills):  # one 256-token prompt per case in turn (fresh: no prefix hit)
+            ids = rng.integers(0, 256, 256).tolist()
+            for name, a in (cases if k % 2 == 0 else cases[::-1]):
+                t0 = time.perf_counter()
+                engines[name].generate([ids], SamplingParams(max_tokens=1, lora="a0" if a else None))
+                prefill[name].append(time.perf_counter() - t0)
         print(f"round {r + 1}/{args.rounds}: load {os.getloadavg()[0]:.1f}", flush=True)
 
     rows = []
     for b in batches:
-        base = statistics.median(times[(b, "base", 0)])
+        base = statistics.median(times[(b, "base")])
         for name, a in cases:
-            med = statistics.median(times[(b, name, a)])
-            rows.append({"batch": b, "engine": name, "adapters": a, "median_ms": 1e3 * med, "vs_base": med / base,
-                         "n": len(times[(b, name, a)])})
-            print(f"batch {b:3d} {name:5s} {a} adapters: {1e3 * med:7.2f} ms  ({med / base:.2f}x base)", flush=True)
+            med = statistics.median(times[(b, name)])
+            rows.append({"batch": b, "engine": "base" if name == "base" else "lora", "adapters": a,
+                         "median_ms": 1e3 * med, "vs_base": med / base, "n": len(times[(b, name)])})
+            print(f"batch {b:3d} {name:5s}: {1e3 * med:7.2f} ms  ({med / base:.2f}x base)", flush=True)
+    base_prefill = statistics.median(prefill["base"])
+    prefill_rows = [{"engine": name, "adapter_rows": bool(a), "median_ms": 1e3 * statistics.median(xs),
+                     "vs_base": statistics.median(xs) / base_prefill, "n": len(xs)} for (name, a), xs in
+                    zip(cases, prefill.values())]
+    for row in prefill_rows:
+        print(f"prefill 256 {row['engine']:5s}: {row['median_ms']:7.1f} ms ({row['vs_base']:.2f}x base)", flush=True)
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "jax": jax.__version__, "backend": jax.default_backend(), "cores": os.cpu_count(),
               "loadavg": os.getloadavg(), "preset": args.preset, "args": vars(args),
-              "base_rows_equal": same, "decode_step": rows,
+              "base_rows_equal": same, "decode_step": rows, "prefill_256": prefill_rows,
               "load_lora_ms": {"median": 1e3 * statistics.median(load_s), "all": [1e3 * x for x in load_s]},
               "first_use_generate_ms": {"median": 1e3 * statistics.median(first_use_s),
                                         "all": [1e3 * x for x in first_use_s]},
