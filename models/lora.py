@@ -96,6 +96,45 @@ def add_delta(module: nnx.Module, name: str,
     return y + tables.delta(name, x, slots)
 
 
+class ExpertLoraTables(nnx.Module):
+    """A MoE layer's routed experts (models/moe.py): per projection, A [E, in, L, R] and
+    B [E, L, R, out...], expert-major so the grouped matmul takes them as [E, in, L * R] and
+    [E, L * R, out] with no copy; the slot axis is 2 of A and 1 of B (engine/lora/slots.py)."""
+
+    def __init__(self, moe: nnx.Module, max_loras: int, rank: int):
+        for name in ("gate_up", "down"):
+            w = getattr(moe, "experts_" + name)
+            axes = _axes_of(w)  # gate_up [E, H, 2, I], down [E, I, H]
+            e, d_in, out = w.shape[0], w.shape[1], w.shape[2:]
+            setattr(self, name + "_a", nnx.Param(jnp.zeros((e, d_in, max_loras, rank), w.dtype),
+                                                 out_sharding=(axes[0], axes[1], None, None), eager_sharding=False))
+            setattr(self, name + "_b", nnx.Param(jnp.zeros((e, max_loras, rank, *out), w.dtype),
+                                                 out_sharding=(axes[0], None, None, *axes[2:]), eager_sharding=False))
+
+    def params(self) -> dict:  # the tables as grouped_experts takes them beside the experts' params
+        return {f"lora_{n}_{h}": getattr(self, f"{n}_{h}")[...] for n in ("gate_up", "down") for h in "ab"}
+
+
+EXPERT_TABLE_AXES = {"lora_gate_up_a": ("experts", "embed", None, None),
+                     "lora_gate_up_b": ("experts", None, None, None, "moe_mlp"),
+                     "lora_down_a": ("experts", "moe_mlp", None, None), "lora_down_b": ("experts", None, None, "embed")}
+
+
+def grouped_delta(rows: jax.Array,  # [N, in] rows sorted by expert
+                  a: jax.Array,  # [E, in, L, R]
+                  b: jax.Array,  # [E, L, R, out...]
+                  slots: jax.Array,  # [N] i32 each row's slot (0 = none)
+                  sizes: jax.Array,  # [E] i32 rows per expert
+                  matmul) -> jax.Array:  # [N, prod(out)]
+    """The routed experts' LoRA delta: two grouped matmuls of width L * R, each row keeping
+    its own slot's columns between them (models/grouped_matmul.py does the grouping)."""
+    e, d_in, lo, r = a.shape
+    xa = matmul(rows, a.reshape(e, d_in, lo * r).astype(rows.dtype), sizes).reshape(-1, lo, r)  # [N, L, R]
+    hit = slots[:, None] == jnp.arange(1, lo + 1, dtype=slots.dtype)[None, :]
+    xa = (xa * hit[:, :, None].astype(xa.dtype)).reshape(-1, lo * r)
+    return matmul(xa, b.reshape(e, lo * r, -1).astype(rows.dtype), sizes)
+
+
 def attach_tables(model: nnx.Module, max_loras: int, rank: int) -> nnx.Module:
     """A copy of `model` whose attention and gated-MLP modules hold zero LoraTables for
     every projection of PROJECTIONS they have (the caller's model is left as it was:
@@ -109,17 +148,26 @@ def attach_tables(model: nnx.Module, max_loras: int, rank: int) -> nnx.Module:
                           if k == kind and getattr(module, n, None) is not None)
             if module is not None and names:
                 module.lora = LoraTables(module, names, max_loras, rank)
+            elif kind == "mlp" and getattr(module, "experts_gate_up", None) is not None:
+                module.lora = ExpertLoraTables(module, max_loras, rank)
     return model
 
 
 def table_leaves(state) -> dict[tuple[int, str], tuple]:
-    """(layer, projection) -> (A variable, B variable) in a split model's state."""
+    """(layer, projection) -> (A variable, B variable) in a split model's state; a MoE
+    layer's experts are "experts_gate_up" and "experts_down"."""
     out = {}
     for i, layer in state["layers"].items():
         for kind in ("attn", "mlp"):
             if kind in layer and "lora" in layer[kind]:
                 tables = layer[kind]["lora"]
-                for name in PROJECTIONS:
+                for name in (*PROJECTIONS, "gate_up"):
                     if name + "_a" in tables:
-                        out[(int(i), name)] = (tables[name + "_a"], tables[name + "_b"])
+                        key = "experts_" + name if "gate_up_a" in tables else name  # a MoE layer's experts
+                        out[(int(i), key)] = (tables[name + "_a"], tables[name + "_b"])
     return out
+
+
+def slot_axes(name: str) -> tuple[int, int]:
+    """The slot axis of a projection's (A, B) tables."""
+    return (2, 1) if name.startswith("experts_") else (0, 0)

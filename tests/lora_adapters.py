@@ -23,6 +23,11 @@ ADAPTERS = {
     "A": dict(r=4, lora_alpha=8, target_modules=ALL),
     "B": dict(r=8, lora_alpha=6, use_rslora=True, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"]),
     "C": dict(r=2, lora_alpha=4, target_modules=["k_proj", "gate_proj", "up_proj"]),
+    # a MoE model's fused experts (PEFT target_parameters) beside attention and the dense layer's MLP
+    "E": dict(r=4, lora_alpha=8, target_modules=ALL,
+              target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
+    "F": dict(r=8, lora_alpha=6, use_rslora=True, target_modules=["v_proj"],
+              target_parameters=["mlp.experts.down_proj"]),
 }
 
 

@@ -128,8 +128,8 @@ BREAKS = {
                                                                 ("serve.role=prefill/decode",)),
     **{("lora.max_loras", cond): ({"lora.max_loras": 2, **extra}, flags) for cond, extra, flags in (
         ("mla", MLA, ()),
-        ("moe", {"model.architecture": "MixtralForCausalLM", "model.num_experts": 4, "model.experts_per_token": 2},
-         ()),
+        ("mesh.expert", {"model.architecture": "MixtralForCausalLM", "model.num_experts": 4,
+                         "model.experts_per_token": 2, "mesh.expert": 2}, ()),
         ("linear", HYBRID, ()),
         ("mixed_kv", MIXED_KV, ()),
         ("mesh.data", {"mesh.data": 2}, ()),

@@ -198,10 +198,11 @@ RULES: tuple[Rule, ...] = (
          "speculative.method = none or --role both"),
     )),
     # multi-LoRA (engine/lora/, models/lora.py): per-row adapters on the unrolled layers' attention
-    # q/k/v/o and gated-MLP projections of one replica; Llama and Qwen3 (engine/lora/settings.py)
+    # q/k/v/o, gated-MLP and routed-expert projections of one replica; Llama, Qwen3 and Qwen3-MoE
+    # (engine/lora/settings.py)
     *(Rule(("lora.max_loras", cond), f"LoRA: {why}", f"lora.max_loras = 0 or {change}") for cond, why, change in (
         ("mla", "latent attention's projections have no adapter tables", "a model with plain attention"),
-        ("moe", "expert projections (PEFT target_parameters) have no adapter tables", "a dense model"),
+        ("mesh.expert", "the experts' adapter tables are not split over expert ranks", "mesh.expert = 1"),
         ("linear", "the linear mixers' projections have no adapter tables", "a model with attention layers only"),
         ("mixed_kv", "attention layers of two shapes are not mapped", "a model with one attention shape"),
         ("mesh.data", "slot ids are laid out for one data replica", "mesh.data = 1"),

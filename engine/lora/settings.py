@@ -19,7 +19,7 @@ from jaxfill.models.config import ConfigError
 
 # The families whose projections models/lora.py maps from PEFT names and the tests compare
 # with transformers + peft (tests/test_lora.py); others are refused by name.
-LORA_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+LORA_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +52,10 @@ def check_model(config) -> None:
     if not config.lora.enabled:
         return
     arch = config.model.architecture
+    if config.model.moe.num_experts and config.mesh.tensor > 1:
+        raise ConfigError(f"{arch}: lora.max_loras with routed experts and mesh.tensor = {config.mesh.tensor} is "
+                          "refused (the experts' adapter tables split over tensor are not tested); change "
+                          "lora.max_loras = 0 or mesh.tensor = 1")
     if arch not in LORA_ARCHITECTURES:
         raise ConfigError(f"{arch}: lora.max_loras = {config.lora.max_loras} is refused (LoRA adapters are mapped "
                           f"and tested for {', '.join(LORA_ARCHITECTURES)} only); change lora.max_loras = 0")

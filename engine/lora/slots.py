@@ -26,11 +26,17 @@ import numpy as np
 
 from jaxfill.engine.lora.adapter import Adapter, AdapterError, read_adapter
 from jaxfill.engine.request import InvalidRequest, QueueFull
-from jaxfill.models.lora import table_leaves
+from jaxfill.models.lora import slot_axes, table_leaves
+
+
+def _axis(key: str) -> int:  # "layer.projection.a" -> the slot axis of that table (models/lora.slot_axes)
+    _, proj, half = key.split(".")
+    return slot_axes(proj)[half == "b"]
 
 
 def _write_rows(tables: dict, row: jax.Array, values: dict) -> dict:  # row: [] i32 table row (slot - 1)
-    return {k: jax.lax.dynamic_update_index_in_dim(t, values[k].astype(t.dtype), row, 0) for k, t in tables.items()}
+    return {k: jax.lax.dynamic_update_index_in_dim(t, values[k].astype(t.dtype), row, _axis(k))
+            for k, t in tables.items()}
 
 
 class LoraSlots:
@@ -40,11 +46,13 @@ class LoraSlots:
         leaves = table_leaves(runner.state)
         if not leaves:
             raise ValueError("lora.max_loras > 0 but the model holds no LoRA tables (models/lora.attach_tables)")
-        self.shapes = {key: (a.shape[1:-1], b.shape[2:]) for key, (a, b) in leaves.items()}
+        # (layer, projection) -> (in dims, out dims, experts or 0): what an adapter's tensors must fit
+        self.shapes = {key: ((a.shape[1],), b.shape[3:], a.shape[0]) if key[1].startswith("experts_")
+                       else (a.shape[1:-1], b.shape[2:], 0) for key, (a, b) in leaves.items()}
         self.dtype = np.dtype(next(iter(leaves.values()))[0].dtype)
         flat = self._flat(leaves)
         self._write = jax.jit(_write_rows, out_shardings={k: v.sharding for k, v in flat.items()})
-        self._zeros = {k: np.zeros(v.shape[1:], self.dtype) for k, v in flat.items()}
+        self._zeros = {k: np.zeros(v.shape[:_axis(k)] + v.shape[_axis(k) + 1:], self.dtype) for k, v in flat.items()}
         self.paths: dict[str, str] = {}  # every loaded adapter's directory
         self.keys: dict[str, str] = {}  # name -> its key in prefix hashes (name and load number)
         self.host: collections.OrderedDict[str, Adapter] = collections.OrderedDict()  # LRU, oldest first
