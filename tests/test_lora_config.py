@@ -39,13 +39,23 @@ def test_layouts_lora_does_not_cover_are_refused(overrides, match):
 
 @pytest.mark.parametrize("preset, match", [
     ("deepseek_v2_lite", "with mla layers is refused"),
-    ("mixtral_8x7b", "with moe layers is refused"),
+    ("mixtral_8x7b", "MixtralForCausalLM: lora.max_loras = 2 is refused"),
     ("qwen3_5_9b", "with gated_deltanet layers"),
     ("mistral_7b", "MistralForCausalLM: lora.max_loras = 2 is refused"),
 ])
 def test_models_lora_does_not_cover_are_refused(preset, match):
     with pytest.raises(ConfigError, match=match):
         load_config(preset, ON)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"mesh.tensor": 2}, "with routed experts and mesh.tensor = 2 is refused"),
+    ({"mesh.expert": 2}, "with mesh.expert = 2 is refused"),
+])
+def test_expert_layouts_lora_does_not_cover_are_refused(overrides, match):
+    load_config("qwen3_30b_a3b", ON)  # Qwen3-MoE takes LoRA (tests/test_lora_moe.py)
+    with pytest.raises(ConfigError, match=match):
+        load_config("qwen3_30b_a3b", {**ON, **overrides})
 
 
 def test_without_lora_the_step_inputs_are_unchanged():
