@@ -130,4 +130,10 @@ def test_bad_requests_are_refused_by_name_and_lose_nothing(llama, tmp_path):
     assert eng.unload_lora("A2") is True
     with pytest.raises(InvalidRequest, match="unknown adapter 'A2'"):
         eng.add_request(prompt(20, 6), SamplingParams(lora="A2"))
+    # the name loaded again from B's directory: another adapter, so none of A2's cached pages
+    eng.load_lora("A2", llama.dirs["B"])
+    out = eng.generate([prompt(20, 6)], SamplingParams(max_tokens=TOKENS, lora="A2"))[0]
+    assert out.cached_tokens == 0
+    check_tokens(llama, prompt(20, 6), "B", out)
+    eng.unload_lora("A2")
     assert eng.stats()["pages_free"] == free

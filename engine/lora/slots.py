@@ -11,22 +11,37 @@ RESOURCE_EXHAUSTED).
 
 Writing a slot replaces the tables' arrays with arrays of the same shape, dtype and
 sharding: data, so no step recompiles (tests/test_lora.py counts). An adapter's key
-(name and load number) is mixed into its requests' prefix hashes
+(name and a digest of its files) is mixed into its requests' prefix hashes
 (engine/scheduler/prefix_lookup.py): pages computed under one adapter are never another
-adapter's, nor the base model's, nor those of a later adapter loaded under the same name.
+adapter's, nor the base model's, nor those of other files loaded later under the same name.
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
+import os
 import threading
 
 import jax
 import numpy as np
 
 from jaxfill.engine.lora.adapter import Adapter, AdapterError, read_adapter
+from jaxfill.engine.lora.peft_config import CONFIG_FILE, WEIGHTS_FILE
 from jaxfill.engine.request import InvalidRequest, QueueFull
 from jaxfill.models.lora import slot_axes, table_leaves
+
+
+def fingerprint(path: str) -> str:
+    """A digest of the adapter's files: its prefix-hash key, so pages are shared only by the
+    same weights (a name reloaded from other files is another key, also in the disk tier,
+    which outlives the process)."""
+    h = hashlib.blake2b(digest_size=8)
+    for file in (CONFIG_FILE, WEIGHTS_FILE):
+        with open(os.path.join(path, file), "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
 
 
 def _axis(key: str) -> int:  # "layer.projection.a" -> the slot axis of that table (models/lora.slot_axes)
@@ -60,7 +75,6 @@ class LoraSlots:
         self.used: collections.OrderedDict[str, None] = collections.OrderedDict()  # device LRU, oldest first
         self.num_loads = 0  # adapters read from disk
         self.num_writes = 0  # slots written
-        self._count = 0
         self._lock = threading.Lock()
 
     @staticmethod
@@ -81,8 +95,7 @@ class LoraSlots:
                 raise InvalidRequest("lora", f"adapter {name!r} is already loaded (from {self.paths[name]}); "
                                              "unload it first")
             adapter = self._read(name, path)
-            self._count += 1
-            self.paths[name], self.keys[name] = path, f"{name}#{self._count}"
+            self.paths[name], self.keys[name] = path, f"{name}#{fingerprint(path)}"
             self._keep(adapter)
             return self._describe(name)
 
