@@ -20,6 +20,7 @@ def moe(tmp_path_factory):
     return engine, Reference(base, dirs)
 
 
+@pytest.mark.slow
 def test_expert_adapters_equal_transformers_peft(moe):
     engine, ref = moe
     long, short = prompt(100, 1), prompt(9, 2)
