@@ -93,6 +93,9 @@ def test_evicted_and_reloaded_adapters_give_the_same_tokens(llama):
     outs = llama.engine.generate([ids] * 4, [SamplingParams(max_tokens=TOKENS, lora=n) for n in names])
     for name, out in zip(names, outs):
         check_tokens(llama, ids, name, out)
+    twins = llama.engine.generate([ids], SamplingParams(max_tokens=TOKENS, lora="C", n=2))  # samples share the slot
+    for out in twins:
+        check_tokens(llama, ids, "C", out)
     assert llama.engine.stats()["compiled_programs"] == before["compiled_programs"]  # slot writes compile no step
 
 
