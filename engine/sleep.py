@@ -1,0 +1,128 @@
+"""Sleep and wake: the device memory of an idle engine given back, its compiled programs kept.
+
+    level 1: the KV pool's arrays deleted, the device prefix cache emptied
+    level 2: the params too: copied to host numpy first, or (discard) reloaded from the
+             checkpoint at wake (engine.config.model_path)
+    wake():  a fresh KV pool (and the params) placed exactly as before, so every jitted
+             step still matches its compiled program: nothing compiles again
+
+Sleep refuses while requests are unfinished (finish or abort them first), so no request's
+K/V is ever lost under it; the host/disk KV tiers keep their blocks (the weights are the
+same after wake). While asleep add_request raises EngineAsleep, and update_weights is
+refused (wake first).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from jaxfill.engine.weights_update import device_bytes, flat_leaves, leaf_path, place_like
+
+
+class EngineAsleep(RuntimeError):
+    """The engine sleeps (Engine.sleep): nothing runs until Engine.wake()."""
+
+
+@dataclasses.dataclass
+class SleepState:
+    level: int = 0  # 0 awake, 1 KV released, 2 KV and weights released
+    discard: bool = False  # level 2: the weights are reloaded from the checkpoint at wake
+    host: dict | None = None  # level 2, kept: param path -> (global shape, {box: numpy shard})
+
+
+def _box(index: tuple, shape: tuple) -> tuple:
+    """A shard's index (slices) as ((start, stop), ...), the key its host copy is kept under."""
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+
+
+def _to_host(a: jax.Array) -> tuple:
+    """This process's shards of `a` as numpy, by box (a replicated box once)."""
+    shards = {}
+    for s in a.addressable_shards:
+        key = _box(s.index, a.shape)
+        if key not in shards:
+            shards[key] = np.asarray(s.data)
+    return a.shape, shards
+
+
+def engine_device_bytes(runner) -> int:
+    """Bytes of the engine's params, KV pool and step state on this process's devices."""
+    arrays = jax.tree.leaves(runner.state) + list(runner.kv_cache.arrays()) + [runner.prev_tokens]
+    return sum(device_bytes(a) for a in arrays)
+
+
+def refuse_if_asleep(state: SleepState, what: str) -> None:
+    if state.level:
+        raise EngineAsleep(f"{what}: the engine sleeps (level {state.level}); call wake() first")
+
+
+def sleep(engine, state: SleepState, level: int, discard: bool) -> dict:
+    """Releases the KV pool (level 1) and the params (level 2). Returns the bytes freed."""
+    if level not in (1, 2):
+        raise ValueError(f"level: 1 (KV pool) or 2 (KV pool and weights), got {level!r}")
+    refuse_if_asleep(state, "sleep")
+    if discard and level != 2:
+        raise ValueError("discard: only level 2 releases the weights")
+    if discard and not engine.config.model_path:
+        raise ValueError("discard: the weights are reloaded from the checkpoint at wake, and this engine has "
+                         "none (random init): sleep(level=2) without discard keeps them on the host")
+    core, runner = engine.core, engine.runner
+    core.require_leader("sleep")
+    if runner.lockstep is not None:
+        raise RuntimeError("sleep() is for a single-process engine (multi-process runs do not sleep yet)")
+    with core.claim_stepping():
+        if engine.requests:
+            raise RuntimeError(f"sleep: {len(engine.requests)} requests unfinished; let them finish or "
+                               "abort them first (engine.abort_all())")
+        core.return_outputs(engine.step())  # a dispatched step's tokens taken (async scheduling)
+        with core.locked():
+            before = engine_device_bytes(runner)
+            runner.save_evicted()  # queued host-tier saves read their pages now, before the pool goes
+            if runner.kv_offload is not None:
+                runner.kv_offload.flush()
+            engine.scheduler.recompute_all()  # no request runs: the prefix cache emptied
+            jax.block_until_ready(runner.kv_cache)
+            for a in runner.kv_cache.arrays():
+                a.delete()
+            if level == 2:
+                leaves = jax.tree_util.tree_flatten_with_path(runner.state)[0]
+                state.host = None if discard else {leaf_path(kp): _to_host(a) for kp, a in leaves}
+                for _, a in leaves:
+                    a.delete()
+            state.level, state.discard = level, discard
+            return {"level": level, "freed_bytes": before - engine_device_bytes(runner)}
+
+
+def wake(engine, state: SleepState) -> dict:
+    """Restores what sleep released, placed as before. Returns the bytes placed."""
+    runner = engine.runner
+    if not state.level:
+        return {"level": 0, "placed_bytes": 0}
+    with engine.core.claim_stepping(), engine.core.locked():
+        before = engine_device_bytes(runner)
+        if state.level == 2:
+            _restore_params(engine, state)
+        runner.kv_cache = runner.fresh_cache()
+        state.level, state.discard, state.host = 0, False, None
+        return {"level": 0, "placed_bytes": engine_device_bytes(runner) - before}
+
+
+def _restore_params(engine, state: SleepState) -> None:
+    runner = engine.runner
+    pairs, treedef = jax.tree_util.tree_flatten_with_path(runner.state)
+    current = {leaf_path(kp): a for kp, a in pairs}
+    if state.discard:
+        from jaxfill.engine.loading import build_model
+
+        new = flat_leaves(build_model(engine.config, runner.mesh, progress=False))
+        new = {p: a if a.sharding == current[p].sharding else jax.device_put(a, current[p].sharding)
+               for p, a in new.items()}
+    else:
+        new = {}
+        for p, (shape, shards) in state.host.items():
+            new[p] = place_like(current[p], lambda index, s=shards, n=shape: s[_box(index, n)], shape)
+    runner.state = jax.tree_util.tree_unflatten(treedef, [new[leaf_path(kp)] for kp, _ in pairs])
