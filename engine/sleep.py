@@ -45,7 +45,7 @@ def _to_host(a: jax.Array) -> tuple:
     for s in a.addressable_shards:
         key = _box(s.index, a.shape)
         if key not in shards:
-            shards[key] = np.asarray(s.data)
+            shards[key] = np.array(s.data, copy=True)  # never a view of the buffer deleted next (XLA:CPU)
     return a.shape, shards
 
 

@@ -91,13 +91,15 @@ def from_tree(current: dict, tree) -> dict:
 
 
 def from_checkpoint(config, mesh, path: str, current: dict) -> dict:
-    """A checkpoint directory read as the engine's own was (engine/loading.py build_model):
+    """A checkpoint directory (or GGUF file) read as the engine's own was (engine/loading.py build_model):
     the same model config, dtype, quantization, plan and shards."""
     from jaxfill.engine.loading import build_model
     from jaxfill.models.safetensors_file import CheckpointError
 
-    if not os.path.isdir(path):
-        raise WeightUpdateError(f"path: {path!r} is not a checkpoint directory")
+    from jaxfill.models.gguf import gguf_file
+
+    if not os.path.isdir(path) and not gguf_file(path):
+        raise WeightUpdateError(f"path: {path!r} is not a checkpoint directory (or a .gguf file)")
     try:
         model = build_model(dataclasses.replace(config, model_path=path), mesh, progress=False)
     except (CheckpointError, ValueError, OSError) as e:
