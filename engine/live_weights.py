@@ -9,6 +9,7 @@ Either way the swap happens under the engine's lock with no request unfinished, 
 request ever mixes K/V of two weight versions; then every K/V of the old weights is
 dropped (engine/weights_update.py flush_kv). Call it from the thread that steps (a
 serving loop runs it on its engine thread); another stepping thread is refused.
+Multi-process: a checkpoint path, loaded by every process (engine/weights_lockstep.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 
 from flax import nnx
 
+from jaxfill.engine import weights_lockstep
 from jaxfill.engine.sleep import SleepState, refuse_if_asleep
 from jaxfill.engine.weights_update import (WeightUpdateError, flat_leaves, flush_kv, from_checkpoint, from_pairs,
                                            from_tree, swap)
@@ -63,18 +65,27 @@ def update_weights(engine, sleep_state: SleepState, source, in_flight: str = "fi
     refuse_if_asleep(sleep_state, "update_weights")
     core, runner = engine.core, engine.runner
     core.require_leader("update_weights")
-    if runner.lockstep is not None:
-        raise RuntimeError("update_weights() is for a single-process engine (multi-process updates: not yet)")
+    multi = runner.lockstep is not None
+    if multi and not isinstance(source, (str, os.PathLike)):
+        raise WeightUpdateError("source: a multi-process engine takes a checkpoint path (every process reads its "
+                                "own shards); a params tree or (name, array) pairs live in process 0 alone")
     start = time.perf_counter()
     with core.claim_stepping():
-        new = _new_leaves(engine, source)  # everything read and checked: a refusal changes nothing
-        while True:  # new arrays not swapped in (an interrupt) are garbage, freed with them
-            _settle(engine, in_flight)
-            with core.locked():
-                if engine.requests:  # added by another thread while settling: settle them too
-                    continue
-                freed = swap(runner, new)
-                flush_kv(engine.scheduler, runner.kv_offload)
-                break
+        # everything read and checked first: a refusal changes nothing
+        new = weights_lockstep.leader_load(runner, os.fspath(source)) if multi else _new_leaves(engine, source)
+        swapped = False
+        try:
+            while not swapped:  # new arrays not swapped in (an interrupt) are garbage, freed with them
+                _settle(engine, in_flight)
+                with core.locked():
+                    if engine.requests:  # added by another thread while settling: settle them too
+                        continue
+                    if multi:
+                        weights_lockstep.leader_swap(runner)
+                    freed = swap(runner, new)
+                    swapped = True
+                    flush_kv(engine.scheduler, runner.kv_offload)
+        finally:
+            if multi and not swapped:
+                weights_lockstep.leader_drop(runner)
     return {"params_replaced": len(new), "freed_bytes": freed, "seconds": time.perf_counter() - start}
-

@@ -8,7 +8,8 @@
 
 Sleep refuses while requests are unfinished (finish or abort them first), so no request's
 K/V is ever lost under it; the host/disk KV tiers keep their blocks (the weights are the
-same after wake). While asleep add_request raises EngineAsleep, and update_weights is
+same after wake). Multi-process: process 0 tells the others (SLEEP, WAKE; engine/
+weights_lockstep.py) and each releases and restores its own shards. While asleep add_request raises EngineAsleep, and update_weights is
 refused (wake first).
 """
 
@@ -60,20 +61,22 @@ def refuse_if_asleep(state: SleepState, what: str) -> None:
         raise EngineAsleep(f"{what}: the engine sleeps (level {state.level}); call wake() first")
 
 
-def sleep(engine, state: SleepState, level: int, discard: bool) -> dict:
-    """Releases the KV pool (level 1) and the params (level 2). Returns the bytes freed."""
+def check_level(level: int, discard: bool, model_path) -> None:
     if level not in (1, 2):
         raise ValueError(f"level: 1 (KV pool) or 2 (KV pool and weights), got {level!r}")
-    refuse_if_asleep(state, "sleep")
     if discard and level != 2:
         raise ValueError("discard: only level 2 releases the weights")
-    if discard and not engine.config.model_path:
+    if discard and not model_path:
         raise ValueError("discard: the weights are reloaded from the checkpoint at wake, and this engine has "
                          "none (random init): sleep(level=2) without discard keeps them on the host")
+
+
+def sleep(engine, state: SleepState, level: int, discard: bool) -> dict:
+    """Releases the KV pool (level 1) and the params (level 2). Returns the bytes freed."""
+    check_level(level, discard, engine.config.model_path)
+    refuse_if_asleep(state, "sleep")
     core, runner = engine.core, engine.runner
     core.require_leader("sleep")
-    if runner.lockstep is not None:
-        raise RuntimeError("sleep() is for a single-process engine (multi-process runs do not sleep yet)")
     with core.claim_stepping():
         if engine.requests:
             raise RuntimeError(f"sleep: {len(engine.requests)} requests unfinished; let them finish or "
@@ -83,18 +86,28 @@ def sleep(engine, state: SleepState, level: int, discard: bool) -> dict:
             before = engine_device_bytes(runner)
             runner.save_evicted()  # queued host-tier saves read their pages now, before the pool goes
             if runner.kv_offload is not None:
-                runner.kv_offload.flush()
+                runner.kv_offload.sync() if runner.lockstep is not None else runner.kv_offload.flush()
             engine.scheduler.recompute_all()  # no request runs: the prefix cache emptied
-            jax.block_until_ready(runner.kv_cache)
-            for a in runner.kv_cache.arrays():
-                a.delete()
-            if level == 2:
-                leaves = jax.tree_util.tree_flatten_with_path(runner.state)[0]
-                state.host = None if discard else {leaf_path(kp): _to_host(a) for kp, a in leaves}
-                for _, a in leaves:
-                    a.delete()
-            state.level, state.discard = level, discard
+            if runner.lockstep is not None:
+                from jaxfill.engine.lockstep import SLEEP
+
+                runner.lockstep.send(SLEEP, words=np.asarray([level, int(discard)], np.int32))
+            release(runner, state, level, discard)
             return {"level": level, "freed_bytes": before - engine_device_bytes(runner)}
+
+
+def release(runner, state: SleepState, level: int, discard: bool) -> None:
+    """[every process] The KV pool's arrays deleted, and at level 2 the params' (copied to
+    the host first unless discard)."""
+    jax.block_until_ready(runner.kv_cache)
+    for a in runner.kv_cache.arrays():
+        a.delete()
+    if level == 2:
+        leaves = jax.tree_util.tree_flatten_with_path(runner.state)[0]
+        state.host = None if discard else {leaf_path(kp): _to_host(a) for kp, a in leaves}
+        for _, a in leaves:
+            a.delete()
+    state.level, state.discard = level, discard
 
 
 def wake(engine, state: SleepState) -> dict:
@@ -104,21 +117,29 @@ def wake(engine, state: SleepState) -> dict:
         return {"level": 0, "placed_bytes": 0}
     with engine.core.claim_stepping(), engine.core.locked():
         before = engine_device_bytes(runner)
-        if state.level == 2:
-            _restore_params(engine, state)
-        runner.kv_cache = runner.fresh_cache()
-        state.level, state.discard, state.host = 0, False, None
+        if runner.lockstep is not None:
+            from jaxfill.engine.lockstep import WAKE
+
+            runner.lockstep.send(WAKE)
+        restore(runner, state)
         return {"level": 0, "placed_bytes": engine_device_bytes(runner) - before}
 
 
-def _restore_params(engine, state: SleepState) -> None:
-    runner = engine.runner
+def restore(runner, state: SleepState) -> None:
+    """[every process] The params (level 2) and a fresh KV pool, placed as before."""
+    if state.level == 2:
+        _restore_params(runner, state)
+    runner.kv_cache = runner.fresh_cache()
+    state.level, state.discard, state.host = 0, False, None
+
+
+def _restore_params(runner, state: SleepState) -> None:
     pairs, treedef = jax.tree_util.tree_flatten_with_path(runner.state)
     current = {leaf_path(kp): a for kp, a in pairs}
     if state.discard:
         from jaxfill.engine.loading import build_model
 
-        new = flat_leaves(build_model(engine.config, runner.mesh, progress=False))
+        new = flat_leaves(build_model(runner.config, runner.mesh, progress=False))
         new = {p: a if a.sharding == current[p].sharding else jax.device_put(a, current[p].sharding)
                for p, a in new.items()}
     else:

@@ -225,11 +225,18 @@ def flush_kv(scheduler, offload) -> None:
     files, whose fingerprint changes so the old files are never read as the new weights'.
     Call with no request running (their pages would hold old K/V)."""
     scheduler.recompute_all()
-    if offload is None:
-        return
+    if offload is not None:
+        clear_tier(offload)
+
+
+def clear_tier(offload) -> None:
+    """[every process] The host (and disk) tier emptied; saves in flight land first
+    (multi-process: at this point of the stream on every process, so the tiers stay equal)."""
     offload.drop_queued()
-    offload.flush()
+    if offload.lockstep:
+        offload.sync()
+    else:
+        offload.flush()
     offload.tier.clear()
-    disk = offload.tier.disk
-    if disk is not None:
-        disk.clear()
+    if offload.tier.disk is not None:
+        offload.tier.disk.clear()
