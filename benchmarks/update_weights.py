@@ -7,6 +7,7 @@ engine.scan_layers). In one run:
                         prompt; once compiling (an empty persistent compile cache), once
                         loading the programs that first process left in it
   update_weights(path)  the same GGUF read into the running engine + that first token
+                        (load_only_s: the same read and placement alone, no swap)
   update_weights(tree)  a host numpy params tree (what an RL trainer hands over) + first token
   sleep(1) / sleep(2)   device bytes freed (the engine's arrays, and jax.live_arrays()),
                         sleep and wake seconds, first token after wake
@@ -117,9 +118,16 @@ def main() -> None:
         engine.update_weights(host_tree)
         assert first_token(engine)[0] == token
 
+    from jaxfill.engine.loading import build_model
+
+    def load_only():  # what update_weights(path) reads and places, without the swap
+        jax.block_until_ready(jax.tree.leaves(nnx.state(build_model(engine.config, engine.runner.mesh,
+                                                                    progress=False))))
+
     out = {"date": time.strftime("%Y-%m-%d"), "model": os.path.basename(args.gguf), "overrides": OVERRIDES,
            "weight_bytes": engine.stats()["weight_bytes"], "kv_cache_bytes": engine.stats()["kv_cache_bytes"],
            "restart_compiling": compiling, "restart_from_compile_cache": cached,
+           "load_only_s": statistics.median(timed(load_only, args.repeats)),
            "update_path_plus_first_token_s": statistics.median(timed(update_path, args.repeats)),
            "update_tree_plus_first_token_s": statistics.median(timed(update_tree, args.repeats))}
     for level in (1, 2):
@@ -135,6 +143,7 @@ def main() -> None:
         tok, asleep["first_token_after_wake_s"] = first_token(engine)
         assert tok == token
         out[f"sleep_level_{level}"] = asleep
+    out["load_average_end"] = os.getloadavg()
     out["programs_compiled_by_updates_and_sleeps"] = engine.stats()["compiled_programs"] - programs
     os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
     with open(RESULTS, "w") as f:
