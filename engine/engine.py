@@ -291,6 +291,7 @@ class Engine:
         ("abort"); then the prefix cache and the host/disk KV tiers are emptied and the old
         device buffers deleted. A model passed to Engine(model=...) shares those buffers:
         it is unusable after. Old and new weights are both on the device during the swap.
+        Multi-process: a checkpoint path, which every process loads its shards of.
         Returns {"params_replaced", "freed_bytes", "seconds"}."""
         return live_weights.update_weights(self, self._sleep, source, in_flight)
 
