@@ -245,7 +245,8 @@ class Engine:
                 **(self.runner.expert_load.summary() if self.runner.expert_load else {}),
                 **self._host_tier_stats(),
                 "sleeping": self._sleep.level,  # 0 awake, 1 KV pool released, 2 weights too
-                "device_bytes": sleep_mode.engine_device_bytes(self.runner),  # params + KV on this process's devices
+                # params + KV pool + step state on this process's devices (what sleep released not counted)
+                "device_bytes": sleep_mode.engine_device_bytes(self.runner, self._sleep.level),
             }
 
     def _host_tier_stats(self) -> dict:

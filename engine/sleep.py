@@ -20,7 +20,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from jaxfill.engine.weights_update import device_bytes, flat_leaves, leaf_path, place_like
+from jaxfill.engine.weights_update import flat_leaves, leaf_path, place_like
 
 
 class EngineAsleep(RuntimeError):
@@ -50,10 +50,22 @@ def _to_host(a: jax.Array) -> tuple:
     return a.shape, shards
 
 
-def engine_device_bytes(runner) -> int:
-    """Bytes of the engine's params, KV pool and step state on this process's devices."""
-    arrays = jax.tree.leaves(runner.state) + list(runner.kv_cache.arrays()) + [runner.prev_tokens]
-    return sum(device_bytes(a) for a in arrays)
+def _placed_bytes(a) -> int:
+    """Bytes of `a` on this process's devices, from its sharding alone: never its buffers,
+    which a step on another thread may be donating."""
+    shard = int(np.prod(a.sharding.shard_shape(a.shape), dtype=np.int64)) * np.dtype(a.dtype).itemsize
+    return shard * len(a.sharding.addressable_devices)
+
+
+def engine_device_bytes(runner, level: int = 0) -> int:
+    """Bytes of the engine's params, KV pool and step state on this process's devices, as
+    they are at sleep `level` (what sleep released is not counted). Safe from any thread."""
+    arrays = [runner.prev_tokens]
+    if level < 2:
+        arrays += jax.tree.leaves(runner.state)
+    if level < 1:
+        arrays += list(runner.kv_cache.arrays())
+    return sum(_placed_bytes(a) for a in arrays)
 
 
 def refuse_if_asleep(state: SleepState, what: str) -> None:
@@ -93,7 +105,7 @@ def sleep(engine, state: SleepState, level: int, discard: bool) -> dict:
 
                 runner.lockstep.send(SLEEP, words=np.asarray([level, int(discard)], np.int32))
             release(runner, state, level, discard)
-            return {"level": level, "freed_bytes": before - engine_device_bytes(runner)}
+            return {"level": level, "freed_bytes": before - engine_device_bytes(runner, level)}
 
 
 def release(runner, state: SleepState, level: int, discard: bool) -> None:
@@ -116,7 +128,7 @@ def wake(engine, state: SleepState) -> dict:
     if not state.level:
         return {"level": 0, "placed_bytes": 0}
     with engine.core.claim_stepping(), engine.core.locked():
-        before = engine_device_bytes(runner)
+        before = engine_device_bytes(runner, state.level)
         if runner.lockstep is not None:
             from jaxfill.engine.lockstep import WAKE
 

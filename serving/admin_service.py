@@ -70,7 +70,7 @@ class EngineAdminServicer(pb_grpc.EngineAdminServicer):
         def read():
             from jaxfill.engine.sleep import engine_device_bytes
 
-            return self.engine.sleeping, engine_device_bytes(self.engine.runner)
+            return self.engine.sleeping, engine_device_bytes(self.engine.runner, self.engine.sleeping)
 
         level, nbytes = await self._on_engine(context, read)
         return pb.IsSleepingResponse(sleeping=bool(level), level=level, device_bytes=nbytes)
