@@ -171,3 +171,9 @@ def table_leaves(state) -> dict[tuple[int, str], tuple]:
 def slot_axes(name: str) -> tuple[int, int]:
     """The slot axis of a projection's (A, B) tables."""
     return (2, 1) if name.startswith("experts_") else (0, 0)
+
+
+def is_table_path(path: tuple) -> bool:
+    """A param path of the LoRA tables: engine state, not checkpoint weights (a weight
+    update or a checkpoint reload at wake leaves them as they are)."""
+    return "lora" in path

@@ -140,3 +140,24 @@ def test_bad_requests_are_refused_by_name_and_lose_nothing(llama, tmp_path):
     check_tokens(llama, prompt(20, 6), "B", out)
     eng.unload_lora("A2")
     assert eng.stats()["pages_free"] == free
+
+
+def test_adapters_survive_sleep_and_weight_updates(llama):
+    """The slot tables are the engine's state, not the checkpoint's: sleep(2) with the
+    weights discarded (reloaded from the checkpoint at wake) keeps them, and so does a
+    weight update from the checkpoint or from a params tree without them."""
+    from flax import nnx
+
+    from jaxfill.engine.loading import build_model
+
+    eng, ids = llama.engine, prompt(24, 8)
+    params = lambda name: SamplingParams(max_tokens=TOKENS, lora=name)  # noqa: E731
+    eng.generate([ids], params("A"))  # A on the device
+    eng.sleep(level=2, discard=True)
+    eng.wake()
+    check_tokens(llama, ids, "A", eng.generate([ids], params("A"))[0])
+    eng.update_weights(llama.base)
+    check_tokens(llama, ids, "A", eng.generate([ids], params("A"))[0])
+    eng.update_weights(nnx.split(build_model(eng.config, None, progress=False))[1])
+    check_tokens(llama, ids, "B", eng.generate([ids], params("B"))[0])
+    check_tokens(llama, ids, None, eng.generate([ids], params(None))[0])
