@@ -17,6 +17,7 @@ from jaxfill.engine.config import Config
 from jaxfill.engine.cpu_devices import use_cpu_cores
 from jaxfill.engine.kv_tier.page_offload import build_kv_offload
 from jaxfill.engine.loading import build_mesh, build_model, build_tokenizer
+from jaxfill.engine.lora.slots import LoraSlots
 from jaxfill.engine.mesh import with_mesh_shape
 from jaxfill.engine.request_factory import RequestFactory
 from jaxfill.engine.runner import Runner
@@ -31,6 +32,7 @@ class Parts:
     scheduler: ReplicaScheduler  # one per mesh.data replica
     factory: RequestFactory  # prompt checks, ids, seeds; holds the tokenizer
     shapes: list[tuple[int, int]]  # the (tokens, seqs) buckets the warm-up compiles
+    lora: LoraSlots | None = None  # adapters and their device slots (engine/lora/); None: lora.max_loras = 0
 
 
 def assemble(config: Config, model=None, progress: bool = True, compile_cache: str | None = "default") -> Parts:
@@ -46,6 +48,10 @@ def assemble(config: Config, model=None, progress: bool = True, compile_cache: s
     config = with_mesh_shape(config, mesh)  # a CPU split's mesh.tensor
     if model is None:
         model = build_model(config, mesh, progress=progress)
+    if config.lora.enabled:  # a copy with zero slot tables beside the targeted projections (models/lora.py)
+        from jaxfill.models.lora import attach_tables
+
+        model = attach_tables(model, config.lora.max_loras, config.lora.max_lora_rank)
     shapes = bucket_shapes(config.engine, multiple_of=config.mesh.sequence)
     runner = Runner(config, model, mesh, shapes)
     config = runner.config  # engine.num_pages = 0 is resolved there
@@ -55,4 +61,8 @@ def assemble(config: Config, model=None, progress: bool = True, compile_cache: s
     scheduler = ReplicaScheduler(s, runner.num_replicas, tier=offload and offload.tier,
                                  on_evict=offload and offload.on_evict, page_ranks=config.mesh.sequence,
                                  speculative=config.speculative)
-    return Parts(config, runner, scheduler, RequestFactory(config, tokenizer, scheduler.requests), shapes)
+    lora = None
+    if config.lora.enabled:
+        lora = LoraSlots(config.lora, runner)
+        lora.warm()
+    return Parts(config, runner, scheduler, RequestFactory(config, tokenizer, scheduler.requests), shapes, lora)

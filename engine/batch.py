@@ -100,11 +100,12 @@ def prompt_logprob_positions(sch) -> range:
 
 def build_batch(out: SchedulerOutput, shape: tuple[int, int], page_size: int, max_pages: int,
                 vocab_size: int, penalty_window: int, prompt_rows: int = 1, state_slots: bool = False,
-                verify_rows: int = 0, pool: bool = False) -> StepBatch:
+                verify_rows: int = 0, pool: bool = False, lora: bool = False) -> StepBatch:
     """`state_slots`: the batch names each sequence's recurrent-state slot (linear-attention hybrids).
     `verify_rows`: the static number of rows verifying proposals, when any sequence has some.
     `pool`: the pooling variant even with no pooling request (a model without an LM head
-    runs no other); it is chosen anyway when a sequence pools."""
+    runs no other); it is chosen anyway when a sequence pools. `lora`: the rows carry their
+    requests' adapter slots (meta.lora_slots; engine/lora/), 0 for padding and base rows."""
     t_pad, s_pad = shape
     tokens = np.zeros(t_pad, np.int32)
     positions = np.zeros(t_pad, np.int32)
@@ -114,6 +115,7 @@ def build_batch(out: SchedulerOutput, shape: tuple[int, int], page_size: int, ma
     page_indices = np.zeros((s_pad, max_pages), np.int32)
     logits_idx = np.zeros(s_pad, np.int32)
     seq_slots = np.zeros(s_pad, np.int32) if state_slots else None
+    lora_slots = np.zeros(t_pad, np.int32) if lora else None
     sampling = empty_sampling(s_pad, penalty_window, vocab_size)
     prev_src = np.full(t_pad, -1, np.int32)
     hist_src = np.full(s_pad, -1, np.int32)
@@ -165,26 +167,28 @@ def build_batch(out: SchedulerOutput, shape: tuple[int, int], page_size: int, ma
             fill_pool_seg(pool_seg, i, pos_t - n, start, n, req)
         if state_slots:
             seq_slots[i] = req.state_slot
+        if lora:
+            lora_slots[sl] = req.lora_slot
         if sch.samples:
             hist_src[i] = fill_sampling(sampling, i, req, vocab_size, sch.draft)
     num = len(out.seqs)
     cu[num + 1:] = pos_t
     meta = AttentionMetadata(cu_q_lens=cu, kv_lens=kv_lens, page_indices=page_indices,
                              num_seqs=np.asarray([num], np.int32), slot_mapping=slots,
-                             logits_indices=logits_idx, state_slots=seq_slots)
+                             logits_indices=logits_idx, state_slots=seq_slots, lora_slots=lora_slots)
     return StepBatch(tokens, positions, meta, sampling, prev_src, hist_src, lp_rows, lp_targets, verify.build(),
                      pool_seg)
 
 
 def dummy_batch(shape: tuple[int, int], max_pages: int, penalty_window: int, vocab_size: int,
-                prompt_rows: int = 1, state_slots: bool = False, pool: bool = False) -> StepBatch:
+                prompt_rows: int = 1, state_slots: bool = False, pool: bool = False, lora: bool = False) -> StepBatch:
     """An all-padding batch of one bucket shape (warm-up): one live 1-token sequence on
     the null page whose write is skipped (slot -1)."""
     t_pad, s_pad = shape
     from jaxfill.engine.scheduler import SchedulerOutput
 
     b = build_batch(SchedulerOutput([], [], []), shape, 1, max_pages, vocab_size, penalty_window, prompt_rows,
-                    state_slots, pool=pool)
+                    state_slots, pool=pool, lora=lora)
     b.meta.cu_q_lens[1:] = 1
     b.meta.kv_lens[0] = 1
     b.meta.num_seqs[0] = 1

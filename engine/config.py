@@ -12,6 +12,7 @@ import os
 import tomllib
 from typing import Any, Mapping
 
+from jaxfill.engine.lora.settings import LoraSettings
 from jaxfill.engine.checkpoint_settings import checkpoint_engine, checkpoint_name, describe
 from jaxfill.engine.presets import NOT_PRESETS, preset_names, read_preset  # noqa: F401 (their old home)
 from jaxfill.models.config import ConfigError, ModelConfig, flat_keys, int_quantization, quantization, read_config_json
@@ -218,9 +219,11 @@ class Config:
     mesh: MeshSettings
     model_path: str | None = None
     speculative: SpeculativeSettings = SpeculativeSettings()
+    lora: LoraSettings = LoraSettings()  # multi-LoRA slots (engine/lora/)
 
 
-SECTIONS = {"model": ModelConfig, "engine": EngineSettings, "mesh": MeshSettings, "speculative": SpeculativeSettings}
+SECTIONS = {"model": ModelConfig, "engine": EngineSettings, "mesh": MeshSettings, "speculative": SpeculativeSettings,
+            "lora": LoraSettings}
 
 
 def parse_overrides(overrides: Mapping[str, Any] | list[str] | None) -> dict[str, dict[str, Any]]:
@@ -239,7 +242,7 @@ def parse_overrides(overrides: Mapping[str, Any] | list[str] | None) -> dict[str
     for key, value in overrides.items():
         section, _, field = key.partition(".")
         if section not in SECTIONS or not field:
-            raise ConfigError(f"override key {key!r} must be one of model.*, engine.*, mesh.*, speculative.*")
+            raise ConfigError(f"override key {key!r} must be one of model.*, engine.*, mesh.*, speculative.*, lora.*")
         known = flat_keys() if section == "model" else {f.name for f in dataclasses.fields(SECTIONS[section])}
         if field not in known:
             raise ConfigError(f"unknown key {key!r}; {section} has: {', '.join(sorted(known))}")
@@ -282,7 +285,7 @@ def load_config(config: str | None = None, overrides: Mapping[str, Any] | list[s
     unknown = set(data) - set(SECTIONS)
     if unknown:
         raise ConfigError(f"{config}: unknown sections {sorted(unknown)}; expected [model] [engine] [mesh] "
-                          "[speculative] and an optional checkpoint = \"DIR\"")
+                          "[speculative] [lora] and an optional checkpoint = \"DIR\"")
     extra = parse_overrides(overrides)
     if model_path:
         model = config_from_hf(model_path)
@@ -316,7 +319,9 @@ def load_config(config: str | None = None, overrides: Mapping[str, Any] | list[s
     if model.linear.layers:
         engine, mesh = hybrid_settings(model, engine, mesh)
     speculative = _build(SpeculativeSettings, {**data.get("speculative", {}), **extra.get("speculative", {})})
-    config = Config(name=name, model=model, engine=engine, mesh=mesh, model_path=model_path, speculative=speculative)
+    lora = _build(LoraSettings, {**data.get("lora", {}), **extra.get("lora", {})})
+    config = Config(name=name, model=model, engine=engine, mesh=mesh, model_path=model_path, speculative=speculative,
+                    lora=lora)
     validate(config)  # every combination refused here, before any weight is read
     return config
 

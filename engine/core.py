@@ -41,7 +41,7 @@ from jaxfill.engine.async_step import Launch
 from jaxfill.engine.batch import describe_buckets
 from jaxfill.engine.compile_cache import warmup_summary
 from jaxfill.engine.disagg.facade import Disaggregation
-from jaxfill.engine.request import QueueFull, Request, RequestOutput, SamplingParams
+from jaxfill.engine.request import InvalidRequest, QueueFull, Request, RequestOutput, SamplingParams
 from jaxfill.engine.step_phases import StepPhases
 from jaxfill.engine.stepping import StepGuard
 
@@ -56,6 +56,7 @@ class EngineCore:
         self.settings = parts.config.engine
         self.runner, self.scheduler, self.factory = parts.runner, parts.scheduler, parts.factory
         self.shapes = parts.shapes
+        self.lora = parts.lora  # LoRA adapters and slots (engine/lora/slots.py), None when off
         self.vocab_size = self.config.model.vocab_size
         self.max_pages = self.settings.max_pages_per_seq
         # True: step() leaves text and logprob formatting to the caller (a serving loop does
@@ -135,8 +136,10 @@ class EngineCore:
             waiting = self.scheduler.num_waiting()
             if waiting >= self.settings.max_waiting:
                 raise QueueFull(f"{waiting} requests waiting (engine.max_waiting)")
+            lora_slot, lora_key = self._lora_slot(params)
             if params.n == 1:
                 req = self.factory.new(ids, params, request_id, priority, with_text=not self.defer_text)
+                req.lora_slot, req.lora_key = lora_slot, lora_key
                 sibling = self.requests.get(after) if after is not None else None
                 if sibling is not None and self.settings.enable_prefix_caching and sibling.prompt_ids == ids:
                     req.prefill_after = sibling
@@ -145,8 +148,28 @@ class EngineCore:
             samples = self.factory.new_samples(ids, params, request_id, priority, not self.defer_text,
                                                share_prefill=self.settings.enable_prefix_caching)
             for req in samples:
+                req.lora_slot, req.lora_key = lora_slot, lora_key
                 self.scheduler.add(req)
             return samples[0].parent_id
+
+    def _lora_slot(self, params: SamplingParams) -> tuple[int, str | None]:
+        """[lock] The device slot and prefix-hash key of the request's adapter (written into a
+        slot now if it is not on the device: engine/lora/slots.py); (0, None) for the base."""
+        if params.lora is None:
+            return 0, None
+        if self.lora is None:
+            raise InvalidRequest("lora", "this engine serves no LoRA adapters (lora.max_loras = 0)")
+        return self.lora.acquire(params.lora, {r.lora_slot for r in self.requests.values()})
+
+    def lora_call(self, what: str, *args):
+        """[lock] load / unload / list on the adapters (engine/lora/slots.py), between steps'
+        bookkeeping; unload is told which slots unfinished requests hold."""
+        if self.lora is None:
+            raise InvalidRequest("lora", "this engine serves no LoRA adapters (set lora.max_loras > 0)")
+        with self._lock:
+            if what == "unload":
+                return self.lora.unload(*args, {r.lora_slot for r in self.requests.values()})
+            return getattr(self.lora, what)(*args)
 
     def add_pooling_request(self, ids: list[int], pooling, request_id: str | None = None) -> str:
         """Queues a pooling request (ids and PoolingParams from factory.check_pooling): it is

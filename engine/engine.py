@@ -28,9 +28,12 @@ from typing import Iterator
 from jaxfill.engine.assembly import assemble
 from jaxfill.engine.config import Config, load_config
 from jaxfill.engine.core import EngineCore
+from jaxfill.engine import live_weights
+from jaxfill.engine import sleep as sleep_mode
 from jaxfill.engine.pooling import api as pooling_api
 from jaxfill.engine.request import (Completion, InvalidRequest, PoolingParams, QueueFull, RequestOutput,
                                    SamplingParams)
+from jaxfill.engine.sleep import EngineAsleep, SleepState  # noqa: F401 (EngineAsleep: the Engine's exception)
 
 
 def _core_attr(name: str, doc: str = "", writable: bool = False) -> property:
@@ -71,6 +74,7 @@ class Engine:
         the CLI passes for --compile-cache none). With "default", a cache jax is already
         configured with is left as it is."""
         self.core = EngineCore(assemble(config, model, progress, compile_cache), defer_text=defer_text)
+        self._sleep = SleepState()  # Engine.sleep / wake (engine/sleep.py)
         if warmup and self.is_leader:  # followers compile as they follow the leader's warm-up
             self.warmup(progress)
 
@@ -92,7 +96,8 @@ class Engine:
         """Queues a request; returns its id (for n > 1, the id that names its samples).
         after: the id of an unfinished request with the same prompt (a sample fanned out by
         the caller): this one waits until that one has prefilled, then shares its cached
-        prompt pages."""
+        prompt pages. While the engine sleeps: EngineAsleep."""
+        sleep_mode.refuse_if_asleep(self._sleep, "add_request")
         return self.core.add_request(prompt, params, request_id, priority, after)
 
     @staticmethod
@@ -199,6 +204,21 @@ class Engine:
             self.core.discard(rids)
             raise
 
+    # ------------------------------------------------------------------ LoRA adapters (engine/lora/)
+    def load_lora(self, name: str, path: str) -> dict:
+        """Reads a PEFT LoRA directory under `name` (requests name it in SamplingParams.lora);
+        it reaches a device slot when a request first uses it. InvalidRequest / AdapterError
+        name what is refused."""
+        return self.core.lora_call("load", name, path)
+
+    def unload_lora(self, name: str) -> bool:
+        """Forgets an adapter (refused while unfinished requests use it); False if unknown."""
+        return self.core.lora_call("unload", name)
+
+    def list_loras(self) -> list[dict]:
+        """Loaded adapters: name, path, device slot (0 = not on the device), on_host."""
+        return self.core.lora_call("list")
+
     # ------------------------------------------------------------------ pooling (engine/pooling/)
     def embed(self, inputs, pooling: str | None = None, normalize: bool | None = None) -> list:
         """One numpy float32 [hidden] vector per input (a string or a list of token ids): its
@@ -212,6 +232,7 @@ class Engine:
         never decoded, and its final output's `completion.embedding` is its vector. Checked
         as `embed` checks its inputs (InvalidRequest, nothing queued)."""
         ids = self.factory.check_pooling(prompt_ids, pooling)
+        sleep_mode.refuse_if_asleep(self._sleep, "add_pooling_request")
         return self.core.add_pooling_request(ids, pooling, request_id)
 
     def score(self, query, documents) -> list[float]:
@@ -238,6 +259,10 @@ class Engine:
                 "compiled_programs": self.runner.cache_size(),
                 **(self.runner.expert_load.summary() if self.runner.expert_load else {}),
                 **self._host_tier_stats(),
+                "sleeping": self._sleep.level,  # 0 awake, 1 KV pool released, 2 weights too
+                # params + KV pool + step state on this process's devices (what sleep released not counted)
+                "device_bytes": sleep_mode.engine_device_bytes(self.runner, self._sleep.level),
+                **(self.core.lora.stats() if self.core.lora is not None else {}),
             }
 
     def _host_tier_stats(self) -> dict:
@@ -271,6 +296,37 @@ class Engine:
             if self.runner.kv_offload is not None:  # the host tier is one for all replicas: replica 0's events
                 tier = self.runner.kv_offload.tier
                 tier.listener = None if listener is None else (lambda *ev: listener(0, *ev))
+
+    # ------------------------------------------------------------------ weights that change (engine/live_weights.py)
+    def update_weights(self, source, *, in_flight: str = "finish") -> dict:
+        """New weights without a rebuild or a recompile: `source` is a params tree of this
+        engine's structure, a checkpoint directory (loaded with the same checks, dtype,
+        quantization and shards as at build), or an iterable of (HF tensor name, array)
+        pairs (the params they name replaced, the rest kept). Everything is checked before
+        anything changes (WeightUpdateError, one line naming the tensor). Requests in flight
+        finish on the old weights first ("finish") or end with finish_reason "abort"
+        ("abort"); then the prefix cache and the host/disk KV tiers are emptied and the old
+        device buffers deleted. A model passed to Engine(model=...) shares those buffers:
+        it is unusable after. Old and new weights are both on the device during the swap.
+        Multi-process: a checkpoint path, which every process loads its shards of.
+        Returns {"params_replaced", "freed_bytes", "seconds"}."""
+        return live_weights.update_weights(self, self._sleep, source, in_flight)
+
+    def sleep(self, level: int = 1, discard: bool = False) -> dict:
+        """Gives device memory back, keeping every compiled program: level 1 deletes the KV
+        pool (prefix cache emptied), level 2 the weights too (kept as host numpy, or with
+        `discard` reloaded from the checkpoint at wake). Refused while requests are
+        unfinished. Until wake(), add_request raises EngineAsleep. Returns {"freed_bytes"}."""
+        return sleep_mode.sleep(self, self._sleep, level, discard)
+
+    def wake(self) -> dict:
+        """Restores what sleep() released, placed as before: no program compiles again."""
+        return sleep_mode.wake(self, self._sleep)
+
+    @property
+    def sleeping(self) -> int:
+        """0 awake, else the sleep level."""
+        return self._sleep.level
 
     # ------------------------------------------------------------------ disaggregated prefill
     # engine.disagg (engine/disagg/facade.py) does it; these names are the Engine's API.

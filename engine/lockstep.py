@@ -32,7 +32,10 @@ from jaxfill.engine.batch import StepBatch
 
 RUN, STOP, HEARTBEAT, RESET, USE_XLA = 1, 2, 3, 4, 5
 KV_SAVE, KV_RESTORE, KV_WARMUP = 6, 7, 8  # the host KV tier's programs (engine/kv_tier/page_offload.py): int32 words
-WORD_OPS = (KV_SAVE, KV_RESTORE)
+# Engine.update_weights / sleep / wake (engine/weights_lockstep.py): a checkpoint path or a level as words
+WEIGHTS_LOAD, WEIGHTS_SWAP, WEIGHTS_DROP, SLEEP, WAKE = 9, 10, 11, 12, 13
+WEIGHT_OPS = (WEIGHTS_LOAD, WEIGHTS_SWAP, WEIGHTS_DROP, SLEEP, WAKE)
+WORD_OPS = (KV_SAVE, KV_RESTORE, WEIGHTS_LOAD, SLEEP)
 HEARTBEAT_S = 5.0
 HEADER = 3  # op, bucket, payload words
 FIRST_WORDS = 8192  # 32 KiB: a decode of 64 sequences x 100 pages (no penalties) fits in one broadcast
@@ -95,6 +98,19 @@ class Lockstep:
         self.num_sent += 1
         self.last_sent = time.monotonic()
         self.stopped = op == STOP
+
+    def agree(self, ok: bool) -> bool:
+        """Every process says whether it succeeded (a collective all of them call at the same
+        point of the stream); True only if all did. One buffer of the first message's size,
+        so the sum's program is the one already compiled."""
+        buf = np.zeros(FIRST_WORDS, np.int32)
+        buf[0] = 0 if ok else 1
+        if self._broadcast != self._broadcast_over_processes:  # tests: one process stands for all
+            return bool(ok)
+        import jax
+
+        total = self._sum(jax.make_array_from_process_local_data(self._rows, buf[None]))
+        return int(np.asarray(total.addressable_data(0))[0]) == 0
 
     def heartbeat(self) -> None:
         if not self.stopped and time.monotonic() - self.last_sent >= HEARTBEAT_S:

@@ -86,10 +86,15 @@ class SamplingParams:
     structured_output: StructuredOutput | None = None  # the output must match this constraint
     # None = off; k = each prompt token's logprob given the tokens before it, plus the top-k
     prompt_logprobs: int | None = None
+    # the LoRA adapter (a name Engine.load_lora gave, or a (name, path) pair loaded on first
+    # use); None = the base model (engine/lora/)
+    lora: str | tuple[str, str] | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if isinstance(self.lora, list):
+            object.__setattr__(self, "lora", tuple(self.lora))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         try:
             object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
@@ -150,6 +155,9 @@ class SamplingParams:
         for t, b in self.logit_bias:
             if not math.isfinite(b) or not -100.0 <= b <= 100.0:
                 bad("logit_bias", f"the bias of token {t} must be in [-100, 100], got {b}")
+        if self.lora is not None and not (isinstance(self.lora, str) and self.lora) and not (
+                isinstance(self.lora, tuple) and len(self.lora) == 2 and all(isinstance(x, str) and x for x in self.lora)):
+            bad("lora", f"must be an adapter name or a (name, path) pair of non-empty strings, got {self.lora!r}")
         if self.structured_output is not None:
             if not isinstance(self.structured_output, StructuredOutput):
                 bad("structured_output", "must be a StructuredOutput")
@@ -264,6 +272,8 @@ class Request:
         self.parent_id: str | None = None
         self.prefill_after: Request | None = None  # a sibling sample whose prompt pages it waits to share
         self.state_slot: int | None = None  # its recurrent-state slot while running (linear-attention hybrids)
+        self.lora_slot = 0  # its adapter's device slot (0 = none; engine/lora/slots.py), fixed while it lives
+        self.lora_key: str | None = None  # its adapter's name and load, mixed into its prefix hashes
         self.pooling: PoolingParams | None = None  # a pooling request (engine/pooling/): prefilled, never decoded
         self.pool_parts: list[tuple] = []  # its chunks' (start, end, sum [E]) (engine/pooling/vectors.py)
         self.embedding = None  # its vector once its prompt is done

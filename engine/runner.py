@@ -31,7 +31,8 @@ from flax import nnx
 
 from jaxfill.engine.batch import StepBatch, dummy_batch, stack_batches
 from jaxfill.engine.expert_load import ExpertLoad
-from jaxfill.engine.lockstep import HEARTBEAT, KV_RESTORE, KV_SAVE, KV_WARMUP, RESET, RUN, STOP, USE_XLA, Lockstep
+from jaxfill.engine.lockstep import (HEARTBEAT, KV_RESTORE, KV_SAVE, KV_WARMUP, RESET, RUN, STOP, USE_XLA, WEIGHT_OPS,
+                                    Lockstep)
 from jaxfill.engine.kv_tier.runner_side import RunnerKVTier
 from jaxfill.engine.speculative.verify_rows import padding_rows
 from jaxfill.engine.step import step, step_replicas
@@ -167,7 +168,7 @@ class Runner(RunnerKVTier):
         the pooling program's."""
         s = self.config.engine
         one = dummy_batch(shape, s.max_pages_per_seq, s.penalty_window, self.config.model.vocab_size,
-                          self.prompt_rows, s.state_slots > 0, pool)
+                          self.prompt_rows, s.state_slots > 0, pool, self.config.lora.enabled)
         if verify:
             one = dataclasses.replace(one, verify=padding_rows(self.verify_rows, s.penalty_window,
                                                                self.config.model.vocab_size))
@@ -374,6 +375,10 @@ class Runner(RunnerKVTier):
                 self._follow_kv(op, batch)
             elif op == KV_WARMUP:
                 self._warm_kv_offload()
+            elif op in WEIGHT_OPS:  # Engine.update_weights / sleep / wake on process 0
+                from jaxfill.engine import weights_lockstep
+
+                weights_lockstep.follow(self, op, batch)
             elif op != HEARTBEAT:
                 raise RuntimeError(f"unknown lockstep op {op} from process 0")
 

@@ -97,7 +97,8 @@ class StepPhases:
             launch.batch = stack_batches([build_batch(sc, launch.shape, s.page_size, s.max_pages_per_seq,
                                                       self.vocab_size, s.penalty_window, self.runner.prompt_rows,
                                                       s.state_slots > 0, self.runner.verify_rows,
-                                                      pool=not self.runner.has_head)
+                                                      pool=not self.runner.has_head,
+                                                      lora=self.runner.config.lora.enabled)
                                           for sc in launch.scheds])
         except Exception as e:  # noqa: BLE001 - a bad request must not stop the engine
             outputs += self.fail(launch.scheds, e)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from jaxfill.engine.capabilities.table import CAPABILITIES, KINDS, SETTINGS, Rule, model_kinds, refusals
+from jaxfill.engine.lora.settings import check_model as check_lora_model
 from jaxfill.models.config import ConfigError
 from jaxfill.models.sharding import head_repeat
 
@@ -78,6 +79,7 @@ def check_values(config) -> None:
             raise ConfigError("mesh.num_processes > 1 needs mesh.coordinator (host:port) outside a TPU pod/cluster")
     if model.linear.layers:
         _check_hybrid(model, engine, mesh)
+    check_lora_model(config)
     try:  # the model's shapes against the mesh
         check_mesh(model, mesh)
     except ValueError as e:

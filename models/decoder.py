@@ -93,7 +93,10 @@ class DecoderLayer(nnx.Module):
             return x, pages, None
         h, counts = _maybe(self.mlp_norm, x), None
         if isinstance(self.mlp, (MoE, ExpertsBesideDense)):
-            h, counts = self.mlp(h, token_rows(x, ctx))
+            slots = {} if ctx.meta.lora_slots is None else {"lora_slots": ctx.sampled(ctx.meta.lora_slots)}
+            h, counts = self.mlp(h, token_rows(x, ctx), **slots)
+        elif ctx.meta.lora_slots is not None and isinstance(self.mlp, GatedMLP):  # per-row adapters (models/lora.py)
+            h = self.mlp(h, ctx.sampled(ctx.meta.lora_slots))
         else:
             h = self.mlp(h)
         h = _maybe(self.mlp_post_norm, h)

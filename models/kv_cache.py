@@ -12,6 +12,7 @@ from jaxfill.models.moe import is_moe_layer
 from jaxfill.models.sharding import (DATA, KV_CACHE_AXES, SEQUENCE, kv_cache_heads, kv_cache_sharding,
                                      linear_state_sharding)
 from jaxfill.pallas_kernels import QUANT_DTYPES, QuantizedPages, init_kv_pages, init_quantized_pages
+from jaxfill.pallas_kernels.kv_cache import page_storage_dtype
 
 
 def kv_storage_dtype(kv_cache_dtype: str, model_dtype):
@@ -91,7 +92,7 @@ class KVCache:
         pool = num_pages * replicas
         shared = shares_kv(config)
         quantized = kv_cache_dtype != "auto"
-        dtype = kv_storage_dtype(kv_cache_dtype, config.jnp_dtype) if quantized else dtype or config.jnp_dtype
+        dtype = kv_storage_dtype(kv_cache_dtype, config.jnp_dtype) if quantized else page_storage_dtype(dtype or config.jnp_dtype)
 
         def layer(j: int):  # layer j's fresh pages, in its own shape (Gemma 4's full layers have theirs)
             heads, head_dim = config.attention_dims(j)
@@ -204,6 +205,7 @@ class AttentionMetadata:
     logits_indices: jax.Array  # [S] int32, the row whose logits each sequence samples: its last new token
     # (any [R] rows may be asked for, e.g. every row for evaluation; then the last layer runs on all rows)
     state_slots: jax.Array | None = None  # [S] int32, each sequence's linear-layer state slot; None: its row
+    lora_slots: jax.Array | None = None  # [T] int32, each row's LoRA slot (0 = none; models/lora.py); None: no LoRA
 
 
 def sampled_rows_metadata(meta: AttentionMetadata) -> AttentionMetadata:

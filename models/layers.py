@@ -10,6 +10,7 @@ from flax import nnx
 
 import jaxfill.models.fp8_block as fp8_block
 import jaxfill.models.int_group as int_group
+from jaxfill.models.lora import add_delta
 from jaxfill.models.quant import input_axes, qeinsum, quantize
 from jaxfill.models.parallel.vocab import vocab_parallel_embed
 from jaxfill.models.sharding import constrain
@@ -143,14 +144,16 @@ class GatedMLP(nnx.Module):
         self.down, self.down_scale = projection(rngs, (intermediate, hidden), ("mlp", "embed"), dtype, 1, wd,
                                                 name="down")
 
-    def __call__(self, x: jax.Array) -> jax.Array:  # [T, E] -> [T, E]
+    def __call__(self, x: jax.Array,  # [T, E] -> [T, E]
+                 lora_slots: jax.Array | None = None) -> jax.Array:  # [T] i32 each row's LoRA slot (models/lora.py)
         with jax.named_scope("mlp"):
-            g = qeinsum("te,ei->ti", x, self.gate[...], self.gate_scale)
+            g = add_delta(self, "gate", x, qeinsum("te,ei->ti", x, self.gate[...], self.gate_scale), lora_slots)
             if self.scales[0] != 1.0:
                 g = g * jnp.asarray(self.scales[0], g.dtype)
-            h = ACTIVATIONS[self.activation](g) * qeinsum("te,ei->ti", x, self.up[...], self.up_scale)
+            up = add_delta(self, "up", x, qeinsum("te,ei->ti", x, self.up[...], self.up_scale), lora_slots)
+            h = ACTIVATIONS[self.activation](g) * up
             h = constrain(h, ("tokens", "act_mlp"))
-            out = qeinsum("ti,ie->te", h, self.down[...], self.down_scale)
+            out = add_delta(self, "down", h, qeinsum("ti,ie->te", h, self.down[...], self.down_scale), lora_slots)
             if self.scales[1] != 1.0:
                 out = out * jnp.asarray(self.scales[1], out.dtype)
             return constrain(out, ("tokens", "act_embed"))  # all-reduce over tensor

@@ -12,6 +12,8 @@ partial outputs, the same bytes as a dense MLP's all-reduce (`expert_parallel`).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -21,6 +23,7 @@ import jaxfill.models.int_group as int_group
 from jaxfill.models.config import ModelConfig
 from jaxfill.models.grouped_matmul import grouped_matmul
 from jaxfill.models.layers import ACTIVATIONS, GatedMLP, param, projection
+from jaxfill.models.lora import EXPERT_TABLE_AXES, grouped_delta
 from jaxfill.models.parallel.expert import expert_parallel
 from jaxfill.models.sharding import constrain
 
@@ -123,6 +126,7 @@ def grouped_experts(x: jax.Array,  # [T, H]
                     weights_inputs: bool = False,  # the weight scales the expert's input (Llama 4)
                     block: tuple[int, int] | None = None,  # fp8 weights: their scales' blocks
                     int_form: tuple[int, int] | None = None,  # int_group weights: (bits, group size)
+                    slots: jax.Array | None = None,  # [T] i32 each token's LoRA slot; tables in params["lora_*"]
                     ) -> jax.Array:  # [T, H] f32: this rank's share of the MoE output
     """The pairs routed to the local experts, sorted by expert, through two grouped
     matmuls (models/grouped_matmul.py). Pairs of other ranks' experts sort last, past
@@ -160,12 +164,19 @@ def grouped_experts(x: jax.Array,  # [T, H]
 
     w1 = gate_up.reshape(n_local, h, 2 * inter)
     hid = grouped_matmul(rows, w1.astype(rows.dtype), sizes, impl)  # [T*k, 2I]
+    lora = None
+    if slots is not None:  # LoRA on the experts (models/lora.py): each pair's token's slot
+        lora = functools.partial(grouped_delta, slots=jnp.take(slots, token),  # [T*k]
+                                 sizes=sizes, matmul=functools.partial(grouped_matmul, impl=impl))
+        hid = hid + lora(rows, params["lora_gate_up_a"], params["lora_gate_up_b"])
     if (scale := per_row("gate_up_scale", 2 * inter)) is not None:
         hid = (hid * scale).astype(rows.dtype)
     if (bias := per_row("gate_up_bias", 2 * inter)) is not None:
         hid = hid + bias.astype(hid.dtype)
     hid = gated(hid[:, :inter], hid[:, inter:], activation, swiglu)
     out = grouped_matmul(hid, down.astype(hid.dtype), sizes, impl)  # [T*k, H]
+    if lora is not None:
+        out = out + lora(hid, params["lora_down_a"], params["lora_down_b"])
     if (scale := per_row("down_scale", h)) is not None:
         out = (out * scale).astype(hid.dtype)
     if (bias := per_row("down_bias", h)) is not None:
@@ -215,6 +226,7 @@ class MoE(nnx.Module):
                  valid: jax.Array | None = None,  # [T] bool: rows of real tokens (None: all)
                  router_input: jax.Array | None = None,  # [T, H] what the router reads (None: x)
                  expert_scale: jax.Array | None = None,  # [E] each expert's weights times this (Gemma 4)
+                 lora_slots: jax.Array | None = None,  # [T] i32 each row's LoRA slot (models/lora.py)
                  ) -> tuple[jax.Array, jax.Array]:  # [T, H], tokens routed to each expert [E] int32
         """The layer's output, and how many (valid token, expert) pairs each expert got in
         this call: the load statistics the engine accumulates (engine/expert_load.py)."""
@@ -233,9 +245,10 @@ class MoE(nnx.Module):
             block = c.weight_form.block if c.weight_dtype == "fp8_block" else None
             int_form = (c.weight_bits, c.weight_group_size) if c.weight_dtype == "int_group" else None
 
-            def local(x, weights, ids, params, first_expert, lead):
+            def local(x, weights, ids, params, first_expert, lead, slots=None):
                 return grouped_experts(x, weights, ids, params, first_expert, c.hidden_act, lead, swiglu=swiglu,
-                                       weights_inputs=c.moe.weights_inputs, block=block, int_form=int_form)
+                                       weights_inputs=c.moe.weights_inputs, block=block, int_form=int_form,
+                                       slots=slots)
 
             params = {name: _value(getattr(self, "experts_" + name, None)) for name in EXPERT_AXES
                       if not (int_form and name.endswith("_scale"))}
@@ -247,8 +260,11 @@ class MoE(nnx.Module):
                     params |= {name + "_zero": scales.zero[...]} if scales.zero is not None else {}
                     both = int_group.scale_axes(EXPERT_AXES[name], 1, c.weight_form, stacked=1)
                     axes = {**axes, name + "_scale": both, name + "_zero": both}
+            if lora_slots is not None:  # the experts' LoRA tables (models/lora.py ExpertLoraTables)
+                params |= self.lora.params()
+                axes = {**axes, **EXPERT_TABLE_AXES}
             # a zero-compute expert's id is past every rank's experts, so no rank dispatches it
-            out = expert_parallel(local, x, weights, ids, params, axes)
+            out = expert_parallel(local, x, weights, ids, params, axes, lora_slots)
             if c.moe.zero_experts:
                 out = out + identity_experts(x, weights, ids, c.moe.num_experts)
             out = constrain(out.astype(x.dtype), ("tokens", "act_embed"))

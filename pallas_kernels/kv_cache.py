@@ -22,6 +22,17 @@ tests/test_write_slots.py checks build_batch's output).
 
 Quantized layers (`QuantizedPages`, see kv_quant.py) take the same write: each token-head
 is quantized and its scale scattered to the same slot of the scales array.
+
+bf16 pages on XLA:CPU are stored as their 16-bit words (uint16, `page_storage_dtype`).
+XLA:CPU runs a bf16 scatter or gather in f32: it converts the whole pool to f32, scatters,
+and converts it back, every layer of every step, and hoists the gather's convert of the
+pool out of the attention loops; an integer scatter and gather update and read in place.
+Measured on a 164 MB pool: one bf16 write 428 ms with 328 MB of temporaries, the same
+write on uint16 words 0.017 ms with none (benchmarks/RESULTS.md, "bf16 KV pages on CPU").
+That is jax 0.10.2's XLA:CPU; jax 0.11.2 scatters bf16 in place (528 bytes of
+temporaries for both storages, tests/test_bf16_pages.py), where the words cost a free bitcast.
+Readers take a block's values with `page_values` (a free bitcast of the block);
+`write_kv` stores the words. Other backends keep bf16 pages.
 """
 
 from __future__ import annotations
@@ -29,7 +40,28 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax import lax
+
 from jaxfill.pallas_kernels.kv_quant import QuantizedPages, is_quantized, quantize
+
+WORDS = jnp.dtype(jnp.uint16)  # bf16 pages as XLA:CPU stores them (module docstring)
+
+
+def page_storage_dtype(dtype):
+    """The dtype a pool of `dtype` values is stored in on this backend."""
+    dtype = jnp.dtype(dtype)
+    return WORDS if dtype == jnp.bfloat16 and jax.default_backend() == "cpu" else dtype
+
+
+def page_values(pages: jax.Array) -> jax.Array:  # [..., D] stored pages (or a block) -> same, values
+    """Stored words back to bf16 (a bitcast); any other pages as they are."""
+    return lax.bitcast_convert_type(pages, jnp.bfloat16) if pages.dtype == WORDS else pages
+
+
+def _stored(values: jax.Array, stored_dtype) -> jax.Array:  # [...] -> same, in the pages' storage
+    if jnp.dtype(stored_dtype) == WORDS:
+        return lax.bitcast_convert_type(values.astype(jnp.bfloat16), WORDS)
+    return values.astype(stored_dtype)
 
 
 def init_kv_pages(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
@@ -41,7 +73,10 @@ def init_kv_pages(num_pages: int, page_size: int, num_kv_heads: int, head_dim: i
             f"init_kv_pages needs positive sizes, got num_pages={num_pages}, "
             f"page_size={page_size}, num_kv_heads={num_kv_heads}, head_dim={head_dim}"
         )
-    return jnp.full((num_pages, page_size, kv_slots(num_kv_heads, shared), head_dim), fill_value, dtype)
+    shape = (num_pages, page_size, kv_slots(num_kv_heads, shared), head_dim)
+    if jnp.dtype(dtype) == WORDS:  # bf16 stored as words: the fill's bf16 bit pattern
+        return _stored(jnp.full(shape, fill_value, jnp.bfloat16), WORDS)
+    return jnp.full(shape, fill_value, dtype)
 
 
 def merge_kv(k: jax.Array,  # [T, Hkv, D]
@@ -78,7 +113,7 @@ def write_kv(pages,  # [num_pages, page_size, 2 * Hkv, D] array, or QuantizedPag
     if slot_mapping.shape != (k.shape[0],):
         raise ValueError(f"write_kv: slot_mapping {slot_mapping.shape} must be [{k.shape[0]}]")
     total = num_pages * page_size
-    kv = _entries(k, v).astype(pages.dtype)
+    kv = _stored(_entries(k, v), pages.dtype)
     flat = pages.reshape(total, combined, head_dim)
     flat = flat.at[scatter_indices(slot_mapping, total)].set(kv, mode="drop", unique_indices=True)
     return flat.reshape(pages.shape)

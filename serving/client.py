@@ -24,16 +24,17 @@ SAMPLING_FIELDS = {f.name for f in pb.SamplingParams.DESCRIPTOR.fields}
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 
 
-def make_request(prompt, request_id: str = "", cache_salt: str = "", priority: int = 0,
+def make_request(prompt, request_id: str = "", cache_salt: str = "", priority: int = 0, lora: str = "",
                  **sampling) -> pb.GenerateRequest:
-    """prompt: text or a list of token ids; sampling: SamplingParams fields (None = unset)."""
+    """prompt: text or a list of token ids; sampling: SamplingParams fields (None = unset);
+    lora: a LoRA adapter the server loaded ("" = the base model)."""
     unknown = set(sampling) - SAMPLING_FIELDS
     if unknown:
         raise TypeError(f"unknown sampling fields {sorted(unknown)}; known: {sorted(SAMPLING_FIELDS)}")
     if isinstance(sampling.get("choice"), (list, tuple)):
         sampling["choice"] = pb.Choices(choices=sampling["choice"])
     sp = pb.SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
-    req = pb.GenerateRequest(request_id=request_id, sampling=sp, cache_salt=cache_salt, priority=priority)
+    req = pb.GenerateRequest(request_id=request_id, sampling=sp, cache_salt=cache_salt, priority=priority, lora=lora)
     if isinstance(prompt, str):
         req.text = prompt
     else:

@@ -16,6 +16,7 @@ import traceback
 from typing import Any, Callable
 
 from jaxfill.engine.request import InvalidRequest, PoolingParams, QueueFull, RequestOutput, SamplingParams
+from jaxfill.engine.sleep import EngineAsleep
 
 log = logging.getLogger("jaxfill.serving")
 
@@ -171,7 +172,7 @@ class EngineThread:
             self._in_engine[stream.request_id] = stream
         except QueueFull:
             return False
-        except InvalidRequest as e:
+        except (InvalidRequest, EngineAsleep) as e:
             items.append(("error", stream, e, time.monotonic()))
         except Exception as e:  # noqa: BLE001 - one bad request must not stop the loop
             log.error("add_request(%s) failed:\n%s", stream.request_id, traceback.format_exc())

@@ -23,7 +23,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 PROTO_ROOT = os.path.join(ROOT, "proto")
-PROTOS = ["jaxfill/v1/generation.proto", "jetstream/core/proto/jetstream.proto"]
+PROTOS = ["jaxfill/v1/generation.proto", "jaxfill/v1/engine_admin.proto", "jetstream/core/proto/jetstream.proto"]
 
 
 def _packages(rel: str) -> list[str]:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import time
 
 import grpc
 
-from jaxfill.engine.request import SamplingParams
+from jaxfill.engine.request import InvalidRequest, SamplingParams
 from jaxfill.serving.request_core import BadField, RequestCore, served_name, structured_from_proto
 from jaxfill.serving.proto.jaxfill.v1 import generation_pb2 as pb
 from jaxfill.serving.proto.jaxfill.v1 import generation_pb2_grpc as pb_grpc
@@ -73,6 +74,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             raise BadField("cache_salt", f"longer than {MAX_CACHE_SALT_LEN} characters")
         if request.cache_salt:
             params = dataclasses.replace(params, cache_salt=request.cache_salt)
+        if request.lora:  # an adapter the server loaded (serve --lora)
+            core.check_lora(request.lora, "lora")
+            params = dataclasses.replace(params, lora=request.lora)
         core.check_params(params)
         core.check_fits(len(ids), params.max_tokens, "sampling.max_tokens")
         return rid, ids, params
@@ -129,6 +133,37 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def Tokenize(self, request: pb.TokenizeRequest, context):
         add_bos = request.add_bos if request.HasField("add_bos") else True
         return pb.TokenizeResponse(token_ids=await self.core.encode(request.text, add_bos))
+
+    # ------------------------------------------------------------------ LoRA adapters (engine/lora/)
+    async def LoadLora(self, request: pb.LoadLoraRequest, context):
+        return await self._lora(context, "load_lora", request.name, request.path)
+
+    async def UnloadLora(self, request: pb.UnloadLoraRequest, context):
+        return await self._lora(context, "unload_lora", request.name)
+
+    async def ListLoras(self, request: pb.ListLorasRequest, context):
+        return await self._lora(context, "list_loras")
+
+    async def _lora(self, context, call: str, *args):
+        """Engine.load_lora / unload_lora / list_loras off the event loop (a load reads the
+        adapter from disk); refusals are INVALID_ARGUMENT naming the field, an unknown name
+        to unload NOT_FOUND."""
+        from jaxfill.engine.lora.adapter import AdapterError
+
+        engine = self.core.engine
+        try:
+            if call != "list_loras" and not args[0]:
+                raise InvalidRequest("name", "must be a non-empty adapter name")
+            found = await asyncio.to_thread(getattr(engine, call), *args)
+            adapters = await asyncio.to_thread(engine.list_loras)
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except AdapterError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"path: {e}")
+        if found is False:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"name: no adapter {args[0]!r} is loaded")
+        return pb.LoraAdapters(adapters=[pb.LoraAdapter(name=a["name"], path=a["path"], slot=a["slot"])
+                                         for a in adapters])
 
     async def Detokenize(self, request: pb.DetokenizeRequest, context):
         vocab = self.core.vocab_size

@@ -51,11 +51,12 @@ class OrchestratorServicer(js_grpc.OrchestratorServicer):
             ids = await self._prompt(request)
             if request.num_samples > 1:
                 raise BadField("num_samples", f"only 1 sample per request is supported, got {request.num_samples}")
-            if request.lora_adapter_id:
-                raise BadField("lora_adapter_id", "LoRA adapters are not supported by this server")
             if request.max_tokens <= 0:
                 raise BadField("max_tokens", f"must be >= 1, got {request.max_tokens}")
-            params = core.check_params(SamplingParams(max_tokens=request.max_tokens), field="")
+            if request.lora_adapter_id:  # an adapter the server loaded (serve --lora)
+                core.check_lora(request.lora_adapter_id, "lora_adapter_id")
+            params = core.check_params(SamplingParams(max_tokens=request.max_tokens,
+                                                      lora=request.lora_adapter_id or None), field="")
             core.check_fits(len(ids), params.max_tokens, "max_tokens")
         except BadField as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

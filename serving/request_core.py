@@ -16,6 +16,7 @@ import grpc
 
 from jaxfill.engine.loading import validate_prompt
 from jaxfill.engine.request import InvalidRequest, QueueFull, SamplingParams, StructuredOutput
+from jaxfill.engine.sleep import EngineAsleep
 from jaxfill.serving.engine_loop import DRAINING, FAILED, SERVING, STOPPED, WARMING, EngineLoop
 from jaxfill.serving.proto.jaxfill.v1 import generation_pb2 as pb
 
@@ -47,6 +48,11 @@ def served_name(config) -> str:
 
     return os.path.basename(os.path.normpath(config.model_path)) if config.model_path else config.name
 
+def asleep_message(level: int) -> str:
+    return (f"the engine sleeps (level {level}, an EngineAdmin.Sleep call) and serves nothing until "
+            "EngineAdmin.WakeUp")
+
+
 class BadField(Exception):
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
@@ -75,6 +81,8 @@ class RequestCore:
 
     async def check_available(self, context) -> None:
         state = self.loop.state
+        if state == SERVING and self.engine.sleeping:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, asleep_message(self.engine.sleeping))
         if state == SERVING:
             return
         why = {WARMING: "the server is warming up (compiling shape buckets); retry shortly",
@@ -121,6 +129,14 @@ class RequestCore:
         except InvalidRequest as e:
             raise BadField(field, str(e).split(": ", 1)[-1]) from None
 
+    def check_lora(self, name: str, field: str) -> None:
+        """A LoRA adapter the server has loaded (serve --lora), or BadField naming `field`."""
+        lora = self.engine.core.lora
+        if lora is None:
+            raise BadField(field, "LoRA adapters are not served here (start with --set lora.max_loras=N --lora NAME=PATH)")
+        if not lora.known(name):
+            raise BadField(field, f"unknown adapter {name!r}; loaded: {', '.join(lora.names_loaded()) or 'none'}")
+
     def check_params(self, params: SamplingParams, field: str = "sampling.") -> SamplingParams:
         """field: where the sampling fields sit in the message ("sampling." or "" for JetStream)."""
         try:
@@ -159,6 +175,8 @@ class RequestCore:
             while True:
                 kind, payload, t = await stream.queue.get()
                 if kind == "error":
+                    if isinstance(payload, EngineAsleep):  # it slept between check_available and admission
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, asleep_message(self.engine.sleeping or 1))
                     if isinstance(payload, InvalidRequest):
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(payload))
                     await context.abort(grpc.StatusCode.INTERNAL, str(payload))

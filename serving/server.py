@@ -1,5 +1,6 @@
 """gRPC server: jaxfill.v1.Generation, the JetStream Orchestrator shim, vLLM's
-vllm.grpc.engine.VllmEngine (what the smg gateway routes to), health, reflection.
+vllm.grpc.engine.VllmEngine (what the smg gateway routes to), jaxfill.v1.EngineAdmin
+(weight updates, sleep and wake: serving/admin_service.py), health, reflection.
 
 One adapter module per protocol (generation_service.py, jetstream_service.py,
 vllm_service.py) over one
@@ -9,7 +10,8 @@ Status codes:
     INVALID_ARGUMENT    bad input, or prompt plus max_tokens over max_model_len; the
                         message starts with the offending field's name
     RESOURCE_EXHAUSTED  every batch slot and engine.max_waiting waiting places are taken
-    UNAVAILABLE         warming up (health NOT_SERVING), draining, or warm-up failed
+    UNAVAILABLE         warming up (health NOT_SERVING), draining, warm-up failed, or the
+                        engine sleeps (EngineAdmin.Sleep until EngineAdmin.WakeUp)
     UNAUTHENTICATED     --api-key set and `authorization` metadata missing or wrong
     INTERNAL            this request's step failed; the server and other requests go on
 A stream whose client cancels, disconnects or passes its deadline is aborted in the
@@ -31,9 +33,11 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc
 
 from jaxfill.serving.engine_loop import SERVING, EngineLoop
 from jaxfill.serving.interceptors import HEALTH_SERVICE, ApiKeyInterceptor, ErrorStatusInterceptor
+from jaxfill.serving.admin_service import ADMIN_SERVICE, EngineAdminServicer
 from jaxfill.serving.generation_service import GenerationServicer
 from jaxfill.serving.jetstream_service import OrchestratorServicer
 from jaxfill.serving.metrics import ServerMetrics
+from jaxfill.serving.proto.jaxfill.v1 import engine_admin_pb2_grpc as admin_grpc
 from jaxfill.serving.proto.jaxfill.v1 import generation_pb2 as pb
 from jaxfill.serving.proto.jaxfill.v1 import generation_pb2_grpc as pb_grpc
 from jaxfill.serving.proto.jetstream.core.proto import jetstream_pb2 as js
@@ -84,8 +88,10 @@ class Server:
         js_grpc.add_OrchestratorServicer_to_server(OrchestratorServicer(self.core), self.server)
         vllm_grpc.add_VllmEngineServicer_to_server(self.vllm, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        admin_grpc.add_EngineAdminServicer_to_server(EngineAdminServicer(self.engine, self.loop), self.server)
         reflection.enable_server_reflection(
-            (GENERATION_SERVICE, ORCHESTRATOR_SERVICE, VLLM_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME),
+            (GENERATION_SERVICE, ORCHESTRATOR_SERVICE, VLLM_SERVICE, HEALTH_SERVICE, ADMIN_SERVICE,
+             reflection.SERVICE_NAME),
             self.server)
         for name in ("", GENERATION_SERVICE, ORCHESTRATOR_SERVICE):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -17,7 +17,8 @@ from serving_util import ServeProcess, free_port
 
 # The worker config every gateway test runs: the trained tiny preset (configs/tiny holds
 # the tokenizer.json the gateway loads), small pages pool so "all pages back" is visible.
-WORKER_SETTINGS = ["engine.num_pages=64", "engine.max_model_len=256", "engine.max_num_batched_tokens=64",
+WORKER_SETTINGS = ['engine.attention_impl="reference"',  # tests/fast_engine.py
+                   "engine.num_pages=64", "engine.max_model_len=256", "engine.max_num_batched_tokens=64",
                    "engine.token_buckets=[16, 64]", "engine.max_num_seqs=4"]
 
 

@@ -126,6 +126,24 @@ BREAKS = {
         {"mesh.num_processes": 2, "mesh.coordinator": "127.0.0.1:1", "speculative.method": "ngram"}, ()),
     ("serve.role=prefill/decode", "speculative.method=ngram"): ({"speculative.method": "ngram"},
                                                                 ("serve.role=prefill/decode",)),
+    **{("lora.max_loras", cond): ({"lora.max_loras": 2, **extra}, flags) for cond, extra, flags in (
+        ("mla", MLA, ()),
+        ("mesh.expert", {"model.architecture": "MixtralForCausalLM", "model.num_experts": 4,
+                         "model.experts_per_token": 2, "mesh.expert": 2}, ()),
+        ("linear", HYBRID, ()),
+        ("mixed_kv", MIXED_KV, ()),
+        ("mesh.data", {"mesh.data": 2}, ()),
+        ("mesh.sequence", {"mesh.sequence": 2}, ()),
+        ("mesh.stage", {"mesh.stage": 2}, ()),
+        ("engine.scan_layers", {"engine.scan_layers": True}, ()),
+        ("mesh.num_processes", {"mesh.num_processes": 2, "mesh.coordinator": "127.0.0.1:1"}, ()),
+        ("model.weight_dtype=int8", {"model.weight_dtype": "int8"}, ()),
+        ("model.weight_dtype=fp8_block", {"model.weight_dtype": "fp8_block", "model.weight_block_size": [16, 16]},
+         ()),
+        ("model.weight_dtype=int_group", {"model.weight_dtype": "int_group", "model.weight_group_size": 32}, ()),
+        ("speculative.method=ngram", {"speculative.method": "ngram"}, ()),
+        ("serve.role=prefill/decode", {}, ("serve.role=prefill/decode",)),
+    )},
 }
 
 

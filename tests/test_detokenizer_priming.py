@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from jaxfill.engine.tokenizer import ByteTokenizer, HFTokenizer
+from fast_engine import REFERENCE_ATTENTION
 
 CORPUS = ["hello world", "the quick brown fox jumps over the lazy dog", "Hello there, how are you?",
           "héllo wörld — 日本語 and emoji 🦙🚀 done", "naïve café ∑ résumé"] * 20
@@ -135,8 +136,8 @@ def test_engine_stream_equals_decoded_difference(tokenizers):
     from jaxfill.engine.request import SamplingParams
 
     tok = tokenizers["metaspace"]
-    over = {"engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64], "engine.num_pages": 64,
-            "engine.max_model_len": 256, "model.vocab_size": tok.vocab_size, "model.bos_token_id": 1,
+    over = {**REFERENCE_ATTENTION, "engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64],
+            "engine.num_pages": 64, "engine.max_model_len": 256, "model.vocab_size": tok.vocab_size, "model.bos_token_id": 1,
             "model.eos_token_id": [2]}
     eng = Engine(load_config("tiny_random", over), progress=False)
     eng.tokenizer = tok  # tiny_random's shapes with a SentencePiece-style tokenizer

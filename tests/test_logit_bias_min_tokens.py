@@ -5,13 +5,14 @@ import pytest
 
 from jaxfill import Engine, SamplingParams
 from jaxfill.engine.request import InvalidRequest
+from fast_engine import REFERENCE_ATTENTION
 
 EOS = 257  # tiny_random's
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["async", "sync"])
 def engine(request):
-    return Engine.from_config("tiny_random", overrides={"engine.async_scheduling": request.param,
+    return Engine.from_config("tiny_random", overrides={**REFERENCE_ATTENTION, "engine.async_scheduling": request.param,
                                                         "engine.max_num_batched_tokens": 64,
                                                         "engine.max_num_seqs": 4}, progress=False)
 

@@ -23,6 +23,7 @@ from jaxfill.serving.proto.jetstream.core.proto import jetstream_pb2 as js
 from jaxfill.serving.proto.jetstream.core.proto import jetstream_pb2_grpc as js_grpc
 from jaxfill.serving.server import ServerThread
 from serving_util import compile_cache_dir, scrape
+from fast_engine import REFERENCE_ATTENTION
 
 MAX_TOKENS = 8
 BYTES = 256
@@ -60,7 +61,7 @@ JS_MAX = 6
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     compile_cache_dir(tmp_path_factory)
-    engine = Engine(load_config("tiny_random"), progress=False, warmup=False)
+    engine = Engine(load_config("tiny_random", REFERENCE_ATTENTION), progress=False, warmup=False)
     reference = engine.generate(PROMPTS, [SamplingParams(**p) for p in PARAMS])
     js_reference = engine.generate([ids for _, _, ids in JS_CASES], SamplingParams(max_tokens=JS_MAX))
     with ServerThread(engine, host="127.0.0.1", port=0, metrics_port=0) as st:

@@ -24,9 +24,11 @@ from jaxfill.serving.proto.jetstream.core.proto import jetstream_pb2 as js
 from jaxfill.serving.proto.jetstream.core.proto import jetstream_pb2_grpc as js_grpc
 from jaxfill.serving.server import ServerThread
 from serving_util import compile_cache_dir
+from fast_engine import REFERENCE_ATTENTION
 
 SLOTS, MAX_WAITING = 16, 8
-OVERRIDES = {"engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64], "engine.num_pages": 64,
+OVERRIDES = {**REFERENCE_ATTENTION,  # tests/fast_engine.py
+             "engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64], "engine.num_pages": 64,
              "engine.max_model_len": 256, "engine.max_num_seqs": SLOTS, "engine.max_waiting": MAX_WAITING}
 
 

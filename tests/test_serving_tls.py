@@ -12,6 +12,7 @@ from jaxfill.engine.request import SamplingParams
 from jaxfill.serving.client import Client
 from jaxfill.serving.server import ServerThread
 from serving_util import compile_cache_dir
+from fast_engine import REFERENCE_ATTENTION
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +23,7 @@ def tls_server(tmp_path_factory):
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
                     "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
                     "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
-    engine = Engine(load_config("tiny_random"), progress=False)
+    engine = Engine(load_config("tiny_random", REFERENCE_ATTENTION), progress=False)
     # The reference comes first: once the server runs, its engine thread alone may step.
     expected = engine.generate(["Hello TLS"], SamplingParams(max_tokens=6))[0]
     with ServerThread(engine, host="127.0.0.1", port=0, tls_cert=str(cert), tls_key=str(key)) as st:

@@ -157,9 +157,13 @@ def _worker():  # noqa: C901 - one script, many checks
     def jit_init(config):
         return jax.jit(lambda: nnx.split(Decoder(config, nnx.Rngs(config.seed)))[1])()
 
-    g, _ = placement.abstract_state(cfg)
+    # the `reference` attention: the `xla` impl's blocked loops compile several times slower on
+    # CPU and are checked under these mesh axes by tests/test_family_layouts.py (this file checks
+    # the split of the model, not the attention impl)
+    g, _ = placement.abstract_state(cfg, attention_impl="reference")
     # meshes that split the rows over 'sequence' run every row of the last layer (the plan the engine builds)
-    g_rows_split, _ = placement.abstract_state(cfg, plan=ExecutionPlan(prunes_last_layer=False))
+    g_rows_split, _ = placement.abstract_state(cfg, attention_impl="reference",
+                                              plan=ExecutionPlan(prunes_last_layer=False))
 
     def graph_for(mesh):
         return g_rows_split if mesh is not None and dict(mesh.shape).get("sequence", 1) > 1 else g

@@ -16,8 +16,10 @@ import pytest
 from jaxfill.engine.config import load_config
 from jaxfill.engine.engine import Engine
 from jaxfill.engine.request import SamplingParams
+from fast_engine import REFERENCE_ATTENTION
 
-OVERRIDES = {"engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64], "engine.num_pages": 64,
+OVERRIDES = {**REFERENCE_ATTENTION,  # tests/fast_engine.py
+             "engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64], "engine.num_pages": 64,
              "engine.max_model_len": 256, "engine.max_num_seqs": 8, "engine.async_scheduling": True}
 
 

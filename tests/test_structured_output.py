@@ -16,8 +16,10 @@ from jaxfill import Engine, SamplingParams, StructuredOutput
 from jaxfill.engine.config import load_config
 from jaxfill.engine.request import InvalidRequest
 from jaxfill.engine.structured_output import GrammarCompiler, grammar_text
+from fast_engine import REFERENCE_ATTENTION
 
-ENGINE = {"engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64], "engine.num_pages": 96,
+ENGINE = {**REFERENCE_ATTENTION,  # tests/fast_engine.py
+          "engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64], "engine.num_pages": 96,
           "engine.max_model_len": 256, "engine.max_num_seqs": 8}
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[A-Za-z]{1,8}$"},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 150}},

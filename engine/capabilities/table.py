@@ -65,6 +65,7 @@ SETTINGS: dict[str, Callable] = {
     "model.weight_act_order=true": lambda c: bool(c.model.weight_act_order),
     "model.weight_int_scope=experts": lambda c: c.model.weight_int_scope == "experts",
     "speculative.method=ngram": lambda c: c.speculative.method == "ngram",
+    "lora.max_loras": lambda c: c.lora.enabled,
 }
 KINDS = ("attention", "mla", "gated_deltanet", "mamba2", "short_conv", "kda", "linear", "moe", "dsa", "mixed_kv", "shortcut")
 LINEAR_KINDS = ("gated_deltanet", "mamba2", "short_conv", "kda")  # each is also "linear"
@@ -195,6 +196,25 @@ RULES: tuple[Rule, ...] = (
          "speculative.method = none or mesh.num_processes = 1"),
         ("serve.role=prefill/decode", "the KV hand-off is not tested with verification steps",
          "speculative.method = none or --role both"),
+    )),
+    # multi-LoRA (engine/lora/, models/lora.py): per-row adapters on the unrolled layers' attention
+    # q/k/v/o, gated-MLP and routed-expert projections of one replica; Llama, Qwen3 and Qwen3-MoE
+    # (engine/lora/settings.py)
+    *(Rule(("lora.max_loras", cond), f"LoRA: {why}", f"lora.max_loras = 0 or {change}") for cond, why, change in (
+        ("mla", "latent attention's projections have no adapter tables", "a model with plain attention"),
+        ("mesh.expert", "the experts' adapter tables are not split over expert ranks", "mesh.expert = 1"),
+        ("linear", "the linear mixers' projections have no adapter tables", "a model with attention layers only"),
+        ("mixed_kv", "attention layers of two shapes are not mapped", "a model with one attention shape"),
+        ("mesh.data", "slot ids are laid out for one data replica", "mesh.data = 1"),
+        ("mesh.sequence", "rows split over sequence ranks are not tested", "mesh.sequence = 1"),
+        ("mesh.stage", "stacked layer groups have no adapter tables", "mesh.stage = 1"),
+        ("engine.scan_layers", "stacked layers have no adapter tables", "engine.scan_layers = false"),
+        ("mesh.num_processes", "adapter loads are not broadcast to followers", "mesh.num_processes = 1"),
+        ("model.weight_dtype=int8", "beside int8 weights it is not tested", "model.weight_dtype = auto"),
+        ("model.weight_dtype=fp8_block", "beside fp8 weights it is not tested", "model.weight_dtype = auto"),
+        ("model.weight_dtype=int_group", "beside packed int weights it is not tested", "model.weight_dtype = auto"),
+        ("speculative.method=ngram", "verification rows with adapters are not tested", "speculative.method = none"),
+        ("serve.role=prefill/decode", "the KV hand-off does not carry the adapter", "--role both"),
     )),
 )
 

@@ -75,6 +75,8 @@ class Disaggregation:
         if self.runner.num_replicas != 1:
             raise InvalidRequest("kv_transfer_params", "prefilled requests need mesh.data = 1")
         ids, params = self.factory.check(prompt, params, priority)
+        if params.lora is not None:  # the hand-off carries no adapter (engine/capabilities/table.py)
+            raise InvalidRequest("lora", "prefilled (disaggregated) requests run the base model only")
         with self._lock:
             if request_id in self.scheduler.requests:
                 raise InvalidRequest("request_id", f"{request_id!r} is already in flight")

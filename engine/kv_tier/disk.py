@@ -248,6 +248,17 @@ class DiskKVTier:
         """Waits until every queued block is written (tests, shutdown)."""
         self._queue.join()
 
+    def clear(self) -> None:
+        """The weights changed (Engine.update_weights): every file of this fingerprint is
+        deleted, and later files get a new one, so no run of the old weights reads them."""
+        self.flush()
+        with self._lock:
+            hashes, self.index = list(self.index), OrderedDict()
+            self.nbytes = 0
+            self.fp = hashlib.blake2b((self.fp + ":updated").encode(), digest_size=16).hexdigest()
+        for h in hashes:
+            self._unlink(h)
+
     def close(self) -> None:
         self.flush()
         self._queue.put(None)

@@ -29,7 +29,10 @@ class PrefixLookup:
         if len(req.page_hashes) < full:
             ids = req.all_ids()[:full * self.page_size]
             parent = req.page_hashes[-1] if req.page_hashes else None
-            req.page_hashes += prefix_hashes(ids, self.page_size, req.params.cache_salt,
+            salt = req.params.cache_salt  # an adapter's pages are its own (engine/lora/slots.py)
+            if req.lora_key is not None:
+                salt = f"{salt or ''}\x00lora:{req.lora_key}"
+            req.page_hashes += prefix_hashes(ids, self.page_size, salt,
                                              start=len(req.page_hashes), parent=parent)
         return req.page_hashes[:full]
 

@@ -12,6 +12,7 @@ from jaxfill.models.config import ModelConfig
 from jaxfill.models.kv_cache import sampled_rows_metadata
 from jaxfill.models.layer_settings import by_window, layer_settings
 from jaxfill.models.layers import RMSNorm, param, projection, unit_rms as weightless_rms  # noqa: F401 (exported)
+from jaxfill.models.lora import add_delta
 from jaxfill.models.mixers.context import MixerContext
 from jaxfill.models.rope import apply_rope
 from jaxfill.models.quant import qeinsum
@@ -89,7 +90,8 @@ class Attention(nnx.Module):
                                functools.partial(self._attend_window, q, k, v, pages, q_meta, sinks, ctx.impl))
         if gate is not None:
             out = out * jax.nn.sigmoid(gate).astype(out.dtype)
-        out = qeinsum("thd,hde->te", out, self.o[...], self.o_scale)  # all-reduce over tensor
+        out = add_delta(self, "o", out, qeinsum("thd,hde->te", out, self.o[...], self.o_scale),  # all-reduce over tensor
+                        _sampled_slots(ctx))
         if a.out_bias:
             out = out + self.o_bias[...]
         if a.out_scale != 1.0:  # Falcon-H1's attention_out_multiplier
@@ -103,9 +105,12 @@ class Attention(nnx.Module):
         if self.k is None:  # a KV-sharing layer: q alone (rope and norms pass None through)
             k = v = None
         else:
-            k = qeinsum("te,ehd->thd", x, self.k[...], self.k_scale)
-            v = k if self.v is None else qeinsum("te,ehd->thd", x, self.v[...], self.v_scale)
-        q = qeinsum("te,ehd->thd", ctx.sampled(x), self.q[...], self.q_scale)
+            slots = ctx.meta.lora_slots  # [T] each row's LoRA slot, None without LoRA (models/lora.py)
+            k = add_delta(self, "k", x, qeinsum("te,ehd->thd", x, self.k[...], self.k_scale), slots)
+            v = k if self.v is None else add_delta(self, "v", x, qeinsum("te,ehd->thd", x, self.v[...], self.v_scale),
+                                                    slots)
+        q = add_delta(self, "q", ctx.sampled(x), qeinsum("te,ehd->thd", ctx.sampled(x), self.q[...], self.q_scale),
+                      _sampled_slots(ctx))
         gate = None
         if a.output_gate:
             q, gate = q[..., :self.head_dim], q[..., self.head_dim:]  # [T, Hq, D] each
@@ -176,6 +181,10 @@ class Attention(nnx.Module):
 
 def _maybe(f, x):
     return None if x is None else f(x)
+
+
+def _sampled_slots(ctx: MixerContext):  # [T'] i32 or None: the LoRA slots of the rows ctx.sampled keeps
+    return None if ctx.meta.lora_slots is None else ctx.sampled(ctx.meta.lora_slots)
 
 
 def query_temperature(positions: jax.Array,  # [T] int32 (Llama 4: position + 1)

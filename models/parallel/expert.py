@@ -19,16 +19,19 @@ def expert_parallel(experts: Callable,
                     ids: jax.Array,  # [T, k] int32
                     params: dict,  # name -> the experts' stacked [E, ...] array (or None)
                     axes: dict,  # name -> its logical axes ('experts' first; 'moe_mlp' the split columns)
+                    slots: jax.Array | None = None,  # [T] i32 each row's LoRA slot (models/lora.py), or None
                     ) -> jax.Array:  # [T, H] in x's dtype
     """Runs `experts(x, weights, ids, params, first_expert, lead) -> [T, H]` per device on
     its experts (split over 'expert') and their columns (over 'tensor'), rows split over
     'sequence', and sums the partial outputs with one all-reduce over expert x tensor.
     `lead` is true on one rank of each 'tensor' group: the rank that adds what must be
-    added once per pair (an expert's output bias). Without those axes: first_expert=0."""
+    added once per pair (an expert's output bias). Without those axes: first_expert=0.
+    `slots` (LoRA) reach `experts` as its `slots=` keyword, split like the rows."""
+    extra = {} if slots is None else {"slots": slots}
     mesh = context_mesh()
     mesh_axes = () if mesh is None else free_axes(mesh, EXPERT, TENSOR, SEQUENCE)
     if not mesh_axes:
-        return experts(x, weights, ids, params, 0, True).astype(x.dtype)
+        return experts(x, weights, ids, params, 0, True, **extra).astype(x.dtype)
     live = {name: a for name, a in params.items() if a is not None}
 
     def splits(axis, logical):  # the mesh axis when every param with `logical` splits evenly over it
@@ -40,13 +43,13 @@ def expert_parallel(experts: Callable,
     reduce = tuple(a for a in (ep, tp) if a)
     to_mesh = {"experts": ep, "moe_mlp": tp}
 
-    def local(x, weights, ids, params):
+    def local(x, weights, ids, params, extra):
         first = jax.lax.axis_index(ep) * next(iter(params.values())).shape[0] if ep else 0
         lead = jax.lax.axis_index(tp) == 0 if tp else True
-        out = experts(x, weights, ids, params, first, lead).astype(x.dtype)
+        out = experts(x, weights, ids, params, first, lead, **extra).astype(x.dtype)
         return jax.lax.psum(out, reduce) if reduce else out
 
     rows = P(sp, None)
     specs = {n: P(*(to_mesh.get(a) for a in axes[n])) for n in live}
-    return jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, specs), out_specs=rows,
-                         axis_names=set(mesh_axes), check_vma=False)(x, weights, ids, live)
+    return jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, specs, {k: P(sp) for k in extra}),
+                         out_specs=rows, axis_names=set(mesh_axes), check_vma=False)(x, weights, ids, live, extra)

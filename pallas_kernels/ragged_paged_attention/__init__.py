@@ -6,6 +6,7 @@ import importlib
 
 import jax
 
+from jaxfill.pallas_kernels.kv_cache import WORDS, page_values
 from jaxfill.pallas_kernels.kv_quant import QuantizedPages, is_quantized
 
 # impl name -> (module, function). Modules import lazily so a backend's toolchain is
@@ -107,6 +108,8 @@ def ragged_paged_attention(
     if context and name not in ("xla", "reference"):
         raise ValueError(f"attention impl {name!r} does not take a context-parallel share of the pages "
                          f"(mesh.sequence > 1) yet: use impl='xla' (or 'auto')")
+    if kv_pages.dtype == WORDS and name not in ("xla", "reference"):
+        kv_pages = page_values(kv_pages)  # the Pallas kernels read bf16 (on CPU: interpreted, tests only)
     module, fn = IMPLS[name]
     kernel = getattr(importlib.import_module(module), fn)
     extra = {"kv_shared": True} if kv_shared else {}  # impls without it refuse shared pages (TypeError)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxfill.pallas_kernels.kv_cache import split_kv
+from jaxfill.pallas_kernels.kv_cache import page_values, split_kv
 from jaxfill.pallas_kernels.kv_quant import dequantize
 from jaxfill.pallas_kernels.ragged_paged_attention.stripes import stripes
 from jaxfill.pallas_kernels.ragged_paged_attention.window import in_window
@@ -66,7 +66,7 @@ def ragged_paged_attention_reference(
     key_pos = stripes(kv_stride, kv_offset, page_size).to_global(jnp.arange(max_kv, dtype=jnp.int32))
 
     def one_sequence(s, out):
-        kv = kv_pages[page_indices[s]].reshape(max_kv, combined, head_dim)
+        kv = page_values(kv_pages[page_indices[s]]).reshape(max_kv, combined, head_dim)
         scale = None if kv_scales is None else kv_scales[page_indices[s]].reshape(max_kv, combined)
         k, v = split_kv(dequantize(kv, scale, jnp.float32), kv_shared)  # [K, Hkv, D]
         in_len = key_pos < kv_lens[s]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from jaxfill.pallas_kernels.kv_cache import kv_slots, split_kv
+from jaxfill.pallas_kernels.kv_cache import kv_slots, page_values, split_kv
 from jaxfill.pallas_kernels.kv_quant import dequantize
 from jaxfill.pallas_kernels.ragged_paged_attention.online_softmax import LOG2E, MASK_VALUE, log_sum_exp, normalize
 from jaxfill.pallas_kernels.ragged_paged_attention.work_items import item_bounds
@@ -103,7 +103,7 @@ def attend_items(q,  # [T_pad, Hkv', G', D] unscaled q, T_pad a multiple of bq; 
 
     def load_kv(s, page0, npages):
         ids = lax.dynamic_slice_in_dim(pidx[s], page0, npages)
-        kv = kv_pages[ids].reshape(npages * page_size, combined, head_dim)
+        kv = page_values(kv_pages[ids]).reshape(npages * page_size, combined, head_dim)
         if kv_scales is not None:
             kv = dequantize(kv, kv_scales[ids].reshape(npages * page_size, combined), cdt)
         k, v = (x.transpose(1, 0, 2) for x in split_kv(kv, kv_shared))  # [Hkv', keys, D]

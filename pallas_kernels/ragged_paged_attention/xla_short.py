@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from jaxfill.pallas_kernels.kv_cache import split_kv
+from jaxfill.pallas_kernels.kv_cache import page_values, split_kv
 from jaxfill.pallas_kernels.kv_quant import dequantize
 from jaxfill.pallas_kernels.ragged_paged_attention.online_softmax import LOG2E, MASK_VALUE, log_sum_exp, normalize
 from jaxfill.pallas_kernels.ragged_paged_attention.window import in_window, window_start
@@ -58,7 +58,7 @@ def attend_short(qs,  # [T, Hq, D] scaled q (log2 units unless soft_cap)
     def step(j, carry):
         m, l, acc = carry
         ids = lax.dynamic_slice_in_dim(pidx, j * ppb, ppb, axis=1)  # [S, ppb]
-        kv = kv_pages[ids].reshape(num_slots, bk, combined, head_dim)
+        kv = page_values(kv_pages[ids]).reshape(num_slots, bk, combined, head_dim)
         if kv_scales is not None:
             kv = dequantize(kv, kv_scales[ids].reshape(num_slots, bk, combined), cdt)
         key_pos = stripes.to_global(j * bk + key_iota)

@@ -41,6 +41,9 @@ def add_arguments(p) -> None:
                    help="address this worker's KV transfer server binds and advertises, and decode workers "
                         "reach its gRPC port at for releases (default: --host, or 127.0.0.1 when --host is "
                         "a wildcard)")
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                   help="load a PEFT LoRA adapter under NAME (repeatable; needs --set lora.max_loras=N); requests "
+                        "name it (jaxfill.v1 lora, JetStream lora_adapter_id)")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -138,6 +141,11 @@ def run(args) -> int:
     log.info("XLA compilation cache: %s", args.compile_cache or "off")
     start = time.perf_counter()
     engine = build_engine(args.config, args.model, args.overrides, args.role, args.compile_cache)
+    for item in args.lora:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora {item!r} must look like NAME=PATH")
+        engine.load_lora(name, path)
     _log_startup(log, engine, args, time.perf_counter() - start)
     if not engine.is_leader:
         import jax

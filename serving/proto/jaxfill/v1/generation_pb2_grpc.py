@@ -59,6 +59,21 @@ class GenerationStub:
                 request_serializer=jaxfill_dot_v1_dot_generation__pb2.DetokenizeRequest.SerializeToString,
                 response_deserializer=jaxfill_dot_v1_dot_generation__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
+        self.LoadLora = channel.unary_unary(
+                '/jaxfill.v1.Generation/LoadLora',
+                request_serializer=jaxfill_dot_v1_dot_generation__pb2.LoadLoraRequest.SerializeToString,
+                response_deserializer=jaxfill_dot_v1_dot_generation__pb2.LoraAdapters.FromString,
+                _registered_method=True)
+        self.UnloadLora = channel.unary_unary(
+                '/jaxfill.v1.Generation/UnloadLora',
+                request_serializer=jaxfill_dot_v1_dot_generation__pb2.UnloadLoraRequest.SerializeToString,
+                response_deserializer=jaxfill_dot_v1_dot_generation__pb2.LoraAdapters.FromString,
+                _registered_method=True)
+        self.ListLoras = channel.unary_unary(
+                '/jaxfill.v1.Generation/ListLoras',
+                request_serializer=jaxfill_dot_v1_dot_generation__pb2.ListLorasRequest.SerializeToString,
+                response_deserializer=jaxfill_dot_v1_dot_generation__pb2.LoraAdapters.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -97,6 +112,27 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLora(self, request, context):
+        """LoRA adapters (lora.max_loras > 0): a PEFT directory on the server's disk loaded under a
+        name requests give in GenerateRequest.lora; unloading one in use is refused. Each answers
+        with the adapters loaded after it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLora(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoras(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -124,6 +160,21 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Detokenize,
                     request_deserializer=jaxfill_dot_v1_dot_generation__pb2.DetokenizeRequest.FromString,
                     response_serializer=jaxfill_dot_v1_dot_generation__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'LoadLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLora,
+                    request_deserializer=jaxfill_dot_v1_dot_generation__pb2.LoadLoraRequest.FromString,
+                    response_serializer=jaxfill_dot_v1_dot_generation__pb2.LoraAdapters.SerializeToString,
+            ),
+            'UnloadLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLora,
+                    request_deserializer=jaxfill_dot_v1_dot_generation__pb2.UnloadLoraRequest.FromString,
+                    response_serializer=jaxfill_dot_v1_dot_generation__pb2.LoraAdapters.SerializeToString,
+            ),
+            'ListLoras': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoras,
+                    request_deserializer=jaxfill_dot_v1_dot_generation__pb2.ListLorasRequest.FromString,
+                    response_serializer=jaxfill_dot_v1_dot_generation__pb2.LoraAdapters.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -261,6 +312,87 @@ class Generation:
             '/jaxfill.v1.Generation/Detokenize',
             jaxfill_dot_v1_dot_generation__pb2.DetokenizeRequest.SerializeToString,
             jaxfill_dot_v1_dot_generation__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxfill.v1.Generation/LoadLora',
+            jaxfill_dot_v1_dot_generation__pb2.LoadLoraRequest.SerializeToString,
+            jaxfill_dot_v1_dot_generation__pb2.LoraAdapters.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxfill.v1.Generation/UnloadLora',
+            jaxfill_dot_v1_dot_generation__pb2.UnloadLoraRequest.SerializeToString,
+            jaxfill_dot_v1_dot_generation__pb2.LoraAdapters.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoras(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxfill.v1.Generation/ListLoras',
+            jaxfill_dot_v1_dot_generation__pb2.ListLorasRequest.SerializeToString,
+            jaxfill_dot_v1_dot_generation__pb2.LoraAdapters.FromString,
             options,
             channel_credentials,
             insecure,
