@@ -25,6 +25,9 @@ from jaxfill.serving.server import ServerThread
 from serving_util import compile_cache_dir, scrape
 from fast_engine import REFERENCE_ATTENTION
 
+# The reference attention scores every row against max_model_len keys: 1024, not the preset's
+# 4096, makes the fixture's long prompts 4x cheaper (its setup took 90 s).
+SERVED = {**REFERENCE_ATTENTION, "engine.max_model_len": 1024}
 MAX_TOKENS = 8
 BYTES = 256
 
@@ -61,7 +64,7 @@ JS_MAX = 6
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     compile_cache_dir(tmp_path_factory)
-    engine = Engine(load_config("tiny_random", REFERENCE_ATTENTION), progress=False, warmup=False)
+    engine = Engine(load_config("tiny_random", SERVED), progress=False, warmup=False)
     reference = engine.generate(PROMPTS, [SamplingParams(**p) for p in PARAMS])
     js_reference = engine.generate([ids for _, _, ids in JS_CASES], SamplingParams(max_tokens=JS_MAX))
     with ServerThread(engine, host="127.0.0.1", port=0, metrics_port=0) as st:
@@ -236,7 +239,7 @@ def test_model_info_tokenize_detokenize(served):
     st, engine, *_ = served
     with Client(st.address) as c:
         info = c.model_info()
-        assert info.vocab_size == 320 and info.page_size == 16 and info.max_model_len == 4096
+        assert info.vocab_size == 320 and info.page_size == 16 and info.max_model_len == 1024
         assert info.architecture == "LlamaForCausalLM" and info.mesh.data == 1 and info.mesh.num_devices >= 1
         assert info.pages_total == engine.stats()["pages_total"] > 0
         ids = list(c.stub.Tokenize(pb.TokenizeRequest(text="héllo")).token_ids)
@@ -265,14 +268,14 @@ def test_cancel_50_streams_mid_prefill_and_mid_decode_frees_all_pages(served):
             assert base.pages_free == base.pages_total
             # 14 decode streams (long outputs; max_num_seqs is 16), then 31 long prompts: one in
             # chunked prefill at a time (engine.max_num_partial_prefills), the rest queued.
-            decode = [c.stream([7, 8, 9, i], request_id=f"dec-{i}", max_tokens=3000, ignore_eos=True)
+            decode = [c.stream([7, 8, 9, i], request_id=f"dec-{i}", max_tokens=1000, ignore_eos=True)
                       for i in range(14)]
-            prefill_calls = [c.stream([(i * 13 + j) % BYTES for j in range(1500 + i)], request_id=f"pre-{i}",
+            prefill_calls = [c.stream([(i * 13 + j) % BYTES for j in range(900 + i)], request_id=f"pre-{i}",
                                       max_tokens=4, ignore_eos=True) for i in range(31)]
             # 5 more on a second channel, cut by their deadline and by closing the channel.
-            timed = [c2.stream([(i + j) % BYTES for j in range(200)], timeout=1.5, max_tokens=3000, ignore_eos=True)
+            timed = [c2.stream([(i + j) % BYTES for j in range(200)], timeout=1.5, max_tokens=800, ignore_eos=True)
                      for i in range(3)]
-            dropped = [c2.stream([(i * 5 + j) % BYTES for j in range(180)], max_tokens=3000, ignore_eos=True)
+            dropped = [c2.stream([(i * 5 + j) % BYTES for j in range(180)], max_tokens=800, ignore_eos=True)
                        for i in range(2)]
             got = {}
 
@@ -303,7 +306,7 @@ def test_cancel_50_streams_mid_prefill_and_mid_decode_frees_all_pages(served):
                         prefill_tokens.append(resp)
                 except asyncio.CancelledError:
                     pass
-            for call in timed:  # 3000 tokens take far longer than the 1.5 s deadline
+            for call in timed:  # 800 tokens take far longer than the 1.5 s deadline
                 with pytest.raises(grpc.aio.AioRpcError) as e:
                     async for _ in call:
                         pass
@@ -336,7 +339,7 @@ def _code(fn):
 BAD_GENERATE = [
     (dict(prompt=[]), "token_ids.ids"),
     (dict(prompt=""), "text"),
-    (dict(prompt=list(range(200)) * 21), "token_ids.ids"),  # 4200 >= max_model_len 4096
+    (dict(prompt=list(range(200)) * 6), "token_ids.ids"),  # 1200 >= max_model_len 1024
     (dict(prompt="x" * 5000), "text"),
     (dict(prompt=[1, 2, 320]), "token_ids.ids"),
     (dict(prompt=[1, -5]), "token_ids.ids"),
@@ -361,7 +364,7 @@ BAD_GENERATE = [
     (dict(prompt="hi", logit_bias={5: -101.0}), "sampling.logit_bias"),
     (dict(prompt="hi", max_tokens=4, min_tokens=5), "sampling.min_tokens"),
     (dict(prompt="hi", request_id="r" * 300), "request_id"),
-    (dict(prompt=[7] * 4000, max_tokens=97), "sampling.max_tokens"),  # 4097 > max_model_len: refused, not cut
+    (dict(prompt=[7] * 1000, max_tokens=25), "sampling.max_tokens"),  # 1025 > max_model_len: refused, not cut
 ]
 
 
@@ -400,8 +403,8 @@ def test_other_bad_inputs(served):
             (lambda: list(jstub.Decode(js.DecodeRequest(
                 max_tokens=4, token_content=js.DecodeRequest.TokenContent(token_ids=[])), timeout=30)),
              "token_content.token_ids"),
-            (lambda: list(jstub.Decode(js.DecodeRequest(  # BOS + 4000 + 96 = 4097 > max_model_len 4096
-                max_tokens=96, token_content=js.DecodeRequest.TokenContent(token_ids=[7] * 4000)), timeout=30)),
+            (lambda: list(jstub.Decode(js.DecodeRequest(  # BOS + 1000 + 24 = 1025 > max_model_len 1024
+                max_tokens=24, token_content=js.DecodeRequest.TokenContent(token_ids=[7] * 1000)), timeout=30)),
              "max_tokens"),
             (lambda: list(jstub.Decode(js.DecodeRequest(
                 max_tokens=4, lora_adapter_id="a1", token_content=js.DecodeRequest.TokenContent(token_ids=[1])),
@@ -421,7 +424,7 @@ def test_duplicate_request_id_while_in_flight(served):
 
     async def go():
         async with AsyncClient(st.address) as c:
-            first = c.stream([1, 2, 3], request_id="dup", max_tokens=2000, ignore_eos=True)
+            first = c.stream([1, 2, 3], request_id="dup", max_tokens=1000, ignore_eos=True)
             async for resp in first:
                 break  # in flight now
             with pytest.raises(grpc.aio.AioRpcError) as e:
@@ -553,7 +556,7 @@ def test_cancelled_and_deadline_streams_are_counted_once(served):
 
     async def go():
         async with AsyncClient(st.address) as c:
-            cancelled = c.stream([7, 8, 9, 10], max_tokens=3000, ignore_eos=True)
+            cancelled = c.stream([7, 8, 9, 10], max_tokens=1000, ignore_eos=True)
             n = 0
             async for resp in cancelled:
                 n += 1
@@ -561,7 +564,7 @@ def test_cancelled_and_deadline_streams_are_counted_once(served):
                     break
             cancelled.cancel()
             with pytest.raises(grpc.aio.AioRpcError) as e:
-                async for _ in c.stream([11] * 20, timeout=1.0, max_tokens=3000, ignore_eos=True):
+                async for _ in c.stream([11] * 20, timeout=1.0, max_tokens=1000, ignore_eos=True):
                     pass
             assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             assert len((await c.generate([3, 4, 5], max_tokens=3, ignore_eos=True, timeout=60)).token_ids) == 3
@@ -588,7 +591,7 @@ def test_metrics_endpoint_exposes_every_series(served):
             for _ in range(2):
                 r = await c.generate(prompt, max_tokens=3, ignore_eos=True, timeout=60)
                 assert r.finish_reason == "length"
-            call = c.stream([1, 2, 3], request_id="metrics-abort", max_tokens=3000, ignore_eos=True)
+            call = c.stream([1, 2, 3], request_id="metrics-abort", max_tokens=1000, ignore_eos=True)
             async for _ in call:
                 break
             assert await c.abort("metrics-abort")
@@ -622,7 +625,7 @@ def test_metrics_endpoint_exposes_every_series(served):
         assert v(h + "_bucket", le="+Inf") == count
     for h in ("jaxfill_request_prompt_tokens", "jaxfill_request_generation_tokens"):
         buckets = sorted(float(dict(k[1])["le"]) for k in m if k[0] == h + "_bucket")
-        assert buckets[:4] == [1, 2, 5, 10] and buckets[-2] == 2000, (h, buckets)  # 1-2-5 up to max_model_len
+        assert buckets[:4] == [1, 2, 5, 10] and buckets[-2] == 1000, (h, buckets)  # 1-2-5 up to max_model_len
     assert v("jaxfill_num_requests_running") == 0
     assert v("jaxfill_num_requests_waiting") == 0
     assert v("jaxfill_kv_cache_usage_ratio") == 0.0
