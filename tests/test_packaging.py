@@ -65,7 +65,8 @@ def test_a_users_own_models_and_engine_do_not_shadow_ours(tmp_path):
     (tmp_path / "serving.py").write_text("raise ImportError('the user serving.py was imported')\n")
     script = ("from jaxfill import Engine, SamplingParams, load_config\n"
               "e = Engine(load_config('tiny_random', {'engine.num_pages': 32, 'engine.max_model_len': 128,"
-              " 'engine.token_buckets': [16], 'engine.max_num_batched_tokens': 16}), progress=False)\n"
+              " 'engine.token_buckets': [16], 'engine.max_num_batched_tokens': 16,"
+              " 'engine.attention_impl': 'reference'}), progress=False)\n"
               "print(e.generate(['Hi'], SamplingParams(max_tokens=3))[0].token_ids)\n")
     out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
