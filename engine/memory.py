@@ -13,7 +13,9 @@ Per device, after the weights are placed:
   upper bound there (not checked on a GPU). CPU has no memory_stats: capacity =
   MemAvailable (/proc/meminfo) / (this process's mesh devices) + in_use, in_use = this
   device's param bytes; i.e. its share of the RAM free now plus what its weights already
-  take, so the same utilization means the same thing as on an accelerator.
+  take, so the same utilization means the same thing as on an accelerator. Then capped:
+  the process's pool at most `engine.cpu_kv_cache_gb` GiB (split over its devices), since
+  the host's RAM also holds everything else a CPU user runs.
 * activation_peak: `temp_size_in_bytes` of the largest bucket's compiled step (XLA's
   memory_analysis), compiled with a 2-page cache before the pool exists: the cache is
   donated and updated in place, so its size does not enter the temp buffers.
@@ -135,6 +137,11 @@ def size_pool(runner, probe_cache, probe_pages: int) -> PoolSize:
         if best is None or pages < best.num_pages:
             best = PoolSize(pages, s.page_size, page_bytes, capacity, in_use, activation,
                             s.memory_utilization, source)
+    if devices[0].platform == "cpu" and s.cpu_kv_cache_gb > 0:
+        cap = sequence * int(s.cpu_kv_cache_gb * (1 << 30) / len(devices) // page_bytes)
+        if cap < best.num_pages:
+            best = dataclasses.replace(best, num_pages=cap,
+                                       source=f"{best.source}, capped by engine.cpu_kv_cache_gb={s.cpu_kv_cache_gb:g}")
     pages = best.num_pages
     if jax.process_count() > 1:  # one cache shape across processes: the smallest decides
         from jax.experimental import multihost_utils

@@ -81,6 +81,14 @@ def test_quantized_cache_fits_more_pages(fake_meminfo):
     assert quant.runner.kv_cache.nbytes() == q.num_pages * q.page_bytes
 
 
+def test_cpu_cap_bounds_the_pool(fake_meminfo):
+    engine = _engine(**{"engine.cpu_kv_cache_gb": 0.002})  # 2 MiB: below what the free RAM allows
+    pool = engine.runner.pool
+    assert pool.num_pages == int(0.002 * (1 << 30) // pool.page_bytes) < _expected_pages(engine)
+    assert engine.runner.kv_cache.nbytes() == pool.num_pages * pool.page_bytes
+    assert "capped by engine.cpu_kv_cache_gb=0.002" in pool.describe()
+
+
 def test_no_room_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(memory, "host_memory_available", lambda: 1 << 20)
     with pytest.raises(ValueError, match="no room for a KV pool"):
@@ -88,7 +96,8 @@ def test_no_room_is_a_clear_error(monkeypatch):
 
 
 @pytest.mark.parametrize("key,value", [("engine.num_pages", 1), ("engine.num_pages", -3),
-                                       ("engine.memory_utilization", 0), ("engine.memory_utilization", 1.5)])
+                                       ("engine.memory_utilization", 0), ("engine.memory_utilization", 1.5),
+                                       ("engine.cpu_kv_cache_gb", -1)])
 def test_bad_settings_refused(key, value):
     with pytest.raises(ConfigError, match=key.split(".")[1]):
         load_config("tiny_random", {key: value})

@@ -303,6 +303,8 @@ def kv_pool_pages(config: Config, hw: Hardware, activation_bytes: float = 0) -> 
     page_bytes = engine.page_size * kv_bytes_per_token_per_device(model, mesh, engine.kv_cache_dtype)
     capacity = hw.hbm_bytes / (mesh.size if hw.shared_by_mesh else 1)
     pages = pool_pages(capacity, weights_dev, activation_bytes, page_bytes, engine.memory_utilization, mesh.sequence)
+    if hw.shared_by_mesh and engine.cpu_kv_cache_gb > 0:  # the host's RAM: engine.cpu_kv_cache_gb caps it
+        pages = min(pages, mesh.sequence * int(engine.cpu_kv_cache_gb * (1 << 30) / mesh.size // page_bytes))
     return {"kv_pool_pages": pages, "kv_pool_tokens": max(0, pages - 1) * engine.page_size,
             "kv_page_bytes_per_device": page_bytes, "memory_utilization": engine.memory_utilization,
             "activation_bytes": activation_bytes}
