@@ -115,16 +115,20 @@ class EngineCore:
             raise RuntimeError(f"{what}() runs on process 0 only: process 0 owns the scheduler; "
                                "other processes call engine.follow()")
 
-    def warmup(self, progress: bool = True) -> None:
+    def warmup(self, progress: bool = True, buckets: bool = True) -> None:
         self.require_leader("warmup")
-        if progress:
+        if progress and buckets:
             print(f"jaxfill: preparing {describe_buckets(self.shapes)}", file=sys.stderr, flush=True)
         start = time.perf_counter()
         with self._guard.claim():
-            self.warmup_programs = self.runner.warmup(progress)
+            if buckets:
+                self.warmup_programs = self.runner.warmup(progress)
+            else:
+                self.runner.check_attention_impl()
+                self.runner.announce_new_shapes = progress
         self.warmup_s = time.perf_counter() - start
         self.warmed_up = True
-        if progress:
+        if progress and buckets:
             print(f"jaxfill: {warmup_summary(*self.warmup_programs, self.warmup_s)}", file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ requests (any thread)

@@ -87,9 +87,11 @@ class Engine:
                    compile_cache=compile_cache)
 
     # ------------------------------------------------------------------ the core's calls
-    def warmup(self, progress: bool = True) -> None:
-        """Compiles every (tokens, seqs) bucket before the engine reports ready."""
-        self.core.warmup(progress)
+    def warmup(self, progress: bool = True, buckets: bool = True) -> None:
+        """Compiles every (tokens, seqs) bucket before the engine reports ready. `buckets=False`
+        checks the attention impl only; each bucket then compiles when a step first needs it
+        (a one-shot `generate` uses one or two of the six a checkpoint run has)."""
+        self.core.warmup(progress, buckets)
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                     priority: int = 0, after: str | None = None) -> str:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import sys
 import traceback
 
 import jax
@@ -95,6 +96,9 @@ class Runner(RunnerKVTier):
         self.state = state
         self.attention_impl = resolve_impl(model.attention_impl)  # the impl that serves
         self.attention_check = "not checked yet (warmup checks it)"
+        # Engine.warmup(buckets=False): say so when a step first needs a bucket (it compiles then)
+        self.announce_new_shapes = False
+        self._announced: set[tuple[int, int]] = set()
         self.page_size = s.page_size
         # rows of a step's prompt_logprobs scoring (the scheduler's cap; one static size)
         self.prompt_rows = min(s.prompt_logprobs_rows, s.max_num_batched_tokens)
@@ -193,6 +197,10 @@ class Runner(RunnerKVTier):
 
     def _launch(self, batch: StepBatch) -> PendingOutput:
         scores_prompt = bool((np.asarray(batch.lp_rows) >= 0).any())  # the other program (engine/step.py)
+        if self.announce_new_shapes and batch.shape not in self._announced:
+            self._announced.add(batch.shape)
+            print(f"jaxfill: step bucket {batch.shape[0]}x{batch.shape[1]} (compiled, or loaded from the compile "
+                  "cache, on first use)", file=sys.stderr, flush=True)
         dev = self.put(batch)
         self.save_evicted()
         if self.kv_offload is not None:

@@ -50,10 +50,13 @@ def run(args) -> int:
         validate_prompt(ids, config.model.vocab_size, config.engine.max_model_len)
     # args.compile_cache: what the CLI set up (None: off), so the Engine keeps it; on exit
     # process 0 releases the followers
-    with Engine(config, progress=not args.quiet, compile_cache=args.compile_cache) as engine:
+    # One-shot: a bucket compiles when a step first needs it, not all of them up front (a
+    # checkpoint run has six, up to 8192 tokens x 64 sequences; a short answer uses one or two)
+    with Engine(config, progress=not args.quiet, warmup=False, compile_cache=args.compile_cache) as engine:
         if not engine.is_leader:
             engine.follow()  # multi-process: process 0 prints the output
             return 0
+        engine.warmup(progress=not args.quiet, buckets=False)
         _print_generations(engine, args, prompts, params)
     return 0
 
