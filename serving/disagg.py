@@ -94,8 +94,8 @@ class Disagg:
                                 f"{share:.0%} of the KV pool is held for transfers not yet pulled "
                                 f"(engine.kv_transfer_max_held_share = {limit:g}); retry shortly")
 
-        def admit(engine, ids, params, request_id, priority):
-            engine.add_request(ids, params, request_id=request_id, priority=priority)
+        def admit(engine, ids, params, request_id, priority, replica=None):
+            engine.add_request(ids, params, request_id=request_id, priority=priority, replica=replica)
             engine.hold_pages(request_id)
         self.loop.admit_hooks[rid] = admit
         self.ensure_expirer()
@@ -138,8 +138,8 @@ class Disagg:
             self._release_remote(info)
         cached = int(info.get("cached_tokens", 0))
 
-        def admit(engine, ids_, params, request_id, priority):
-            engine.add_prefilled_request(ids_, params, request_id, arrays, n, cached, priority)
+        def admit(engine, ids_, params, request_id, priority, replica=None):
+            engine.add_prefilled_request(ids_, params, request_id, arrays, n, cached, priority, replica=replica)
         self.loop.admit_hooks[rid] = admit
 
     def release_offer_of(self, request) -> None:

@@ -171,8 +171,6 @@ RULES: tuple[Rule, ...] = (
     Rule(("engine.disk_kv_cache_dir", "mesh.num_processes"), "each process would write its own files",
          "engine.disk_kv_cache_dir = \"\""),
     # disaggregation (serve --role prefill | decode: KV handed over between workers)
-    Rule(("serve.role=prefill/decode", "mesh.data"), "the hand-off exports and imports one page pool",
-         "mesh.data = 1 or --role both"),
     Rule(("serve.role=prefill/decode", "mesh.num_processes"), "export and import run on process 0 alone; "
          "followers would replay steps without them", "mesh.num_processes = 1 or --role both"),
     # pooling (engine/pooling/): Engine.embed / score rows in one replica's unstacked or scanned step
