@@ -225,6 +225,29 @@ def test_prefill_tensor_2_decode_tensor_1_same_tokens(cluster, expected):
         wait_until(lambda: pool_full(w), WAIT_S, f"{w.address}'s pages to come back")
 
 
+@pytest.mark.slow
+def test_prefill_data_2_decode_data_2_same_tokens(cluster, expected):
+    """A prefill and a decode worker with two data replicas each (two page pools in one
+    cache): rows exported from, and imported into, whichever replica holds the request.
+    With --dp-aware smg pins data_parallel_rank on both legs (0, 1, 0, ... as logged once on
+    2026-12-07), so both replicas of each worker serve."""
+    workers = [cluster.worker("--role", role, "--set", "mesh.data=2", env=TWO_FAKE_DEVICES)
+               for role in ("prefill", "decode")]
+    assert all(server_info(w).data_parallel_size == 2 for w in workers)
+    gateway = cluster.gateway([], "round_robin", *SMG_FLAGS, "--dp-aware", prefill=[workers[0].address],
+                              decode=[workers[1].address])
+    client = cluster.client(gateway)
+    picked = [0, 1, 3, 4, 5, 8, 9, 12]  # greedy, seeded, stop string, a shared prefix, 4 to 190 tokens
+    for i in picked:
+        req = workload()[i]
+        got = complete(client, gateway.model, req)
+        assert (got["text"], got["finish"], got["usage"][:2]) == \
+            (expected[i]["text"], expected[i]["finish"], expected[i]["usage"][:2]), (i, got, expected[i])
+    assert_kv_relayed(gateway)
+    for w in workers:
+        wait_until(lambda: pool_full(w), WAIT_S, f"{w.address}'s pages to come back")
+
+
 def test_killed_prefill_worker_fails_its_requests_and_frees_the_decode_pool(cluster):  # keep last: kills it
     """Last in the module: it kills the cluster's prefill worker while three long prompts
     are in its hands (prefilling, or prefilled and waiting for the decode side's pull)."""
