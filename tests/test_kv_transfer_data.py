@@ -74,6 +74,12 @@ def decode(src, dst, pins):
 
 out = {"want": want, "p2_d2": decode(p2, d2, [None] * 4), "p1_d2": decode(p1, d2, [None, 1, None, None]),
        "p2_p1": decode(p2, p1, [None] * 4)}
+pinned = [d2.add_request(p, params, replica=1) for p in prompts[:2]]  # placement alone would split them
+out["pinned_replicas"] = [d2.requests[r].replica for r in pinned]
+done = {}
+while d2.has_unfinished():
+    done.update({o.request_id: o.completion.token_ids for o in d2.step() if o.finished})
+out["pinned_tokens"] = [done[r] for r in pinned]
 try:
     d2.add_request(prompts[0], params, replica=2)
 except InvalidRequest as e:
@@ -104,6 +110,11 @@ def test_handoff_with_data_replicas_equals_one_engine(runs, flow):
     if flow == "p1_d2":
         assert r["dst_replicas"][1] == 1  # pinned (data_parallel_rank)
     assert all(r["released"]) and r["src_free"] and r["dst_free"]
+
+
+@pytest.mark.slow
+def test_a_pinned_request_runs_on_its_replica(runs):
+    assert runs["pinned_replicas"] == [1, 1] and runs["pinned_tokens"] == runs["want"][:2]
 
 
 @pytest.mark.slow
