@@ -133,8 +133,9 @@ class EngineCore:
 
     # ------------------------------------------------------------------ requests (any thread)
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    priority: int = 0, after: str | None = None) -> str:
+                    priority: int = 0, after: str | None = None, replica: int | None = None) -> str:
         ids, params = self.factory.check(prompt, params, priority)
+        self.scheduler.check_replica(replica)
         self.require_leader("add_request")
         with self._lock:
             waiting = self.scheduler.num_waiting()
@@ -147,13 +148,13 @@ class EngineCore:
                 sibling = self.requests.get(after) if after is not None else None
                 if sibling is not None and self.settings.enable_prefix_caching and sibling.prompt_ids == ids:
                     req.prefill_after = sibling
-                self.scheduler.add(req)
+                self.scheduler.add(req, replica)
                 return req.request_id
             samples = self.factory.new_samples(ids, params, request_id, priority, not self.defer_text,
                                                share_prefill=self.settings.enable_prefix_caching)
             for req in samples:
                 req.lora_slot, req.lora_key = lora_slot, lora_key
-                self.scheduler.add(req)
+                self.scheduler.add(req, replica)
             return samples[0].parent_id
 
     def _lora_slot(self, params: SamplingParams) -> tuple[int, str | None]:

@@ -94,13 +94,14 @@ class Engine:
         self.core.warmup(progress, buckets)
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    priority: int = 0, after: str | None = None) -> str:
+                    priority: int = 0, after: str | None = None, replica: int | None = None) -> str:
         """Queues a request; returns its id (for n > 1, the id that names its samples).
         after: the id of an unfinished request with the same prompt (a sample fanned out by
         the caller): this one waits until that one has prefilled, then shares its cached
-        prompt pages. While the engine sleeps: EngineAsleep."""
+        prompt pages. replica: the data replica to run on (the protocol's data_parallel_rank;
+        None: the engine places it). While the engine sleeps: EngineAsleep."""
         sleep_mode.refuse_if_asleep(self._sleep, "add_request")
-        return self.core.add_request(prompt, params, request_id, priority, after)
+        return self.core.add_request(prompt, params, request_id, priority, after, replica)
 
     @staticmethod
     def sample_ids(request_id: str, n: int) -> list[str]:
@@ -356,10 +357,11 @@ class Engine:
         return self.disagg.expire()
 
     def add_prefilled_request(self, prompt, params: SamplingParams | None, request_id: str, arrays: list,
-                              num_tokens: int, cached_tokens: int = 0, priority: int = 0) -> str:
+                              num_tokens: int, cached_tokens: int = 0, priority: int = 0,
+                              replica: int | None = None) -> str:
         self.core.require_leader("add_prefilled_request")
         return self.disagg.add_prefilled(prompt, params, request_id, arrays, num_tokens, cached_tokens, priority,
-                                         with_text=not self.defer_text)
+                                         with_text=not self.defer_text, replica=replica)
 
     # ------------------------------------------------------------------ multi-process
     def follow(self) -> int:

@@ -98,11 +98,12 @@ def _values_scales(entry):
     return (entry.values, entry.scales) if isinstance(entry, QuantizedPages) else (entry, None)
 
 
-@functools.partial(jax.jit, static_argnames=("num_kv_heads", "stages"))
+@functools.partial(jax.jit, static_argnames=("num_kv_heads", "stages", "replicate"))
 def gather_tokens(pages: tuple,  # KVCache.pages: per layer [N, P, 2*Hc, D] or stacked [p, N, ...]
                   page_ids: jax.Array,  # [T // P] int32, the request's pages (padded with 0)
                   num_kv_heads: int,
-                  stages: int = 1):
+                  stages: int = 1,
+                  replicate: bool = False):  # True: a whole copy on every device (inside jax.set_mesh)
     """-> values [L, T, 2*Hkv, D], scales [L, T, 2*Hkv] or None: the request's rows."""
     def rows(a):  # [p, N, P, 2*Hc, ...] -> [p, T, 2*Hkv, ...]
         a = a[:, page_ids]
@@ -117,11 +118,14 @@ def gather_tokens(pages: tuple,  # KVCache.pages: per layer [N, P, 2*Hc, D] or s
         x = jnp.stack(parts, axis=1)
         return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
 
+    def whole(a):  # a multi-process engine: each process then reads its own copy
+        return jax.lax.with_sharding_constraint(a, jax.sharding.PartitionSpec()) if replicate else a
+
     entries = _entries(pages, stages)
-    values = layers([rows(_values_scales(e)[0]) for e in entries])
+    values = whole(layers([rows(_values_scales(e)[0]) for e in entries]))
     if not isinstance(entries[0], QuantizedPages):
         return values, None
-    return values, layers([rows(e.scales) for e in entries])
+    return values, whole(layers([rows(e.scales) for e in entries]))
 
 
 @functools.partial(jax.jit, donate_argnums=(0,), static_argnames=("stages",))
@@ -168,23 +172,28 @@ def slots_for(pages: list[int], num_tokens: int, total: int, page_size: int) -> 
     return slots
 
 
-def export_rows(cache, page_ids: list[int], num_tokens: int, page_size: int, num_kv_heads: int):
-    """The request's first num_tokens rows as single-device arrays: (values, scales or None)."""
+def export_rows(cache, page_ids: list[int], num_tokens: int, page_size: int, num_kv_heads: int,
+                replicate: bool = False):
+    """The request's first num_tokens rows as single-device arrays: (values, scales or None).
+    replicate (a multi-process engine, every process calling it inside the mesh): the
+    gather leaves a whole copy on every device, and each process returns its own."""
     total = padded_tokens(num_tokens, page_size)
     ids = np.zeros(total // page_size, np.int32)  # null page for the padding rows
     ids[:len(page_ids)] = page_ids[:len(ids)]
     values, scales = gather_tokens(paged_entries(cache), jnp.asarray(ids), num_kv_heads=num_kv_heads,
-                                   stages=cache.stages)
+                                   stages=cache.stages, replicate=replicate)
     dev = jax.local_devices()[0]
-    values = jax.device_put(values, dev)
-    scales = None if scales is None else jax.device_put(scales, dev)
+    local = (lambda a: a.addressable_data(0)) if replicate else (lambda a: a)  # noqa: E731
+    values = jax.device_put(local(values), dev)
+    scales = None if scales is None else jax.device_put(local(scales), dev)
     return values, scales
 
 
 def import_rows(cache, values, scales, pages: list[int], num_tokens: int, page_size: int):
     """A new cache with the rows written into `pages` (the old one is donated). The pulled
     rows sit on one device; a cache split over several (mesh.tensor > 1) gets them
-    replicated onto its devices first, since jit refuses arguments committed elsewhere."""
+    replicated onto its devices first, since jit refuses arguments committed elsewhere
+    (a multi-process engine's rows come already replicated: engine/disagg/runner_side.py)."""
     slots = slots_for(pages, num_tokens, values.shape[1], page_size)
     values, scales = _onto(cache, values), None if scales is None else _onto(cache, scales)
     pages = scatter_tokens(paged_entries(cache), values, scales, jnp.asarray(slots), stages=cache.stages)
@@ -195,8 +204,9 @@ def _onto(cache, a: jax.Array) -> jax.Array:
     """A pulled array (on one device) replicated onto a cache split over several
     (mesh.tensor > 1): jit refuses arguments committed elsewhere."""
     sharding = jax.tree.leaves(cache.pages)[0].sharding
-    if isinstance(sharding, jax.sharding.NamedSharding):
-        return jax.device_put(a, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()))
+    if isinstance(sharding, jax.sharding.NamedSharding) and not a.sharding.is_equivalent_to(
+            whole := jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()), a.ndim):
+        return jax.device_put(a, whole)
     return a
 
 

@@ -35,7 +35,8 @@ KV_SAVE, KV_RESTORE, KV_WARMUP = 6, 7, 8  # the host KV tier's programs (engine/
 # Engine.update_weights / sleep / wake (engine/weights_lockstep.py): a checkpoint path or a level as words
 WEIGHTS_LOAD, WEIGHTS_SWAP, WEIGHTS_DROP, SLEEP, WAKE = 9, 10, 11, 12, 13
 WEIGHT_OPS = (WEIGHTS_LOAD, WEIGHTS_SWAP, WEIGHTS_DROP, SLEEP, WAKE)
-WORD_OPS = (KV_SAVE, KV_RESTORE, WEIGHTS_LOAD, SLEEP)
+KV_EXPORT, KV_IMPORT = 14, 15  # disaggregated prefill's gather and scatter (engine/disagg/runner_side.py)
+WORD_OPS = (KV_SAVE, KV_RESTORE, WEIGHTS_LOAD, SLEEP, KV_EXPORT, KV_IMPORT)
 HEARTBEAT_S = 5.0
 HEADER = 3  # op, bucket, payload words
 FIRST_WORDS = 8192  # 32 KiB: a decode of 64 sequences x 100 pages (no penalties) fits in one broadcast

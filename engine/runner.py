@@ -32,8 +32,9 @@ from flax import nnx
 
 from jaxfill.engine.batch import StepBatch, dummy_batch, stack_batches
 from jaxfill.engine.expert_load import ExpertLoad
-from jaxfill.engine.lockstep import (HEARTBEAT, KV_RESTORE, KV_SAVE, KV_WARMUP, RESET, RUN, STOP, USE_XLA, WEIGHT_OPS,
-                                    Lockstep)
+from jaxfill.engine.lockstep import (HEARTBEAT, KV_EXPORT, KV_IMPORT, KV_RESTORE, KV_SAVE, KV_WARMUP, RESET, RUN, STOP,
+                                    USE_XLA, WEIGHT_OPS, Lockstep)
+from jaxfill.engine.disagg.runner_side import RunnerDisagg
 from jaxfill.engine.kv_tier.runner_side import RunnerKVTier
 from jaxfill.engine.speculative.verify_rows import padding_rows
 from jaxfill.engine.step import step, step_replicas
@@ -74,7 +75,7 @@ class PendingOutput:
         return self._host
 
 
-class Runner(RunnerKVTier):
+class Runner(RunnerKVTier, RunnerDisagg):
     def __init__(self, config, model, mesh=None, shapes=()):
         self.config = config
         s = config.engine
@@ -214,20 +215,6 @@ class Runner(RunnerKVTier):
 
     def _execute(self, batch: StepBatch) -> HostOutput:
         return self._launch(batch).get()
-
-    def export_rows(self, pages: list[int], num_tokens: int, num_kv_heads: int):
-        """A request's first num_tokens K/V rows as one-device arrays (values, scales or
-        None) for a disaggregated pull (engine/kv_rows.py)."""
-        from jaxfill.engine import kv_rows
-
-        return kv_rows.export_rows(self.kv_cache, pages, num_tokens, self.page_size, num_kv_heads)
-
-    def import_rows(self, values, scales, pages: list[int], num_tokens: int) -> None:
-        """Pulled rows scattered into `pages` of the cache (which is donated and replaced)."""
-        from jaxfill.engine import kv_rows
-
-        self.save_evicted()
-        self.kv_cache = kv_rows.import_rows(self.kv_cache, values, scales, pages, num_tokens, self.page_size)
 
     def copy_states(self, first: list[tuple[int, int]], then: list[tuple[int, int]]) -> None:
         """Linear-attention state slots copied (src, dst), `first` before `then` (state
@@ -381,6 +368,8 @@ class Runner(RunnerKVTier):
                     log.error("step failed on this follower:\n%s", traceback.format_exc())
             elif op in (KV_SAVE, KV_RESTORE):
                 self._follow_kv(op, batch)
+            elif op in (KV_EXPORT, KV_IMPORT):  # disaggregated prefill (engine/disagg/runner_side.py)
+                self._follow_disagg(op, batch)
             elif op == KV_WARMUP:
                 self._warm_kv_offload()
             elif op in WEIGHT_OPS:  # Engine.update_weights / sleep / wake on process 0

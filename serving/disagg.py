@@ -55,15 +55,25 @@ class Disagg:
         self.timeout_s = float(engine.settings.kv_transfer_timeout_s)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._expirer: asyncio.Task | None = None
+        self._warned = False  # Mooncake-style kv_transfer_params alone (parse)
         if role != "both":
             engine.enable_kv_transfer(host)
 
     # ------------------------------------------------------------------ requests
     def parse(self, request: vpb.GenerateRequest) -> dict | None:
-        """kv_transfer_params_json -> dict (None when unset); refuses what this role cannot do."""
-        if request.HasField("kv_transfer_params"):
-            raise BadField("kv_transfer_params", "Mooncake-style params are not supported; jaxfill speaks "
-                                                 "kv_transfer_params_json (smg's NIXL mode)")
+        """kv_transfer_params_json -> dict (None when unset); refuses what this role cannot do.
+
+        Mooncake-style `kv_transfer_params` (what smg mints for a MooncakeConnector worker)
+        are accepted but carry only the prefill worker's host and bootstrap port, not the
+        offer (transfer id, shapes, layout, prompt digest) the hand-off pulls by: beside
+        kv_transfer_params_json they are unused, and alone they hand nothing over (the
+        decode side computes the prompt itself, as for a passthrough relay; logged once).
+        """
+        if request.HasField("kv_transfer_params") and not request.kv_transfer_params_json and not self._warned:
+            self._warned = True
+            log.warning("kv_transfer_params (remote_host/remote_port) carry no jaxfill offer; the prompt is "
+                        "computed on this worker. jaxfill hands KV over through kv_transfer_params_json "
+                        "(smg's NIXL mode: workers report kv_connector %s)", KV_CONNECTOR)
         if not request.kv_transfer_params_json:
             return None
         try:
@@ -94,8 +104,8 @@ class Disagg:
                                 f"{share:.0%} of the KV pool is held for transfers not yet pulled "
                                 f"(engine.kv_transfer_max_held_share = {limit:g}); retry shortly")
 
-        def admit(engine, ids, params, request_id, priority):
-            engine.add_request(ids, params, request_id=request_id, priority=priority)
+        def admit(engine, ids, params, request_id, priority, replica=None):
+            engine.add_request(ids, params, request_id=request_id, priority=priority, replica=replica)
             engine.hold_pages(request_id)
         self.loop.admit_hooks[rid] = admit
         self.ensure_expirer()
@@ -138,8 +148,8 @@ class Disagg:
             self._release_remote(info)
         cached = int(info.get("cached_tokens", 0))
 
-        def admit(engine, ids_, params, request_id, priority):
-            engine.add_prefilled_request(ids_, params, request_id, arrays, n, cached, priority)
+        def admit(engine, ids_, params, request_id, priority, replica=None):
+            engine.add_prefilled_request(ids_, params, request_id, arrays, n, cached, priority, replica=replica)
         self.loop.admit_hooks[rid] = admit
 
     def release_offer_of(self, request) -> None:

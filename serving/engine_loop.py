@@ -134,8 +134,10 @@ class EngineLoop(EngineThread):
 
     # ------------------------------------------------------------ event-loop API
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-               priority: int = 0, arrival: float | None = None, after: str | None = None) -> RequestStream:
-        """Queues a request for the engine thread. Runs on the event loop.
+               priority: int = 0, arrival: float | None = None, after: str | None = None,
+               replica: int | None = None) -> RequestStream:
+        """Queues a request for the engine thread. Runs on the event loop. replica: the data
+        replica it runs on (data_parallel_rank), None to let the engine place it.
 
         Raises InvalidRequest for a request id already in flight and QueueFull when
         `capacity` requests are in flight.
@@ -146,7 +148,7 @@ class EngineLoop(EngineThread):
         except Exception:  # noqa: BLE001 - ids the tokenizer cannot prime on: add_request refuses them
             pass
         self._streams[request_id] = stream
-        self._inbox.append(Add(stream, prompt_ids, params, priority, after))
+        self._inbox.append(Add(stream, prompt_ids, params, priority, after, replica=replica))
         self._wake.set()
         return stream
 

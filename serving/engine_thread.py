@@ -35,6 +35,7 @@ class Add:
     priority: int = 0
     after: str | None = None  # a sibling sample's request id (Engine.add_request's `after`)
     pooling: PoolingParams | None = None  # set: an embedding (Engine.add_pooling_request), params unused
+    replica: int | None = None  # the data replica it is pinned to (vLLM's data_parallel_rank), else placed
 
 
 @dataclasses.dataclass
@@ -163,12 +164,12 @@ class EngineThread:
         try:
             admit = self.admit_hooks.get(stream.request_id)  # serving/disagg.py
             if admit is not None:
-                admit(self.engine, add.prompt_ids, add.params, stream.request_id, add.priority)
+                admit(self.engine, add.prompt_ids, add.params, stream.request_id, add.priority, add.replica)
             elif add.pooling is not None:
                 self.engine.add_pooling_request(add.prompt_ids, add.pooling, request_id=stream.request_id)
             else:
                 self.engine.add_request(add.prompt_ids, add.params, request_id=stream.request_id,
-                                        priority=add.priority, after=add.after)
+                                        priority=add.priority, after=add.after, replica=add.replica)
             self._in_engine[stream.request_id] = stream
         except QueueFull:
             return False

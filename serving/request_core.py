@@ -161,12 +161,13 @@ class RequestCore:
                                   f"{num_prompt + max_tokens} tokens, over max_model_len ({self.max_model_len})")
 
     async def run(self, context, ids: list[int], params: SamplingParams, request_id: str, priority: int,
-                  arrival: float, after: str | None = None):
+                  arrival: float, after: str | None = None, replica: int | None = None):
         """Submits and yields (kind, payload, stream, t) until the request ends; maps failures
         to status codes. A handler that stops early (cancel, disconnect, deadline) aborts it.
-        after: a sibling sample's id, whose prompt pages this one shares (n > 1)."""
+        after: a sibling sample's id, whose prompt pages this one shares (n > 1); replica:
+        the data replica it is pinned to (data_parallel_rank), None: placed by the engine."""
         try:
-            stream = self.loop.submit(ids, params, request_id, priority, arrival, after)
+            stream = self.loop.submit(ids, params, request_id, priority, arrival, after, replica)
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except QueueFull as e:

@@ -26,7 +26,7 @@ DEFAULT_TEMPERATURE = 1.0
 SP = "sampling_params."
 # Request fields (GenerateRequest) we have no engine support for.
 # (kv_transfer_params[_json]: serving/disagg.py reads and checks them.)
-UNSUPPORTED_REQUEST_FIELDS = ("mm_inputs", "media_refs", "data_parallel_rank")
+UNSUPPORTED_REQUEST_FIELDS = ("mm_inputs", "media_refs")
 # Files the gateway needs to build the tokenizer (GetTokenizer zips those present).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "config.json", "chat_template.jinja")
@@ -36,10 +36,20 @@ TOKENIZER_CHUNK_BYTES = 1 << 20
 def check_request_fields(request: vpb.GenerateRequest) -> None:
     for name in UNSUPPORTED_REQUEST_FIELDS:
         if request.HasField(name):
-            raise BadField(name, "is not supported by jaxfill (no multimodal inputs or data-parallel "
-                                 "rank pinning over this protocol)")
+            raise BadField(name, "is not supported by jaxfill (no multimodal inputs)")
     if len(request.extra_mm_inputs):
         raise BadField("extra_mm_inputs", "multimodal inputs are not supported by jaxfill")
+
+
+def data_parallel_rank(request: vpb.GenerateRequest, data: int) -> int | None:
+    """The data replica the gateway pinned the request to (None: unset, the engine places
+    it); `data` is mesh.data, which GetServerInfo reports as data_parallel_size."""
+    if not request.HasField("data_parallel_rank"):
+        return None
+    rank = request.data_parallel_rank
+    if not 0 <= rank < data:
+        raise BadField("data_parallel_rank", f"must be in [0, {data}) (this worker's mesh.data), got {rank}")
+    return rank
 
 
 def sampling_from_proto(s: vpb.SamplingParams, room: int, vocab_size: int) -> SamplingParams:

@@ -75,7 +75,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         params = conv.sampling_from_proto(request.sampling_params, core.max_model_len - len(ids), core.vocab_size)
         core.check_params(params, conv.SP)
         core.check_fits(len(ids), params.max_tokens, conv.SP + "max_tokens")
-        return rid, ids, params
+        return rid, ids, params, conv.data_parallel_rank(request, self.config.mesh.data)
 
     async def Generate(self, request: vpb.GenerateRequest, context):
         arrival = time.monotonic()
@@ -84,7 +84,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         try:  # until the pull starts, any refusal releases the prefill worker's KV at once
             await core.check_available(context)
             try:
-                rid, ids, params = await self._parse(request)
+                rid, ids, params, rank = await self._parse(request)
                 kv = self.disagg.parse(request)
             except BadField as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -102,23 +102,26 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                         f"{conv.SP}n: n > 1 is not served with disaggregated prefill")
                 gens = [self._generate(request, context, f"{rid}#{i}", ids, sample, arrival, False, index=i,
-                                       after=f"{rid}#0" if i else None)
+                                       after=f"{rid}#0" if i else None, replica=rank)
                         for i, sample in enumerate(samples_of(params))]
                 async for msg in merged(gens):
                     yield msg
                 return
-            async for msg in self._generate(request, context, rid, ids, params, arrival, remote_decode):
+            async for msg in self._generate(request, context, rid, ids, params, arrival, remote_decode,
+                                            replica=rank):
                 yield msg
         finally:
             self.disagg.forget(rid)
 
     async def _generate(self, request, context, rid, ids, params, arrival, remote_decode: bool, index: int = 0,
-                        after: str | None = None):
-        """One sample's messages; index: which of n (the messages' `index`), after: sample 0's id."""
+                        after: str | None = None, replica: int | None = None):
+        """One sample's messages; index: which of n (the messages' `index`), after: sample 0's id,
+        replica: the data replica it is pinned to (data_parallel_rank; a decode worker's pulled
+        rows go to that replica's pool)."""
         core = self.core
         output_ids: list[int] = []
         logprobs: list = []
-        async with contextlib.aclosing(core.run(context, ids, params, rid, 0, arrival, after)) as events:
+        async with contextlib.aclosing(core.run(context, ids, params, rid, 0, arrival, after, replica)) as events:
             async for kind, out, stream, _t in events:
                 if kind == "aborted":
                     complete = self._complete(stream, "abort", output_ids, logprobs, None, params)

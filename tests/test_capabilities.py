@@ -111,8 +111,6 @@ BREAKS = {
     ("engine.disk_kv_cache_dir", "mesh.num_processes"): (
         {"engine.disk_kv_cache_dir": "/tmp/x", "engine.disk_kv_cache_gb": 1, "engine.host_kv_cache_gb": 1,
          "mesh.num_processes": 2, "mesh.coordinator": "127.0.0.1:1"}, ()),
-    ("serve.role=prefill/decode", "mesh.data"): ({"mesh.data": 2}, ("serve.role=prefill/decode",)),
-    ("serve.role=prefill/decode", "mesh.num_processes"): ({"mesh.num_processes": 2, "mesh.coordinator": "127.0.0.1:1"}, ("serve.role=prefill/decode",)),
     ("model.pooling", "mesh.data"): ({"model.pooling": "last", "mesh.data": 2}, ()),
     ("model.pooling", "mesh.stage"): ({"model.pooling": "mean", "mesh.stage": 2}, ()),
     ("model.pooling", "mesh.num_processes"): ({"model.score_token_ids": [1, 2], "mesh.num_processes": 2,
@@ -173,6 +171,10 @@ def test_accepted_combinations_pass():
     load_config("tiny_random", {**TINY, **HYBRID, "mesh.tensor": 2, "engine.kv_cache_dtype": "int8"})
     validate(load_config("tiny_random", {**TINY, "model.dtype": "bfloat16"}), platform="cpu")
     validate(load_config("tiny_random", {**TINY, "model.dtype": "bfloat16", "mesh.tensor": 2}), platform="gpu")
+    # PD with data replicas and over several processes (tests/test_kv_transfer_data.py, test_disagg_multihost.py)
+    validate(load_config("tiny_random", {**TINY, "mesh.data": 2}), extra=("serve.role=prefill/decode",))
+    validate(load_config("tiny_random", {**TINY, "mesh.num_processes": 2, "mesh.coordinator": "127.0.0.1:1"}),
+             extra=("serve.role=prefill/decode",))
 
 
 # what a test must set to run a column (prefix caching is on by default: its tests read hits)

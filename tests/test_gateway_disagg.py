@@ -22,8 +22,8 @@ import threading
 import grpc
 import pytest
 
-from gateway_util import SmgProcess, kill_all, smg_binary, start_worker, wait_until, worker_load
-from serving_util import compile_cache_dir, scrape
+from gateway_util import WORKER_SETTINGS, SmgProcess, kill_all, smg_binary, start_worker, wait_until, worker_load
+from serving_util import ServeProcess, compile_cache_dir, free_port, scrape
 
 import openai  # the test extra installs it, and smg: missing is a failure, never a skip
 from xla_flags import fake_devices
@@ -223,6 +223,61 @@ def test_prefill_tensor_2_decode_tensor_1_same_tokens(cluster, expected):
     assert_kv_relayed(gateway)
     for w in (tp2, cluster.decode):
         wait_until(lambda: pool_full(w), WAIT_S, f"{w.address}'s pages to come back")
+
+
+@pytest.mark.slow
+def test_prefill_data_2_decode_data_2_same_tokens(cluster, expected):
+    """A prefill and a decode worker with two data replicas each (two page pools in one
+    cache): rows exported from, and imported into, whichever replica holds the request.
+    With --dp-aware smg pins data_parallel_rank on both legs (0, 1, 0, ... as logged once on
+    2026-12-07), so both replicas of each worker serve."""
+    workers = [cluster.worker("--role", role, "--set", "mesh.data=2", env=TWO_FAKE_DEVICES)
+               for role in ("prefill", "decode")]
+    assert all(server_info(w).data_parallel_size == 2 for w in workers)
+    gateway = cluster.gateway([], "round_robin", *SMG_FLAGS, "--dp-aware", prefill=[workers[0].address],
+                              decode=[workers[1].address])
+    client = cluster.client(gateway)
+    picked = [0, 1, 3, 4, 5, 8, 9, 12]  # greedy, seeded, stop string, a shared prefix, 4 to 190 tokens
+    for i in picked:
+        req = workload()[i]
+        got = complete(client, gateway.model, req)
+        assert (got["text"], got["finish"], got["usage"][:2]) == \
+            (expected[i]["text"], expected[i]["finish"], expected[i]["usage"][:2]), (i, got, expected[i])
+    assert_kv_relayed(gateway)
+    for w in workers:
+        wait_until(lambda: pool_full(w), WAIT_S, f"{w.address}'s pages to come back")
+    kill_all(gateway, *workers)  # the machine has 2 cores: the later tests start more processes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_two_process_worker_same_tokens(cluster, expected, role):
+    """A prefill or decode worker over two processes (one CPU device and one data replica
+    each): process 0 serves gRPC and the transfer server, process 1 runs every gather and
+    scatter with it (engine/disagg/runner_side.py)."""
+    port = free_port()
+    env = {"XLA_FLAGS": fake_devices(1), "JAX_PLATFORMS": "cpu"}
+    args = ["--role", role, "--set", "mesh.data=2", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
+    sets = [a for s in WORKER_SETTINGS for a in ("--set", s)]
+    follower = ServeProcess("--config", "tiny", "--metrics-port", "0", *sets, *args, "--process-id", "1",
+                            cache_dir=cluster.cache_dir, env=env, listens=False)
+    cluster.procs.append(follower)
+    try:
+        leader = cluster.worker(*args, "--process-id", "0", env=env)
+    except (TimeoutError, RuntimeError) as e:  # once (2026-12-07, full module, busy machine): 300 s start-up
+        raise AssertionError(f"{e}\nprocess 1:\n{follower.log()[-3000:]}") from None
+    pools = {"prefill": [cluster.prefill.address], "decode": [cluster.decode.address], role: [leader.address]}
+    gateway = cluster.gateway([], "round_robin", *SMG_FLAGS, "--dp-aware", prefill=pools["prefill"],
+                              decode=pools["decode"])
+    client = cluster.client(gateway)
+    for i in [0, 1, 3, 4, 5, 8]:
+        req = workload()[i]
+        got = complete(client, gateway.model, req)
+        assert (got["text"], got["finish"], got["usage"][:2]) == \
+            (expected[i]["text"], expected[i]["finish"], expected[i]["usage"][:2]), (i, got, expected[i])
+    assert_kv_relayed(gateway)
+    wait_until(lambda: pool_full(leader), WAIT_S, f"{leader.address}'s pages to come back")
+    kill_all(gateway, leader, follower)
 
 
 def test_killed_prefill_worker_fails_its_requests_and_frees_the_decode_pool(cluster):  # keep last: kills it

@@ -110,6 +110,26 @@ def test_pd_tokens_equal_one_worker(workers, i, sp, stream):
     _wait_free(pre, timeout=1.5)  # released by the decode side at once, not by the 5 s timeout
 
 
+def test_mooncake_params_and_a_pinned_rank_are_accepted(workers):
+    """What smg may add: Mooncake-style kv_transfer_params (host and port only) beside the
+    JSON leave the hand-off as it is; alone they hand nothing over, so the decode worker
+    computes the prompt itself; data_parallel_rank 0 of a one-replica worker is served."""
+    (_, pre), (_, dec), (_, both) = workers["prefill"], workers["decode"], workers["both"]
+    ids, sp = PROMPTS[3], dict(max_tokens=6)
+    want = list(both.Generate(_req(ids, "mc-ref", **sp), timeout=60))[-1].complete.output_ids
+    mooncake = vpb.KvTransferParams(remote_host="127.0.0.1", remote_port=1)
+    kv = _prefill_leg(pre, ids, "mc1")
+    req = _req(ids, "mc1", kv=kv, **sp)
+    req.kv_transfer_params.CopyFrom(mooncake)
+    req.data_parallel_rank = 0
+    assert list(list(dec.Generate(req, timeout=60))[-1].complete.output_ids) == list(want)
+    _wait_free(pre, timeout=1.5)  # pulled and released: the JSON offer was used
+    alone = _req(ids, "mc2", **sp)
+    alone.kv_transfer_params.CopyFrom(mooncake)
+    assert list(list(dec.Generate(alone, timeout=60))[-1].complete.output_ids) == list(want)
+    _wait_free(dec)
+
+
 def test_pull_that_never_comes_frees_after_timeout(workers):
     (_, pre), (_, dec) = workers["prefill"], workers["decode"]
     kv = _prefill_leg(pre, PROMPTS[4], "orphan")

@@ -277,7 +277,7 @@ def test_structured_output_constraints_are_honoured(served):
 @pytest.mark.parametrize("field,extra", [
     ("mm_inputs", dict(mm_inputs=vpb.MultimodalInputs(mm_hashes=["x"]))),
     ("kv_transfer_params_json", dict(kv_transfer_params_json="[]")),  # must be a JSON object
-    ("data_parallel_rank", dict(data_parallel_rank=0)),
+    ("data_parallel_rank", dict(data_parallel_rank=1)),  # this worker has mesh.data = 1: rank 0 only
     ("media_refs", dict(media_refs=vpb.MediaRefs())),
 ])
 def test_unsupported_request_field_is_refused_by_name(served, field, extra):
@@ -288,6 +288,15 @@ def test_unsupported_request_field_is_refused_by_name(served, field, extra):
         _run(stub, req)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert e.value.details().startswith(field + ":"), e.value.details()
+
+
+def test_data_parallel_rank_in_range_is_served(served):
+    """smg pins data-parallel ranks: rank 0 of a one-replica worker is served as usual
+    (tests/test_kv_transfer_data.py pins rank 1 of two)."""
+    _st, _engine, stub, ref, _lp, _ = served
+    req = vpb.GenerateRequest(request_id="dp0", tokenized=vpb.TokenizedInput(input_ids=PROMPTS[3]),
+                              sampling_params=_sp(max_tokens=MAX, ignore_eos=True), data_parallel_rank=0)
+    assert list(_run(stub, req)[-1].complete.output_ids) == ref[3].token_ids
 
 
 def test_gateway_filled_defaults_are_accepted(served):

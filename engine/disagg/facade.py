@@ -68,25 +68,27 @@ class Disaggregation:
 
     # ------------------------------------------------------------------ decode side
     def add_prefilled(self, prompt, params: SamplingParams | None, request_id: str, arrays: list,
-                      num_tokens: int, cached_tokens: int = 0, priority: int = 0, with_text: bool = True) -> str:
+                      num_tokens: int, cached_tokens: int = 0, priority: int = 0, with_text: bool = True,
+                      replica: int | None = None) -> str:
         """Stepping thread: admits a request whose first num_tokens prompt rows were pulled
-        into `arrays` (KVHandoff.pull); it continues from its last prompt token."""
+        into `arrays` (KVHandoff.pull); it continues from its last prompt token. The rows go
+        to `replica`'s pool (data_parallel_rank), else to the replica place_prefilled picks."""
         handoff = self.enable()
-        if self.runner.num_replicas != 1:
-            raise InvalidRequest("kv_transfer_params", "prefilled requests need mesh.data = 1")
+        self.scheduler.check_replica(replica)
         ids, params = self.factory.check(prompt, params, priority)
         if params.lora is not None:  # the hand-off carries no adapter (engine/capabilities/table.py)
             raise InvalidRequest("lora", "prefilled (disaggregated) requests run the base model only")
         with self._lock:
             if request_id in self.scheduler.requests:
                 raise InvalidRequest("request_id", f"{request_id!r} is already in flight")
-            pages, slot = handoff.import_pulled(arrays, num_tokens)
+            replica = self.scheduler.place_prefilled(num_tokens, replica)
+            pages, slot = handoff.import_pulled(arrays, num_tokens, replica)
             try:
                 req = self.factory.new(ids, params, request_id, priority, with_text=with_text)
             except BaseException:
-                self.scheduler.free_pages(pages, state_slot=slot)
+                self.scheduler.free_pages(pages, replica, state_slot=slot)
                 raise
-            self.scheduler.admit_prefilled(req, pages, num_tokens, cached_tokens, slot)
+            self.scheduler.admit_prefilled(req, pages, num_tokens, cached_tokens, slot, replica)
         return request_id
 
     # ------------------------------------------------------------------ the step's hooks

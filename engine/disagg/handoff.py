@@ -41,8 +41,9 @@ def prompt_digest(ids) -> str:
 @dataclasses.dataclass
 class Held:
     request_id: str
-    pages: list[int]
+    pages: list[int]  # ids in `replica`'s pool
     deadline: float  # time.monotonic()
+    replica: int = 0  # the data replica whose pool holds them
 
 
 class KVHandoff:
@@ -50,6 +51,7 @@ class KVHandoff:
         self.runner = runner
         self.scheduler = scheduler  # engine/scheduler/replicas.py: pages come and go through it
         self.page_size = config.engine.page_size
+        self.pages_per_replica = runner.num_pages  # mesh.data: replica r's page p is r * this + p in the cache
         self.agent = transfer.TransferAgent(host)
         self.timeout_s = float(timeout_s)
         self.hold: set[str] = set()  # request ids whose pages outlive their finish
@@ -82,12 +84,12 @@ class KVHandoff:
             return False
         if layout.state and state is None:
             return False  # a hybrid's state at n was never exported: nothing consistent to offer
-        values, scales = self.runner.export_rows(req.pages, n, layout.num_kv_heads)
+        values, scales = self.runner.export_rows(self.global_pages(req.pages, req.replica), n, layout.num_kv_heads)
         arrays = [values] + ([] if scales is None else [scales]) + (state or [])
         tid = self.agent.offer(arrays, self.timeout_s)
         info["transfer_id"] = tid
         info["arrays"] = [[list(a.shape), str(a.dtype)] for a in arrays]
-        self.held[tid] = Held(req.request_id, list(req.pages), time.monotonic() + self.timeout_s)
+        self.held[tid] = Held(req.request_id, list(req.pages), time.monotonic() + self.timeout_s, req.replica)
         self.offers[req.request_id] = info
         return True
 
@@ -101,7 +103,7 @@ class KVHandoff:
         if held is None:
             return False
         self.offers.pop(held.request_id, None)  # nobody will take it any more
-        self.scheduler.free_pages(held.pages)
+        self.scheduler.free_pages(held.pages, held.replica)
         self.num_released += 1
         return True
 
@@ -131,21 +133,26 @@ class KVHandoff:
         specs = [(tuple(s), d) for s, d in info["arrays"]]
         return self.agent.pull(info["transfer_address"], int(info["transfer_id"]), specs), n
 
-    def import_pulled(self, arrays: list, num_tokens: int) -> tuple[list[int], int | None]:
-        """[lock, stepping thread] Pages (and a hybrid's state slot) reserved for the pulled
-        rows (ready arrays), the rows and state written in; returns what the scheduler then
-        admits with."""
+    def import_pulled(self, arrays: list, num_tokens: int, replica: int = 0) -> tuple[list[int], int | None]:
+        """[lock, stepping thread] Pages of `replica`'s pool (and a hybrid's state slot)
+        reserved for the pulled rows (ready arrays), the rows and state written in; returns
+        what the scheduler then admits with (page ids local to the replica)."""
         if num_tokens and arrays[0].shape[1] < num_tokens:
             raise transfer.TransferFailed(f"the pulled rows hold {arrays[0].shape[1]} tokens, not {num_tokens}")
-        pages, slot = self.scheduler.reserve_prefilled(num_tokens)
+        pages, slot = self.scheduler.reserve_prefilled(num_tokens, replica)
         if num_tokens:
             rows = 2 if self.layout.quantized else 1
             values, scales = arrays[0], (arrays[1] if rows == 2 else None)
             try:
-                self.runner.import_rows(values, scales, pages, num_tokens)
+                self.runner.import_rows(values, scales, self.global_pages(pages, replica), num_tokens)
                 if slot is not None:
                     self.runner.import_state(arrays[rows:rows + 2], slot)
             except BaseException:
-                self.scheduler.free_pages(pages, state_slot=slot)
+                self.scheduler.free_pages(pages, replica, state_slot=slot)
                 raise
         return pages, slot
+
+    def global_pages(self, pages: list[int], replica: int) -> list[int]:
+        """A replica's page ids as ids of the cache's page axis, which holds mesh.data pools
+        of pages_per_replica pages each, replica-major (models/kv_cache.py)."""
+        return [replica * self.pages_per_replica + p for p in pages]

@@ -60,10 +60,19 @@ class ReplicaScheduler:
             raise InvalidRequest("request_id", f"{req.request_id!r} is already in flight")
         self.requests[req.request_id] = req
 
-    def add(self, req: Request) -> None:
+    def check_replica(self, replica: int | None) -> None:
+        """A pinned replica (the protocol's data_parallel_rank) must be one of ours."""
+        if replica is not None and not (isinstance(replica, int) and 0 <= replica < len(self.replicas)):
+            raise InvalidRequest("data_parallel_rank", f"must be in [0, {len(self.replicas)}) (mesh.data), "
+                                 f"got {replica!r}")
+
+    def add(self, req: Request, replica: int | None = None) -> None:
+        """`replica`: pinned by the caller (data_parallel_rank; check_replica first), else placed."""
         self._register(req)
         if req.prefill_after is not None:  # a sample beside the one whose prompt pages it shares
             req.replica = req.prefill_after.replica
+        elif replica is not None:
+            req.replica = replica
         else:
             req.replica = self._place(req) if len(self.replicas) > 1 else 0
         self.replicas[req.replica].add(req)
@@ -118,22 +127,37 @@ class ReplicaScheduler:
         self.replicas[req.replica].finish(req, reason, error, keep_pages, num_output_tokens)
         self.requests.pop(req.request_id, None)
 
-    def reserve_prefilled(self, num_tokens: int) -> tuple[list[int], int | None]:
-        return self.replicas[0].reserve_prefilled(num_tokens)
+    def place_prefilled(self, num_tokens: int, replica: int | None = None) -> int:
+        """The replica a prefilled request's pulled rows go to: `replica` when pinned, else
+        the one with the fewest unfinished requests among those with room for the rows
+        (then the most free pages, then the lowest index)."""
+        if replica is not None:
+            return replica
+        def score(i: int):
+            s = self.replicas[i]
+            return not s.bm.can_allocate(s.bm.pages_for(num_tokens)), len(s.waiting) + len(s.running), \
+                -s.bm.num_free, i
+        return min(range(len(self.replicas)), key=score)
+
+    def reserve_prefilled(self, num_tokens: int, replica: int = 0) -> tuple[list[int], int | None]:
+        """Pages in `replica`'s pool (ids local to it) and a hybrid's state slot."""
+        return self.replicas[replica].reserve_prefilled(num_tokens)
 
     def free_pages(self, pages: list[int], replica: int = 0, state_slot: int | None = None) -> None:
         self.replicas[replica].free_pages(pages, state_slot)
 
     def hold_state(self, request_id: str) -> None:
-        """A hybrid's held prefill: its state at len(prompt) - 1 is exported (replica 0)."""
-        self.replicas[0].state_holds.add(request_id)
+        """A hybrid's held prefill: its state at len(prompt) - 1 is exported (its replica's)."""
+        req = self.requests.get(request_id)
+        self.replicas[0 if req is None else req.replica].state_holds.add(request_id)
 
     def admit_prefilled(self, req: Request, pages: list[int], num_tokens: int, cached_tokens: int,
-                        state_slot: int | None = None) -> None:
-        """Replica 0 (disaggregation needs mesh.data = 1); pages and slot from reserve_prefilled."""
+                        state_slot: int | None = None, replica: int = 0) -> None:
+        """Onto `replica`, whose pool holds `pages` (and slot) from reserve_prefilled."""
         self._register(req)
-        self.replicas[0].admit_prefilled(req, pages, num_tokens, cached_tokens, state_slot)
-        self.num_added[0] += 1
+        req.replica = replica
+        self.replicas[replica].admit_prefilled(req, pages, num_tokens, cached_tokens, state_slot)
+        self.num_added[replica] += 1
 
     def set_listener(self, listener) -> None:
         """listener(replica, *event) hears each replica's prefix-cache events; None removes it."""
