@@ -38,6 +38,7 @@ import logging
 import jax
 import numpy as np
 
+from jaxfill.engine import activation_cache
 from jaxfill.models.linear_state import cache_states
 
 log = logging.getLogger("jaxfill.memory")
@@ -161,7 +162,12 @@ def activation_peak(runner, probe_cache) -> int:
     shape = max(runner.shapes)
     batch = runner.put(runner.dummy(shape))
     with runner.mesh_context():
-        compiled = runner.step_fn.lower(runner.graphdef, runner.state, probe_cache, batch,
-                                      runner.prev_tokens).compile()
-    stats = compiled.memory_analysis()
-    return int(stats.temp_size_in_bytes) if stats is not None else 0
+        lowered = runner.step_fn.lower(runner.graphdef, runner.state, probe_cache, batch, runner.prev_tokens)
+        key = activation_cache.program_key(lowered)
+        known = activation_cache.remembered(key)
+        if known is not None:
+            return known
+        stats = lowered.compile().memory_analysis()
+    peak = int(stats.temp_size_in_bytes) if stats is not None else 0
+    activation_cache.remember(key, peak)
+    return peak

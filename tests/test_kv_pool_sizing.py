@@ -89,6 +89,24 @@ def test_cpu_cap_bounds_the_pool(fake_meminfo):
     assert "capped by engine.cpu_kv_cache_gb=0.002" in pool.describe()
 
 
+def test_the_activation_peak_is_remembered_beside_the_compile_cache(fake_meminfo, tmp_path, monkeypatch):
+    """engine/activation_cache.py: a warm start reads the peak instead of deserializing the
+    largest bucket's executable; another program gets its own entry."""
+    import json
+
+    from jaxfill.engine import activation_cache
+
+    path = tmp_path / activation_cache.FILE
+    monkeypatch.setattr(activation_cache, "_path", lambda: str(path))
+    measured = _engine().runner.pool.activation_bytes
+    (key, value), = json.loads(path.read_text()).items()
+    assert value == measured > 0
+    path.write_text(json.dumps({key: measured + 7 * 4096}))  # what the next start must read, not measure
+    assert _engine().runner.pool.activation_bytes == measured + 7 * 4096
+    _engine(**{"engine.token_buckets": [16, 32], "engine.max_num_batched_tokens": 32})
+    assert len(json.loads(path.read_text())) == 2
+
+
 def test_no_room_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(memory, "host_memory_available", lambda: 1 << 20)
     with pytest.raises(ValueError, match="no room for a KV pool"):
