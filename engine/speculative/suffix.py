@@ -28,6 +28,7 @@ import numpy as np
 
 SEP = -1  # between requests in the global cache: never matched, ends a continuation
 MAX_LEVELS = 8  # match lengths tried per history (the longest first)
+MAX_VOTERS = 256  # occurrences whose continuations vote, the most recent (a common token has thousands)
 
 
 class History:
@@ -145,7 +146,7 @@ def propose_from(hay: np.ndarray,  # [N] history
         cap = min(k, int(spec_factor * level))
         if cap <= best[1]:  # no proposal this short can score higher (each token adds <= 1)
             break
-        path, score = grow(hay, limit, ends[lengths >= level], cap, min_prob)
+        path, score = grow(hay, limit, ends[lengths >= level][:MAX_VOTERS], cap, min_prob)
         if score > best[1]:
             best = (path, score)
     return best
