@@ -62,8 +62,13 @@ def test_continuation_learned_from_an_earlier_requests_output():
     p.finished([10, 11, 12, 13, 14, 15, 16])
     assert propose(p, prompt) == [13, 14, 15]
     assert p.propose(History(), prompt, [13, 14], 4) == [15, 16]  # never past the output's end
-    # the request's own history wins where it scores higher
+    # equal scores and match lengths: the request's own continuation
     assert propose(p, [10, 11, 12, 99, 98, 97, 0, 10, 11, 12]) == [99, 98, 97]
+    # equal scores: the longer match (6 tokens in the cache, 3 in the request)
+    p.finished([7, 8, 9, 1, 2, 3, 40, 41, 42, 43])
+    toks = [1, 2, 3, 30, 31, 32, 0, 7, 8, 9, 1, 2, 3]
+    assert propose(p, toks, k=3) == [40, 41, 42]
+    assert propose(p, toks[3:], k=3) == [40, 41, 42] and propose(proposer(), toks, k=3) == [30, 31, 32]
 
 
 def test_the_global_cache_is_bounded_and_evicts_the_oldest():

@@ -9,7 +9,7 @@ frequent next token while the product of the votes' shares (the estimated probab
 the whole prefix is accepted) stays at or above `min_token_prob`, for at most
 `spec_factor x m` tokens (a longer match is proposed further) and num_tokens. Each match
 length is a candidate; the one with the highest score (the sum of those probabilities: the
-expected accepted count) wins, over both histories.
+expected accepted count) wins, over both histories (of equal scores, the longer match).
 
 The published design keeps suffix trees; here each history is a flat int32 array scanned
 with numpy instead (the places of the newest token, then the match lengths narrowed one
@@ -136,19 +136,20 @@ def grow(hay: np.ndarray,  # [N] history
 def propose_from(hay: np.ndarray,  # [N] history
                  limit: int, ends: np.ndarray,  # [C] candidate places of the newest token, most recent first
                  pattern: np.ndarray,  # [P] the newest tokens
-                 k: int, spec_factor: float, min_prob: float) -> tuple[list[int], float]:
-    """The best-scoring proposal over the match lengths found in one history."""
+                 k: int, spec_factor: float, min_prob: float) -> tuple[list[int], float, int]:
+    """The best-scoring proposal over the match lengths found in one history: (tokens,
+    score, match length); of equal scores the longest match's."""
     if not ends.size:
-        return [], 0.0
+        return [], 0.0, 0
     lengths = match_lengths(hay, ends, pattern)
-    best: tuple[list[int], float] = ([], 0.0)
+    best: tuple[list[int], float, int] = ([], 0.0, 0)
     for level in np.unique(lengths)[::-1][:MAX_LEVELS]:
         cap = min(k, int(spec_factor * level))
         if cap <= best[1]:  # no proposal this short can score higher (each token adds <= 1)
             break
         path, score = grow(hay, limit, ends[lengths >= level][:MAX_VOTERS], cap, min_prob)
         if score > best[1]:
-            best = (path, score)
+            best = (path, score, int(level))
     return best
 
 
@@ -173,8 +174,9 @@ class SuffixProposer:
                              self.min_prob)
         flat = self.cache.flat
         shared = propose_from(flat, len(flat), np.flatnonzero(flat == last)[::-1], pattern, k, self.spec_factor,
-                              self.min_prob) if flat.size else ([], 0.0)
-        return (shared if shared[1] > local[1] else local)[0]
+                              self.min_prob) if flat.size else ([], 0.0, 0)
+        # equal scores (both sure of num_tokens tokens, say): the longer match knows more context
+        return (shared if shared[1:] > local[1:] else local)[0]
 
     def finished(self, output: Sequence[int]) -> None:
         """A request ended: its output joins the global cache."""
