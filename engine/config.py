@@ -161,8 +161,8 @@ class MeshSettings:
         return self.tensor * self.expert
 
 
-SPEC_METHODS = ("none", "ngram")  # built; DESIGN.md names suffix, mtp and eagle3 for later slices
-SPEC_LATER = ("suffix", "mtp", "eagle3")
+SPEC_METHODS = ("none", "ngram", "suffix")  # built; DESIGN.md names mtp and eagle3 for later slices
+SPEC_LATER = ("mtp", "eagle3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,12 +170,21 @@ class SpeculativeSettings:
     """Speculative decoding (engine/speculative/): each decode proposes up to num_tokens
     tokens and verifies them as a short chunk in the same ragged step. ngram: prompt
     lookup, the tokens that followed the most recent earlier occurrence of the last n
-    tokens (n from ngram_max down to ngram_min)."""
+    tokens (n from ngram_max down to ngram_min). suffix: suffix decoding
+    (engine/speculative/suffix.py), the most frequent continuation of the newest tokens in
+    the request and in recent requests' outputs, as long as it is likely enough."""
 
-    method: str = "none"  # "none" | "ngram"
+    method: str = "none"  # "none" | "ngram" | "suffix"
     num_tokens: int = 4  # proposals per decode and step (k)
     ngram_max: int = 4
     ngram_min: int = 2
+    # suffix: the newest suffix_max_depth tokens are matched; a match of m tokens proposes at most
+    # suffix_spec_factor x m, while the estimated chance that all are accepted >= suffix_min_token_prob;
+    # the global cache of finished requests' outputs holds suffix_cache_tokens tokens (oldest evicted)
+    suffix_max_depth: int = 24
+    suffix_spec_factor: float = 1.0
+    suffix_min_token_prob: float = 0.1
+    suffix_cache_tokens: int = 65536
     # when proposing does not pay (engine/speculative/policy.py): no proposals in a step whose
     # running decode count reaches disable_by_batch_size (0 = never; vLLM's name; default measured
     # in benchmarks/RESULTS.md); a request whose last backoff_window verifications accepted under
@@ -189,7 +198,7 @@ class SpeculativeSettings:
 
     def __post_init__(self):
         if self.method in SPEC_LATER:
-            raise ConfigError(f"speculative.method = {self.method!r} is not built yet; use 'ngram' or 'none'")
+            raise ConfigError(f"speculative.method = {self.method!r} is not built yet; use 'ngram', 'suffix' or 'none'")
         if self.method not in SPEC_METHODS:
             raise ConfigError(f"speculative.method must be one of {', '.join(SPEC_METHODS)}, got {self.method!r}")
         if int(self.num_tokens) <= 0:
@@ -197,7 +206,17 @@ class SpeculativeSettings:
         if not 1 <= int(self.ngram_min) <= int(self.ngram_max):
             raise ConfigError(f"speculative.ngram_min must be in [1, speculative.ngram_max]; "
                               f"got {self.ngram_min}, {self.ngram_max}")
-        for key in ("disable_by_batch_size", "backoff_window", "backoff_steps", "backoff_max_steps"):
+        if isinstance(self.suffix_max_depth, bool) or not isinstance(self.suffix_max_depth, int) \
+                or self.suffix_max_depth < 1:
+            raise ConfigError(f"speculative.suffix_max_depth must be an integer >= 1, got {self.suffix_max_depth!r}")
+        for key in ("suffix_spec_factor", "suffix_min_token_prob"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 \
+                    or (key == "suffix_min_token_prob" and value > 1):
+                raise ConfigError(f"speculative.{key} must be a number > 0{' and <= 1' if 'prob' in key else ''}, "
+                                  f"got {value!r}")
+        for key in ("disable_by_batch_size", "backoff_window", "backoff_steps", "backoff_max_steps",
+                    "suffix_cache_tokens"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"speculative.{key} must be an integer >= 0, got {value!r}")

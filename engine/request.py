@@ -278,6 +278,7 @@ class Request:
         self.pool_parts: list[tuple] = []  # its chunks' (start, end, sum [E]) (engine/pooling/vectors.py)
         self.embedding = None  # its vector once its prompt is done
         self.spec_backoff = None  # its speculative proposals' recent acceptance (engine/speculative/policy.py)
+        self.spec_suffix = None  # its tokens as suffix decoding searches them (engine/speculative/suffix.py)
         self.matcher = None  # llguidance LLMatcher of a structured_output request (engine/structured_output.py)
         # text
         self.detok = None

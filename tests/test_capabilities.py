@@ -115,14 +115,14 @@ BREAKS = {
     ("model.pooling", "mesh.stage"): ({"model.pooling": "mean", "mesh.stage": 2}, ()),
     ("model.pooling", "mesh.num_processes"): ({"model.score_token_ids": [1, 2], "mesh.num_processes": 2,
                                                "mesh.coordinator": "127.0.0.1:1"}, ()),
-    ("model.pooling", "speculative.method=ngram"): ({"model.pooling": "cls", "speculative.method": "ngram"}, ()),
-    ("linear", "speculative.method=ngram"): ({**HYBRID, "speculative.method": "ngram"}, ()),
-    ("mesh.data", "speculative.method=ngram"): ({"mesh.data": 2, "speculative.method": "ngram"}, ()),
-    ("mesh.stage", "speculative.method=ngram"): ({"mesh.stage": 2, "speculative.method": "ngram"}, ()),
-    ("mesh.sequence", "speculative.method=ngram"): ({"mesh.sequence": 2, "speculative.method": "ngram"}, ()),
-    ("mesh.num_processes", "speculative.method=ngram"): (
+    ("model.pooling", "speculative.method=ngram/suffix"): ({"model.pooling": "cls", "speculative.method": "ngram"}, ()),
+    ("linear", "speculative.method=ngram/suffix"): ({**HYBRID, "speculative.method": "suffix"}, ()),
+    ("mesh.data", "speculative.method=ngram/suffix"): ({"mesh.data": 2, "speculative.method": "ngram"}, ()),
+    ("mesh.stage", "speculative.method=ngram/suffix"): ({"mesh.stage": 2, "speculative.method": "suffix"}, ()),
+    ("mesh.sequence", "speculative.method=ngram/suffix"): ({"mesh.sequence": 2, "speculative.method": "ngram"}, ()),
+    ("mesh.num_processes", "speculative.method=ngram/suffix"): (
         {"mesh.num_processes": 2, "mesh.coordinator": "127.0.0.1:1", "speculative.method": "ngram"}, ()),
-    ("serve.role=prefill/decode", "speculative.method=ngram"): ({"speculative.method": "ngram"},
+    ("serve.role=prefill/decode", "speculative.method=ngram/suffix"): ({"speculative.method": "suffix"},
                                                                 ("serve.role=prefill/decode",)),
     **{("lora.max_loras", cond): ({"lora.max_loras": 2, **extra}, flags) for cond, extra, flags in (
         ("mla", MLA, ()),
@@ -139,7 +139,7 @@ BREAKS = {
         ("model.weight_dtype=fp8_block", {"model.weight_dtype": "fp8_block", "model.weight_block_size": [16, 16]},
          ()),
         ("model.weight_dtype=int_group", {"model.weight_dtype": "int_group", "model.weight_group_size": 32}, ()),
-        ("speculative.method=ngram", {"speculative.method": "ngram"}, ()),
+        ("speculative.method=ngram/suffix", {"speculative.method": "suffix"}, ()),
         ("serve.role=prefill/decode", {}, ("serve.role=prefill/decode",)),
     )},
 }

@@ -115,7 +115,7 @@ def test_accept_prefix_stops_at_the_first_mismatch_and_adds_the_bonus():
 
 
 def test_config_refuses_unknown_and_later_methods_by_name():
-    for method in ("suffix", "mtp", "eagle3", "lookahead"):
+    for method in ("mtp", "eagle3", "lookahead"):
         with pytest.raises(ConfigError, match="speculative.method") as e:
             load_config("tiny_random", {"speculative.method": method})
         assert "\n" not in str(e.value)

@@ -64,7 +64,7 @@ SETTINGS: dict[str, Callable] = {
     "model.dtype=bfloat16": lambda c: str(c.model.dtype) == "bfloat16",
     "model.weight_act_order=true": lambda c: bool(c.model.weight_act_order),
     "model.weight_int_scope=experts": lambda c: c.model.weight_int_scope == "experts",
-    "speculative.method=ngram": lambda c: c.speculative.method == "ngram",
+    "speculative.method=ngram/suffix": lambda c: c.speculative.enabled,
     "lora.max_loras": lambda c: c.lora.enabled,
 }
 KINDS = ("attention", "mla", "gated_deltanet", "mamba2", "short_conv", "kda", "linear", "moe", "dsa", "mixed_kv", "shortcut")
@@ -179,10 +179,10 @@ RULES: tuple[Rule, ...] = (
         ("mesh.data", "pooled rows are laid out for one data replica", "mesh.data = 1"),
         ("mesh.stage", "pooled rows through pipeline stages are not tested", "mesh.stage = 1"),
         ("mesh.num_processes", "followers' replay of pooling steps is not built", "mesh.num_processes = 1"),
-        ("speculative.method=ngram", "verification beside pooled rows is not tested", "speculative.method = none"),
+        ("speculative.method=ngram/suffix", "verification beside pooled rows is not tested", "speculative.method = none"),
     )),
     # speculative decoding (engine/speculative/): proposals verified as rows of one replica's ragged step
-    *(Rule((cond, "speculative.method=ngram"), f"speculative decoding: {why}", change) for cond, why, change in (
+    *(Rule((cond, "speculative.method=ngram/suffix"), f"speculative decoding: {why}", change) for cond, why, change in (
         ("linear", "a recurrent state cannot roll back rejected proposals yet", "speculative.method = none"),
         ("mesh.data", "verification rows are laid out for one data replica", "speculative.method = none or "
          "mesh.data = 1"),
@@ -211,7 +211,7 @@ RULES: tuple[Rule, ...] = (
         ("model.weight_dtype=int8", "beside int8 weights it is not tested", "model.weight_dtype = auto"),
         ("model.weight_dtype=fp8_block", "beside fp8 weights it is not tested", "model.weight_dtype = auto"),
         ("model.weight_dtype=int_group", "beside packed int weights it is not tested", "model.weight_dtype = auto"),
-        ("speculative.method=ngram", "verification rows with adapters are not tested", "speculative.method = none"),
+        ("speculative.method=ngram/suffix", "verification rows with adapters are not tested", "speculative.method = none"),
         ("serve.role=prefill/decode", "the KV hand-off does not carry the adapter", "--role both"),
     )),
 )

@@ -147,6 +147,7 @@ class RequestTransitions:
         if keep_pages:
             req.pages = []  # held: whoever read them owns them (a hybrid's slot goes back: its state was exported)
         self._release(req)
+        self.spec_finished(req)  # suffix decoding learns its output (verification.py)
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.error = error

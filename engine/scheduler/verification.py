@@ -2,7 +2,8 @@
 
     proposing()      whether a step may carry proposals at all (the batch-size switch,
                      engine/speculative/policy.py)
-    draft_for()      a running decode's proposals this step (engine/speculative/ngram.py),
+    draft_for()      a running decode's proposals this step (engine/speculative/ngram.py or
+                     suffix.py),
                      cut to the token budget, max_tokens and max_model_len; none while the
                      request backs off
     verify()         the step's sampled rows decide how many proposals are accepted
@@ -10,6 +11,7 @@
     settle()         the rows of rejected proposals roll back: num_computed covers the
                      accepted ones only, pages past them go back to the pool, and only
                      accepted tokens reach the prefix cache
+    spec_finished()  a finished request's output joins suffix decoding's global cache
 
 Rejected proposals' K/V rows stay in the pages the request keeps until its next chunk
 overwrites them; no page whose rows include one is ever published (publish covers full
@@ -23,6 +25,7 @@ from jaxfill.engine.scheduler.step_plan import total_tokens
 from jaxfill.engine.speculative.acceptance import SpecCounters, accept_prefix
 from jaxfill.engine.speculative.ngram import propose_ngram
 from jaxfill.engine.speculative.policy import SpecPolicy
+from jaxfill.engine.speculative.suffix import History, SuffixProposer
 
 
 class Verification:
@@ -32,6 +35,7 @@ class Verification:
         self.speculative = speculative
         self.spec = SpecCounters(speculative.num_tokens if speculative is not None else 0)
         self.spec_policy = SpecPolicy(speculative) if speculative is not None and speculative.enabled else None
+        self.suffix = SuffixProposer(speculative) if speculative is not None and speculative.method == "suffix" else None
 
     def proposing(self, num_decodes: int) -> bool:
         """Whether this step's decodes may propose: off at speculative.disable_by_batch_size."""
@@ -60,7 +64,12 @@ class Verification:
                 self.max_model_len - total_tokens(req))
         if k <= 0:
             return []
-        draft = propose_ngram(req.prompt_ids + req.output_ids, k, sp.ngram_max, sp.ngram_min)
+        if self.suffix is not None:
+            if req.spec_suffix is None:
+                req.spec_suffix = History()
+            draft = self.suffix.propose(req.spec_suffix, req.prompt_ids, req.output_ids, k)
+        else:
+            draft = propose_ngram(req.prompt_ids + req.output_ids, k, sp.ngram_max, sp.ngram_min)
         if not draft:
             self.spec_policy.record_miss(req, k)  # no match: as useless as k rejected proposals
         return draft
@@ -94,3 +103,10 @@ class Verification:
         if len(req.pages) > keep:
             self.bm.free(req.pages[keep:])
             del req.pages[keep:]
+
+    def spec_finished(self, req: Request) -> None:
+        """Suffix decoding: what the request generated is proposed to later requests; its own
+        history goes with it."""
+        if self.suffix is not None and req.pooling is None:
+            self.suffix.finished(req.output_ids)
+        req.spec_suffix = None
