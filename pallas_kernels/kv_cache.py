@@ -29,6 +29,8 @@ and converts it back, every layer of every step, and hoists the gather's convert
 pool out of the attention loops; an integer scatter and gather update and read in place.
 Measured on a 164 MB pool: one bf16 write 428 ms with 328 MB of temporaries, the same
 write on uint16 words 0.017 ms with none (benchmarks/RESULTS.md, "bf16 KV pages on CPU").
+That is jax 0.10.2's XLA:CPU; jax 0.11.2 scatters bf16 in place (528 bytes of
+temporaries for both storages, tests/test_bf16_pages.py), where the words cost a free bitcast.
 Readers take a block's values with `page_values` (a free bitcast of the block);
 `write_kv` stores the words. Other backends keep bf16 pages.
 """

@@ -16,6 +16,7 @@ from jaxfill.models import kv_cache
 from jaxfill.models.kv_cache import KVCache
 from jaxfill.pallas_kernels.kv_cache import WORDS, page_values, write_kv
 
+_JAX_VERSION = tuple(int(part) for part in jax.__version__.split(".")[:2])
 OVERRIDES = ["model.dtype=bfloat16", "engine.max_num_batched_tokens=32", "engine.token_buckets=[32]",
              "engine.max_num_seqs=4", "engine.max_model_len=256"]
 
@@ -81,7 +82,8 @@ def test_a_bf16_write_copies_the_pool_on_cpu_and_a_words_write_does_not():
     shape = (512, 16, 4, 16)
     pool = int(np.prod(shape)) * 2
     assert temps(jnp.zeros(shape, WORDS)) < 0.01 * pool
-    assert temps(jnp.zeros(shape, jnp.bfloat16)) > pool  # if XLA:CPU ever scatters bf16 natively, words can go
+    if _JAX_VERSION < (0, 11):  # jax 0.11.2 and 0.12 scatter bf16 natively (measured); 0.10.2 widens the pool
+        assert temps(jnp.zeros(shape, jnp.bfloat16)) > pool
 
 
 def test_words_and_bf16_pages_give_the_same_tokens(engines):
