@@ -4,7 +4,8 @@ of a few rows runs a step of that many rows, not 16 (issue 51, item 2).
 The bucket list is what token_buckets / bucket_shapes derive (S <= T, so a 1-token bucket
 is also a 1-row sampler and LM head); a lone decode runs in the (1, 1) bucket; and an
 engine with decode buckets gives the tokens and logprobs of one without them, greedy and
-seeded with penalties, async scheduling on (its in-flight tokens cross buckets).
+seeded with penalties, async scheduling on (its in-flight tokens cross buckets), and no
+step compiles a program the warm-up did not.
 """
 
 import numpy as np
@@ -94,6 +95,10 @@ def test_decode_buckets_same_tokens(model):
     plain, with_buckets = engine(model), engine(model, **DECODE)
     assert plain.core.runner.shapes == [(16, 8), (64, 8)]
     assert with_buckets.core.runner.shapes == [(1, 1), (2, 2), (4, 4), (16, 8), (64, 8)]
+    # the runner's static argument (its hash taken once: engine/step.py StaticGraph) is its graphdef's
+    runner = with_buckets.core.runner
+    assert runner.static_graph.graphdef is runner.graphdef and hash(runner.static_graph) == hash(runner.graphdef)
+    programs = runner.cache_size()  # after both warm-ups: no step below compiles another
 
     # a lone decode runs 1 row: the prompt's step in 16, every decode step in (1, 1)
     (alone,), shapes = run(with_buckets, prompts[:1], params()[0])
@@ -113,3 +118,4 @@ def test_decode_buckets_same_tokens(model):
         assert [[i for i, _ in lp["top"]] for lp in g.logprobs] == [[i for i, _ in lp["top"]] for lp in w.logprobs]
         np.testing.assert_allclose([lp["logprob"] for lp in g.logprobs], [lp["logprob"] for lp in w.logprobs],
                                    rtol=1e-5, atol=1e-6)
+    assert runner.cache_size() == programs
