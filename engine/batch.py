@@ -45,16 +45,17 @@ class StepBatch:
 
 
 def token_buckets(settings) -> tuple[int, ...]:
-    """Explicit engine.token_buckets, or 16, 64, 256, ... (x4) plus the token budget."""
+    """Explicit engine.token_buckets, or engine.decode_buckets then 16, 64, 256, ... (x4),
+    plus the token budget."""
     budget = settings.max_num_batched_tokens
     if settings.token_buckets:
         b = tuple(sorted(set(int(x) for x in settings.token_buckets)))
         return tuple(x for x in b if x < budget) + (budget,)
-    out, b = [], min(16, budget)
+    out, b = {int(x) for x in settings.decode_buckets if int(x) < budget}, min(16, budget)
     while b < budget:
-        out.append(b)
+        out.add(b)
         b *= 4
-    return tuple(out) + (budget,)
+    return tuple(sorted(out)) + (budget,)
 
 
 def seq_buckets(settings) -> tuple[int, ...]:

@@ -23,8 +23,11 @@ log = logging.getLogger("jaxfill.config")
 
 # What most shipped presets of published models set (configs/llama3_8b.toml, qwen3_8b.toml, ...):
 # num_pages = 0 sizes the pool from what device memory holds after the weights
-# (engine/memory.py), 64 sequences a step, an 8192-token step budget.
-CHECKPOINT_ENGINE = {"num_pages": 0, "max_num_seqs": 64, "max_num_batched_tokens": 8192}
+# (engine/memory.py), 64 sequences a step, an 8192-token step budget; and decode buckets of
+# 1, 2, 4, 8 tokens, so a decode of a few rows is not padded to 16 (benchmarks/RESULTS.md,
+# "Decode buckets on SmolLM2-135M").
+CHECKPOINT_ENGINE = {"num_pages": 0, "max_num_seqs": 64, "max_num_batched_tokens": 8192,
+                     "decode_buckets": [1, 2, 4, 8]}
 # What a preset must share with a checkpoint to be offered for it: the family and the
 # shapes, and the positions (Llama 3 and 3.1 differ only there and in the rope).
 MATCHED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",

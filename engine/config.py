@@ -47,6 +47,11 @@ class EngineSettings:
     max_waiting: int = 1024  # bounded waiting queue (serving backpressure)
     token_buckets: tuple[int, ...] = ()  # () -> derived from max_num_batched_tokens
     seq_buckets: tuple[int, ...] = ()  # () -> derived from max_num_seqs
+    # Token buckets for decode-sized steps, added below the derived 16, 64, 256, ... (not to an
+    # explicit token_buckets, which is the whole list): a lone decode then runs 1 row, not 16,
+    # and with S <= T its sampler and LM head S rows too. Each is one more compiled program;
+    # checkpoint runs (engine/checkpoint_settings.py) set them, presets leave them empty.
+    decode_buckets: tuple[int, ...] = ()
     seed: int = 0
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority" (lower priority value runs first)
     penalty_window: int = 256  # tokens of history the repetition/presence/frequency penalties see

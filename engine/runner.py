@@ -37,7 +37,7 @@ from jaxfill.engine.lockstep import (HEARTBEAT, KV_EXPORT, KV_IMPORT, KV_RESTORE
 from jaxfill.engine.disagg.runner_side import RunnerDisagg
 from jaxfill.engine.kv_tier.runner_side import RunnerKVTier
 from jaxfill.engine.speculative.verify_rows import padding_rows
-from jaxfill.engine.step import step, step_replicas
+from jaxfill.engine.step import StaticGraph, step, step_replicas
 from jaxfill.models.kv_cache import KVCache
 from jaxfill.models.quant import param_bytes
 from jaxfill.pallas_kernels import resolve_impl
@@ -128,6 +128,12 @@ class Runner(RunnerKVTier, RunnerDisagg):
         if jax.process_count() > 1:
             self.lockstep = Lockstep([self.dummy(shape) for shape in self.shapes])
 
+    graphdef = property(lambda self: self._graphdef, doc="the model structure (nnx.split's graphdef)")
+
+    @graphdef.setter
+    def graphdef(self, graphdef) -> None:  # and the steps' static argument, hashed once (engine/step.py)
+        self._graphdef, self.static_graph = graphdef, StaticGraph(graphdef)
+
     @property
     def is_leader(self) -> bool:
         return self.lockstep is None or self.lockstep.is_leader
@@ -207,7 +213,7 @@ class Runner(RunnerKVTier, RunnerDisagg):
         if self.kv_offload is not None:
             self.kv_offload.sync()
         with self.mesh_context():
-            out, self.kv_cache, self.prev_tokens = self.step_fn(self.graphdef, self.state, self.kv_cache, dev,
+            out, self.kv_cache, self.prev_tokens = self.step_fn(self.static_graph, self.state, self.kv_cache, dev,
                                                               self.prev_tokens, scores_prompt)
             if self.expert_load is not None:
                 self.expert_load.snapshot(self.kv_cache)

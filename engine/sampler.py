@@ -169,7 +169,7 @@ def gumbel_noise(sp: SamplingArrays, vocab: int) -> jax.Array:  # [S, V] f32
 
 def sample(logits: jax.Array,  # [S, V] f32
            sp: SamplingArrays) -> SampleOutput:
-    raw = jax.nn.log_softmax(logits, axis=-1)
+    logits_in = logits
     logits = apply_allowed(apply_bias(apply_penalties(logits, sp), sp), logits, sp)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
@@ -181,15 +181,21 @@ def sample(logits: jax.Array,  # [S, V] f32
 
     sampled = jax.lax.cond(jnp.any(sp.temperature > 0), draw, lambda x: greedy, logits)
     tokens = jnp.where(sp.temperature > 0, sampled, greedy)
-    chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
     n = min(MAX_LOGPROBS, logits.shape[-1])
 
-    def top(raw):
+    # The raw log-softmax only when some row asked for logprobs (the host reads a row's
+    # logprobs only then): on XLA:CPU its exp over [S, V] was about half of a greedy
+    # sampler's time (benchmarks/RESULTS.md, "Decode buckets on SmolLM2-135M").
+    def top(raw_logits):
+        raw = jax.nn.log_softmax(raw_logits, axis=-1)
+        chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
         lp, ids = jax.lax.top_k(raw, n)
-        return ids.astype(jnp.int32), lp
+        return chosen, ids.astype(jnp.int32), lp
 
-    def none(raw):
-        return jnp.zeros((raw.shape[0], n), jnp.int32), jnp.zeros((raw.shape[0], n), raw.dtype)
+    def none(raw_logits):
+        s = raw_logits.shape[0]
+        return (jnp.zeros(s, raw_logits.dtype), jnp.zeros((s, n), jnp.int32),
+                jnp.zeros((s, n), raw_logits.dtype))
 
-    top_ids, top_lps = jax.lax.cond(jnp.any(sp.want_logprobs), top, none, raw)
+    chosen, top_ids, top_lps = jax.lax.cond(jnp.any(sp.want_logprobs), top, none, logits_in)
     return SampleOutput(tokens, chosen, top_ids, top_lps)

@@ -70,6 +70,11 @@ def check_values(config) -> None:
     if engine.token_buckets and max(int(x) for x in engine.token_buckets) < engine.max_num_batched_tokens:
         raise ConfigError(f"engine.token_buckets {tuple(sorted(engine.token_buckets))} must reach "
                           f"engine.max_num_batched_tokens ({engine.max_num_batched_tokens})")
+    buckets = engine.decode_buckets
+    if not isinstance(buckets, (tuple, list)) or any(isinstance(x, bool) or not isinstance(x, int) or x < 1
+                                                     for x in buckets):
+        raise ConfigError(f"engine.decode_buckets must be a list of positive token counts (e.g. [1, 2, 4, 8]), "
+                          f"got {buckets!r}")
     if mesh.num_processes > 1 and not 0 <= mesh.process_id < mesh.num_processes:
         raise ConfigError(f"mesh.process_id ({mesh.process_id}) must be in [0, {mesh.num_processes})")
     if mesh.num_processes > 1 and not mesh.coordinator:
