@@ -198,6 +198,14 @@ def test_five_cancelled_mid_decode_free_both_pools(cluster):
         wait_until(lambda: pool_full(w), WAIT_S, f"{w.address}'s pages to come back")
 
 
+def assert_same_answers(client, gateway, picked, expected):
+    """Each picked workload request through `gateway` gives the one-worker answer."""
+    for i in picked:
+        got = complete(client, gateway.model, workload()[i])
+        assert (got["text"], got["finish"], got["usage"][:2]) == \
+            (expected[i]["text"], expected[i]["finish"], expected[i]["usage"][:2]), (i, got, expected[i])
+
+
 def test_a_request_the_decode_worker_refuses_frees_the_prefill_pool_at_once(cluster):
     """prompt + max_tokens over max_model_len: smg's prefill leg (max_tokens=1) is served and
     its pages held for the transfer, then the decode worker refuses the request. Before,
@@ -215,11 +223,7 @@ def test_prefill_tensor_2_decode_tensor_1_same_tokens(cluster, expected):
     gateway = cluster.gateway([], "round_robin", *SMG_FLAGS, prefill=[tp2.address], decode=[cluster.decode.address])
     client = cluster.client(gateway)
     picked = [0, 1, 3, 4, 5, 8]  # greedy, seeded, stop string, prompts of 4 to 190 tokens
-    for i in picked:
-        req = workload()[i]
-        got = complete(client, gateway.model, req)
-        assert (got["text"], got["finish"], got["usage"][:2]) == \
-            (expected[i]["text"], expected[i]["finish"], expected[i]["usage"][:2]), (i, got, expected[i])
+    assert_same_answers(client, gateway, picked, expected)
     assert_kv_relayed(gateway)
     for w in (tp2, cluster.decode):
         wait_until(lambda: pool_full(w), WAIT_S, f"{w.address}'s pages to come back")
@@ -238,11 +242,7 @@ def test_prefill_data_2_decode_data_2_same_tokens(cluster, expected):
                               decode=[workers[1].address])
     client = cluster.client(gateway)
     picked = [0, 1, 3, 4, 5, 8, 9, 12]  # greedy, seeded, stop string, a shared prefix, 4 to 190 tokens
-    for i in picked:
-        req = workload()[i]
-        got = complete(client, gateway.model, req)
-        assert (got["text"], got["finish"], got["usage"][:2]) == \
-            (expected[i]["text"], expected[i]["finish"], expected[i]["usage"][:2]), (i, got, expected[i])
+    assert_same_answers(client, gateway, picked, expected)
     assert_kv_relayed(gateway)
     for w in workers:
         wait_until(lambda: pool_full(w), WAIT_S, f"{w.address}'s pages to come back")
@@ -270,11 +270,7 @@ def test_two_process_worker_same_tokens(cluster, expected, role):
     gateway = cluster.gateway([], "round_robin", *SMG_FLAGS, "--dp-aware", prefill=pools["prefill"],
                               decode=pools["decode"])
     client = cluster.client(gateway)
-    for i in [0, 1, 3, 4, 5, 8]:
-        req = workload()[i]
-        got = complete(client, gateway.model, req)
-        assert (got["text"], got["finish"], got["usage"][:2]) == \
-            (expected[i]["text"], expected[i]["finish"], expected[i]["usage"][:2]), (i, got, expected[i])
+    assert_same_answers(client, gateway, [0, 1, 3, 4, 5, 8], expected)
     assert_kv_relayed(gateway)
     wait_until(lambda: pool_full(leader), WAIT_S, f"{leader.address}'s pages to come back")
     kill_all(gateway, leader, follower)
