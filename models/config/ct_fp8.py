@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxfill.models.config.errors import ConfigError
+from jaxfill.models.config.int_quantization import refuse_unreproduced_ct
 
 KEYS = {"quant_method", "config_groups", "format", "ignore", "quantization_status", "kv_cache_scheme",
         "global_compression_ratio", "sparsity_config", "transform_config", "version", "moe_sparsity_config"}
@@ -35,11 +36,7 @@ def ct_fp8_fields(quant: dict[str, Any]) -> dict[str, Any]:
         if key not in KEYS:
             raise ConfigError(f"config.json quantization_config.{key} (= {value!r}) is not understood for "
                               "compressed-tensors float-quantized; jaxfill refuses what it cannot reproduce")
-    if quant.get("quantization_status", "compressed") != "compressed":
-        raise _refuse("quantization_status", quant["quantization_status"], "compressed checkpoints")
-    for key in ("kv_cache_scheme", "sparsity_config", "transform_config", "moe_sparsity_config"):
-        if quant.get(key):
-            raise _refuse(key, quant[key], "not reproduced")
+    refuse_unreproduced_ct(quant)
     ignore = [] if quant.get("ignore") is None else list(quant["ignore"])
     if any(n not in ("lm_head", "re:.*lm_head", "re:lm_head") for n in ignore):
         raise _refuse("ignore", ignore, "every Linear but the LM head in fp8: no per-module fallback")

@@ -48,6 +48,15 @@ def _refuse(key: str, value, why: str) -> ConfigError:
     return ConfigError(f"config.json quantization_config.{key}={value!r} is not supported ({why})")
 
 
+def refuse_unreproduced_ct(quant: dict) -> None:
+    """What either compressed-tensors format (int here, float in ct_fp8.py) cannot reproduce."""
+    if quant.get("quantization_status", "compressed") != "compressed":
+        raise _refuse("quantization_status", quant["quantization_status"], "compressed checkpoints")
+    for key in ("kv_cache_scheme", "sparsity_config", "transform_config", "moe_sparsity_config"):
+        if quant.get(key):
+            raise _refuse(key, quant[key], "not reproduced")
+
+
 def _known(quant: dict, keys: set, method: str) -> None:
     for key, value in quant.items():
         if key not in keys and key not in CALIBRATION:
@@ -183,11 +192,7 @@ def _compressed_tensors(quant: dict) -> dict:
     if fmt not in ("pack-quantized", "int-quantized"):
         raise _refuse("format", fmt, "pack-quantized or int-quantized; float-quantized (fp8) and others are not "
                       "kept as int_group")
-    if quant.get("quantization_status", "compressed") != "compressed":
-        raise _refuse("quantization_status", quant["quantization_status"], "compressed checkpoints")
-    for key in ("kv_cache_scheme", "sparsity_config", "transform_config", "moe_sparsity_config"):
-        if quant.get(key):
-            raise _refuse(key, quant[key], "not reproduced")
+    refuse_unreproduced_ct(quant)
     scope = _scope(quant.get("ignore"))
     groups = quant.get("config_groups") or {}
     if len(groups) != 1:
