@@ -44,7 +44,7 @@ def measure(gguf: str, pages: int, storage: str, tokens: int, repeats: int) -> d
     runner = engine.core.runner
     batch = runner.put(runner.dummy(runner.shapes[0]))
     with runner.mesh_context():
-        compiled = runner.step_fn.lower(runner.graphdef, runner.state, runner.kv_cache, batch,
+        compiled = runner.step_fn.lower(runner.static_graph, runner.state, runner.kv_cache, batch,
                                         runner.prev_tokens).compile()
     temp = int(compiled.memory_analysis().temp_size_in_bytes)
     prompt = list(range(100, 116))

@@ -31,7 +31,7 @@ from flax import nnx
 from jaxfill.models.execution_plan import ExecutionPlan
 from jaxfill.engine.batch import dummy_batch
 from jaxfill.engine.config import load_config
-from jaxfill.engine.step import step
+from jaxfill.engine.step import StaticGraph, step
 from jaxfill.models.kv_cache import KVCache
 from jaxfill.models.decoder import Decoder
 
@@ -55,13 +55,13 @@ def _abstract(tree):
 
 
 def step_args(config, stages: int, bucket: tuple[int, int]) -> tuple:
-    """(graphdef, state, kv_cache, batch, prev_tokens), everything but graphdef abstract."""
+    """(graph, state, kv_cache, batch, prev_tokens), everything but the graph abstract."""
     m, e = config.model, config.engine
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(m, nnx.Rngs(0), plan=ExecutionPlan.stacked(stages))))
     cache = jax.eval_shape(lambda: KVCache.create(m, e.num_pages, e.page_size, stages=stages))
     batch = _abstract(dummy_batch(bucket, e.max_pages_per_seq, e.penalty_window, config.model.vocab_size))
     prev_tokens = jax.ShapeDtypeStruct((e.max_num_seqs,), np.int32)
-    return graphdef, state, cache, batch, prev_tokens
+    return StaticGraph(graphdef), state, cache, batch, prev_tokens
 
 
 def _nbytes(tree) -> int:

@@ -61,7 +61,7 @@ def _pages(s: int, n: int) -> int:
 def _compile(runner, cache, tokens: int):
     batch = runner.put(runner.dummy((tokens, 2)))
     with runner.mesh_context():
-        return runner.step_fn.lower(runner.graphdef, runner.state, cache, batch, runner.prev_tokens, False).compile()
+        return runner.step_fn.lower(runner.static_graph, runner.state, cache, batch, runner.prev_tokens, False).compile()
 
 
 def _mem(compiled) -> dict:

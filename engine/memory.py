@@ -162,7 +162,7 @@ def activation_peak(runner, probe_cache) -> int:
     shape = max(runner.shapes)
     batch = runner.put(runner.dummy(shape))
     with runner.mesh_context():
-        lowered = runner.step_fn.lower(runner.graphdef, runner.state, probe_cache, batch, runner.prev_tokens)
+        lowered = runner.step_fn.lower(runner.static_graph, runner.state, probe_cache, batch, runner.prev_tokens)
         key = activation_cache.program_key(lowered)
         known = activation_cache.remembered(key)
         if known is not None:

@@ -1,7 +1,7 @@
 """THE jitted steps: model forward + sampler, one compiled program per bucket shape.
 
-Module level, built once. `graphdef` is static; `state` (the params, from nnx.split) is
-an argument, never closed over; the KV cache is donated so XLA updates it in place.
+Module level, built once. `graph` (a StaticGraph: the graphdef, hashed once) is static;
+`state` (the params, from nnx.split) is an argument, never closed over; the KV cache is donated so XLA updates it in place.
 Logits exist only for one row per sequence (`meta.logits_indices`).
 
 `step` runs one batch (one data replica). `step_replicas` runs R replicas' batches
@@ -134,7 +134,7 @@ class StaticGraph:
     """The model's structure as the steps' static argument, its hash computed once. jit
     hashes a static argument on every call, and nnx's GraphDef.__hash__ walks the whole
     module tree: for SmolLM2-135M (30 layers) most of a decode step's 8 ms of dispatch on
-    the host (cProfile). The runner passes one of these; a bare GraphDef works too."""
+    the host (cProfile). The runner holds one (Runner.static_graph) beside its graphdef."""
 
     __slots__ = ("graphdef", "_hash")
 
@@ -150,25 +150,21 @@ class StaticGraph:
                                  and self.graphdef == other.graphdef)
 
 
-def graph_of(graph: "StaticGraph | nnx.GraphDef") -> nnx.GraphDef:
-    return graph.graphdef if isinstance(graph, StaticGraph) else graph
-
-
 @functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=2)
-def step(graphdef: "StaticGraph | nnx.GraphDef",
+def step(graph: StaticGraph,
          state: nnx.State,
          kv_cache: KVCache,
          batch: StepBatch,  # leaves [T] / [S, ...]
          prev_tokens: jax.Array,  # [P] i32, the previous step's tokens, padded
          scores_prompt: bool = False,
          ) -> tuple[SampleOutput, KVCache, jax.Array]:  # [S] rows, cache, [P] tokens
-    model = nnx.merge(graph_of(graphdef), state)
+    model = nnx.merge(graph.graphdef, state)
     return _step_body(lambda tokens, positions, meta, **pool: model(tokens, positions, kv_cache, meta, **pool), batch,
                       prev_tokens, scores_prompt)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=2)
-def step_replicas(graphdef: "StaticGraph | nnx.GraphDef",
+def step_replicas(graph: StaticGraph,
                   state: nnx.State,
                   kv_cache: KVCache,  # pages [R * num_pages, ...], split over 'data'
                   batch: StepBatch,  # every leaf stacked [R, ...], split over 'data'
@@ -176,7 +172,7 @@ def step_replicas(graphdef: "StaticGraph | nnx.GraphDef",
                   scores_prompt: bool = False,
                   ) -> tuple[SampleOutput, KVCache, jax.Array]:  # [R * S] rows, replica-major
     def forward(tokens, positions, meta):
-        return data_parallel_forward(graph_of(graphdef), state, tokens, positions, kv_cache, meta)
+        return data_parallel_forward(graph.graphdef, state, tokens, positions, kv_cache, meta)
 
     out, kv_cache, tokens = _step_body(forward, batch, prev_tokens, scores_prompt)
     return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, PartitionSpec()), out), kv_cache, tokens

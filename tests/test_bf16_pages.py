@@ -52,7 +52,7 @@ def _step_temp_bytes(engine, num_pages: int) -> tuple[int, int]:
     with bf16_storage() if runner.kv_cache.pages[0].dtype == jnp.bfloat16 else contextlib.nullcontext():
         cache = KVCache.create(engine.config.model, num_pages, runner.page_size, fill_value=float("nan"))
     batch = runner.put(runner.dummy(runner.shapes[0]))
-    compiled = runner.step_fn.lower(runner.graphdef, runner.state, cache, batch, runner.prev_tokens).compile()
+    compiled = runner.step_fn.lower(runner.static_graph, runner.state, cache, batch, runner.prev_tokens).compile()
     return int(compiled.memory_analysis().temp_size_in_bytes), sum(a.nbytes for a in cache.arrays())
 
 

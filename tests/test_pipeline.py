@@ -86,13 +86,13 @@ for overrides in json.loads(sys.argv[1]):
         runner = engine.runner  # no step may gather the embedding / LM head whole onto a device
         batch = runner.put(runner.dummy(runner.shapes[-1]))
         with runner.mesh_context():
-            hlo = runner.step_fn.lower(runner.graphdef, runner.state, runner.kv_cache, batch,
+            hlo = runner.step_fn.lower(runner.static_graph, runner.state, runner.kv_cache, batch,
                                      runner.prev_tokens).compile().as_text()
         vocab, hidden = engine.config.model.vocab_size, engine.config.model.hidden_size
         r["head_gathers"] = [line for line in hlo.splitlines() if "all-gather" in line
                              and (f"[{hidden},{vocab}]" in line or f"[{vocab},{hidden}]" in line)]
         with runner.mesh_context():  # where the tick loop's matmuls are: all inside its cond
-            jaxpr = jax.make_jaxpr(runner.step_fn, static_argnums=0)(runner.graphdef, runner.state, runner.kv_cache,
+            jaxpr = jax.make_jaxpr(runner.step_fn, static_argnums=0)(runner.static_graph, runner.state, runner.kv_cache,
                                                                    batch, runner.prev_tokens)
         r["tick_dots"] = tick_dots(jaxpr.jaxpr)
         emb = engine.runner.state["embed"]["embedding"][...]

@@ -15,7 +15,7 @@ from jaxfill.engine.batch import dummy_batch
 from jaxfill.engine.config import load_config
 from jaxfill.engine.engine import Engine
 from jaxfill.engine.request import SamplingParams
-from jaxfill.engine.step import step
+from jaxfill.engine.step import StaticGraph, step
 from jaxfill.models.config import ConfigError
 from jaxfill.models.kv_cache import KVCache
 from jaxfill.models.decoder import Decoder
@@ -61,7 +61,7 @@ def _lowered_dots(num_layers: int, scan: bool) -> int:
     cache = jax.eval_shape(lambda: KVCache.create(m, 8, config.engine.page_size, stages=stages))
     batch = dummy_batch((16, 4), config.engine.max_pages_per_seq, config.engine.penalty_window, m.vocab_size)
     prev = jax.ShapeDtypeStruct((config.engine.max_num_seqs,), jnp.int32)
-    return step.lower(graphdef, state, cache, batch, prev).as_text().count("dot_general")
+    return step.lower(StaticGraph(graphdef), state, cache, batch, prev).as_text().count("dot_general")
 
 
 def test_the_scanned_program_does_not_grow_with_depth():
@@ -92,7 +92,7 @@ def _step_temp_bytes(stages: int, num_pages: int) -> tuple[int, int]:
     cache = jax.eval_shape(lambda: KVCache.create(m, num_pages, config.engine.page_size, stages=stages))
     batch = dummy_batch((16, 4), config.engine.max_pages_per_seq, config.engine.penalty_window, m.vocab_size)
     prev = jax.ShapeDtypeStruct((config.engine.max_num_seqs,), jnp.int32)
-    compiled = step.lower(graphdef, state, cache, batch, prev).compile()
+    compiled = step.lower(StaticGraph(graphdef), state, cache, batch, prev).compile()
     return compiled.memory_analysis().temp_size_in_bytes, sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(cache))
 
 
