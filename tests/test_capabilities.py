@@ -142,6 +142,9 @@ BREAKS = {
         ("speculative.method=ngram/suffix", {"speculative.method": "suffix"}, ()),
         ("serve.role=prefill/decode", {}, ("serve.role=prefill/decode",)),
     )},
+    ("lora.max_loras", "moe", "mesh.tensor"): ({"lora.max_loras": 2, "model.architecture": "Qwen3MoeForCausalLM",
+                                              "model.num_experts": 4, "model.experts_per_token": 2,
+                                              "mesh.tensor": 2}, ()),
 }
 
 

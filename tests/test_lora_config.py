@@ -49,7 +49,7 @@ def test_models_lora_does_not_cover_are_refused(preset, match):
 
 
 @pytest.mark.parametrize("overrides, match", [
-    ({"mesh.tensor": 2}, "with routed experts and mesh.tensor = 2 is refused"),
+    ({"mesh.tensor": 2}, "with moe layers with mesh.tensor = 2 is refused"),
     ({"mesh.expert": 2}, "with mesh.expert = 2 is refused"),
 ])
 def test_expert_layouts_lora_does_not_cover_are_refused(overrides, match):

@@ -214,6 +214,8 @@ RULES: tuple[Rule, ...] = (
         ("speculative.method=ngram/suffix", "verification rows with adapters are not tested", "speculative.method = none"),
         ("serve.role=prefill/decode", "the KV hand-off does not carry the adapter", "--role both"),
     )),
+    Rule(("lora.max_loras", "moe", "mesh.tensor"), "LoRA: the experts' adapter tables split over tensor are not "
+         "tested", "lora.max_loras = 0 or mesh.tensor = 1"),
 )
 
 

@@ -52,10 +52,6 @@ def check_model(config) -> None:
     if not config.lora.enabled:
         return
     arch = config.model.architecture
-    if config.model.moe.num_experts and config.mesh.tensor > 1:
-        raise ConfigError(f"{arch}: lora.max_loras with routed experts and mesh.tensor = {config.mesh.tensor} is "
-                          "refused (the experts' adapter tables split over tensor are not tested); change "
-                          "lora.max_loras = 0 or mesh.tensor = 1")
     if arch not in LORA_ARCHITECTURES:
         raise ConfigError(f"{arch}: lora.max_loras = {config.lora.max_loras} is refused (LoRA adapters are mapped "
                           f"and tested for {', '.join(LORA_ARCHITECTURES)} only); change lora.max_loras = 0")
