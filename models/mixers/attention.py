@@ -109,8 +109,8 @@ class Attention(nnx.Module):
             k = add_delta(self, "k", x, qeinsum("te,ehd->thd", x, self.k[...], self.k_scale), slots)
             v = k if self.v is None else add_delta(self, "v", x, qeinsum("te,ehd->thd", x, self.v[...], self.v_scale),
                                                     slots)
-        q = add_delta(self, "q", ctx.sampled(x), qeinsum("te,ehd->thd", ctx.sampled(x), self.q[...], self.q_scale),
-                      _sampled_slots(ctx))
+        xq = ctx.sampled(x)  # [T', E] the rows whose queries are needed
+        q = add_delta(self, "q", xq, qeinsum("te,ehd->thd", xq, self.q[...], self.q_scale), _sampled_slots(ctx))
         gate = None
         if a.output_gate:
             q, gate = q[..., :self.head_dim], q[..., self.head_dim:]  # [T, Hq, D] each
