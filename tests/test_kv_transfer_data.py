@@ -22,23 +22,19 @@ from fast_engine import REFERENCE_ATTENTION
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = {**REFERENCE_ATTENTION,  # tests/fast_engine.py
         "engine.max_num_batched_tokens": 64, "engine.token_buckets": [16, 64], "engine.num_pages": 32,
-        "engine.max_model_len": 128, "engine.max_num_seqs": 4, "engine.kv_transfer_timeout_s": 60}
+        "engine.max_model_len": 128, "engine.max_num_seqs": 4, "engine.kv_transfer_timeout_s": 60,
+        "engine.kv_fill_value": float("nan")}  # every page starts NaN: a row from the wrong pool shows
 
 SCRIPT = r"""
 import json, sys, time
 from jaxfill.engine.disagg import transfer as kvt
 from jaxfill.engine.engine import Engine
 from jaxfill.engine.request import InvalidRequest, SamplingParams
-from jaxfill.models.kv_cache import KVCache
 
 base = json.loads(sys.argv[1])
 def make(page_size, data):
-    e = Engine.from_config("tiny_random", overrides={**base, "engine.page_size": page_size, "mesh.data": data},
-                           progress=False)
-    s = e.settings
-    e.runner.kv_cache = KVCache.create(e.config.model, s.num_pages, page_size, fill_value=float("nan"),
-                                       stages=e.runner.stages, mesh=e.runner.mesh)
-    return e
+    return Engine.from_config("tiny_random", overrides={**base, "engine.page_size": page_size, "mesh.data": data},
+                              progress=False)
 
 p1, p2, d2 = make(16, 1), make(16, 2), make(8, 2)
 prompts = [[(7 * i + 3 * k + 1) % 250 for i in range(20 + 9 * k)] for k in range(4)]
