@@ -83,6 +83,12 @@ def pool_pages(capacity_bytes: float, in_use_bytes: float, activation_bytes: flo
     return sequence * max(0, int(usable // page_bytes))
 
 
+def cpu_cap_pages(cap_gb: float, devices: int, page_bytes: int, sequence: int = 1) -> int:
+    """Pages of one replica's pool that `engine.cpu_kv_cache_gb` allows a process of `devices`
+    devices (shared by the engine and the planner)."""
+    return sequence * int(cap_gb * (1 << 30) / devices // page_bytes)
+
+
 def host_memory_available() -> int:
     """MemAvailable from /proc/meminfo, bytes (what Linux can give without swapping)."""
     try:
@@ -139,7 +145,7 @@ def size_pool(runner, probe_cache, probe_pages: int) -> PoolSize:
             best = PoolSize(pages, s.page_size, page_bytes, capacity, in_use, activation,
                             s.memory_utilization, source)
     if devices[0].platform == "cpu" and s.cpu_kv_cache_gb > 0:
-        cap = sequence * int(s.cpu_kv_cache_gb * (1 << 30) / len(devices) // page_bytes)
+        cap = cpu_cap_pages(s.cpu_kv_cache_gb, len(devices), page_bytes, sequence)
         if cap < best.num_pages:
             best = dataclasses.replace(best, num_pages=cap,
                                        source=f"{best.source}, capped by engine.cpu_kv_cache_gb={s.cpu_kv_cache_gb:g}")

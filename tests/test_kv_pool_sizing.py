@@ -87,6 +87,9 @@ def test_cpu_cap_bounds_the_pool(fake_meminfo):
     assert pool.num_pages == int(0.002 * (1 << 30) // pool.page_bytes) < _expected_pages(engine)
     assert engine.runner.kv_cache.nbytes() == pool.num_pages * pool.page_bytes
     assert "capped by engine.cpu_kv_cache_gb=0.002" in pool.describe()
+    cpu = Hardware(name="cpu", description="", bf16_flops=1e12, fp32_flops=1e12, hbm_bytes=pool.capacity_bytes,
+                   hbm_bytes_per_s=1e11, link_bytes_per_s=0, source="test", shared_by_mesh=True)
+    assert kv_pool_pages(engine.config, cpu, pool.activation_bytes)["kv_pool_pages"] == pool.num_pages  # jaxfill plan
 
 
 def test_the_activation_peak_is_remembered_beside_the_compile_cache(fake_meminfo, tmp_path, monkeypatch):

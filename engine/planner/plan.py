@@ -295,7 +295,7 @@ def kv_pool_pages(config: Config, hw: Hardware, activation_bytes: float = 0) -> 
     """What `engine.num_pages = 0` gives on `hw` (engine/memory.py, the same formula): pages
     per data replica (mesh.sequence x what one device fits) and the tokens they hold, from this device's memory after its weights
     and `activation_bytes` (the engine measures them as the compiled step's temp buffers)."""
-    from jaxfill.engine.memory import pool_pages
+    from jaxfill.engine.memory import cpu_cap_pages, pool_pages
 
     model, engine, mesh = config.model, config.engine, config.mesh
     check_mesh(model, mesh)
@@ -304,7 +304,7 @@ def kv_pool_pages(config: Config, hw: Hardware, activation_bytes: float = 0) -> 
     capacity = hw.hbm_bytes / (mesh.size if hw.shared_by_mesh else 1)
     pages = pool_pages(capacity, weights_dev, activation_bytes, page_bytes, engine.memory_utilization, mesh.sequence)
     if hw.shared_by_mesh and engine.cpu_kv_cache_gb > 0:  # the host's RAM: engine.cpu_kv_cache_gb caps it
-        pages = min(pages, mesh.sequence * int(engine.cpu_kv_cache_gb * (1 << 30) / mesh.size // page_bytes))
+        pages = min(pages, cpu_cap_pages(engine.cpu_kv_cache_gb, mesh.size, page_bytes, mesh.sequence))
     return {"kv_pool_pages": pages, "kv_pool_tokens": max(0, pages - 1) * engine.page_size,
             "kv_page_bytes_per_device": page_bytes, "memory_utilization": engine.memory_utilization,
             "activation_bytes": activation_bytes}
