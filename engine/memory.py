@@ -167,13 +167,13 @@ def activation_peak(runner, probe_cache) -> int:
     """XLA's temp buffer bytes for the largest bucket's step (per device)."""
     shape = max(runner.shapes)
     batch = runner.put(runner.dummy(shape))
+    args = (runner.state, probe_cache, batch, runner.prev_tokens)
+    key = activation_cache.program_key(runner.config, *args)
+    known = activation_cache.remembered(key)
+    if known is not None:
+        return known
     with runner.mesh_context():
-        lowered = runner.step_fn.lower(runner.static_graph, runner.state, probe_cache, batch, runner.prev_tokens)
-        key = activation_cache.program_key(lowered)
-        known = activation_cache.remembered(key)
-        if known is not None:
-            return known
-        stats = lowered.compile().memory_analysis()
+        stats = runner.step_fn.lower(runner.static_graph, *args).compile().memory_analysis()
     peak = int(stats.temp_size_in_bytes) if stats is not None else 0
     activation_cache.remember(key, peak)
     return peak

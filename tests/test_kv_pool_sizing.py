@@ -3,6 +3,7 @@ matches the documented formula, the planner agrees within one page, a quantized 
 fits more pages by the ratio of page bytes, and impossible settings fail clearly."""
 
 import dataclasses
+import os
 
 import pytest
 
@@ -108,6 +109,30 @@ def test_the_activation_peak_is_remembered_beside_the_compile_cache(fake_meminfo
     assert _engine().runner.pool.activation_bytes == measured + 7 * 4096
     _engine(**{"engine.token_buckets": [16, 32], "engine.max_num_batched_tokens": 32})
     assert len(json.loads(path.read_text())) == 2
+
+
+def test_the_activation_key_covers_what_decides_the_program(monkeypatch):
+    """The key is computed without tracing, so it must change with everything the program
+    depends on: the config, the arguments' shapes and dtypes, the source, the XLA flags."""
+    import jax.numpy as jnp
+
+    from jaxfill.engine import activation_cache
+
+    config = load_config("tiny_random")
+    other = load_config("tiny_random", {"engine.max_num_batched_tokens": 64})
+    x = jnp.ones((4, 8), jnp.float32)
+    key = activation_cache.program_key(config, {"w": x}, [x])
+    assert key == activation_cache.program_key(config, {"w": jnp.full((4, 8), 2.0)}, [x])  # values do not count
+    assert key != activation_cache.program_key(other, {"w": x}, [x])
+    assert key != activation_cache.program_key(config, {"w": x.astype(jnp.bfloat16)}, [x])
+    assert key != activation_cache.program_key(config, {"w": x[:2]}, [x])
+    assert key != activation_cache.program_key(config, {"v": x}, [x])
+    with monkeypatch.context() as m:
+        m.setattr(activation_cache, "source_digest", lambda: "edited")
+        assert key != activation_cache.program_key(config, {"w": x}, [x])
+    assert key == activation_cache.program_key(config, {"w": x}, [x])
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_fast_math=true")
+    assert key != activation_cache.program_key(config, {"w": x}, [x])
 
 
 def test_no_room_is_a_clear_error(monkeypatch):
