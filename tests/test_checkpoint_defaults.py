@@ -180,3 +180,43 @@ def test_compile_cache_none_in_serve(monkeypatch, tmp_path, jax_cache_config):
     assert main(["serve", "--config", "tiny_random", "--compile-cache", "none", "--no-warmup",
                  "--set", "engine.num_pages=32", "--set", "engine.max_model_len=256"]) == 0
     assert seen == {"dir": None} and not (tmp_path / "xla").exists()
+
+
+def test_generate_sizes_the_pool_to_its_prompts(checkpoint):
+    """`generate` knows its workload: with engine.num_pages = 0 it takes the pages its prompts
+    need, a power of two of at least MIN_POOL_PAGES (a shared compile cache), instead of a
+    pool that fills memory; explicit counts and workloads past MAX_POOL_PAGES are kept."""
+    from jaxfill.serving.commands.generate import MAX_POOL_PAGES, MIN_POOL_PAGES, pool_for_prompts
+
+    config = load_config(None, {}, checkpoint)
+    page = config.engine.page_size
+    pages = lambda c: c.engine.num_pages  # noqa: E731
+    assert pages(pool_for_prompts(config, [10], 16, at_once=False)) == MIN_POOL_PAGES
+    prompts = [100 * page] * 6  # 100 pages each, 101 with the answer
+    assert pages(pool_for_prompts(config, prompts, 1, at_once=False)) == 128  # one at a time: 1 + 101
+    assert pages(pool_for_prompts(config, prompts, 1, at_once=True)) == 1024  # together: 1 + 606
+    assert 1 + 11 * 101 > MAX_POOL_PAGES
+    assert pages(pool_for_prompts(config, prompts * 2, 1, at_once=True)) == 0  # sized from memory
+    explicit = load_config(None, {"engine.num_pages": 40}, checkpoint)
+    assert pages(pool_for_prompts(explicit, [10], 16, at_once=False)) == 40
+    spec = load_config(None, {"speculative.method": "ngram", "speculative.num_tokens": 4}, checkpoint)
+    assert pages(pool_for_prompts(spec, [127 * page - 3], 1, at_once=False)) == 256  # 1 + 128 with k=4 slots
+
+
+def test_generate_builds_its_engine_on_the_sized_pool(checkpoint, monkeypatch):
+    from jaxfill.engine import engine as engine_module
+    from jaxfill.serving.cli import main
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def capture(config, **kwargs):
+        seen.append(config.engine.num_pages)
+        raise Stop
+
+    monkeypatch.setattr(engine_module, "Engine", capture)
+    with pytest.raises(Stop):
+        main(["generate", "--model", checkpoint, "--prompt-ids", "1,2,3", "--max-tokens", "4", "--quiet"])
+    assert seen == [64]
