@@ -166,8 +166,8 @@ class MeshSettings:
         return self.tensor * self.expert
 
 
-SPEC_METHODS = ("none", "ngram", "suffix")  # built; DESIGN.md names mtp and eagle3 for later slices
-SPEC_LATER = ("mtp", "eagle3")
+SPEC_METHODS = ("none", "ngram", "suffix", "mtp")  # built; DESIGN.md names eagle3 for a later slice
+SPEC_LATER = ("eagle3",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,9 +177,11 @@ class SpeculativeSettings:
     lookup, the tokens that followed the most recent earlier occurrence of the last n
     tokens (n from ngram_max down to ngram_min). suffix: suffix decoding
     (engine/speculative/suffix.py), the most frequent continuation of the newest tokens in
-    the request and in recent requests' outputs, as long as it is likely enough."""
+    the request and in recent requests' outputs, as long as it is likely enough. mtp: the
+    checkpoint's multi-token-prediction layer (DeepSeek-V3, GLM-4.5; models/mtp.py) guesses
+    the token after the next, one proposal per decode (engine/speculative/mtp_step.py)."""
 
-    method: str = "none"  # "none" | "ngram" | "suffix"
+    method: str = "none"  # "none" | "ngram" | "suffix" | "mtp"
     num_tokens: int = 4  # proposals per decode and step (k)
     ngram_max: int = 4
     ngram_min: int = 2
@@ -203,7 +205,8 @@ class SpeculativeSettings:
 
     def __post_init__(self):
         if self.method in SPEC_LATER:
-            raise ConfigError(f"speculative.method = {self.method!r} is not built yet; use 'ngram', 'suffix' or 'none'")
+            raise ConfigError(f"speculative.method = {self.method!r} is not built yet; use 'ngram', 'suffix', 'mtp' "
+                              "or 'none'")
         if self.method not in SPEC_METHODS:
             raise ConfigError(f"speculative.method must be one of {', '.join(SPEC_METHODS)}, got {self.method!r}")
         if int(self.num_tokens) <= 0:
@@ -349,11 +352,26 @@ def load_config(config: str | None = None, overrides: Mapping[str, Any] | list[s
     if model.linear.layers:
         engine, mesh = hybrid_settings(model, engine, mesh)
     speculative = _build(SpeculativeSettings, {**data.get("speculative", {}), **extra.get("speculative", {})})
+    if speculative.method == "mtp":
+        model = mtp_model(model, speculative)
     lora = _build(LoraSettings, {**data.get("lora", {}), **extra.get("lora", {})})
     config = Config(name=name, model=model, engine=engine, mesh=mesh, model_path=model_path, speculative=speculative,
                     lora=lora)
     validate(config)  # every combination refused here, before any weight is read
     return config
+
+
+def mtp_model(model: ModelConfig, speculative: SpeculativeSettings) -> ModelConfig:
+    """speculative.method = "mtp": the model runs its first multi-token-prediction layer too
+    (ModelConfig.run_mtp), which the checkpoint must hold."""
+    if not model.mtp_layers:
+        raise ConfigError(f"speculative.method = 'mtp' needs the checkpoint's multi-token-prediction layer, and "
+                          f"this {model.architecture} has none (config.json num_nextn_predict_layers is 0 or "
+                          "absent): use speculative.method = ngram, suffix or none")
+    if int(speculative.num_tokens) != 1:
+        raise ConfigError(f"speculative.method = 'mtp' proposes one token per decode (the layer chained on its own "
+                          f"output is not built yet): set speculative.num_tokens = 1, got {speculative.num_tokens}")
+    return model.replace(run_mtp=True)
 
 
 def hybrid_settings(model: ModelConfig, engine: EngineSettings,

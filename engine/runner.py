@@ -53,6 +53,7 @@ class HostOutput:
     top_logprobs: np.ndarray  # [R * S, N]
     prompt: tuple | None = None  # a step that scored prompt rows: ([R * P] f32, [R * P, N] i32, [R * P, N] f32)
     pooled: np.ndarray | None = None  # a pooling step: [S, E] f32 per-sequence sums (engine/pooling/)
+    mtp: np.ndarray | None = None  # the MTP proposer's step: [S] i32 proposals (engine/speculative/mtp_step.py)
 
 
 class PendingOutput:
@@ -66,11 +67,12 @@ class PendingOutput:
     def get(self) -> HostOutput:
         if self._host is None:
             o = self._out
-            tokens, lp, ids, lps, prompt, pooled = jax.device_get((o.tokens, o.logprob, o.top_ids, o.top_logprobs,
-                                                                   o.prompt, o.pooled))
+            tokens, lp, ids, lps, prompt, pooled, mtp = jax.device_get((o.tokens, o.logprob, o.top_ids,
+                                                                        o.top_logprobs, o.prompt, o.pooled, o.mtp))
             self._host = HostOutput(np.asarray(tokens), np.asarray(lp), np.asarray(ids), np.asarray(lps),
                                     None if prompt is None else tuple(np.asarray(x) for x in prompt),
-                                    None if pooled is None else np.asarray(pooled))
+                                    None if pooled is None else np.asarray(pooled),
+                                    None if mtp is None else np.asarray(mtp))
             self._out = None
         return self._host
 
@@ -94,6 +96,11 @@ class Runner(RunnerKVTier, RunnerDisagg):
         else:
             self.batch_sharding = None
         self.step_fn = step_replicas if self.num_replicas > 1 else step  # the jitted step it runs
+        self.mtp = config.model.run_mtp  # every step runs the MTP proposer too (engine/speculative/mtp_step.py)
+        if self.mtp:
+            from jaxfill.engine.speculative.mtp_step import step_mtp
+
+            self.step_fn = step_mtp
         self.state = state
         self.attention_impl = resolve_impl(model.attention_impl)  # the impl that serves
         self.attention_check = "not checked yet (warmup checks it)"
@@ -179,7 +186,8 @@ class Runner(RunnerKVTier, RunnerDisagg):
         the pooling program's."""
         s = self.config.engine
         one = dummy_batch(shape, s.max_pages_per_seq, s.penalty_window, self.config.model.vocab_size,
-                          self.prompt_rows, s.state_slots > 0, pool, self.config.lora.enabled)
+                          self.prompt_rows, s.state_slots > 0, pool, self.config.lora.enabled, self.verify_rows,
+                          self.mtp)
         if verify:
             one = dataclasses.replace(one, verify=padding_rows(self.verify_rows, s.penalty_window,
                                                                self.config.model.vocab_size))
@@ -390,4 +398,6 @@ class Runner(RunnerKVTier, RunnerDisagg):
         """Compiled programs held by the step jits (tests: no growth after warm-up)."""
         from jaxfill.engine.kv_tier.page_offload import KVOffload
 
-        return step._cache_size() + step_replicas._cache_size() + KVOffload.cache_size()
+        from jaxfill.engine.speculative.mtp_step import step_mtp
+
+        return step._cache_size() + step_replicas._cache_size() + step_mtp._cache_size() + KVOffload.cache_size()

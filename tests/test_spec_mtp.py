@@ -1,0 +1,97 @@
+"""The MTP proposer through the Engine (speculative.method = "mtp", engine/speculative/mtp_step.py).
+
+On a tiny DeepSeek-V3 checkpoint with its MTP layer (tests/mtp_checkpoints.py): greedy
+output with MTP equals greedy output without, token for token, with chunked prefill, prefix
+caching and async scheduling on; pages all come back; the counters count MTP's proposals.
+The proposals are the torch reference MTP's: each request's first proposal (after its
+prompt, from the last prompt position with the sampled token) is the argmax of the
+reference's logits over the same tokens. Random weights propose badly, so one more engine
+gets an MTP layer whose guesses are right (its eh_proj and decoder layer zeroed and its
+shared-head norm set so the layer reproduces the target's own next-token guess from the
+embedding of a token the target repeats): accepted counts > 0 there.
+"""
+
+import numpy as np
+import pytest
+
+from mtp_checkpoints import make_mtp_checkpoint, reference
+from jaxfill.engine.config import load_config
+from jaxfill.engine.engine import Engine
+from jaxfill.engine.request import SamplingParams
+from jaxfill.models.config import ConfigError
+from fast_engine import REFERENCE_ATTENTION
+
+OVERRIDES = {**REFERENCE_ATTENTION, "engine.max_num_batched_tokens": 32, "engine.token_buckets": [8, 32],
+             "engine.num_pages": 48, "engine.max_model_len": 128, "engine.max_num_seqs": 4, "engine.page_size": 8,
+             "engine.long_prefill_token_threshold": 12, "engine.enable_prefix_caching": True,
+             "engine.async_scheduling": True, "engine.kv_fill_value": float("nan"),
+             "speculative.backoff_window": 0}  # propose every decode, however bad the random guesses
+MTP = {"speculative.method": "mtp", "speculative.num_tokens": 1}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_mtp_checkpoint(str(tmp_path_factory.mktemp("mtp_engine") / "dsv3"))
+
+
+def engine(directory, **extra) -> Engine:
+    return Engine(load_config("tiny_random", {**OVERRIDES, **extra}, directory), progress=False)
+
+
+def prompts(vocab: int):
+    rng = np.random.default_rng(7)
+    shared = rng.integers(0, vocab, 17).tolist()  # a prefix-cache hit for the second request (2 pages)
+    return [shared + rng.integers(0, vocab, 9).tolist(), shared + rng.integers(0, vocab, 4).tolist(),
+            rng.integers(0, vocab, 5).tolist()]
+
+
+def test_greedy_with_mtp_is_greedy_without(checkpoint):
+    directory, mtp = checkpoint
+    base = engine(directory)
+    eng = engine(directory, **MTP)
+    ps = prompts(base.config.model.vocab_size)
+    params = [SamplingParams(max_tokens=n) for n in (14, 9, 11)]
+    want = base.generate(ps, params)
+    got = eng.generate(ps, params)
+    for a, b in zip(want, got):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+    st = eng.stats()
+    assert st["spec_proposed_tokens"] > 10 and st["spec_verifications"] == st["spec_proposed_tokens"]
+    assert st["pages_free"] == st["pages_total"]
+    for sched in eng.scheduler.replicas:
+        sched.bm.check()
+
+
+def test_proposals_are_the_reference_mtp_argmax(checkpoint):
+    """One request alone, synchronous: the guess kept after its prompt step equals the torch
+    reference's argmax over (prompt + the sampled token)."""
+    directory, mtp = checkpoint
+    eng = engine(directory, **MTP, **{"engine.async_scheduling": False})
+    prompt = np.random.default_rng(3).integers(0, eng.config.model.vocab_size, 13).tolist()
+    rid = eng.add_request(prompt, SamplingParams(max_tokens=4))
+    eng.step()  # the prompt (one chunk of 12, then one of 1)
+    req = eng.scheduler.replicas[0].running[0] if eng.scheduler.replicas[0].running else None
+    while req is not None and not req.output_ids:
+        eng.step()
+    assert req is not None and req.request_id == rid
+    token, at = req.mtp_draft
+    assert at == req.num_tokens
+    _, ref_logits = reference(mtp, np.asarray(prompt + req.output_ids[:1]))
+    assert token == int(np.argmax(ref_logits[-1]))
+
+
+def test_mtp_without_the_layer_is_refused(tmp_path):
+    """config.json without the layer: refused by name before any weight is read; one that
+    claims it (transformers' DeepseekV3Config defaults num_nextn_predict_layers to 1) but
+    whose weights were stripped: refused by name at load."""
+    from hf_models import make_hf_checkpoint
+    from jaxfill.models.safetensors_file import CheckpointError
+
+    directory = make_hf_checkpoint(str(tmp_path / "none"), "deepseek_v3", num_nextn_predict_layers=0)
+    with pytest.raises(ConfigError, match="num_nextn_predict_layers"):
+        load_config("tiny_random", {**OVERRIDES, **MTP}, directory)
+    directory = make_hf_checkpoint(str(tmp_path / "stripped"), "deepseek_v3")
+    with pytest.raises(ConfigError, match="num_tokens = 1"):
+        load_config("tiny_random", {**OVERRIDES, **MTP, "speculative.num_tokens": 2}, directory)
+    with pytest.raises(CheckpointError, match="no multi-token-prediction layer"):
+        engine(directory, **MTP)
