@@ -62,22 +62,31 @@ def test_greedy_with_mtp_is_greedy_without(checkpoint):
         sched.bm.check()
 
 
-def test_proposals_are_the_reference_mtp_argmax(checkpoint):
-    """One request alone, synchronous: the guess kept after its prompt step equals the torch
-    reference's argmax over (prompt + the sampled token)."""
+@pytest.mark.parametrize("length", [13, 10])
+def test_every_guess_is_the_reference_mtp_argmax(checkpoint, length):
+    """One request alone, step by step: after each step the guess it keeps (the token at
+    position `at`) is the torch reference MTP's argmax at its row at - 2 over the request's
+    tokens [0, at). 13 tokens: a 12-token chunk (its last row's next token the prompt's 13th),
+    then the last prompt token as a decode that verifies that guess; 10: one chunk whose last
+    row takes the sampled token; then decodes verifying the guesses (accepted or not)."""
     directory, mtp = checkpoint
     eng = engine(directory, **MTP, **{"engine.async_scheduling": False})
-    prompt = np.random.default_rng(3).integers(0, eng.config.model.vocab_size, 13).tolist()
-    rid = eng.add_request(prompt, SamplingParams(max_tokens=4))
-    eng.step()  # the prompt (one chunk of 12, then one of 1)
-    req = eng.scheduler.replicas[0].running[0] if eng.scheduler.replicas[0].running else None
-    while req is not None and not req.output_ids:
+    prompt = np.random.default_rng(length).integers(0, eng.config.model.vocab_size, length).tolist()
+    eng.add_request(prompt, SamplingParams(max_tokens=6))
+    checked = 0
+    while eng.has_unfinished():
+        running = eng.scheduler.replicas[0].running
+        req = running[0] if running else None
         eng.step()
-    assert req is not None and req.request_id == rid
-    token, at = req.mtp_draft
-    assert at == req.num_tokens
-    _, ref_logits = reference(mtp, np.asarray(prompt + req.output_ids[:1]))
-    assert token == int(np.argmax(ref_logits[-1]))
+        if req is None or req.finished or req.mtp_draft is None:
+            continue
+        token, at = req.mtp_draft
+        tokens = (prompt + req.output_ids)[:at]
+        assert at <= len(prompt) + len(req.output_ids)
+        _, ref_logits = reference(mtp, np.asarray(tokens))
+        assert token == int(np.argmax(ref_logits[-1])), (at, checked)
+        checked += 1
+    assert checked >= 4
 
 
 def test_mtp_without_the_layer_is_refused(tmp_path):
