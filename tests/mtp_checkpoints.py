@@ -87,17 +87,37 @@ def randomise(module, seed: int) -> None:
                 b.add_(0.3 * torch.randn(b.shape, generator=g))
 
 
+def copy_the_input(mtp: TorchMTP) -> None:
+    """An MTP layer that guesses its input token again: eh_proj keeps the embedding half, the
+    decoder layer adds nothing (its output projections zeroed), unit norms. With the head
+    tied to the embedding, the guess for x_{t+2} is x_{t+1}: right whenever the target
+    repeats itself, which random tiny targets soon do."""
+    e = mtp.eh_proj.weight.shape[0]
+    with torch.no_grad():
+        mtp.eh_proj.weight.copy_(torch.cat([torch.eye(e), torch.zeros(e, e)], dim=1))
+        for name, p in mtp.layer.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
+                p.zero_()
+        mtp.enorm.weight.fill_(1.0)
+        mtp.norm.weight.fill_(1.0)
+
+
 def make_mtp_checkpoint(directory: str, arch: str = "deepseek_v3", copies: bool = True, seed: int = 0,
-                        **overrides):
+                        copying: bool = False, **overrides):
     """A random-init checkpoint of `arch` with num_nextn_predict_layers = 1 and the MTP
     layer's tensors written into model.safetensors; `copies`: with the MTP layer's copies of
-    the embedding and the head too (DeepSeek-V3's files have them). Returns (dir, TorchMTP)."""
+    the embedding and the head too (DeepSeek-V3's files have them); `copying`: a tied head and
+    an MTP layer that guesses its input token (copy_the_input). Returns (dir, TorchMTP)."""
     from safetensors.torch import load_file, save_file
 
+    if copying:
+        overrides["tie_word_embeddings"] = True
     make_hf_checkpoint(directory, arch, seed=seed, num_nextn_predict_layers=1, **overrides)
     hf = load_hf(directory)
     mtp = TorchMTP(hf, arch).eval()
     randomise(mtp, seed + 1)
+    if copying:
+        copy_the_input(mtp)
     path = os.path.join(directory, "model.safetensors")
     tensors = load_file(path)
     layers = hf.config.num_hidden_layers
@@ -105,7 +125,7 @@ def make_mtp_checkpoint(directory: str, arch: str = "deepseek_v3", copies: bool 
     if copies:
         p = f"model.layers.{layers}."
         tensors[p + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
-        tensors[p + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+        tensors[p + "shared_head.head.weight"] = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"]).clone()
     save_file(tensors, path, metadata={"format": "pt"})
     return directory, mtp
 

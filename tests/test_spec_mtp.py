@@ -34,6 +34,11 @@ def checkpoint(tmp_path_factory):
     return make_mtp_checkpoint(str(tmp_path_factory.mktemp("mtp_engine") / "dsv3"))
 
 
+@pytest.fixture(scope="module")
+def copying(tmp_path_factory):
+    return make_mtp_checkpoint(str(tmp_path_factory.mktemp("mtp_engine") / "copying"), copying=True)
+
+
 def engine(directory, **extra) -> Engine:
     return Engine(load_config("tiny_random", {**OVERRIDES, **extra}, directory), progress=False)
 
@@ -63,16 +68,16 @@ def test_greedy_with_mtp_is_greedy_without(checkpoint):
 
 
 @pytest.mark.parametrize("length", [13, 10])
-def test_every_guess_is_the_reference_mtp_argmax(checkpoint, length):
+def test_every_guess_is_the_reference_mtp_argmax(checkpoint, copying, length):
     """One request alone, step by step: after each step the guess it keeps (the token at
     position `at`) is the torch reference MTP's argmax at its row at - 2 over the request's
     tokens [0, at). 13 tokens: a 12-token chunk (its last row's next token the prompt's 13th),
     then the last prompt token as a decode that verifies that guess; 10: one chunk whose last
     row takes the sampled token; then decodes verifying the guesses (accepted or not)."""
-    directory, mtp = checkpoint
+    directory, mtp = checkpoint if length == 13 else copying  # the copying one accepts (see below)
     eng = engine(directory, **MTP, **{"engine.async_scheduling": False})
     prompt = np.random.default_rng(length).integers(0, eng.config.model.vocab_size, length).tolist()
-    eng.add_request(prompt, SamplingParams(max_tokens=6))
+    eng.add_request(prompt, SamplingParams(max_tokens=16))
     checked = 0
     while eng.has_unfinished():
         running = eng.scheduler.replicas[0].running
@@ -87,6 +92,23 @@ def test_every_guess_is_the_reference_mtp_argmax(checkpoint, length):
         assert token == int(np.argmax(ref_logits[-1])), (at, checked)
         checked += 1
     assert checked >= 4
+    if length == 10:
+        assert eng.stats()["spec_accepted_tokens"] > 0  # guesses from rows after accepted proposals checked too
+
+
+def test_a_layer_that_guesses_right_is_accepted(copying):
+    """The copying MTP layer (tests/mtp_checkpoints.py copy_the_input) on a target that
+    repeats itself: proposals accepted, output unchanged, async scheduling and prefix caching on."""
+    directory, _ = copying
+    base, eng = engine(directory), engine(directory, **MTP)
+    ps = [np.random.default_rng(5).integers(0, 500, 7).tolist() * 3, np.random.default_rng(6).integers(0, 500, 9).tolist()]
+    params = [SamplingParams(max_tokens=30), SamplingParams(max_tokens=20)]
+    for a, b in zip(base.generate(ps, params), eng.generate(ps, params)):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+    st = eng.stats()
+    assert 0 < st["spec_accepted_tokens"] <= st["spec_proposed_tokens"]
+    assert st["spec_accepted_per_position"] == [st["spec_accepted_tokens"]]
+    assert st["pages_free"] == st["pages_total"]
 
 
 def test_mtp_without_the_layer_is_refused(tmp_path):
