@@ -5,8 +5,14 @@ cache (NaN-filled elsewhere). The checkpoint with the MTP layer's embedding / he
 and the one without load alike; without speculative.method = "mtp" the layer is skipped.
 """
 
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from mtp_checkpoints import make_mtp_checkpoint, reference
 from jaxfill.models.checkpoint import load_hf_params
@@ -17,37 +23,52 @@ PAGE = 8
 TOKENS = 29  # not a page multiple: the second chunk ends mid-page
 
 
+PAD = 32  # every chunk padded to one shape: one compiled program per model
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def target_then_mtp(graphdef, state, tokens, positions, cache, meta, following):
+    model = nnx.merge(graphdef, state)
+    rows = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+    _, cache, h = model(tokens, positions, cache, meta, hidden_rows=True)
+    _, logits, cache = model.mtp_forward(h, following, positions, cache,
+                                         dataclasses.replace(meta, logits_indices=rows))
+    return h, logits, cache
+
+
 def ours(model, config, tokens, split: int):
     """(hidden [T, E], MTP logits [T - 1, V]) through the paged cache, in chunks [0, split), [split, T)."""
-    import dataclasses
-
-    import jax.numpy as jnp
-
+    graphdef, state = nnx.split(model)
     cache = KVCache.create(config, num_pages=8, page_size=PAGE, fill_value=float("nan"))
     pages = list(range(1, 6))
     hs, logits = [], []
     for a, b in ((0, split), (split, len(tokens))) if split < len(tokens) else ((0, split),):
-        meta = single_sequence_metadata(b - a, a, pages, PAGE)
-        rows = jnp.arange(b - a, dtype=jnp.int32)
-        tok = jnp.asarray(tokens[a:b], jnp.int32)
-        pos = jnp.arange(a, b, dtype=jnp.int32)
-        _, cache, h = model(tok, pos, cache, meta, hidden_rows=True)
-        nxt = jnp.asarray(list(tokens[a + 1:b + 1]) + [0] * (b + 1 - len(tokens)), jnp.int32)  # last row: unused
-        _, lg, cache = model.mtp_forward(h, nxt, pos, cache, dataclasses.replace(meta, logits_indices=rows))
-        hs.append(np.asarray(h, np.float64))
-        logits.append(np.asarray(lg, np.float64))
+        meta = single_sequence_metadata(b - a, a, pages, PAGE, pad_to=PAD)
+        pad = PAD - (b - a)
+        tok = jnp.asarray(list(tokens[a:b]) + [0] * pad, jnp.int32)
+        pos = jnp.asarray(list(range(a, b)) + [0] * pad, jnp.int32)
+        nxt = jnp.asarray(list(tokens[a + 1:b + 1]) + [0] * (PAD - len(tokens[a + 1:b + 1])), jnp.int32)
+        h, lg, cache = target_then_mtp(graphdef, state, tok, pos, cache, meta, nxt)
+        hs.append(np.asarray(h, np.float64)[:b - a])
+        logits.append(np.asarray(lg, np.float64)[:b - a])
     return np.concatenate(hs), np.concatenate(logits)[:len(tokens) - 1]
+
+
+CASES = {"deepseek_v3": ("deepseek_v3", True), "deepseek_v3_no_copies": ("deepseek_v3", False),
+         "glm4_moe": ("glm4_moe", True)}
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("mtp")
-    return {copies: make_mtp_checkpoint(str(root / f"dsv3_{copies}"), copies=copies) for copies in (True, False)}
+    return {name: make_mtp_checkpoint(str(root / name), arch, copies=copies) for name, (arch, copies) in CASES.items()}
 
 
-@pytest.mark.parametrize("copies", [True, False])
-def test_deepseek_v3_mtp_logits_match_the_torch_reference(checkpoints, copies):
-    directory, mtp = checkpoints[copies]
+@pytest.mark.parametrize("case", list(CASES))
+def test_mtp_logits_match_the_torch_reference(checkpoints, case):
+    """DeepSeek-V3 (MLA + MoE) with and without the MTP layer's embedding / head copies in the
+    file; GLM-4.5 (q/k/v biases, qk norms, partial rope + MoE)."""
+    directory, mtp = checkpoints[case]
     config = config_from_hf(directory)
     assert config.mtp_layers == 1
     config = config.replace(run_mtp=True)
@@ -62,6 +83,6 @@ def test_deepseek_v3_mtp_logits_match_the_torch_reference(checkpoints, copies):
 
 
 def test_without_mtp_the_layer_is_skipped(checkpoints):
-    directory, _ = checkpoints[True]
+    directory, _ = checkpoints["deepseek_v3"]
     model = load_hf_params(directory, config_from_hf(directory), attention_impl="xla", progress=False)
     assert not hasattr(model, "mtp")
