@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 from jaxfill.engine.lora.settings import LoraSettings
 from jaxfill.engine.checkpoint_settings import checkpoint_engine, checkpoint_name, describe
+from jaxfill.engine.speculative.mtp_settings import mtp_model
 from jaxfill.engine.presets import NOT_PRESETS, preset_names, read_preset  # noqa: F401 (their old home)
 from jaxfill.models.config import ConfigError, ModelConfig, flat_keys, int_quantization, quantization, read_config_json
 from jaxfill.engine.validation import validate
@@ -352,26 +353,13 @@ def load_config(config: str | None = None, overrides: Mapping[str, Any] | list[s
     if model.linear.layers:
         engine, mesh = hybrid_settings(model, engine, mesh)
     speculative = _build(SpeculativeSettings, {**data.get("speculative", {}), **extra.get("speculative", {})})
-    if speculative.method == "mtp":
+    if speculative.method == "mtp":  # the checkpoint's MTP layer runs too (engine/speculative/mtp_settings.py)
         model = mtp_model(model, speculative)
     lora = _build(LoraSettings, {**data.get("lora", {}), **extra.get("lora", {})})
     config = Config(name=name, model=model, engine=engine, mesh=mesh, model_path=model_path, speculative=speculative,
                     lora=lora)
     validate(config)  # every combination refused here, before any weight is read
     return config
-
-
-def mtp_model(model: ModelConfig, speculative: SpeculativeSettings) -> ModelConfig:
-    """speculative.method = "mtp": the model runs its first multi-token-prediction layer too
-    (ModelConfig.run_mtp), which the checkpoint must hold."""
-    if not model.mtp_layers:
-        raise ConfigError(f"speculative.method = 'mtp' needs the checkpoint's multi-token-prediction layer, and "
-                          f"this {model.architecture} has none (config.json num_nextn_predict_layers is 0 or "
-                          "absent): use speculative.method = ngram, suffix or none")
-    if int(speculative.num_tokens) != 1:
-        raise ConfigError(f"speculative.method = 'mtp' proposes one token per decode (the layer chained on its own "
-                          f"output is not built yet): set speculative.num_tokens = 1, got {speculative.num_tokens}")
-    return model.replace(run_mtp=True)
 
 
 def hybrid_settings(model: ModelConfig, engine: EngineSettings,

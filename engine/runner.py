@@ -36,6 +36,7 @@ from jaxfill.engine.lockstep import (HEARTBEAT, KV_EXPORT, KV_IMPORT, KV_RESTORE
                                     USE_XLA, WEIGHT_OPS, Lockstep)
 from jaxfill.engine.disagg.runner_side import RunnerDisagg
 from jaxfill.engine.kv_tier.runner_side import RunnerKVTier
+from jaxfill.engine.speculative.mtp_step import step_mtp
 from jaxfill.engine.speculative.verify_rows import padding_rows
 from jaxfill.engine.step import StaticGraph, step, step_replicas
 from jaxfill.models.kv_cache import KVCache
@@ -95,12 +96,8 @@ class Runner(RunnerKVTier, RunnerDisagg):
             self.batch_sharding = NamedSharding(self.mesh, spec)
         else:
             self.batch_sharding = None
-        self.step_fn = step_replicas if self.num_replicas > 1 else step  # the jitted step it runs
         self.mtp = config.model.run_mtp  # every step runs the MTP proposer too (engine/speculative/mtp_step.py)
-        if self.mtp:
-            from jaxfill.engine.speculative.mtp_step import step_mtp
-
-            self.step_fn = step_mtp
+        self.step_fn = step_mtp if self.mtp else step_replicas if self.num_replicas > 1 else step  # the jitted step
         self.state = state
         self.attention_impl = resolve_impl(model.attention_impl)  # the impl that serves
         self.attention_check = "not checked yet (warmup checks it)"
@@ -397,7 +394,5 @@ class Runner(RunnerKVTier, RunnerDisagg):
     def cache_size() -> int:
         """Compiled programs held by the step jits (tests: no growth after warm-up)."""
         from jaxfill.engine.kv_tier.page_offload import KVOffload
-
-        from jaxfill.engine.speculative.mtp_step import step_mtp
 
         return step._cache_size() + step_replicas._cache_size() + step_mtp._cache_size() + KVOffload.cache_size()

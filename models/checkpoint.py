@@ -71,8 +71,15 @@ def scale_stack(name: str, num_in: int, stack: tuple) -> tuple:
 
 
 def hf_to_param(config: ModelConfig) -> dict[str, HFTensor | tuple[HFTensor, ...]]:
-    """HF tensor name -> where it goes (a tuple of parts for a fused tensor): the family's table."""
-    return family_of(config.architecture).tensors(config)
+    """HF tensor name -> where it goes (a tuple of parts for a fused tensor): the family's table,
+    and the multi-token-prediction layer's when the engine runs it (models/mtp.py)."""
+    from jaxfill.models.families.mtp_tensors import mtp_tensors
+
+    family = family_of(config.architecture)
+    table = family.tensors(config)
+    if config.run_mtp:
+        table.update(mtp_tensors(family, config))
+    return table
 
 
 def tensor_parts(spec) -> tuple[HFTensor, ...]:

@@ -26,6 +26,7 @@ from jaxfill.models.layers import MLP, Embed, GatedMLP, RMSNorm, param
 from jaxfill.models.mixers import MixerContext, build_mixer
 from jaxfill.models.moe import MoE, is_moe_layer
 from jaxfill.models.moe_beside_dense import ExpertsBesideDense
+from jaxfill.models.mtp import MTPLayer
 from jaxfill.models.per_layer_inputs import PerLayerBlock, PerLayerInputs
 from jaxfill.models.parallel.pipeline import pipeline_layers, run_layers, stack_layers
 from jaxfill.models.sharding import constrain, rows_split_over_sequence
@@ -144,9 +145,7 @@ class Decoder(nnx.Module):
         if config.pooling.num_labels:  # a sequence-classification head (engine/pooling/head.py)
             self.score = param(rngs, (config.hidden_size, config.pooling.num_labels), ("embed", "labels"), dt)
         if config.run_mtp:  # built last: the target's random-init draws stay what they were
-            from jaxfill.models.mtp import MTPLayer
-
-            self.mtp = MTPLayer(config, rngs)
+            self.mtp = MTPLayer(config, rngs, self.layer_class)
 
     def stream_in(self, x: jax.Array) -> jax.Array:  # [T, E] embedded -> what the layers carry
         return x

@@ -38,15 +38,15 @@ from jaxfill.models.mixers import MixerContext
 
 
 class MTPLayer(nnx.Module):
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
-        from jaxfill.models.decoder import DecoderLayer  # the decoder builds this module
-
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, layer_class):
+        """`layer_class`: the decoder's own layer composition (models/decoder.py), so the
+        MTP layer is built as the target's layer number num_layers would be."""
         c, dt, e = config, config.jnp_dtype, config.hidden_size
         norm = lambda: RMSNorm(e, c.norms.eps, dt, rngs, kind=c.norms.kind)  # noqa: E731
         self.enorm = norm()
         self.hnorm = norm()
         self.eh_proj = param(rngs, (2 * e, e), ("embed", "embed"), dt)  # [2E, E]: embedding rows, then hidden
-        self.layer = DecoderLayer(c, rngs, c.num_layers)  # the checkpoint's layer number num_layers
+        self.layer = layer_class(c, rngs, c.num_layers)  # the checkpoint's layer number num_layers
         self.norm = norm()  # shared_head.norm
         self.index = c.num_layers
 

@@ -194,10 +194,6 @@ class Family:
             table[pre + "norm.bias"] = same(("norm", "bias"), (e,))
         for n in range(c.num_layers):
             table.update(self.layer_tensors(c, f"{pre}layers.{n}.", ("layers", n)))
-        if c.run_mtp:  # the multi-token-prediction layer as a proposer (models/mtp.py)
-            from jaxfill.models.families.mtp_tensors import mtp_tensors
-
-            table.update(mtp_tensors(self, c))
         return table
 
     def layer_tensors(self, c, p: str, layer: tuple) -> dict:
