@@ -50,18 +50,26 @@ def prompts(vocab: int):
             rng.integers(0, vocab, 5).tolist()]
 
 
-def test_greedy_with_mtp_is_greedy_without(checkpoint):
-    directory, mtp = checkpoint
+@pytest.mark.slow
+@pytest.mark.parametrize("overlap", [False, True])
+def test_greedy_with_mtp_is_greedy_without(checkpoint, copying, overlap):
+    """Slow: two engines each (~45 s on the shared 2-core host). `overlap`: the copying layer, with proposals off while 2+ requests run
+    (disable_by_batch_size = 2), so those steps overlap (async scheduling) and write MTP K/V
+    from in-flight tokens that the last request's later proposals attend over."""
+    directory, mtp = copying if overlap else checkpoint
+    extra = {"speculative.disable_by_batch_size": 2} if overlap else {}
     base = engine(directory)
-    eng = engine(directory, **MTP)
+    eng = engine(directory, **MTP, **extra)
     ps = prompts(base.config.model.vocab_size)
-    params = [SamplingParams(max_tokens=n) for n in (14, 9, 11)]
+    params = [SamplingParams(max_tokens=n) for n in ((6, 9, 30) if overlap else (14, 9, 11))]
     want = base.generate(ps, params)
     got = eng.generate(ps, params)
     for a, b in zip(want, got):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
     st = eng.stats()
-    assert st["spec_proposed_tokens"] > 10 and st["spec_verifications"] == st["spec_proposed_tokens"]
+    assert st["spec_proposed_tokens"] > 5 and st["spec_verifications"] == st["spec_proposed_tokens"]
+    if overlap:
+        assert st["spec_disabled_steps"] > 0 and st["spec_accepted_tokens"] > 0
     assert st["pages_free"] == st["pages_total"]
     for sched in eng.scheduler.replicas:
         sched.bm.check()
