@@ -21,6 +21,7 @@ from jaxfill.engine.pooling.rows import fill_pool_seg
 from jaxfill.engine.sampler import SamplingArrays
 from jaxfill.engine.sampling_rows import empty_sampling, fill_sampling
 from jaxfill.engine.scheduler import SchedulerOutput
+from jaxfill.engine.speculative.mtp_rows import MTPRows, MTPRowsBuilder
 from jaxfill.engine.speculative.verify_rows import VerifyRows, VerifyRowsBuilder
 from jaxfill.models.kv_cache import AttentionMetadata
 
@@ -38,6 +39,7 @@ class StepBatch:
     lp_targets: jax.Array  # [P] i32: the prompt token each of those rows predicts
     verify: VerifyRows | None = None  # rows verifying proposals (engine/speculative/verify_rows.py)
     pool_seg: jax.Array | None = None  # [T] i32: the sequence row each token pools into, S = none (engine/pooling/)
+    mtp: MTPRows | None = None  # the MTP proposer's rows (engine/speculative/mtp_rows.py), in every step of it
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -101,12 +103,13 @@ def prompt_logprob_positions(sch) -> range:
 
 def build_batch(out: SchedulerOutput, shape: tuple[int, int], page_size: int, max_pages: int,
                 vocab_size: int, penalty_window: int, prompt_rows: int = 1, state_slots: bool = False,
-                verify_rows: int = 0, pool: bool = False, lora: bool = False) -> StepBatch:
+                verify_rows: int = 0, pool: bool = False, lora: bool = False, mtp: bool = False) -> StepBatch:
     """`state_slots`: the batch names each sequence's recurrent-state slot (linear-attention hybrids).
     `verify_rows`: the static number of rows verifying proposals, when any sequence has some.
     `pool`: the pooling variant even with no pooling request (a model without an LM head
     runs no other); it is chosen anyway when a sequence pools. `lora`: the rows carry their
-    requests' adapter slots (meta.lora_slots; engine/lora/), 0 for padding and base rows."""
+    requests' adapter slots (meta.lora_slots; engine/lora/), 0 for padding and base rows.
+    `mtp`: the MTP proposer's rows (speculative.method = "mtp"), in every batch of that engine."""
     t_pad, s_pad = shape
     tokens = np.zeros(t_pad, np.int32)
     positions = np.zeros(t_pad, np.int32)
@@ -124,6 +127,7 @@ def build_batch(out: SchedulerOutput, shape: tuple[int, int], page_size: int, ma
     lp_targets = np.full(prompt_rows, -1, np.int32)
     num_lp = 0
     verify = VerifyRowsBuilder(verify_rows, penalty_window, vocab_size)
+    mtp_rows = MTPRowsBuilder(t_pad, s_pad, verify_rows) if mtp else None
     pooling = pool or any(sch.req.pooling is not None for sch in out.seqs)
     pool_seg = np.full(t_pad, s_pad, np.int32) if pooling else None  # the pooling variant (engine/pooling/)
 
@@ -143,9 +147,12 @@ def build_batch(out: SchedulerOutput, shape: tuple[int, int], page_size: int, ma
             tokens[sl] = req.output_ids[start - npr:known - npr]
         else:
             tokens[sl] = req.prompt_ids[start:known] + (req.output_ids[:known - npr] if known > npr else [])
+        q0 = 0
         if sch.draft:
             tokens[pos_t + n - len(sch.draft):pos_t + n] = sch.draft
-            verify.add(sch, pos_t)
+            q0 = verify.add(sch, pos_t)
+        if mtp_rows is not None:
+            mtp_rows.add(i, sch, pos_t, q0, known_tokens(req, known, known + 1))
         sl = slice(pos_t, pos_t + n)
         pos = np.arange(start, end, dtype=np.int32)
         positions[sl] = pos
@@ -178,18 +185,27 @@ def build_batch(out: SchedulerOutput, shape: tuple[int, int], page_size: int, ma
                              num_seqs=np.asarray([num], np.int32), slot_mapping=slots,
                              logits_indices=logits_idx, state_slots=seq_slots, lora_slots=lora_slots)
     return StepBatch(tokens, positions, meta, sampling, prev_src, hist_src, lp_rows, lp_targets, verify.build(),
-                     pool_seg)
+                     pool_seg, None if mtp_rows is None else mtp_rows.build())
+
+
+def known_tokens(req, start: int, stop: int) -> list[int]:
+    """The request's known tokens at positions [start, stop) (prompt, then output; fewer
+    where they end)."""
+    npr = len(req.prompt_ids)
+    return (list(req.prompt_ids[start:stop]) + list(req.output_ids[max(0, start - npr):max(0, stop - npr)]))[
+        :max(0, stop - start)]
 
 
 def dummy_batch(shape: tuple[int, int], max_pages: int, penalty_window: int, vocab_size: int,
-                prompt_rows: int = 1, state_slots: bool = False, pool: bool = False, lora: bool = False) -> StepBatch:
+                prompt_rows: int = 1, state_slots: bool = False, pool: bool = False, lora: bool = False,
+                verify_rows: int = 0, mtp: bool = False) -> StepBatch:
     """An all-padding batch of one bucket shape (warm-up): one live 1-token sequence on
     the null page whose write is skipped (slot -1)."""
     t_pad, s_pad = shape
     from jaxfill.engine.scheduler import SchedulerOutput
 
     b = build_batch(SchedulerOutput([], [], []), shape, 1, max_pages, vocab_size, penalty_window, prompt_rows,
-                    state_slots, pool=pool, lora=lora)
+                    state_slots, verify_rows=verify_rows, pool=pool, lora=lora, mtp=mtp)
     b.meta.cu_q_lens[1:] = 1
     b.meta.kv_lens[0] = 1
     b.meta.num_seqs[0] = 1

@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 from jaxfill.engine.lora.settings import LoraSettings
 from jaxfill.engine.checkpoint_settings import checkpoint_engine, checkpoint_name, describe
+from jaxfill.engine.speculative.mtp_settings import mtp_model
 from jaxfill.engine.presets import NOT_PRESETS, preset_names, read_preset  # noqa: F401 (their old home)
 from jaxfill.models.config import ConfigError, ModelConfig, flat_keys, int_quantization, quantization, read_config_json
 from jaxfill.engine.validation import validate
@@ -166,8 +167,8 @@ class MeshSettings:
         return self.tensor * self.expert
 
 
-SPEC_METHODS = ("none", "ngram", "suffix")  # built; DESIGN.md names mtp and eagle3 for later slices
-SPEC_LATER = ("mtp", "eagle3")
+SPEC_METHODS = ("none", "ngram", "suffix", "mtp")  # built; DESIGN.md names eagle3 for a later slice
+SPEC_LATER = ("eagle3",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,9 +178,11 @@ class SpeculativeSettings:
     lookup, the tokens that followed the most recent earlier occurrence of the last n
     tokens (n from ngram_max down to ngram_min). suffix: suffix decoding
     (engine/speculative/suffix.py), the most frequent continuation of the newest tokens in
-    the request and in recent requests' outputs, as long as it is likely enough."""
+    the request and in recent requests' outputs, as long as it is likely enough. mtp: the
+    checkpoint's multi-token-prediction layer (DeepSeek-V3, GLM-4.5; models/mtp.py) guesses
+    the token after the next, one proposal per decode (engine/speculative/mtp_step.py)."""
 
-    method: str = "none"  # "none" | "ngram" | "suffix"
+    method: str = "none"  # "none" | "ngram" | "suffix" | "mtp"
     num_tokens: int = 4  # proposals per decode and step (k)
     ngram_max: int = 4
     ngram_min: int = 2
@@ -203,7 +206,8 @@ class SpeculativeSettings:
 
     def __post_init__(self):
         if self.method in SPEC_LATER:
-            raise ConfigError(f"speculative.method = {self.method!r} is not built yet; use 'ngram', 'suffix' or 'none'")
+            raise ConfigError(f"speculative.method = {self.method!r} is not built yet; use 'ngram', 'suffix', 'mtp' "
+                              "or 'none'")
         if self.method not in SPEC_METHODS:
             raise ConfigError(f"speculative.method must be one of {', '.join(SPEC_METHODS)}, got {self.method!r}")
         if int(self.num_tokens) <= 0:
@@ -349,6 +353,8 @@ def load_config(config: str | None = None, overrides: Mapping[str, Any] | list[s
     if model.linear.layers:
         engine, mesh = hybrid_settings(model, engine, mesh)
     speculative = _build(SpeculativeSettings, {**data.get("speculative", {}), **extra.get("speculative", {})})
+    if speculative.method == "mtp":  # the checkpoint's MTP layer runs too (engine/speculative/mtp_settings.py)
+        model = mtp_model(model, speculative)
     lora = _build(LoraSettings, {**data.get("lora", {}), **extra.get("lora", {})})
     config = Config(name=name, model=model, engine=engine, mesh=mesh, model_path=model_path, speculative=speculative,
                     lora=lora)

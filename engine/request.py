@@ -279,6 +279,8 @@ class Request:
         self.embedding = None  # its vector once its prompt is done
         self.spec_backoff = None  # its speculative proposals' recent acceptance (engine/speculative/policy.py)
         self.spec_suffix = None  # its tokens as suffix decoding searches them (engine/speculative/suffix.py)
+        # the MTP proposer's guess (engine/speculative/mtp_step.py): (token, the num_tokens it follows)
+        self.mtp_draft: tuple[int, int] | None = None
         self.matcher = None  # llguidance LLMatcher of a structured_output request (engine/structured_output.py)
         # text
         self.detok = None

@@ -36,6 +36,7 @@ from jaxfill.engine.lockstep import (HEARTBEAT, KV_EXPORT, KV_IMPORT, KV_RESTORE
                                     USE_XLA, WEIGHT_OPS, Lockstep)
 from jaxfill.engine.disagg.runner_side import RunnerDisagg
 from jaxfill.engine.kv_tier.runner_side import RunnerKVTier
+from jaxfill.engine.speculative.mtp_step import step_mtp
 from jaxfill.engine.speculative.verify_rows import padding_rows
 from jaxfill.engine.step import StaticGraph, step, step_replicas
 from jaxfill.models.kv_cache import KVCache
@@ -53,6 +54,7 @@ class HostOutput:
     top_logprobs: np.ndarray  # [R * S, N]
     prompt: tuple | None = None  # a step that scored prompt rows: ([R * P] f32, [R * P, N] i32, [R * P, N] f32)
     pooled: np.ndarray | None = None  # a pooling step: [S, E] f32 per-sequence sums (engine/pooling/)
+    mtp: np.ndarray | None = None  # the MTP proposer's step: [S] i32 proposals (engine/speculative/mtp_step.py)
 
 
 class PendingOutput:
@@ -66,11 +68,12 @@ class PendingOutput:
     def get(self) -> HostOutput:
         if self._host is None:
             o = self._out
-            tokens, lp, ids, lps, prompt, pooled = jax.device_get((o.tokens, o.logprob, o.top_ids, o.top_logprobs,
-                                                                   o.prompt, o.pooled))
+            tokens, lp, ids, lps, prompt, pooled, mtp = jax.device_get((o.tokens, o.logprob, o.top_ids,
+                                                                        o.top_logprobs, o.prompt, o.pooled, o.mtp))
             self._host = HostOutput(np.asarray(tokens), np.asarray(lp), np.asarray(ids), np.asarray(lps),
                                     None if prompt is None else tuple(np.asarray(x) for x in prompt),
-                                    None if pooled is None else np.asarray(pooled))
+                                    None if pooled is None else np.asarray(pooled),
+                                    None if mtp is None else np.asarray(mtp))
             self._out = None
         return self._host
 
@@ -93,7 +96,8 @@ class Runner(RunnerKVTier, RunnerDisagg):
             self.batch_sharding = NamedSharding(self.mesh, spec)
         else:
             self.batch_sharding = None
-        self.step_fn = step_replicas if self.num_replicas > 1 else step  # the jitted step it runs
+        self.mtp = config.model.run_mtp  # every step runs the MTP proposer too (engine/speculative/mtp_step.py)
+        self.step_fn = step_mtp if self.mtp else step_replicas if self.num_replicas > 1 else step  # the jitted step
         self.state = state
         self.attention_impl = resolve_impl(model.attention_impl)  # the impl that serves
         self.attention_check = "not checked yet (warmup checks it)"
@@ -179,7 +183,8 @@ class Runner(RunnerKVTier, RunnerDisagg):
         the pooling program's."""
         s = self.config.engine
         one = dummy_batch(shape, s.max_pages_per_seq, s.penalty_window, self.config.model.vocab_size,
-                          self.prompt_rows, s.state_slots > 0, pool, self.config.lora.enabled)
+                          self.prompt_rows, s.state_slots > 0, pool, self.config.lora.enabled, self.verify_rows,
+                          self.mtp)
         if verify:
             one = dataclasses.replace(one, verify=padding_rows(self.verify_rows, s.penalty_window,
                                                                self.config.model.vocab_size))
@@ -390,4 +395,4 @@ class Runner(RunnerKVTier, RunnerDisagg):
         """Compiled programs held by the step jits (tests: no growth after warm-up)."""
         from jaxfill.engine.kv_tier.page_offload import KVOffload
 
-        return step._cache_size() + step_replicas._cache_size() + KVOffload.cache_size()
+        return step._cache_size() + step_replicas._cache_size() + step_mtp._cache_size() + KVOffload.cache_size()

@@ -68,6 +68,7 @@ class SampleOutput:
     # a step that scores prompt rows (engine/step.py): (logprob [P], top ids [P, N], top logprobs [P, N])
     prompt: tuple | None = None
     pooled: jax.Array | None = None  # a step with pooling rows (engine/pooling/): [S, E] f32 per-sequence sums
+    mtp: jax.Array | None = None  # the MTP proposer's step (engine/speculative/mtp_step.py): [S] i32 proposals
 
 
 def apply_penalties(logits: jax.Array,  # [S, V] f32

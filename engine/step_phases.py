@@ -98,7 +98,7 @@ class StepPhases:
                                                       self.vocab_size, s.penalty_window, self.runner.prompt_rows,
                                                       s.state_slots > 0, self.runner.verify_rows,
                                                       pool=not self.runner.has_head,
-                                                      lora=self.runner.config.lora.enabled)
+                                                      lora=self.runner.config.lora.enabled, mtp=self.runner.mtp)
                                           for sc in launch.scheds])
         except Exception as e:  # noqa: BLE001 - a bad request must not stop the engine
             outputs += self.fail(launch.scheds, e)
@@ -145,14 +145,29 @@ class StepPhases:
                         verified += len(sch.draft)
                         outputs += self._verified_outputs(sch, host, rows, now, defer_text)
                         done.add(id(sch))
+                        self._keep_mtp(sch, host, row)
                         continue
                     sampled = self.scheduler.update_from_output(sch, int(host.tokens[row]), now)
+                    self._keep_mtp(sch, host, row)
                     out = None if sampled is None else self._token_output(req, sampled, host, row, defer_text)
                 except Exception as e:  # noqa: BLE001 - this request fails, the others go on
                     out = self.finish(req, "error", error=f"{type(e).__name__}: {e}")
                 done.add(id(sch))
                 if out is not None:
                     outputs.append(out)
+
+    @staticmethod
+    def _keep_mtp(sch, host, row: int) -> None:
+        """[lock] The MTP proposer's guess from this step's last accepted row of the request,
+        kept with the number of tokens it follows (engine/speculative/mtp_step.py): its row at
+        position p guessed the token at p + 2, so it is the next proposal only when the
+        request holds p + 2 tokens now (a partial prefill's guess never is)."""
+        if host.mtp is None or sch.req.finished:
+            return
+        req = sch.req
+        accepted = req.num_tokens - (sch.start + sch.num_new - len(sch.draft)) - 1 if sch.draft else 0
+        p = sch.start + sch.num_new - len(sch.draft) - 1 + accepted  # the last accepted row's position
+        req.mtp_draft = (int(host.mtp[row]), p + 2)
 
     def _pooled_output(self, sch, host, row: int) -> RequestOutput | None:
         """[lock] A pooling request's chunk: its sum kept; at the prompt's end it finishes with

@@ -71,8 +71,15 @@ def scale_stack(name: str, num_in: int, stack: tuple) -> tuple:
 
 
 def hf_to_param(config: ModelConfig) -> dict[str, HFTensor | tuple[HFTensor, ...]]:
-    """HF tensor name -> where it goes (a tuple of parts for a fused tensor): the family's table."""
-    return family_of(config.architecture).tensors(config)
+    """HF tensor name -> where it goes (a tuple of parts for a fused tensor): the family's table,
+    and the multi-token-prediction layer's when the engine runs it (models/mtp.py)."""
+    from jaxfill.models.families.mtp_tensors import mtp_tensors
+
+    family = family_of(config.architecture)
+    table = family.tensors(config)
+    if config.run_mtp:
+        table.update(mtp_tensors(family, config))
+    return table
 
 
 def tensor_parts(spec) -> tuple[HFTensor, ...]:
@@ -196,6 +203,11 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
                                           int_fmt[1])) for spec in tensor_parts(table.pop(base)))
     if table:
         missing = sorted(table)
+        if config.run_mtp and any(name.startswith(f"model.layers.{config.num_layers}.") for name in missing):
+            raise CheckpointError(f"checkpoint {model_dir} has no multi-token-prediction layer (model.layers."
+                                  f"{config.num_layers}.*, e.g. {missing[0]}) although its config.json says "
+                                  "num_nextn_predict_layers > 0 (an export that strips it): use "
+                                  "speculative.method = ngram, suffix or none")
         raise CheckpointError(f"checkpoint {model_dir} is missing {len(missing)} tensors, e.g. {missing[:3]}")
     target = np.dtype(config.jnp_dtype)
     entries: dict[tuple, dict] = {}  # param path -> {indices in its stack: reader}

@@ -26,6 +26,7 @@ from jaxfill.models.layers import MLP, Embed, GatedMLP, RMSNorm, param
 from jaxfill.models.mixers import MixerContext, build_mixer
 from jaxfill.models.moe import MoE, is_moe_layer
 from jaxfill.models.moe_beside_dense import ExpertsBesideDense
+from jaxfill.models.mtp import MTPLayer
 from jaxfill.models.per_layer_inputs import PerLayerBlock, PerLayerInputs
 from jaxfill.models.parallel.pipeline import pipeline_layers, run_layers, stack_layers
 from jaxfill.models.sharding import constrain, rows_split_over_sequence
@@ -143,6 +144,8 @@ class Decoder(nnx.Module):
             self.lm_head_bias = param(rngs, (config.vocab_size,), ("vocab",), dt)
         if config.pooling.num_labels:  # a sequence-classification head (engine/pooling/head.py)
             self.score = param(rngs, (config.hidden_size, config.pooling.num_labels), ("embed", "labels"), dt)
+        if config.run_mtp:  # built last: the target's random-init draws stay what they were
+            self.mtp = MTPLayer(config, rngs, self.layer_class)
 
     def stream_in(self, x: jax.Array) -> jax.Array:  # [T, E] embedded -> what the layers carry
         return x
@@ -171,9 +174,12 @@ class Decoder(nnx.Module):
                  kv_cache: KVCache,
                  meta: AttentionMetadata,
                  pool_seg: jax.Array | None = None,  # [T] i32: each row's sequence to pool into, S = none
+                 hidden_rows: bool = False,
                  ):  # (logits [S, vocab] f32, cache), or with pool_seg (logits or None, cache, pooled [S, E] f32)
         """`pool_seg` (engine/pooling/): the last layer runs on every row, and the final-norm
-        hidden states are summed per sequence row; a model without an LM head returns no logits."""
+        hidden states are summed per sequence row; a model without an LM head returns no logits.
+        `hidden_rows` (the MTP proposer, models/mtp.py): the last layer runs on every row too,
+        and every row's final-norm hidden state [T, E] comes back third."""
         if kv_cache.stages != self.stages:
             raise ValueError(f"the cache is laid out for {kv_cache.stages} stage(s), the model for {self.stages}")
         x = self.embed(tokens)
@@ -191,15 +197,18 @@ class Decoder(nnx.Module):
             # caller asks for more rows than one per sequence (every-row logits, as
             # training and evaluation read them).
             one_row_per_seq = meta.logits_indices.shape[0] == meta.kv_lens.shape[0]
-            prune = one_row_per_seq and self.plan.prunes_last_layer and pool_seg is None
+            prune = one_row_per_seq and self.plan.prunes_last_layer and pool_seg is None and not hidden_rows
             if prune and rows_split_over_sequence():
                 raise ValueError("the execution plan runs the last layer on the sampled rows, but the mesh splits "
                                  "the rows over 'sequence': build the model with ExecutionPlan.of(..., mesh)")
             per_layer = None if self.per_layer_inputs is None else self.per_layer_inputs(tokens, x)
             x, new_pages, counts = run_layers(self.layers, x, positions, kv_cache.pages, meta,
                                               self.attention_impl, prune, per_layer=per_layer)
-            if not prune and pool_seg is None:
+            if not prune and pool_seg is None and not hidden_rows:
                 x = jnp.take(x, meta.logits_indices, axis=0)
+        if hidden_rows:  # x: every row [T, E]; the norm is per row, so the head reads the same rows
+            h = self.norm(self.stream_out(x))
+            return self.head(jnp.take(h, meta.logits_indices, axis=0)), kv_cache.updated(new_pages, counts), h
         if pool_seg is not None:  # x: every row [T, E]
             pooled = pool_rows(self.norm(self.stream_out(x)), pool_seg, meta.kv_lens.shape[0])
             logits = self.head(self.norm(jnp.take(self.stream_out(x), meta.logits_indices, axis=0))) \
@@ -207,6 +216,22 @@ class Decoder(nnx.Module):
             return logits, kv_cache.updated(new_pages, counts), pooled
         x = self.norm(constrain(self.stream_out(x), ("seqs", "act_embed")))  # [S, E]
         return self.head(x), kv_cache.updated(new_pages, counts)
+
+    def mtp_forward(self,
+                    hidden: jax.Array,  # [T, E] the target's final-norm hidden state of each row
+                    next_tokens: jax.Array,  # [T] i32 each row's next token
+                    positions: jax.Array,  # [T] i32
+                    kv_cache: KVCache,
+                    meta: AttentionMetadata,  # logits_indices: the rows whose guesses are wanted
+                    ):  # (z [T, E], logits [S, vocab] f32, cache)
+        """The MTP layer over the rows (models/mtp.py), writing its cache entry (the last one):
+        each row's guess at the token after its next one, from meta.logits_indices' rows."""
+        x = self.embed(next_tokens)
+        if self.config.embeddings.scale != 1.0:
+            x = x * jnp.asarray(self.config.embeddings.scale, x.dtype)
+        z, pages = self.mtp(x, hidden, positions, kv_cache.pages[-1], meta, self.attention_impl)
+        logits = self.head(self.mtp.norm(jnp.take(z, meta.logits_indices, axis=0)))
+        return z, logits, dataclasses.replace(kv_cache, pages=kv_cache.pages[:-1] + (pages,))
 
     @property
     def has_head(self) -> bool:

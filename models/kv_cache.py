@@ -86,6 +86,8 @@ class KVCache:
         `state_slots` slots, split by heads over 'tensor'; a layer running attention beside
         its linear mixer (Falcon-H1) holds both, a PagesAndState; hybrids run unstaged for now.
         An MLP-only layer (config.no_mixer_layers) holds nothing: its entry is None."""
+        if config.run_mtp and stages > 1:
+            raise ValueError("the MTP layer's cache entry is not laid out in stages")
         if config.num_layers % stages:
             raise ValueError(f"{config.num_layers} layers do not split into {stages} equal stages")
         replicas = int(dict(mesh.shape).get(DATA, 1)) if mesh is not None else 1
@@ -107,7 +109,8 @@ class KVCache:
         if mesh is not None:
             make = jax.jit(make, static_argnums=0, out_shardings=_cache_shardings(mesh, stages > 1, quantized))
             counter = jax.jit(counter, out_shardings=kv_cache_sharding(mesh, staged=stages > 1, axes=("replicas",)))
-        entries = range(config.num_layers // stages)
+        # the MTP proposer's layer (models/mtp.py) holds one more entry, after the target's
+        entries = range(config.num_layers // stages + (1 if config.run_mtp else 0))
         if config.linear.layers:
             if stages > 1:
                 raise ValueError("linear-attention hybrids run unstaged for now")
@@ -118,18 +121,22 @@ class KVCache:
                                           state() if j in config.linear.layers else None) for j in entries), stages)
         counters = None
         if config.moe.num_experts:  # stacked layouts hold one layer kind per entry (engine/config.check_stackable)
-            counters = tuple(counter() if is_moe_layer(config, j) else None for j in entries)
+            counters = tuple(counter() if is_moe_layer(config, j) and j < config.num_layers else None
+                             for j in entries)
         # an MLP-only layer holds nothing, nor does a layer reading an earlier one's pages (Gemma 4's E models)
         return cls(tuple(None if j in config.no_mixer_layers or config.kv_source(j) is not None else make(j)
                          for j in entries), stages, counters)
 
     def updated(self, pages, counts: tuple) -> "KVCache":
         """The cache after a forward: its new pages, and the forward's expert token counts
-        (run_layers' per-entry tuple) added to the running ones."""
+        (run_layers' per-entry tuple) added to the running ones. Entries after the forward's
+        (the MTP layer's, models/mtp.py) are kept as they were."""
+        pages = tuple(pages) + self.pages[len(pages):]
         if self.expert_tokens is None:
-            return KVCache(tuple(pages), self.stages)
-        return KVCache(tuple(pages), self.stages,
-                       tuple(None if old is None else old + new for old, new in zip(self.expert_tokens, counts)))
+            return KVCache(pages, self.stages)
+        return KVCache(pages, self.stages,
+                       tuple(None if old is None else old + new for old, new in zip(self.expert_tokens, counts))
+                       + self.expert_tokens[len(counts):])
 
     @property
     def _paged(self):  # the first layer's pages (a hybrid's linear layers hold states, MLP-only ones None)

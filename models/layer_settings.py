@@ -52,7 +52,8 @@ class LayerSettings(NamedTuple):
 def layer_settings(config: ModelConfig) -> LayerSettings:
     c = config
     a = c.attention
-    per_layer = [(a.layer_window(n), a.layer_chunk(n)) for n in range(c.num_layers)]
+    # the MTP proposer's layer (models/mtp.py) is number num_layers: full attention, the model's rope
+    per_layer = [(a.layer_window(n), a.layer_chunk(n)) for n in range(c.num_layers)] + [(None, None)] * c.run_mtp
     windows = tuple(dict.fromkeys(per_layer))
     global_dim = c.attention.global_head_dim or c.rope_dim  # Gemma 4's full layers: their own head dim
     global_rope = rope_parameters(global_dim, c.attention.rope_theta, c.attention.rope_scaling_dict,
@@ -62,7 +63,7 @@ def layer_settings(config: ModelConfig) -> LayerSettings:
                   else rope_parameters(c.rope_dim, c.attention.rope_local_theta, None, c.max_position_embeddings))
     widest = max(global_dim, c.rope_dim) // 2
     inv, scale, has, pairs = [], [], [], []
-    for n in range(c.num_layers):
+    for n in range(len(per_layer)):
         f, s = local_rope if per_layer[n][0] is not None else global_rope
         nope = n in c.attention.nope_layers
         inv.append(np.pad(np.zeros_like(f) if nope else f, (0, widest - f.shape[0])))
@@ -70,7 +71,7 @@ def layer_settings(config: ModelConfig) -> LayerSettings:
         has.append(not nope)
         pairs.append(f.shape[0])
     temperature = [0.0 if a.query_temperature_nope_only and has[n] else a.query_temperature_beta
-                   for n in range(c.num_layers)]
+                   for n in range(len(per_layer))]
     return LayerSettings(windows, np.asarray([windows.index(w) for w in per_layer], np.int32),
                          np.stack(inv).astype(np.float32), np.asarray(scale, np.float32), np.asarray(has),
                          np.asarray(temperature, np.float32), np.asarray(pairs, np.int32))

@@ -64,6 +64,8 @@ MLA = {"model.architecture": "DeepseekV3ForCausalLM", "model.kv_lora_rank": 32, 
        "model.rotary_dim": 16}
 DSA = {**MLA, "model.q_lora_rank": 16, "model.index_topk": 8, "model.index_n_heads": 2, "model.index_head_dim": 16,
        "model.head_dim": 64}
+# the MTP proposer on a random-init model that declares its layer (a checkpoint's num_nextn_predict_layers)
+MTP = {"model.mtp_layers": 1, "speculative.method": "mtp", "speculative.num_tokens": 1}
 # Gemma 4's shape: full layers with their own head dim beside sliding ones
 MIXED_KV = {"model.sliding_window": 8, "model.layer_types": ["sliding", "full"] * 2, "model.global_head_dim": 64}
 LONGCAT = {**MLA, "model.architecture": "LongcatFlashForCausalLM", "model.q_lora_rank": 16, "model.num_experts": 4,
@@ -115,15 +117,26 @@ BREAKS = {
     ("model.pooling", "mesh.stage"): ({"model.pooling": "mean", "mesh.stage": 2}, ()),
     ("model.pooling", "mesh.num_processes"): ({"model.score_token_ids": [1, 2], "mesh.num_processes": 2,
                                                "mesh.coordinator": "127.0.0.1:1"}, ()),
-    ("model.pooling", "speculative.method=ngram/suffix"): ({"model.pooling": "cls", "speculative.method": "ngram"}, ()),
-    ("linear", "speculative.method=ngram/suffix"): ({**HYBRID, "speculative.method": "suffix"}, ()),
-    ("mesh.data", "speculative.method=ngram/suffix"): ({"mesh.data": 2, "speculative.method": "ngram"}, ()),
-    ("mesh.stage", "speculative.method=ngram/suffix"): ({"mesh.stage": 2, "speculative.method": "suffix"}, ()),
-    ("mesh.sequence", "speculative.method=ngram/suffix"): ({"mesh.sequence": 2, "speculative.method": "ngram"}, ()),
-    ("mesh.num_processes", "speculative.method=ngram/suffix"): (
+    ("model.pooling", "speculative.method=ngram/suffix/mtp"): ({"model.pooling": "cls", "speculative.method": "ngram"}, ()),
+    ("linear", "speculative.method=ngram/suffix/mtp"): ({**HYBRID, "speculative.method": "suffix"}, ()),
+    ("mesh.data", "speculative.method=ngram/suffix/mtp"): ({"mesh.data": 2, "speculative.method": "ngram"}, ()),
+    ("mesh.stage", "speculative.method=ngram/suffix/mtp"): ({"mesh.stage": 2, "speculative.method": "suffix"}, ()),
+    ("mesh.sequence", "speculative.method=ngram/suffix/mtp"): ({"mesh.sequence": 2, "speculative.method": "ngram"}, ()),
+    ("mesh.num_processes", "speculative.method=ngram/suffix/mtp"): (
         {"mesh.num_processes": 2, "mesh.coordinator": "127.0.0.1:1", "speculative.method": "ngram"}, ()),
-    ("serve.role=prefill/decode", "speculative.method=ngram/suffix"): ({"speculative.method": "suffix"},
+    ("serve.role=prefill/decode", "speculative.method=ngram/suffix/mtp"): ({"speculative.method": "suffix"},
                                                                 ("serve.role=prefill/decode",)),
+    **{("speculative.method=mtp", cond): ({**MTP, **extra}, ()) for cond, extra in (
+        ("engine.scan_layers", {"engine.scan_layers": True}),
+        ("mesh.expert", {"model.architecture": "MixtralForCausalLM", "model.num_experts": 4,
+                         "model.experts_per_token": 2, "mesh.expert": 2}),
+        ("engine.host_kv_cache_gb", {"engine.host_kv_cache_gb": 1}),
+        ("engine.kv_cache_dtype=quantized", {"engine.kv_cache_dtype": "int8"}),
+        ("model.weight_dtype=int8", {"model.weight_dtype": "int8"}),
+        ("model.weight_dtype=fp8_block", {"model.weight_dtype": "fp8_block", "model.weight_block_size": [16, 16]}),
+        ("model.weight_dtype=int_group", {"model.weight_dtype": "int_group", "model.weight_group_size": 32}),
+        ("dsa", DSA),
+    )},
     **{("lora.max_loras", cond): ({"lora.max_loras": 2, **extra}, flags) for cond, extra, flags in (
         ("mla", MLA, ()),
         ("mesh.expert", {"model.architecture": "MixtralForCausalLM", "model.num_experts": 4,
@@ -139,7 +152,7 @@ BREAKS = {
         ("model.weight_dtype=fp8_block", {"model.weight_dtype": "fp8_block", "model.weight_block_size": [16, 16]},
          ()),
         ("model.weight_dtype=int_group", {"model.weight_dtype": "int_group", "model.weight_group_size": 32}, ()),
-        ("speculative.method=ngram/suffix", {"speculative.method": "suffix"}, ()),
+        ("speculative.method=ngram/suffix/mtp", {"speculative.method": "suffix"}, ()),
         ("serve.role=prefill/decode", {}, ("serve.role=prefill/decode",)),
     )},
     ("lora.max_loras", "moe", "mesh.tensor"): ({"lora.max_loras": 2, "model.architecture": "Qwen3MoeForCausalLM",

@@ -64,8 +64,9 @@ SETTINGS: dict[str, Callable] = {
     "model.dtype=bfloat16": lambda c: str(c.model.dtype) == "bfloat16",
     "model.weight_act_order=true": lambda c: bool(c.model.weight_act_order),
     "model.weight_int_scope=experts": lambda c: c.model.weight_int_scope == "experts",
-    "speculative.method=ngram/suffix": lambda c: c.speculative.enabled,
+    "speculative.method=ngram/suffix/mtp": lambda c: c.speculative.enabled,
     "lora.max_loras": lambda c: c.lora.enabled,
+    "speculative.method=mtp": lambda c: c.speculative.method == "mtp",
 }
 KINDS = ("attention", "mla", "gated_deltanet", "mamba2", "short_conv", "kda", "linear", "moe", "dsa", "mixed_kv", "shortcut")
 LINEAR_KINDS = ("gated_deltanet", "mamba2", "short_conv", "kda")  # each is also "linear"
@@ -179,10 +180,10 @@ RULES: tuple[Rule, ...] = (
         ("mesh.data", "pooled rows are laid out for one data replica", "mesh.data = 1"),
         ("mesh.stage", "pooled rows through pipeline stages are not tested", "mesh.stage = 1"),
         ("mesh.num_processes", "followers' replay of pooling steps is not built", "mesh.num_processes = 1"),
-        ("speculative.method=ngram/suffix", "verification beside pooled rows is not tested", "speculative.method = none"),
+        ("speculative.method=ngram/suffix/mtp", "verification beside pooled rows is not tested", "speculative.method = none"),
     )),
     # speculative decoding (engine/speculative/): proposals verified as rows of one replica's ragged step
-    *(Rule((cond, "speculative.method=ngram/suffix"), f"speculative decoding: {why}", change) for cond, why, change in (
+    *(Rule((cond, "speculative.method=ngram/suffix/mtp"), f"speculative decoding: {why}", change) for cond, why, change in (
         ("linear", "a recurrent state cannot roll back rejected proposals yet", "speculative.method = none"),
         ("mesh.data", "verification rows are laid out for one data replica", "speculative.method = none or "
          "mesh.data = 1"),
@@ -194,6 +195,21 @@ RULES: tuple[Rule, ...] = (
          "speculative.method = none or mesh.num_processes = 1"),
         ("serve.role=prefill/decode", "the KV hand-off is not tested with verification steps",
          "speculative.method = none or --role both"),
+    )),
+    # the MTP proposer (models/mtp.py, engine/speculative/mtp_step.py): one more cache entry, one more
+    # decoder layer in every step program; what it is not tested beside yet
+    *(Rule(("speculative.method=mtp", cond), f"speculative decoding with mtp: {why}",
+           f"speculative.method = ngram, suffix or none, or {change}") for cond, why, change in (
+        ("engine.scan_layers", "stacked layers have no MTP cache entry", "engine.scan_layers = false"),
+        ("mesh.expert", "the MTP layer's experts split over expert ranks are not tested", "mesh.expert = 1"),
+        ("engine.host_kv_cache_gb", "the host tier's copies of the MTP layer's pages are not tested",
+         "engine.host_kv_cache_gb = 0"),
+        ("engine.kv_cache_dtype=quantized", "a quantized MTP cache entry is not tested", "engine.kv_cache_dtype = auto"),
+        ("model.weight_dtype=int8", "the MTP layer's projections stay unquantized", "model.weight_dtype = auto"),
+        ("model.weight_dtype=fp8_block", "the MTP layer's fp8 projections are not read", "model.weight_dtype = auto"),
+        ("model.weight_dtype=int_group", "the MTP layer's packed projections are not read",
+         "model.weight_dtype = auto"),
+        ("dsa", "the MTP layer of a sparse-attention model (its indexer) is not built", "a model without dsa"),
     )),
     # multi-LoRA (engine/lora/, models/lora.py): per-row adapters on the unrolled layers' attention
     # q/k/v/o, gated-MLP and routed-expert projections of one replica; Llama, Qwen3 and Qwen3-MoE
@@ -211,7 +227,7 @@ RULES: tuple[Rule, ...] = (
         ("model.weight_dtype=int8", "beside int8 weights it is not tested", "model.weight_dtype = auto"),
         ("model.weight_dtype=fp8_block", "beside fp8 weights it is not tested", "model.weight_dtype = auto"),
         ("model.weight_dtype=int_group", "beside packed int weights it is not tested", "model.weight_dtype = auto"),
-        ("speculative.method=ngram/suffix", "verification rows with adapters are not tested", "speculative.method = none"),
+        ("speculative.method=ngram/suffix/mtp", "verification rows with adapters are not tested", "speculative.method = none"),
         ("serve.role=prefill/decode", "the KV hand-off does not carry the adapter", "--role both"),
     )),
     Rule(("lora.max_loras", "moe", "mesh.tensor"), "LoRA: the experts' adapter tables split over tensor are not "

@@ -2,8 +2,8 @@
 
     proposing()      whether a step may carry proposals at all (the batch-size switch,
                      engine/speculative/policy.py)
-    draft_for()      a running decode's proposals this step (engine/speculative/ngram.py or
-                     suffix.py),
+    draft_for()      a running decode's proposals this step (engine/speculative/ngram.py,
+                     suffix.py, or the MTP layer's guess the last step made: mtp_step.py),
                      cut to the token budget, max_tokens and max_model_len; none while the
                      request backs off
     verify()         the step's sampled rows decide how many proposals are accepted
@@ -64,6 +64,9 @@ class Verification:
                 self.max_model_len - total_tokens(req))
         if k <= 0:
             return []
+        if sp.method == "mtp":  # the MTP layer's guess from the step that brought the newest token
+            guess = req.mtp_draft
+            return [guess[0]] if guess is not None and guess[1] == req.num_tokens else []
         if self.suffix is not None:
             if req.spec_suffix is None:
                 req.spec_suffix = History()

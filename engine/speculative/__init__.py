@@ -5,4 +5,6 @@
     acceptance.py  which proposals a step's sampled rows accept, and the counters stats() reports
     verify_rows.py the rows of a step that verify proposals (batch.py builds them)
     policy.py      when proposing does not pay: the batch-size switch and per-request backoff
+    mtp_step.py    the step with the checkpoint's MTP layer as the proposer (models/mtp.py);
+                   mtp_rows.py its rows, mtp_settings.py what the config needs
 """

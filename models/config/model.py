@@ -93,6 +93,11 @@ class ModelConfig:
     # each behind its norm, unless named here; an MLP-only layer holds no cache entry (None)
     no_mlp_layers: tuple[int, ...] = ()
     no_mixer_layers: tuple[int, ...] = ()
+    # multi-token-prediction layers after the last one (DeepSeek-V3 / GLM-4.5's
+    # num_nextn_predict_layers); run_mtp: build and load the first as a speculative proposer
+    # (models/mtp.py; set by speculative.method = "mtp"), with one more KV cache entry
+    mtp_layers: int = 0
+    run_mtp: bool = False
     attention: AttentionConfig = AttentionConfig()
     mla: MLAConfig = MLAConfig()
     moe: MoEConfig = MoEConfig()

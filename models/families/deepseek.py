@@ -5,13 +5,15 @@ kv_a_proj_with_mqa + kv_a_layernorm, kv_b_proj absorbed), rope on qk_rope_head_d
 in DeepSeek's interleaved layout, YaRN with the mscale softmax correction; the first
 `first_k_dense_replace` layers dense, then sigmoid grouped routing with a correction
 bias beside shared experts (the router of GLM-4.5); V2: softmax routing, greedy top-k,
-no renormalisation. The multi-token-prediction layer is not run."""
+no renormalisation. The multi-token-prediction layer runs as a speculative proposer
+(speculative.method = "mtp", models/mtp.py)."""
 
 from __future__ import annotations
 
 import logging
 
 from jaxfill.models.families.base import Family, HFTensor, activation, same
+from jaxfill.models.families.mtp_tensors import skipped_mtp_prefixes
 from jaxfill.models.families.experts import expert_tensors, grouped_sigmoid_moe_tensors, shared_expert_tensors
 from jaxfill.models.moe import is_moe_layer
 from jaxfill.models.rope import yarn_mscale
@@ -27,7 +29,8 @@ class DeepseekV3(Family):
                           "n_shared_experts", "n_routed_experts", "num_experts_per_tok", "routed_scaling_factor",
                           "n_group", "topk_group", "first_k_dense_replace", "norm_topk_prob"})
     # num_key_value_heads: MLA has one latent per token whatever it says (transformers fills
-    # in num_attention_heads); the multi-token-prediction layer is a training head
+    # in num_attention_heads); num_nextn_predict_layers changes no number of the target (model_fields
+    # reads it into mtp_layers, the proposer speculative.method = "mtp" runs)
     inert = frozenset({"num_key_value_heads", "router_aux_loss_coef", "output_router_logits", "num_mtp_layers",
                        "num_nextn_predict_layers", "pretraining_tp", "ep_size", "moe_layer_freq",
                        "topk_method", "scoring_func", "seq_aux", "aux_loss_alpha"})
@@ -49,7 +52,8 @@ class DeepseekV3(Family):
         fields = dict(hidden_act=activation(hf), num_kv_heads=1, head_dim=lat + rope, rotary_dim=rope,
                       kv_lora_rank=lat, q_lora_rank=int(hf.get("q_lora_rank") or 0), qk_nope_head_dim=nope,
                       qk_rope_head_dim=rope, v_head_dim=int(hf["v_head_dim"]), query_scale=scale,
-                      rope_interleave=bool(hf.get("rope_interleave", True)))
+                      rope_interleave=bool(hf.get("rope_interleave", True)),
+                      mtp_layers=int(hf.get("num_nextn_predict_layers") or hf.get("num_mtp_layers") or 0))
         if experts and dense < layers:
             fields.update(num_experts=experts, experts_per_token=hf["num_experts_per_tok"],
                           moe_intermediate_size=hf["moe_intermediate_size"], dense_layers=tuple(range(dense)),
@@ -94,12 +98,13 @@ class DeepseekV3(Family):
 
     def skipped_prefixes(self, config, hf):
         """DeepSeek's checkpoints store their multi-token-prediction layers after the last
-        decoder layer (V3: model.layers.61.*); they serve speculative decoding, not run here."""
+        decoder layer (V3: model.layers.61.*); the first is loaded only to propose
+        (speculative.method = "mtp", models/families/mtp_tensors.py)."""
         n = int(hf.get("num_nextn_predict_layers") or hf.get("num_mtp_layers") or 0)
-        if n:
+        if n and not config.run_mtp:
             log.info("%s: skipping %d multi-token-prediction layer(s) in the checkpoint (model.layers.%d.*%s)",
                      config.architecture, n, config.num_layers, "" if n == 1 else f" to {config.num_layers + n - 1}")
-        return self.ignored_prefixes + tuple(f"model.layers.{config.num_layers + i}." for i in range(n))
+        return self.ignored_prefixes + skipped_mtp_prefixes(config, n)
 
 
 class DeepseekV2(DeepseekV3):

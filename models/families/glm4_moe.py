@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from jaxfill.models.families.base import Family, activation
 from jaxfill.models.families.experts import grouped_sigmoid_moe_tensors
+from jaxfill.models.families.mtp_tensors import skipped_mtp_prefixes
 from jaxfill.models.moe import is_moe_layer
 
 
@@ -17,7 +18,8 @@ class Glm4Moe(Family):
                           "n_shared_experts", "n_routed_experts", "num_local_experts", "routed_scaling_factor",
                           "n_group", "topk_group", "first_k_dense_replace", "norm_topk_prob", "use_qk_norm",
                           "partial_rotary_factor"})
-    # training only; the multi-token-prediction head is not run (its tensors are refused)
+    # training only; num_nextn_predict_layers changes no number of the target (model_fields reads
+    # it into mtp_layers: the proposer of speculative.method = "mtp", models/mtp.py)
     inert = frozenset({"router_aux_loss_coef", "output_router_logits", "num_mtp_layers",
                        "num_nextn_predict_layers"})
     partial_rotary = True
@@ -40,12 +42,19 @@ class Glm4Moe(Family):
                     router_scoring="sigmoid", router_bias=True, router_f32=True,
                     router_renormalize=bool(hf.get("norm_topk_prob", True)),
                     router_groups=int(hf.get("n_group") or 1), router_topk_groups=int(hf.get("topk_group") or 1),
-                    routed_scaling=float(hf.get("routed_scaling_factor", 1.0)), shared_expert_size=shared)
+                    routed_scaling=float(hf.get("routed_scaling_factor", 1.0)), shared_expert_size=shared,
+                    mtp_layers=int(hf.get("num_nextn_predict_layers") or hf.get("num_mtp_layers") or 0))
 
     def model_defaults(self, hidden_size):
         return dict(attention_bias=True, rotary_dim=0, num_experts=8, experts_per_token=2,
                     moe_intermediate_size=hidden_size, router_scoring="sigmoid", router_bias=True, router_f32=True,
                     shared_expert_size=hidden_size, dense_layers=(0,))
+
+    def skipped_prefixes(self, config, hf):
+        """GLM-4.5 stores its multi-token-prediction layer as model.layers.{num_hidden_layers}.*
+        (DeepSeek-V3's layout): loaded only to propose (models/families/mtp_tensors.py)."""
+        n = int(hf.get("num_nextn_predict_layers") or hf.get("num_mtp_layers") or 0)
+        return self.ignored_prefixes + skipped_mtp_prefixes(config, n)
 
     def mlp_tensors(self, c, p, layer):
         if not is_moe_layer(c, layer[1]):
