@@ -23,6 +23,7 @@ from jaxfill.engine.sampling_rows import empty_sampling, fill_sampling
 from jaxfill.engine.scheduler import SchedulerOutput
 from jaxfill.engine.speculative.verify_rows import VerifyRows, VerifyRowsBuilder
 from jaxfill.models.kv_cache import AttentionMetadata
+from jaxfill.models.vision.rows import VisionRows
 
 
 @jax.tree_util.register_dataclass
@@ -38,6 +39,7 @@ class StepBatch:
     lp_targets: jax.Array  # [P] i32: the prompt token each of those rows predicts
     verify: VerifyRows | None = None  # rows verifying proposals (engine/speculative/verify_rows.py)
     pool_seg: jax.Array | None = None  # [T] i32: the sequence row each token pools into, S = none (engine/pooling/)
+    vision: VisionRows | None = None  # multimodal rope positions and image rows (engine/vision/tower.py)
 
     @property
     def shape(self) -> tuple[int, int]:

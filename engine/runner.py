@@ -40,6 +40,7 @@ from jaxfill.engine.speculative.verify_rows import padding_rows
 from jaxfill.engine.step import StaticGraph, step, step_replicas
 from jaxfill.models.kv_cache import KVCache
 from jaxfill.models.quant import param_bytes
+from jaxfill.models.vision.rows import VisionRows
 from jaxfill.pallas_kernels import resolve_impl
 
 log = logging.getLogger("jaxfill.runner")
@@ -94,6 +95,7 @@ class Runner(RunnerKVTier, RunnerDisagg):
         else:
             self.batch_sharding = None
         self.step_fn = step_replicas if self.num_replicas > 1 else step  # the jitted step it runs
+        self.vision = None  # the vision tower (engine/vision/tower.py) of a model that reads images
         self.state = state
         self.attention_impl = resolve_impl(model.attention_impl)  # the impl that serves
         self.attention_check = "not checked yet (warmup checks it)"
@@ -183,6 +185,8 @@ class Runner(RunnerKVTier, RunnerDisagg):
         if verify:
             one = dataclasses.replace(one, verify=padding_rows(self.verify_rows, s.penalty_window,
                                                                self.config.model.vocab_size))
+        if self.config.model.attention.mrope_section:  # every step of such a model carries its positions
+            one = dataclasses.replace(one, vision=VisionRows(np.zeros((3, shape[0]), np.int32)))
         return stack_batches([one] * self.num_replicas)
 
     def mesh_context(self):

@@ -1,5 +1,7 @@
 """A random-init tiny Qwen3VLForConditionalGeneration (2 text layers, a 3-block vision tower
-with DeepStack after blocks 0 and 1), written once per session with save_pretrained."""
+with DeepStack after blocks 0 and 1, so the second add lands on the last layer's pruned rows)
+and its image processor's preprocessor_config.json (patch 8, merge 2, at most 128 x 128
+pixels), written with save_pretrained."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ torch = pytest.importorskip("torch", reason="the Hugging Face reference needs to
 IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 500, 501, 502, 503
 TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, rms_norm_eps=1e-5,
-            initializer_range=0.1, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+            initializer_range=0.4, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                     "mrope_section": [4, 2, 2], "mrope_interleaved": True})
 # patch 8, merge 2: a 448 x 448 image is a 56 x 56 patch grid, 784 tokens after merging
 VISION = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=8,
@@ -36,6 +38,10 @@ def tiny_qwen3_vl(directory: str) -> str:
             if name.endswith("bias") or "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(directory)
+    from transformers import Qwen2VLImageProcessorPil
+    Qwen2VLImageProcessorPil(patch_size=8, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3,
+                             image_std=[0.5] * 3, size={"shortest_edge": 32 * 32, "longest_edge": 128 * 128},
+                             ).save_pretrained(directory)
     return directory
 
 

@@ -1,0 +1,144 @@
+"""Images in prompts through the Engine against transformers' Qwen3VLForConditionalGeneration
+(random init, f32): greedy tokens and every step's top-20 logprobs for one image and for two
+images of different sizes; a chunk boundary inside an image; the prefix cache with the same
+image (a hit, the encoder not run again) and with another image (no page of the image span
+shared). The multimodal rope, the image rows, DeepStack and the rope delta of decode all
+show in the logprobs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.vision_models import IMAGE_TOKEN, VISION_END, VISION_START, hf_model, tiny_qwen3_vl, torch
+
+from jaxfill import Engine
+from jaxfill.engine.config import load_config
+from jaxfill.engine.request import InvalidRequest, SamplingParams
+from jaxfill.engine.vision.image_processor import image_batch
+from jaxfill.engine.vision.prompt import expand
+
+N_NEW = 6
+TOP = 20
+GREEDY = SamplingParams(max_tokens=N_NEW, ignore_eos=True, logprobs=TOP)
+RNG = np.random.default_rng(1)
+BIG = RNG.integers(0, 256, (128, 128, 3), np.uint8)  # 16 x 16 patches: 64 tokens
+WIDE = RNG.integers(0, 256, (40, 120, 3), np.uint8)  # resized to 32 x 128: 4 x 16 patches, 16 tokens
+OTHER = RNG.integers(0, 256, (128, 128, 3), np.uint8)  # BIG's size, other pixels
+
+
+def one_image():  # the image starts at row 6, inside the first 16-token page
+    return [11, 12, 13, 14, 15, VISION_START, IMAGE_TOKEN, VISION_END, 21, 22, 23, 24]
+
+
+def two_images():
+    return [31, 32, 33, VISION_START, IMAGE_TOKEN, VISION_END, 41, 42, 43, 44, 45, 46, VISION_START,
+            IMAGE_TOKEN, VISION_END, 51, 52, 53, 54]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return tiny_qwen3_vl(str(tmp_path_factory.mktemp("qwen3_vl_engine")))
+
+
+def _engine(ckpt, budget: int, buckets: list[int]) -> Engine:
+    over = {"engine.max_model_len": 512, "engine.num_pages": 64, "engine.max_num_seqs": 4,
+            "engine.max_num_batched_tokens": budget, "engine.token_buckets": buckets,
+            "engine.attention_impl": "reference"}
+    return Engine(load_config("tiny_random", over, ckpt), progress=False)
+
+
+@pytest.fixture(scope="module")
+def chunked(ckpt):  # 64-token steps: the 97-row two-image prompt splits at row 64, inside BIG
+    return _engine(ckpt, 64, [16, 64])
+
+
+@pytest.fixture(scope="module")
+def whole(ckpt):
+    return _engine(ckpt, 128, [16, 128])
+
+
+@pytest.fixture(scope="module")
+def hf(ckpt):
+    return hf_model(ckpt)
+
+
+def hf_generate(hf, engine, ids, images):
+    """(tokens, per step log_softmax [V]) of transformers' greedy generate."""
+    s = engine.runner.vision.settings
+    expanded, _ = expand(ids, images, s, IMAGE_TOKEN)
+    pixels, grids = image_batch(images, s)
+    inp = torch.tensor([expanded])
+    with torch.no_grad():
+        g = hf.generate(input_ids=inp, pixel_values=torch.from_numpy(pixels), image_grid_thw=torch.tensor(grids),
+                        mm_token_type_ids=(inp == IMAGE_TOKEN).int(), max_new_tokens=N_NEW, do_sample=False,
+                        output_logits=True, return_dict_in_generate=True)
+    lps = [torch.log_softmax(x[0].double(), -1).numpy() for x in g.logits]
+    return g.sequences[0, len(expanded):].tolist(), lps, len(expanded)
+
+
+def assert_matches(completion, ref):
+    tokens, lps, _ = ref
+    assert completion.token_ids == tokens
+    for step, ref_lp in zip(completion.logprobs, lps):
+        ids = [i for i, _ in step["top"]]
+        want = ref_lp[ids]
+        tol = 1e-5 * np.abs(want).max()  # 1e-5 of the scale, as every f32 parity test here
+        np.testing.assert_allclose(np.sort(ref_lp)[::-1][:TOP], want, atol=tol, rtol=0)  # ours are HF's top 20
+        np.testing.assert_allclose([v for _, v in step["top"]], want, atol=tol, rtol=0)
+
+
+def test_one_image_equals_transformers(chunked, hf):
+    ref = hf_generate(hf, chunked, one_image(), [BIG])
+    out = chunked.generate({"prompt": one_image(), "images": [BIG]}, GREEDY)[0]
+    assert out.prompt_tokens == ref[2] == len(one_image()) - 1 + 64
+    assert_matches(out, ref)
+
+
+def test_two_images_chunked_and_whole_equal_transformers(chunked, whole, hf):
+    """97 prompt rows: in 64-token steps a chunk ends at row 64, inside the first image."""
+    ref = hf_generate(hf, chunked, two_images(), [BIG, WIDE])
+    assert ref[2] == 97  # BIG holds rows 4..67
+    misses = chunked.stats()["encoder_cache_misses"]
+    assert_matches(chunked.generate({"prompt": two_images(), "images": [BIG, WIDE]}, GREEDY)[0], ref)
+    assert_matches(whole.generate({"prompt": two_images(), "images": [BIG, WIDE]}, GREEDY)[0], ref)
+    new = chunked.stats()["encoder_cache_misses"] - misses
+    assert new <= 2  # each image encoded once at most, though BIG's rows came in two chunks
+
+
+def test_text_only_prompt_is_plain_rope(whole, hf):
+    ids = [5, 6, 7, 8, 9, 10, 11]
+    with torch.no_grad():
+        g = hf.generate(input_ids=torch.tensor([ids]), max_new_tokens=N_NEW, do_sample=False)
+    assert whole.generate([ids], SamplingParams(max_tokens=N_NEW, ignore_eos=True))[0].token_ids == \
+        g[0, len(ids):].tolist()
+
+
+def test_prefix_cache_shares_an_image_only_with_itself(ckpt, hf):
+    """The same prompt and image again: its full pages are cached hits and the encoder's
+    output too; another image in the same text: no page holding image rows is shared (the
+    image starts on the first page, so nothing is), and the output is that image's."""
+    engine = _engine(ckpt, 64, [16, 64])
+    first = engine.generate({"prompt": one_image(), "images": [BIG]}, GREEDY)[0]
+    before = engine.stats()
+    again = engine.generate({"prompt": one_image(), "images": [BIG]}, GREEDY)[0]
+    after = engine.stats()
+    assert again.cached_tokens >= 64 and again.token_ids == first.token_ids
+    assert_matches(again, hf_generate(hf, engine, one_image(), [BIG]))
+    assert after["encoder_cache_misses"] == before["encoder_cache_misses"]
+    assert after["encoder_cache_hits"] > before["encoder_cache_hits"]
+    other = engine.generate({"prompt": one_image(), "images": [OTHER]}, GREEDY)[0]
+    assert other.cached_tokens == 0
+    assert engine.stats()["encoder_cache_misses"] == after["encoder_cache_misses"] + 1
+    ref = hf_generate(hf, engine, one_image(), [OTHER])
+    assert_matches(other, ref)
+    assert [s["top"] for s in other.logprobs] != [s["top"] for s in first.logprobs]
+
+
+def test_refusals(whole):
+    with pytest.raises(InvalidRequest, match="placeholders"):
+        whole.generate({"prompt": [1, 2, 3], "images": [BIG]}, GREEDY)
+    with pytest.raises(InvalidRequest, match="video"):
+        whole.generate({"prompt": one_image(), "videos": [BIG]}, GREEDY)
+    with pytest.raises(InvalidRequest, match="uint8"):
+        whole.generate({"prompt": one_image(), "images": [BIG.astype(np.float32)]}, GREEDY)
