@@ -44,7 +44,7 @@ def ckpt(tmp_path_factory):
 def _engine(ckpt, budget: int, buckets: list[int]) -> Engine:
     over = {"engine.max_model_len": 512, "engine.num_pages": 64, "engine.max_num_seqs": 4,
             "engine.max_num_batched_tokens": budget, "engine.token_buckets": buckets,
-            "engine.attention_impl": "reference"}
+            "engine.attention_impl": "reference", "engine.enable_prefix_caching": True}
     return Engine(load_config("tiny_random", over, ckpt), progress=False)
 
 
