@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.vision_models import config_json, hf_model, tiny_qwen3_vl, torch
+from vision_models import config_json, hf_model, tiny_qwen3_vl, torch
 
 from jaxfill.models.vision import grid
 from jaxfill.models.vision.config import vision_config

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.vision_models import IMAGE_TOKEN, VISION_END, VISION_START, hf_model, tiny_qwen3_vl, torch
+from vision_models import IMAGE_TOKEN, VISION_END, VISION_START, hf_model, tiny_qwen3_vl, torch
 
 from jaxfill import Engine
 from jaxfill.engine.config import load_config

@@ -43,9 +43,16 @@ def test_pixel_values_and_grids_equal_transformers():
 
 @pytest.mark.parametrize("hw", [(448, 448), (300, 410), (20, 50), (5, 900), (1000, 7)])
 def test_smart_size_equals_transformers(hw):
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+    smart_resize = pytest.importorskip("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl").smart_resize
     if max(hw) / min(hw) > 200:
         with pytest.raises(ValueError):
             smart_size(*hw, 16, 4096, 65536)
         return
     assert smart_size(*hw, 16, 4096, 65536) == smart_resize(*hw, factor=16, min_pixels=4096, max_pixels=65536)
+
+
+def test_smart_size_bounds_without_transformers():
+    """The three branches by hand: kept (rounded), shrunk (floor), grown (ceil)."""
+    assert smart_size(100, 60, 16, 1024, 65536) == (96, 64)
+    assert smart_size(448, 448, 16, 4096, 65536) == (256, 256)  # beta = 1.75
+    assert smart_size(20, 50, 16, 4096, 65536) == (48, 112)  # beta = sqrt(4096 / 1000)
