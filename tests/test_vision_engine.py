@@ -31,6 +31,10 @@ def one_image():  # the image starts at row 6, inside the first 16-token page
     return [11, 12, 13, 14, 15, VISION_START, IMAGE_TOKEN, VISION_END, 21, 22, 23, 24]
 
 
+def text_then_image():  # 18 text rows: the first page is text only, the image starts on the second
+    return list(range(60, 78)) + [VISION_START, IMAGE_TOKEN, VISION_END, 21, 22, 23]
+
+
 def two_images():
     return [31, 32, 33, VISION_START, IMAGE_TOKEN, VISION_END, 41, 42, 43, 44, 45, 46, VISION_START,
             IMAGE_TOKEN, VISION_END, 51, 52, 53, 54]
@@ -116,22 +120,22 @@ def test_text_only_prompt_is_plain_rope(whole, hf):
 
 def test_prefix_cache_shares_an_image_only_with_itself(ckpt, hf):
     """The same prompt and image again: its full pages are cached hits and the encoder's
-    output too; another image in the same text: no page holding image rows is shared (the
-    image starts on the first page, so nothing is), and the output is that image's."""
+    output too; another image after the same text: the text-only first page is shared, no
+    page holding image rows is, and the output is that image's."""
     engine = _engine(ckpt, 64, [16, 64])
-    first = engine.generate({"prompt": one_image(), "images": [BIG]}, GREEDY)[0]
+    prompt = text_then_image()
+    first = engine.generate({"prompt": prompt, "images": [BIG]}, GREEDY)[0]
     before = engine.stats()
-    again = engine.generate({"prompt": one_image(), "images": [BIG]}, GREEDY)[0]
+    again = engine.generate({"prompt": prompt, "images": [BIG]}, GREEDY)[0]
     after = engine.stats()
-    assert again.cached_tokens >= 64 and again.token_ids == first.token_ids
-    assert_matches(again, hf_generate(hf, engine, one_image(), [BIG]))
+    assert again.cached_tokens == 80 and again.token_ids == first.token_ids  # 5 full pages of 87 rows
+    assert_matches(again, hf_generate(hf, engine, prompt, [BIG]))
     assert after["encoder_cache_misses"] == before["encoder_cache_misses"]
     assert after["encoder_cache_hits"] > before["encoder_cache_hits"]
-    other = engine.generate({"prompt": one_image(), "images": [OTHER]}, GREEDY)[0]
-    assert other.cached_tokens == 0
+    other = engine.generate({"prompt": prompt, "images": [OTHER]}, GREEDY)[0]
+    assert other.cached_tokens == 16  # the text page; the image's rows start at row 19
     assert engine.stats()["encoder_cache_misses"] == after["encoder_cache_misses"] + 1
-    ref = hf_generate(hf, engine, one_image(), [OTHER])
-    assert_matches(other, ref)
+    assert_matches(other, hf_generate(hf, engine, prompt, [OTHER]))
     assert [s["top"] for s in other.logprobs] != [s["top"] for s in first.logprobs]
 
 
