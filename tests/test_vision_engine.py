@@ -10,16 +10,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vision_models import IMAGE_TOKEN, VISION_END, VISION_START, hf_model, tiny_qwen3_vl, torch
+from vision_models import (IMAGE_TOKEN, N_NEW, TOP, VISION_END, VISION_START, assert_matches, hf_generate,
+                           hf_model, tiny_qwen3_vl, torch)
 
 from jaxfill import Engine
 from jaxfill.engine.config import load_config
 from jaxfill.engine.request import InvalidRequest, SamplingParams
-from jaxfill.engine.vision.image_processor import image_batch
-from jaxfill.engine.vision.prompt import expand
 
-N_NEW = 6
-TOP = 20
 GREEDY = SamplingParams(max_tokens=N_NEW, ignore_eos=True, logprobs=TOP)
 RNG = np.random.default_rng(1)
 BIG = RNG.integers(0, 256, (128, 128, 3), np.uint8)  # 16 x 16 patches: 64 tokens
@@ -65,31 +62,6 @@ def whole(ckpt):
 @pytest.fixture(scope="module")
 def hf(ckpt):
     return hf_model(ckpt)
-
-
-def hf_generate(hf, engine, ids, images):
-    """(tokens, per step log_softmax [V]) of transformers' greedy generate."""
-    s = engine.runner.vision.settings
-    expanded, _ = expand(ids, images, s, IMAGE_TOKEN)
-    pixels, grids = image_batch(images, s)
-    inp = torch.tensor([expanded])
-    with torch.no_grad():
-        g = hf.generate(input_ids=inp, pixel_values=torch.from_numpy(pixels), image_grid_thw=torch.tensor(grids),
-                        mm_token_type_ids=(inp == IMAGE_TOKEN).int(), max_new_tokens=N_NEW, do_sample=False,
-                        output_logits=True, return_dict_in_generate=True)
-    lps = [torch.log_softmax(x[0].double(), -1).numpy() for x in g.logits]
-    return g.sequences[0, len(expanded):].tolist(), lps, len(expanded)
-
-
-def assert_matches(completion, ref):
-    tokens, lps, _ = ref
-    assert completion.token_ids == tokens
-    for step, ref_lp in zip(completion.logprobs, lps):
-        ids = [i for i, _ in step["top"]]
-        want = ref_lp[ids]
-        tol = 1e-5 * np.abs(want).max()  # 1e-5 of the scale, as every f32 parity test here
-        np.testing.assert_allclose(np.sort(ref_lp)[::-1][:TOP], want, atol=tol, rtol=0)  # ours are HF's top 20
-        np.testing.assert_allclose([v for _, v in step["top"]], want, atol=tol, rtol=0)
 
 
 def test_one_image_equals_transformers(chunked, hf):

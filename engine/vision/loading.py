@@ -10,7 +10,8 @@ from jaxfill.engine.vision.tower import VisionTower
 from jaxfill.models.vision.config import vision_config
 from jaxfill.models.vision.weights import load_encoder
 
-VISION_ARCHITECTURES = ("Qwen3VLForConditionalGeneration",)  # the towers models/vision/ builds
+# the towers models/vision/ builds (Qwen3.5's is Qwen3-VL's without DeepStack)
+VISION_ARCHITECTURES = ("Qwen3VLForConditionalGeneration", "Qwen3_5ForConditionalGeneration")
 
 
 def checkpoint_json(config) -> dict:
