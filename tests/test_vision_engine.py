@@ -42,9 +42,10 @@ def ckpt(tmp_path_factory):
     return tiny_qwen3_vl(str(tmp_path_factory.mktemp("qwen3_vl_engine")))
 
 
-def _engine(ckpt, budget: int, buckets: list[int]) -> Engine:
+def _engine(ckpt, budget: int, buckets: list[int], async_scheduling: bool = True) -> Engine:
     over = {"engine.max_model_len": 512, "engine.num_pages": 64, "engine.max_num_seqs": 4,
             "engine.max_num_batched_tokens": budget, "engine.token_buckets": buckets,
+            "engine.async_scheduling": async_scheduling,
             "engine.attention_impl": "reference", "engine.enable_prefix_caching": True}
     return Engine(load_config("tiny_random", over, ckpt), progress=False)
 
@@ -55,8 +56,8 @@ def chunked(ckpt):  # 64-token steps: the 97-row two-image prompt splits at row 
 
 
 @pytest.fixture(scope="module")
-def whole(ckpt):
-    return _engine(ckpt, 128, [16, 128])
+def whole(ckpt):  # and synchronous: the chunked engine schedules asynchronously (the default)
+    return _engine(ckpt, 128, [16, 128], async_scheduling=False)
 
 
 @pytest.fixture(scope="module")
