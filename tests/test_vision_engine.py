@@ -20,7 +20,7 @@ from jaxfill.engine.request import InvalidRequest, SamplingParams
 GREEDY = SamplingParams(max_tokens=N_NEW, ignore_eos=True, logprobs=TOP)
 RNG = np.random.default_rng(1)
 BIG = RNG.integers(0, 256, (128, 128, 3), np.uint8)  # 16 x 16 patches: 64 tokens
-WIDE = RNG.integers(0, 256, (40, 120, 3), np.uint8)  # resized to 32 x 128: 4 x 16 patches, 16 tokens
+WIDE = RNG.integers(0, 256, (48, 120, 3), np.uint8)  # to 48 x 128: 6 x 16 patches (encoded padded to 128), 24 tokens
 OTHER = RNG.integers(0, 256, (128, 128, 3), np.uint8)  # BIG's size, other pixels
 
 
@@ -51,7 +51,7 @@ def _engine(ckpt, budget: int, buckets: list[int], async_scheduling: bool = True
 
 
 @pytest.fixture(scope="module")
-def chunked(ckpt):  # 64-token steps: the 97-row two-image prompt splits at row 64, inside BIG
+def chunked(ckpt):  # 64-token steps: the 105-row two-image prompt splits at row 64, inside BIG
     return _engine(ckpt, 64, [16, 64])
 
 
@@ -73,9 +73,9 @@ def test_one_image_equals_transformers(chunked, hf):
 
 
 def test_two_images_chunked_and_whole_equal_transformers(chunked, whole, hf):
-    """97 prompt rows: in 64-token steps a chunk ends at row 64, inside the first image."""
+    """105 prompt rows: in 64-token steps a chunk ends at row 64, inside the first image."""
     ref = hf_generate(hf, chunked, two_images(), [BIG, WIDE])
-    assert ref[2] == 97  # BIG holds rows 4..67
+    assert ref[2] == 105  # BIG holds rows 4..67
     misses = chunked.stats()["encoder_cache_misses"]
     assert_matches(chunked.generate({"prompt": two_images(), "images": [BIG, WIDE]}, GREEDY)[0], ref)
     assert_matches(whole.generate({"prompt": two_images(), "images": [BIG, WIDE]}, GREEDY)[0], ref)

@@ -91,7 +91,8 @@ def rope_index(length: int, spans: list[tuple[int, tuple[int, int, int], int]],
     return pos, int(pos.max()) + 1 - length if length else 0
 
 
-def expand(ids: list[int], images: list, settings: ImageSettings, image_token_id: int) -> tuple[list[int], PromptImages]:
+def expand(ids: list[int], images: list, settings: ImageSettings,
+           image_token_id: int) -> tuple[list[int], PromptImages]:
     """(the expanded ids, their PromptImages) of a prompt with one image_token_id per image."""
     at = [i for i, t in enumerate(ids) if t == image_token_id]
     if len(at) != len(images):

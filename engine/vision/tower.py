@@ -1,7 +1,8 @@
 """The vision side of an engine: the encoder, its per-image output cache, and each step's
 VisionRows (models/vision/rows.py).
 
-The encoder runs outside the step, once per image: a prompt's image may be split across
+The encoder runs outside the step, once per image (padded to a power-of-two patch count,
+so a few compiled shapes serve every image size): a prompt's image may be split across
 prefill chunks (or recomputed after preemption), and its rows then read the cached output
 by their offset in the image. Entries are keyed by the image's digest (ImageSpan.key), so a
 second prompt with the same image is a hit; `hits` / `misses` count them (Engine.stats).
@@ -22,6 +23,13 @@ from jaxfill.engine.vision.prompt import ImageSpan
 from jaxfill.models.vision import grid
 from jaxfill.models.vision.qwen3_vl import VisionEncoder
 from jaxfill.models.vision.rows import ImageRows, VisionRows
+
+
+def patch_bucket(n: int) -> int:
+    """Rows an image of n patches is padded to: a power of two (at least 64), so images of
+    any size share a few compiled encoders; the padding is its own attention segment and
+    its merged rows are dropped, so the image's rows are exactly the unpadded ones."""
+    return max(64, 1 << (n - 1).bit_length())
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -52,9 +60,15 @@ class VisionTower:
             return got
         self.misses += 1
         lay = grid.layout([span.grid], self.cfg.spatial_merge_size, self.cfg.grid_side)
-        tokens, deep = _encode(self.graphdef, self.state, jnp.asarray(span.pixels), lay.rows_cols, lay.taps,
-                               lay.tap_weights, lay.segments)
-        got = (np.asarray(tokens, np.float32), np.asarray(deep, np.float32))
+        n = span.pixels.shape[0]
+        rows = patch_bucket(n)
+        pad = ((0, rows - n),)
+        tokens, deep = _encode(self.graphdef, self.state, jnp.asarray(np.pad(span.pixels, pad + ((0, 0),))),
+                               np.pad(lay.rows_cols, pad + ((0, 0),)), np.pad(lay.taps, pad + ((0, 0),)),
+                               np.pad(lay.tap_weights, pad + ((0, 0),)),
+                               np.pad(lay.segments, pad, constant_values=-1))  # padding attends to itself only
+        m = n // self.cfg.merge_unit
+        got = (np.asarray(tokens[:m], np.float32), np.asarray(deep[:, :m], np.float32))
         self._cache[span.key] = got
         while len(self._cache) > self.capacity:
             self._cache.popitem(last=False)
