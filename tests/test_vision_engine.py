@@ -110,6 +110,13 @@ def test_prefix_cache_shares_an_image_only_with_itself(ckpt, hf):
     assert engine.stats()["encoder_cache_misses"] == after["encoder_cache_misses"] + 1
     assert_matches(other, hf_generate(hf, engine, prompt, [OTHER]))
     assert [s["top"] for s in other.logprobs] != [s["top"] for s in first.logprobs]
+    # a request named as the sibling of one with the same ids but another image shares nothing of it
+    a = engine.add_request({"prompt": prompt, "images": [BIG]}, GREEDY)
+    b = engine.add_request({"prompt": prompt, "images": [OTHER]}, GREEDY, after=a)
+    done = {}
+    while len(done) < 2:
+        done.update({o.request_id: o.completion for o in engine.step() if o.finished})
+    assert done[a].token_ids == first.token_ids and done[b].token_ids == other.token_ids
 
 
 def test_refusals(whole):

@@ -65,6 +65,12 @@ class PromptImages:
         return out
 
 
+def image_keys(images: PromptImages | None) -> tuple[bytes, ...]:
+    """The digests of a request's images in order (() for text only): two prompts with equal
+    ids share prefilled pages only if these are equal too."""
+    return () if images is None else tuple(s.key for s in images.spans)
+
+
 def image_key(pixels: np.ndarray, grid: tuple[int, int, int]) -> bytes:
     h = hashlib.blake2b(digest_size=16)
     h.update(np.asarray(grid, np.int64).tobytes())
