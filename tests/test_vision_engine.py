@@ -126,3 +126,7 @@ def test_refusals(whole):
         whole.generate({"prompt": one_image(), "videos": [BIG]}, GREEDY)
     with pytest.raises(InvalidRequest, match="uint8"):
         whole.generate({"prompt": one_image(), "images": [BIG.astype(np.float32)]}, GREEDY)
+    text_only = Engine(load_config("tiny_random", {"engine.num_pages": 16, "engine.max_model_len": 128}),
+                       progress=False, warmup=False)  # refused before any step: nothing compiles
+    with pytest.raises(InvalidRequest, match="no vision tower"):
+        text_only.generate({"prompt": [1, 2, 3], "images": [BIG]}, GREEDY)
