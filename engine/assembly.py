@@ -23,6 +23,7 @@ from jaxfill.engine.request_factory import RequestFactory
 from jaxfill.engine.runner import Runner
 from jaxfill.engine.scheduler import ReplicaScheduler
 from jaxfill.engine.tokenizer import IdsOnlyTokenizer
+from jaxfill.engine.vision.loading import build_vision
 
 
 @dataclasses.dataclass
@@ -61,8 +62,10 @@ def assemble(config: Config, model=None, progress: bool = True, compile_cache: s
     scheduler = ReplicaScheduler(s, runner.num_replicas, tier=offload and offload.tier,
                                  on_evict=offload and offload.on_evict, page_ranks=config.mesh.sequence,
                                  speculative=config.speculative)
+    runner.vision = build_vision(config)
     lora = None
     if config.lora.enabled:
         lora = LoraSlots(config.lora, runner)
         lora.warm()
-    return Parts(config, runner, scheduler, RequestFactory(config, tokenizer, scheduler.requests), shapes, lora)
+    factory = RequestFactory(config, tokenizer, scheduler.requests, vision=runner.vision)
+    return Parts(config, runner, scheduler, factory, shapes, lora)

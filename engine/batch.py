@@ -24,6 +24,7 @@ from jaxfill.engine.scheduler import SchedulerOutput
 from jaxfill.engine.speculative.mtp_rows import MTPRows, MTPRowsBuilder
 from jaxfill.engine.speculative.verify_rows import VerifyRows, VerifyRowsBuilder
 from jaxfill.models.kv_cache import AttentionMetadata
+from jaxfill.models.vision.rows import VisionRows
 
 
 @jax.tree_util.register_dataclass
@@ -40,6 +41,7 @@ class StepBatch:
     verify: VerifyRows | None = None  # rows verifying proposals (engine/speculative/verify_rows.py)
     pool_seg: jax.Array | None = None  # [T] i32: the sequence row each token pools into, S = none (engine/pooling/)
     mtp: MTPRows | None = None  # the MTP proposer's rows (engine/speculative/mtp_rows.py), in every step of it
+    vision: VisionRows | None = None  # multimodal rope positions and image rows (engine/vision/tower.py)
 
     @property
     def shape(self) -> tuple[int, int]:

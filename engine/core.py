@@ -44,6 +44,7 @@ from jaxfill.engine.disagg.facade import Disaggregation
 from jaxfill.engine.request import InvalidRequest, QueueFull, Request, RequestOutput, SamplingParams
 from jaxfill.engine.step_phases import StepPhases
 from jaxfill.engine.stepping import StepGuard
+from jaxfill.engine.vision.prompt import image_keys
 
 
 class EngineCore:
@@ -146,7 +147,8 @@ class EngineCore:
                 req = self.factory.new(ids, params, request_id, priority, with_text=not self.defer_text)
                 req.lora_slot, req.lora_key = lora_slot, lora_key
                 sibling = self.requests.get(after) if after is not None else None
-                if sibling is not None and self.settings.enable_prefix_caching and sibling.prompt_ids == ids:
+                if sibling is not None and self.settings.enable_prefix_caching and sibling.prompt_ids == ids \
+                        and image_keys(sibling.images) == image_keys(req.images):  # same images too
                     req.prefill_after = sibling
                 self.scheduler.add(req, replica)
                 return req.request_id

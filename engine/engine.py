@@ -167,7 +167,7 @@ class Engine:
         side by side (Completion.index). Every prompt is checked before any is added; on
         any exception (KeyboardInterrupt included) its requests are aborted and their
         outputs dropped, then the exception propagates."""
-        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         if isinstance(params, (list, tuple)):
             if len(params) != len(prompts):
                 raise InvalidRequest("params", f"{len(params)} SamplingParams for {len(prompts)} prompts")
@@ -266,6 +266,7 @@ class Engine:
                 # params + KV pool + step state on this process's devices (what sleep released not counted)
                 "device_bytes": sleep_mode.engine_device_bytes(self.runner, self._sleep.level),
                 **(self.core.lora.stats() if self.core.lora is not None else {}),
+                **(self.runner.vision.stats() if self.runner.vision is not None else {}),  # engine/vision/
             }
 
     def _host_tier_stats(self) -> dict:

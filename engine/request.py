@@ -274,6 +274,7 @@ class Request:
         self.state_slot: int | None = None  # its recurrent-state slot while running (linear-attention hybrids)
         self.lora_slot = 0  # its adapter's device slot (0 = none; engine/lora/slots.py), fixed while it lives
         self.lora_key: str | None = None  # its adapter's name and load, mixed into its prefix hashes
+        self.images = None  # its prompt's images (engine/vision/prompt.py PromptImages), None: text only
         self.pooling: PoolingParams | None = None  # a pooling request (engine/pooling/): prefilled, never decoded
         self.pool_parts: list[tuple] = []  # its chunks' (start, end, sum [E]) (engine/pooling/vectors.py)
         self.embedding = None  # its vector once its prompt is done

@@ -14,10 +14,16 @@ import random
 from jaxfill.engine.loading import validate_prompt
 from jaxfill.engine.request import InvalidRequest, PoolingParams, Request, SamplingParams
 from jaxfill.engine.structured_output import GrammarCompiler
+from jaxfill.engine.vision.prompt import expand
+
+
+class PromptIds(list):
+    """A prompt's ids with its images (engine/vision/prompt.py PromptImages) attached."""
+    images = None
 
 
 class RequestFactory:
-    def __init__(self, config, tokenizer, unfinished: dict):
+    def __init__(self, config, tokenizer, unfinished: dict, vision=None):
         self.settings = config.engine
         self.vocab_size = config.model.vocab_size
         self.eos_token_ids = config.model.eos_token_id or ()
@@ -28,6 +34,7 @@ class RequestFactory:
         self._ids = itertools.count()
         self._seeds = random.Random(self.settings.seed)
         self.grammars = GrammarCompiler(self.vocab_size)
+        self.vision = vision  # the model's VisionTower (engine/vision/tower.py), None: text only
 
     def check(self, prompt, params: SamplingParams | None = None, priority: int = 0) -> tuple[list[int], SamplingParams]:
         """Everything about one request that needs no queue: (prompt ids, params)."""
@@ -41,6 +48,10 @@ class RequestFactory:
         if params.logprobs == -1:  # every token: a vocabulary this small fits the sampler's top-N
             params = dataclasses.replace(params, logprobs=self.vocab_size)
         ids = self._encode(prompt)
+        if isinstance(ids, PromptIds) and (params.truncate_prompt_tokens is not None or
+                                           params.prompt_logprobs is not None):
+            raise InvalidRequest("images", "truncate_prompt_tokens and prompt_logprobs are not supported "
+                                           "with images")
         if params.truncate_prompt_tokens is not None:
             ids = ids[-params.truncate_prompt_tokens:]  # the caller asked to keep the end
         s = self.settings
@@ -74,6 +85,10 @@ class RequestFactory:
                                  f"(engine.num_pages x engine.page_size)")
 
     def _encode(self, prompt) -> list[int]:
+        if isinstance(prompt, PromptIds):  # checked once already (Engine.generate, then add_request)
+            return prompt
+        if isinstance(prompt, dict):
+            return self._with_images(prompt)
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
         try:
@@ -122,7 +137,32 @@ class RequestFactory:
         req = Request(request_id, ids, params, priority, next(self._arrivals), seed,
                       eos_token_ids=self.eos_token_ids)
         req.detok = self.tokenizer.detokenizer(ids) if with_text else None
+        req.images = getattr(ids, "images", None)
         if params.structured_output is not None:
             req.matcher = self.grammars.matcher(self.grammars.check(params.structured_output, self.tokenizer),
                                                 self.tokenizer)
         return req
+
+    def _with_images(self, prompt: dict) -> list[int]:
+        """{"prompt": text or ids, "images": [PIL image or [H, W, 3] uint8 array, ...]}: the ids
+        with each image's placeholder expanded, the images attached (PromptIds)."""
+        unknown = set(prompt) - {"prompt", "images"}
+        if unknown:
+            what = "video is not supported (images only)" if {"videos", "video"} & unknown else \
+                f"unknown keys {sorted(unknown)}"
+            raise InvalidRequest("prompt", f"a prompt dict holds 'prompt' and 'images': {what}")
+        if "prompt" not in prompt:
+            raise InvalidRequest("prompt", "a prompt dict needs its 'prompt' (text or token ids)")
+        ids = self._encode(prompt["prompt"])
+        images = list(prompt.get("images") or [])
+        if not images:
+            return ids
+        if self.vision is None:
+            raise InvalidRequest("images", "this model has no vision tower: it reads text only (docs/vision.md)")
+        try:
+            expanded, info = expand(ids, images, self.vision.settings, self.vision.image_token_id)
+        except (ValueError, TypeError) as e:
+            raise InvalidRequest("images", str(e)) from None
+        out = PromptIds(expanded)
+        out.images = info
+        return out

@@ -32,6 +32,7 @@ from flax import nnx
 
 from jaxfill.engine.batch import StepBatch, dummy_batch, stack_batches
 from jaxfill.engine.expert_load import ExpertLoad
+from jaxfill.engine.pending_output import HostOutput, PendingOutput
 from jaxfill.engine.lockstep import (HEARTBEAT, KV_EXPORT, KV_IMPORT, KV_RESTORE, KV_SAVE, KV_WARMUP, RESET, RUN, STOP,
                                     USE_XLA, WEIGHT_OPS, Lockstep)
 from jaxfill.engine.disagg.runner_side import RunnerDisagg
@@ -41,41 +42,10 @@ from jaxfill.engine.speculative.verify_rows import padding_rows
 from jaxfill.engine.step import StaticGraph, step, step_replicas
 from jaxfill.models.kv_cache import KVCache
 from jaxfill.models.quant import param_bytes
+from jaxfill.models.vision.rows import VisionRows
 from jaxfill.pallas_kernels import resolve_impl
 
 log = logging.getLogger("jaxfill.runner")
-
-
-@dataclasses.dataclass
-class HostOutput:
-    tokens: np.ndarray  # [R * S] i32, replica-major
-    logprob: np.ndarray  # [R * S] f32
-    top_ids: np.ndarray  # [R * S, N]
-    top_logprobs: np.ndarray  # [R * S, N]
-    prompt: tuple | None = None  # a step that scored prompt rows: ([R * P] f32, [R * P, N] i32, [R * P, N] f32)
-    pooled: np.ndarray | None = None  # a pooling step: [S, E] f32 per-sequence sums (engine/pooling/)
-    mtp: np.ndarray | None = None  # the MTP proposer's step: [S] i32 proposals (engine/speculative/mtp_step.py)
-
-
-class PendingOutput:
-    """A dispatched step's sampled rows, still on the device (jax dispatch is asynchronous):
-    `get()` waits for them. Async scheduling dispatches the next step before calling it."""
-
-    def __init__(self, out):
-        self._out = out
-        self._host: HostOutput | None = None
-
-    def get(self) -> HostOutput:
-        if self._host is None:
-            o = self._out
-            tokens, lp, ids, lps, prompt, pooled, mtp = jax.device_get((o.tokens, o.logprob, o.top_ids,
-                                                                        o.top_logprobs, o.prompt, o.pooled, o.mtp))
-            self._host = HostOutput(np.asarray(tokens), np.asarray(lp), np.asarray(ids), np.asarray(lps),
-                                    None if prompt is None else tuple(np.asarray(x) for x in prompt),
-                                    None if pooled is None else np.asarray(pooled),
-                                    None if mtp is None else np.asarray(mtp))
-            self._out = None
-        return self._host
 
 
 class Runner(RunnerKVTier, RunnerDisagg):
@@ -98,6 +68,7 @@ class Runner(RunnerKVTier, RunnerDisagg):
             self.batch_sharding = None
         self.mtp = config.model.run_mtp  # every step runs the MTP proposer too (engine/speculative/mtp_step.py)
         self.step_fn = step_mtp if self.mtp else step_replicas if self.num_replicas > 1 else step  # the jitted step
+        self.vision = None  # the vision tower (engine/vision/tower.py) of a model that reads images
         self.state = state
         self.attention_impl = resolve_impl(model.attention_impl)  # the impl that serves
         self.attention_check = "not checked yet (warmup checks it)"
@@ -188,6 +159,8 @@ class Runner(RunnerKVTier, RunnerDisagg):
         if verify:
             one = dataclasses.replace(one, verify=padding_rows(self.verify_rows, s.penalty_window,
                                                                self.config.model.vocab_size))
+        if self.config.model.attention.mrope_section:  # every step of such a model carries its positions
+            one = dataclasses.replace(one, vision=VisionRows(np.zeros((3, shape[0]), np.int32)))
         return stack_batches([one] * self.num_replicas)
 
     def mesh_context(self):

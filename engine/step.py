@@ -101,12 +101,13 @@ def _step_body(forward, batch: StepBatch, prev_tokens: jax.Array,  # [P] i32
     if verify is not None:  # they come last, after the sampled and scored rows
         meta = dataclasses.replace(meta, logits_indices=jnp.concatenate([meta.logits_indices, verify.rows]))
     pooled = None
+    extra = {} if batch.vision is None else {"vision": batch.vision}  # one replica only (capability table)
     with jax.named_scope("model"):
         if batch.pool_seg is None:
-            logits, kv_cache = forward(batch.tokens.reshape(n), batch.positions.reshape(n), meta)
+            logits, kv_cache = forward(batch.tokens.reshape(n), batch.positions.reshape(n), meta, **extra)
         else:  # the pooling variant: every row's final-norm hidden state, summed per sequence
             logits, kv_cache, pooled = forward(batch.tokens.reshape(n), batch.positions.reshape(n), meta,
-                                               pool_seg=batch.pool_seg.reshape(n))
+                                               pool_seg=batch.pool_seg.reshape(n), **extra)
     if logits is None:  # a model without an LM head: it only pools, nothing is sampled
         return pooled_only(pooled), kv_cache, prev_tokens
     if verify is not None:  # [S (+ P) + Q, V] -> the rest, and the Q verification rows
@@ -159,7 +160,7 @@ def step(graph: StaticGraph,
          scores_prompt: bool = False,
          ) -> tuple[SampleOutput, KVCache, jax.Array]:  # [S] rows, cache, [P] tokens
     model = nnx.merge(graph.graphdef, state)
-    return _step_body(lambda tokens, positions, meta, **pool: model(tokens, positions, kv_cache, meta, **pool), batch,
+    return _step_body(lambda tokens, positions, meta, **kw: model(tokens, positions, kv_cache, meta, **kw), batch,
                       prev_tokens, scores_prompt)
 
 

@@ -16,6 +16,7 @@ stats() reports and ends requests for both (`finish`).
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 import traceback
@@ -100,6 +101,10 @@ class StepPhases:
                                                       pool=not self.runner.has_head,
                                                       lora=self.runner.config.lora.enabled, mtp=self.runner.mtp)
                                           for sc in launch.scheds])
+            vision = self.runner.vision
+            if vision is not None:  # one replica (the capability table refuses mesh.data with images)
+                launch.batch = dataclasses.replace(launch.batch, vision=vision.rows(launch.scheds[0].seqs,
+                                                                                    launch.shape[0]))
         except Exception as e:  # noqa: BLE001 - a bad request must not stop the engine
             outputs += self.fail(launch.scheds, e)
             return None

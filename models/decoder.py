@@ -29,7 +29,9 @@ from jaxfill.models.moe_beside_dense import ExpertsBesideDense
 from jaxfill.models.mtp import MTPLayer
 from jaxfill.models.per_layer_inputs import PerLayerBlock, PerLayerInputs
 from jaxfill.models.parallel.pipeline import pipeline_layers, run_layers, stack_layers
+from jaxfill.models.rope import mrope_axes, mrope_positions
 from jaxfill.models.sharding import constrain, rows_split_over_sequence
+from jaxfill.models.vision.rows import VisionRows
 
 
 def mlp(c: ModelConfig, rngs: nnx.Rngs, index: int):
@@ -175,14 +177,26 @@ class Decoder(nnx.Module):
                  meta: AttentionMetadata,
                  pool_seg: jax.Array | None = None,  # [T] i32: each row's sequence to pool into, S = none
                  hidden_rows: bool = False,
+                 vision: VisionRows | None = None,
                  ):  # (logits [S, vocab] f32, cache), or with pool_seg (logits or None, cache, pooled [S, E] f32)
         """`pool_seg` (engine/pooling/): the last layer runs on every row, and the final-norm
         hidden states are summed per sequence row; a model without an LM head returns no logits.
         `hidden_rows` (the MTP proposer, models/mtp.py): the last layer runs on every row too,
-        and every row's final-norm hidden state [T, E] comes back third."""
+        and every row's final-norm hidden state [T, E] comes back third.
+        `vision` (models/vision/rows.py): the (t, h, w) positions the multimodal rope turns
+        with, the image rows that replace their placeholder embeddings, and DeepStack's adds."""
         if kv_cache.stages != self.stages:
             raise ValueError(f"the cache is laid out for {kv_cache.stages} stage(s), the model for {self.stages}")
         x = self.embed(tokens)
+        rope_positions = deepstack = None
+        if vision is not None:
+            if self.plan.layer_groups != 1:
+                raise ValueError("images and multimodal rope run on the unrolled layout only (no scan, no stages)")
+            a = self.config.attention
+            rope_positions = mrope_positions(vision.mrope, mrope_axes(a.mrope_section, self.config.rope_dim // 2))
+            if vision.images is not None:
+                x = jnp.where(vision.images.mask[:, None], vision.images.embeds.astype(x.dtype), x)
+                deepstack = vision.images.deepstack
         if self.config.embeddings.scale != 1.0:
             x = x * jnp.asarray(self.config.embeddings.scale, x.dtype)
         x = self.stream_in(x)
@@ -203,7 +217,8 @@ class Decoder(nnx.Module):
                                  "the rows over 'sequence': build the model with ExecutionPlan.of(..., mesh)")
             per_layer = None if self.per_layer_inputs is None else self.per_layer_inputs(tokens, x)
             x, new_pages, counts = run_layers(self.layers, x, positions, kv_cache.pages, meta,
-                                              self.attention_impl, prune, per_layer=per_layer)
+                                              self.attention_impl, prune, per_layer=per_layer,
+                                              rope_positions=rope_positions, deepstack=deepstack)
             if not prune and pool_seg is None and not hidden_rows:
                 x = jnp.take(x, meta.logits_indices, axis=0)
         if hidden_rows:  # x: every row [T, E]; the norm is per row, so the head reads the same rows

@@ -135,8 +135,24 @@ def _proportional(head_dim: int, theta: float, scaling: dict) -> np.ndarray:
     return (inv / np.float32(scaling.get("factor", 1.0))).astype(np.float32)
 
 
+def mrope_axes(section: tuple[int, ...], half: int) -> np.ndarray:  # [D/2] int32: 0 = t, 1 = h, 2 = w
+    """Which position axis turns each rotary frequency in Qwen3-VL's interleaved layout:
+    frequency i follows h where i % 3 == 1 and i < 3 * section[1], w where i % 3 == 2 and
+    i < 3 * section[2], t elsewhere (its section is what remains)."""
+    axes = np.zeros(half, np.int32)
+    for axis in (1, 2):
+        axes[axis:3 * section[axis]:3] = axis
+    return axes
+
+
+def mrope_positions(pos3: jax.Array,  # [3, T] int32: (t, h, w) of each row
+                    axes: np.ndarray,  # [D/2] from mrope_axes
+                    ) -> jax.Array:  # [T, D/2] int32: the position each frequency turns with
+    return jnp.take(pos3, jnp.asarray(axes), axis=0).T
+
+
 def apply_rope(x: jax.Array,  # [T, H, D]
-               positions: jax.Array,  # [T] int32
+               positions: jax.Array,  # [T] int32, or [T, R/2] a position per frequency (mrope_positions)
                inv_freq,  # [R/2] f32 (numpy or traced), R <= D the dims turned
                scale=1.0,  # [] cos/sin multiplier (yarn's attention factor)
                interleaved: bool = False,
@@ -157,7 +173,8 @@ def apply_rope(x: jax.Array,  # [T, H, D]
         return apply_rope(x.astype(jnp.float32), positions, inv_freq, scale).astype(x.dtype)
     if rot < x.shape[-1]:
         return jnp.concatenate([apply_rope(x[..., :rot], positions, inv_freq, scale), x[..., rot:]], axis=-1)
-    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)[None, :]
+    per_freq = positions if positions.ndim == 2 else positions[:, None]
+    freqs = per_freq.astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)[None, :]
     emb = jnp.concatenate([freqs, freqs], axis=-1)  # [T, D]
     cos, sin = jnp.cos(emb), jnp.sin(emb)
     if not (isinstance(scale, float) and scale == 1.0):

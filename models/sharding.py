@@ -74,6 +74,7 @@ RULES: dict[str, Any] = {
     "head_dim": None,
     "mlp": HEADS,
     "norm": None,
+    "vision": None,  # every weight of a vision tower (models/vision/): small beside the decoder, replicated
     "labels": None,  # a sequence-classification head's outputs (models/decoder.py score)
     "experts": EXPERT,  # a MoE layer's stacked experts (models/moe.py)
     "moe_mlp": TENSOR,  # an expert's intermediate columns

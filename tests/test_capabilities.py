@@ -71,6 +71,8 @@ MIXED_KV = {"model.sliding_window": 8, "model.layer_types": ["sliding", "full"] 
 LONGCAT = {**MLA, "model.architecture": "LongcatFlashForCausalLM", "model.q_lora_rank": 16, "model.num_experts": 4,
            "model.zero_experts": 2, "model.experts_per_token": 2, "model.moe_intermediate_size": 32,
            "model.moe_shortcut": True, "model.router_bias": True}
+# Qwen3-VL's text tower: (t, h, w) rope sections over the 16 frequencies of a 32-wide head
+MROPE = {"model.architecture": "Qwen3VLForConditionalGeneration", "model.mrope_section": [8, 4, 4]}
 # one config (tiny_random overrides, extra flags) that breaks each rule and no earlier one
 BREAKS = {
     ("mixed_kv", "engine.scan_layers"): ({**MIXED_KV, "engine.scan_layers": True}, ()),
@@ -158,6 +160,18 @@ BREAKS = {
     ("lora.max_loras", "moe", "mesh.tensor"): ({"lora.max_loras": 2, "model.architecture": "Qwen3MoeForCausalLM",
                                               "model.num_experts": 4, "model.experts_per_token": 2,
                                               "mesh.tensor": 2}, ()),
+    **{("mrope", cond): ({**MROPE, **extra}, flags) for cond, extra, flags in (
+        ("mesh.data", {"mesh.data": 2}, ()),
+        ("mesh.sequence", {"mesh.sequence": 2}, ()),
+        ("mesh.stage", {"mesh.stage": 2}, ()),
+        ("mesh.num_processes", {"mesh.num_processes": 2, "mesh.coordinator": "127.0.0.1:1"}, ()),
+        ("engine.scan_layers", {"engine.scan_layers": True}, ()),
+        ("speculative.method=ngram/suffix/mtp", {"speculative.method": "ngram"}, ()),
+        ("lora.max_loras", {"lora.max_loras": 2}, ()),
+        ("model.pooling", {"model.pooling": "last"}, ()),
+        ("engine.host_kv_cache_gb", {"engine.host_kv_cache_gb": 1}, ()),
+        ("serve.role=prefill/decode", {}, ("serve.role=prefill/decode",)),
+    )},
 }
 
 

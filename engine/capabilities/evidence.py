@@ -28,6 +28,9 @@ def _each(test: str, families: tuple[str, ...], columns: tuple[str, ...]) -> tup
 
 
 EVIDENCE: tuple[Evidence, ...] = (
+    # Qwen3-VL with images against transformers (engine/vision/): the same image cached, another not
+    Evidence("tests/test_vision_engine.py::test_prefix_cache_shares_an_image_only_with_itself", ("qwen3_vl",),
+             ("engine.enable_prefix_caching",)),
     # Engine.embed / score against sentence-transformers and transformers (engine/pooling/)
     *_each("tests/test_embed.py::test_embeddings_equal_the_references", ("qwen3", "llama"), ("model.pooling",)),
     # Llama (tiny_random) through the Engine, each layout against one device

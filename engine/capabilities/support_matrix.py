@@ -69,8 +69,12 @@ MARK = {"tested": "✓", "untested": "·", "refused": "✗"}
 
 
 def _short(architecture: str) -> str:
-    """`Qwen3_5MoeForCausalLM` -> Qwen3_5Moe; an image-text class names its text tower."""
-    return architecture.replace("ForCausalLM", "").replace("ForConditionalGeneration", " (text tower)")
+    """`Qwen3_5MoeForCausalLM` -> Qwen3_5Moe; an image-text class names its text tower, unless
+    its images are read too (engine/vision/)."""
+    from jaxfill.engine.vision.loading import VISION_ARCHITECTURES
+
+    images = " (images)" if architecture in VISION_ARCHITECTURES else " (text tower)"
+    return architecture.replace("ForCausalLM", "").replace("ForConditionalGeneration", images)
 
 
 def matrix_markdown() -> str:

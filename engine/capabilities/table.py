@@ -10,7 +10,7 @@ A condition is a capability key (a config setting that is "on": `mesh.tensor` me
 mesh.tensor > 1), a model kind (`mla`, `moe`, `linear`, `gated_deltanet`, `mamba2`,
 `short_conv`, `kda`, `attention`, `dsa`: DeepSeek sparse attention's indexer,
 `mixed_kv`: attention layers of two shapes, Gemma 4's global ones, `shortcut`: LongCat-Flash's
-MoE carried to the next layer), `platform=cpu`, or
+MoE carried to the next layer, `mrope`: Qwen3-VL's (t, h, w) rope, whose steps carry images), `platform=cpu`, or
 `serve.role=prefill/decode`; a leading `!` negates it.
 """
 
@@ -68,7 +68,8 @@ SETTINGS: dict[str, Callable] = {
     "lora.max_loras": lambda c: c.lora.enabled,
     "speculative.method=mtp": lambda c: c.speculative.method == "mtp",
 }
-KINDS = ("attention", "mla", "gated_deltanet", "mamba2", "short_conv", "kda", "linear", "moe", "dsa", "mixed_kv", "shortcut")
+KINDS = ("attention", "mla", "gated_deltanet", "mamba2", "short_conv", "kda", "linear", "moe", "dsa", "mixed_kv", "shortcut",
+         "mrope")
 LINEAR_KINDS = ("gated_deltanet", "mamba2", "short_conv", "kda")  # each is also "linear"
 
 
@@ -87,6 +88,8 @@ def model_kinds(model) -> frozenset[str]:
         kinds.add("mixed_kv")
     if model.moe.shortcut:
         kinds.add("shortcut")
+    if model.attention.mrope_section:
+        kinds.add("mrope")
     return frozenset(kinds)
 
 
@@ -95,6 +98,7 @@ def family_kinds(family) -> frozenset[str]:
     kinds = set(family.mixers) | ({"moe"} if family.experts else set()) | ({"dsa"} if family.indexer else set())
     kinds |= {"mixed_kv"} if family.mixed_kv else set()
     kinds |= {"shortcut"} if family.shortcut else set()
+    kinds |= {"mrope"} if family.multimodal_rope else set()
     return frozenset(kinds | ({"linear"} if kinds & set(LINEAR_KINDS) else set()))
 
 
@@ -232,6 +236,23 @@ RULES: tuple[Rule, ...] = (
     )),
     Rule(("lora.max_loras", "moe", "mesh.tensor"), "LoRA: the experts' adapter tables split over tensor are not "
          "tested", "lora.max_loras = 0 or mesh.tensor = 1"),
+    # images (engine/vision/, docs/vision.md): Qwen3-VL's (t, h, w) positions and image rows ride
+    # one replica's unrolled step beside its tokens
+    *(Rule(("mrope", cond), f"images and (t, h, w) rope: {why}", change) for cond, why, change in (
+        ("mesh.data", "image rows are laid out for one data replica", "mesh.data = 1"),
+        ("mesh.sequence", "image rows split over sequence ranks are not built", "mesh.sequence = 1"),
+        ("mesh.stage", "pipeline microbatches do not carry image rows or DeepStack's adds", "mesh.stage = 1"),
+        ("mesh.num_processes", "followers' replay of image rows is not built", "mesh.num_processes = 1"),
+        ("engine.scan_layers", "DeepStack adds after chosen layers, which a scan does not single out",
+         "engine.scan_layers = false"),
+        ("speculative.method=ngram/suffix/mtp", "verification rows have no (t, h, w) positions",
+         "speculative.method = none"),
+        ("lora.max_loras", "adapters on this family are not built", "lora.max_loras = 0"),
+        ("model.pooling", "pooled rows with images are not tested", "model.pooling = none"),
+        ("engine.host_kv_cache_gb", "the host tier with image pages is not tested", "engine.host_kv_cache_gb = 0"),
+        ("serve.role=prefill/decode", "the KV hand-off does not carry the prompt's positions or images",
+         "--role both"),
+    )),
 )
 
 

@@ -28,6 +28,8 @@ class PrefixLookup:
         full = upto_tokens // self.page_size
         if len(req.page_hashes) < full:
             ids = req.all_ids()[:full * self.page_size]
+            if req.images is not None:  # an image's rows hash as its digest, not its placeholder id
+                ids = req.images.hash_ids(ids)
             parent = req.page_hashes[-1] if req.page_hashes else None
             salt = req.params.cache_salt  # an adapter's pages are its own (engine/lora/slots.py)
             if req.lora_key is not None:

@@ -60,7 +60,7 @@ RENAMED = {
 FLAT_KEYS = {**{f.name: (section, f.name) for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)
                 if (section, f.name) not in RENAMED.values()}, **RENAMED}
 TUPLE_KEYS = ("weight_block_size", "mlp_scales", "linear_part_scales", "layer_types", "nope_layers", "dense_layers",
-              "linear_layers", "no_mlp_layers", "no_mixer_layers",
+              "linear_layers", "no_mlp_layers", "no_mixer_layers", "mrope_section",
               "score_token_ids")
 
 

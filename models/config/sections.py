@@ -30,6 +30,10 @@ class AttentionConfig:
     rope_local_theta: float | None = None  # rope base of "sliding" layers, unscaled (Gemma 3)
     # the rope dims come in (even, odd) pairs (DeepSeek V3's layout in MLA; GLM's and ERNIE 4.5's in attention)
     rope_interleave: bool = False
+    # Qwen3-VL's multimodal rope: frequency i turns with the (t, h, w) position axis that its
+    # section gives (interleaved: h at i % 3 == 1 below 3 * h, w at i % 3 == 2 below 3 * w, else t;
+    # models/rope.py mrope_axes); () = one position per token. Text-only rows give t = h = w.
+    mrope_section: tuple[int, ...] = ()
     rope_f32: bool = False  # q and k rotated in f32 and rounded once (OLMo 2/3); else in the model dtype
     rotary_dim: int = 0  # rope over each head's first rotary_dim dims (partial rotary, GLM); 0: all
     nope_layers: tuple[int, ...] = ()  # layers without rotary embedding (SmolLM3)

@@ -75,6 +75,7 @@ class Family:
     indexer = False  # DeepSeek sparse attention's lightning indexer over MLA (kind "dsa")
     mixed_kv = False  # attention layers of two shapes (Gemma 4's global layers: ModelConfig.mixed_kv)
     shortcut = False  # a MoE whose output skips to the next layer (kind "shortcut", models/shortcut_decoder.py)
+    multimodal_rope = False  # (t, h, w) positions and image rows (kind "mrope", engine/vision/)
     tested = ""  # what the parity tests show, for `jaxfill models` and the README table
 
     # --- config.json -> ModelConfig ------------------------------------------------

@@ -86,14 +86,28 @@ class Qwen3_5(Family):
 
 
 class Qwen3_5Multimodal(Qwen3_5):
-    """The text tower of an image-text Qwen3.5 checkpoint (what Qwen/Qwen3.5-* publish): the
-    config's `text_config`, the weights under `model.language_model.`; the vision tower and
-    the MTP layers are skipped. Text-only prompts give every mrope section the same
-    position, the plain rope."""
+    """An image-text Qwen3.5 checkpoint (what Qwen/Qwen3.5-* publish): the config's
+    `text_config`, the weights under `model.language_model.`, the MTP layers skipped. Its
+    vision tower (`model.visual.`: Qwen3-VL's without DeepStack) loads beside the decoder
+    (engine/vision/), and the attention layers turn the quarter of each head they rope with
+    the (t, h, w) sections of `mrope_section` (models/rope.py mrope_axes)."""
+    name = "qwen3_5_vl"
     architectures = ("Qwen3_5ForConditionalGeneration",)
     prefix = "model.language_model."
     ignored_prefixes = ("model.visual.", "mtp.")
-    tested = "HF f32 logits of the text tower (text-only prompts), vision weights skipped"
+    multimodal_rope = True
+    tested = "HF f32 logits and greedy tokens with an image, its rows split over prefill chunks (engine/vision/)"
+
+    def model_fields(self, hf):
+        rope = hf.get("rope_parameters") or {}
+        section = tuple(int(s) for s in rope.get("mrope_section") or ())
+        fields = super().model_fields(hf)
+        if section and sum(section) != fields["rotary_dim"] // 2:
+            raise ConfigError(f"config.json mrope_section {list(section)} must sum to the roped half-dims "
+                              f"{fields['rotary_dim'] // 2}")
+        if rope.get("mrope_interleaved", True) is not True:
+            raise ConfigError("config.json mrope_interleaved=false (Qwen2-VL's blocked layout) is not supported")
+        return dict(fields, mrope_section=section)
 
     def to_model_config(self, hf, architecture):
         text = dict(hf.get("text_config") or {})

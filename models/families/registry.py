@@ -18,7 +18,7 @@ MODULES = ("llama", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "olmo3", "glm"
            "deepseek", "qwen3_5", "qwen3_next", "qwen3_5_moe", "nemotron_h", "olmoe", "minimax_m2", "ernie4_5",
            "hunyuan", "phimoe", "lfm2", "lfm2_moe", "llama4", "granitemoehybrid",
            "kimi_linear", "deepseek_dsa", "gemma4", "bailing_hybrid", "longcat",
-           "afmoe", "mistral4", "falcon_h1")
+           "afmoe", "mistral4", "falcon_h1", "qwen3_vl")
 
 # Architectures known and refused, with why (their config.json is never half-read)
 REFUSED = {

@@ -133,7 +133,8 @@ class Attention(nnx.Module):
             inv_freq, scale = settings.rope(ctx.layer)
             rope = functools.partial(apply_rope, inv_freq=inv_freq, scale=scale, interleaved=a.rope_interleave,
                                      in_f32=a.rope_f32)
-            q, k = rope(q, ctx.sampled(ctx.positions)), _maybe(functools.partial(rope, positions=ctx.positions), k)
+            turns = ctx.positions if ctx.rope_positions is None else ctx.rope_positions
+            q, k = rope(q, ctx.sampled(turns)), _maybe(functools.partial(rope, positions=turns), k)
         if a.qk_norm_after_rope:
             q, k = self._norm_qk(q, k, settings, ctx.layer)
         beta = settings.of_layer(settings.temperature, ctx.layer)

@@ -29,6 +29,9 @@ class MixerContext:
     # layer no other row feeds anything (the execution plan's prunes_last_layer)
     sampled_only: bool = False
     per_layer_input: jax.Array | None = None  # [T, L, P] Gemma 4's per-layer inputs (models/per_layer_inputs.py)
+    # [T, R/2] int32: the position each rotary frequency turns with (Qwen3-VL's mrope,
+    # models/rope.py mrope_positions); None: `positions` for every frequency
+    rope_positions: jax.Array | None = None
 
     def sampled(self, rows: jax.Array) -> jax.Array:  # [T, ...] -> [S, ...] when sampled_only
         return jax.numpy.take(rows, self.meta.logits_indices, axis=0) if self.sampled_only else rows

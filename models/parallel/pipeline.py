@@ -91,21 +91,27 @@ def microbatch_metadata(meta,  # AttentionMetadata of the whole step
                                slot_mapping=jnp.where(valid, slots, -1).astype(jnp.int32))
 
 
-def run_layers(layers, x, positions, pages, meta, impl, prune_last: bool = False, row=0, per_layer=None):
+def run_layers(layers, x, positions, pages, meta, impl, prune_last: bool = False, row=0, per_layer=None,
+               rope_positions=None, deepstack=None):
     """The one layer loop of every layout: the unrolled model's L layers, and one stage's
     (or one scan step's) group of K, which is row `row` (traced there) of the stacked
     modules: module i of it is layer row * K + i. `prune_last`: the last layer runs on
     the sampled rows only (the execution plan's prunes_last_layer). `per_layer`: Gemma 4's
     per-layer inputs [T, L, P]; its KV-sharing layers (`kv_source`, unrolled only) attend
     over an earlier layer's new pages and hold none. Returns x, the new pages and each
-    layer's expert token counts ([experts] int32; None for a dense layer)."""
+    layer's expert token counts ([experts] int32; None for a dense layer). `rope_positions`
+    [T, R/2]: Qwen3-VL's per-frequency positions; `deepstack` [L', T, E]: what layer l < L'
+    adds to its output rows (image rows; zeros elsewhere), unrolled only."""
     new, counts = [], []
     for i, (layer, layer_pages) in enumerate(zip(layers, pages)):
         ctx = MixerContext(positions, meta, impl, layer=row * len(pages) + i,
-                           sampled_only=prune_last and i == len(pages) - 1, per_layer_input=per_layer)
+                           sampled_only=prune_last and i == len(pages) - 1, per_layer_input=per_layer,
+                           rope_positions=rope_positions)
         source = getattr(layer, "kv_source", None)
         with jax.named_scope(f"layer_{i}"):
             x, layer_pages, layer_counts = layer(x, layer_pages if source is None else new[source], ctx)
+        if deepstack is not None and i < deepstack.shape[0]:
+            x = x + ctx.sampled(deepstack[i]).astype(x.dtype)  # the pruned last layer: its sampled rows
         new.append(layer_pages if source is None else None)
         counts.append(layer_counts)
     return x, tuple(new), tuple(counts)
