@@ -61,10 +61,13 @@ class StepPhases:
         states exported, before the step (even when nothing runs now: a snapshot is
         findable from now on). If the copy fails the cache is rebuilt and every request
         recomputes (no snapshot is then trusted)."""
-        first = [c for sc in scheds for c in sc.state_copies]
-        then = [c for sc in scheds for c in sc.state_restores]
-        exports = [e for sc in scheds for e in sc.state_exports]  # held prefills' states (engine/disagg/handoff.py)
-        saves = [x for sc in scheds for x in sc.state_saves]  # snapshots the copies push out, to the host tier
+        row = self.runner.state_row  # scheds[r] is replica r's, its slot ids local to it
+        first = [(row(r, a), row(r, b)) for r, sc in enumerate(scheds) for a, b in sc.state_copies]
+        then = [(row(r, a), row(r, b)) for r, sc in enumerate(scheds) for a, b in sc.state_restores]
+        # held prefills' states (engine/disagg/handoff.py)
+        exports = [(i, row(r, slot)) for r, sc in enumerate(scheds) for i, slot in sc.state_exports]
+        # snapshots the copies push out, to the host tier
+        saves = [(row(r, slot), h) for r, sc in enumerate(scheds) for slot, h in sc.state_saves]
         if not first and not then and not exports and not saves:
             return True
         try:

@@ -146,7 +146,7 @@ class KVHandoff:
             try:
                 self.runner.import_rows(values, scales, self.global_pages(pages, replica), num_tokens)
                 if slot is not None:
-                    self.runner.import_state(arrays[rows:rows + 2], slot)
+                    self.runner.import_state(arrays[rows:rows + 2], self.runner.state_row(replica, slot))
             except BaseException:
                 self.scheduler.free_pages(pages, replica, state_slot=slot)
                 raise

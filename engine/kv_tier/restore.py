@@ -46,7 +46,7 @@ def restore_states(runner, rows: list) -> set[int]:
     bad = set()
     for sch in (sch for sch in rows if sch.state_host is not None):
         try:
-            ok = runner.restore_state(sch.state_host, sch.req.state_slot)
+            ok = runner.restore_state(sch.state_host, runner.state_row(sch.req.replica, sch.req.state_slot))
         except Exception:  # noqa: BLE001 - the request recomputes
             traceback.print_exc(file=sys.stderr)
             ok = False
