@@ -128,6 +128,11 @@ EVIDENCE: tuple[Evidence, ...] = (
     *_each("tests/test_hybrid_layouts.py::test_hybrid_layouts_agree", ("qwen3_5", "qwen3_next", "qwen3_5_moe",
                                                                        "nemotron_h"),
            ("mesh.tensor", "engine.enable_prefix_caching")),
+    # state slots per data replica, replicated over expert ranks: against one device
+    Evidence("tests/test_hybrid_data_expert.py::test_gated_deltanet_moe_data_and_expert_match_one_device",
+             ("qwen3_5_moe",), ("mesh.data", "mesh.expert")),
+    Evidence("tests/test_hybrid_data_expert_mamba2.py::test_mamba2_moe_data_and_expert_match_one_device",
+             ("granitemoehybrid",), ("mesh.data", "mesh.expert")),
     Evidence("tests/test_lfm2_layouts.py::test_lfm2_layouts_agree[lfm2]", ("lfm2",),
              ("mesh.tensor", "engine.enable_prefix_caching")),
     Evidence("tests/test_lfm2_layouts.py::test_lfm2_layouts_agree[lfm2_moe]", ("lfm2_moe",),
