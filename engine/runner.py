@@ -227,13 +227,6 @@ class Runner(RunnerKVTier, RunnerDisagg):
     def _execute(self, batch: StepBatch) -> HostOutput:
         return self._launch(batch).get()
 
-    def state_row(self, replica: int, slot: int) -> int:
-        """Replica `replica`'s state slot `slot` (the scheduler's ids are local to its
-        replica) as a row of the cache's state arrays, which hold one pool per data replica
-        (models/kv_cache.py): the index copies, exports and imports outside the
-        data-parallel forward use."""
-        return replica * self.config.engine.state_pool_slots + slot
-
     def copy_states(self, first: list[tuple[int, int]], then: list[tuple[int, int]]) -> None:
         """Linear-attention state slots copied (src, dst), `first` before `then` (state
         snapshots taken, then restored: engine/scheduler/state_snapshots.py). One process

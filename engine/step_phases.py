@@ -26,6 +26,7 @@ from jaxfill.engine.kv_tier.restore import restore_rows
 from jaxfill.engine.output import record_prompt_logprobs, token_output
 from jaxfill.engine.pooling.vectors import add_part, vector
 from jaxfill.engine.request import Request, RequestOutput
+from jaxfill.models.linear_state import state_row
 
 
 class StepPhases:
@@ -61,7 +62,8 @@ class StepPhases:
         states exported, before the step (even when nothing runs now: a snapshot is
         findable from now on). If the copy fails the cache is rebuilt and every request
         recomputes (no snapshot is then trusted)."""
-        row = self.runner.state_row  # scheds[r] is replica r's, its slot ids local to it
+        pool = self.runner.config.engine.state_pool_slots
+        row = lambda r, slot: state_row(pool, r, slot)  # noqa: E731 - scheds[r] is replica r's, its slots local
         first = [(row(r, a), row(r, b)) for r, sc in enumerate(scheds) for a, b in sc.state_copies]
         then = [(row(r, a), row(r, b)) for r, sc in enumerate(scheds) for a, b in sc.state_restores]
         # held prefills' states (engine/disagg/handoff.py)

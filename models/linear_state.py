@@ -84,6 +84,14 @@ def state_bytes_per_sequence(c: ModelConfig, heads_split: int = 1) -> int:
     return len(c.linear.layers) * (recurrent + conv) // heads_split
 
 
+def state_row(pool_slots: int, replica: int, slot: int) -> int:
+    """Replica `replica`'s state slot `slot` (the scheduler's ids are local to its replica) as
+    a row of the state arrays, which hold one pool of `pool_slots` (engine.state_pool_slots)
+    per data replica (models/kv_cache.py): what copies, exports and imports outside the
+    data-parallel forward index by."""
+    return replica * pool_slots + slot
+
+
 def init_linear_state(c: ModelConfig, slots: int, fill_value: float = 0.0) -> LinearState:
     return LinearState(jnp.full((slots, *recurrent_shape(c)), fill_value, jnp.float32),
                        jnp.full((slots, conv_dim(c), c.linear.conv_kernel - 1), fill_value, c.jnp_dtype))
