@@ -78,6 +78,7 @@ BREAKS = {
     ("mixed_kv", "engine.host_kv_cache_gb"): ({**MIXED_KV, "engine.host_kv_cache_gb": 1}, ()),
     ("mixed_kv", "serve.role=prefill/decode"): (MIXED_KV, ("serve.role=prefill/decode",)),
     ("linear", "mesh.sequence"): ({**HYBRID, "mesh.sequence": 2}, ()),
+    ("linear", "mesh.data", "serve.role=prefill/decode"): ({**HYBRID, "mesh.data": 2}, ("serve.role=prefill/decode",)),
     ("linear", "mesh.stage"): ({**HYBRID, "mesh.stage": 2}, ()),
     ("linear", "mesh.num_processes"): ({**HYBRID, "mesh.num_processes": 2, "mesh.coordinator": "127.0.0.1:1"}, ()),
     ("linear", "engine.scan_layers"): ({**HYBRID, "engine.scan_layers": True}, ()),

@@ -119,6 +119,9 @@ RULES: tuple[Rule, ...] = (
         ("mesh.stage", "the state pool is not split into pipeline stages"),
         ("mesh.num_processes", "state slots are not kept in lockstep across processes"),
     )),
+    # the hand-off's import offsets the slot to its replica's rows (untested under mesh.data)
+    Rule(("linear", "mesh.data", "serve.role=prefill/decode"), f"{_HYBRID}: the state hand-off is not tested "
+         "across data replicas", "mesh.data = 1 or --role both"),
     Rule(("linear", "engine.scan_layers"), "linear and attention layers differ, so they cannot stack as one scan",
          "engine.scan_layers = false"),
     Rule(("linear", "engine.disk_kv_cache_dir"), "state snapshots have no disk format",
