@@ -8,7 +8,7 @@ at once; on replica 0 a request is aborted midway and a later one takes its slot
 start from zeros, not the aborted request's state); on replica 1 a request resumes a
 state snapshot of another's 32-token prefix (a slot copy outside the data-parallel
 forward, whose slot ids must be offset to replica 1's rows). The state and pages start
-NaN-filled. Under expert = 2 the experts split over the ranks and the state is replicated
+NaN-filled; every page and slot comes back to its replica. Under expert = 2 the experts split over the ranks and the state is replicated
 over them.
 
 Slow (~25-40 s on 2 CPU cores: a subprocess with 2 fake devices, whose three engines
@@ -72,6 +72,7 @@ for name, overrides in layouts.items():
     st = engine.stats()
     out[name] = {"got": {k: v for k, v in got.items() if k != "x"}, "cached": cached,
                  "pages_back": st["pages_free"] == st["pages_total"],
+                 "slots_back": [len(s.free_slots) for s in engine.scheduler.replicas],
                  "per_replica": st["requests_per_replica"]}
 print("RESULT " + json.dumps(out))
 """
@@ -100,6 +101,7 @@ def check_data_and_expert(tmp_path, arch: str) -> None:
     assert r["data2"]["per_replica"] == [3, 2]
     for name in ("data2", "expert2"):
         assert r[name]["pages_back"], name
+        assert r[name]["slots_back"] == [2] * len(r[name]["slots_back"]), (name, r[name]["slots_back"])
         for k, v in r[name]["got"].items():
             assert v["tokens"] == want[k]["tokens"], (arch, name, k)
             np.testing.assert_allclose(v["top"], want[k]["top"], atol=1e-4, err_msg=f"{arch} {name} {k}")
