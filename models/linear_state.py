@@ -1,6 +1,7 @@
 """A linear layer's cache entry (models/mixers/gated_deltanet.py, mamba2.py, short_conv.py): per-sequence
-state in slots, beside the attention layers' pages in the KVCache. Both arrays split over
-'tensor' on axis 1 (models/sharding.linear_state_sharding): the recurrent state by head,
+state in slots, beside the attention layers' pages in the KVCache: one pool of slots per data
+replica on axis 0, split over 'data' like the page pool (`state_row`), and over 'tensor' on
+axis 1 (models/sharding.linear_state_sharding): the recurrent state by head,
 the conv history by channel, which both mixers lay out group by group (Gated DeltaNet's
 key-head groups [q_g, k_g, v_g], Mamba2's groups [x_g, B_g, C_g]) so a rank's share is
 one contiguous block."""
