@@ -201,11 +201,13 @@ def import_rows(cache, values, scales, pages: list[int], num_tokens: int, page_s
 
 
 def _onto(cache, a: jax.Array) -> jax.Array:
-    """A pulled array (on one device) replicated onto a cache split over several
-    (mesh.tensor > 1): jit refuses arguments committed elsewhere."""
+    """A pulled array (on one device, or a host tier's numpy snapshot) replicated onto a cache
+    split over several (mesh.tensor or mesh.data > 1): jit refuses arguments committed elsewhere."""
     sharding = jax.tree.leaves(cache.pages)[0].sharding
-    if isinstance(sharding, jax.sharding.NamedSharding) and not a.sharding.is_equivalent_to(
-            whole := jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()), a.ndim):
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return a
+    whole = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    if not isinstance(a, jax.Array) or not a.sharding.is_equivalent_to(whole, a.ndim):
         return jax.device_put(a, whole)
     return a
 

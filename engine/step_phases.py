@@ -27,6 +27,7 @@ from jaxfill.engine.kv_tier.restore import restore_rows
 from jaxfill.engine.output import record_prompt_logprobs, token_output
 from jaxfill.engine.pooling.vectors import add_part, vector
 from jaxfill.engine.request import Request, RequestOutput
+from jaxfill.models.linear_state import state_row
 
 
 class StepPhases:
@@ -62,10 +63,14 @@ class StepPhases:
         states exported, before the step (even when nothing runs now: a snapshot is
         findable from now on). If the copy fails the cache is rebuilt and every request
         recomputes (no snapshot is then trusted)."""
-        first = [c for sc in scheds for c in sc.state_copies]
-        then = [c for sc in scheds for c in sc.state_restores]
-        exports = [e for sc in scheds for e in sc.state_exports]  # held prefills' states (engine/disagg/handoff.py)
-        saves = [x for sc in scheds for x in sc.state_saves]  # snapshots the copies push out, to the host tier
+        pool = self.runner.config.engine.state_pool_slots
+        row = lambda r, slot: state_row(pool, r, slot)  # noqa: E731 - scheds[r] is replica r's, its slots local
+        first = [(row(r, a), row(r, b)) for r, sc in enumerate(scheds) for a, b in sc.state_copies]
+        then = [(row(r, a), row(r, b)) for r, sc in enumerate(scheds) for a, b in sc.state_restores]
+        # held prefills' states (engine/disagg/handoff.py)
+        exports = [(i, row(r, slot)) for r, sc in enumerate(scheds) for i, slot in sc.state_exports]
+        # snapshots the copies push out, to the host tier
+        saves = [(row(r, slot), h) for r, sc in enumerate(scheds) for slot, h in sc.state_saves]
         if not first and not then and not exports and not saves:
             return True
         try:

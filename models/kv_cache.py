@@ -83,7 +83,8 @@ class KVCache:
         repeated up to 'tensor' (models/sharding.py), and quantized scales are split like
         the pages' first three axes. With `stages` > 1 each entry is [stages, ...]. A
         linear-attention layer's entry is its LinearState (models/linear_state.py) with
-        `state_slots` slots, split by heads over 'tensor'; a layer running attention beside
+        `state_slots` slots per data replica (split over 'data' like the pages, by heads over
+        'tensor', replicated over 'expert'); a layer running attention beside
         its linear mixer (Falcon-H1) holds both, a PagesAndState; hybrids run unstaged for now.
         An MLP-only layer (config.no_mixer_layers) holds nothing: its entry is None."""
         if config.run_mtp and stages > 1:
@@ -114,7 +115,9 @@ class KVCache:
         if config.linear.layers:
             if stages > 1:
                 raise ValueError("linear-attention hybrids run unstaged for now")
-            state = lambda: init_linear_state(config, state_slots, fill_value)  # noqa: E731
+            # one pool of slots per data replica, like the pages: replica r's slot i is row
+            # r * state_slots + i, and inside the data-parallel forward each sees its own rows
+            state = lambda: init_linear_state(config, state_slots * replicas, fill_value)  # noqa: E731
             if mesh is not None:
                 state = jax.jit(state, out_shardings=linear_state_sharding(mesh))
             return cls(tuple(joined_entry(make(j) if config.attends(j) else None,

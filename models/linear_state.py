@@ -1,6 +1,7 @@
 """A linear layer's cache entry (models/mixers/gated_deltanet.py, mamba2.py, short_conv.py): per-sequence
-state in slots, beside the attention layers' pages in the KVCache. Both arrays split over
-'tensor' on axis 1 (models/sharding.linear_state_sharding): the recurrent state by head,
+state in slots, beside the attention layers' pages in the KVCache: one pool of slots per data
+replica on axis 0, split over 'data' like the page pool (`state_row`), and over 'tensor' on
+axis 1 (models/sharding.linear_state_sharding): the recurrent state by head,
 the conv history by channel, which both mixers lay out group by group (Gated DeltaNet's
 key-head groups [q_g, k_g, v_g], Mamba2's groups [x_g, B_g, C_g]) so a rank's share is
 one contiguous block."""
@@ -82,6 +83,14 @@ def state_bytes_per_sequence(c: ModelConfig, heads_split: int = 1) -> int:
     recurrent = math.prod(recurrent_shape(c)) * 4
     conv = conv_dim(c) * (c.linear.conv_kernel - 1) * jnp.dtype(c.jnp_dtype).itemsize
     return len(c.linear.layers) * (recurrent + conv) // heads_split
+
+
+def state_row(pool_slots: int, replica: int, slot: int) -> int:
+    """Replica `replica`'s state slot `slot` (the scheduler's ids are local to its replica) as
+    a row of the state arrays, which hold one pool of `pool_slots` (engine.state_pool_slots)
+    per data replica (models/kv_cache.py): what copies, exports and imports outside the
+    data-parallel forward index by."""
+    return replica * pool_slots + slot
 
 
 def init_linear_state(c: ModelConfig, slots: int, fill_value: float = 0.0) -> LinearState:

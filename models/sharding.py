@@ -196,9 +196,11 @@ def kv_cache_sharding(mesh: jax.sharding.Mesh, rules: Mapping[str, Any] | None =
 
 def linear_state_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
     """A linear layer's state, recurrent [slots, Hv, Dk, Dv] and conv [slots, channels, K-1]
-    (channels group by group: Gated DeltaNet's key-head groups, Mamba2's groups): heads
-    split over 'tensor', like the layer's params."""
-    return NamedSharding(mesh, P(None, TENSOR))
+    (channels group by group: Gated DeltaNet's key-head groups, Mamba2's groups): slots
+    split over 'data' (one pool per replica, as the pages: the data-parallel forward maps
+    the cache's leading axis), heads over 'tensor', where split_over_heads runs the
+    mixer; replicated over 'expert', whose ranks share the layer as they share its tokens."""
+    return NamedSharding(mesh, P(DATA if DATA in mesh.axis_names else None, TENSOR))
 
 
 # ------------------------------------------------------------------ model-side helpers

@@ -131,6 +131,13 @@ EVIDENCE: tuple[Evidence, ...] = (
     *_each("tests/test_hybrid_layouts.py::test_hybrid_layouts_agree", ("qwen3_5", "qwen3_next", "qwen3_5_moe",
                                                                        "nemotron_h"),
            ("mesh.tensor", "engine.enable_prefix_caching")),
+    # state slots per data replica, replicated over expert ranks: against one device
+    Evidence("tests/test_hybrid_data_expert.py::test_gated_deltanet_moe_data_and_expert_match_one_device",
+             ("qwen3_5_moe",), ("mesh.data", "mesh.expert")),
+    Evidence("tests/test_hybrid_data_expert_mamba2.py::test_mamba2_moe_data_and_expert_match_one_device",
+             ("granitemoehybrid",), ("mesh.data", "mesh.expert")),
+    Evidence("tests/test_hybrid_data_host_tier.py::test_host_tier_snapshots_resume_on_both_replicas", ("qwen3_5",),
+             ("mesh.data", "engine.host_kv_cache_gb")),
     Evidence("tests/test_lfm2_layouts.py::test_lfm2_layouts_agree[lfm2]", ("lfm2",),
              ("mesh.tensor", "engine.enable_prefix_caching")),
     Evidence("tests/test_lfm2_layouts.py::test_lfm2_layouts_agree[lfm2_moe]", ("lfm2_moe",),

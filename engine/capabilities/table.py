@@ -113,18 +113,19 @@ class Rule:
         return tuple(c for c in self.when if c in CAPABILITIES)
 
 
-_HYBRID = "linear-attention state is per request and replicated whole"
+_HYBRID = "linear-attention state is per request, one slot pool per data replica"
 RULES: tuple[Rule, ...] = (
-    # hybrids (Gated DeltaNet, Mamba2, LFM2's short convolution): what their state does not split over yet
-    *(Rule(("linear", key), f"{_HYBRID}: {why}", f"{key} (hybrids run on mesh.tensor)") for key, why in (
-        ("mesh.data", "data replicas of the state slots are not built"),
+    # hybrids (Gated DeltaNet, Mamba2, LFM2's short convolution): their state splits by heads over
+    # tensor, by slot pool over data (one per replica), and is replicated over expert ranks; not yet:
+    *(Rule(("linear", key), f"{_HYBRID}: {why}", f"{key} (hybrids run on mesh.tensor, mesh.data, mesh.expert)")
+      for key, why in (
         ("mesh.sequence", "no context-parallel form of the recurrent scan"),
         ("mesh.stage", "the state pool is not split into pipeline stages"),
         ("mesh.num_processes", "state slots are not kept in lockstep across processes"),
     )),
-    # the short convolution's channels split over tensor alone, its history replicated over expert ranks
-    Rule(("linear", "!short_conv", "mesh.expert"), f"{_HYBRID}: the recurrent state is not laid out over expert "
-         "ranks", "mesh.expert (hybrids run on mesh.tensor)"),
+    # the hand-off's import offsets the slot to its replica's rows (untested under mesh.data)
+    Rule(("linear", "mesh.data", "serve.role=prefill/decode"), f"{_HYBRID}: the state hand-off is not tested "
+         "across data replicas", "mesh.data = 1 or --role both"),
     Rule(("linear", "engine.scan_layers"), "linear and attention layers differ, so they cannot stack as one scan",
          "engine.scan_layers = false"),
     Rule(("linear", "engine.disk_kv_cache_dir"), "state snapshots have no disk format",

@@ -31,6 +31,7 @@ import time
 from jaxfill.engine import kv_rows
 from jaxfill.engine.disagg import transfer
 from jaxfill.engine.request import Request
+from jaxfill.models.linear_state import state_row
 
 
 def prompt_digest(ids) -> str:
@@ -146,7 +147,8 @@ class KVHandoff:
             try:
                 self.runner.import_rows(values, scales, self.global_pages(pages, replica), num_tokens)
                 if slot is not None:
-                    self.runner.import_state(arrays[rows:rows + 2], slot)
+                    row = state_row(self.runner.config.engine.state_pool_slots, replica, slot)
+                    self.runner.import_state(arrays[rows:rows + 2], row)
             except BaseException:
                 self.scheduler.free_pages(pages, replica, state_slot=slot)
                 raise

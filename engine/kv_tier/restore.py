@@ -12,6 +12,8 @@ from __future__ import annotations
 import sys
 import traceback
 
+from jaxfill.models.linear_state import state_row
+
 
 def restore_rows(runner, scheduler, scheds) -> bool:
     """[lock] Restores every row of `scheds` (SchedulerOutput per replica) that needs it.
@@ -46,7 +48,8 @@ def restore_states(runner, rows: list) -> set[int]:
     bad = set()
     for sch in (sch for sch in rows if sch.state_host is not None):
         try:
-            ok = runner.restore_state(sch.state_host, sch.req.state_slot)
+            row = state_row(runner.config.engine.state_pool_slots, sch.req.replica, sch.req.state_slot)
+            ok = runner.restore_state(sch.state_host, row)
         except Exception:  # noqa: BLE001 - the request recomputes
             traceback.print_exc(file=sys.stderr)
             ok = False

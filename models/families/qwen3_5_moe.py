@@ -43,10 +43,17 @@ class Qwen3_5Moe(Qwen3_5):
 
 
 class Qwen3_5MoeMultimodal(Qwen3_5Multimodal, Qwen3_5Moe):
-    """The text tower of the image-text checkpoint (what Qwen/Qwen3.5-*-A*B publish)."""
+    """The text tower of the image-text checkpoint (what Qwen/Qwen3.5-*-A*B publish). Its
+    vision tower is not loaded yet (docs/vision.md), so its attention ropes as for text:
+    every mrope section turns with the same position, the plain rope, and none of the
+    (t, h, w) rope's refusals (kind `mrope`) apply."""
     name = "qwen3_5_moe"
     architectures = ("Qwen3_5MoeForConditionalGeneration",)
+    multimodal_rope = False
     tested = Qwen3_5Moe.tested
+
+    def model_fields(self, hf):
+        return dict(super().model_fields(hf), mrope_section=())
 
 
 FAMILIES = (Qwen3_5Moe(), Qwen3_5MoeMultimodal())
