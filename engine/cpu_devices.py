@@ -70,13 +70,17 @@ def use_cpu_cores(settings=None) -> int | None:
     a multi-process run (mesh.num_processes > 1, a cluster environment, jax.distributed
     up: each process's device count is part of the global mesh), JAX_PLATFORMS without
     cpu, or one core. `settings`: the [mesh] (MeshSettings; None: the defaults). Call
-    before anything touches jax's devices; the Engine and the CLI do."""
+    before anything touches jax's devices; the Engine and the CLI do. It also sets the
+    engine's XLA:CPU flags (engine/cpu_flags.py), which only take effect then."""
     import jax
 
+    from jaxfill.engine.cpu_flags import set_cpu_xla_flags
     from jaxfill.engine.mesh import cluster_env
     from jaxfill.models.progress import quiet_backend_probe
 
     quiet_backend_probe()  # before jax probes its backends
+    if not backends_started() and cpu_platform_allowed():
+        set_cpu_xla_flags()  # engine/cpu_flags.py: read when the CPU backend starts, whatever the device count
     if settings is not None and (settings.num_processes > 1 or not settings.cpu_split):
         return None
     cores = num_cores()

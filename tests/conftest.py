@@ -28,6 +28,12 @@ from importlib.metadata import version  # noqa: E402
 
 if version("jaxlib").startswith("0.10.") and "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_use_fusion_emitters=false").strip()
+# The engine's own XLA:CPU default (engine/cpu_flags.py: no YNNPACK fusions), set for the
+# whole run, so every test process compiles as a user's engine does whichever test starts
+# jax first; subprocesses inherit it.
+from jaxfill.engine.cpu_flags import set_cpu_xla_flags  # noqa: E402
+
+set_cpu_xla_flags()
 
 # In-process tests run on exactly one CPU device, whatever the core count (the Engine
 # would otherwise ask for one per core, engine/cpu_devices.py). A jax config, not an
