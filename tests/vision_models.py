@@ -37,13 +37,18 @@ def tiny_qwen3_vl(directory: str) -> str:
     config = Qwen3VLConfig(text_config=TEXT, vision_config=VISION, image_token_id=IMAGE_TOKEN,
                            video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
                            vision_end_token_id=VISION_END, tie_word_embeddings=False)
-    model = Qwen3VLForConditionalGeneration(config).eval()
-    with torch.no_grad():  # biases and norms away from their 0 / 1 init, so a dropped one shows
+    return _save(Qwen3VLForConditionalGeneration(config).eval(), directory)
+
+
+def _save(model, directory: str) -> str:
+    """The model, its biases and norms moved away from their 0 / 1 init (so a dropped one
+    shows), and the image processor config the engine reads beside it."""
+    from transformers import Qwen2VLImageProcessorPil
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(directory)
-    from transformers import Qwen2VLImageProcessorPil
     Qwen2VLImageProcessorPil(patch_size=8, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3,
                              image_std=[0.5] * 3, size={"shortest_edge": 32 * 32, "longest_edge": 128 * 128},
                              ).save_pretrained(directory)
@@ -74,22 +79,13 @@ def tiny_qwen3_5_vl(directory: str) -> str:
     """A random-init Qwen3_5ForConditionalGeneration and its image processor config."""
     if os.path.exists(os.path.join(directory, "config.json")):
         return directory
-    from transformers import Qwen2VLImageProcessorPil, Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
     torch.manual_seed(0)
     vision = {k: v for k, v in VISION.items() if k != "deepstack_visual_indexes"}
     config = Qwen3_5Config(text_config=TEXT_3_5, vision_config=vision, image_token_id=IMAGE_TOKEN,
                            video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
                            vision_end_token_id=VISION_END, tie_word_embeddings=False)
-    model = Qwen3_5ForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    model.save_pretrained(directory)
-    Qwen2VLImageProcessorPil(patch_size=8, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3,
-                             image_std=[0.5] * 3, size={"shortest_edge": 32 * 32, "longest_edge": 128 * 128},
-                             ).save_pretrained(directory)
-    return directory
+    return _save(Qwen3_5ForConditionalGeneration(config).eval(), directory)
 
 
 def hf_qwen3_5_vl(directory: str):
