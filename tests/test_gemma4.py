@@ -151,7 +151,9 @@ def test_image_text_checkpoint_loads_as_its_text_tower(tmp_path):
     model = load_hf_params(str(tmp_path), config, progress=False)
     for length, tokens in prompts(config.vocab_size)[1:]:
         err = rel_l2(ours_last_logits(model, config, tokens), hf_last_logits(hf, tokens))
-        assert err <= 1e-5, (length, err)
+        # 2e-5, not 1e-5: CI measured 1.05e-5 here once XLA:CPU ran without YNNPACK fusions
+        # (engine/cpu_flags.py); a wrong layer, norm or cap is off by 1e-2 or more.
+        assert err <= 2e-5, (length, err)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])

@@ -15,7 +15,8 @@ score matrix, not the causal triangle. So:
   it must equal the planner's matmul FLOPs within 5%.
 * attention part: (reference forward) - (stub forward) must equal the planner's
   `attention_flops(causal=False, kv_len=P*page_size)`, the full-matrix count the
-  reference really computes, plus at most 8 elementwise FLOPs per score (softmax, mask);
+  reference really computes, plus at most ELEMENTWISE_PER_SCORE elementwise FLOPs per score
+  (softmax, mask);
   within 5% when head_dim >= 64 (tiny's head_dim 32 leaves the softmax ~5%). The
   causal count the planner reports is that same per-pair cost over the lower triangle
   incl. the diagonal, checked by brute force in test_visible_pairs.
@@ -42,6 +43,13 @@ from jaxfill.models.decoder import Decoder
 from jaxfill.pallas_kernels.ragged_paged_attention import IMPLS
 from jaxfill.serving.cli import main
 from jaxfill.models.families.registry import param_count
+
+
+# Elementwise FLOPs XLA counts per attention score beside the two matmuls: scale, the causal
+# mask's compares and select, max, subtract, sum, divide (exp is a transcendental, counted
+# apart). CI counted 8.6-9.7 per score on jaxlib 0.10.2 with YNNPACK fusions off
+# (engine/cpu_flags.py, 2026-12-07); a missing matmul would fall far below `full`.
+ELEMENTWISE_PER_SCORE = 12
 
 
 def stub_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **kwargs):
@@ -79,9 +87,8 @@ def test_flops_match_xla_cost_analysis(config_name, num_tokens, monkeypatch):
     ref, kv_len = compiled_flops(config_name, num_tokens, "reference", monkeypatch)
     full = attention_flops(cfg, num_tokens, causal=False, kv_len=kv_len, sampled_last_layer=True)
     scores = cfg.num_heads * ((cfg.num_layers - 1) * num_tokens + 1) * kv_len
-    # Exactly the two matmuls, plus at most 8 elementwise FLOPs per score (scale, mask,
-    # max, subtract, sum, divide; exp is a transcendental, counted apart by XLA).
-    assert full <= ref - stub <= full + 8 * scores, (ref - stub, full, scores)
+    # Exactly the two matmuls, plus at most ELEMENTWISE_PER_SCORE FLOPs per score.
+    assert full <= ref - stub <= full + ELEMENTWISE_PER_SCORE * scores, (ref - stub, full, scores)
     if cfg.head_dim >= 64:  # 4 * head_dim FLOPs per score dwarf the elementwise ones
         assert abs((ref - stub) - full) / full < 0.05, (ref - stub, full)
     # The causal count is what a prefill needs: just over half of the full square.
@@ -102,7 +109,7 @@ def test_latent_attention_flops_match_xla_cost_analysis(monkeypatch):
     ref, _ = compiled_flops(cfg, 256, "reference", monkeypatch)
     full = attention_flops(cfg, 256, causal=False, kv_len=kv_len, sampled_last_layer=True)
     scores = cfg.num_heads * ((cfg.num_layers - 1) * 256 + 1) * kv_len
-    assert full <= ref - stub <= full + 8 * scores, (ref - stub, full, scores)
+    assert full <= ref - stub <= full + ELEMENTWISE_PER_SCORE * scores, (ref - stub, full, scores)
 
 
 def test_deepseek_v3_kv_bytes_are_the_latent():
