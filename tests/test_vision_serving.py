@@ -23,6 +23,7 @@ from jaxfill.engine.config import load_config
 from jaxfill.engine.request import SamplingParams
 from jaxfill.serving.proto.jaxfill.v1 import generation_pb2 as pb
 from jaxfill.serving.proto.jaxfill.v1 import generation_pb2_grpc as pb_grpc
+from jaxfill.serving.client import Client
 from jaxfill.serving.server import ServerThread
 
 Image = pytest.importorskip("PIL.Image", reason="images need Pillow (the vision extra)")
@@ -92,10 +93,9 @@ def test_vllm_media_refs_equal_the_python_api(served):
 
 def test_jaxfill_images_equal_the_python_api(served):
     st, _engine, ref = served
-    with grpc.insecure_channel(st.address) as ch:
-        req = pb.GenerateRequest(request_id="img-2", token_ids=pb.TokenIds(ids=TWO), images=[png(BIG), png(WIDE)],
-                                 sampling=pb.SamplingParams(max_tokens=N_NEW, ignore_eos=True, logprobs=LOGPROBS))
-        out = list(pb_grpc.GenerationStub(ch).Generate(req, timeout=120))
+    with Client(st.address) as client:  # serving/client.py's `images`
+        out = list(client.stream(TWO, timeout=120, images=[png(BIG), png(WIDE)], max_tokens=N_NEW, ignore_eos=True,
+                                 logprobs=LOGPROBS))
     tokens = [t for r in out if r.HasField("chunk") for t in r.chunk.token_ids]
     assert tokens == ref[1].token_ids and out[-1].complete.prompt_tokens == ref[1].prompt_tokens
     lps = [lp.logprob for r in out if r.HasField("chunk") for lp in r.chunk.logprobs]
