@@ -25,8 +25,6 @@ from jaxfill.serving.request_core import BadField, structured_from_proto
 # vLLM's default when a request leaves temperature unset (OpenAI's too): sampling, not greedy.
 DEFAULT_TEMPERATURE = 1.0
 SP = "sampling_params."
-# (kv_transfer_params[_json]: serving/disagg.py reads and checks them; media_refs: images
-# as data: URLs, media_ref_blobs below and serving/images.py.)
 # Files the gateway needs to build the tokenizer (GetTokenizer zips those present).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "config.json", "chat_template.jinja")
@@ -40,7 +38,8 @@ PIXELS_NOT_READ = ("router-preprocessed pixels are not read: jaxfill decodes ima
 
 def check_request_fields(request: vpb.GenerateRequest) -> None:
     """The multimodal fields jaxfill does not read, refused by name: a preprocessed batch
-    (mm_inputs, extra_mm_inputs), and video or audio of any kind."""
+    (mm_inputs, extra_mm_inputs), and video or audio of any kind. Images come as media_refs
+    (media_ref_blobs); kv_transfer_params[_json] are serving/disagg.py's to check."""
     batches = [("mm_inputs", request.mm_inputs)] if request.HasField("mm_inputs") else []
     batches += [(f"extra_mm_inputs[{i}]", b) for i, b in enumerate(request.extra_mm_inputs)]
     for name, batch in batches:
