@@ -155,8 +155,12 @@ class RequestFactory:
             raise InvalidRequest("prompt", "a prompt dict needs its 'prompt' (text or token ids)")
         ids = self._encode(prompt["prompt"])
         images = list(prompt.get("images") or [])
-        if not images:
-            return ids
+        return self.expand_images(ids, images) if images else ids
+
+    def expand_images(self, ids: list[int], images: list) -> list[int]:
+        """The ids with each image's placeholder expanded, the images attached (PromptIds):
+        the Python API's dict prompt and the serving protocols (serving/images.py) share it,
+        so both expand the same way. Pure host work, safe outside the engine lock."""
         if self.vision is None:
             raise InvalidRequest("images", "this model has no vision tower: it reads text only (docs/vision.md)")
         try:

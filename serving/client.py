@@ -25,16 +25,18 @@ CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_sen
 
 
 def make_request(prompt, request_id: str = "", cache_salt: str = "", priority: int = 0, lora: str = "",
-                 **sampling) -> pb.GenerateRequest:
+                 images=(), **sampling) -> pb.GenerateRequest:
     """prompt: text or a list of token ids; sampling: SamplingParams fields (None = unset);
-    lora: a LoRA adapter the server loaded ("" = the base model)."""
+    lora: a LoRA adapter the server loaded ("" = the base model); images: encoded image
+    files (bytes), one <|image_pad|> each in the prompt (docs/vision.md)."""
     unknown = set(sampling) - SAMPLING_FIELDS
     if unknown:
         raise TypeError(f"unknown sampling fields {sorted(unknown)}; known: {sorted(SAMPLING_FIELDS)}")
     if isinstance(sampling.get("choice"), (list, tuple)):
         sampling["choice"] = pb.Choices(choices=sampling["choice"])
     sp = pb.SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
-    req = pb.GenerateRequest(request_id=request_id, sampling=sp, cache_salt=cache_salt, priority=priority, lora=lora)
+    req = pb.GenerateRequest(request_id=request_id, sampling=sp, cache_salt=cache_salt, priority=priority, lora=lora,
+                             images=list(images))
     if isinstance(prompt, str):
         req.text = prompt
     else:
@@ -105,9 +107,9 @@ class AsyncClient:
         await self.channel.close()
 
     def stream(self, prompt, timeout: float | None = None, request_id: str = "", cache_salt: str = "",
-               priority: int = 0, **sampling):
+               priority: int = 0, images=(), **sampling):
         """The raw response stream (a grpc.aio call: iterate it, or .cancel() it)."""
-        req = make_request(prompt, request_id, cache_salt, priority, **sampling)
+        req = make_request(prompt, request_id, cache_salt, priority, images=images, **sampling)
         return self.stub.Generate(req, timeout=timeout, metadata=self.metadata)
 
     async def generate(self, prompt, timeout: float | None = None, **kw) -> Result:
@@ -173,8 +175,8 @@ class Client:
         self.channel.close()
 
     def stream(self, prompt, timeout: float | None = None, request_id: str = "", cache_salt: str = "",
-               priority: int = 0, **sampling):
-        req = make_request(prompt, request_id, cache_salt, priority, **sampling)
+               priority: int = 0, images=(), **sampling):
+        req = make_request(prompt, request_id, cache_salt, priority, images=images, **sampling)
         return self.stub.Generate(req, timeout=timeout, metadata=self.metadata)
 
     def generate(self, prompt, timeout: float | None = None, **kw) -> Result:

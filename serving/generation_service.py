@@ -10,6 +10,7 @@ import time
 import grpc
 
 from jaxfill.engine.request import InvalidRequest, SamplingParams
+from jaxfill.serving import images
 from jaxfill.serving.request_core import BadField, RequestCore, served_name, structured_from_proto
 from jaxfill.serving.proto.jaxfill.v1 import generation_pb2 as pb
 from jaxfill.serving.proto.jaxfill.v1 import generation_pb2_grpc as pb_grpc
@@ -69,6 +70,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             if s.HasField("truncate_prompt_tokens") else None
         ids = await core.prompt(request.WhichOneof("input"), request.text, request.token_ids.ids,
                                 "token_ids.ids", "text or token_ids", keep)
+        if request.images:  # encoded files, one placeholder each in the prompt (serving/images.py)
+            ids = await images.expand(core, ids, list(request.images), "images")
         params = sampling_from_proto(request.sampling, core.max_model_len - len(ids))
         if len(request.cache_salt) > MAX_CACHE_SALT_LEN:
             raise BadField("cache_salt", f"longer than {MAX_CACHE_SALT_LEN} characters")

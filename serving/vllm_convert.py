@@ -19,26 +19,44 @@ from smg_grpc_proto.generated import common_pb2 as cpb
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 from jaxfill.engine.request import SamplingParams
+from jaxfill.serving import images
 from jaxfill.serving.request_core import BadField, structured_from_proto
 
 # vLLM's default when a request leaves temperature unset (OpenAI's too): sampling, not greedy.
 DEFAULT_TEMPERATURE = 1.0
 SP = "sampling_params."
-# Request fields (GenerateRequest) we have no engine support for.
-# (kv_transfer_params[_json]: serving/disagg.py reads and checks them.)
-UNSUPPORTED_REQUEST_FIELDS = ("mm_inputs", "media_refs")
 # Files the gateway needs to build the tokenizer (GetTokenizer zips those present).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "config.json", "chat_template.jinja")
 TOKENIZER_CHUNK_BYTES = 1 << 20
 
 
+NOT_BUILT = {cpb.VIDEO: "video", cpb.AUDIO: "audio"}
+PIXELS_NOT_READ = ("router-preprocessed pixels are not read: jaxfill decodes images itself from media_refs "
+                   "(data: URLs; smg sends those under --mm-processing worker, or auto)")
+
+
 def check_request_fields(request: vpb.GenerateRequest) -> None:
-    for name in UNSUPPORTED_REQUEST_FIELDS:
-        if request.HasField(name):
-            raise BadField(name, "is not supported by jaxfill (no multimodal inputs)")
-    if len(request.extra_mm_inputs):
-        raise BadField("extra_mm_inputs", "multimodal inputs are not supported by jaxfill")
+    """The multimodal fields jaxfill does not read, refused by name: a preprocessed batch
+    (mm_inputs, extra_mm_inputs), and video or audio of any kind. Images come as media_refs
+    (media_ref_blobs); kv_transfer_params[_json] are serving/disagg.py's to check."""
+    batches = [("mm_inputs", request.mm_inputs)] if request.HasField("mm_inputs") else []
+    batches += [(f"extra_mm_inputs[{i}]", b) for i, b in enumerate(request.extra_mm_inputs)]
+    for name, batch in batches:
+        if batch.modality in NOT_BUILT:
+            raise BadField(name, f"{NOT_BUILT[batch.modality]} input is not supported (images only; docs/vision.md)")
+        raise BadField(name, PIXELS_NOT_READ)
+
+
+def media_ref_blobs(refs: vpb.MediaRefs) -> list[bytes]:
+    """The encoded images of media_refs, in prompt order (one placeholder each in the ids)."""
+    if not refs.items:
+        raise BadField("media_refs", "carries no items")
+    for i, item in enumerate(refs.items):
+        if item.modality in NOT_BUILT:
+            raise BadField(f"media_refs.items[{i}]", f"{NOT_BUILT[item.modality]} input is not supported "
+                                                     "(images only; docs/vision.md)")
+    return [images.data_url_bytes(item.url, f"media_refs.items[{i}].url") for i, item in enumerate(refs.items)]
 
 
 def data_parallel_rank(request: vpb.GenerateRequest, data: int) -> int | None:

@@ -5,6 +5,8 @@ GetModelInfo points it at), sends token ids, reads token ids back and detokenize
 Field translation lives in vllm_convert.py; engine behaviour is the engine's.
 Embed (serving/vllm_embed.py: the gateway's /v1/embeddings) runs Engine.embed's pooling
 through the engine loop. FlushCache and the profiler RPCs are left UNIMPLEMENTED.
+Images (a model with a vision tower): media_refs' data: URLs, decoded and expanded as the
+Python API does (serving/images.py); GetServerInfo's mm_processor tells smg to send them.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from jaxfill.engine.tokenizer import ByteTokenizer
 from jaxfill.serving import vllm_convert as conv
-from jaxfill.serving import vllm_embed
+from jaxfill.serving import images, vllm_embed
 from jaxfill.models.families.registry import family_of
 from jaxfill.serving.disagg import Disagg
 from jaxfill.serving.fanout import merged, samples_of
@@ -35,6 +37,9 @@ SERVER_TYPE = "vllm-grpc"  # the protocol, as GetServerInfoResponse documents th
 # smg gives SubscribeKvEvents 2 s to answer and takes a silent stream for a dead worker:
 # a load-only batch goes out at once and whenever the cache has been quiet this long.
 KV_HEARTBEAT_S = 0.5
+# A model with a vision tower takes images as media_refs (data: URLs; serving/images.py):
+# what smg reads to send it the client's images unprocessed instead of its own pixels.
+MEDIA_INFO = dict(mm_processor="inprocess", mm_media_ref_schemes="data", mm_processor_source="default")
 
 
 def tokenizer_dir(config, tokenizer) -> str:
@@ -59,6 +64,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         self.tokenizer_dir = tokenizer_dir(cfg, core.tokenizer)
         self.started_wall = time.time()
         self.last_receive = 0.0
+        self.vision = core.engine.factory.vision is not None  # reads images (media_refs)
         # --role prefill|decode|both (serving/disagg.py); serve.py replaces this default
         self.disagg = Disagg(core.engine, core.loop, "both")
 
@@ -72,6 +78,8 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             if sp.HasField("truncate_prompt_tokens") else None
         ids = await core.prompt(request.WhichOneof("input"), request.text, request.tokenized.input_ids,
                                 "tokenized.input_ids", "tokenized.input_ids or text", keep)
+        if request.HasField("media_refs"):  # images as data: URLs, one placeholder each in the ids
+            ids = await images.expand(core, ids, conv.media_ref_blobs(request.media_refs), "media_refs.items")
         params = conv.sampling_from_proto(request.sampling_params, core.max_model_len - len(ids), core.vocab_size)
         core.check_params(params, conv.SP)
         core.check_fits(len(ids), params.max_tokens, conv.SP + "max_tokens")
@@ -187,7 +195,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         bos = getattr(tok, "bos_token_id", None)
         return vpb.GetModelInfoResponse(
             model_path=self.tokenizer_dir or self.served_model_name, tokenizer_path=self.tokenizer_dir,
-            served_model_name=self.served_model_name, is_generation=True, supports_vision=False,
+            served_model_name=self.served_model_name, is_generation=True, supports_vision=self.vision,
             max_context_length=self.core.max_model_len, max_req_input_len=self.core.max_model_len - 1,
             vocab_size=self.core.vocab_size, model_type=family_of(m.architecture).name,
             architectures=[m.architecture], eos_token_ids=list(eos),
@@ -199,6 +207,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             active_requests=self.core.loop.num_active, is_paused=self.core.loop.state == DRAINING,
             last_receive_timestamp=self.last_receive, uptime_seconds=time.time() - self.started_wall,
             server_type=SERVER_TYPE, data_parallel_size=cfg.mesh.data, **self.disagg.server_info(),
+            **(MEDIA_INFO if self.vision else {}),
             kv_cache_dtype={"float8_e4m3fn": "fp8_e4m3"}.get(cfg.engine.kv_cache_dtype, cfg.engine.kv_cache_dtype),
             block_size=cfg.engine.page_size, model_dtype=str(cfg.model.dtype),
             max_num_seqs=cfg.engine.max_num_seqs * cfg.mesh.data)

@@ -122,3 +122,30 @@ def assert_matches(completion, ref):
         ours = [v for _, v in step["top"]]
         assert rel_l2(ours, ref_lp[ids]) <= 1e-5, (ours, ref_lp[ids])
         assert rel_l2(ours, np.sort(ref_lp)[::-1][:TOP]) <= 1e-5  # they are HF's top 20
+
+
+CHAT_TEMPLATE = (  # Qwen3-VL's layout of a chat, trimmed: each image part is one placeholder between its markers
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for c in m['content'] %}{% if c['type'] in ('image', 'image_url') %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def add_tokenizer(directory: str, tiny_dir: str) -> str:
+    """configs/tiny's byte-level tokenizer (`tiny_dir`) with Qwen3-VL's chat and vision special
+    tokens at the checkpoint's ids (498 .. 503; reserved ids fill the gap), no BOS, and the
+    chat template above: what the smg gateway needs to tokenize an image chat for it."""
+    with open(os.path.join(tiny_dir, "tokenizer.json")) as f:
+        tok = json.load(f)
+    added = [t for t in tok["added_tokens"] if t["id"] < 320]
+    names = {498: "<|im_start|>", 499: "<|im_end|>", IMAGE_TOKEN: "<|image_pad|>", VIDEO_TOKEN: "<|video_pad|>",
+             VISION_START: "<|vision_start|>", VISION_END: "<|vision_end|>"}
+    for i in range(320, 504):
+        added.append(dict(added[-1], id=i, content=names.get(i, f"<reserved_{i}>")))
+    tok["added_tokens"], tok["post_processor"] = added, None
+    with open(os.path.join(directory, "tokenizer.json"), "w") as f:
+        json.dump(tok, f)
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "add_bos_token": False,
+                   "chat_template": CHAT_TEMPLATE, "model_max_length": 4096}, f)
+    return directory

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bjaxfill/v1/generation.proto\x12\njaxfill.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xda\x05\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x02\x12\x12\n\nmin_tokens\x18\x0e \x01(\x05\x12=\n\nlogit_bias\x18\x0f \x03(\x0b\x32).jaxfill.v1.SamplingParams.LogitBiasEntry\x12#\n\x16truncate_prompt_tokens\x18\x10 \x01(\x05H\x05\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x11 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x12 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x13 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x14 \x01(\x08H\x00\x12%\n\x06\x63hoice\x18\x15 \x01(\x0b\x32\x13.jaxfill.v1.ChoicesH\x00\x12\x1c\n\x0fprompt_logprobs\x18\x16 \x01(\x05H\x06\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nconstraintB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x19\n\x17_truncate_prompt_tokensB\x12\n\x10_prompt_logprobs\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xcb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.jaxfill.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.jaxfill.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x0c\n\x04lora\x18\x07 \x01(\tB\x07\n\x05input\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.jaxfill.v1.TopLogprob\"\xa2\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.jaxfill.v1.TokenLogprob\x12\x11\n\tstep_time\x18\x04 \x01(\x01\x12\x31\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x18.jaxfill.v1.TokenLogprob\"\xca\x01\n\x10GenerateComplete\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\x12\x14\n\x0cqueue_time_s\x18\x05 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x06 \x01(\x01\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\r\n\x05\x65\x32\x65_s\x18\x08 \x01(\x01\x12\r\n\x05\x65rror\x18\t \x01(\t\"|\n\x10GenerateResponse\x12*\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x19.jaxfill.v1.GenerateChunkH\x00\x12\x30\n\x08\x63omplete\x18\x02 \x01(\x0b\x32\x1c.jaxfill.v1.GenerateCompleteH\x00\x42\n\n\x08response\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"a\n\x08MeshInfo\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x05\x12\x0e\n\x06tensor\x18\x02 \x01(\x05\x12\x10\n\x08sequence\x18\x03 \x01(\x05\x12\x13\n\x0bnum_devices\x18\x04 \x01(\x05\x12\x10\n\x08platform\x18\x05 \x01(\t\"\xdf\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x11\n\tpage_size\x18\x05 \x01(\x05\x12\x13\n\x0bpages_total\x18\x06 \x01(\x05\x12\x12\n\npages_free\x18\x07 \x01(\x05\x12\"\n\x04mesh\x18\x08 \x01(\x0b\x32\x14.jaxfill.v1.MeshInfo\x12\x13\n\x0bnum_running\x18\t \x01(\x05\x12\x13\n\x0bnum_waiting\x18\n \x01(\x05\x12\x13\n\x0bmax_waiting\x18\x0b \x01(\x05\x12\x16\n\x0ekv_cache_dtype\x18\x0c \x01(\t\x12\x1a\n\x12kv_bytes_per_token\x18\r \x01(\x04\x12\x14\n\x0cweight_dtype\x18\x0e \x01(\t\x12\x14\n\x0cweight_bytes\x18\x0f \x01(\x04\"A\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x14\n\x07\x61\x64\x64_bos\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\n\n\x08_add_bos\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"-\n\x0fLoadLoraRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"!\n\x11UnloadLoraRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x12\n\x10ListLorasRequest\"7\n\x0bLoraAdapter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04slot\x18\x03 \x01(\x05\"9\n\x0cLoraAdapters\x12)\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x17.jaxfill.v1.LoraAdapter2\xce\x04\n\nGeneration\x12I\n\x08Generate\x12\x1b.jaxfill.v1.GenerateRequest\x1a\x1c.jaxfill.v1.GenerateResponse\"\x00\x30\x01\x12>\n\x05\x41\x62ort\x12\x18.jaxfill.v1.AbortRequest\x1a\x19.jaxfill.v1.AbortResponse\"\x00\x12H\n\x0cGetModelInfo\x12\x1f.jaxfill.v1.GetModelInfoRequest\x1a\x15.jaxfill.v1.ModelInfo\"\x00\x12G\n\x08Tokenize\x12\x1b.jaxfill.v1.TokenizeRequest\x1a\x1c.jaxfill.v1.TokenizeResponse\"\x00\x12M\n\nDetokenize\x12\x1d.jaxfill.v1.DetokenizeRequest\x1a\x1e.jaxfill.v1.DetokenizeResponse\"\x00\x12\x43\n\x08LoadLora\x12\x1b.jaxfill.v1.LoadLoraRequest\x1a\x18.jaxfill.v1.LoraAdapters\"\x00\x12G\n\nUnloadLora\x12\x1d.jaxfill.v1.UnloadLoraRequest\x1a\x18.jaxfill.v1.LoraAdapters\"\x00\x12\x45\n\tListLoras\x12\x1c.jaxfill.v1.ListLorasRequest\x1a\x18.jaxfill.v1.LoraAdapters\"\x00\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bjaxfill/v1/generation.proto\x12\njaxfill.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xda\x05\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x02\x12\x12\n\nmin_tokens\x18\x0e \x01(\x05\x12=\n\nlogit_bias\x18\x0f \x03(\x0b\x32).jaxfill.v1.SamplingParams.LogitBiasEntry\x12#\n\x16truncate_prompt_tokens\x18\x10 \x01(\x05H\x05\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x11 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x12 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x13 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x14 \x01(\x08H\x00\x12%\n\x06\x63hoice\x18\x15 \x01(\x0b\x32\x13.jaxfill.v1.ChoicesH\x00\x12\x1c\n\x0fprompt_logprobs\x18\x16 \x01(\x05H\x06\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nconstraintB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x19\n\x17_truncate_prompt_tokensB\x12\n\x10_prompt_logprobs\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xdb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.jaxfill.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.jaxfill.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x0c\n\x04lora\x18\x07 \x01(\t\x12\x0e\n\x06images\x18\x08 \x03(\x0c\x42\x07\n\x05input\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.jaxfill.v1.TopLogprob\"\xa2\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.jaxfill.v1.TokenLogprob\x12\x11\n\tstep_time\x18\x04 \x01(\x01\x12\x31\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x18.jaxfill.v1.TokenLogprob\"\xca\x01\n\x10GenerateComplete\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\x12\x14\n\x0cqueue_time_s\x18\x05 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x06 \x01(\x01\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\r\n\x05\x65\x32\x65_s\x18\x08 \x01(\x01\x12\r\n\x05\x65rror\x18\t \x01(\t\"|\n\x10GenerateResponse\x12*\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x19.jaxfill.v1.GenerateChunkH\x00\x12\x30\n\x08\x63omplete\x18\x02 \x01(\x0b\x32\x1c.jaxfill.v1.GenerateCompleteH\x00\x42\n\n\x08response\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"a\n\x08MeshInfo\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x05\x12\x0e\n\x06tensor\x18\x02 \x01(\x05\x12\x10\n\x08sequence\x18\x03 \x01(\x05\x12\x13\n\x0bnum_devices\x18\x04 \x01(\x05\x12\x10\n\x08platform\x18\x05 \x01(\t\"\xdf\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x11\n\tpage_size\x18\x05 \x01(\x05\x12\x13\n\x0bpages_total\x18\x06 \x01(\x05\x12\x12\n\npages_free\x18\x07 \x01(\x05\x12\"\n\x04mesh\x18\x08 \x01(\x0b\x32\x14.jaxfill.v1.MeshInfo\x12\x13\n\x0bnum_running\x18\t \x01(\x05\x12\x13\n\x0bnum_waiting\x18\n \x01(\x05\x12\x13\n\x0bmax_waiting\x18\x0b \x01(\x05\x12\x16\n\x0ekv_cache_dtype\x18\x0c \x01(\t\x12\x1a\n\x12kv_bytes_per_token\x18\r \x01(\x04\x12\x14\n\x0cweight_dtype\x18\x0e \x01(\t\x12\x14\n\x0cweight_bytes\x18\x0f \x01(\x04\"A\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x14\n\x07\x61\x64\x64_bos\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\n\n\x08_add_bos\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"-\n\x0fLoadLoraRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"!\n\x11UnloadLoraRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x12\n\x10ListLorasRequest\"7\n\x0bLoraAdapter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04slot\x18\x03 \x01(\x05\"9\n\x0cLoraAdapters\x12)\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x17.jaxfill.v1.LoraAdapter2\xce\x04\n\nGeneration\x12I\n\x08Generate\x12\x1b.jaxfill.v1.GenerateRequest\x1a\x1c.jaxfill.v1.GenerateResponse\"\x00\x30\x01\x12>\n\x05\x41\x62ort\x12\x18.jaxfill.v1.AbortRequest\x1a\x19.jaxfill.v1.AbortResponse\"\x00\x12H\n\x0cGetModelInfo\x12\x1f.jaxfill.v1.GetModelInfoRequest\x1a\x15.jaxfill.v1.ModelInfo\"\x00\x12G\n\x08Tokenize\x12\x1b.jaxfill.v1.TokenizeRequest\x1a\x1c.jaxfill.v1.TokenizeResponse\"\x00\x12M\n\nDetokenize\x12\x1d.jaxfill.v1.DetokenizeRequest\x1a\x1e.jaxfill.v1.DetokenizeResponse\"\x00\x12\x43\n\x08LoadLora\x12\x1b.jaxfill.v1.LoadLoraRequest\x1a\x18.jaxfill.v1.LoraAdapters\"\x00\x12G\n\nUnloadLora\x12\x1d.jaxfill.v1.UnloadLoraRequest\x1a\x18.jaxfill.v1.LoraAdapters\"\x00\x12\x45\n\tListLoras\x12\x1c.jaxfill.v1.ListLorasRequest\x1a\x18.jaxfill.v1.LoraAdapters\"\x00\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,45 +42,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHOICES']._serialized_start=801
   _globals['_CHOICES']._serialized_end=827
   _globals['_GENERATEREQUEST']._serialized_start=830
-  _globals['_GENERATEREQUEST']._serialized_end=1033
-  _globals['_TOPLOGPROB']._serialized_start=1035
-  _globals['_TOPLOGPROB']._serialized_end=1082
-  _globals['_TOKENLOGPROB']._serialized_start=1084
-  _globals['_TOKENLOGPROB']._serialized_end=1170
-  _globals['_GENERATECHUNK']._serialized_start=1173
-  _globals['_GENERATECHUNK']._serialized_end=1335
-  _globals['_GENERATECOMPLETE']._serialized_start=1338
-  _globals['_GENERATECOMPLETE']._serialized_end=1540
-  _globals['_GENERATERESPONSE']._serialized_start=1542
-  _globals['_GENERATERESPONSE']._serialized_end=1666
-  _globals['_ABORTREQUEST']._serialized_start=1668
-  _globals['_ABORTREQUEST']._serialized_end=1702
-  _globals['_ABORTRESPONSE']._serialized_start=1704
-  _globals['_ABORTRESPONSE']._serialized_end=1734
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1736
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1757
-  _globals['_MESHINFO']._serialized_start=1759
-  _globals['_MESHINFO']._serialized_end=1856
-  _globals['_MODELINFO']._serialized_start=1859
-  _globals['_MODELINFO']._serialized_end=2210
-  _globals['_TOKENIZEREQUEST']._serialized_start=2212
-  _globals['_TOKENIZEREQUEST']._serialized_end=2277
-  _globals['_TOKENIZERESPONSE']._serialized_start=2279
-  _globals['_TOKENIZERESPONSE']._serialized_end=2316
-  _globals['_DETOKENIZEREQUEST']._serialized_start=2318
-  _globals['_DETOKENIZEREQUEST']._serialized_end=2356
-  _globals['_DETOKENIZERESPONSE']._serialized_start=2358
-  _globals['_DETOKENIZERESPONSE']._serialized_end=2392
-  _globals['_LOADLORAREQUEST']._serialized_start=2394
-  _globals['_LOADLORAREQUEST']._serialized_end=2439
-  _globals['_UNLOADLORAREQUEST']._serialized_start=2441
-  _globals['_UNLOADLORAREQUEST']._serialized_end=2474
-  _globals['_LISTLORASREQUEST']._serialized_start=2476
-  _globals['_LISTLORASREQUEST']._serialized_end=2494
-  _globals['_LORAADAPTER']._serialized_start=2496
-  _globals['_LORAADAPTER']._serialized_end=2551
-  _globals['_LORAADAPTERS']._serialized_start=2553
-  _globals['_LORAADAPTERS']._serialized_end=2610
-  _globals['_GENERATION']._serialized_start=2613
-  _globals['_GENERATION']._serialized_end=3203
+  _globals['_GENERATEREQUEST']._serialized_end=1049
+  _globals['_TOPLOGPROB']._serialized_start=1051
+  _globals['_TOPLOGPROB']._serialized_end=1098
+  _globals['_TOKENLOGPROB']._serialized_start=1100
+  _globals['_TOKENLOGPROB']._serialized_end=1186
+  _globals['_GENERATECHUNK']._serialized_start=1189
+  _globals['_GENERATECHUNK']._serialized_end=1351
+  _globals['_GENERATECOMPLETE']._serialized_start=1354
+  _globals['_GENERATECOMPLETE']._serialized_end=1556
+  _globals['_GENERATERESPONSE']._serialized_start=1558
+  _globals['_GENERATERESPONSE']._serialized_end=1682
+  _globals['_ABORTREQUEST']._serialized_start=1684
+  _globals['_ABORTREQUEST']._serialized_end=1718
+  _globals['_ABORTRESPONSE']._serialized_start=1720
+  _globals['_ABORTRESPONSE']._serialized_end=1750
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1752
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1773
+  _globals['_MESHINFO']._serialized_start=1775
+  _globals['_MESHINFO']._serialized_end=1872
+  _globals['_MODELINFO']._serialized_start=1875
+  _globals['_MODELINFO']._serialized_end=2226
+  _globals['_TOKENIZEREQUEST']._serialized_start=2228
+  _globals['_TOKENIZEREQUEST']._serialized_end=2293
+  _globals['_TOKENIZERESPONSE']._serialized_start=2295
+  _globals['_TOKENIZERESPONSE']._serialized_end=2332
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2334
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2372
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2374
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2408
+  _globals['_LOADLORAREQUEST']._serialized_start=2410
+  _globals['_LOADLORAREQUEST']._serialized_end=2455
+  _globals['_UNLOADLORAREQUEST']._serialized_start=2457
+  _globals['_UNLOADLORAREQUEST']._serialized_end=2490
+  _globals['_LISTLORASREQUEST']._serialized_start=2492
+  _globals['_LISTLORASREQUEST']._serialized_end=2510
+  _globals['_LORAADAPTER']._serialized_start=2512
+  _globals['_LORAADAPTER']._serialized_end=2567
+  _globals['_LORAADAPTERS']._serialized_start=2569
+  _globals['_LORAADAPTERS']._serialized_end=2626
+  _globals['_GENERATION']._serialized_start=2629
+  _globals['_GENERATION']._serialized_end=3219
 # @@protoc_insertion_point(module_scope)
