@@ -23,10 +23,16 @@ BLOCKED = {"xla": ragged_paged_attention_xla, "pallas_tpu": ragged_paged_attenti
            "pallas_gpu": ragged_paged_attention_gpu}
 
 
-def test_resolve_impl():
+def test_resolve_impl(monkeypatch):
     assert set(IMPLS) == {"reference", "xla", "pallas_tpu", "pallas_gpu", "mosaic_gpu"}
+    monkeypatch.delenv("JAXFILL_ATTENTION_IMPL", raising=False)  # the suite's own choice
     expected = {"tpu": "pallas_tpu", "gpu": "xla", "cpu": "xla"}[jax.default_backend()]
     assert resolve_impl("auto") == expected
+    monkeypatch.setenv("JAXFILL_ATTENTION_IMPL", "pallas_gpu")
+    assert resolve_impl("auto") == "pallas_gpu" and resolve_impl("xla") == "xla"
+    monkeypatch.setenv("JAXFILL_ATTENTION_IMPL", "flash")
+    with pytest.raises(ValueError, match="JAXFILL_ATTENTION_IMPL='flash' is not an attention impl"):
+        resolve_impl("auto")
     for name in IMPLS:
         assert resolve_impl(name) == name
     with pytest.raises(ValueError, match="unknown attention impl"):
