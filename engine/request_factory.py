@@ -14,7 +14,6 @@ import random
 from jaxfill.engine.loading import validate_prompt
 from jaxfill.engine.request import InvalidRequest, PoolingParams, Request, SamplingParams
 from jaxfill.engine.structured_output import GrammarCompiler
-from jaxfill.engine.vision.prompt import expand
 
 
 class PromptIds(list):
@@ -164,7 +163,7 @@ class RequestFactory:
         if self.vision is None:
             raise InvalidRequest("images", "this model has no vision tower: it reads text only (docs/vision.md)")
         try:
-            expanded, info = expand(ids, images, self.vision.settings, self.vision.image_token_id)
+            expanded, info = self.vision.expand(ids, images)
         except (ValueError, TypeError) as e:
             raise InvalidRequest("images", str(e)) from None
         out = PromptIds(expanded)

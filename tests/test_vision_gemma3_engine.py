@@ -1,0 +1,109 @@
+"""Images in prompts for Gemma 3 through the Engine against transformers'
+Gemma3ForConditionalGeneration (random init, f32): greedy tokens and every step's top-20
+logprobs for one image and for two images of different sizes, whole and in chunks the
+scheduler cuts before the second image (its rows attend each other both ways, so an image
+is never split); the same image again (cached pages, a prefix hit ending inside the image,
+no new encoder run) and another image (no page holding image rows shared)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vision_gemma3 import BOI, EOI, IMAGE, MM_TOKENS, hf_gemma3_vl, tiny_gemma3_vl, torch
+from vision_models import N_NEW, TOP, assert_matches
+
+from jaxfill import Engine
+from jaxfill.engine.config import load_config
+from jaxfill.engine.request import InvalidRequest, SamplingParams
+from jaxfill.engine.vision.gemma3_images import pixels
+
+GREEDY = SamplingParams(max_tokens=N_NEW, ignore_eos=True, logprobs=TOP)
+RNG = np.random.default_rng(1)
+SQUARE = RNG.integers(0, 256, (32, 32, 3), np.uint8)
+WIDE = RNG.integers(0, 256, (20, 57, 3), np.uint8)  # resized to 32 x 32
+OTHER = RNG.integers(0, 256, (32, 32, 3), np.uint8)
+
+
+def one_image():
+    return [11, 12, 13, BOI, 21, 22, 23]
+
+
+def two_images():  # 43 rows: the second image is rows 24..39
+    return [31, 32, BOI, 41, 42, 43, BOI, 51, 52]
+
+
+def text_then_image():  # 39 rows: page 0 text only, the image rows 19..34
+    return list(range(60, 78)) + [BOI, 21, 22, 23]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return tiny_gemma3_vl(str(tmp_path_factory.mktemp("gemma3_vl_engine")))
+
+
+def _engine(ckpt, budget: int, buckets: list[int]) -> Engine:
+    over = {"engine.max_model_len": 256, "engine.num_pages": 48, "engine.max_num_seqs": 4,
+            "engine.max_num_batched_tokens": budget, "engine.token_buckets": buckets,
+            "engine.enable_prefix_caching": True}
+    return Engine(load_config("tiny_random", over, ckpt), progress=False)
+
+
+@pytest.fixture(scope="module")
+def engine(ckpt):  # 32-token steps: the two-image prompt's first chunk is cut at row 24, before the second image
+    return _engine(ckpt, 32, [16, 32])
+
+
+@pytest.fixture(scope="module")
+def hf(ckpt):
+    return hf_gemma3_vl(ckpt)
+
+
+def hf_generate(hf, engine, ids, images):
+    """(tokens, per step log_softmax [V], prompt rows) of transformers' greedy generate."""
+    expanded, _ = engine.runner.vision.expand(ids, images)
+    px = np.stack([pixels(im, engine.runner.vision.settings) for im in images])
+    inp = torch.tensor([expanded])
+    with torch.no_grad():
+        g = hf.generate(input_ids=inp, pixel_values=torch.from_numpy(px), token_type_ids=(inp == IMAGE).long(),
+                        max_new_tokens=N_NEW, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    lps = [torch.log_softmax(x[0].double(), -1).numpy() for x in g.logits]
+    return g.sequences[0, len(expanded):].tolist(), lps, len(expanded)
+
+
+def test_one_image_equals_transformers(engine, hf):
+    ref = hf_generate(hf, engine, one_image(), [SQUARE])
+    out = engine.generate({"prompt": one_image(), "images": [SQUARE]}, GREEDY)[0]
+    assert out.prompt_tokens == ref[2] == len(one_image()) + MM_TOKENS + 1
+    assert_matches(out, ref)
+
+
+def test_two_images_cut_before_an_image_equal_transformers(engine, hf):
+    ref = hf_generate(hf, engine, two_images(), [SQUARE, WIDE])
+    assert ref[2] == 43
+    out = engine.generate({"prompt": two_images(), "images": [SQUARE, WIDE]}, GREEDY)[0]
+    assert_matches(out, ref)
+
+
+def test_prefix_cache_shares_an_image_only_with_itself(ckpt, hf):
+    eng = _engine(ckpt, 64, [16, 64])
+    prompt = text_then_image()
+    first = eng.generate({"prompt": prompt, "images": [SQUARE]}, GREEDY)[0]
+    before = eng.stats()
+    again = eng.generate({"prompt": prompt, "images": [SQUARE]}, GREEDY)[0]
+    after = eng.stats()
+    assert again.cached_tokens == 32 and again.token_ids == first.token_ids  # the hit ends at row 32, in the image
+    assert_matches(again, hf_generate(hf, eng, prompt, [SQUARE]))
+    assert after["encoder_cache_misses"] == before["encoder_cache_misses"]
+    assert after["encoder_cache_hits"] > before["encoder_cache_hits"]
+    other = eng.generate({"prompt": prompt, "images": [OTHER]}, GREEDY)[0]
+    assert other.cached_tokens == 16  # the text page only
+    assert eng.stats()["encoder_cache_misses"] == after["encoder_cache_misses"] + 1
+    assert_matches(other, hf_generate(hf, eng, prompt, [OTHER]))
+
+
+def test_refusals(engine):
+    with pytest.raises(InvalidRequest, match="placeholders"):
+        engine.generate({"prompt": [1, 2, 3], "images": [SQUARE]}, GREEDY)
+    with pytest.raises(InvalidRequest, match="expanded prompt"):
+        engine.generate({"prompt": one_image() + [IMAGE], "images": [SQUARE]}, GREEDY)
