@@ -17,6 +17,7 @@ from jaxfill import Engine
 from jaxfill.engine.config import load_config
 from jaxfill.engine.request import InvalidRequest, SamplingParams
 from jaxfill.engine.vision.gemma3_images import pixels
+from jaxfill.engine.vision.loading import build_vision, images_refused
 
 GREEDY = SamplingParams(max_tokens=N_NEW, ignore_eos=True, logprobs=TOP)
 RNG = np.random.default_rng(1)
@@ -42,16 +43,14 @@ def ckpt(tmp_path_factory):
     return tiny_gemma3_vl(str(tmp_path_factory.mktemp("gemma3_vl_engine")))
 
 
-def _engine(ckpt, budget: int, buckets: list[int]) -> Engine:
+@pytest.fixture(scope="module")
+def engine(ckpt):
+    """32-token steps: the one-image prompt runs whole; the two-image prompt's first chunk is
+    cut at row 24, before the second image, and text_then_image's at row 19."""
     over = {"engine.max_model_len": 256, "engine.num_pages": 48, "engine.max_num_seqs": 4,
-            "engine.max_num_batched_tokens": budget, "engine.token_buckets": buckets,
+            "engine.max_num_batched_tokens": 32, "engine.token_buckets": [16, 32],
             "engine.enable_prefix_caching": True}
     return Engine(load_config("tiny_random", over, ckpt), progress=False)
-
-
-@pytest.fixture(scope="module")
-def engine(ckpt):  # 32-token steps: the two-image prompt's first chunk is cut at row 24, before the second image
-    return _engine(ckpt, 32, [16, 32])
 
 
 @pytest.fixture(scope="module")
@@ -85,9 +84,8 @@ def test_two_images_cut_before_an_image_equal_transformers(engine, hf):
     assert_matches(out, ref)
 
 
-def test_prefix_cache_shares_an_image_only_with_itself(ckpt, hf):
-    eng = _engine(ckpt, 64, [16, 64])
-    prompt = text_then_image()
+def test_prefix_cache_shares_an_image_only_with_itself(engine, hf):
+    eng, prompt = engine, text_then_image()
     first = eng.generate({"prompt": prompt, "images": [SQUARE]}, GREEDY)[0]
     before = eng.stats()
     again = eng.generate({"prompt": prompt, "images": [SQUARE]}, GREEDY)[0]
@@ -102,8 +100,21 @@ def test_prefix_cache_shares_an_image_only_with_itself(ckpt, hf):
     assert_matches(other, hf_generate(hf, eng, prompt, [OTHER]))
 
 
-def test_refusals(engine):
+def test_refusals(engine, ckpt):
     with pytest.raises(InvalidRequest, match="placeholders"):
         engine.generate({"prompt": [1, 2, 3], "images": [SQUARE]}, GREEDY)
     with pytest.raises(InvalidRequest, match="expanded prompt"):
         engine.generate({"prompt": one_image() + [IMAGE], "images": [SQUARE]}, GREEDY)
+    # the capability table's images=bidirectional rules: the engine serves text, a request with images is refused
+    host = load_config("tiny_random", {"engine.host_kv_cache_gb": 1}, ckpt)
+    assert "Gemma 3 images" in images_refused(host) and images_refused(engine.config) is None
+    engine.runner.vision.refused = images_refused(host)
+    try:
+        with pytest.raises(InvalidRequest, match="host_kv_cache_gb"):
+            engine.generate({"prompt": one_image(), "images": [SQUARE]}, GREEDY)
+    finally:
+        engine.runner.vision.refused = None
+    # an image is prefilled in one chunk: a step budget under its 16 rows could never schedule it
+    small = load_config("tiny_random", {"engine.max_num_batched_tokens": 8, "engine.token_buckets": [8]}, ckpt)
+    with pytest.raises(ValueError, match="one Gemma 3 image"):
+        build_vision(small)

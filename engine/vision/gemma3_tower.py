@@ -60,7 +60,7 @@ def expand(ids: list[int], images: list, settings: Gemma3ImageSettings, boi: int
 
 class Gemma3Tower:
     def __init__(self, encoder: SiglipEncoder, settings: Gemma3ImageSettings, boi: int, image_token: int, eoi: int,
-                 capacity: int = 64):
+                 capacity: int = 64, refused: str | None = None):
         self.graphdef, self.state = nnx.split(encoder)
         self.cfg = encoder.cfg
         self.settings = settings
@@ -68,8 +68,11 @@ class Gemma3Tower:
         self.capacity = capacity  # images whose output is kept (least recently used goes first)
         self._cache: collections.OrderedDict[bytes, np.ndarray] = collections.OrderedDict()
         self.hits = self.misses = 0
+        self.refused = refused  # the capability table's line refusing images under this config (loading.py)
 
     def expand(self, ids: list[int], images: list) -> tuple[list[int], PromptImages]:
+        if self.refused:
+            raise ValueError(self.refused)
         return expand(ids, images, self.settings, self.boi, self.image_token_id, self.eoi, self.cfg.mm_tokens_per_image)
 
     def encode(self, span: ImageSpan) -> np.ndarray:  # [mm_tokens, text E] f32

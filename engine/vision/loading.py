@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 
+from jaxfill.engine.capabilities.table import IMAGES_BIDIRECTIONAL, model_kinds, refusals
+from jaxfill.engine.validation import describe
 from jaxfill.engine.vision.gemma3_images import gemma3_settings
 from jaxfill.engine.vision.gemma3_tower import Gemma3Tower
 from jaxfill.engine.vision.image_processor import image_settings
@@ -55,4 +57,12 @@ def build_gemma3(config, hf: dict) -> Gemma3Tower:
     get = lambda *keys: next(int(hf[k]) for k in keys if k in hf)  # noqa: E731
     return Gemma3Tower(load_siglip(config.model_path, cfg), gemma3_settings(config.model_path, cfg.image_size),
                        get("boi_token_id", "boi_token_index"), get("image_token_id", "image_token_index"),
-                       get("eoi_token_id", "eoi_token_index"))
+                       get("eoi_token_id", "eoi_token_index"), refused=images_refused(config))
+
+
+def images_refused(config) -> str | None:
+    """Why this engine refuses a request with Gemma 3 images (the capability table's
+    images=bidirectional rules, in validation's one line), None: it takes them. Text-only
+    requests run as for any Gemma 3."""
+    broken = refusals(config, model_kinds(config.model), frozenset({IMAGES_BIDIRECTIONAL}))
+    return describe(broken[0], config) if broken else None
