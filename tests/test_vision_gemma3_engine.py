@@ -84,6 +84,14 @@ def test_two_images_cut_before_an_image_equal_transformers(engine, hf):
     assert_matches(out, ref)
 
 
+def test_text_only_prompt_equals_transformers(engine, hf):
+    ids = [2, 5, 6, 7, 8, 9, 10, 11]
+    with torch.no_grad():
+        g = hf.generate(input_ids=torch.tensor([ids]), max_new_tokens=N_NEW, do_sample=False)
+    assert engine.generate([ids], SamplingParams(max_tokens=N_NEW, ignore_eos=True))[0].token_ids == \
+        g[0, len(ids):].tolist()
+
+
 def test_prefix_cache_shares_an_image_only_with_itself(engine, hf):
     eng, prompt = engine, text_then_image()
     first = eng.generate({"prompt": prompt, "images": [SQUARE]}, GREEDY)[0]
