@@ -152,8 +152,11 @@ class RequestFactory:
             raise InvalidRequest("prompt", f"a prompt dict holds 'prompt' and 'images': {what}")
         if "prompt" not in prompt:
             raise InvalidRequest("prompt", "a prompt dict needs its 'prompt' (text or token ids)")
-        ids = self._encode(prompt["prompt"])
         images = list(prompt.get("images") or [])
+        text = prompt["prompt"]
+        if isinstance(text, str) and images and self.vision is not None:
+            text = self.vision.mark_text(text)  # what the model's processor adds around a placeholder in text
+        ids = self._encode(text)
         return self.expand_images(ids, images) if images else ids
 
     def expand_images(self, ids: list[int], images: list) -> list[int]:

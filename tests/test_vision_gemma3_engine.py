@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vision_gemma3 import BOI, EOI, IMAGE, MM_TOKENS, hf_gemma3_vl, tiny_gemma3_vl, torch
+from vision_gemma3 import BOI, IMAGE, MM_TOKENS, hf_gemma3_vl, hf_processor, tiny_gemma3_vl, torch
 from vision_models import N_NEW, TOP, assert_matches
 
 from jaxfill import Engine
@@ -106,6 +106,16 @@ def test_prefix_cache_shares_an_image_only_with_itself(engine, hf):
     assert other.cached_tokens == 16  # the text page only
     assert eng.stats()["encoder_cache_misses"] == after["encoder_cache_misses"] + 1
     assert_matches(other, hf_generate(hf, eng, prompt, [OTHER]))
+
+
+def test_text_prompt_expands_as_the_processor(engine, ckpt):
+    """A text prompt's `<start_of_image>`: the ids and pixels Gemma3Processor makes (its
+    two newlines around each image block included)."""
+    text = "user\n<start_of_image>What is this?<start_of_image>\nAnd this?\n"
+    ref = hf_processor(ckpt)(text=text, images=[SQUARE, WIDE], return_tensors="np")
+    ours, _ = engine.factory.check({"prompt": text, "images": [SQUARE, WIDE]}, GREEDY)
+    assert list(ours) == ref["input_ids"][0].tolist()
+    np.testing.assert_array_equal(np.stack([s.pixels for s in ours.images.spans]), ref["pixel_values"])
 
 
 def test_refusals(engine, ckpt):

@@ -6,6 +6,7 @@ one shows."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -39,7 +40,32 @@ def tiny_gemma3_vl(directory: str) -> str:
                 p.normal_(0.0, 0.2)
     model.save_pretrained(directory)
     tf.Gemma3ImageProcessorPil(size={"height": 32, "width": 32}).save_pretrained(directory)
+    _tokenizer(directory)
     return directory
+
+
+def _tokenizer(directory: str) -> None:
+    """configs/tiny's byte-level tokenizer with Gemma 3's image tokens at the checkpoint's
+    ids (special, so tokenization splits at them), no BOS."""
+    tiny = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny", "tokenizer.json")
+    with open(tiny) as f:
+        tok = json.load(f)
+    names = {BOI: "<start_of_image>", EOI: "<end_of_image>", IMAGE: "<image_soft_token>"}
+    tok["added_tokens"] = [dict(t, content=names.get(t["id"], t["content"])) for t in tok["added_tokens"]
+                           if t["id"] < 320]
+    tok["post_processor"] = None
+    with open(os.path.join(directory, "tokenizer.json"), "w") as f:
+        json.dump(tok, f)
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False,
+                   "extra_special_tokens": {"boi_token": names[BOI], "eoi_token": names[EOI],
+                                            "image_token": names[IMAGE]}}, f)
+
+
+def hf_processor(directory: str):
+    import transformers as tf
+    return tf.Gemma3Processor(image_processor=tf.Gemma3ImageProcessorPil.from_pretrained(directory),
+                              tokenizer=tf.AutoTokenizer.from_pretrained(directory), image_seq_length=MM_TOKENS)
 
 
 def hf_gemma3_vl(directory: str):

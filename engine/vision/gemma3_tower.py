@@ -36,7 +36,8 @@ def expand(ids: list[int], images: list, settings: Gemma3ImageSettings, boi: int
            tokens: int) -> tuple[list[int], PromptImages]:
     """(the expanded ids, their PromptImages): each `boi` in `ids` (one per image, in order)
     becomes boi, `tokens` x image_token, eoi, as processing_gemma3 expands `<start_of_image>`
-    (its "\\n\\n" before and after are text: the caller's prompt holds what it holds)."""
+    (its two newlines before and after are text: Gemma3Tower.mark_text adds them to a text
+    prompt; token ids are taken as they are)."""
     at = [i for i, t in enumerate(ids) if t == boi]
     if len(at) != len(images):
         raise ValueError(f"the prompt holds {len(at)} image placeholders (<start_of_image>, token {boi}) for "
@@ -60,7 +61,7 @@ def expand(ids: list[int], images: list, settings: Gemma3ImageSettings, boi: int
 
 class Gemma3Tower:
     def __init__(self, encoder: SiglipEncoder, settings: Gemma3ImageSettings, boi: int, image_token: int, eoi: int,
-                 capacity: int = 64, refused: str | None = None):
+                 capacity: int = 64, refused: str | None = None, boi_text: str = "<start_of_image>"):
         self.graphdef, self.state = nnx.split(encoder)
         self.cfg = encoder.cfg
         self.settings = settings
@@ -69,6 +70,14 @@ class Gemma3Tower:
         self._cache: collections.OrderedDict[bytes, np.ndarray] = collections.OrderedDict()
         self.hits = self.misses = 0
         self.refused = refused  # the capability table's line refusing images under this config (loading.py)
+        self.boi_text = boi_text  # the tokenizer's <start_of_image>
+
+    def mark_text(self, text: str) -> str:
+        """A text prompt as processing_gemma3 writes it around each `<start_of_image>`: two
+        newlines before it and two after its image's `<end_of_image>`. The image and eoi
+        tokens are special (tokenization splits at them), so the newlines right after boi in
+        the text tokenize as they do after eoi; expand then puts the image rows and eoi between."""
+        return text.replace(self.boi_text, f"\n\n{self.boi_text}\n\n")
 
     def expand(self, ids: list[int], images: list) -> tuple[list[int], PromptImages]:
         if self.refused:

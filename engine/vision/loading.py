@@ -57,7 +57,18 @@ def build_gemma3(config, hf: dict) -> Gemma3Tower:
     get = lambda *keys: next(int(hf[k]) for k in keys if k in hf)  # noqa: E731
     return Gemma3Tower(load_siglip(config.model_path, cfg), gemma3_settings(config.model_path, cfg.image_size),
                        get("boi_token_id", "boi_token_index"), get("image_token_id", "image_token_index"),
-                       get("eoi_token_id", "eoi_token_index"), refused=images_refused(config))
+                       get("eoi_token_id", "eoi_token_index"), refused=images_refused(config),
+                       boi_text=boi_text(config.model_path))
+
+
+def boi_text(model_dir: str) -> str:
+    """The tokenizer's `<start_of_image>` (tokenizer_config.json's boi_token), else Gemma 3's."""
+    path = os.path.join(model_dir, "tokenizer_config.json")
+    if not os.path.exists(path):
+        return "<start_of_image>"
+    with open(path) as f:
+        t = json.load(f)
+    return t.get("boi_token") or (t.get("extra_special_tokens") or {}).get("boi_token") or "<start_of_image>"
 
 
 def images_refused(config) -> str | None:

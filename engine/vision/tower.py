@@ -47,6 +47,9 @@ class VisionTower:
         self._cache: collections.OrderedDict[bytes, tuple[np.ndarray, np.ndarray]] = collections.OrderedDict()
         self.hits = self.misses = 0
 
+    def mark_text(self, text: str) -> str:  # Qwen3-VL's processor adds no text around a placeholder
+        return text
+
     def expand(self, ids: list[int], images: list):  # (expanded ids, PromptImages): engine/vision/prompt.py
         return expand(ids, images, self.settings, self.image_token_id)
 
