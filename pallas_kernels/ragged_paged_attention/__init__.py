@@ -100,9 +100,10 @@ def ragged_paged_attention(
     one rank's share of every sequence's keys, and what it takes to merge the ranks'
     partial outputs. Only `xla` and `reference` take them so far ("auto" picks xla).
 
-    `key_limits` (Gemma 3's image rows, which see their whole image): only `reference`
-    takes them, so a step that passes them runs `reference` whatever `impl` says (the
-    steps that hold image rows; a blocked kernel with this mask is not built)."""
+    `key_limits` (Gemma 3's image rows, which see their whole image): `reference` and
+    `xla` take them (xla's item path serves every row of such a step), so a step that
+    passes them runs `xla` when `impl` names a Pallas kernel (the steps that hold image
+    rows; no Pallas kernel takes this mask yet)."""
     if isinstance(kv_pages, QuantizedPages):
         if kv_scales is not None:
             raise ValueError("QuantizedPages carry their own scales: do not pass kv_scales too")
@@ -112,8 +113,8 @@ def ragged_paged_attention(
     if key_limits is not None and context:
         raise ValueError("key_limits (image rows attended both ways) have no context-parallel form (mesh.sequence)")
     name = "xla" if context and impl == "auto" else resolve_impl(impl)
-    if key_limits is not None:
-        name = "reference"
+    if key_limits is not None and name not in ("xla", "reference"):
+        name = "xla"
     if context and name not in ("xla", "reference"):
         raise ValueError(f"attention impl {name!r} does not take a context-parallel share of the pages "
                          f"(mesh.sequence > 1) yet: use impl='xla' (or 'auto')")
