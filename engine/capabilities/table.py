@@ -258,7 +258,7 @@ RULES: tuple[Rule, ...] = (
          "--role both"),
     )),
     # Gemma 3's images (engine/vision/gemma3_tower.py): their rows attend each other both ways
-    # (the reference kernel's key_limits). A flag, not a kind: the engine builds and serves
+    # (the attention's key_limits). A flag, not a kind: the engine builds and serves
     # text as for any Gemma 3; a request with images is refused by the rule (InvalidRequest)
     *(Rule((IMAGES_BIDIRECTIONAL, cond), f"Gemma 3 images: {why}", change) for cond, why, change in (
         ("mesh.data", "image rows are laid out for one data replica", "mesh.data = 1"),
