@@ -42,7 +42,9 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_images_under_tensor_parallelism_equal_one_device(tmp_path):
+    """Slow (26 s on the shared 2-core host: one subprocess compiling two engines)."""
     ckpt = tiny_qwen3_vl(str(tmp_path / "qwen3_vl"))
     asks = [(one_image(), ["big"]), (two_images(), ["big", "wide"])]
     images = str(tmp_path / "images.npz")
