@@ -14,7 +14,6 @@ import random
 from jaxfill.engine.loading import validate_prompt
 from jaxfill.engine.request import InvalidRequest, PoolingParams, Request, SamplingParams
 from jaxfill.engine.structured_output import GrammarCompiler
-from jaxfill.engine.vision.prompt import expand
 
 
 class PromptIds(list):
@@ -153,8 +152,11 @@ class RequestFactory:
             raise InvalidRequest("prompt", f"a prompt dict holds 'prompt' and 'images': {what}")
         if "prompt" not in prompt:
             raise InvalidRequest("prompt", "a prompt dict needs its 'prompt' (text or token ids)")
-        ids = self._encode(prompt["prompt"])
         images = list(prompt.get("images") or [])
+        text = prompt["prompt"]
+        if isinstance(text, str) and images and self.vision is not None:
+            text = self.vision.mark_text(text)  # what the model's processor adds around a placeholder in text
+        ids = self._encode(text)
         return self.expand_images(ids, images) if images else ids
 
     def expand_images(self, ids: list[int], images: list) -> list[int]:
@@ -164,7 +166,7 @@ class RequestFactory:
         if self.vision is None:
             raise InvalidRequest("images", "this model has no vision tower: it reads text only (docs/vision.md)")
         try:
-            expanded, info = expand(ids, images, self.vision.settings, self.vision.image_token_id)
+            expanded, info = self.vision.expand(ids, images)
         except (ValueError, TypeError) as e:
             raise InvalidRequest("images", str(e)) from None
         out = PromptIds(expanded)

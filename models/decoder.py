@@ -188,17 +188,20 @@ class Decoder(nnx.Module):
         if kv_cache.stages != self.stages:
             raise ValueError(f"the cache is laid out for {kv_cache.stages} stage(s), the model for {self.stages}")
         x = self.embed(tokens)
+        if self.config.embeddings.scale != 1.0:
+            x = x * jnp.asarray(self.config.embeddings.scale, x.dtype)
         rope_positions = deepstack = None
         if vision is not None:
             if self.plan.layer_groups != 1:
                 raise ValueError("images and multimodal rope run on the unrolled layout only (no scan, no stages)")
             a = self.config.attention
-            rope_positions = mrope_positions(vision.mrope, mrope_axes(a.mrope_section, self.config.rope_dim // 2))
-            if vision.images is not None:
+            if vision.mrope is not None:
+                rope_positions = mrope_positions(vision.mrope, mrope_axes(a.mrope_section, self.config.rope_dim // 2))
+            if vision.images is not None:  # after the embedding scale: image rows are not scaled (Gemma 3)
                 x = jnp.where(vision.images.mask[:, None], vision.images.embeds.astype(x.dtype), x)
                 deepstack = vision.images.deepstack
-        if self.config.embeddings.scale != 1.0:
-            x = x * jnp.asarray(self.config.embeddings.scale, x.dtype)
+            if vision.key_limits is not None:
+                meta = dataclasses.replace(meta, key_limits=vision.key_limits)
         x = self.stream_in(x)
         if self.stages > 1:  # stacked layers hand back the rows of logits_indices: all of them to pool
             rows = meta if pool_seg is None else dataclasses.replace(

@@ -216,6 +216,9 @@ class AttentionMetadata:
     # (any [R] rows may be asked for, e.g. every row for evaluation; then the last layer runs on all rows)
     state_slots: jax.Array | None = None  # [S] int32, each sequence's linear-layer state slot; None: its row
     lora_slots: jax.Array | None = None  # [T] int32, each row's LoRA slot (0 = none; models/lora.py); None: no LoRA
+    # [T] int32: the last key position a row sees when past its own (Gemma 3's image rows see
+    # their whole image), -1: causal; None: causal everywhere (models/vision/rows.py)
+    key_limits: jax.Array | None = None
 
 
 def sampled_rows_metadata(meta: AttentionMetadata) -> AttentionMetadata:
@@ -223,7 +226,8 @@ def sampled_rows_metadata(meta: AttentionMetadata) -> AttentionMetadata:
     token, `logits_indices`), attending its whole context: what the last layer needs."""
     s = meta.kv_lens.shape[0]
     cu = jnp.minimum(jnp.arange(s + 1, dtype=jnp.int32), meta.num_seqs[0])
-    return dataclasses.replace(meta, cu_q_lens=cu, logits_indices=jnp.arange(s, dtype=jnp.int32))
+    limits = None if meta.key_limits is None else jnp.take(meta.key_limits, meta.logits_indices)
+    return dataclasses.replace(meta, cu_q_lens=cu, logits_indices=jnp.arange(s, dtype=jnp.int32), key_limits=limits)
 
 
 def dealt_pages(count: int, num_pages: int, ranks: int = 1) -> list[int]:

@@ -68,7 +68,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         s = request.sampling
         keep = ("sampling.truncate_prompt_tokens", s.truncate_prompt_tokens) \
             if s.HasField("truncate_prompt_tokens") else None
-        ids = await core.prompt(request.WhichOneof("input"), request.text, request.token_ids.ids,
+        text = images.marked(core, request.text, bool(request.images))
+        ids = await core.prompt(request.WhichOneof("input"), text, request.token_ids.ids,
                                 "token_ids.ids", "text or token_ids", keep)
         if request.images:  # encoded files, one placeholder each in the prompt (serving/images.py)
             ids = await images.expand(core, ids, list(request.images), "images")

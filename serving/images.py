@@ -54,6 +54,14 @@ def data_url_bytes(url: str, field: str) -> bytes:
         raise BadField(field, f"bad base64 payload: {e}") from None
 
 
+def marked(core, text: str, with_images: bool) -> str:
+    """A text prompt with images as the model's processor writes it around each placeholder
+    before tokenizing (Gemma 3's newlines; Qwen3-VL's: as is), so text over gRPC expands as
+    in the Python API (RequestFactory._with_images)."""
+    vision = core.engine.factory.vision
+    return vision.mark_text(text) if with_images and text and vision is not None else text
+
+
 async def expand(core, ids: list[int], blobs: list[bytes], field: str) -> list[int]:
     """`ids` (one image placeholder per blob, unexpanded) with the decoded images attached
     and their placeholders expanded (engine PromptIds). field: where the images sit in the

@@ -76,7 +76,8 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         sp = request.sampling_params
         keep = (conv.SP + "truncate_prompt_tokens", sp.truncate_prompt_tokens) \
             if sp.HasField("truncate_prompt_tokens") else None
-        ids = await core.prompt(request.WhichOneof("input"), request.text, request.tokenized.input_ids,
+        text = images.marked(core, request.text, request.HasField("media_refs"))
+        ids = await core.prompt(request.WhichOneof("input"), text, request.tokenized.input_ids,
                                 "tokenized.input_ids", "tokenized.input_ids or text", keep)
         if request.HasField("media_refs"):  # images as data: URLs, one placeholder each in the ids
             ids = await images.expand(core, ids, conv.media_ref_blobs(request.media_refs), "media_refs.items")

@@ -78,8 +78,11 @@ def dequantized(kv_pages, kv_scales, dtype):
 
 
 def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
-           sliding_window=None, soft_cap=None, cast=None, kv_scales=None, sinks=None, attention_chunk=None):
+           sliding_window=None, soft_cap=None, cast=None, kv_scales=None, sinks=None, attention_chunk=None,
+           key_limits=None):
     """Returns (out[T, Hq, D] float64, live[T] bool). Rows not live are left at 0.
+
+    key_limits [T] (Gemma 3's image rows): row t sees keys up to max(its position, key_limits[t]).
 
     cast=None: exact attention of the given inputs. A CastOrder: the same, rounded where
     an impl rounds (to q's dtype), so bf16 impls can be held to a tight tolerance.
@@ -116,7 +119,8 @@ def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
             if attention_chunk is not None:  # Llama 4: the row's own chunk of positions
                 lo = max(lo, pos - pos % attention_chunk)
             qr = q[row].reshape(hkv, g, d)
-            sc = np.einsum("khd,hgd->hgk", k[lo:pos + 1], qr)
+            end = pos + 1 if key_limits is None else max(pos, int(key_limits[row])) + 1
+            sc = np.einsum("khd,hgd->hgk", k[lo:end], qr)
             if cast is not None and cast.round_scores:
                 sc = round_to(sc, dtype)
             sc = sc * score_scale
@@ -130,9 +134,9 @@ def oracle(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
                 denom = p.sum(axis=-1, keepdims=True)
                 if sink is not None:
                     denom = denom + np.exp(sink - mx)
-                o = np.einsum("hgk,khd->hgd", p / denom, v[lo:pos + 1])
+                o = np.einsum("hgk,khd->hgd", p / denom, v[lo:end])
             else:
-                o = _softmax_v(sc, v[lo:pos + 1], lo, bk, cast.round_p, dtype, sink)
+                o = _softmax_v(sc, v[lo:end], lo, bk, cast.round_p, dtype, sink)
             out[row] = o.reshape(hq, d)
     if cast is not None and cast.round_out:
         out = round_to(out, dtype)

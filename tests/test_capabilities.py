@@ -171,6 +171,18 @@ BREAKS = {
         ("engine.host_kv_cache_gb", {"engine.host_kv_cache_gb": 1}, ()),
         ("serve.role=prefill/decode", {}, ("serve.role=prefill/decode",)),
     )},
+    # a request's flag (engine/vision/loading.py images_refused), so any model shows it
+    **{("images=bidirectional", cond): (extra, ("images=bidirectional",)) for cond, extra in (
+        ("mesh.data", {"mesh.data": 2}),
+        ("mesh.sequence", {"mesh.sequence": 2}),
+        ("mesh.stage", {"mesh.stage": 2}),
+        ("mesh.num_processes", {"mesh.num_processes": 2, "mesh.coordinator": "127.0.0.1:1"}),
+        ("engine.scan_layers", {"engine.scan_layers": True}),
+        ("speculative.method=ngram/suffix/mtp", {"speculative.method": "ngram"}),
+        ("lora.max_loras", {"lora.max_loras": 2}),
+        ("model.pooling", {"model.pooling": "last"}),
+        ("engine.host_kv_cache_gb", {"engine.host_kv_cache_gb": 1}),
+    )},
 }
 
 

@@ -11,7 +11,8 @@ mesh.tensor > 1), a model kind (`mla`, `moe`, `linear`, `gated_deltanet`, `mamba
 `short_conv`, `kda`, `attention`, `dsa`: DeepSeek sparse attention's indexer,
 `mixed_kv`: attention layers of two shapes, Gemma 4's global ones, `shortcut`: LongCat-Flash's
 MoE carried to the next layer, `mrope`: Qwen3-VL's (t, h, w) rope, whose steps carry images), `platform=cpu`, or
-`serve.role=prefill/decode`; a leading `!` negates it.
+`serve.role=prefill/decode`, `images=bidirectional` (a request holds Gemma 3 images); a
+leading `!` negates it.
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ SETTINGS: dict[str, Callable] = {
 KINDS = ("attention", "mla", "gated_deltanet", "mamba2", "short_conv", "kda", "linear", "moe", "dsa", "mixed_kv", "shortcut",
          "mrope")
 LINEAR_KINDS = ("gated_deltanet", "mamba2", "short_conv", "kda")  # each is also "linear"
+# the flag a request with Gemma 3 images adds (engine/vision/loading.py): checked per request
+IMAGES_BIDIRECTIONAL = "images=bidirectional"
 
 
 def model_kinds(model) -> frozenset[str]:
@@ -253,6 +256,21 @@ RULES: tuple[Rule, ...] = (
         ("engine.host_kv_cache_gb", "the host tier with image pages is not tested", "engine.host_kv_cache_gb = 0"),
         ("serve.role=prefill/decode", "the KV hand-off does not carry the prompt's positions or images",
          "--role both"),
+    )),
+    # Gemma 3's images (engine/vision/gemma3_tower.py): their rows attend each other both ways
+    # (the attention's key_limits). A flag, not a kind: the engine builds and serves
+    # text as for any Gemma 3; a request with images is refused by the rule (InvalidRequest)
+    *(Rule((IMAGES_BIDIRECTIONAL, cond), f"Gemma 3 images: {why}", change) for cond, why, change in (
+        ("mesh.data", "image rows are laid out for one data replica", "mesh.data = 1"),
+        ("mesh.sequence", "the context-parallel kernels take no image mask", "mesh.sequence = 1"),
+        ("mesh.stage", "pipeline microbatches do not carry image rows", "mesh.stage = 1"),
+        ("mesh.num_processes", "followers' replay of image rows is not built", "mesh.num_processes = 1"),
+        ("engine.scan_layers", "the scanned layout does not take image rows", "engine.scan_layers = false"),
+        ("speculative.method=ngram/suffix/mtp", "verification rows beside image rows are not tested",
+         "speculative.method = none"),
+        ("lora.max_loras", "adapters beside image rows are not tested", "lora.max_loras = 0"),
+        ("model.pooling", "pooled rows with images are not tested", "model.pooling = none"),
+        ("engine.host_kv_cache_gb", "the host tier with image pages is not tested", "engine.host_kv_cache_gb = 0"),
     )),
 )
 

@@ -145,9 +145,12 @@ class Scheduler(RequestTransitions, Verification):
         return out
 
     def _chunk(self, req: Request, start: int, n: int) -> int:
-        """n new tokens from `start`, cut by the long-prefill cap and at a state snapshot boundary."""
+        """n new tokens from `start`, cut by the long-prefill cap, at a state snapshot boundary,
+        and before an image whose rows attend each other both ways (Gemma 3: never split)."""
         if self.chunk_cap and total_tokens(req) - start > 1:
             n = min(n, self.chunk_cap)
+        if req.images is not None:
+            n = req.images.cut(start, n)
         if self.snapshots is not None:
             n = self.snapshots.cut(start, n, req.num_tokens)
         end = self._state_export_at(req)

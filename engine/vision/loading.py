@@ -5,13 +5,20 @@ from __future__ import annotations
 import json
 import os
 
+from jaxfill.engine.capabilities.table import IMAGES_BIDIRECTIONAL, model_kinds, refusals
+from jaxfill.engine.validation import describe
+from jaxfill.engine.vision.gemma3_images import gemma3_settings
+from jaxfill.engine.vision.gemma3_tower import Gemma3Tower
 from jaxfill.engine.vision.image_processor import image_settings
 from jaxfill.engine.vision.tower import VisionTower
 from jaxfill.models.vision.config import vision_config
+from jaxfill.models.vision.siglip import siglip_config
+from jaxfill.models.vision.siglip_weights import load_siglip
 from jaxfill.models.vision.weights import load_encoder
 
-# the towers models/vision/ builds (Qwen3.5's is Qwen3-VL's without DeepStack)
-VISION_ARCHITECTURES = ("Qwen3VLForConditionalGeneration", "Qwen3_5ForConditionalGeneration")
+# the towers models/vision/ builds (Qwen3.5's is Qwen3-VL's without DeepStack; Gemma 3's is SigLIP)
+VISION_ARCHITECTURES = ("Qwen3VLForConditionalGeneration", "Qwen3_5ForConditionalGeneration",
+                        "Gemma3ForConditionalGeneration")
 
 
 def checkpoint_json(config) -> dict:
@@ -31,6 +38,42 @@ def build_vision(config) -> VisionTower | None:
     hf = checkpoint_json(config)
     if "vision_config" not in hf:
         return None
+    if config.model.architecture == "Gemma3ForConditionalGeneration":
+        return build_gemma3(config, hf)
     cfg = vision_config(hf)
     encoder = load_encoder(config.model_path, cfg)
     return VisionTower(encoder, image_settings(config.model_path, hf["vision_config"]), int(hf["image_token_id"]))
+
+
+def build_gemma3(config, hf: dict) -> Gemma3Tower:
+    """SigLIP and the projector; refused where an image could never be scheduled whole (its
+    rows attend each other both ways, so a prefill chunk holds all of them)."""
+    cfg = siglip_config(hf)
+    e = config.engine
+    room = min(e.max_num_batched_tokens, e.long_prefill_token_threshold or e.max_num_batched_tokens)
+    if room < cfg.mm_tokens_per_image:
+        raise ValueError(f"engine.max_num_batched_tokens / long_prefill_token_threshold ({room}) must hold one "
+                         f"Gemma 3 image's {cfg.mm_tokens_per_image} rows: an image is prefilled in one chunk")
+    get = lambda *keys: next(int(hf[k]) for k in keys if k in hf)  # noqa: E731
+    return Gemma3Tower(load_siglip(config.model_path, cfg), gemma3_settings(config.model_path, cfg.image_size),
+                       get("boi_token_id", "boi_token_index"), get("image_token_id", "image_token_index"),
+                       get("eoi_token_id", "eoi_token_index"), refused=images_refused(config),
+                       boi_text=boi_text(config.model_path))
+
+
+def boi_text(model_dir: str) -> str:
+    """The tokenizer's `<start_of_image>` (tokenizer_config.json's boi_token), else Gemma 3's."""
+    path = os.path.join(model_dir, "tokenizer_config.json")
+    if not os.path.exists(path):
+        return "<start_of_image>"
+    with open(path) as f:
+        t = json.load(f)
+    return t.get("boi_token") or (t.get("extra_special_tokens") or {}).get("boi_token") or "<start_of_image>"
+
+
+def images_refused(config) -> str | None:
+    """Why this engine refuses a request with Gemma 3 images (the capability table's
+    images=bidirectional rules, in validation's one line), None: it takes them. Text-only
+    requests run as for any Gemma 3."""
+    broken = refusals(config, model_kinds(config.model), frozenset({IMAGES_BIDIRECTIONAL}))
+    return describe(broken[0], config) if broken else None

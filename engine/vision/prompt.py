@@ -44,8 +44,22 @@ class ImageSpan:
 @dataclasses.dataclass(frozen=True)
 class PromptImages:
     spans: tuple[ImageSpan, ...]
-    mrope: np.ndarray  # [3, L] int32: the prompt's (t, h, w) positions
+    mrope: np.ndarray | None  # [3, L] int32: the prompt's (t, h, w) positions; None: plain rope (Gemma 3)
     delta: int  # rows past the prompt: position = row + delta
+    # each image's rows attend each other both ways (Gemma 3): a prefill chunk never ends inside one
+    whole: bool = False
+
+    def cut(self, start: int, n: int) -> int:
+        """With `whole`: n new rows from `start`, cut so the chunk ends before an image it
+        would split (0 when it starts inside one it cannot finish: the rows wait for budget);
+        otherwise n."""
+        if not self.whole:
+            return n
+        for s in self.spans:
+            lo, hi = s.offset, s.offset + s.length
+            if start < hi and lo < start + n < hi:
+                return max(lo - start, 0)
+        return n
 
     def positions(self, start: int, end: int) -> np.ndarray:  # [3, end - start] int32
         n = self.mrope.shape[1]

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from jaxfill.engine.vision.image_processor import ImageSettings
-from jaxfill.engine.vision.prompt import ImageSpan
+from jaxfill.engine.vision.prompt import ImageSpan, expand
 from jaxfill.models.vision import grid
 from jaxfill.models.vision.qwen3_vl import VisionEncoder
 from jaxfill.models.vision.rows import ImageRows, VisionRows
@@ -46,6 +46,12 @@ class VisionTower:
         self.capacity = capacity  # images whose output is kept (least recently used goes first)
         self._cache: collections.OrderedDict[bytes, tuple[np.ndarray, np.ndarray]] = collections.OrderedDict()
         self.hits = self.misses = 0
+
+    def mark_text(self, text: str) -> str:  # Qwen3-VL's processor adds no text around a placeholder
+        return text
+
+    def expand(self, ids: list[int], images: list):  # (expanded ids, PromptImages): engine/vision/prompt.py
+        return expand(ids, images, self.settings, self.image_token_id)
 
     @property
     def depth(self) -> int:  # DeepStack layers

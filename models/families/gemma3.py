@@ -2,9 +2,10 @@
 pattern (5 sliding : 1 full), and two ropes: sliding layers use the local base
 (`rope_local_base_freq`, unscaled), full layers the global one with its scaling.
 
-`Gemma3ForConditionalGeneration` checkpoints load as their text tower: the config's
+`Gemma3ForConditionalGeneration` checkpoints load their text tower here: the config's
 `text_config`, the weights under `model.language_model.` (transformers 5) or
-`language_model.model.` (4); the vision tower and projector are skipped."""
+`language_model.model.` (4); the SigLIP tower and projector load beside the decoder
+(models/vision/siglip.py, engine/vision/gemma3_tower.py), not into it."""
 
 from __future__ import annotations
 
@@ -61,13 +62,14 @@ class Gemma3(Gemma2):
 
 
 class Gemma3Multimodal(Gemma3):
-    """The text tower of an image-text checkpoint."""
+    """The text tower of an image-text checkpoint (its images: engine/vision/gemma3_tower.py)."""
     name = "gemma3"
     architectures = ("Gemma3ForConditionalGeneration",)
     prefix = "model.language_model."
     ignored_prefixes = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.",
                         "multi_modal_projector.")
-    tested = "HF parity f32 of the text tower (text-only prompts), vision weights skipped"
+    tested = ("HF f32 logits and greedy tokens with one and two images (bidirectional image rows, a prefill "
+              "chunk cut before an image), and of the text tower alone")
 
     def to_model_config(self, hf, architecture):
         text = text_tower_config(hf, "Gemma3ForConditionalGeneration", tie_default=True)

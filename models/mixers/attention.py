@@ -173,6 +173,8 @@ class Attention(nnx.Module):
         if write:
             pages = write_kv(pages, k, v, meta.slot_mapping)
         extra = {} if sinks is None else {"sinks": sinks}
+        if meta.key_limits is not None:  # Gemma 3's image rows (models/vision/rows.py)
+            extra["key_limits"] = meta.key_limits
         out = ragged_paged_attention(
             q, pages, meta.kv_lens, meta.page_indices, meta.cu_q_lens, meta.num_seqs,
             sm_scale=self.sm_scale, sliding_window=window[0], attention_chunk=window[1],

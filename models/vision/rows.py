@@ -1,10 +1,11 @@
 """What a step's rows bring from the vision side into the decoder (models/decoder.py).
 
-`VisionRows` rides beside tokens and positions only for a model with multimodal rope: its
-(t, h, w) positions on every step (decode rows too: text after an image turns from the
-image's largest position + 1), and the image rows when a step holds some. A step without
-image rows passes images=None (its own compiled program), so decode steps carry no [T, E]
-arrays.
+`VisionRows` rides beside tokens and positions for a model with multimodal rope on every
+step: its (t, h, w) positions (decode rows too: text after an image turns from the image's
+largest position + 1), and the image rows when a step holds some. A step without image
+rows passes images=None (its own compiled program), so decode steps carry no [T, E]
+arrays. Gemma 3 (plain rope) passes VisionRows only on steps with image rows: the rows and
+each row's key limit (its image is attended both ways).
 """
 
 from __future__ import annotations
@@ -25,5 +26,8 @@ class ImageRows:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class VisionRows:
-    mrope: jax.Array  # [3, T] int32: (t, h, w) positions of every row
+    mrope: jax.Array | None  # [3, T] int32: (t, h, w) positions of every row; None: plain rope (Gemma 3)
     images: ImageRows | None = None
+    # [T] int32 (Gemma 3): the last key position each row sees, past its own for an image row
+    # (its whole image, attended both ways); -1 elsewhere (causal). None: causal everywhere
+    key_limits: jax.Array | None = None

@@ -100,6 +100,7 @@ def ragged_paged_attention(
     kv_stride: int = 1,  # context parallelism: these pages hold logical pages kv_offset + i * kv_stride
     kv_offset: jax.Array | None = None,  # int32 scalar: this rank (stripes.py)
     return_lse: bool = False,  # also each row's log-sum-exp [T, Hq] f32; out in f32
+    key_limits: jax.Array | None = None,  # [T] int32: a row sees keys up to max(its position, this)
 ):  # [T, Hq, D] (and [T, Hq] with return_lse)
     """`kv_pages` may be a QuantizedPages (or int8/fp8 values with `kv_scales`): every
     impl dequantizes block by block inside the kernel (kv_quant.py).
@@ -111,15 +112,22 @@ def ragged_paged_attention(
 
     `kv_stride` / `kv_offset` / `return_lse` serve context parallelism (models/sharding.py):
     one rank's share of every sequence's keys, and what it takes to merge the ranks'
-    partial outputs. Only `xla` and `reference` take them so far ("auto" picks xla)."""
+    partial outputs. Only `xla` and `reference` take them so far ("auto" picks xla).
+
+    `key_limits` (Gemma 3's image rows, which see their whole image): `reference` and
+    `xla` take them (xla's item path serves every row of such a step), so a step that
+    passes them runs `xla` when `impl` names a Pallas kernel (the steps that hold image
+    rows; no Pallas kernel takes this mask yet)."""
     if isinstance(kv_pages, QuantizedPages):
         if kv_scales is not None:
             raise ValueError("QuantizedPages carry their own scales: do not pass kv_scales too")
         kv_pages, kv_scales = kv_pages.values, kv_pages.scales
     validate(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, kv_scales, sinks, kv_shared)
     context = kv_stride > 1 or return_lse
+    if key_limits is not None and context:
+        raise ValueError("key_limits (image rows attended both ways) have no context-parallel form (mesh.sequence)")
     name = resolve_impl(impl)
-    if context and impl == "auto" and name not in ("xla", "reference"):
+    if (context and impl == "auto" or key_limits is not None) and name not in ("xla", "reference"):
         name = "xla"
     if context and name not in ("xla", "reference"):
         raise ValueError(f"attention impl {name!r} does not take a context-parallel share of the pages "
@@ -131,6 +139,8 @@ def ragged_paged_attention(
     extra = {"kv_shared": True} if kv_shared else {}  # impls without it refuse shared pages (TypeError)
     if context:
         extra.update(kv_stride=kv_stride, kv_offset=kv_offset, return_lse=return_lse)
+    if key_limits is not None:
+        extra["key_limits"] = key_limits
     return kernel(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
                   sm_scale=sm_scale, sliding_window=sliding_window, attention_chunk=attention_chunk, soft_cap=soft_cap,
                   kv_scales=kv_scales, sinks=sinks, **extra)

@@ -6,6 +6,9 @@ so query i of s sits at position `kv_lens[s] - q_len(s) + i`. The loop runs over
 sequences, each time scoring every query against that sequence's keys and keeping the
 rows that belong to it; cost is S x T x K, fine for a reference.
 
+`key_limits` (Gemma 3's image rows): a row sees keys up to max(its position, its limit),
+so an image's rows see the whole image, the window still starting at the row's own position.
+
 Attention sinks (gpt-oss) are what they are defined as: one more score column per head,
 `sinks[h]`, in the softmax, dropped before the PV product (it has no value vector).
 """
@@ -55,6 +58,7 @@ def ragged_paged_attention_reference(
     kv_stride: int = 1,  # context parallelism: pages hold logical pages kv_offset + i * kv_stride
     kv_offset: jax.Array | None = None,  # int32 scalar (stripes.py)
     return_lse: bool = False,  # also each row's log-sum-exp [T, Hq] f32 (-inf: no key), out in f32
+    key_limits: jax.Array | None = None,  # [T] int32: a row sees keys up to max(its position, this)
 ):  # [T, Hq, D] (and [T, Hq] with return_lse)
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, combined, _ = kv_pages.shape
@@ -62,6 +66,7 @@ def ragged_paged_attention_reference(
     group = num_q_heads // num_kv_heads
     max_kv = page_indices.shape[1] * page_size
     seq_of, pos, valid = token_layout(cu_q_lens, kv_lens, num_seqs, num_tokens)
+    last = pos if key_limits is None else jnp.maximum(pos, key_limits)  # [T] the last key each row sees
     qf = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
     key_pos = stripes(kv_stride, kv_offset, page_size).to_global(jnp.arange(max_kv, dtype=jnp.int32))
 
@@ -76,7 +81,7 @@ def ragged_paged_attention_reference(
         scores = jnp.einsum("thgd,khd->thgk", qf, k) * sm_scale
         if soft_cap is not None:
             scores = soft_cap * jnp.tanh(scores / soft_cap)
-        visible = in_len[None, :] & (key_pos[None, :] <= pos[:, None])
+        visible = in_len[None, :] & (key_pos[None, :] <= last[:, None])
         window = in_window(key_pos[None, :], pos[:, None], sliding_window, attention_chunk)
         if window is not None:
             visible &= window

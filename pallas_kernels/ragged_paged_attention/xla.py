@@ -71,6 +71,7 @@ def ragged_paged_attention_xla(
     kv_stride: int = 1,  # context parallelism: this rank holds logical pages kv_offset + i * kv_stride
     kv_offset: jax.Array | None = None,  # int32 scalar, the rank (stripes.py)
     return_lse: bool = False,  # also each row's log-sum-exp [T, Hq] f32 (-inf: no key), out in f32
+    key_limits: jax.Array | None = None,  # [T] int32: a row sees keys up to max(its position, this)
 ):  # [T, Hq, D] (and [T, Hq] with return_lse)
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, page_size, combined, _ = kv_pages.shape
@@ -118,12 +119,14 @@ def ragged_paged_attention_xla(
                                   sliding_window=sliding_window, attention_chunk=attention_chunk, soft_cap=soft_cap,
                                   exp2_fn=exp2_fn,
                                   sum_pad=sum_pad, diag_splits=diag_splits, kv_shared=kv_shared,
-                                  stripes=keys, want_lse=return_lse)
+                                  stripes=keys, want_lse=return_lse, key_limits=key_limits)
 
     def finish(res):  # the output in q's dtype; with its LSE, both f32 (they are merged next)
         return res if return_lse else res.astype(q.dtype)
 
     q_max = min(short_q, num_tokens)
+    if key_limits is not None:  # rows past their diagonal (Gemma 3's image steps): the items serve every row
+        return finish(by_items(q))
     if q_max <= 0 or num_tokens <= q_max:
         return finish(by_items(q))
     bk_short = kv_block(page_size, 128)

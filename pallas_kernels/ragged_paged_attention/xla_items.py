@@ -29,9 +29,10 @@ def by_items(q, kv_pages, kv_scales,
              sinks,  # [Hkv, G] f32 attention sinks in log2 units, or None
              pidx, cu, kv_lens, item_block, item_seq, num_items, seq_skip, *,
              q_scale, bq, bk, ppb, par, sliding_window, attention_chunk, soft_cap, exp2_fn, sum_pad, diag_splits,
-             kv_shared=False, stripes, want_lse=False):
+             kv_shared=False, stripes, want_lse=False, key_limits=None):
     """The item path: q [T, Hq, D] unscaled; returns out [T, Hq, D] f32 (and its LSE
-    [T, Hq] f32 with want_lse)."""
+    [T, Hq] f32 with want_lse). key_limits [T] int32 or None: a row sees keys up to
+    max(its position, its limit) (Gemma 3's image rows)."""
     num_tokens, num_q_heads, head_dim = q.shape
     per = 1 if kv_shared else 2  # page entries per KV head
     num_kv_heads = kv_pages.shape[2] // per
@@ -39,6 +40,8 @@ def by_items(q, kv_pages, kv_scales,
     t_pad = -(-num_tokens // bq) * bq
     if t_pad != num_tokens:
         q = jnp.pad(q, ((0, t_pad - num_tokens), (0, 0), (0, 0)))
+        if key_limits is not None:
+            key_limits = jnp.pad(key_limits, (0, t_pad - num_tokens), constant_values=-1)
     q = q.reshape(t_pad, num_kv_heads, group, head_dim)
 
     # `par` independent loops, split over KV heads, else over the q heads of a KV head.
@@ -59,7 +62,7 @@ def by_items(q, kv_pages, kv_scales,
             pidx, cu, kv_lens, item_block, item_seq, num_items, seq_skip, q_scale=q_scale,
             bq=bq, bk=bk, ppb=ppb, sliding_window=sliding_window, attention_chunk=attention_chunk, soft_cap=soft_cap,
             exp2_fn=exp2_fn, sum_pad=sum_pad, diag_splits=diag_splits, kv_shared=kv_shared,
-            stripes=stripes, want_lse=want_lse))
+            stripes=stripes, want_lse=want_lse, key_limits=key_limits))
     axis = 1 if splits[0][3] == group else 2
     join = lambda parts: parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=axis)
     if not want_lse:
@@ -77,7 +80,8 @@ def attend_items(q,  # [T_pad, Hkv', G', D] unscaled q, T_pad a multiple of bq; 
                  cu, kv_lens, item_block, item_seq, num_items,
                  seq_skip,  # [S] bool: sequences another path serves (their items do nothing)
                  *, q_scale, bq, bk, ppb, sliding_window, attention_chunk, soft_cap, exp2_fn, sum_pad, diag_splits,
-                 kv_shared=False, stripes=None, want_lse=False):
+                 kv_shared=False, stripes=None, want_lse=False,
+                 key_limits=None):  # [T_pad] int32 or None: rows that see keys past their own position
     """One independent loop over all items for a subset of heads: out [T_pad, Hkv', G', D] f32,
     and with `want_lse` each row's log-sum-exp [T_pad, Hkv', G'] f32 (-inf: no key seen).
 
@@ -127,15 +131,16 @@ def attend_items(q,  # [T_pad, Hkv', G', D] unscaled q, T_pad a multiple of bq; 
         pv = jnp.einsum("hrk,hkd->hrd", p.astype(cdt), v, preferred_element_type=jnp.float32)
         return m_new, l, alpha[..., None] * acc + pv
 
-    def masked_update(carry, s, qb, row_pos, key0, nkeys, key_end):
-        """One masked step over keys [key0, key0 + nkeys); keys >= key_end are zeroed."""
+    def masked_update(carry, s, qb, row_pos, key0, nkeys, key_end, row_last):
+        """One masked step over keys [key0, key0 + nkeys); keys >= key_end are zeroed; a row
+        sees keys up to row_last (its position, or past it with key_limits)."""
         k, v = load_kv(s, key0 // page_size, nkeys // page_size)
         key_pos = stripes.to_global(key0 + jnp.arange(nkeys, dtype=jnp.int32))
         in_len = (key_pos < key_end)[None, :, None]
         k = jnp.where(in_len, k, jnp.zeros((), k.dtype))
         v = jnp.where(in_len, v, jnp.zeros((), v.dtype))
         sc = scores_of(qb, k)
-        vis = (key_pos[None, :] <= row_pos[:, None]) & (key_pos[None, :] < key_end)
+        vis = (key_pos[None, :] <= row_last[:, None]) & (key_pos[None, :] < key_end)
         window = in_window(key_pos[None, :], row_pos[:, None], sliding_window, attention_chunk)
         if window is not None:
             vis &= window
@@ -151,17 +156,24 @@ def attend_items(q,  # [T_pad, Hkv', G', D] unscaled q, T_pad a multiple of bq; 
     def one_item(i, outs_so_far):
         b, s = item_block[i], item_seq[i]
         ib = item_bounds(b, s, cu, kv_lens, bq, bk, sliding_window, stripes, attention_chunk)
+        row_tok = ib["r0"] + row_in_block  # flat token of each row
+        row_pos = ib["ctx"] + row_tok - ib["q_start"]  # [R]
+        row_last = row_pos
+        if key_limits is not None:  # the item's rows may see keys past the diagonal: the KV loop runs further
+            in_item = (row_tok >= ib["lo"]) & (row_tok < ib["hi"])
+            row_last = jnp.where(in_item, jnp.maximum(row_pos, jnp.tile(
+                lax.dynamic_slice_in_dim(key_limits, b * bq, bq), group)), row_pos)
+            far = jnp.minimum(jnp.max(jnp.where(in_item, row_last, 0)) + 1, ib["kv_len"])
+            ib["kv_hi"] = jnp.maximum(ib["kv_hi"], lax.div(far + bk - 1, jnp.int32(bk)))
         skip = seq_skip[s]
         for edge in ("a", "c", "kv_hi"):  # a skipped item runs no KV block at all
             ib[edge] = jnp.where(skip, ib["kv_lo"], ib[edge])
         qb = lax.dynamic_slice_in_dim(q, b * bq, bq)  # [bq, Hkv', G', D]
         qb = (qb.astype(jnp.float32) * q_scale).astype(cdt)
         qb = qb.transpose(1, 2, 0, 3).reshape(num_kv_heads, rows, head_dim)  # [Hkv', R, D]
-        row_tok = ib["r0"] + row_in_block  # flat token of each row
-        row_pos = ib["ctx"] + row_tok - ib["q_start"]  # [R]
 
         def masked_step(j, carry):
-            return masked_update(carry, s, qb, row_pos, j * bk, bk, ib["kv_len"])
+            return masked_update(carry, s, qb, row_pos, j * bk, bk, ib["kv_len"], row_last)
 
         def full_step(j, carry):
             k, v = load_kv(s, j * ppb, ppb)
@@ -179,13 +191,17 @@ def attend_items(q,  # [T_pad, Hkv', G', D] unscaled q, T_pad a multiple of bq; 
             width = (chunk + 1) * (bk // nsub)
             c_hi = jnp.minimum(ib["r0"] + (chunk + 1) * bq_sub, ib["hi"])
             key_end = jnp.minimum(ib["ctx"] + c_hi - ib["q_start"], ib["kv_len"])
+            last_c = rows_of(row_last, chunk, 0)
+            if key_limits is not None:  # the chunk's rows past the diagonal: its keys run to their last
+                far_c = jnp.max(rows_of(jnp.where(in_item, row_last, 0), chunk, 0)) + 1
+                key_end = jnp.maximum(key_end, jnp.minimum(far_c, ib["kv_len"]))
             need = jnp.clip(stripes.local_count(key_end) - tail0, 0, tail_len)
             steps = lax.div(need + width - 1, jnp.int32(width))
             q_c, pos_c = rows_of(qb, chunk, 1), rows_of(row_pos, chunk, 0)
             c_carry = tuple(rows_of(x, chunk, 1) for x in carry)
             c_carry = lax.fori_loop(
                 0, steps, lambda j, cc: masked_update(cc, s, q_c, pos_c, tail0 + j * width, width,
-                                                      key_end), c_carry)
+                                                      key_end, last_c), c_carry)
             m, l, acc = c_carry
             if sum_pad:
                 l, acc = acc[..., head_dim], acc[..., :head_dim]
