@@ -83,10 +83,17 @@ def hf_dirs(tmp_path_factory):
 def _xla_attention_where_marked(request):
     """Files marked `xla_attention` (pytestmark) serve what "auto" picks for a user on CPU.
     Module scope: autouse fixtures start first within their scope, so the files'
-    module-scoped engines see it too."""
+    module-scoped engines see it too (a marked test function: _xla_attention_test)."""
     if not request.node.get_closest_marker("xla_attention"):
         yield
         return
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("JAXFILL_ATTENTION_IMPL", "xla")
         yield
+
+
+@pytest.fixture(autouse=True)
+def _xla_attention_test(request, monkeypatch):
+    """A test function marked `xla_attention` (its own models, no module-scoped engine)."""
+    if request.node.get_closest_marker("xla_attention"):
+        monkeypatch.setenv("JAXFILL_ATTENTION_IMPL", "xla")

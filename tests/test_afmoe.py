@@ -27,6 +27,7 @@ def afmoe(tmp_path_factory):
     return make_hf_checkpoint(str(tmp_path_factory.mktemp("afmoe") / "afmoe"), "afmoe")
 
 
+@pytest.mark.slow  # 47 s in a full run (2026-12-07, 2 loaded cores)
 @pytest.mark.parametrize("name", sorted(AFMOE_ABLATIONS))
 def test_each_afmoe_feature_changes_the_logits(afmoe, name):
     from test_family_parity import check_feature_changes_the_logits
@@ -40,6 +41,7 @@ AFMOE_LAYOUTS = {**{name: LAYOUTS[name] for name in ("whole", "chunked", "prefix
                  "expert2_sequence2": {"mesh.expert": 2, "mesh.sequence": 2}}
 
 
+@pytest.mark.slow  # 116 s in a full run (2026-12-07, 2 loaded cores)
 def test_afmoe_layouts(tmp_path):
     """Three layers: dense sliding (24-token window, roped), sparse global (NoPE), sparse
     sliding; 16-token chunks reach into two earlier ones through the window, the output

@@ -5,11 +5,13 @@ full-rank gates and state, half the latent attention's heads and their gates, ha
 each expert) with snapshots, whole and chunked. The same greedy tokens and first
 logprobs, every page back, and at tensor 2 every state array allocated split."""
 
+import pytest
 from family_layouts import check_layouts, run_layouts
 from hf_models import make_hf_checkpoint
 from test_hybrid_layouts import LAYOUTS
 
 
+@pytest.mark.slow  # 56 s in a full run (2026-12-07, 2 loaded cores)
 def test_bailing_hybrid_layouts_agree(tmp_path):
     directory = make_hf_checkpoint(str(tmp_path / "bailing_hybrid"), "bailing_hybrid")
     r = run_layouts(directory, LAYOUTS, devices=2)

@@ -66,6 +66,7 @@ def engines():
     plain.close()
 
 
+@pytest.mark.slow  # 37 s in a full run (2026-12-07, 2 loaded cores)
 def test_step_temporaries_do_not_grow_with_the_pool(engines):
     words, _ = engines
     (small, small_pool), (big, big_pool) = (_step_temp_bytes(words, n) for n in (64, 2048))

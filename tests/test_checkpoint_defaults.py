@@ -150,6 +150,7 @@ def jax_cache_config():
         jax.config.update(n, v)
 
 
+@pytest.mark.slow  # 33 s in a full run (2026-12-07, 2 loaded cores)
 def test_compile_cache_none_writes_nothing_in_generate(checkpoint, tmp_path):
     """The Engine used to turn the default cache back on after the CLI turned it off."""
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}

@@ -6,6 +6,8 @@ import pytest
 from jaxfill.engine.simple import prefill_chunks
 from jaxfill.models import KVCache, Decoder, ModelConfig
 
+pytestmark = pytest.mark.xla_attention  # the CPU default impl end to end (tests/conftest.py)
+
 CONFIG = ModelConfig(num_layers=2, max_position_embeddings=512)
 PROMPT = list(np.random.default_rng(0).integers(0, CONFIG.vocab_size, 37))
 PAGES = [5, 2, 9]  # deliberately out of order

@@ -122,6 +122,7 @@ def test_explicit_mesh_that_does_not_match_still_errors():
     assert "tensor=4" in r["error"] and "but 2 cpu device(s)" in r["error"]
 
 
+@pytest.mark.slow  # 38 s in a full run (2026-12-07, 2 loaded cores)
 @needs_two_cores
 def test_jax_started_first_gets_one_device_and_the_hint(one_device):
     r = run(jax_first=True)

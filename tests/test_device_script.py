@@ -10,9 +10,12 @@ import subprocess
 import sys
 import xml.etree.ElementTree as ET
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow  # 124 s in a full run (2026-12-07, 2 loaded cores)
 def test_dry_run_leaves_every_result(tmp_path):
     env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
     env.pop("XLA_FLAGS", None)

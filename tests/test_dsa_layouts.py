@@ -7,6 +7,7 @@ replicated, the heads split) == scanned layers == mesh.stage=2; an int8 cache (t
 indexer key quantized with the latent) stays close. mesh.sequence is refused for the
 kind (engine/capabilities/table.py). One subprocess per model on 2 fake CPU devices."""
 
+import pytest
 from family_layouts import LAYOUTS, check_layouts, run_layouts
 from hf_models import make_hf_checkpoint
 
@@ -15,6 +16,7 @@ def chunks(n: int) -> dict:
     return {"engine.enable_prefix_caching": False, "engine.max_num_batched_tokens": n, "engine.token_buckets": [n]}
 
 
+@pytest.mark.slow  # 79 s in a full run (2026-12-07, 2 loaded cores)
 def test_deepseek_v32_layouts(tmp_path):
     """Dense MLPs only (stacked layouts hold one layer kind), two layers for two stages."""
     model = make_hf_checkpoint(str(tmp_path / "v32"), "deepseek_v32", num_hidden_layers=2, first_k_dense_replace=2)
@@ -27,6 +29,7 @@ def test_deepseek_v32_layouts(tmp_path):
     assert r["whole"]["kv_bytes_per_token"] == 2 * (32 + 16 + 32) * 4
 
 
+@pytest.mark.slow  # 54 s in a full run (2026-12-07, 2 loaded cores)
 def test_glm_moe_dsa_layouts(tmp_path):
     """A dense layer, then two with experts (each expert's routed pairs counted alike)."""
     model = make_hf_checkpoint(str(tmp_path / "glm5"), "glm_moe_dsa")

@@ -20,6 +20,8 @@ from jaxfill.engine.simple import generate_one
 from jaxfill.engine.tokenizer import ByteTokenizer
 from jaxfill.models.kv_cache import KVCache
 
+pytestmark = pytest.mark.xla_attention  # the CPU default impl end to end (tests/conftest.py)
+
 MAX_LEN = 1024
 N_NEW = 12
 

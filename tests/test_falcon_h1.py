@@ -78,6 +78,7 @@ def test_variants_match_hf(tmp_path, variant):
     check_logits(directory, config, load_hf_params(directory, config, progress=False))
 
 
+@pytest.mark.slow  # 40 s in a full run (2026-12-07, 2 loaded cores)
 def test_each_multiplier_changes_the_logits(falcon):
     """The multipliers that act inside a block (K's, the muP vector's dt part, the MLP
     gate's) at 1, the others kept, move the 300-token prompt's last logits by more than
@@ -96,6 +97,7 @@ def test_each_multiplier_changes_the_logits(falcon):
         assert rel_l2(ours_last_logits(other, changed, tokens), base) > 1e-3, ablation
 
 
+@pytest.mark.slow  # 40 s in a full run (2026-12-07, 2 loaded cores)
 def test_a_fresh_sequence_ignores_what_its_slot_holds(falcon):
     """A fresh prompt in the slot another prompt filled (and on pages beside its pages)
     == in a clean cache, bit for bit; every layer's entry holds pages and a state."""

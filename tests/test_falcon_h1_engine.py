@@ -31,6 +31,7 @@ def falcon(tmp_path_factory):
     return make_hf_checkpoint(str(tmp_path_factory.mktemp("falcon_engine") / ARCH), ARCH)
 
 
+@pytest.mark.slow  # 32 s in a full run (2026-12-07, 2 loaded cores)
 def test_layouts_agree(falcon):
     r = run_layouts(falcon, LAYOUTS, devices=2)
     check_layouts(r, ARCH, exact=("chunked", "prefix", "tensor2"))

@@ -21,6 +21,7 @@ def falcon(tmp_path_factory):
     return make_hf_checkpoint(str(tmp_path_factory.mktemp("falcon_tiers") / ARCH), ARCH)
 
 
+@pytest.mark.slow  # 48 s in a full run (2026-12-07, 2 loaded cores)
 def test_host_tier_snapshots_resume_like_prefix_caching_off(falcon):
     """Rounds over four 32-token documents (whole, or cut to 19 tokens) with new questions,
     outnumbering a 13-page pool and its two snapshot slots (tests/test_hybrid_host_tier.py)."""

@@ -33,6 +33,7 @@ def run_engine(env):
     return tuple(json.loads(line[len("RESULT "):])), out.stderr
 
 
+@pytest.mark.slow  # 51 s in a full run (2026-12-07, 2 loaded cores)
 def test_the_library_uses_the_persistent_cache_and_says_it_loaded(tmp_path):
     env = clean_env(JAXFILL_COMPILE_CACHE=str(tmp_path / "xla"))
     (loaded, compiled), err = run_engine(env)

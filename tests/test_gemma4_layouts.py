@@ -22,10 +22,12 @@ def gemma4_dir(tmp_path_factory):
     return make_hf_checkpoint(str(tmp_path_factory.mktemp("gemma4") / "gemma4"), "gemma4")
 
 
+@pytest.mark.slow  # 41 s in a full run (2026-12-07, 2 loaded cores)
 def test_every_layout_gives_the_same_tokens(gemma4_dir):
     check_every_layout(gemma4_dir, "gemma4", GEMMA4_LAYOUTS, ("chunked", "prefix", "tensor2", "sequence2"))
 
 
+@pytest.mark.slow  # 39 s in a full run (2026-12-07, 2 loaded cores)
 def test_e_model_layouts(tmp_path):
     """The E shape: the KV-sharing layers read pages the chunks and the cached prefix
     filled through their source layers."""

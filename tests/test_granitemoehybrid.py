@@ -108,6 +108,7 @@ BASE = {**REFERENCE_ATTENTION,  # tests/fast_engine.py
         "engine.state_snapshot_tokens": 16}
 
 
+@pytest.mark.slow  # 99 s in a full run (2026-12-07, 2 loaded cores)
 def test_through_the_engine_with_state_snapshots(granite):
     """Prompts sharing a 32-token root (and one sharing 16 of it), in two waves so the
     second resumes from the first's snapshots in slots other requests used, equal the
@@ -139,6 +140,7 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.slow  # 43 s in a full run (2026-12-07, 2 loaded cores)
 @pytest.mark.parametrize("variant", ["moe", "dense"])
 def test_layouts_agree(tmp_path, variant):
     """Unchunked == 16-token chunks == prefix-cached through state snapshots == mesh.tensor

@@ -52,6 +52,7 @@ def all_back(e: Engine) -> bool:
     return st["pages_free"] == st["pages_total"] and len(sch.free_slots) == e.config.engine.state_slots
 
 
+@pytest.mark.slow  # 100 s in a full run (2026-12-07, 2 loaded cores)
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
 def test_more_requests_than_slots_in_shared_steps(hybrid, async_scheduling):
     directory, prompts, want = hybrid
@@ -137,6 +138,7 @@ def test_state_bytes_apart_from_page_bytes(hybrid, monkeypatch):
 
 
 # float8_e4m3fn passes too (50 s here, 2026-12-04); left out of the suite for time: the same code path
+@pytest.mark.slow  # 45 s in a full run (2026-12-07, 2 loaded cores)
 @pytest.mark.parametrize("kv_dtype", ["int8"])
 def test_quantized_attention_pages_beside_f32_state(hybrid, kv_dtype):
     """engine.kv_cache_dtype int8 / fp8: the attention layers' pages quantize as any model's,

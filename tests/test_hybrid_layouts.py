@@ -26,6 +26,7 @@ MODELS = {"qwen3_5": ({}, LAYOUTS), "qwen3_next": ({}, LAYOUTS), "qwen3_5_moe": 
           "nemotron_h": ({"n_groups": 4}, {n: LAYOUTS[n] for n in ("whole", "tensor2", "tensor2_chunked")})}
 
 
+@pytest.mark.slow  # 49 s in a full run (2026-12-07, 2 loaded cores)
 @pytest.mark.parametrize("arch", list(MODELS))
 def test_hybrid_layouts_agree(tmp_path, arch):
     extra, layouts = MODELS[arch]

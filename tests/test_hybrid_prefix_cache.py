@@ -56,6 +56,7 @@ def all_back(e: Engine) -> bool:
     return st["pages_free"] == st["pages_total"] and len(sch.free_slots) == e.config.engine.state_slots
 
 
+@pytest.mark.slow  # 89 s in a full run (2026-12-07, 2 loaded cores)
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
 def test_shared_prefixes_resume_from_snapshots_in_their_own_slots(hybrid, async_scheduling):
     """Waves of two slots: each wave's requests find the snapshots earlier waves left,
@@ -158,6 +159,7 @@ def test_a_snapshot_whose_page_is_not_cached_yet_is_not_stale():
     assert s.resume_pages(hashes, 8) == 0 and sorted(s.free) == [4, 5]
 
 
+@pytest.mark.slow  # 99 s in a full run (2026-12-07, 2 loaded cores)
 def test_qwen3_next_through_the_engine_with_snapshots(tmp_path):
     """Qwen3-Next (MoE hybrid): prompts sharing a 32-token root, in two waves so the second
     resumes from snapshots, equal the model-level loop alone."""

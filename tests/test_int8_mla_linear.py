@@ -182,6 +182,7 @@ print("RESULT " + json.dumps(out))
 """
 
 
+@pytest.mark.slow  # 59 s in a full run (2026-12-07, 2 loaded cores)
 def test_engine_int8_tensor2_chunked_cached_equal_whole(dirs):
     env = dict(os.environ, XLA_FLAGS=fake_devices(2))
     runs = {kind: dirs[kind] for kind in ENGINE_KINDS}

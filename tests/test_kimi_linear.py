@@ -44,6 +44,7 @@ def test_chunked_prefill_equals_whole(kimi, chunk):
     check_chunked_equals_whole(kimi[2], kimi[1], chunk)
 
 
+@pytest.mark.slow  # 33 s in a full run (2026-12-07, 2 loaded cores)
 def test_a_fresh_sequence_ignores_what_its_slot_holds(kimi):
     check_fresh_sequence_ignores_its_slot(kimi[2], kimi[1])
 

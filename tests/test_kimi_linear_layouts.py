@@ -5,11 +5,13 @@ and state, half the latent attention's heads, half of each expert) with snapshot
 and chunked. The same greedy tokens and first logprobs, every page back, and at tensor 2
 every state array allocated split: half its heads (channels) on each device."""
 
+import pytest
 from family_layouts import check_layouts, run_layouts
 from hf_models import make_hf_checkpoint
 from test_hybrid_layouts import LAYOUTS
 
 
+@pytest.mark.slow  # 40 s in a full run (2026-12-07, 2 loaded cores)
 def test_kimi_linear_layouts_agree(tmp_path):
     directory = make_hf_checkpoint(str(tmp_path / "kimi_linear"), "kimi_linear")
     r = run_layouts(directory, LAYOUTS, devices=2)

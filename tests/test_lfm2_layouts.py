@@ -22,6 +22,7 @@ MODELS = {  # arch: (devices, layouts)
 }
 
 
+@pytest.mark.slow  # 65 s in a full run (2026-12-07, 2 loaded cores)
 @pytest.mark.parametrize("arch", list(MODELS))
 def test_lfm2_layouts_agree(tmp_path, arch):
     devices, layouts = MODELS[arch]

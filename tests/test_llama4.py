@@ -74,6 +74,7 @@ ABLATIONS = {
 }
 
 
+@pytest.mark.slow  # 34 s in a full run (2026-12-07, 2 loaded cores)
 @pytest.mark.parametrize("name", sorted(ABLATIONS))
 def test_each_feature_changes_the_logits(llama4_dir, name):
     from test_family_parity import check_feature_changes_the_logits

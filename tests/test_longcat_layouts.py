@@ -5,6 +5,7 @@ expert's routed pairs alike. The zero-compute experts hold no weights and run wh
 token is (models/moe.py identity_experts), so under every expert split their pairs are
 dropped from the dispatch and from the counts: a layer counts at most top_k pairs a row."""
 
+import pytest
 import numpy as np
 
 from family_layouts import LAYOUTS, run_layouts
@@ -14,6 +15,7 @@ CHUNK7 = {"engine.enable_prefix_caching": False, "engine.max_num_batched_tokens"
 EXACT = ("chunk7", "prefix", "tensor4", "expert4", "expert2_tensor2")
 
 
+@pytest.mark.slow  # 31 s in a full run (2026-12-07, 2 loaded cores)
 def test_longcat_layouts(tmp_path):
     model = make_hf_checkpoint(str(tmp_path / "longcat"), "longcat_flash")
     layouts = {"whole": LAYOUTS["whole"], "chunk7": CHUNK7, "prefix": LAYOUTS["prefix"],

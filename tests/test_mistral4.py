@@ -24,6 +24,7 @@ def mistral4(tmp_path_factory):
     return make_hf_checkpoint(str(tmp_path_factory.mktemp("mistral4") / "mistral4"), "mistral4")
 
 
+@pytest.mark.slow  # 32 s in a full run (2026-12-07, 2 loaded cores)
 @pytest.mark.parametrize("name", sorted(MISTRAL4_ABLATIONS))
 def test_each_mistral4_feature_changes_the_logits(mistral4, name):
     from test_family_parity import check_feature_changes_the_logits
@@ -41,6 +42,7 @@ MISTRAL4_LAYOUTS = {"whole": LAYOUTS["whole"], "chunk7": chunks(7), "prefix": LA
                     "int8": {"engine.kv_cache_dtype": "int8"}}
 
 
+@pytest.mark.slow  # 39 s in a full run (2026-12-07, 2 loaded cores)
 def test_mistral4_layouts(tmp_path):
     """Two layers: a dense one, then softmax grouped routing beside a shared expert; the
     query temperature steps every 16 positions, so 7-token chunks and the prefix-cached

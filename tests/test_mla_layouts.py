@@ -7,6 +7,7 @@ MoE model == the absorbed or the expanded form forced on every step; an int8 lat
 cache stays close. One subprocess per model, on 2 and 4 fake
 CPU devices."""
 
+import pytest
 from family_layouts import LAYOUTS, check_layouts, run_layouts
 from hf_models import make_hf_checkpoint
 
@@ -26,6 +27,7 @@ EXACT = ("chunk1", "chunk7", "chunk16", "chunk64", "prefix", "tensor2", "sequenc
          "absorbed", "expanded")
 
 
+@pytest.mark.slow  # 64 s in a full run (2026-12-07, 2 loaded cores)
 def test_dense_mla(tmp_path):
     """q straight from the hidden state, plain rope, every layer dense."""
     model = make_hf_checkpoint(str(tmp_path / "dense"), "deepseek_v3_dense")
@@ -35,6 +37,7 @@ def test_dense_mla(tmp_path):
     assert r["whole"]["kv_bytes_per_token"] == 2 * (32 + 16) * 4
 
 
+@pytest.mark.slow  # 34 s in a full run (2026-12-07, 2 loaded cores)
 def test_mla_with_experts(tmp_path):
     """Low-rank q, YaRN with the mscale correction, a dense layer then grouped sigmoid
     routing with a shared expert, split over experts and heads."""

@@ -128,6 +128,7 @@ def rope_angles_in_bf16(x,  # [T, H, D]
     return x * jnp.cos(emb)[:, None, :] + rotated * jnp.sin(emb)[:, None, :]
 
 
+@pytest.mark.xla_attention  # bf16 rounding as the CPU default impl casts
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
 def test_bf16_tolerance_rejects_rope_angles_in_bf16(hf_dirs, arch, monkeypatch):
     """Negative control: BF16_RATIO is tight enough that a wrong cast order in RoPE fails it

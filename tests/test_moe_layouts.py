@@ -49,10 +49,12 @@ def mixtral_four(mixtral):
     return run_layouts(mixtral, FOUR, devices=4)
 
 
+@pytest.mark.slow  # 48 s in a full run (2026-12-07, 2 loaded cores)
 def test_four_devices(mixtral_four):
     check_layouts(mixtral_four, "mixtral", tuple(k for k in FOUR if k not in ("whole", "int8")))
 
 
+@pytest.mark.slow  # 32 s in a full run (2026-12-07, 2 loaded cores)
 @pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe", "ernie4_5_moe"])
 def test_dense_and_sparse_layers(tmp_path, arch):
     """A dense layer beside sparse ones; GLM: sigmoid grouped routing, shared experts,
@@ -63,6 +65,7 @@ def test_dense_and_sparse_layers(tmp_path, arch):
     check_layouts(run_layouts(model, layouts, devices=4), arch, ("prefix", "expert4", "expert2_tensor2"))
 
 
+@pytest.mark.slow  # 37 s in a full run (2026-12-07, 2 loaded cores)
 @pytest.mark.parametrize("arch", ["olmoe", "minimax_m2", "hunyuan_v1_moe", "phimoe"])
 def test_every_layer_sparse(tmp_path, arch):
     """Every MLP a mixture of experts. OLMoE and MiniMax-M2: q/k norms over the whole
@@ -82,6 +85,7 @@ def test_gpt_oss(tmp_path):
     check_layouts(run_layouts(model, layouts, devices=4), "gpt_oss", ("chunked", "prefix", "expert2_tensor2"))
 
 
+@pytest.mark.slow  # 36 s in a full run (2026-12-07, 2 loaded cores)
 def test_eight_devices(mixtral, mixtral_four):
     r = {"whole": mixtral_four["whole"], **run_layouts(mixtral, EIGHT, devices=8)}
     check_layouts(r, "mixtral", tuple(EIGHT))

@@ -38,6 +38,7 @@ def reference():
     return [reference_tokens(PROMPT), reference_tokens(PROMPT2)]
 
 
+@pytest.mark.slow  # 247 s in a full run (2026-12-07, 2 loaded cores)
 def test_two_processes_form_one_8_device_mesh(runs):
     for i, r in enumerate(runs):
         assert r["process_index"] == i and r["process_count"] == 2, r

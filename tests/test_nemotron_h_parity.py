@@ -127,6 +127,7 @@ BASE = {**REFERENCE_ATTENTION,  # tests/fast_engine.py
         "engine.state_snapshot_tokens": 16}
 
 
+@pytest.mark.slow  # 77 s in a full run (2026-12-07, 2 loaded cores)
 def test_through_the_engine_with_state_snapshots(nemotron_h):
     """Prompts sharing a 32-token root (and one sharing 16 of it), in two waves so the
     second resumes from the first's snapshots in slots other requests used, equal the

@@ -138,6 +138,7 @@ def _check_stage_local(r, stages, tensor=1):
     assert outside == 0 and inside > 0, r["tick_dots"]
 
 
+@pytest.mark.slow  # 58 s in a full run (2026-12-07, 2 loaded cores)
 def test_two_stages_equal_one_device(single):
     (r,) = run([{"mesh.stage": 2}], 2)
     _check_same(r, single)

@@ -96,6 +96,7 @@ def _step_temp_bytes(stages: int, num_pages: int) -> tuple[int, int]:
     return compiled.memory_analysis().temp_size_in_bytes, sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(cache))
 
 
+@pytest.mark.slow  # 46 s in a full run (2026-12-07, 2 loaded cores)
 def test_the_scan_updates_the_cache_in_place():
     # Taking a layer's pages out of the scan carry and writing them back would cost one
     # layer's pages of temp memory (and two copies of the cache per step in time).

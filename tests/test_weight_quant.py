@@ -201,6 +201,7 @@ def run_engine(overrides, devices, hf_dir):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # 61 s in a full run (2026-12-07, 2 loaded cores)
 def test_int8_engine_tokens_plain_chunked_cached_sharded(hf_dirs):
     plain = run_engine({}, 1, hf_dirs["llama"])
     assert plain["o_dtype"] == "int8"
