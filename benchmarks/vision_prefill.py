@@ -106,13 +106,13 @@ def main() -> None:
             img = fresh()
             expanded, images = tower.expand(ids, [img])
             span = images.spans[0]
-            tower._cache.clear()
+            tower.cache.clear()
             t["enc_jax"].append(timed(lambda: tower.encode(span))[0])
             pixels, grids = image_batch([img], tower.settings)
             pv, thw = torch.from_numpy(pixels), torch.tensor(grids)
             with torch.no_grad():
                 t["enc_hf"].append(timed(lambda: hf.model.visual(pv, grid_thw=thw))[0])
-            tower._cache.clear()
+            tower.cache.clear()
             req = {"prompt": ids, "images": [img]}
             dt, out = timed(lambda: engine.generate([req], one))
             t["ttft_jax"].append(dt)

@@ -14,13 +14,13 @@ The encoder cache is keyed by the image's digest (ImageSpan.key), as engine/visi
 
 from __future__ import annotations
 
-import collections
 import functools
 
 import jax
 import numpy as np
 from flax import nnx
 
+from jaxfill.engine.vision.encoder_cache import EncoderCache
 from jaxfill.engine.vision.gemma3_images import Gemma3ImageSettings, pixels
 from jaxfill.engine.vision.prompt import ImageSpan, PromptImages, image_key
 from jaxfill.models.vision.rows import ImageRows, VisionRows
@@ -66,9 +66,7 @@ class Gemma3Tower:
         self.cfg = encoder.cfg
         self.settings = settings
         self.boi, self.image_token_id, self.eoi = boi, image_token, eoi
-        self.capacity = capacity  # images whose output is kept (least recently used goes first)
-        self._cache: collections.OrderedDict[bytes, np.ndarray] = collections.OrderedDict()
-        self.hits = self.misses = 0
+        self.cache = EncoderCache(capacity)
         self.refused = refused  # the capability table's line refusing images under this config (loading.py)
         self.boi_text = boi_text  # the tokenizer's <start_of_image>
 
@@ -85,21 +83,11 @@ class Gemma3Tower:
         return expand(ids, images, self.settings, self.boi, self.image_token_id, self.eoi, self.cfg.mm_tokens_per_image)
 
     def encode(self, span: ImageSpan) -> np.ndarray:  # [mm_tokens, text E] f32
-        got = self._cache.get(span.key)
-        if got is not None:
-            self.hits += 1
-            self._cache.move_to_end(span.key)
-            return got
-        self.misses += 1
-        got = np.asarray(_encode(self.graphdef, self.state, span.pixels), np.float32)
-        self._cache[span.key] = got
-        while len(self._cache) > self.capacity:
-            self._cache.popitem(last=False)
-        return got
+        return self.cache.get_or_encode(
+            span.key, lambda: np.asarray(_encode(self.graphdef, self.state, span.pixels), np.float32))
 
     def stats(self) -> dict:
-        return {"encoder_cache_hits": self.hits, "encoder_cache_misses": self.misses,
-                "encoder_cache_images": len(self._cache)}
+        return self.cache.stats()
 
     def rows(self, seqs, t_pad: int) -> VisionRows | None:
         """The step's image rows and key limits, its rows laid out as engine/batch.py lays

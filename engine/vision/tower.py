@@ -10,7 +10,6 @@ second prompt with the same image is a hit; `hits` / `misses` count them (Engine
 
 from __future__ import annotations
 
-import collections
 import functools
 
 import jax
@@ -18,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxfill.engine.vision.encoder_cache import EncoderCache
 from jaxfill.engine.vision.image_processor import ImageSettings
 from jaxfill.engine.vision.prompt import ImageSpan, expand
 from jaxfill.models.vision import grid
@@ -43,9 +43,7 @@ class VisionTower:
         self.cfg = encoder.cfg
         self.settings = settings
         self.image_token_id = image_token_id
-        self.capacity = capacity  # images whose output is kept (least recently used goes first)
-        self._cache: collections.OrderedDict[bytes, tuple[np.ndarray, np.ndarray]] = collections.OrderedDict()
-        self.hits = self.misses = 0
+        self.cache = EncoderCache(capacity)
 
     def mark_text(self, text: str) -> str:  # Qwen3-VL's processor adds no text around a placeholder
         return text
@@ -59,12 +57,9 @@ class VisionTower:
 
     def encode(self, span: ImageSpan) -> tuple[np.ndarray, np.ndarray]:
         """(tokens [n, out], deepstack [L', n, out]) of one image, from the cache or the encoder."""
-        got = self._cache.get(span.key)
-        if got is not None:
-            self.hits += 1
-            self._cache.move_to_end(span.key)
-            return got
-        self.misses += 1
+        return self.cache.get_or_encode(span.key, lambda: self._encode(span))
+
+    def _encode(self, span: ImageSpan) -> tuple[np.ndarray, np.ndarray]:
         lay = grid.layout([span.grid], self.cfg.spatial_merge_size, self.cfg.grid_side)
         n = span.pixels.shape[0]
         rows = patch_bucket(n)
@@ -74,15 +69,10 @@ class VisionTower:
                                np.pad(lay.tap_weights, pad + ((0, 0),)),
                                np.pad(lay.segments, pad, constant_values=-1))  # padding attends to itself only
         m = n // self.cfg.merge_unit
-        got = (np.asarray(tokens[:m], np.float32), np.asarray(deep[:, :m], np.float32))
-        self._cache[span.key] = got
-        while len(self._cache) > self.capacity:
-            self._cache.popitem(last=False)
-        return got
+        return np.asarray(tokens[:m], np.float32), np.asarray(deep[:, :m], np.float32)
 
     def stats(self) -> dict:
-        return {"encoder_cache_hits": self.hits, "encoder_cache_misses": self.misses,
-                "encoder_cache_images": len(self._cache)}
+        return self.cache.stats()
 
     def rows(self, seqs, t_pad: int) -> VisionRows:
         """The step's VisionRows, its rows laid out as engine/batch.py lays out the
