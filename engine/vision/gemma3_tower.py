@@ -22,7 +22,7 @@ from flax import nnx
 
 from jaxfill.engine.vision.encoder_cache import EncoderCache
 from jaxfill.engine.vision.gemma3_images import Gemma3ImageSettings, pixels
-from jaxfill.engine.vision.prompt import ImageSpan, PromptImages, image_key
+from jaxfill.engine.vision.prompt import ImageSpan, PromptImages, image_key, placeholders
 from jaxfill.models.vision.rows import ImageRows, VisionRows
 from jaxfill.models.vision.siglip import SiglipEncoder
 
@@ -38,12 +38,7 @@ def expand(ids: list[int], images: list, settings: Gemma3ImageSettings, boi: int
     becomes boi, `tokens` x image_token, eoi, as processing_gemma3 expands `<start_of_image>`
     (its two newlines before and after are text: Gemma3Tower.mark_text adds them to a text
     prompt; token ids are taken as they are)."""
-    at = [i for i, t in enumerate(ids) if t == boi]
-    if len(at) != len(images):
-        raise ValueError(f"the prompt holds {len(at)} image placeholders (<start_of_image>, token {boi}) for "
-                         f"{len(images)} images: one per image")
-    if not images:
-        raise ValueError("a prompt with images needs at least one")
+    at = placeholders(ids, boi, images, "<start_of_image>")
     if image_token in ids or eoi in ids:
         raise ValueError(f"the prompt already holds image tokens ({image_token}) or <end_of_image> ({eoi}): give "
                          "one <start_of_image> per image and the images, not an expanded prompt")

@@ -111,15 +111,22 @@ def rope_index(length: int, spans: list[tuple[int, tuple[int, int, int], int]],
     return pos, int(pos.max()) + 1 - length if length else 0
 
 
+def placeholders(ids: list[int], token: int, images: list, name: str) -> list[int]:
+    """Where the prompt's one-per-image placeholder `token` (spelled `name`) stands; a count
+    that does not match the images is the caller's mistake, said plainly."""
+    at = [i for i, t in enumerate(ids) if t == token]
+    if len(at) != len(images):
+        raise ValueError(f"the prompt holds {len(at)} image placeholders ({name}, token {token}) for "
+                         f"{len(images)} images: one per image")
+    if not images:
+        raise ValueError("a prompt with images needs at least one")
+    return at
+
+
 def expand(ids: list[int], images: list, settings: ImageSettings,
            image_token_id: int) -> tuple[list[int], PromptImages]:
     """(the expanded ids, their PromptImages) of a prompt with one image_token_id per image."""
-    at = [i for i, t in enumerate(ids) if t == image_token_id]
-    if len(at) != len(images):
-        raise ValueError(f"the prompt holds {len(at)} image placeholders (token {image_token_id}) for "
-                         f"{len(images)} images: one <|image_pad|> per image")
-    if not images:
-        raise ValueError("a prompt with images needs at least one")
+    at = placeholders(ids, image_token_id, images, "<|image_pad|>")
     pixels, grids = image_batch(images, settings)
     merge = settings.merge_size
     out, spans, row, first = [], [], 0, 0
