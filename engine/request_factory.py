@@ -16,6 +16,9 @@ from jaxfill.engine.request import InvalidRequest, PoolingParams, Request, Sampl
 from jaxfill.engine.structured_output import GrammarCompiler
 
 
+NO_VISION_TOWER = "this model has no vision tower: it reads text only (docs/vision.md)"
+
+
 class PromptIds(list):
     """A prompt's ids with its images (engine/vision/prompt.py PromptImages) attached."""
     images = None
@@ -164,7 +167,7 @@ class RequestFactory:
         the Python API's dict prompt and the serving protocols (serving/images.py) share it,
         so both expand the same way. Pure host work, safe outside the engine lock."""
         if self.vision is None:
-            raise InvalidRequest("images", "this model has no vision tower: it reads text only (docs/vision.md)")
+            raise InvalidRequest("images", NO_VISION_TOWER)
         try:
             expanded, info = self.vision.expand(ids, images)
         except (ValueError, TypeError) as e:

@@ -18,9 +18,8 @@ import binascii
 import io
 
 from jaxfill.engine.request import InvalidRequest
+from jaxfill.engine.request_factory import NO_VISION_TOWER
 from jaxfill.serving.request_core import BadField
-
-NO_TOWER = "this model has no vision tower: it reads text only (docs/vision.md)"
 
 
 def decode_image(data: bytes, field: str):
@@ -68,7 +67,7 @@ async def expand(core, ids: list[int], blobs: list[bytes], field: str) -> list[i
     message ("images", "media_refs.items"); errors name `field[i]` or `field`."""
     factory = core.engine.factory
     if factory.vision is None:
-        raise BadField(field, NO_TOWER)
+        raise BadField(field, NO_VISION_TOWER)  # before decoding anything
 
     def work():
         images = [decode_image(b, f"{field}[{i}]") for i, b in enumerate(blobs)]
