@@ -51,8 +51,9 @@ class Layout:
         leaf = paged_entries(cache)[0]
         values = leaf.values if isinstance(leaf, QuantizedPages) else leaf
         m = config.model
-        states = cache_states(cache.pages)
-        state = tuple((len(states),) + tuple(a.shape[1:]) for a in (states[0].recurrent, states[0].conv)) \
+        states, skip = cache_states(cache.pages), 1 + (cache.stages > 1)  # stacked: [groups, slots, ...]
+        layers = len(states) * (cache.stages if cache.stages > 1 else 1)
+        state = tuple((layers,) + tuple(a.shape[skip:]) for a in (states[0].recurrent, states[0].conv)) \
             if states else ()
         return cls(m.kv_layers, m.num_kv_heads, m.head_dim, str(values.dtype), isinstance(leaf, QuantizedPages),
                    state)
@@ -212,22 +213,34 @@ def _onto(cache, a: jax.Array) -> jax.Array:
     return a
 
 
-@jax.jit
-def _gather_state(pages: tuple, slot: jax.Array):  # slot: [] int32
+@functools.partial(jax.jit, static_argnames=("stages",))
+def _gather_state(pages: tuple, slot: jax.Array, stages: int = 1):  # slot: [] int32
+    """-> recurrent [Lin, ...], conv [Lin, ...] in layer order whatever the layout: a stacked
+    entry j's row s is layer s * K + j, so the rows interleave group-major."""
     states = cache_states(pages)
-    return jnp.stack([e.recurrent[slot] for e in states]), jnp.stack([e.conv[slot] for e in states])
+    if stages == 1:
+        return jnp.stack([e.recurrent[slot] for e in states]), jnp.stack([e.conv[slot] for e in states])
+
+    def layers(parts):  # Lin/p x [p, ...] -> [p * Lin/p, ...]
+        x = jnp.stack(parts, axis=1)
+        return x.reshape((-1,) + x.shape[2:])
+    return layers([e.recurrent[:, slot] for e in states]), layers([e.conv[:, slot] for e in states])
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
+@functools.partial(jax.jit, donate_argnums=(0,), static_argnames=("stages",))
 def _scatter_state(pages: tuple,  # KVCache.pages (donated)
                    recurrent: jax.Array,  # [Lin, Hv, Dk, Dv] f32
                    conv: jax.Array,  # [Lin, C, K-1]
-                   slot: jax.Array):  # [] int32
+                   slot: jax.Array,  # [] int32
+                   stages: int = 1):
+    if stages > 1:  # layer order -> [Lin/p, p, ...]: entry i's rows (the inverse of _gather_state)
+        recurrent, conv = (a.reshape((stages, -1) + a.shape[1:]).swapaxes(0, 1) for a in (recurrent, conv))
+    at = (lambda a: a.at[:, slot]) if stages > 1 else (lambda a: a.at[slot])  # noqa: E731
     out, i = [], 0
     for e in pages:
         paged, s = split_entry(e)
         if s is not None:  # a linear layer's state, or a parallel layer's beside its pages
-            s = LinearState(s.recurrent.at[slot].set(recurrent[i]), s.conv.at[slot].set(conv[i].astype(s.conv.dtype)))
+            s = LinearState(at(s.recurrent).set(recurrent[i]), at(s.conv).set(conv[i].astype(s.conv.dtype)))
             e, i = joined_entry(paged, s), i + 1
         out.append(e)
     return tuple(out)
@@ -237,10 +250,11 @@ def export_state(cache, slot: int) -> list:
     """A hybrid's state in `slot`, as one-device arrays [recurrent [Lin, Hv, Dk, Dv], conv
     [Lin, C, K-1]]: new buffers, so the slot may be reused once this is dispatched."""
     dev = jax.local_devices()[0]
-    return [jax.device_put(a, dev) for a in _gather_state(cache.pages, jnp.int32(slot))]
+    return [jax.device_put(a, dev) for a in _gather_state(cache.pages, jnp.int32(slot), stages=cache.stages)]
 
 
 def import_state(cache, arrays: list, slot: int):
     """A new cache with the pulled state written into `slot` (the old one is donated)."""
     recurrent, conv = (_onto(cache, a) for a in arrays)
-    return dataclasses.replace(cache, pages=_scatter_state(cache.pages, recurrent, conv, jnp.int32(slot)))
+    return dataclasses.replace(cache, pages=_scatter_state(cache.pages, recurrent, conv, jnp.int32(slot),
+                                                           stages=cache.stages))

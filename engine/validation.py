@@ -15,6 +15,7 @@ from typing import NamedTuple
 from jaxfill.engine.capabilities.table import CAPABILITIES, KINDS, SETTINGS, Rule, model_kinds, refusals
 from jaxfill.engine.lora.settings import check_model as check_lora_model
 from jaxfill.models.config import ConfigError
+from jaxfill.models.execution_plan import scan_period
 from jaxfill.models.sharding import head_repeat
 
 
@@ -60,7 +61,9 @@ def check_values(config) -> None:
     model, engine, mesh = config.model, config.engine, config.mesh
     if model.num_layers % mesh.stage:
         raise ConfigError(f"mesh.stage={mesh.stage} must divide the model's {model.num_layers} layers")
-    check_stackable(model, model.num_layers if engine.scan_layers else mesh.stage)
+    if engine.scan_layers:
+        check_scan_period(model)
+    check_stackable(model, model.num_layers // scan_period(model) if engine.scan_layers else mesh.stage)
     if engine.num_pages and (engine.num_pages % mesh.sequence or engine.num_pages < 2 * mesh.sequence):
         raise ConfigError(f"engine.num_pages={engine.num_pages} is the pool's total, dealt over mesh.sequence="
                           f"{mesh.sequence} ranks: it must be a multiple of {mesh.sequence}, at least 2 per rank")
@@ -187,6 +190,17 @@ def _check_hybrid(model, engine, mesh) -> None:
     if interval < 0 or interval % engine.page_size or slots < 0:
         raise ConfigError(f"engine.state_snapshot_tokens must be a multiple of engine.page_size "
                           f"({engine.page_size}) and state_snapshot_slots >= 0; got {interval}, {slots}")
+
+
+def check_scan_period(model) -> None:
+    """engine.scan_layers on a hybrid scans one period of its layers per step
+    (models/execution_plan.scan_period): a pattern with no period shorter than the model
+    would be one step, the unrolled model under another name, so it is refused."""
+    period = scan_period(model)
+    if model.num_layers > 1 and period == model.num_layers:
+        raise ConfigError(f"engine.scan_layers: the model's linear_layers {list(model.linear.layers)} do not repeat "
+                          f"with a period that divides its {model.num_layers} layers, so no group of layers "
+                          "stacks as one scan step; use engine.scan_layers = false")
 
 
 def check_stackable(model, groups: int) -> None:

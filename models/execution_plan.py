@@ -1,7 +1,8 @@
 """How a config's layers are laid out and run, decided once (loader, planner, model).
 
-`engine.scan_layers` is the stacked layout with every layer its own group, run one after
-another by a lax.scan; `mesh.stage = p` stacks p groups and pipelines them over 'stage'
+`engine.scan_layers` is the stacked layout run one after another by a lax.scan, one group
+per scan step: every layer its own group, or in a linear-attention hybrid one period of its
+layer pattern (`scan_period`: Qwen3.5's [DeltaNet x3, attention] is one step); `mesh.stage = p` stacks p groups and pipelines them over 'stage'
 (models/parallel/pipeline.py); otherwise the layers are unrolled. Only the unrolled layout
 with its token rows whole on each device runs the last layer on the sampled rows: the
 Decoder reads `prunes_last_layer` from here and the planner counts FLOPs by it, so the two
@@ -26,13 +27,14 @@ class ExecutionPlan:
                              "layout stacks the last layer with the others")
 
     @classmethod
-    def of(cls, num_layers: int, mesh, scan_layers: bool = False) -> "ExecutionPlan":
-        groups = num_layers if scan_layers else mesh.stage
+    def of(cls, num_layers: int, mesh, scan_layers: bool = False, period: int = 1) -> "ExecutionPlan":
+        """`period`: layers per scan step (scan_period of the model)."""
+        groups = num_layers // period if scan_layers else mesh.stage
         return cls(groups, mesh.microbatches, bool(scan_layers), groups == 1 and mesh.sequence == 1)
 
     @classmethod
     def of_config(cls, config) -> "ExecutionPlan":
-        return cls.of(config.model.num_layers, config.mesh, config.engine.scan_layers)
+        return cls.of(config.model.num_layers, config.mesh, config.engine.scan_layers, scan_period(config.model))
 
     @classmethod
     def unrolled_on(cls, mesh) -> "ExecutionPlan":
@@ -50,3 +52,15 @@ class ExecutionPlan:
         if self.layer_groups == 1:
             return "unrolled"
         return "scan" if self.scan else "stages"
+
+
+def scan_period(model) -> int:
+    """Layers per scan step: 1, or in a linear-attention hybrid the shortest period p that
+    divides the layer count with layer n linear exactly when layer n mod p is (the stacked
+    layout stacks layer j of every group as one module and one cache entry, so those must
+    be one kind). A hybrid with no shorter period than its layer count gets that count
+    (one group: engine/validation.py refuses it under engine.scan_layers by name)."""
+    n, linear = model.num_layers, set(model.linear.layers)
+    if not linear:
+        return 1
+    return next(p for p in range(1, n + 1) if n % p == 0 and all((i in linear) == (i % p in linear) for i in range(n)))

@@ -85,7 +85,7 @@ class KVCache:
         linear-attention layer's entry is its LinearState (models/linear_state.py) with
         `state_slots` slots per data replica (split over 'data' like the pages, by heads over
         'tensor', replicated over 'expert'); a layer running attention beside
-        its linear mixer (Falcon-H1) holds both, a PagesAndState; hybrids run unstaged for now.
+        its linear mixer (Falcon-H1) holds both, a PagesAndState; stacked like the pages.
         An MLP-only layer (config.no_mixer_layers) holds nothing: its entry is None."""
         if config.run_mtp and stages > 1:
             raise ValueError("the MTP layer's cache entry is not laid out in stages")
@@ -113,13 +113,13 @@ class KVCache:
         # the MTP proposer's layer (models/mtp.py) holds one more entry, after the target's
         entries = range(config.num_layers // stages + (1 if config.run_mtp else 0))
         if config.linear.layers:
-            if stages > 1:
-                raise ValueError("linear-attention hybrids run unstaged for now")
             # one pool of slots per data replica, like the pages: replica r's slot i is row
-            # r * state_slots + i, and inside the data-parallel forward each sees its own rows
-            state = lambda: init_linear_state(config, state_slots * replicas, fill_value)  # noqa: E731
+            # r * state_slots + i, and inside the data-parallel forward each sees its own rows;
+            # stacked ([stages, slots, ...]) like the pages, entry j row s being layer s * K + j
+            state = lambda: cache_entry(lambda: init_linear_state(config, state_slots * replicas, fill_value),  # noqa: E731
+                                        stages)
             if mesh is not None:
-                state = jax.jit(state, out_shardings=linear_state_sharding(mesh))
+                state = jax.jit(state, out_shardings=linear_state_sharding(mesh, staged=stages > 1))
             return cls(tuple(joined_entry(make(j) if config.attends(j) else None,
                                           state() if j in config.linear.layers else None) for j in entries), stages)
         counters = None

@@ -98,11 +98,15 @@ def init_linear_state(c: ModelConfig, slots: int, fill_value: float = 0.0) -> Li
                        jnp.full((slots, conv_dim(c), c.linear.conv_kernel - 1), fill_value, c.jnp_dtype))
 
 
-def _copy(entry, src, dst):  # src, dst: [N] int32 slots
+def _copy(entry, src, dst, stacked: bool):  # src, dst: [N] int32 slots
     pages, state = split_entry(entry)
     if state is None:
         return entry  # an attention layer's pages
-    state = LinearState(state.recurrent.at[dst].set(state.recurrent[src]), state.conv.at[dst].set(state.conv[src]))
+    if stacked:  # [groups, slots, ...] (engine.scan_layers): the slots of every group's layer
+        state = LinearState(state.recurrent.at[:, dst].set(state.recurrent[:, src]),
+                            state.conv.at[:, dst].set(state.conv[:, src]))
+    else:
+        state = LinearState(state.recurrent.at[dst].set(state.recurrent[src]), state.conv.at[dst].set(state.conv[src]))
     return joined_entry(pages, state)  # a parallel layer's state is copied too, its pages kept
 
 
@@ -116,5 +120,6 @@ def copy_state_slots(cache,
     """Every linear (and parallel) layer's slots copied src -> dst, the `first` pairs before the `then`
     pairs (state snapshots taken, then restored into working slots: a restore may read a
     snapshot written by the first round). Padding pairs copy the null slot onto itself."""
-    pages = tuple(_copy(_copy(e, first_src, first_dst), then_src, then_dst) for e in cache.pages)
+    stacked = cache.stages > 1
+    pages = tuple(_copy(_copy(e, first_src, first_dst, stacked), then_src, then_dst, stacked) for e in cache.pages)
     return dataclasses.replace(cache, pages=pages)

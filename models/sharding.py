@@ -194,13 +194,15 @@ def kv_cache_sharding(mesh: jax.sharding.Mesh, rules: Mapping[str, Any] | None =
     return NamedSharding(mesh, logical_spec((("cache_stage",) if staged else ()) + tuple(axes), rules, mesh))
 
 
-def linear_state_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
+def linear_state_sharding(mesh: jax.sharding.Mesh, staged: bool = False) -> NamedSharding:
     """A linear layer's state, recurrent [slots, Hv, Dk, Dv] and conv [slots, channels, K-1]
     (channels group by group: Gated DeltaNet's key-head groups, Mamba2's groups): slots
     split over 'data' (one pool per replica, as the pages: the data-parallel forward maps
     the cache's leading axis), heads over 'tensor', where split_over_heads runs the
-    mixer; replicated over 'expert', whose ranks share the layer as they share its tokens."""
-    return NamedSharding(mesh, P(DATA if DATA in mesh.axis_names else None, TENSOR))
+    mixer; replicated over 'expert', whose ranks share the layer as they share its tokens.
+    `staged`: a stacked layout's entry [groups, slots, ...] (engine.scan_layers), the group
+    axis whole on every device."""
+    return NamedSharding(mesh, P(*((None,) if staged else ()), DATA if DATA in mesh.axis_names else None, TENSOR))
 
 
 # ------------------------------------------------------------------ model-side helpers

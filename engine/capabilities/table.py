@@ -129,8 +129,6 @@ RULES: tuple[Rule, ...] = (
     # the hand-off's import offsets the slot to its replica's rows (untested under mesh.data)
     Rule(("linear", "mesh.data", "serve.role=prefill/decode"), f"{_HYBRID}: the state hand-off is not tested "
          "across data replicas", "mesh.data = 1 or --role both"),
-    Rule(("linear", "engine.scan_layers"), "linear and attention layers differ, so they cannot stack as one scan",
-         "engine.scan_layers = false"),
     Rule(("linear", "engine.disk_kv_cache_dir"), "state snapshots have no disk format",
          "engine.disk_kv_cache_dir = \"\""),
     # Gemma 4: global layers with their own head dim / KV heads / V = K beside the sliding ones

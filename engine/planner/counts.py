@@ -30,7 +30,7 @@ import math
 import numpy as np
 
 from jaxfill.engine.config import EngineSettings, MeshSettings
-from jaxfill.models.execution_plan import ExecutionPlan
+from jaxfill.models.execution_plan import ExecutionPlan, scan_period
 from jaxfill.engine.planner.layout import dtype_bytes, vocab_param_bytes, vocab_split
 from jaxfill.models.config import ModelConfig
 from jaxfill.models.families.registry import layer_params, layer_projection_params, param_count
@@ -127,7 +127,7 @@ def state_bytes(model: ModelConfig, heads_split: int = 1) -> int:
 
 def prunes_last_layer(model: ModelConfig, mesh: MeshSettings, scan_layers: bool = False) -> bool:
     """Whether the engine runs the last layer on the sampled rows only (models/execution_plan.py)."""
-    return ExecutionPlan.of(model.num_layers, mesh, scan_layers).prunes_last_layer
+    return ExecutionPlan.of(model.num_layers, mesh, scan_layers, scan_period(model)).prunes_last_layer
 
 
 def prefill_flops(model: ModelConfig, num_tokens: int, context: int = 0, sampled_last_layer: bool = True) -> int:

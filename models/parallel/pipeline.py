@@ -30,6 +30,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import jaxfill.models.fp8_block as fp8_block
+from jaxfill.models.linear_state import cache_states, split_entry
 from jaxfill.models.mixers.context import MixerContext
 from jaxfill.models.moe import MoE
 from jaxfill.models.moe_beside_dense import ExpertsBesideDense
@@ -184,9 +185,15 @@ def _sequential(layers, x, positions, pages, meta, impl, p):
     lax.scan over the stacked rows: the program holds one stage's layers whatever p is, so
     with p = L (engine.scan_layers) compile time stops growing with depth. The carry sees
     each entry [p, N, ...] as one pool [p * N, ...] (a free reshape) and row s addresses
-    its own pages in it by ids shifted by s * N, so no row of the cache is ever copied."""
+    its own pages in it by ids shifted by s * N, so no row of the cache is ever copied. A
+    hybrid's state entries [p, slots, ...] pool the same way, row s's slots shifted by
+    s * slots."""
     graphdef, state = nnx.split(layers)
-    n, page_size = jax.tree.leaves(pages)[0].shape[1:3]
+    paged = [e for e in (split_entry(e)[0] for e in pages) if e is not None]
+    n, page_size = jax.tree.leaves(paged[0])[0].shape[1:3]
+    states = cache_states(pages)
+    slots = states[0].recurrent.shape[1] if states else 0
+    own = meta.state_slots if meta.state_slots is not None else jnp.arange(meta.kv_lens.shape[0], dtype=jnp.int32)
     pool = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), tuple(pages))  # [p * N, page_size, ...]
 
     def body(carry, xs):
@@ -194,7 +201,8 @@ def _sequential(layers, x, positions, pages, meta, impl, p):
         s, row = xs
         shifted = dataclasses.replace(
             meta, page_indices=meta.page_indices + s * n,
-            slot_mapping=jnp.where(meta.slot_mapping >= 0, meta.slot_mapping + s * n * page_size, -1))
+            slot_mapping=jnp.where(meta.slot_mapping >= 0, meta.slot_mapping + s * n * page_size, -1),
+            state_slots=(own + s * slots) if states else meta.state_slots)
         x, pool, counts = run_layers(nnx.merge(graphdef, row), x, positions, pool, shifted, impl, row=s)
         return (x, pool), counts
 

@@ -1,0 +1,119 @@
+"""engine.scan_layers on linear-attention hybrids: one scan step is one period of the layer
+pattern (Qwen3.5's [DeltaNet x3, attention]; a Nemotron-H pattern of Mamba2, MLP and
+attention single-block layers), the state slots stacked like the pages [groups, slots, ...].
+Model level (random-init HF checkpoints, f32, NaN-filled pages and slots): every chunk's
+and every decode step's logits equal the unrolled model's within 1e-5, so the greedy tokens
+do too; the state of a slot exports in layer order whatever the layout. A pattern with no
+period shorter than the model is refused by name."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hf_models import make_hf_checkpoint
+from jaxfill.engine.config import load_config
+from jaxfill.engine.kv_rows import export_state, import_state
+from jaxfill.engine.simple import prefill_chunks
+from jaxfill.models.checkpoint import load_hf_params
+from jaxfill.models.config import ConfigError
+from jaxfill.models.execution_plan import ExecutionPlan, scan_period
+from jaxfill.models.families.registry import config_from_hf
+from jaxfill.models.kv_cache import KVCache
+
+NAN = float("nan")
+PAGE, SLOTS = 16, 3
+
+
+def _models(tmp_path_factory, arch: str, **hf):
+    directory = make_hf_checkpoint(str(tmp_path_factory.mktemp("hybrid_scan") / arch), arch, **hf)
+    config = config_from_hf(directory)
+    plan = ExecutionPlan.stacked(config.num_layers // scan_period(config), scan=True)
+    return directory, config, load_hf_params(directory, config, progress=False), \
+        load_hf_params(directory, config, progress=False, plan=plan)
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(tmp_path_factory):  # 8 layers: linear 0-2 and 4-6, attention 3 and 7
+    return _models(tmp_path_factory, "qwen3_5", num_hidden_layers=8)
+
+
+@pytest.fixture(scope="module")
+def nemotron_h(tmp_path_factory):  # Mamba2, MLP-only, attention-only, twice
+    return _models(tmp_path_factory, "nemotron_h", hybrid_override_pattern="M-*M-*", num_hidden_layers=6)
+
+
+def cache(model, config) -> KVCache:
+    return KVCache.create(config, num_pages=12, page_size=PAGE, fill_value=NAN, state_slots=SLOTS,
+                          stages=model.stages)
+
+
+def trace(model, config, prompt: list[int], chunk: int, new: int):
+    """Each prefill chunk's and each greedy decode step's last logits [V], the tokens, the cache."""
+    c, pages, seq, out, tokens = cache(model, config), list(range(1, 10)), list(prompt), [], []
+    for end in range(chunk, len(prompt) + chunk, chunk):
+        logits, c = prefill_chunks(model, prompt[:min(end, len(prompt))], c, pages, start=end - chunk)
+        out.append(np.asarray(logits))
+    for _ in range(new):
+        tokens.append(int(np.argmax(out[-1])))
+        seq.append(tokens[-1])
+        logits, c = prefill_chunks(model, seq, c, pages, start=len(seq) - 1)
+        out.append(np.asarray(logits))
+    return out, tokens, c
+
+
+def check_scan_equals_unrolled(models, groups: int):
+    _, config, unrolled, scanned = models
+    assert scanned.stages == groups and len(scanned.layers) == config.num_layers // groups
+    prompt = [int(t) for t in np.random.default_rng(5).integers(0, config.vocab_size, 40)]
+    want, want_tokens, want_cache = trace(unrolled, config, prompt, 16, 6)
+    got, got_tokens, got_cache = trace(scanned, config, prompt, 16, 6)
+    assert len(got) == 3 + 6 and np.isfinite(got).all()
+    for step, (a, b) in enumerate(zip(got, want)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=f"step {step}")
+    assert got_tokens == want_tokens
+    # the state: stacked [groups, slots, ...], the same per layer as the unrolled cache's
+    state = next(e for e in got_cache.pages if hasattr(e, "recurrent") or hasattr(e, "state"))
+    state = getattr(state, "state", state)
+    assert state.recurrent.shape[:2] == (groups, SLOTS)
+    for a, b in zip(export_state(got_cache, 0), export_state(want_cache, 0)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    return got_cache, want_cache
+
+
+def test_qwen3_5_scans_one_period_per_step(qwen3_5):
+    _, config, _, _ = qwen3_5
+    assert config.linear.layers == (0, 1, 2, 4, 5, 6) and scan_period(config) == 4
+    got_cache, want_cache = check_scan_equals_unrolled(qwen3_5, groups=2)
+    # import writes the exported layer-order rows back into the stacked slots (slot 2, NaN before)
+    moved = import_state(got_cache, export_state(want_cache, 0), 2)
+    for a, b in zip(export_state(moved, 2), export_state(want_cache, 0)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+
+
+def test_mamba2_single_block_pattern_scans(nemotron_h):
+    _, config, _, _ = nemotron_h
+    assert config.linear.kind == "mamba2" and scan_period(config) == 3
+    check_scan_equals_unrolled(nemotron_h, groups=2)
+
+
+@pytest.mark.parametrize("layers, linear", [(7, (0, 1, 2, 4, 5, 6)), (8, (0, 1, 2, 4, 5))],
+                         ids=["count_not_a_multiple", "not_periodic"])
+def test_a_pattern_with_no_period_is_refused(layers, linear):
+    overrides = {"model.num_layers": layers, "model.linear_layers": list(linear), "engine.scan_layers": True}
+    with pytest.raises(ConfigError, match=r"engine.scan_layers: the model's linear_layers .* do not repeat"):
+        load_config("tiny_random", {**_HYBRID, **overrides})
+
+
+_HYBRID = {"model.linear_kind": "gated_deltanet", "model.linear_num_key_heads": 2, "model.linear_num_value_heads": 4,
+           "model.linear_key_head_dim": 8, "model.linear_value_head_dim": 8, "model.linear_conv_kernel": 4}
+
+
+def test_a_periodic_config_scans_and_stacks_its_state():
+    config = load_config("tiny_random", {**_HYBRID, "model.num_layers": 8, "model.linear_layers": [0, 2, 4, 6],
+                                         "engine.scan_layers": True})
+    plan = ExecutionPlan.of_config(config)
+    assert (plan.layer_groups, plan.layout) == (4, "scan")
+    c = jax.eval_shape(lambda: KVCache.create(config.model, 6, 8, stages=4, state_slots=2))
+    assert c.pages[0].recurrent.shape == (4, 2, 4, 8, 8) and c.pages[1].shape[:2] == (4, 6)
+    assert jnp.dtype(c.pages[0].recurrent.dtype) == jnp.float32
