@@ -117,3 +117,48 @@ def test_a_periodic_config_scans_and_stacks_its_state():
     c = jax.eval_shape(lambda: KVCache.create(config.model, 6, 8, stages=4, state_slots=2))
     assert c.pages[0].recurrent.shape == (4, 2, 4, 8, 8) and c.pages[1].shape[:2] == (4, 6)
     assert jnp.dtype(c.pages[0].recurrent.dtype) == jnp.float32
+
+
+ENGINE = {"engine.attention_impl": "reference", "engine.max_num_batched_tokens": 32, "engine.token_buckets": [16, 32],
+          "engine.num_pages": 48, "engine.max_model_len": 128, "engine.max_num_seqs": 2,
+          "engine.kv_fill_value": NAN, "engine.state_snapshot_tokens": 16}
+
+
+@pytest.mark.slow  # 25 s call + 6 s checkpoint (2026-12-07, 2 loaded cores)
+def test_engine_scan_shares_steps_resumes_snapshots_and_frees_slots(qwen3_5):
+    """Through the Engine: requests in shared steps, more than the slots, two in a wave
+    resuming from a state snapshot (copy_state_slots on the stacked slots); greedy tokens
+    equal the unrolled engine's and every page and slot comes back."""
+    from jaxfill.engine.engine import Engine
+    from jaxfill.engine.request import SamplingParams
+
+    directory, config = qwen3_5[:2]
+    rng = np.random.default_rng(3)
+    root = [int(t) for t in rng.integers(0, config.vocab_size, 36)]
+    prompts = [root + [5, 6, 7], [int(t) for t in rng.integers(0, config.vocab_size, 21)], root[:33], [9]]
+    greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=2)
+
+    def run(scan: bool):
+        e = Engine.from_config("tiny", model_path=directory, progress=False,
+                               overrides={**ENGINE, "engine.scan_layers": scan})
+        done = e.generate(prompts[:2], greedy) + e.generate(prompts[2:], greedy)
+        out = [(c.token_ids, _numbers(c.logprobs)) for c in done]
+        st, sch = e.stats(), e.scheduler.replicas[0]
+        assert st["pages_free"] == st["pages_total"] and len(sch.free_slots) == e.config.engine.state_slots
+        return out, st, e
+
+    want, _, _ = run(False)
+    got, st, e = run(True)
+    assert e.runner.stages == 2 and [t for t, _ in got] == [t for t, _ in want]
+    for (_, a), (_, b) in zip(got, want):  # the top-2 logprobs of every token, as sharp as the tokens are not
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert st["state_snapshot_hits"] >= 1, st
+
+
+def _numbers(x) -> list[float]:
+    """Every number in a completion's logprobs entries, in order."""
+    if isinstance(x, dict):
+        return [v for k in sorted(x, key=str) for v in _numbers(x[k])]
+    if isinstance(x, (list, tuple)):
+        return [v for item in x for v in _numbers(item)]
+    return [float(x)] if isinstance(x, (int, float)) else []
