@@ -162,3 +162,28 @@ def _numbers(x) -> list[float]:
     if isinstance(x, (list, tuple)):
         return [v for item in x for v in _numbers(item)]
     return [float(x)] if isinstance(x, (int, float)) else []
+
+
+SNAPSHOTS = {"engine.state_snapshot_tokens": 32}
+SCAN_LAYOUTS = {"whole": {"engine.enable_prefix_caching": False},
+                "scan": {"engine.scan_layers": True, "engine.enable_prefix_caching": False},
+                "scan_chunked": {"engine.scan_layers": True, "engine.enable_prefix_caching": False,
+                                 "engine.max_num_batched_tokens": 16, "engine.token_buckets": [16]},
+                "scan_prefix": {"engine.scan_layers": True, **SNAPSHOTS},
+                "scan_tensor2": {"engine.scan_layers": True, "mesh.tensor": 2, **SNAPSHOTS},
+                "scan_data2": {"engine.scan_layers": True, "mesh.data": 2, **SNAPSHOTS}}
+
+
+@pytest.mark.slow  # 112 s call + 17 s checkpoint (2026-12-07, 2 cores at load 7)
+def test_scan_layouts_agree_with_the_unrolled_engine(qwen3_5):
+    """On 2 fake devices (tests/family_layouts.py): scanned whole, in 16-token chunks,
+    resuming from snapshots, with each rank half the heads' state (mesh.tensor = 2) and
+    with a slot pool per replica (mesh.data = 2): the unrolled engine's tokens and logprobs."""
+    from family_layouts import check_layouts, run_layouts
+
+    r = run_layouts(qwen3_5[0], SCAN_LAYOUTS, devices=2)
+    check_layouts(r, "qwen3_5", exact=tuple(n for n in SCAN_LAYOUTS if n != "whole"))
+    assert r["scan_prefix"]["cached"][1] >= 64 and r["scan_tensor2"]["cached"][1] >= 64
+    (_, heads, *rest), _ = r["whole"]["state_shard"]  # [slots, Hv, Dk, Dv]
+    assert r["scan"]["state_shard"][0][0] == 2 and r["scan"]["state_shard"][0][2:] == [heads, *rest]
+    assert r["scan_tensor2"]["state_shard"][0][2:] == [heads // 2, *rest]  # [groups, slots, Hv / 2, ...]
