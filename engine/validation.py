@@ -207,12 +207,14 @@ def check_stackable(model, groups: int) -> None:
     """Stacked layouts (mesh.stage, engine.scan_layers) stack layer j of every group into
     one module, so those layers must have the same params: in a MoE model with dense
     layers, layer n's kind must depend on n mod (layers per group) only; so must a
-    single-block layer's block (Nemotron-H's mixer-only and MLP-only layers)."""
+    single-block layer's block (Nemotron-H's mixer-only and MLP-only layers), and so must
+    a hybrid's mixer (linear or attention: each holds its own kind of cache entry)."""
     if groups <= 1:
         return
     k = model.num_layers // groups
-    for name in ("no_mlp_layers", "no_mixer_layers"):
-        named = set(getattr(model, name))
+    for name, layers in (("no_mlp_layers", model.no_mlp_layers), ("no_mixer_layers", model.no_mixer_layers),
+                         ("linear_layers", model.linear.layers)):
+        named = set(layers)
         if any((n in named) != (n % k in named) for n in range(model.num_layers)):
             raise ConfigError(f"the model's {name} {sorted(named)} differ between the {groups} stacked layer "
                               "groups (mesh.stage / engine.scan_layers); use the unrolled layout")

@@ -200,9 +200,10 @@ def linear_state_sharding(mesh: jax.sharding.Mesh, staged: bool = False) -> Name
     split over 'data' (one pool per replica, as the pages: the data-parallel forward maps
     the cache's leading axis), heads over 'tensor', where split_over_heads runs the
     mixer; replicated over 'expert', whose ranks share the layer as they share its tokens.
-    `staged`: a stacked layout's entry [groups, slots, ...] (engine.scan_layers), the group
-    axis whole on every device."""
-    return NamedSharding(mesh, P(*((None,) if staged else ()), DATA if DATA in mesh.axis_names else None, TENSOR))
+    `staged`: a stacked layout's entry [groups, slots, ...], the group axis split over
+    'stage' like the pages' (whole on every device under engine.scan_layers, stage = 1)."""
+    lead = ((STAGE if STAGE in mesh.axis_names else None),) if staged else ()
+    return NamedSharding(mesh, P(*lead, DATA if DATA in mesh.axis_names else None, TENSOR))
 
 
 # ------------------------------------------------------------------ model-side helpers

@@ -105,6 +105,14 @@ def test_a_pattern_with_no_period_is_refused(layers, linear):
         load_config("tiny_random", {**_HYBRID, **overrides})
 
 
+def test_stages_whose_layer_kinds_differ_are_refused():
+    """mesh.stage = 2 stacks layer j of each stage as one module: linear 0-2 and 4-5 of 8 do not."""
+    overrides = {"model.num_layers": 8, "model.linear_layers": [0, 1, 2, 4, 5], "mesh.stage": 2}
+    with pytest.raises(ConfigError, match=r"linear_layers \[0, 1, 2, 4, 5\] differ between the 2 stacked"):
+        load_config("tiny_random", {**_HYBRID, **overrides})
+    load_config("tiny_random", {**_HYBRID, **overrides, "model.linear_layers": [0, 1, 2, 4, 5, 6]})
+
+
 _HYBRID = {"model.linear_kind": "gated_deltanet", "model.linear_num_key_heads": 2, "model.linear_num_value_heads": 4,
            "model.linear_key_head_dim": 8, "model.linear_value_head_dim": 8, "model.linear_conv_kernel": 4}
 
@@ -187,3 +195,31 @@ def test_scan_layouts_agree_with_the_unrolled_engine(qwen3_5):
     (_, heads, *rest), _ = r["whole"]["state_shard"]  # [slots, Hv, Dk, Dv]
     assert r["scan"]["state_shard"][0][0] == 2 and r["scan"]["state_shard"][0][2:] == [heads, *rest]
     assert r["scan_tensor2"]["state_shard"][0][2:] == [heads // 2, *rest]  # [groups, slots, Hv / 2, ...]
+
+
+STAGE_LAYOUTS = {"whole": {"engine.enable_prefix_caching": False},
+                 "stage2": {"mesh.stage": 2, "engine.enable_prefix_caching": False},
+                 "stage2_chunked": {"mesh.stage": 2, "engine.enable_prefix_caching": False,
+                                    "engine.max_num_batched_tokens": 16, "engine.token_buckets": [16]},
+                 "stage2_prefix": {"mesh.stage": 2, **SNAPSHOTS},
+                 "stage2_tensor2": {"mesh.stage": 2, "mesh.tensor": 2, **SNAPSHOTS},
+                 "stage2_data2": {"mesh.stage": 2, "mesh.data": 2, **SNAPSHOTS}}
+
+
+@pytest.mark.slow  # 107 s call + 13 s checkpoint (2026-12-07, 2 cores at load 8)
+def test_pipeline_stages_hold_their_layers_state(qwen3_5):
+    """mesh.stage = 2 on 2 (and 4) fake devices: each stage holds its 4 layers' params, pages and
+    state slots ([1, slots, ...] per device), the 128-row prefill pipelined in 4
+    microbatches (a sequence's state handed from one microbatch to the next in its slot);
+    whole, chunked, from snapshots, and with tensor = 2 or data = 2 beside the stages: the
+    unrolled engine's tokens and logprobs."""
+    from family_layouts import check_layouts, run_layouts
+
+    two = {n: v for n, v in STAGE_LAYOUTS.items() if v.get("mesh.tensor", 1) * v.get("mesh.data", 1) == 1}
+    r = run_layouts(qwen3_5[0], two, devices=2)  # the device count must equal the mesh's
+    r.update(run_layouts(qwen3_5[0], {n: v for n, v in STAGE_LAYOUTS.items() if n not in two}, devices=4))
+    check_layouts(r, "qwen3_5", exact=tuple(n for n in STAGE_LAYOUTS if n != "whole"))
+    assert all(r[n]["cached"][1] >= 64 for n in ("stage2_prefix", "stage2_tensor2", "stage2_data2"))
+    (_, heads, *rest), _ = r["whole"]["state_shard"]
+    assert r["stage2"]["state_shard"][0][0] == 1 and r["stage2"]["state_shard"][0][2:] == [heads, *rest]
+    assert r["stage2_tensor2"]["state_shard"][0][2:] == [heads // 2, *rest]

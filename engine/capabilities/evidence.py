@@ -131,11 +131,14 @@ EVIDENCE: tuple[Evidence, ...] = (
     *_each("tests/test_hybrid_layouts.py::test_hybrid_layouts_agree", ("qwen3_5", "qwen3_next", "qwen3_5_moe",
                                                                        "nemotron_h"),
            ("mesh.tensor", "engine.enable_prefix_caching")),
-    # engine.scan_layers, one scan step per period of the layer pattern: against the unrolled model
+    # engine.scan_layers (one scan step per period of the layer pattern) and mesh.stage (each stage
+    # its layers' state slots): against the unrolled model
     Evidence("tests/test_hybrid_scan.py::test_qwen3_5_scans_one_period_per_step", ("qwen3_5",),
              ("engine.scan_layers",)),
     Evidence("tests/test_hybrid_scan.py::test_mamba2_single_block_pattern_scans", ("nemotron_h",),
              ("engine.scan_layers",)),
+    Evidence("tests/test_hybrid_scan.py::test_pipeline_stages_hold_their_layers_state", ("qwen3_5",),
+             ("mesh.stage",)),
     # state slots per data replica, replicated over expert ranks: against one device
     Evidence("tests/test_hybrid_data_expert.py::test_gated_deltanet_moe_data_and_expert_match_one_device",
              ("qwen3_5_moe",), ("mesh.data", "mesh.expert")),

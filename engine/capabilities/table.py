@@ -123,7 +123,6 @@ RULES: tuple[Rule, ...] = (
     *(Rule(("linear", key), f"{_HYBRID}: {why}", f"{key} (hybrids run on mesh.tensor, mesh.data, mesh.expert)")
       for key, why in (
         ("mesh.sequence", "no context-parallel form of the recurrent scan"),
-        ("mesh.stage", "the state pool is not split into pipeline stages"),
         ("mesh.num_processes", "state slots are not kept in lockstep across processes"),
     )),
     # the hand-off's import offsets the slot to its replica's rows (untested under mesh.data)
