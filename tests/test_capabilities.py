@@ -81,9 +81,7 @@ BREAKS = {
     ("mixed_kv", "serve.role=prefill/decode"): (MIXED_KV, ("serve.role=prefill/decode",)),
     ("linear", "mesh.sequence"): ({**HYBRID, "mesh.sequence": 2}, ()),
     ("linear", "mesh.data", "serve.role=prefill/decode"): ({**HYBRID, "mesh.data": 2}, ("serve.role=prefill/decode",)),
-    ("linear", "mesh.stage"): ({**HYBRID, "mesh.stage": 2}, ()),
     ("linear", "mesh.num_processes"): ({**HYBRID, "mesh.num_processes": 2, "mesh.coordinator": "127.0.0.1:1"}, ()),
-    ("linear", "engine.scan_layers"): ({**HYBRID, "engine.scan_layers": True}, ()),
     ("linear", "engine.disk_kv_cache_dir"): ({**HYBRID, "engine.host_kv_cache_gb": 1, "engine.disk_kv_cache_gb": 1,
                                               "engine.disk_kv_cache_dir": "/tmp/x"}, ()),
     ("moe", "model.weight_dtype=int_group", "model.weight_act_order=true"): (
