@@ -113,6 +113,19 @@ def test_stages_whose_layer_kinds_differ_are_refused():
     load_config("tiny_random", {**_HYBRID, **overrides, "model.linear_layers": [0, 1, 2, 4, 5, 6]})
 
 
+
+def test_the_planner_puts_a_stage_s_state_on_its_devices():
+    """Qwen3.5-9B on 2 stages: a device holds half the layers' state (as the stacked state's
+    [1, slots, ...] shards in test_pipeline_stages_hold_their_layers_state)."""
+    from jaxfill.engine.planner.hardware import load_hardware
+    from jaxfill.engine.planner.plan import plan_prefill
+
+    hw = load_hardware("h100")
+    one, two = (plan_prefill(load_config("qwen3_5_9b", {"mesh.stage": p}), hw, 256) for p in (1, 2))
+    assert two["state_bytes_per_request"] == one["state_bytes_per_request"] > 0
+    assert two["state_bytes_per_request_per_device"] * 2 == one["state_bytes_per_request_per_device"]
+
+
 _HYBRID = {"model.linear_kind": "gated_deltanet", "model.linear_num_key_heads": 2, "model.linear_num_value_heads": 4,
            "model.linear_key_head_dim": 8, "model.linear_value_head_dim": 8, "model.linear_conv_kernel": 4}
 
