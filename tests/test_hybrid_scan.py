@@ -236,3 +236,31 @@ def test_pipeline_stages_hold_their_layers_state(qwen3_5):
     (_, heads, *rest), _ = r["whole"]["state_shard"]
     assert r["stage2"]["state_shard"][0][0] == 1 and r["stage2"]["state_shard"][0][2:] == [heads, *rest]
     assert r["stage2_tensor2"]["state_shard"][0][2:] == [heads // 2, *rest]
+
+
+@pytest.mark.slow  # 12 s call in pytest, 32 s as a script with imports (2026-12-07, 2 loaded cores)
+def test_scanned_snapshots_leave_for_the_host_tier_and_come_back(qwen3_5):
+    """engine.scan_layers with the host KV tier (tests/test_hybrid_host_tier.py's rounds):
+    stacked state snapshots exported in layer order, restored into fresh slots; the tokens
+    of the unrolled engine without prefix caching."""
+    from jaxfill.engine.engine import Engine
+    from jaxfill.engine.request import SamplingParams
+
+    base = {"engine.attention_impl": "reference", "engine.page_size": 8, "engine.num_pages": 14,
+            "engine.max_num_batched_tokens": 16, "engine.token_buckets": [16], "engine.max_model_len": 64,
+            "engine.max_num_seqs": 2, "engine.kv_fill_value": NAN, "engine.state_snapshot_tokens": 16,
+            "engine.state_snapshot_slots": 2}
+    rng = np.random.default_rng(5)
+    docs = [[int(t) for t in rng.integers(1, 250, 32)] for _ in range(4)]
+    prompts = [(docs[i] if (r + i) % 3 else docs[i][:19]) + [int(t) for t in rng.integers(1, 250, 5)]
+               for r in range(3) for i in rng.permutation(4)]
+
+    def run(**overrides):
+        e = Engine.from_config("tiny", model_path=qwen3_5[0], overrides={**base, **overrides}, progress=False)
+        greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        return [c.token_ids for k in range(0, len(prompts), 2) for c in e.generate(prompts[k:k + 2], greedy)], e
+
+    want, _ = run(**{"engine.state_snapshot_tokens": 0})
+    got, e = run(**{"engine.scan_layers": True, "engine.host_kv_cache_gb": 0.002})
+    assert got == want and e.runner.stages == 2
+    assert e.stats()["host_state_snapshots_restored"] >= 2, e.stats()
