@@ -145,7 +145,7 @@ ENGINE = {"engine.attention_impl": "reference", "engine.max_num_batched_tokens":
           "engine.kv_fill_value": NAN, "engine.state_snapshot_tokens": 16}
 
 
-@pytest.mark.slow  # 25 s call + 6 s checkpoint (2026-12-07, 2 loaded cores)
+@pytest.mark.slow  # 18-25 s call + 6 s checkpoint (2026-12-07, 2 loaded cores)
 def test_engine_scan_shares_steps_resumes_snapshots_and_frees_slots(qwen3_5):
     """Through the Engine: requests in shared steps, more than the slots, two in a wave
     resuming from a state snapshot (copy_state_slots on the stacked slots); greedy tokens
@@ -195,7 +195,7 @@ SCAN_LAYOUTS = {"whole": {"engine.enable_prefix_caching": False},
                 "scan_data2": {"engine.scan_layers": True, "mesh.data": 2, **SNAPSHOTS}}
 
 
-@pytest.mark.slow  # 112 s call + 17 s checkpoint (2026-12-07, 2 cores at load 7)
+@pytest.mark.slow  # 27 s call, 112 s at load 7 (2026-12-07, 2 cores)
 def test_scan_layouts_agree_with_the_unrolled_engine(qwen3_5):
     """On 2 fake devices (tests/family_layouts.py): scanned whole, in 16-token chunks,
     resuming from snapshots, with each rank half the heads' state (mesh.tensor = 2) and
@@ -219,7 +219,7 @@ STAGE_LAYOUTS = {"whole": {"engine.enable_prefix_caching": False},
                  "stage2_data2": {"mesh.stage": 2, "mesh.data": 2, **SNAPSHOTS}}
 
 
-@pytest.mark.slow  # 107 s call + 13 s checkpoint (2026-12-07, 2 cores at load 8)
+@pytest.mark.slow  # 25 s call, 107 s at load 8 (2026-12-07, 2 cores)
 def test_pipeline_stages_hold_their_layers_state(qwen3_5):
     """mesh.stage = 2 on 2 (and 4) fake devices: each stage holds its 4 layers' params, pages and
     state slots ([1, slots, ...] per device), the 128-row prefill pipelined in 4
