@@ -146,7 +146,7 @@ class Gemma4(Family):
     def model_defaults(self, hidden_size):
         return dict(hidden_act="gelu_tanh", norm_kind="rms_f32", norm_layout="sandwich", qk_norm="head",
                     v_norm=True, query_scale=1.0, layer_scalar=True, embed_scale=float(hidden_size) ** 0.5,
-                    tie_word_embeddings=True)
+                    tie_word_embeddings=True, image_limits_sliding_only=True)
 
     def common_fields(self, hf):  # rope_parameters (per layer type) are read in model_fields
         return super().common_fields({k: v for k, v in hf.items() if k != "rope_parameters"})
