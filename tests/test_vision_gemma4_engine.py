@@ -5,7 +5,8 @@ on the sliding layer, causally on the full one): one image prefilled whole, two 
 different aspect ratios with the first chunk cut before the second image, the same image
 again (encoder cache hit, no encoder run); a step budget under one image's rows refused at
 load. With image rows causal (the same weights, the flag off): 32-row chunks that end
-inside images give transformers' unchunked output."""
+inside images give transformers' unchunked output. The "E" shape (per-layer inputs, where an
+image row reads the pad token's id): one image."""
 
 from __future__ import annotations
 
@@ -118,3 +119,13 @@ def test_causal_image_rows_split_over_chunks_equal_transformers(ckpt, tmp_path_f
     hf = hf_gemma4_vl(causal)
     for ids, images in ((one_image(), [WIDE]), (two_images(), [WIDE, SQUARE])):
         assert_matches(eng.generate({"prompt": ids, "images": images}, GREEDY)[0], hf_generate(hf, eng, ids, images))
+
+
+def test_per_layer_inputs_read_the_pad_id_on_image_rows(tmp_path_factory):
+    e_dir = tiny_gemma4_vl(str(tmp_path_factory.mktemp("gemma4_vl_e")), hidden_size_per_layer_input=8,
+                           vocab_size_per_layer_input=512, pad_token_id=7)
+    over = dict(OVER, **{"engine.max_num_batched_tokens": 96, "engine.token_buckets": [32, 64, 96]})
+    eng = Engine(load_config("tiny_random", over, e_dir), progress=False)
+    assert eng.runner.vision.pad_id == 7 and eng.runner.config.model.per_layer_input_size == 8
+    ref = hf_generate(hf_gemma4_vl(e_dir), eng, one_image(), [WIDE])
+    assert_matches(eng.generate({"prompt": one_image(), "images": [WIDE]}, GREEDY)[0], ref)

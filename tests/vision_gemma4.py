@@ -1,5 +1,6 @@
-"""A random-init tiny Gemma4ForConditionalGeneration (2 text layers: one sliding with a
-24-token window, one full of its own head dim; a 2-layer vision tower over 2 x 2 patches
+"""A random-init tiny Gemma4ForConditionalGeneration (3 text layers: full, sliding with a
+24-token window, full; the full ones of their own head dim, the first one's image rows
+feeding later layers, so their causal mask shows; a 2-layer vision tower over 2 x 2 patches
 pooled 2 x 2, at most 70 soft tokens an image, with clipped linears and standardization on)
 and its Gemma4ImageProcessorPil config, written with save_pretrained. Every norm, the clip
 bounds, the standardization and the embedder are randomized so a dropped one shows.
@@ -19,9 +20,9 @@ torch = pytest.importorskip("torch", reason="the Hugging Face reference needs to
 
 BOI, EOI, IMAGE = 300, 301, 302
 MAX_SOFT = 70
-TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, global_head_dim=32, sliding_window=24, hidden_size_per_layer_input=0,
-            layer_types=["sliding_attention", "full_attention"], use_bidirectional_attention="vision",
+            layer_types=["full_attention", "sliding_attention", "full_attention"], use_bidirectional_attention="vision",
             final_logit_softcapping=30.0,
             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e3},
                              "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,
@@ -31,12 +32,13 @@ VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_att
               standardize=True)
 
 
-def tiny_gemma4_vl(directory: str) -> str:
+def tiny_gemma4_vl(directory: str, **text) -> str:
+    """`text`: overrides of the text config (the "E" shape's per-layer inputs)."""
     if os.path.exists(os.path.join(directory, "config.json")):
         return directory
     import transformers as tf
     torch.manual_seed(0)
-    cfg = tf.Gemma4Config(text_config=TEXT, vision_config=VISION, audio_config=None, boi_token_id=BOI,
+    cfg = tf.Gemma4Config(text_config=dict(TEXT, **text), vision_config=VISION, audio_config=None, boi_token_id=BOI,
                           eoi_token_id=EOI, image_token_id=IMAGE, video_token_id=303, initializer_range=0.1)
     model = tf.Gemma4ForConditionalGeneration(cfg).eval()
     with torch.no_grad():
