@@ -3,7 +3,8 @@ Gemma4ForConditionalGeneration (random init, f32): greedy tokens and every step'
 logprobs. With use_bidirectional_attention="vision" (image rows attend each other both ways
 on the sliding layer, causally on the full one): one image prefilled whole, two images of
 different aspect ratios with the first chunk cut before the second image, the same image
-again (encoder cache hit, no encoder run); a step budget under one image's rows refused at
+again (encoder cache hit, no encoder run; the same prompt again: a prefix hit ending inside the
+image, none shared with another image); a step budget under one image's rows refused at
 load. With image rows causal (the same weights, the flag off): 32-row chunks that end
 inside images give transformers' unchunked output. The "E" shape (per-layer inputs, where an
 image row reads the pad token's id): one image."""
@@ -49,7 +50,8 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(ckpt):
     """96-row steps: one image prefills whole; two_images' first chunk is cut at row 68."""
-    over = dict(OVER, **{"engine.max_num_batched_tokens": 96, "engine.token_buckets": [32, 64, 96]})
+    over = dict(OVER, **{"engine.max_num_batched_tokens": 96, "engine.token_buckets": [32, 64, 96],
+                         "engine.enable_prefix_caching": True})
     return Engine(load_config("tiny_random", over, ckpt), progress=False)
 
 
@@ -100,6 +102,11 @@ def test_same_image_again_hits_the_encoder_cache(engine, hf):
     assert after["encoder_cache_hits"] > before["encoder_cache_hits"]
     assert_matches(first, hf_generate(hf, engine, one_image(), [TALL]))
     assert_matches(again, hf_generate(hf, engine, [5, 6] + one_image(), [TALL]))
+    cached = engine.generate({"prompt": one_image(), "images": [TALL]}, GREEDY)[0]
+    assert 4 < cached.cached_tokens < 64  # the hit ends inside the image (rows 4..63): the rest see it whole
+    assert_matches(cached, hf_generate(hf, engine, one_image(), [TALL]))
+    other = RNG.integers(0, 256, TALL.shape, np.uint8)
+    assert engine.generate({"prompt": one_image(), "images": [other]}, GREEDY)[0].cached_tokens == 0
 
 
 def test_a_step_budget_under_one_image_is_refused(ckpt, tmp_path_factory):

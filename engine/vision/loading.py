@@ -100,8 +100,8 @@ def boi_text(model_dir: str) -> str:
 
 
 def images_refused(config) -> str | None:
-    """Why this engine refuses a request with Gemma 3 images (the capability table's
+    """Why this engine refuses a request with Gemma 3 or Gemma 4 images (the capability table's
     images=bidirectional rules, in validation's one line), None: it takes them. Text-only
-    requests run as for any Gemma 3."""
+    requests run as for any Gemma 3 or 4."""
     broken = refusals(config, model_kinds(config.model), frozenset({IMAGES_BIDIRECTIONAL}))
     return describe(broken[0], config) if broken else None
