@@ -19,9 +19,9 @@ from vision_models import N_NEW, TOP, assert_matches
 
 from jaxfill import Engine
 from jaxfill.engine.config import load_config
-from jaxfill.engine.request import SamplingParams
+from jaxfill.engine.request import InvalidRequest, SamplingParams
 from jaxfill.engine.vision.gemma4_tower import patch_xy
-from jaxfill.engine.vision.loading import build_vision
+from jaxfill.engine.vision.loading import build_vision, images_refused
 
 GREEDY = SamplingParams(max_tokens=N_NEW, ignore_eos=True, logprobs=TOP)
 RNG = np.random.default_rng(1)
@@ -107,6 +107,20 @@ def test_same_image_again_hits_the_encoder_cache(engine, hf):
     assert_matches(cached, hf_generate(hf, engine, one_image(), [TALL]))
     other = RNG.integers(0, 256, TALL.shape, np.uint8)
     assert engine.generate({"prompt": one_image(), "images": [other]}, GREEDY)[0].cached_tokens == 0
+
+
+def test_refusals(engine, ckpt):
+    with pytest.raises(InvalidRequest, match="placeholders"):
+        engine.generate({"prompt": [1, 2, 3], "images": [WIDE]}, GREEDY)
+    # the capability table's images=bidirectional rules: the engine serves text, a request with images is refused
+    pooled = load_config("tiny_random", {"model.pooling": "last"}, ckpt)
+    assert "Gemma 4's" in images_refused(pooled) and images_refused(engine.config) is None
+    engine.runner.vision.refused = images_refused(pooled)
+    try:
+        with pytest.raises(InvalidRequest, match="model.pooling"):
+            engine.generate({"prompt": one_image(), "images": [WIDE]}, GREEDY)
+    finally:
+        engine.runner.vision.refused = None
 
 
 def test_a_step_budget_under_one_image_is_refused(ckpt, tmp_path_factory):
