@@ -59,7 +59,7 @@ def test_tower_and_embedder_equal_transformers(ckpt):
     enc = load_gemma4_vision(ckpt, cfg)
     hf = hf_gemma4_vl(ckpt)
     rng = np.random.default_rng(1)
-    for image in _images()[::3] + [_images()[1]]:
+    for image in _images():
         px, xy, (rows, cols) = patches(image, s)
         px = np.where((xy >= 0).all(-1)[:, None], rng.random(px.shape, np.float32), 0).astype(np.float32)
         with torch.no_grad():
