@@ -39,6 +39,7 @@ from jaxfill.engine.disagg.runner_side import RunnerDisagg
 from jaxfill.engine.kv_tier.runner_side import RunnerKVTier
 from jaxfill.engine.speculative.mtp_step import step_mtp
 from jaxfill.engine.speculative.verify_rows import padding_rows
+from jaxfill.engine import executable_cache
 from jaxfill.engine.step import StaticGraph, step, step_replicas
 from jaxfill.models.kv_cache import KVCache
 from jaxfill.models.quant import param_bytes
@@ -108,6 +109,16 @@ class Runner(RunnerKVTier, RunnerDisagg):
     @graphdef.setter
     def graphdef(self, graphdef) -> None:  # and the steps' static argument, hashed once (engine/step.py)
         self._graphdef, self.static_graph = graphdef, StaticGraph(graphdef)
+        self._programs = None  # a new structure: new programs
+
+    @property
+    def programs(self):
+        """The step programs kept on disk under a key that needs no tracing
+        (engine/executable_cache.py), or the jitted step itself when that cache is off."""
+        if self._programs is None:
+            self._programs = (executable_cache.StepPrograms(self.step_fn, self.config, self.attention_impl)
+                              if executable_cache.enabled() else self.step_fn)
+        return self._programs
 
     @property
     def is_leader(self) -> bool:
@@ -191,8 +202,8 @@ class Runner(RunnerKVTier, RunnerDisagg):
         if self.kv_offload is not None:
             self.kv_offload.sync()
         with self.mesh_context():
-            out, self.kv_cache, self.prev_tokens = self.step_fn(self.static_graph, self.state, self.kv_cache, dev,
-                                                              self.prev_tokens, scores_prompt)
+            out, self.kv_cache, self.prev_tokens = self.programs(self.static_graph, self.state, self.kv_cache, dev,
+                                                                 self.prev_tokens, scores_prompt)
             if self.expert_load is not None:
                 self.expert_load.snapshot(self.kv_cache)
         return PendingOutput(out)
@@ -260,7 +271,7 @@ class Runner(RunnerKVTier, RunnerDisagg):
     def warmup(self, progress: bool = True) -> tuple[int, int]:
         """Checks the attention impl, then compiles or loads from the persistent compile
         cache (and runs once) every bucket; an all-padding batch writes nothing. Returns
-        (programs loaded from the cache, programs compiled), as jax's monitoring counts them."""
+        (programs loaded from a cache, programs compiled)."""
         from jaxfill.engine.compile_cache import count_cache_hits
 
         self.check_attention_impl()
@@ -269,6 +280,8 @@ class Runner(RunnerKVTier, RunnerDisagg):
             from jaxfill.models.progress import progress_bar
 
             it = progress_bar(self.shapes, desc="step programs", unit="bucket")
+        kept = self.programs if isinstance(self.programs, executable_cache.StepPrograms) else None
+        kept_hits = kept.hits if kept else 0
         with count_cache_hits() as counts:
             for shape in it:
                 if self.has_head:
@@ -281,7 +294,10 @@ class Runner(RunnerKVTier, RunnerDisagg):
                 if self.lockstep is not None:
                     self.lockstep.send(KV_WARMUP)
                 self._warm_kv_offload()
-        return counts["hits"], counts["requests"] - counts["hits"]
+        # a program loaded from engine/executable_cache.py never reaches jax's cache; one it
+        # compiles does, and jax counts that
+        loaded = counts["hits"] + (kept.hits - kept_hits if kept else 0)
+        return loaded, counts["requests"] - counts["hits"]
 
     def check_attention_impl(self) -> None:
         """Leader: a non-xla impl must lower and match xla here, or xla serves instead. The
@@ -363,9 +379,11 @@ class Runner(RunnerKVTier, RunnerDisagg):
             elif op != HEARTBEAT:
                 raise RuntimeError(f"unknown lockstep op {op} from process 0")
 
-    @staticmethod
-    def cache_size() -> int:
-        """Compiled programs held by the step jits (tests: no growth after warm-up)."""
+    def cache_size(self) -> int:
+        """Compiled programs held by the step jits and this runner's kept executables (tests:
+        no growth after warm-up)."""
         from jaxfill.engine.kv_tier.page_offload import KVOffload
 
-        return step._cache_size() + step_replicas._cache_size() + step_mtp._cache_size() + KVOffload.cache_size()
+        kept = len(self._programs) if isinstance(self._programs, executable_cache.StepPrograms) else 0
+        return (step._cache_size() + step_replicas._cache_size() + step_mtp._cache_size() + KVOffload.cache_size()
+                + kept)

@@ -118,6 +118,14 @@ def token_rows(x: jax.Array,  # [T, E] or [S, E]: the rows the MLP runs on
     return valid
 
 
+def _plain(tokens: jax.Array, vision: VisionRows | None) -> jax.Array:  # [T] int32 -> [T] int32
+    """The ids Gemma 4's per-layer inputs read: an image row reads the pad id (transformers
+    swaps image tokens for it there); the context part reads the image rows' embeddings."""
+    if vision is None or vision.images is None or vision.images.pad_id is None:
+        return tokens
+    return jnp.where(vision.images.mask, vision.images.pad_id, tokens)
+
+
 def _maybe(norm, x):
     return x if norm is None else norm(x)
 
@@ -218,7 +226,7 @@ class Decoder(nnx.Module):
             if prune and rows_split_over_sequence():
                 raise ValueError("the execution plan runs the last layer on the sampled rows, but the mesh splits "
                                  "the rows over 'sequence': build the model with ExecutionPlan.of(..., mesh)")
-            per_layer = None if self.per_layer_inputs is None else self.per_layer_inputs(tokens, x)
+            per_layer = None if self.per_layer_inputs is None else self.per_layer_inputs(_plain(tokens, vision), x)
             x, new_pages, counts = run_layers(self.layers, x, positions, kv_cache.pages, meta,
                                               self.attention_impl, prune, per_layer=per_layer,
                                               rope_positions=rope_positions, deepstack=deepstack)

@@ -11,7 +11,7 @@ mesh.tensor > 1), a model kind (`mla`, `moe`, `linear`, `gated_deltanet`, `mamba
 `short_conv`, `kda`, `attention`, `dsa`: DeepSeek sparse attention's indexer,
 `mixed_kv`: attention layers of two shapes, Gemma 4's global ones, `shortcut`: LongCat-Flash's
 MoE carried to the next layer, `mrope`: Qwen3-VL's (t, h, w) rope, whose steps carry images), `platform=cpu`, or
-`serve.role=prefill/decode`, `images=bidirectional` (a request holds Gemma 3 images); a
+`serve.role=prefill/decode`, `images=bidirectional` (a request holds Gemma 3 or Gemma 4 images); a
 leading `!` negates it.
 """
 
@@ -72,7 +72,9 @@ SETTINGS: dict[str, Callable] = {
 KINDS = ("attention", "mla", "gated_deltanet", "mamba2", "short_conv", "kda", "linear", "moe", "dsa", "mixed_kv", "shortcut",
          "mrope")
 LINEAR_KINDS = ("gated_deltanet", "mamba2", "short_conv", "kda")  # each is also "linear"
-# the flag a request with Gemma 3 images adds (engine/vision/loading.py): checked per request
+# the flag a request with Gemma 3 or Gemma 4 images adds (engine/vision/loading.py): checked per
+# request. Gemma 4's image rows are causal unless its text config asks for both ways; its
+# images take the same rows either way (their steps carry image rows on the unrolled layout)
 IMAGES_BIDIRECTIONAL = "images=bidirectional"
 
 
@@ -254,10 +256,11 @@ RULES: tuple[Rule, ...] = (
         ("serve.role=prefill/decode", "the KV hand-off does not carry the prompt's positions or images",
          "--role both"),
     )),
-    # Gemma 3's images (engine/vision/gemma3_tower.py): their rows attend each other both ways
-    # (the attention's key_limits). A flag, not a kind: the engine builds and serves
-    # text as for any Gemma 3; a request with images is refused by the rule (InvalidRequest)
-    *(Rule((IMAGES_BIDIRECTIONAL, cond), f"Gemma 3 images: {why}", change) for cond, why, change in (
+    # Gemma 3's and Gemma 4's images (engine/vision/gemma3_tower.py, gemma4_tower.py): their rows
+    # attend each other both ways (the attention's key_limits; Gemma 4 on sliding layers, when
+    # its config asks). A flag, not a kind: the engine builds and serves text as for any
+    # Gemma; a request with images is refused by the rule (InvalidRequest)
+    *(Rule((IMAGES_BIDIRECTIONAL, cond), f"Gemma 3 images (and Gemma 4's): {why}", change) for cond, why, change in (
         ("mesh.data", "image rows are laid out for one data replica", "mesh.data = 1"),
         ("mesh.sequence", "the context-parallel kernels take no image mask", "mesh.sequence = 1"),
         ("mesh.stage", "pipeline microbatches do not carry image rows", "mesh.stage = 1"),

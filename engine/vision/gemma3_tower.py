@@ -64,6 +64,8 @@ class Gemma3Tower:
         self.cache = EncoderCache(capacity)
         self.refused = refused  # the capability table's line refusing images under this config (loading.py)
         self.boi_text = boi_text  # the tokenizer's <start_of_image>
+        self.bidirectional = True  # image rows see their whole image (key limits); False: causal (Gemma 4's option)
+        self.pad_id = None  # the id image rows read in per-layer inputs (Gemma 4's E models), None: their own
 
     def mark_text(self, text: str) -> str:
         """A text prompt as processing_gemma3 writes it around each `<start_of_image>`: two
@@ -106,4 +108,5 @@ class Gemma3Tower:
             mask[at:at + hi - lo] = True
             limits[at:at + hi - lo] = span.offset + span.length - 1  # the image's last row: positions are rows
         deep = np.zeros((0, t_pad, self.cfg.text_hidden_size), np.float32)
-        return VisionRows(None, ImageRows(embeds, mask, deep), limits)
+        pad = None if self.pad_id is None else np.int32(self.pad_id)
+        return VisionRows(None, ImageRows(embeds, mask, deep, pad), limits if self.bidirectional else None)

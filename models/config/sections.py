@@ -65,6 +65,9 @@ class AttentionConfig:
     global_kv_heads: int = 0
     global_k_eq_v: bool = False  # "full" layers' V is their K projection, before the K norm (Gemma 4)
     v_norm: bool = False  # V through an RMSNorm without weight over each head (Gemma 4)
+    # image rows' key limits (models/vision/rows.py: an image attended both ways) hold on
+    # sliding layers only, full layers stay causal (Gemma 4's mask); else on every layer (Gemma 3)
+    image_limits_sliding_only: bool = False
     output_gate: bool = False  # output times sigmoid(a per-head gate q_proj also gives) (Qwen3.5)
     gate_proj: bool = False  # output times sigmoid(x @ a gate projection of its own, [Hq, D]) (AFMoE)
     # Falcon-H1's muP multipliers: K times key_scale (before rope), the block's input times

@@ -8,7 +8,7 @@ head_dim / num_key_value_heads on each full layer) or the hub's `global_head_dim
 `num_global_key_value_heads` (the latter only with attention_k_eq_v, as transformers reads it).
 
 `Gemma4ForConditionalGeneration` loads as its text tower (`model.language_model.`), the
-vision and audio towers skipped. The MoE models' block (`enable_moe_block`): experts beside
+vision tower loaded beside it by engine/vision/loading.py, the audio tower skipped. The MoE models' block (`enable_moe_block`): experts beside
 the dense MLP in every layer (models/moe_beside_dense.py). The "E" models: per-layer inputs
 (`hidden_size_per_layer_input`, models/per_layer_inputs.py) and their last
 `num_kv_shared_layers` layers attending over the pages of the last earlier layer of their
@@ -146,7 +146,7 @@ class Gemma4(Family):
     def model_defaults(self, hidden_size):
         return dict(hidden_act="gelu_tanh", norm_kind="rms_f32", norm_layout="sandwich", qk_norm="head",
                     v_norm=True, query_scale=1.0, layer_scalar=True, embed_scale=float(hidden_size) ** 0.5,
-                    tie_word_embeddings=True)
+                    tie_word_embeddings=True, image_limits_sliding_only=True)
 
     def common_fields(self, hf):  # rope_parameters (per layer type) are read in model_fields
         return super().common_fields({k: v for k, v in hf.items() if k != "rope_parameters"})
@@ -225,7 +225,8 @@ class Gemma4Multimodal(Gemma4):
     architectures = ("Gemma4ForConditionalGeneration",)
     prefix = "model.language_model."
     ignored_prefixes = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
-    tested = "HF parity f32 of the text tower (text-only prompts), vision and audio weights skipped"
+    tested = ("HF parity f32 of the text tower (text-only prompts); images through the Engine (its vision tower, "
+              "engine/vision/gemma4_tower.py) equal to transformers' greedy tokens and logprobs; the audio tower skipped")
 
     def to_model_config(self, hf, architecture):
         text = text_tower_config(hf, "Gemma4ForConditionalGeneration", tie_default=True)

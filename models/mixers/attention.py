@@ -173,8 +173,9 @@ class Attention(nnx.Module):
         if write:
             pages = write_kv(pages, k, v, meta.slot_mapping)
         extra = {} if sinks is None else {"sinks": sinks}
-        if meta.key_limits is not None:  # Gemma 3's image rows (models/vision/rows.py)
-            extra["key_limits"] = meta.key_limits
+        a = self.config.attention
+        if meta.key_limits is not None and not (a.image_limits_sliding_only and window[0] is None):
+            extra["key_limits"] = meta.key_limits  # image rows attended both ways (models/vision/rows.py)
         out = ragged_paged_attention(
             q, pages, meta.kv_lens, meta.page_indices, meta.cu_q_lens, meta.num_seqs,
             sm_scale=self.sm_scale, sliding_window=window[0], attention_chunk=window[1],

@@ -21,6 +21,8 @@ class ImageRows:
     embeds: jax.Array  # [T, E]: the encoder's token for an image row, anything elsewhere
     mask: jax.Array  # [T] bool: the row is an image token
     deepstack: jax.Array  # [L', T, E]: added after decoder layer l < L' (0 off image rows)
+    # [] int32 (Gemma 4's per-layer inputs): the token id image rows read there (its pad id); None: their own
+    pad_id: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
