@@ -66,6 +66,8 @@ class Verification:
             return []  # backing off (counts its decode steps, in flight or not)
         if room <= 0 or req.in_flight:
             return []
+        if self.snapshots is not None and self.snapshots.boundary(req.num_computed, 1, req.num_tokens) is not None:
+            return []  # a hybrid's decode that ends on a state snapshot boundary takes its snapshot first
         k = min(sp.num_tokens, room, req.params.max_tokens - len(req.output_ids) - 1,
                 self.max_model_len - total_tokens(req))
         if k <= 0:
