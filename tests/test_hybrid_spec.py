@@ -8,9 +8,13 @@ attention beside Mamba2, in the slow set) and LFM2 (short convolutions), on self
 prompts (proposals from the first decode) with chunked prefill, async scheduling and state
 snapshots (prefix caching); the counters show proposals both accepted and rejected (so a
 state that kept a rejected row would change the tokens: the check can fail). Every page
-and state slot comes back after finishing and after aborts mid-decode. Unused pages and
-slots are NaN-filled.
+and state slot comes back after finishing and after aborts mid-decode; Qwen3.5 also at
+mesh.tensor = 2 (slow set). Unused pages and slots are NaN-filled.
 """
+
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -19,6 +23,7 @@ from hf_models import make_hf_checkpoint
 from jaxfill.engine.engine import Engine
 from jaxfill.engine.request import SamplingParams
 from fast_engine import REFERENCE_ATTENTION
+from xla_flags import fake_devices
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 BASE = {**REFERENCE_ATTENTION,  # tests/fast_engine.py
@@ -68,9 +73,13 @@ def all_back(e: Engine) -> None:
 
 
 def test_greedy_with_ngram_equals_without(checkpoint):
-    plain = engine(checkpoint)
+    check_ngram(checkpoint)
+
+
+def check_ngram(checkpoint, **extra) -> None:
+    plain = engine(checkpoint, **extra)
     ps, want = echoing(plain)
-    spec = engine(checkpoint, **NGRAM)
+    spec = engine(checkpoint, **NGRAM, **extra)
     assert spec.config.engine.state_slots == 2 * plain.config.engine.state_slots  # a second slot each
     assert [o.token_ids for o in spec.generate(ps, GREEDY)] == want
     st = spec.stats()
@@ -100,3 +109,17 @@ def test_suffix_proposals_and_aborts_give_every_slot_back(checkpoint):
     while spec.has_unfinished():
         spec.step()
     all_back(spec)
+
+
+@pytest.mark.slow  # 40 s (2026-12-07, 2 loaded cores)
+def test_tensor2_with_ngram_equals_without(tmp_path):
+    """The same on 2 fake CPU devices, heads and state split over mesh.tensor (a subprocess)."""
+    directory = make_hf_checkpoint(str(tmp_path / "qwen3_5"), "qwen3_5")
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = (f"import sys, jax; sys.path.insert(0, {here!r}); import test_hybrid_spec as t; "
+              "assert jax.device_count() == 2; "
+              f"t.check_ngram({directory!r}, **{{'mesh.tensor': 2}}); print('RESULT ok')")
+    env = dict(os.environ, XLA_FLAGS=fake_devices(2))
+    proc = subprocess.run([sys.executable, "-c", script], cwd=os.path.dirname(here), env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0 and "RESULT ok" in proc.stdout, proc.stderr[-4000:]
