@@ -119,8 +119,6 @@ BREAKS = {
     ("model.pooling", "mesh.num_processes"): ({"model.score_token_ids": [1, 2], "mesh.num_processes": 2,
                                                "mesh.coordinator": "127.0.0.1:1"}, ()),
     ("model.pooling", "speculative.method=ngram/suffix/mtp"): ({"model.pooling": "cls", "speculative.method": "ngram"}, ()),
-    ("kda", "speculative.method=ngram/suffix/mtp"): (
-        {**HYBRID, "model.linear_kind": "kda", "model.linear_num_key_heads": 4, "speculative.method": "suffix"}, ()),
     ("mesh.data", "speculative.method=ngram/suffix/mtp"): ({"mesh.data": 2, "speculative.method": "ngram"}, ()),
     ("mesh.stage", "speculative.method=ngram/suffix/mtp"): ({"mesh.stage": 2, "speculative.method": "suffix"}, ()),
     ("mesh.sequence", "speculative.method=ngram/suffix/mtp"): ({"mesh.sequence": 2, "speculative.method": "ngram"}, ()),

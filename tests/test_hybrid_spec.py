@@ -4,7 +4,8 @@ state goes back to the copy taken before the step and the accepted rows are repl
 
 Greedy output with n-gram / suffix proposals equals output without, token for token, for a
 Gated DeltaNet hybrid (Qwen3.5), Mamba2 hybrids (Granite 4.0-H; Falcon-H1, whose layers run
-attention beside Mamba2, in the slow set) and LFM2 (short convolutions), on self-repeating
+attention beside Mamba2, in the slow set), LFM2 (short convolutions) and Kimi Linear (Kimi
+Delta Attention, slow set), on self-repeating
 prompts (proposals from the first decode) with chunked prefill, async scheduling and state
 snapshots (prefix caching); the counters show proposals both accepted and rejected (so a
 state that kept a rejected row would change the tokens: the check can fail). Every page
@@ -35,8 +36,10 @@ NGRAM = {"speculative.method": "ngram", "speculative.num_tokens": 3, "speculativ
          "speculative.ngram_min": 1, "speculative.backoff_window": 0}
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "granitemoehybrid", "lfm2",
-                                        pytest.param("falcon_h1", marks=pytest.mark.slow)])  # 20 s warm, 53 s cold (2026-12-07): nightly
+@pytest.fixture(scope="module", params=[
+    "qwen3_5", "granitemoehybrid", "lfm2",
+    # nightly (2026-12-07, 2 loaded cores): Falcon-H1 20 s warm, 53 s cold; Kimi Linear 26 s
+    pytest.param("falcon_h1", marks=pytest.mark.slow), pytest.param("kimi_linear", marks=pytest.mark.slow)])
 def checkpoint(request, tmp_path_factory):
     directory = make_hf_checkpoint(str(tmp_path_factory.mktemp("hybrid_spec") / request.param), request.param)
     return directory
@@ -73,17 +76,19 @@ def all_back(e: Engine) -> None:
 
 
 def test_greedy_with_ngram_equals_without(checkpoint):
-    check_ngram(checkpoint)
+    # Kimi Linear's random model never follows the echoed tokens: its proposals are all
+    # rejected here (its accepted ones: the suffix test)
+    check_ngram(checkpoint, accepts=not checkpoint.endswith("kimi_linear"))
 
 
-def check_ngram(checkpoint, **extra) -> None:
+def check_ngram(checkpoint, accepts: bool = True, **extra) -> None:
     plain = engine(checkpoint, **extra)
     ps, want = echoing(plain)
     spec = engine(checkpoint, **NGRAM, **extra)
     assert spec.config.engine.state_slots == 2 * plain.config.engine.state_slots  # a second slot each
     assert [o.token_ids for o in spec.generate(ps, GREEDY)] == want
     st = spec.stats()
-    assert st["spec_accepted_tokens"] > 0 and st["spec_state_replays"] > 0, st  # accepted and rejected
+    assert (st["spec_accepted_tokens"] > 0 or not accepts) and st["spec_state_replays"] > 0, st  # accepted, rejected
     all_back(spec)
     # a second round: prompts resume from state snapshots (prefix caching) and still agree
     hits = st["state_snapshot_hits"]

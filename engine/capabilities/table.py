@@ -194,8 +194,7 @@ RULES: tuple[Rule, ...] = (
     *(Rule((cond, "speculative.method=ngram/suffix/mtp"), f"speculative decoding: {why}", change) for cond, why, change in (
         # hybrids: the state before a verification is kept and the accepted rows replayed
         # (engine/scheduler/verification.py); tests/test_hybrid_spec.py runs Gated DeltaNet, Mamba2
-        # (Granite 4.0-H, Falcon-H1's parallel layers) and LFM2's short convolution
-        ("kda", "the state rollback is not tested with Kimi Delta Attention", "speculative.method = none"),
+        # (Granite 4.0-H, Falcon-H1's parallel layers), LFM2's short convolution and Kimi Delta Attention
         ("mesh.data", "verification rows are laid out for one data replica", "speculative.method = none or "
          "mesh.data = 1"),
         ("mesh.stage", "pipeline microbatches do not carry verification rows", "speculative.method = none or "
