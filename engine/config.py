@@ -86,7 +86,7 @@ class EngineSettings:
     disk_kv_cache_gb: float = 0.0
     # Linear-attention hybrids (models/mixers/gated_deltanet.py): recurrent-state slots, one per
     # running request (the scheduler hands them out). Set by load_config for such models
-    # (= max_num_seqs); 0 for every other model.
+    # (= max_num_seqs, twice that with speculative decoding); 0 for every other model.
     state_slots: int = 0
     # Their prefix caching (engine/scheduler/state_snapshots.py): the recurrent state is
     # snapshotted every state_snapshot_tokens tokens (a multiple of page_size; 0 = no
@@ -350,9 +350,9 @@ def load_config(config: str | None = None, overrides: Mapping[str, Any] | list[s
     engine_values = _fit_max_model_len(engine_values, "max_model_len" in extra.get("engine", {}), model)
     engine = _build(EngineSettings, engine_values)
     mesh = _build(MeshSettings, {**data.get("mesh", {}), **extra.get("mesh", {})})
-    if model.linear.layers:
-        engine, mesh = hybrid_settings(model, engine, mesh)
     speculative = _build(SpeculativeSettings, {**data.get("speculative", {}), **extra.get("speculative", {})})
+    if model.linear.layers:
+        engine, mesh = hybrid_settings(model, engine, mesh, speculative.enabled)
     if speculative.method == "mtp":  # the checkpoint's MTP layer runs too (engine/speculative/mtp_settings.py)
         model = mtp_model(model, speculative)
     lora = _build(LoraSettings, {**data.get("lora", {}), **extra.get("lora", {})})
@@ -362,11 +362,12 @@ def load_config(config: str | None = None, overrides: Mapping[str, Any] | list[s
     return config
 
 
-def hybrid_settings(model: ModelConfig, engine: EngineSettings,
-                    mesh: MeshSettings) -> tuple[EngineSettings, MeshSettings]:
+def hybrid_settings(model: ModelConfig, engine: EngineSettings, mesh: MeshSettings,
+                    speculative: bool = False) -> tuple[EngineSettings, MeshSettings]:
     """A linear-attention hybrid's engine today: heads split over mesh.tensor, a state slot
-    per running request, prefix caching through state snapshots (engine/scheduler/state_snapshots.py),
-    which the host tier keeps too (engine/kv_tier/snapshot_offload.py), and an int8 / fp8 KV cache
+    per running request (two with speculative decoding: the second keeps the state before
+    a verification, engine/scheduler/verification.py), prefix caching through state
+    snapshots (engine/scheduler/state_snapshots.py), which the host tier keeps too (engine/kv_tier/snapshot_offload.py), and an int8 / fp8 KV cache
     for the attention layers (the linear layers' state stays f32). What it cannot do yet is
     refused by engine/capabilities/table.py (RULES)."""
     interval, slots = int(engine.state_snapshot_tokens), int(engine.state_snapshot_slots)
@@ -374,8 +375,8 @@ def hybrid_settings(model: ModelConfig, engine: EngineSettings,
     if engine.enable_prefix_caching and not caching:
         log.info("linear-attention hybrid: prefix caching off (engine.state_snapshot_tokens = 0)")
     slots = (slots or engine.max_num_seqs) if caching else 0
-    return (dataclasses.replace(engine, enable_prefix_caching=caching, state_slots=engine.max_num_seqs,
-                                state_snapshot_slots=slots),
+    working = engine.max_num_seqs * (2 if speculative else 1)
+    return (dataclasses.replace(engine, enable_prefix_caching=caching, state_slots=working, state_snapshot_slots=slots),
             dataclasses.replace(mesh, cpu_split=False))
 
 

@@ -18,6 +18,7 @@ process: a multi-host run keeps jax's cache, whose keys every process computes a
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -42,6 +43,25 @@ def _signature(tree) -> tuple:
     """The batch's structure and leaf shapes: cheap enough for every step."""
     leaves, treedef = jax.tree.flatten(tree)
     return treedef, tuple((getattr(x, "shape", None), getattr(x, "dtype", None)) for x in leaves)
+
+
+@contextlib.contextmanager
+def _without_jax_cache():
+    """Compiles afresh, neither read from nor written to jax's persistent cache: XLA:CPU drops
+    the code of an executable that jax loaded from its cache when it is serialized again
+    ("Function reverse_add_fusion.2 not found" on the next load; seen with jaxlib 0.10.2), and
+    the program is kept here instead of twice. jax decides once whether its cache is in use
+    (`is_cache_used`), so the decision is reset around the switch; a compile on another
+    thread meanwhile skips the cache too, which costs it a compile at most."""
+    from jax._src import compilation_cache
+    from jax._src import config as jax_config
+
+    compilation_cache.reset_cache()
+    try:
+        with jax_config.enable_compilation_cache(False):
+            yield
+    finally:
+        compilation_cache.reset_cache()
 
 
 class StepPrograms:
@@ -90,7 +110,8 @@ class StepPrograms:
             pass
         except Exception as e:  # noqa: BLE001 - a damaged or foreign entry costs one compile, nothing more
             log.warning("compiling again: cached executable %s did not load (%s)", path, e)
-        program = self.step_fn.lower(static_graph, state, kv_cache, batch, prev_tokens, scores_prompt).compile()
+        with _without_jax_cache():
+            program = self.step_fn.lower(static_graph, state, kv_cache, batch, prev_tokens, scores_prompt).compile()
         self.misses += 1
         try:
             device_ids = [d.id for d in program._executable._unloaded_executable.device_list]  # what serialize() reads too

@@ -272,6 +272,8 @@ class Request:
         self.parent_id: str | None = None
         self.prefill_after: Request | None = None  # a sibling sample whose prompt pages it waits to share
         self.state_slot: int | None = None  # its recurrent-state slot while running (linear-attention hybrids)
+        # a hybrid's second slot once it proposes: its state before a verification (engine/scheduler/verification.py)
+        self.spec_slot: int | None = None
         self.lora_slot = 0  # its adapter's device slot (0 = none; engine/lora/slots.py), fixed while it lives
         self.lora_key: str | None = None  # its adapter's name and load, mixed into its prefix hashes
         self.images = None  # its prompt's images (engine/vision/prompt.py PromptImages), None: text only

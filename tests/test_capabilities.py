@@ -117,7 +117,6 @@ BREAKS = {
     ("model.pooling", "mesh.num_processes"): ({"model.score_token_ids": [1, 2], "mesh.num_processes": 2,
                                                "mesh.coordinator": "127.0.0.1:1"}, ()),
     ("model.pooling", "speculative.method=ngram/suffix/mtp"): ({"model.pooling": "cls", "speculative.method": "ngram"}, ()),
-    ("linear", "speculative.method=ngram/suffix/mtp"): ({**HYBRID, "speculative.method": "suffix"}, ()),
     ("mesh.data", "speculative.method=ngram/suffix/mtp"): ({"mesh.data": 2, "speculative.method": "ngram"}, ()),
     ("mesh.stage", "speculative.method=ngram/suffix/mtp"): ({"mesh.stage": 2, "speculative.method": "suffix"}, ()),
     ("mesh.sequence", "speculative.method=ngram/suffix/mtp"): ({"mesh.sequence": 2, "speculative.method": "ngram"}, ()),
@@ -135,6 +134,7 @@ BREAKS = {
         ("model.weight_dtype=fp8_block", {"model.weight_dtype": "fp8_block", "model.weight_block_size": [16, 16]}),
         ("model.weight_dtype=int_group", {"model.weight_dtype": "int_group", "model.weight_group_size": 32}),
         ("dsa", DSA),
+        ("linear", HYBRID),
     )},
     **{("lora.max_loras", cond): ({"lora.max_loras": 2, **extra}, flags) for cond, extra, flags in (
         ("mla", MLA, ()),

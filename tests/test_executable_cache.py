@@ -14,6 +14,7 @@ SCRIPT = """
 import json, os, sys
 import jax
 from jaxfill import Engine, SamplingParams
+from jaxfill.engine import executable_cache
 
 traced = []  # the step functions jax traced in this process (its own monitoring events)
 jax.monitoring.register_event_duration_secs_listener(
@@ -23,18 +24,24 @@ BASE = {"engine.num_pages": 64, "engine.max_num_seqs": 4, "engine.max_num_batche
 
 
 def start(**overrides):
+    jax.clear_caches()  # as a new process: nothing traced or compiled in memory
     before = traced.count("step")
     engine = Engine.from_config("tiny_random", overrides={**BASE, **overrides}, progress=False,
                                 compile_cache=sys.argv[1])
     out = engine.generate([[5, 9, 2, 7, 11, 3], [4, 4, 8, 1, 12, 6, 2, 9, 10]],
                           SamplingParams(max_tokens=6, temperature=0.0))
     programs = engine.core.runner.programs
-    return {"tokens": [c.token_ids for c in out], "hits": programs.hits, "misses": programs.misses,
-            "kept": len(programs), "traced": traced.count("step") - before}
+    counts = {"hits": programs.hits, "misses": programs.misses, "kept": len(programs)} if executable_cache.enabled() else {}
+    return {"tokens": [c.token_ids for c in out], "traced": traced.count("step") - before, **counts}
 
 
 ONE = {"mesh.cpu_split": False}  # a one-device program in a two-device process
-report = {"cold": start(), "warm": start(), "changed": start(**ONE), "changed_warm": start(**ONE),
+# First only jax's own cache, so "cold" finds its programs there: a program jax loaded from
+# its cache loses its code when serialized again, so this cache must compile its own.
+executable_cache.enabled, on = (lambda: False), executable_cache.enabled
+jax_only = start()
+executable_cache.enabled = on
+report = {"jax_only": jax_only, "cold": start(), "warm": start(), "changed": start(**ONE), "changed_warm": start(**ONE),
           "devices": len(jax.devices())}
 directory = os.path.join(sys.argv[1], "jaxfill_executables")
 report["files"] = len(os.listdir(directory))
@@ -54,6 +61,7 @@ def test_a_new_engine_loads_every_step_program_without_tracing(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     cold, warm, changed, damaged = r["cold"], r["warm"], r["changed"], r["damaged"]
+    assert r["jax_only"]["tokens"] == cold["tokens"] and r["jax_only"]["traced"] >= 2
     assert cold["misses"] == cold["kept"] >= 2 and cold["hits"] == 0  # a prefill and a decode bucket at least
     assert cold["traced"] >= cold["misses"]  # each compiled program traced (the pool probe may trace too)
 

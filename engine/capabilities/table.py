@@ -191,7 +191,9 @@ RULES: tuple[Rule, ...] = (
     )),
     # speculative decoding (engine/speculative/): proposals verified as rows of one replica's ragged step
     *(Rule((cond, "speculative.method=ngram/suffix/mtp"), f"speculative decoding: {why}", change) for cond, why, change in (
-        ("linear", "a recurrent state cannot roll back rejected proposals yet", "speculative.method = none"),
+        # hybrids: the state before a verification is kept and the accepted rows replayed
+        # (engine/scheduler/verification.py); tests/test_hybrid_spec.py runs Gated DeltaNet, Mamba2
+        # (Granite 4.0-H, Falcon-H1's parallel layers), LFM2's short convolution and Kimi Delta Attention
         ("mesh.data", "verification rows are laid out for one data replica", "speculative.method = none or "
          "mesh.data = 1"),
         ("mesh.stage", "pipeline microbatches do not carry verification rows", "speculative.method = none or "
@@ -217,6 +219,7 @@ RULES: tuple[Rule, ...] = (
         ("model.weight_dtype=int_group", "the MTP layer's packed projections are not read",
          "model.weight_dtype = auto"),
         ("dsa", "the MTP layer of a sparse-attention model (its indexer) is not built", "a model without dsa"),
+        ("linear", "a hybrid's MTP layer (Qwen3.5 / Qwen3-Next mtp.*) is not loaded", "a model without linear layers"),
     )),
     # multi-LoRA (engine/lora/, models/lora.py): per-row adapters on the unrolled layers' attention
     # q/k/v/o, gated-MLP and routed-expert projections of one replica; Llama, Qwen3 and Qwen3-MoE

@@ -192,9 +192,11 @@ def plan_prefill(config: Config, hw: Hardware, prompt_len: int, link_gbps: float
     hbm = hw.hbm_bytes / (mesh.size if hw.shared_by_mesh else 1)
     free = hbm - weights_dev
     per_token_dev = kv_bytes_per_token_per_device(model, mesh, engine.kv_cache_dtype)
-    # a hybrid's working state (the same at any prompt length); its snapshots come on top;
+    # a hybrid's working state (the same at any prompt length; two slots per request with
+    # speculative decoding, engine/scheduler/verification.py); its snapshots come on top;
     # a device holds its stage's layers' state, heads split over tensor
-    state, state_dev = state_bytes(model), state_bytes(model, mesh.tensor * mesh.stage)
+    slots = engine.state_slots // engine.max_num_seqs if engine.state_slots else 1
+    state, state_dev = slots * state_bytes(model), slots * state_bytes(model, mesh.tensor * mesh.stage)
     # the pool is split over 'sequence': the busiest rank holds ceil(pages / N) of them
     kv_dev = kv_pages_per_device(pages, mesh) * engine.page_size * per_token_dev
     per_request_dev = kv_dev + state_dev

@@ -97,6 +97,9 @@ class Scheduler(RequestTransitions, Verification):
         if req.state_slot is not None:
             self.free_slots.append(req.state_slot)
             req.state_slot = None
+        if req.spec_slot is not None:
+            self.free_slots.append(req.spec_slot)
+            req.spec_slot = None
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -140,7 +143,7 @@ class Scheduler(RequestTransitions, Verification):
             copies = self.snapshots.take_copies(lambda h: self.bm.page_of(h) is not None)
             saves = self.snapshots.take_evicted()
         out = self._schedule()
-        out.state_copies, out.state_saves = copies, saves
+        out.state_copies, out.state_saves = copies + self.state_before_verify(out.seqs), saves
         out.state_exports, self.state_exports = self.state_exports, []
         return out
 
@@ -193,6 +196,8 @@ class Scheduler(RequestTransitions, Verification):
                 draft = self.draft_for(req, budget - n - (len(decodes) - 1 - at))
                 if draft and not self._grow(req, req.num_computed + n + len(draft)):
                     draft = []  # no page for them: a plain decode, never a preemption for proposals
+                if draft and not self.hold_spec_slot(req):
+                    draft = []  # a hybrid without a slot to keep its state in (verification.py)
             while not self._grow(req, req.num_computed + n):
                 victim = max(self.running, key=self._key)
                 if victim is req and len(self.running) == 1:

@@ -11,6 +11,12 @@
     settle()         the rows of rejected proposals roll back: num_computed covers the
                      accepted ones only, pages past them go back to the pool, and only
                      accepted tokens reach the prefix cache
+    hold_spec_slot / state_before_verify / settle, for linear-attention hybrids: a
+                     recurrent state cannot drop rows, so the state before a verification
+                     is copied into the request's second slot (spec_slot) before the step;
+                     after a rejection the slots swap and num_computed goes back to the
+                     chunk's start, so the next step replays the known token and the
+                     accepted proposals from that state (docs/speculative.md)
     spec_finished()  a finished request's output joins suffix decoding's global cache
 
 Rejected proposals' K/V rows stay in the pages the request keeps until its next chunk
@@ -60,6 +66,8 @@ class Verification:
             return []  # backing off (counts its decode steps, in flight or not)
         if room <= 0 or req.in_flight:
             return []
+        if self.snapshots is not None and self.snapshots.boundary(req.num_computed, 1, req.num_tokens) is not None:
+            return []  # a hybrid's decode that ends on a state snapshot boundary takes its snapshot first
         k = min(sp.num_tokens, room, req.params.max_tokens - len(req.output_ids) - 1,
                 self.max_model_len - total_tokens(req))
         if k <= 0:
@@ -94,15 +102,38 @@ class Verification:
 
         return Sampled(token, self._record_token(sch.req, token, now))
 
+    def hold_spec_slot(self, req: Request) -> bool:
+        """A hybrid's request that proposes holds a second state slot until it leaves (the
+        pool has two per running request then: engine/config.py hybrid_settings); False
+        when none is free. Always True for a model without recurrent state."""
+        if not self.slots_used or req.spec_slot is not None:
+            return True
+        if not self.free_slots:
+            return False
+        req.spec_slot = self.free_slots.pop()
+        return True
+
+    def state_before_verify(self, seqs) -> list[tuple[int, int]]:
+        """(working slot, spec slot) copies to run before the step: each verifying hybrid
+        request's state before its rows, which a rejection resumes from."""
+        return [(s.req.state_slot, s.req.spec_slot) for s in seqs if s.draft and s.req.spec_slot is not None]
+
     def settle(self, sch, num_emitted: int) -> None:
         """After the emitted tokens are recorded: K/V is valid for the chunk's known token
-        and the accepted proposals, i.e. up to the newest token (not yet computed)."""
+        and the accepted proposals, i.e. up to the newest token (not yet computed). A
+        hybrid's state is past that after a rejection: it goes back to the copy taken
+        before the step, and the known token and accepted proposals are computed again."""
         req = sch.req
         if req.finished or req.status != Status.RUNNING:
             return
-        req.num_computed = min(sch.start + num_emitted, req.num_tokens - 1)
+        valid = min(sch.start + num_emitted, req.num_tokens - 1)
+        req.num_computed = valid
+        if req.spec_slot is not None and sch.draft and num_emitted <= len(sch.draft):
+            req.state_slot, req.spec_slot = req.spec_slot, req.state_slot
+            req.num_computed = sch.start  # the replay's rows reach the prefix cache when it runs
+            self.spec.record_replay(valid - sch.start)
         self.prefix.publish(req, req.num_computed, sch.start)
-        keep = self.bm.pages_for(req.num_computed)
+        keep = self.bm.pages_for(valid)
         if len(req.pages) > keep:
             self.bm.free(req.pages[keep:])
             del req.pages[keep:]

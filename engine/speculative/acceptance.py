@@ -47,6 +47,10 @@ class SpecCounters:
     accepted: int = 0
     verifications: int = 0
     per_position: list[int] | None = None
+    # linear-attention hybrids: verifications whose state went back (a proposal rejected),
+    # and the rows computed again (engine/scheduler/verification.py settle)
+    replays: int = 0
+    replayed_rows: int = 0
 
     def __post_init__(self):
         if self.per_position is None:
@@ -57,7 +61,8 @@ class SpecCounters:
         """One data replica's counters each -> their sum."""
         return SpecCounters(counters[0].num_tokens, sum(c.proposed for c in counters),
                             sum(c.accepted for c in counters), sum(c.verifications for c in counters),
-                            [sum(col) for col in zip(*(c.per_position for c in counters))])
+                            [sum(col) for col in zip(*(c.per_position for c in counters))],
+                            sum(c.replays for c in counters), sum(c.replayed_rows for c in counters))
 
     def record(self, num_proposed: int, num_accepted: int) -> None:
         self.proposed += num_proposed
@@ -66,9 +71,14 @@ class SpecCounters:
         for i in range(num_accepted):
             self.per_position[i] += 1
 
+    def record_replay(self, rows: int) -> None:
+        self.replays += 1
+        self.replayed_rows += rows
+
     def stats(self) -> dict:
         """spec_mean_acceptance_length: tokens emitted per verification (accepted + 1)."""
         mean = (self.accepted + self.verifications) / self.verifications if self.verifications else 0.0
         return {"spec_proposed_tokens": self.proposed, "spec_accepted_tokens": self.accepted,
                 "spec_accepted_per_position": list(self.per_position), "spec_mean_acceptance_length": mean,
-                "spec_verifications": self.verifications}
+                "spec_verifications": self.verifications, "spec_state_replays": self.replays,
+                "spec_state_replayed_rows": self.replayed_rows}
