@@ -264,3 +264,33 @@ def test_scanned_snapshots_leave_for_the_host_tier_and_come_back(qwen3_5):
     got, e = run(**{"engine.scan_layers": True, "engine.host_kv_cache_gb": 0.002})
     assert got == want and e.runner.stages == 2
     assert e.stats()["host_state_snapshots_restored"] >= 2, e.stats()
+
+
+@pytest.mark.slow  # 29 s call + 15 s checkpoint (2026-12-07, 2 loaded cores)
+def test_scanned_speculation_rolls_the_stacked_state_back(qwen3_5):
+    """n-gram proposals on the scanned hybrid: a rejected verification restores the state
+    copied before it into every group's rows of the request's slot; the tokens equal the
+    unrolled engine's without speculation, with rejections replayed, and every slot comes back."""
+    from jaxfill.engine.engine import Engine
+    from jaxfill.engine.request import SamplingParams
+
+    base = {"engine.attention_impl": "reference", "engine.max_num_batched_tokens": 16, "engine.token_buckets": [16],
+            "engine.num_pages": 160, "engine.page_size": 8, "engine.max_model_len": 160, "engine.max_num_seqs": 3,
+            "engine.kv_fill_value": NAN, "engine.state_snapshot_tokens": 16, "engine.state_snapshot_slots": 32}
+    ngram = {"speculative.method": "ngram", "speculative.num_tokens": 3, "speculative.ngram_max": 3,
+             "speculative.ngram_min": 1, "speculative.backoff_window": 0}
+    rng = np.random.default_rng(5)
+    pat, other = [int(t) for t in rng.integers(0, 512, 5)], [int(t) for t in rng.integers(0, 512, 4)]
+    prompts = [pat * 7, pat * 4 + other * 2, pat * 4 + [pat[0]] * 3, other * 5]
+
+    def run(**overrides):
+        e = Engine.from_config("tiny", model_path=qwen3_5[0], overrides={**base, **overrides}, progress=False)
+        out = [c.token_ids for c in e.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0,
+                                                                        ignore_eos=True))]
+        st, sch = e.stats(), e.scheduler.replicas[0]
+        assert st["pages_free"] == st["pages_total"] and len(sch.free_slots) == e.config.engine.state_slots
+        return out, st
+
+    want, _ = run()
+    got, st = run(**{"engine.scan_layers": True, **ngram})
+    assert got == want and st["spec_state_replays"] > 0, st
