@@ -12,13 +12,17 @@ static flag, and the value is jax's own serialized executable
 (`jax.experimental.serialize_executable`). A stale entry cannot be hit: any edit to the
 source, the config, the versions or the shapes changes the key.
 
+Only a program compiled here is kept: one that jax's own cache already held is used as it
+is and not kept (XLA:CPU loses its code when it is serialized again), so after an edit that
+leaves a program's HLO alone a start costs what it did before, and a program is kept from
+the first start that compiles it.
+
 On only where jax's persistent cache is on (its directory holds the files) and for one
 process: a multi-host run keeps jax's cache, whose keys every process computes alike.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
@@ -28,6 +32,7 @@ import tempfile
 import jax
 
 from jaxfill.engine import activation_cache
+from jaxfill.engine.compile_cache import count_cache_hits
 
 log = logging.getLogger("jaxfill.executable_cache")
 SUBDIR = "jaxfill_executables"
@@ -43,25 +48,6 @@ def _signature(tree) -> tuple:
     """The batch's structure and leaf shapes: cheap enough for every step."""
     leaves, treedef = jax.tree.flatten(tree)
     return treedef, tuple((getattr(x, "shape", None), getattr(x, "dtype", None)) for x in leaves)
-
-
-@contextlib.contextmanager
-def _without_jax_cache():
-    """Compiles afresh, neither read from nor written to jax's persistent cache: XLA:CPU drops
-    the code of an executable that jax loaded from its cache when it is serialized again
-    ("Function reverse_add_fusion.2 not found" on the next load; seen with jaxlib 0.10.2), and
-    the program is kept here instead of twice. jax decides once whether its cache is in use
-    (`is_cache_used`), so the decision is reset around the switch; a compile on another
-    thread meanwhile skips the cache too, which costs it a compile at most."""
-    from jax._src import compilation_cache
-    from jax._src import config as jax_config
-
-    compilation_cache.reset_cache()
-    try:
-        with jax_config.enable_compilation_cache(False):
-            yield
-    finally:
-        compilation_cache.reset_cache()
 
 
 class StepPrograms:
@@ -110,9 +96,15 @@ class StepPrograms:
             pass
         except Exception as e:  # noqa: BLE001 - a damaged or foreign entry costs one compile, nothing more
             log.warning("compiling again: cached executable %s did not load (%s)", path, e)
-        with _without_jax_cache():
+        with count_cache_hits() as jax_cache:
             program = self.step_fn.lower(static_graph, state, kv_cache, batch, prev_tokens, scores_prompt).compile()
         self.misses += 1
+        if jax_cache["hits"]:
+            # XLA:CPU drops the code of an executable jax loaded from its own cache when it is
+            # serialized again ("Function reverse_add_fusion.2 not found" at the next load,
+            # jaxlib 0.10.2), so only a program compiled here is kept. A source edit that
+            # leaves the program alone still finds it in jax's cache, as before.
+            return program
         try:
             device_ids = [d.id for d in program._executable._unloaded_executable.device_list]  # what serialize() reads too
             blob = pickle.dumps((device_ids, *serialize(program)))
