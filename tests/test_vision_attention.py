@@ -55,3 +55,11 @@ def test_padding_keys_never_leak():
                                        block=16))
     assert not np.isnan(out[seg >= 0]).any()
     assert np.abs(out[seg >= 0] - ref[seg >= 0]).max() < 2e-5 * np.abs(ref).max()
+
+
+def test_patch_buckets_step_in_quarter_octaves():
+    from jaxfill.engine.vision.tower import patch_bucket
+    assert [patch_bucket(n) for n in (1, 64, 65, 784, 1024, 1025, 7056)] == [64, 64, 128, 896, 1024, 1280, 7168]
+    sizes = [patch_bucket(n) for n in range(1, 16385)]
+    assert all(s >= n and s % 64 == 0 and (s - n < 64 or s < 1.25 * n) for n, s in enumerate(sizes, 1))
+    assert len(set(sizes)) == 28  # compiled encoders for images up to 16384 patches (power of two: 9)

@@ -27,9 +27,9 @@ from jaxfill.models.vision.rows import ImageRows, VisionRows
 
 def patch_bucket(n: int) -> int:
     """Rows an image of n patches is padded to: n rounded up to an eighth of the next power
-    of two (at least 64), i.e. 4 sizes per octave (640, 768, 896, 1024, 1280, ...), so images
-    of any size share a few compiled encoders and waste at most a quarter of their rows (7056
-    patches: 7168, not 8192). The padding is segment -1 (models/vision/attention.py: it sees
+    of two and to 64 (64, 128, ..., 512, 640, 768, 896, 1024, 1280, ...: 28 programs up to
+    16384 patches, 9 with powers of two), so images of any size share a few compiled encoders
+    and pad under 64 rows or a quarter (7056 patches: 7168, not 8192). The padding is segment -1 (models/vision/attention.py: it sees
     nothing and no row sees it, its key blocks are skipped) and its merged rows are dropped,
     so the image's rows are exactly the unpadded ones."""
     step = max(64, (1 << (n - 1).bit_length()) // 8)
