@@ -54,7 +54,7 @@ def main() -> None:
         outs = {}
         for r in range(args.repeats + 1):  # the first round compiles
             img = rng.integers(0, 256, (side, side, 3), np.uint8)
-            _, images = tower.expand([1], [img])
+            _, images = tower.expand([tower.image_token_id], [img])
             span = images.spans[0]
             assert bucket(span.pixels.shape[0]) != variants["dense"][1](span.pixels.shape[0]), "same rows: one program"
             for name, (attn, buck) in (variants.items() if r % 2 else reversed(variants.items())):

@@ -4,10 +4,9 @@ rows (segment -1) and a row count that is not a multiple of the block."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import jax.numpy as jnp
 
 from jaxfill.models.vision.attention import segment_attention
 
