@@ -1,8 +1,8 @@
 """The vision side of an engine: the encoder, its per-image output cache, and each step's
 VisionRows (models/vision/rows.py).
 
-The encoder runs outside the step, once per image (padded to a power-of-two patch count,
-so a few compiled shapes serve every image size): a prompt's image may be split across
+The encoder runs outside the step, once per image (padded to one of 4 patch counts per
+octave, so a few compiled shapes serve every image size): a prompt's image may be split across
 prefill chunks (or recomputed after preemption), and its rows then read the cached output
 by their offset in the image. Entries are keyed by the image's digest (ImageSpan.key), so a
 second prompt with the same image is a hit; `hits` / `misses` count them (Engine.stats).
@@ -26,10 +26,14 @@ from jaxfill.models.vision.rows import ImageRows, VisionRows
 
 
 def patch_bucket(n: int) -> int:
-    """Rows an image of n patches is padded to: a power of two (at least 64), so images of
-    any size share a few compiled encoders; the padding is its own attention segment and
-    its merged rows are dropped, so the image's rows are exactly the unpadded ones."""
-    return max(64, 1 << (n - 1).bit_length())
+    """Rows an image of n patches is padded to: n rounded up to an eighth of the next power
+    of two and to 64 (64, 128, ..., 512, 640, 768, 896, 1024, 1280, ...: 28 programs up to
+    16384 patches, 9 with powers of two), so images of any size share a few compiled encoders
+    and pad under 64 rows or a quarter (7056 patches: 7168, not 8192). The padding is segment -1 (models/vision/attention.py: it sees
+    nothing and no row sees it, its key blocks are skipped) and its merged rows are dropped,
+    so the image's rows are exactly the unpadded ones."""
+    step = max(64, (1 << (n - 1).bit_length()) // 8)
+    return -(-n // step) * step
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -67,7 +71,7 @@ class VisionTower:
         tokens, deep = _encode(self.graphdef, self.state, jnp.asarray(np.pad(span.pixels, pad + ((0, 0),))),
                                np.pad(lay.rows_cols, pad + ((0, 0),)), np.pad(lay.taps, pad + ((0, 0),)),
                                np.pad(lay.tap_weights, pad + ((0, 0),)),
-                               np.pad(lay.segments, pad, constant_values=-1))  # padding attends to itself only
+                               np.pad(lay.segments, pad, constant_values=-1))  # padding: no attention
         m = n // self.cfg.merge_unit
         return np.asarray(tokens[:m], np.float32), np.asarray(deep[:, :m], np.float32)
 

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxfill.models.vision.attention import segment_attention
 from jaxfill.models.vision.qwen3_vl import ACT, _w, _zeros, rotate_half
 
 
@@ -149,10 +150,10 @@ class Layer(nnx.Module):
         v = rms(self.v(x).reshape(n, cfg.num_kv_heads, cfg.head_dim), cfg.rms_norm_eps).astype(x.dtype)
         group = cfg.num_heads // cfg.num_kv_heads
         k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
-        scores = jnp.einsum("qhd,khd->hqk", q, k).astype(jnp.float32)  # softmax scale 1 (q/k are normed)
-        scores = jnp.where(valid[None, None, :], scores, -jnp.inf)
-        probs = jax.nn.softmax(scores, -1).astype(v.dtype)
-        return self.o(jnp.einsum("hqk,khd->qhd", probs, v).reshape(n, -1))
+        # softmax scale 1 (q/k are normed); a padding query sees nothing here (transformers lets it see the
+        # valid keys), which changes only padding rows, and the pooler drops them
+        attn = segment_attention(q, k, v, jnp.where(valid, 0, -1).astype(jnp.int32), 1.0)
+        return self.o(attn.reshape(n, -1))
 
     def __call__(self, x, cos, sin, valid):  # [N, E] -> [N, E]
         x = x + self.norms[1](self.attend(self.norms[0](x), cos, sin, valid))

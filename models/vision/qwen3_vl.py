@@ -14,6 +14,7 @@ import numpy as np
 from flax import nnx
 
 from jaxfill.models.layers import next_key
+from jaxfill.models.vision.attention import segment_attention
 from jaxfill.models.vision.config import VisionConfig
 
 EPS = 1e-6  # every LayerNorm in the tower
@@ -76,17 +77,14 @@ class Block(nnx.Module):
         self.fc1, self.fc2 = Linear(rngs, e, cfg.intermediate_size, d), Linear(rngs, cfg.intermediate_size, e, d)
         self.heads, self.act = cfg.num_heads, cfg.hidden_act
 
-    def __call__(self, x, cos, sin, same_image):  # x [N, E]; cos, sin [N, D]; same_image [N, N] bool
+    def __call__(self, x, cos, sin, segments):  # x [N, E]; cos, sin [N, D]; segments [N] int32 (< 0: padding)
         n, e = x.shape
         qkv = self.qkv(self.norm1(x)).reshape(n, 3, self.heads, e // self.heads)
         q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]  # [N, H, D]
         c, s = cos[:, None].astype(jnp.float32), sin[:, None].astype(jnp.float32)
         q = (q.astype(jnp.float32) * c + rotate_half(q.astype(jnp.float32)) * s).astype(x.dtype)
         k = (k.astype(jnp.float32) * c + rotate_half(k.astype(jnp.float32)) * s).astype(x.dtype)
-        scores = jnp.einsum("qhd,khd->hqk", q, k) * (e // self.heads) ** -0.5
-        scores = jnp.where(same_image[None], scores.astype(jnp.float32), -jnp.inf)
-        probs = jax.nn.softmax(scores, -1).astype(v.dtype)
-        attn = jnp.einsum("hqk,khd->qhd", probs, v).reshape(n, e)
+        attn = segment_attention(q, k, v, segments, (e // self.heads) ** -0.5).reshape(n, e)
         x = x + self.proj(attn)
         return x + self.fc2(ACT[self.act](self.fc1(self.norm2(x))))
 
@@ -121,7 +119,7 @@ class VisionEncoder(nnx.Module):
                  rows_cols: jax.Array,  # [N, 2] int32
                  taps: jax.Array,  # [N, 4] int32
                  tap_weights: jax.Array,  # [N, 4] f32
-                 segments: jax.Array,  # [N] int32
+                 segments: jax.Array,  # [N] int32: each row's image (frame); < 0: padding
                  ) -> tuple[jax.Array, jax.Array]:
         """(tokens [N/m^2, out], deepstack [L, N/m^2, out]): the image tokens in prompt
         order and, per DeepStack layer, what the decoder adds to them after its layer l."""
@@ -130,10 +128,9 @@ class VisionEncoder(nnx.Module):
         pos = (self.pos_table[...][taps] * tap_weights[:, :, None].astype(cfg.dtype)).sum(1)
         x = x + pos
         cos, sin = vision_rope(rows_cols, cfg.head_dim, cfg.rope_theta)
-        same_image = segments[:, None] == segments[None, :]
         stacked = []
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, same_image)
+            x = block(x, cos, sin, segments)
             if i in cfg.deepstack_visual_indexes:
                 stacked.append(self.deepstack[cfg.deepstack_visual_indexes.index(i)](x))
         tokens = self.merger(x)

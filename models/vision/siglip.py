@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxfill.models.vision.attention import segment_attention
 from jaxfill.models.vision.qwen3_vl import ACT, Linear, _w, _zeros
 
 
@@ -89,9 +90,8 @@ class Layer(nnx.Module):
         n, e = x.shape
         h = self.norm1(x)
         q, k, v = (f(h).reshape(n, self.heads, e // self.heads) for f in (self.q, self.k, self.v))
-        scores = jnp.einsum("qhd,khd->hqk", q, k).astype(jnp.float32) * (e // self.heads) ** -0.5
-        probs = jax.nn.softmax(scores, -1).astype(v.dtype)
-        x = x + self.o(jnp.einsum("hqk,khd->qhd", probs, v).reshape(n, e))
+        attn = segment_attention(q, k, v, jnp.zeros((n,), jnp.int32), (e // self.heads) ** -0.5)
+        x = x + self.o(attn.reshape(n, e))
         return x + self.fc2(ACT[self.act](self.fc1(self.norm2(x))))
 
 
