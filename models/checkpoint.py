@@ -74,11 +74,12 @@ def hf_to_param(config: ModelConfig) -> dict[str, HFTensor | tuple[HFTensor, ...
     """HF tensor name -> where it goes (a tuple of parts for a fused tensor): the family's table,
     and the multi-token-prediction layer's when the engine runs it (models/mtp.py)."""
     from jaxfill.models.families.mtp_tensors import mtp_tensors
+    from jaxfill.models.families.qwen_mtp_tensors import qwen_mtp_tensors
 
     family = family_of(config.architecture)
     table = family.tensors(config)
-    if config.run_mtp:
-        table.update(mtp_tensors(family, config))
+    if config.run_mtp:  # DeepSeek's layout, or Qwen3.5's mtp.* names (family.mtp_naming)
+        table.update((qwen_mtp_tensors if getattr(family, "mtp_naming", None) == "qwen" else mtp_tensors)(family, config))
     return table
 
 

@@ -20,12 +20,7 @@ def mtp_prefix(config) -> str:
 
 
 def mtp_tensors(family, config) -> dict:
-    """HF name -> HFTensor for the MTP layer, its decoder layer's params under ("mtp", "layer");
-    Qwen3.5 / Qwen3-Next name theirs otherwise (models/families/qwen_mtp_tensors.py)."""
-    if getattr(family, "mtp_naming", None) == "qwen":
-        from jaxfill.models.families.qwen_mtp_tensors import qwen_mtp_tensors
-
-        return qwen_mtp_tensors(family, config)
+    """HF name -> HFTensor for the MTP layer, its decoder layer's params under ("mtp", "layer")."""
     c, p, e = config, mtp_prefix(config), config.hidden_size
     table = {}
     for name, spec in family.layer_tensors(c, p, ("layers", c.num_layers)).items():

@@ -23,14 +23,13 @@ from __future__ import annotations
 
 from jaxfill.models.config import ConfigError
 from jaxfill.models.families.base import HFTensor, same
+from jaxfill.models.families.mtp_tensors import moved
 
 PREFIX = "mtp."
 
 
 def qwen_mtp_tensors(family, config) -> dict:
     """HF name -> HFTensor for the MTP block, its decoder layer's params under ("mtp", "layer")."""
-    from jaxfill.models.families.mtp_tensors import moved
-
     c, e = config, config.hidden_size
     table = {name: moved(spec)
              for name, spec in family.layer_tensors(c, PREFIX + "layers.0.", ("layers", c.num_layers)).items()}
