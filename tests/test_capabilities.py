@@ -137,8 +137,6 @@ BREAKS = {
         ("model.weight_dtype=int_group", {"model.weight_dtype": "int_group", "model.weight_group_size": 32}),
         ("dsa", DSA),
     )},
-    ("speculative.method=mtp", "linear", "moe"): ({**MTP, **HYBRID, "model.architecture": "Qwen3_5MoeForCausalLM",
-                                                   "model.num_experts": 4, "model.experts_per_token": 2}, ()),
     **{("lora.max_loras", cond): ({"lora.max_loras": 2, **extra}, flags) for cond, extra, flags in (
         ("mla", MLA, ()),
         ("mesh.expert", {"model.architecture": "MixtralForCausalLM", "model.num_experts": 4,

@@ -223,10 +223,6 @@ RULES: tuple[Rule, ...] = (
          "model.weight_dtype = auto"),
         ("dsa", "the MTP layer of a sparse-attention model (its indexer) is not built", "a model without dsa"),
     )),
-    # a hybrid's MTP layer (Qwen3.5 mtp.*): through the engine for the dense one (tests/test_hybrid_mtp.py)
-    Rule(("speculative.method=mtp", "linear", "moe"), "speculative decoding with mtp: the MTP layer of a sparse "
-         "hybrid (Qwen3.5-MoE, Qwen3-Next) is tested at the model level only",
-         "speculative.method = ngram, suffix or none, or a dense hybrid (Qwen3.5)"),
     # multi-LoRA (engine/lora/, models/lora.py): per-row adapters on the unrolled layers' attention
     # q/k/v/o, gated-MLP and routed-expert projections of one replica; Llama, Qwen3 and Qwen3-MoE
     # (engine/lora/settings.py)
