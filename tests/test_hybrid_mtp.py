@@ -4,7 +4,8 @@ models/families/qwen_mtp_tensors.py) through the Engine: the MTP layer runs in e
 before it and replays the accepted rows (engine/scheduler/verification.py).
 
 Greedy output with mtp equals output without, token for token, with chunked prefill, async
-scheduling and state snapshots (prefix caching) on; the counters show proposals accepted and
+scheduling and state snapshots (prefix caching) on, and again in a second round that resumes
+from the snapshots; the counters show proposals accepted and
 rejected and replays after the rejections; every page and state slot comes back. The
 sparse ones (MoE MTP layers) run in the slow set. Random MTP
 weights almost never guess right, so the block is one that guesses its input token again
@@ -54,4 +55,10 @@ def test_greedy_with_mtp_equals_without(copying):
     st = eng.stats()
     assert 0 < st["spec_accepted_tokens"] < st["spec_proposed_tokens"]  # some accepted, some rejected
     assert st["spec_state_replays"] > 0  # rejections went back to the state before them
+    all_back(eng)
+    # a second round: prompts resume from state snapshots (prefix caching), whose MTP K/V
+    # pages were written by the first round, and still agree
+    hits = st["state_snapshot_hits"]
+    assert [o.token_ids for o in eng.generate(ps, GREEDY)] == want
+    assert eng.stats()["state_snapshot_hits"] > hits
     all_back(eng)
