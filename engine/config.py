@@ -179,7 +179,7 @@ class SpeculativeSettings:
     tokens (n from ngram_max down to ngram_min). suffix: suffix decoding
     (engine/speculative/suffix.py), the most frequent continuation of the newest tokens in
     the request and in recent requests' outputs, as long as it is likely enough. mtp: the
-    checkpoint's multi-token-prediction layer (DeepSeek-V3, GLM-4.5; models/mtp.py) guesses
+    checkpoint's multi-token-prediction layer (DeepSeek-V3, GLM-4.5, Qwen3.5; models/mtp.py) guesses
     the token after the next, one proposal per decode (engine/speculative/mtp_step.py)."""
 
     method: str = "none"  # "none" | "ngram" | "suffix" | "mtp"

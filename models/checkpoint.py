@@ -74,11 +74,12 @@ def hf_to_param(config: ModelConfig) -> dict[str, HFTensor | tuple[HFTensor, ...
     """HF tensor name -> where it goes (a tuple of parts for a fused tensor): the family's table,
     and the multi-token-prediction layer's when the engine runs it (models/mtp.py)."""
     from jaxfill.models.families.mtp_tensors import mtp_tensors
+    from jaxfill.models.families.qwen_mtp_tensors import qwen_mtp_tensors
 
     family = family_of(config.architecture)
     table = family.tensors(config)
-    if config.run_mtp:
-        table.update(mtp_tensors(family, config))
+    if config.run_mtp:  # DeepSeek's layout, or Qwen3.5's mtp.* names (family.mtp_naming)
+        table.update((qwen_mtp_tensors if getattr(family, "mtp_naming", None) == "qwen" else mtp_tensors)(family, config))
     return table
 
 
@@ -203,10 +204,11 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
                                           int_fmt[1])) for spec in tensor_parts(table.pop(base)))
     if table:
         missing = sorted(table)
-        if config.run_mtp and any(name.startswith(f"model.layers.{config.num_layers}.") for name in missing):
-            raise CheckpointError(f"checkpoint {model_dir} has no multi-token-prediction layer (model.layers."
-                                  f"{config.num_layers}.*, e.g. {missing[0]}) although its config.json says "
-                                  "num_nextn_predict_layers > 0 (an export that strips it): use "
+        mtp = (f"model.layers.{config.num_layers}.", "mtp.")  # DeepSeek's / Qwen3.5's names
+        if config.run_mtp and any(name.startswith(mtp) for name in missing):
+            raise CheckpointError(f"checkpoint {model_dir} has no multi-token-prediction layer (e.g. {missing[0]}) "
+                                  "although its config.json says num_nextn_predict_layers (or "
+                                  "mtp_num_hidden_layers) > 0 (an export that strips it): use "
                                   "speculative.method = ngram, suffix or none")
         raise CheckpointError(f"checkpoint {model_dir} is missing {len(missing)} tensors, e.g. {missing[:3]}")
     target = np.dtype(config.jnp_dtype)

@@ -1,5 +1,7 @@
 """The multi-token-prediction (MTP) layer of DeepSeek-V3 / GLM-4.5 checkpoints, run as a
-speculative proposer (engine/speculative/mtp.py, speculative.method = "mtp").
+speculative proposer (engine/speculative/mtp.py, speculative.method = "mtp"). Qwen3.5,
+Qwen3.5-MoE and Qwen3-Next store the same block under `mtp.*` names
+(models/families/qwen_mtp_tensors.py): this module runs both.
 
 For position t, from the target's hidden state h_t and the next token x_{t+1}:
 

@@ -57,18 +57,24 @@ class TorchMTP(torch.nn.Module):
         p = f"model.layers.{num_layers}."
         out = {p + "enorm.weight": self.enorm.weight, p + "hnorm.weight": self.hnorm.weight,
                p + "eh_proj.weight": self.eh_proj.weight, p + "shared_head.norm.weight": self.norm.weight}
-        for k, v in self.layer.state_dict().items():
-            if k.endswith("experts.gate_up_proj"):  # fused [X, 2I, E] -> per expert, as save_pretrained writes
-                for x, gate_up in enumerate(v):
-                    gate, up = gate_up.chunk(2, dim=0)
-                    out[p + k.replace("gate_up_proj", f"{x}.gate_proj.weight")] = gate
-                    out[p + k.replace("gate_up_proj", f"{x}.up_proj.weight")] = up
-            elif k.endswith("experts.down_proj"):
-                for x, down in enumerate(v):
-                    out[p + k.replace("down_proj", f"{x}.down_proj.weight")] = down
-            else:
-                out[p + k] = v
-        return {k: v.detach().clone().contiguous() for k, v in out.items()}
+        return {**{k: v.detach().clone().contiguous() for k, v in out.items()}, **layer_tensors(self.layer, p)}
+
+
+def layer_tensors(layer, p: str) -> dict:
+    """A torch decoder layer's tensors named under prefix `p`, experts one by one."""
+    out = {}
+    for k, v in layer.state_dict().items():
+        if k.endswith("experts.gate_up_proj"):  # fused [X, 2I, E] -> per expert, as save_pretrained writes
+            for x, gate_up in enumerate(v):
+                gate, up = gate_up.chunk(2, dim=0)
+                out[p + k.replace("gate_up_proj", f"{x}.gate_proj.weight")] = gate
+                out[p + k.replace("gate_up_proj", f"{x}.up_proj.weight")] = up
+        elif k.endswith("experts.down_proj"):
+            for x, down in enumerate(v):
+                out[p + k.replace("down_proj", f"{x}.down_proj.weight")] = down
+        else:
+            out[p + k] = v
+    return {k: v.detach().clone().contiguous() for k, v in out.items()}
 
 
 def randomise(module, seed: int) -> None:

@@ -134,7 +134,6 @@ BREAKS = {
         ("model.weight_dtype=fp8_block", {"model.weight_dtype": "fp8_block", "model.weight_block_size": [16, 16]}),
         ("model.weight_dtype=int_group", {"model.weight_dtype": "int_group", "model.weight_group_size": 32}),
         ("dsa", DSA),
-        ("linear", HYBRID),
     )},
     **{("lora.max_loras", cond): ({"lora.max_loras": 2, **extra}, flags) for cond, extra, flags in (
         ("mla", MLA, ()),

@@ -219,7 +219,6 @@ RULES: tuple[Rule, ...] = (
         ("model.weight_dtype=int_group", "the MTP layer's packed projections are not read",
          "model.weight_dtype = auto"),
         ("dsa", "the MTP layer of a sparse-attention model (its indexer) is not built", "a model without dsa"),
-        ("linear", "a hybrid's MTP layer (Qwen3.5 / Qwen3-Next mtp.*) is not loaded", "a model without linear layers"),
     )),
     # multi-LoRA (engine/lora/, models/lora.py): per-row adapters on the unrolled layers' attention
     # q/k/v/o, gated-MLP and routed-expert projections of one replica; Llama, Qwen3 and Qwen3-MoE

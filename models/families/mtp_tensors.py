@@ -24,7 +24,7 @@ def mtp_tensors(family, config) -> dict:
     c, p, e = config, mtp_prefix(config), config.hidden_size
     table = {}
     for name, spec in family.layer_tensors(c, p, ("layers", c.num_layers)).items():
-        table[name] = _moved(spec)
+        table[name] = moved(spec)
     table.update({
         p + "enorm.weight": same(("mtp", "enorm", "weight"), (e,)),
         p + "hnorm.weight": same(("mtp", "hnorm", "weight"), (e,)),
@@ -45,8 +45,8 @@ def skipped_mtp_prefixes(config, layers: int) -> tuple[str, ...]:
     return tuple(mtp_prefix(config) + s for s in SHARED_COPIES) + later
 
 
-def _moved(spec):
+def moved(spec):
     """A layer's HFTensor (or fused parts) re-rooted from ("layers", L, ...) to ("mtp", "layer", ...)."""
     if isinstance(spec, HFTensor):
         return spec._replace(param_path=("mtp", "layer") + tuple(spec.param_path[2:]))
-    return tuple(_moved(s) for s in spec)
+    return tuple(moved(s) for s in spec)

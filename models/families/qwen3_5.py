@@ -19,11 +19,13 @@ class Qwen3_5(Family):
     architectures = ("Qwen3_5ForCausalLM",)
     honoured = frozenset({"hidden_act", "layer_types", "linear_conv_kernel_dim", "linear_key_head_dim",
                           "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
-                          "partial_rotary_factor", "full_attention_interval"})
+                          "partial_rotary_factor", "full_attention_interval", "mtp_num_hidden_layers",
+                          "num_nextn_predict_layers", "mtp_use_dedicated_embeddings"})
     fixed = {"attention_bias": False, "attn_output_gate": True, "mamba_ssm_dtype": "float32"}
-    # multi-token-prediction layers (`mtp.*`) serve speculative decoding, not the forward
-    inert = frozenset({"mtp_num_hidden_layers", "mtp_use_dedicated_embeddings"})
+    # multi-token-prediction layers (`mtp.*`): read into mtp_layers, loaded only as the
+    # proposer of speculative.method = "mtp" (models/families/qwen_mtp_tensors.py)
     ignored_prefixes = ("mtp.",)
+    mtp_naming = "qwen"  # mtp.fc, mtp.layers.0.*, ... (not DeepSeek's model.layers.{L}.*)
     partial_rotary = True
     mixers = ("attention", "gated_deltanet")
     tested = ("HF f32 logits and greedy tokens (model level: prefill in chunks carrying the state, then "
@@ -45,7 +47,15 @@ class Qwen3_5(Family):
                     linear_num_key_heads=hf["linear_num_key_heads"],
                     linear_num_value_heads=hf["linear_num_value_heads"],
                     linear_key_head_dim=hf["linear_key_head_dim"], linear_value_head_dim=hf["linear_value_head_dim"],
-                    linear_conv_kernel=hf.get("linear_conv_kernel_dim", 4))
+                    linear_conv_kernel=hf.get("linear_conv_kernel_dim", 4),
+                    mtp_layers=int(hf.get("mtp_num_hidden_layers") or hf.get("num_nextn_predict_layers") or 0))
+
+    def skipped_prefixes(self, config, hf):
+        """The MTP layers (`mtp.*`) are skipped unless the engine runs the first as a proposer
+        (models/families/qwen_mtp_tensors.py)."""
+        from jaxfill.models.families.qwen_mtp_tensors import skipped_qwen_mtp_prefixes
+
+        return skipped_qwen_mtp_prefixes(self.ignored_prefixes, config, hf)
 
     def model_defaults(self, hidden_size):
         return dict(qk_norm="head", norm_kind="rms_one_plus", attn_output_gate=True, linear_num_key_heads=2,
