@@ -34,7 +34,24 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from jaxfill.engine.engine import Engine  # noqa: E402
 from jaxfill.serving.bench_load import BenchRequest, GrpcSender, InProcessSender  # noqa: E402
+from jaxfill.serving.engine_loop import EngineLoop  # noqa: E402
 from jaxfill.serving.server import ServerThread  # noqa: E402
+
+POSTER_POST = EngineLoop._post
+
+
+def _post_direct(self, items, stats=None):
+    """The engine thread's post before serving/poster.py: it wakes the loop itself."""
+    kv_events = self.kv_events.take()
+    if items or stats is not None or kv_events:
+        try:
+            self._loop.call_soon_threadsafe(self._dispatch, items, stats, kv_events)
+        except RuntimeError:
+            pass
+
+
+def _variant(name: str) -> None:
+    EngineLoop._post = _post_direct if name == "direct" else POSTER_POST
 
 
 def _requests(n: int, tokens: int, prompt_len: int, vocab: int, seed: int) -> list[BenchRequest]:
@@ -43,24 +60,45 @@ def _requests(n: int, tokens: int, prompt_len: int, vocab: int, seed: int) -> li
 
 
 async def _round(send, reqs) -> dict:
-    start = time.monotonic()
+    start, cpu0 = time.monotonic(), _cpu()
     results = await asyncio.gather(*[send(r) for r in reqs])
-    wall = time.monotonic() - start
+    wall, cpu = time.monotonic() - start, _cpu() - cpu0
     bad = [r.error for r in results if not r.success]
     if bad:
         raise RuntimeError(f"failed requests: {bad[:3]}")
     tokens = reqs[0].output_len
     itl = sorted(x for r in results for x in r.itl)
-    return {"wall_s": wall, "step_ms": 1e3 * wall / tokens, "median_itl_ms": 1e3 * itl[len(itl) // 2]}
+    return {"wall_s": wall, "step_ms": 1e3 * wall / tokens, "cpu_ms": 1e3 * cpu / tokens,
+            "median_itl_ms": 1e3 * itl[len(itl) // 2]}
 
 
-async def _inprocess(engine, reqs) -> dict:
+def _cpu() -> float:
+    """CPU seconds of this whole process (every thread: engine, event loops, gRPC, XLA)."""
+    t = os.times()
+    return t.user + t.system
+
+
+async def _inprocess(engine, reqs, profile: str | None = None) -> tuple[dict, str]:
     sender = InProcessSender(engine)
     await sender.start()
+    prof = cProfile.Profile()
     try:
-        return await _round(sender, reqs)
+        if profile == "engine":
+            sender.loop.call_on_engine(prof.enable)
+        out = await _round(sender, reqs)
+        if profile == "engine":
+            done = threading.Event()
+            sender.loop.call_on_engine(lambda: (prof.disable(), done.set()))
+            done.wait(10)
     finally:
         await sender.close()
+    return out, _stats_text(prof) if profile == "engine" else ""
+
+
+def _stats_text(prof) -> str:
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+    return buf.getvalue()
 
 
 async def _grpc(engine, reqs, profile: str | None = None) -> tuple[dict, str]:
@@ -88,12 +126,7 @@ async def _grpc(engine, reqs, profile: str | None = None) -> tuple[dict, str]:
         await sender.close()
     finally:
         st.stop(5)
-    text = ""
-    if profile:
-        buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(35)
-        text = buf.getvalue()
-    return out, text
+    return out, _stats_text(prof) if profile else ""
 
 
 async def main(args) -> dict:
@@ -104,23 +137,36 @@ async def main(args) -> dict:
     for n in args.streams:
         reqs = _requests(n, args.tokens, args.prompt_len, vocab, 0)
         await _inprocess(engine, reqs[:2])  # every bucket and path touched once
-        rows = []
+        for variant in args.variants:
+            rows = []
+            out["by_streams"].setdefault(str(n), {})[variant] = {"rounds": rows}
         for r in range(args.rounds):
             reqs = _requests(n, args.tokens, args.prompt_len, vocab, r + 1)
-            ip = await _inprocess(engine, reqs)
-            g, _ = await _grpc(engine, reqs)
-            row = {"inprocess_step_ms": ip["step_ms"], "grpc_step_ms": g["step_ms"],
-                   "ratio": g["step_ms"] / ip["step_ms"], "load": os.getloadavg()[0]}
-            rows.append(row)
-            print(f"streams {n} round {r}: in-process {ip['step_ms']:.2f} ms/step, gRPC {g['step_ms']:.2f} "
-                  f"ms/step, ratio {row['ratio']:.2f}, load {row['load']:.1f}", flush=True)
-        med = {k: statistics.median(x[k] for x in rows) for k in ("inprocess_step_ms", "grpc_step_ms", "ratio")}
-        print(f"streams {n}: median in-process {med['inprocess_step_ms']:.2f}, gRPC {med['grpc_step_ms']:.2f}, "
-              f"paired ratio {med['ratio']:.3f}", flush=True)
-        out["by_streams"][str(n)] = {"rounds": rows, "median": med}
+            for variant in args.variants:
+                _variant(variant)
+                ip, _ = await _inprocess(engine, reqs)
+                g, _ = await _grpc(engine, reqs)
+                row = {"inprocess_step_ms": ip["step_ms"], "grpc_step_ms": g["step_ms"],
+                       "ratio": g["step_ms"] / ip["step_ms"],
+                       "inprocess_cpu_ms": ip["cpu_ms"], "grpc_cpu_ms": g["cpu_ms"], "inprocess_itl_ms": ip["median_itl_ms"],
+                       "grpc_itl_ms": g["median_itl_ms"], "load": os.getloadavg()[0]}
+                out["by_streams"][str(n)][variant]["rounds"].append(row)
+                print(f"streams {n} round {r} post={variant}: in-process {ip['step_ms']:.2f} ms/step, gRPC "
+                      f"{g['step_ms']:.2f} ms/step, ratio {row['ratio']:.2f}; CPU ms/step {ip['cpu_ms']:.2f} vs "
+                      f"{g['cpu_ms']:.2f}; load {row['load']:.1f}", flush=True)
+        _variant("poster")
+        for variant in args.variants:
+            d = out["by_streams"][str(n)][variant]
+            d["median"] = med = {k: statistics.median(x[k] for x in d["rounds"]) for k in d["rounds"][0]}
+            print(f"streams {n} post={variant}: median in-process {med['inprocess_step_ms']:.2f}, gRPC "
+                  f"{med['grpc_step_ms']:.2f} ms/step, paired ratio {med['ratio']:.3f}; CPU ms/step "
+                  f"{med['inprocess_cpu_ms']:.2f} vs {med['grpc_cpu_ms']:.2f}", flush=True)
         if args.profile:
             _, text = await _grpc(engine, _requests(n, args.tokens, args.prompt_len, vocab, 99), args.profile)
-            print(f"--- cProfile, {args.profile} thread, {n} streams ---\n{text}", flush=True)
+            print(f"--- cProfile, {args.profile} thread, gRPC, {n} streams ---\n{text}", flush=True)
+            if args.profile == "engine":
+                _, text = await _inprocess(engine, _requests(n, args.tokens, args.prompt_len, vocab, 98), "engine")
+                print(f"--- cProfile, engine thread, in-process, {n} streams ---\n{text}", flush=True)
     out["load_after"] = os.getloadavg()
     engine.close()
     return out
@@ -134,6 +180,9 @@ if __name__ == "__main__":
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--variants", nargs="+", choices=["direct", "poster"], default=["direct", "poster"],
+                   help="how the engine thread posts a step: direct = it wakes the loop itself (before "
+                        "serving/poster.py), poster = through the Poster; alternated within each round")
     p.add_argument("--profile", choices=["loop", "engine"], default=None)
     p.add_argument("--out", default=None)
     a = p.parse_args()

@@ -119,10 +119,7 @@ class EngineThread:
     def _post(self, items: list, stats: dict | None = None) -> None:
         kv_events = self.kv_events.take()
         if items or stats is not None or kv_events:
-            try:
-                self._loop.call_soon_threadsafe(self._dispatch, items, stats, kv_events)
-            except RuntimeError:  # event loop closed: shutting down
-                pass
+            self._poster.post(items, stats, kv_events)  # -> _dispatch on the event loop, in order
 
     def _drain_inbox(self) -> list:
         """Applies the queued messages in order, then hands the engine what it takes."""
