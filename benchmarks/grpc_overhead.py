@@ -34,25 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from jaxfill.engine.engine import Engine  # noqa: E402
 from jaxfill.serving.bench_load import BenchRequest, GrpcSender, InProcessSender  # noqa: E402
-from jaxfill.serving.engine_loop import EngineLoop  # noqa: E402
 from jaxfill.serving.server import ServerThread  # noqa: E402
-
-POSTER_POST = EngineLoop._post
-
-
-def _post_direct(self, items, stats=None):
-    """The engine thread's post before serving/poster.py: it wakes the loop itself."""
-    kv_events = self.kv_events.take()
-    if items or stats is not None or kv_events:
-        try:
-            self._loop.call_soon_threadsafe(self._dispatch, items, stats, kv_events)
-        except RuntimeError:
-            pass
-
-
-def _variant(name: str) -> None:
-    EngineLoop._post = _post_direct if name == "direct" else POSTER_POST
-
 
 def _requests(n: int, tokens: int, prompt_len: int, vocab: int, seed: int) -> list[BenchRequest]:
     hi = min(vocab, 256)
@@ -137,30 +119,23 @@ async def main(args) -> dict:
     for n in args.streams:
         reqs = _requests(n, args.tokens, args.prompt_len, vocab, 0)
         await _inprocess(engine, reqs[:2])  # every bucket and path touched once
-        for variant in args.variants:
-            rows = []
-            out["by_streams"].setdefault(str(n), {})[variant] = {"rounds": rows}
+        rows = []
         for r in range(args.rounds):
             reqs = _requests(n, args.tokens, args.prompt_len, vocab, r + 1)
-            for variant in args.variants:
-                _variant(variant)
-                ip, _ = await _inprocess(engine, reqs)
-                g, _ = await _grpc(engine, reqs)
-                row = {"inprocess_step_ms": ip["step_ms"], "grpc_step_ms": g["step_ms"],
-                       "ratio": g["step_ms"] / ip["step_ms"],
-                       "inprocess_cpu_ms": ip["cpu_ms"], "grpc_cpu_ms": g["cpu_ms"], "inprocess_itl_ms": ip["median_itl_ms"],
-                       "grpc_itl_ms": g["median_itl_ms"], "load": os.getloadavg()[0]}
-                out["by_streams"][str(n)][variant]["rounds"].append(row)
-                print(f"streams {n} round {r} post={variant}: in-process {ip['step_ms']:.2f} ms/step, gRPC "
-                      f"{g['step_ms']:.2f} ms/step, ratio {row['ratio']:.2f}; CPU ms/step {ip['cpu_ms']:.2f} vs "
-                      f"{g['cpu_ms']:.2f}; load {row['load']:.1f}", flush=True)
-        _variant("poster")
-        for variant in args.variants:
-            d = out["by_streams"][str(n)][variant]
-            d["median"] = med = {k: statistics.median(x[k] for x in d["rounds"]) for k in d["rounds"][0]}
-            print(f"streams {n} post={variant}: median in-process {med['inprocess_step_ms']:.2f}, gRPC "
-                  f"{med['grpc_step_ms']:.2f} ms/step, paired ratio {med['ratio']:.3f}; CPU ms/step "
-                  f"{med['inprocess_cpu_ms']:.2f} vs {med['grpc_cpu_ms']:.2f}", flush=True)
+            ip, _ = await _inprocess(engine, reqs)
+            g, _ = await _grpc(engine, reqs)
+            row = {"inprocess_step_ms": ip["step_ms"], "grpc_step_ms": g["step_ms"], "ratio": g["step_ms"] / ip["step_ms"],
+                   "inprocess_cpu_ms": ip["cpu_ms"], "grpc_cpu_ms": g["cpu_ms"], "inprocess_itl_ms": ip["median_itl_ms"],
+                   "grpc_itl_ms": g["median_itl_ms"], "load": os.getloadavg()[0]}
+            rows.append(row)
+            print(f"streams {n} round {r}: in-process {ip['step_ms']:.2f} ms/step, gRPC {g['step_ms']:.2f} ms/step, "
+                  f"ratio {row['ratio']:.2f}; CPU ms/step {ip['cpu_ms']:.2f} vs {g['cpu_ms']:.2f}; "
+                  f"load {row['load']:.1f}", flush=True)
+        med = {k: statistics.median(x[k] for x in rows) for k in rows[0]}
+        print(f"streams {n}: median in-process {med['inprocess_step_ms']:.2f}, gRPC {med['grpc_step_ms']:.2f} ms/step, "
+              f"paired ratio {med['ratio']:.3f}; CPU ms/step {med['inprocess_cpu_ms']:.2f} vs "
+              f"{med['grpc_cpu_ms']:.2f}", flush=True)
+        out["by_streams"][str(n)] = {"rounds": rows, "median": med}
         if args.profile:
             _, text = await _grpc(engine, _requests(n, args.tokens, args.prompt_len, vocab, 99), args.profile)
             print(f"--- cProfile, {args.profile} thread, gRPC, {n} streams ---\n{text}", flush=True)
@@ -180,9 +155,6 @@ if __name__ == "__main__":
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--variants", nargs="+", choices=["direct", "poster"], default=["direct", "poster"],
-                   help="how the engine thread posts a step: direct = it wakes the loop itself (before "
-                        "serving/poster.py), poster = through the Poster; alternated within each round")
     p.add_argument("--profile", choices=["loop", "engine"], default=None)
     p.add_argument("--out", default=None)
     a = p.parse_args()

@@ -4,9 +4,8 @@ The Engine is not thread-safe and a step can take a while (a long prefill chunk)
 no gRPC handler ever calls it. Handlers `submit()` and `abort()`: both append to an
 inbox the engine thread drains before every step, in order (an abort queued behind its
 own add still finds the request). After each step the thread hands the whole batch of
-outputs to the event loop through a Poster (serving/poster.py: the loop is woken by a
-helper thread, so the engine thread never yields the GIL to do it), and `_dispatch` fans
-them out to the per-request asyncio queues. A cancelled stream's abort is applied before the next step
+outputs to the event loop with one `call_soon_threadsafe`, which fans them out to the
+per-request asyncio queues. A cancelled stream's abort is applied before the next step
 runs, so its pages are free within one step.
 
 Admission: `submit()` admits while fewer than max_num_seqs x data replicas (the batch
@@ -49,7 +48,6 @@ from jaxfill.engine.request import InvalidRequest, PoolingParams, QueueFull, Sam
 from jaxfill.serving.engine_thread import (DRAINING, FAILED, SERVING, STOPPED, WARMING, Abort, Add, Call,  # noqa: F401
                                            EngineThread, StopAt)
 from jaxfill.serving.kv_events import KVEventBus
-from jaxfill.serving.poster import Poster
 from jaxfill.serving.text_stage import TextStage
 
 
@@ -84,7 +82,6 @@ class EngineLoop(EngineThread):
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._poster: Poster | None = None  # engine thread -> _dispatch on the loop (serving/poster.py)
         self._streams: dict[str, RequestStream] = {}  # event-loop side only: admitted, not yet ended
         self._in_engine: dict[str, RequestStream] = {}  # engine-thread side only
         self._backlog: collections.deque = collections.deque()  # engine thread: adds the engine refused (full)
@@ -108,7 +105,6 @@ class EngineLoop(EngineThread):
         if on_ready:
             self._ready_callbacks.append(on_ready)
         self._thread = threading.Thread(target=self._run, args=(warmup,), name="jaxfill-engine", daemon=True)
-        self._poster = Poster(loop, self._dispatch)
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -116,8 +112,6 @@ class EngineLoop(EngineThread):
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
-        if self._poster is not None:
-            self._poster.close(timeout)
         if self.state != FAILED:
             self.state = STOPPED
 

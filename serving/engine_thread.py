@@ -119,7 +119,10 @@ class EngineThread:
     def _post(self, items: list, stats: dict | None = None) -> None:
         kv_events = self.kv_events.take()
         if items or stats is not None or kv_events:
-            self._poster.post(items, stats, kv_events)  # -> _dispatch on the event loop, in order
+            try:
+                self._loop.call_soon_threadsafe(self._dispatch, items, stats, kv_events)
+            except RuntimeError:  # event loop closed: shutting down
+                pass
 
     def _drain_inbox(self) -> list:
         """Applies the queued messages in order, then hands the engine what it takes."""

@@ -1,7 +1,7 @@
 """Prefix-cache events from the engine thread to gRPC subscribers, numbered in batches.
 
 The block managers' listener (engine/block_manager.py) only records on the engine thread;
-the recorded events ride the same post (serving/poster.py) as the step's outputs and are
+the recorded events ride the same `call_soon_threadsafe` as the step's outputs and are
 published here, on the event loop, as batches
 `(sequence, wall time, replica, events, first event id)`, one per replica per step, so a
 slow subscriber never holds up a step. The last KV_HISTORY_BATCHES are kept for a
