@@ -41,17 +41,32 @@ def _requests(n: int, tokens: int, prompt_len: int, vocab: int, seed: int) -> li
     return [BenchRequest([(seed * 131 + i * 7 + j) % hi for j in range(prompt_len)], tokens) for i in range(n)]
 
 
-async def _round(send, reqs) -> dict:
+def _thread_cpu(engine_loop, server_thread) -> dict:
+    """CPU seconds so far of the engine thread, the server's event loop thread (gRPC) and
+    this thread (the client, or in-process the loop that dispatches and consumes)."""
+    got, done = {}, threading.Event()
+    engine_loop.call_on_engine(lambda: (got.setdefault("engine", time.thread_time()), done.set()))
+    done.wait(30)
+    if server_thread is not None:
+        got["server_loop"] = server_thread.call(time.thread_time)
+    got["client" if server_thread is not None else "loop"] = time.thread_time()
+    return got
+
+
+async def _round(send, reqs, engine_loop=None, server_thread=None) -> dict:
+    t0 = _thread_cpu(engine_loop, server_thread) if engine_loop is not None else {}
     start, cpu0 = time.monotonic(), _cpu()
     results = await asyncio.gather(*[send(r) for r in reqs])
     wall, cpu = time.monotonic() - start, _cpu() - cpu0
+    t1 = _thread_cpu(engine_loop, server_thread) if engine_loop is not None else {}
     bad = [r.error for r in results if not r.success]
     if bad:
         raise RuntimeError(f"failed requests: {bad[:3]}")
     tokens = reqs[0].output_len
     itl = sorted(x for r in results for x in r.itl)
     return {"wall_s": wall, "step_ms": 1e3 * wall / tokens, "cpu_ms": 1e3 * cpu / tokens,
-            "median_itl_ms": 1e3 * itl[len(itl) // 2]}
+            "median_itl_ms": 1e3 * itl[len(itl) // 2],
+            "thread_cpu_ms": {k: 1e3 * (t1[k] - t0[k]) / tokens for k in t0}}
 
 
 def _cpu() -> float:
@@ -67,7 +82,7 @@ async def _inprocess(engine, reqs, profile: str | None = None) -> tuple[dict, st
     try:
         if profile == "engine":
             sender.loop.call_on_engine(prof.enable)
-        out = await _round(sender, reqs)
+        out = await _round(sender, reqs, sender.loop)
         if profile == "engine":
             done = threading.Event()
             sender.loop.call_on_engine(lambda: (prof.disable(), done.set()))
@@ -96,7 +111,7 @@ async def _grpc(engine, reqs, profile: str | None = None) -> tuple[dict, str]:
         elif profile == "engine":
             st.server.loop.call_on_engine(prof.enable)
         try:
-            out = await _round(sender, reqs)
+            out = await _round(sender, reqs, st.server.loop, st)
         finally:
             if profile == "loop":
                 st.call(prof.disable)
@@ -126,15 +141,18 @@ async def main(args) -> dict:
             g, _ = await _grpc(engine, reqs)
             row = {"inprocess_step_ms": ip["step_ms"], "grpc_step_ms": g["step_ms"], "ratio": g["step_ms"] / ip["step_ms"],
                    "inprocess_cpu_ms": ip["cpu_ms"], "grpc_cpu_ms": g["cpu_ms"], "inprocess_itl_ms": ip["median_itl_ms"],
-                   "grpc_itl_ms": g["median_itl_ms"], "load": os.getloadavg()[0]}
+                   "grpc_itl_ms": g["median_itl_ms"], "load": os.getloadavg()[0],
+                   **{f"inprocess_{k}_cpu_ms": v for k, v in ip["thread_cpu_ms"].items()},
+                   **{f"grpc_{k}_cpu_ms": v for k, v in g["thread_cpu_ms"].items()}}
             rows.append(row)
             print(f"streams {n} round {r}: in-process {ip['step_ms']:.2f} ms/step, gRPC {g['step_ms']:.2f} ms/step, "
                   f"ratio {row['ratio']:.2f}; CPU ms/step {ip['cpu_ms']:.2f} vs {g['cpu_ms']:.2f}; "
-                  f"load {row['load']:.1f}", flush=True)
+                  f"load {row['load']:.1f}; threads {ip['thread_cpu_ms']} vs {g['thread_cpu_ms']}", flush=True)
         med = {k: statistics.median(x[k] for x in rows) for k in rows[0]}
         print(f"streams {n}: median in-process {med['inprocess_step_ms']:.2f}, gRPC {med['grpc_step_ms']:.2f} ms/step, "
               f"paired ratio {med['ratio']:.3f}; CPU ms/step {med['inprocess_cpu_ms']:.2f} vs "
-              f"{med['grpc_cpu_ms']:.2f}", flush=True)
+              f"{med['grpc_cpu_ms']:.2f}; per thread " + ", ".join(f"{k} {v:.2f}" for k, v in med.items()
+                                                                     if k.count("_") > 2), flush=True)
         out["by_streams"][str(n)] = {"rounds": rows, "median": med}
         if args.profile:
             _, text = await _grpc(engine, _requests(n, args.tokens, args.prompt_len, vocab, 99), args.profile)
