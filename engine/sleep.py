@@ -16,6 +16,7 @@ refused (wake first).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -54,8 +55,14 @@ def _to_host(a: jax.Array) -> tuple:
 def _placed_bytes(a) -> int:
     """Bytes of `a` on this process's devices, from its sharding alone: never its buffers,
     which a step on another thread may be donating."""
-    shard = int(np.prod(a.sharding.shard_shape(a.shape), dtype=np.int64)) * np.dtype(a.dtype).itemsize
-    return shard * len(a.sharding.addressable_devices)
+    return _sharded_bytes(a.shape, a.dtype, a.sharding)
+
+
+@functools.lru_cache(maxsize=4096)
+def _sharded_bytes(shape: tuple, dtype, sharding) -> int:
+    """Cached: Engine.stats() asks after every serving step (~0.5 ms uncached on tiny)."""
+    shard = int(np.prod(sharding.shard_shape(shape), dtype=np.int64)) * np.dtype(dtype).itemsize
+    return shard * len(sharding.addressable_devices)
 
 
 def engine_device_bytes(runner, level: int = 0) -> int:
