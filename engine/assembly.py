@@ -39,7 +39,7 @@ class Parts:
 def assemble(config: Config, model=None, progress: bool = True, compile_cache: str | None = "default") -> Parts:
     """`model`: an already built model for this config (tests share one); None loads it.
     `compile_cache` as Engine takes it (engine/compile_cache.py)."""
-    use_cpu_cores(config.mesh)  # first: one XLA CPU device per core, before jax starts
+    use_cpu_cores(config.mesh, config.model.dtype)  # first: one XLA CPU device per core, before jax starts
     use_compile_cache(compile_cache)
     try:
         tokenizer = build_tokenizer(config)

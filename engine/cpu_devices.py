@@ -64,14 +64,15 @@ def cpu_platform_allowed() -> bool:
     return not platforms or "cpu" in [p.strip() for p in platforms.split(",")]
 
 
-def use_cpu_cores(settings=None) -> int | None:
+def use_cpu_cores(settings=None, dtype: str = "float32") -> int | None:
     """Asks jax for one CPU device per core; returns that count, or None when it left jax
     alone: mesh.cpu_split is false, the user chose a count, the backends already started,
     a multi-process run (mesh.num_processes > 1, a cluster environment, jax.distributed
     up: each process's device count is part of the global mesh), JAX_PLATFORMS without
     cpu, or one core. `settings`: the [mesh] (MeshSettings; None: the defaults). Call
     before anything touches jax's devices; the Engine and the CLI do. It also sets the
-    engine's XLA:CPU flags (engine/cpu_flags.py), which only take effect then."""
+    engine's XLA:CPU flags (engine/cpu_flags.py, which depend on `dtype`, model.dtype), which
+    only take effect then."""
     import jax
 
     from jaxfill.engine.cpu_flags import set_cpu_xla_flags
@@ -80,7 +81,7 @@ def use_cpu_cores(settings=None) -> int | None:
 
     quiet_backend_probe()  # before jax probes its backends
     if not backends_started() and cpu_platform_allowed():
-        set_cpu_xla_flags()  # engine/cpu_flags.py: read when the CPU backend starts, whatever the device count
+        set_cpu_xla_flags(dtype)  # engine/cpu_flags.py: read when the CPU backend starts, whatever the device count
     if settings is not None and (settings.num_processes > 1 or not settings.cpu_split):
         return None
     cores = num_cores()

@@ -68,18 +68,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _use_cpu_cores(args) -> None:
     """One XLA CPU device per core (engine/cpu_devices.py) before the command touches jax,
-    unless the [mesh] (config file and --set) says otherwise; an unreadable config is left
-    for the command to report."""
+    unless the [mesh] (config file and --set) says otherwise, and the XLA:CPU flags for the
+    model.dtype asked for; an unreadable config is left for the command to report."""
     from jaxfill.engine.config import MeshSettings, parse_overrides, read_preset
     from jaxfill.engine.cpu_devices import use_cpu_cores
 
     try:
         preset = read_preset(args.config or "tiny")[1] if args.config or not args.model else {}  # checkpoint: no [mesh]
-        mesh = {**preset.get("mesh", {}), **parse_overrides(args.overrides).get("mesh", {})}
-        settings = MeshSettings(**mesh)
+        overrides = parse_overrides(args.overrides)
+        settings = MeshSettings(**{**preset.get("mesh", {}), **overrides.get("mesh", {})})
+        dtype = str({**preset.get("model", {}), **overrides.get("model", {})}.get("dtype", "float32"))
     except (ValueError, TypeError):
         return
-    use_cpu_cores(settings)
+    use_cpu_cores(settings, dtype)
 
 
 def main(argv: list[str] | None = None) -> int:

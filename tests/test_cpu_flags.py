@@ -1,5 +1,6 @@
 """engine/cpu_flags.py: the engine starts XLA:CPU without YNNPACK fusions (their executables
-load from the compile cache quadratically slowly), unless the user's XLA_FLAGS says otherwise."""
+load from the compile cache quadratically slowly), unless the user's XLA_FLAGS says otherwise
+or the model computes in bfloat16 (YNNPACK's dots are its avx512_bf16 rate)."""
 
 import subprocess
 import sys
@@ -16,8 +17,8 @@ import os, sys
 os.environ["XLA_FLAGS"] = sys.argv[1]
 import jax, jax.numpy as jnp
 from jaxfill.engine.cpu_devices import use_cpu_cores
-if sys.argv[2] == "engine":
-    use_cpu_cores()
+if sys.argv[2].startswith("engine"):
+    use_cpu_cores(None, "bfloat16" if sys.argv[2] == "engine_bf16" else "float32")
 f = jax.jit(lambda a, b: jnp.tanh(a @ b) + 1)
 text = f.lower(jnp.ones((64, 128)), jnp.ones((128, 32))).compile().as_text()
 print(os.environ.get("XLA_FLAGS", ""), "|", text.count("__ynn_fusion"))
@@ -54,3 +55,19 @@ def test_set_only_once_and_beside_other_flags(monkeypatch):
     flags = __import__("os").environ["XLA_FLAGS"]
     assert flags.startswith("--xla_force_host_platform_device_count=2")
     assert not set_cpu_xla_flags() and flags.count(YNN_FLAG) == int(added)
+
+
+@needs_flag
+def test_a_bf16_model_keeps_them():
+    env, count = probe("", "engine_bf16")
+    assert YNN_FLAG not in env and count > 0
+
+
+def test_the_cli_reads_the_dtype_of_config_and_overrides(monkeypatch):
+    from jaxfill.serving import cli
+
+    seen = []
+    monkeypatch.setattr("jaxfill.engine.cpu_devices.use_cpu_cores", lambda settings, dtype: seen.append(dtype))
+    for argv in (["generate", "--prompt", "x"], ["generate", "--prompt", "x", "--set", "model.dtype=bfloat16"]):
+        cli._use_cpu_cores(cli.build_parser().parse_args(argv))
+    assert seen == ["float32", "bfloat16"]
