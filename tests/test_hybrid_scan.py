@@ -97,6 +97,14 @@ def test_mamba2_single_block_pattern_scans(nemotron_h):
     check_scan_equals_unrolled(nemotron_h, groups=2)
 
 
+def test_falcon_h1_parallel_layers_scan_one_layer_per_step(tmp_path_factory):
+    """Falcon-H1: attention and Mamba2 in every layer, so the period is one layer."""
+    models = _models(tmp_path_factory, "falcon_h1")
+    config = models[1]
+    assert scan_period(config) == 1 and len(config.linear.layers) == config.num_layers
+    check_scan_equals_unrolled(models, groups=config.num_layers)
+
+
 @pytest.mark.parametrize("layers, linear", [(7, (0, 1, 2, 4, 5, 6)), (8, (0, 1, 2, 4, 5))],
                          ids=["count_not_a_multiple", "not_periodic"])
 def test_a_pattern_with_no_period_is_refused(layers, linear):
