@@ -12,8 +12,9 @@ more CPU time (prefill 12% less; benchmarks/RESULTS.md, "YNNPACK fusions on XLA:
 A bfloat16 model keeps them: YNNPACK's dots are what run bf16 at the CPU's avx512_bf16 rate.
 Without them a bf16 dot runs at the f32 rate (2048x512x1408 on one core, jaxlib 0.10.2 and
 0.11.2: bf16 85-187 GFLOP/s with them, 40-53 without, f32 43-105 either way; loaded machine,
-benchmarks/bf16_dot_versions.py and RESULTS.md "bf16 dots"), so there the start-up cost buys
-2x or more on every matmul. The default float32 model gains nothing from them.
+benchmarks/bf16_dot_versions.py and RESULTS.md "bf16 dots"). End to end the bench shape's bf16
+prefill gained 8-10% at 512 tokens and nothing clear at 2048, for a slower warm start; the
+default float32 model gains nothing from them.
 
 Only jaxlib versions known to have the flag get it (XLA aborts the process on an unknown
 flag), only when XLA_FLAGS does not name it already (the user's choice wins), and only
