@@ -82,8 +82,9 @@ BREAKS = {
     ("linear", "mesh.sequence"): ({**HYBRID, "mesh.sequence": 2}, ()),
     ("linear", "mesh.data", "serve.role=prefill/decode"): ({**HYBRID, "mesh.data": 2}, ("serve.role=prefill/decode",)),
     ("linear", "mesh.num_processes"): ({**HYBRID, "mesh.num_processes": 2, "mesh.coordinator": "127.0.0.1:1"}, ()),
-    ("linear", "engine.disk_kv_cache_dir"): ({**HYBRID, "engine.host_kv_cache_gb": 1, "engine.disk_kv_cache_gb": 1,
-                                              "engine.disk_kv_cache_dir": "/tmp/x"}, ()),
+    **{(kind, "engine.disk_kv_cache_dir"): ({**HYBRID, "model.linear_kind": kind, **heads, "engine.host_kv_cache_gb": 1,
+                                             "engine.disk_kv_cache_gb": 1, "engine.disk_kv_cache_dir": "/tmp/x"}, ())
+       for kind, heads in (("short_conv", {}), ("kda", {"model.linear_num_key_heads": 4}))},
     ("moe", "model.weight_dtype=int_group", "model.weight_act_order=true"): (
         {"model.architecture": "MixtralForCausalLM", "model.num_experts": 4, "model.experts_per_token": 2,
          "model.weight_dtype": "int_group", "model.weight_act_order": True}, ()),

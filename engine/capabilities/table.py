@@ -130,8 +130,10 @@ RULES: tuple[Rule, ...] = (
     # the hand-off's import offsets the slot to its replica's rows (untested under mesh.data)
     Rule(("linear", "mesh.data", "serve.role=prefill/decode"), f"{_HYBRID}: the state hand-off is not tested "
          "across data replicas", "mesh.data = 1 or --role both"),
-    Rule(("linear", "engine.disk_kv_cache_dir"), "state snapshots have no disk format",
-         "engine.disk_kv_cache_dir = \"\""),
+    # the disk tier keeps state snapshots beside the pages (engine/kv_tier/disk_format.py):
+    # tested on Gated DeltaNet and Mamba2 (tests/test_hybrid_disk_tier.py), not yet on these
+    *(Rule((kind, "engine.disk_kv_cache_dir"), f"state snapshots on disk are not tested with {kind} layers",
+           "engine.disk_kv_cache_dir = \"\"") for kind in ("short_conv", "kda")),
     # Gemma 4: global layers with their own head dim / KV heads / V = K beside the sliding ones
     *(Rule(("mixed_kv", key), f"attention layers of two shapes: {why}", change) for key, why, change in (
         ("engine.scan_layers", "they cannot stack as one scan", "engine.scan_layers = false"),

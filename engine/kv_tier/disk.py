@@ -1,22 +1,24 @@
 """The prefix cache's disk tier: blocks pushed out of the host tier, kept as files.
 
-One file per block, `<hash hex>.kvb` in `engine.disk_kv_cache_dir`:
+One file per block, `<hash hex>.kvb` in `engine.disk_kv_cache_dir` (the format:
+engine/kv_tier/disk_format.py): the engine's fingerprint (model, weights, dtype, page size,
+layout), the block's parent hash and tokens, its arrays and a checksum. A linear-attention
+hybrid's state snapshots leave the host tier the same way, one file each named by its
+snapshot key (its page's hash + b"state"), in the same index, budget and LRU as the
+blocks; a snapshot is looked up only at the end of a prefix whose pages are all cached
+in some tier (engine/scheduler/prefix_lookup.py), so it is never used without them.
 
-    b"JFKV1\\n" | u32 header length | header JSON | values bytes | scales bytes
-
-The header holds the engine's fingerprint (model, weights, dtype, page size, layout:
-`fingerprint()`), the block's parent hash and tokens, the arrays' shapes and dtypes, and a
-blake2b checksum of the payload. A restarted engine with the same fingerprint indexes the
-files it finds and serves them; files of another fingerprint are left alone (another
-engine may own them) with one log line. A file that is short, unreadable or fails its
-checksum is deleted when read and counts as a miss: never served.
+A restarted engine with the same fingerprint indexes the files it finds and serves them;
+files of another fingerprint are left alone (another engine may own them) with one log
+line. A file that is short, unreadable, fails its checksum or holds the other kind (a
+block under a snapshot's name) is deleted when read and counts as a miss: never served.
 
 Writes run on one background thread through a queue bounded in bytes (by default the
 host tier's budget, so blocks waiting for the disk at most double the host memory used),
 so the stepping thread never waits on the disk; past the bound a block is dropped
-(counted). Reads
-happen on the stepping thread at admission, one block file per page hit. LRU within
-`engine.disk_kv_cache_gb` (a restart orders old files by modification time).
+(counted). Reads happen on the stepping thread at admission, one file per page hit (and
+one for the snapshot). LRU within `engine.disk_kv_cache_gb` (a restart orders old files by
+modification time).
 """
 
 from __future__ import annotations
@@ -30,80 +32,10 @@ import struct
 import threading
 from collections import OrderedDict
 
-import numpy as np
-
-from jaxfill.engine.kv_tier.host import KVBlock, TierCounts
+from jaxfill.engine.kv_tier.disk_format import decode, encode, fingerprint, read_header  # noqa: F401 (re-exported)
+from jaxfill.engine.kv_tier.host import KVBlock, StateSnapshot, TierCounts, is_snapshot_key
 
 log = logging.getLogger("jaxfill.kv_tier")
-
-MAGIC = b"JFKV1\n"
-
-
-def fingerprint(config, layout: dict) -> str:
-    """What must match for a file's K/V to be valid here: the model (its config, and the
-    checkpoint's files or the random-init seed), the cache dtype, the page size and layout."""
-    parts = {"model": repr(config.model), "page_size": config.engine.page_size,
-             "kv_cache_dtype": config.engine.kv_cache_dtype, "layout": layout}
-    if config.model_path:
-        files = sorted(f for f in os.listdir(config.model_path) if f.endswith((".safetensors", ".json")))
-        parts["checkpoint"] = [(f, os.path.getsize(os.path.join(config.model_path, f)),
-                                int(os.path.getmtime(os.path.join(config.model_path, f)))) for f in files]
-    return hashlib.blake2b(json.dumps(parts, sort_keys=True).encode(), digest_size=16).hexdigest()
-
-
-def _payload(block: KVBlock) -> list[bytes]:
-    return [np.ascontiguousarray(block.values).tobytes()] + (
-        [] if block.scales is None else [np.ascontiguousarray(block.scales).tobytes()])
-
-
-def encode(block: KVBlock, fp: str) -> bytes:
-    payload = b"".join(_payload(block))
-    header = {"fingerprint": fp, "parent": None if block.parent is None else block.parent.hex(),
-              "tokens": list(block.tokens),
-              "values": [list(block.values.shape), block.values.dtype.name],
-              "scales": None if block.scales is None else [list(block.scales.shape), block.scales.dtype.name],
-              "checksum": hashlib.blake2b(payload, digest_size=16).hexdigest()}
-    head = json.dumps(header).encode()
-    return MAGIC + struct.pack("<I", len(head)) + head + payload
-
-
-def read_header(f) -> dict:
-    if f.read(len(MAGIC)) != MAGIC:
-        raise ValueError("not a jaxfill KV block file")
-    (n,) = struct.unpack("<I", f.read(4))
-    return json.loads(f.read(n))
-
-
-def _dtype(name: str) -> np.dtype:
-    import ml_dtypes  # noqa: F401  registers bfloat16 / float8 names with numpy (a jax dependency)
-
-    return np.dtype(getattr(ml_dtypes, name, name))
-
-
-def decode(data: bytes, fp: str) -> KVBlock:
-    """The block in `data`; ValueError if it is not whole, not ours, or not what was written."""
-    import io
-
-    f = io.BytesIO(data)
-    header = read_header(f)
-    if header.get("fingerprint") != fp:
-        raise ValueError("written by another model or layout")
-    payload = f.read()
-    if hashlib.blake2b(payload, digest_size=16).hexdigest() != header["checksum"]:
-        raise ValueError("checksum mismatch")
-    arrays, at = [], 0
-    for spec in (header["values"], header["scales"]):
-        if spec is None:
-            arrays.append(None)
-            continue
-        shape, dtype = tuple(spec[0]), _dtype(spec[1])
-        n = int(np.prod(shape)) * dtype.itemsize
-        if at + n > len(payload):
-            raise ValueError("truncated")
-        arrays.append(np.frombuffer(payload, dtype, count=int(np.prod(shape)), offset=at).reshape(shape).copy())
-        at += n
-    parent = None if header["parent"] is None else bytes.fromhex(header["parent"])
-    return KVBlock(arrays[0], arrays[1], parent, tuple(header["tokens"]))
 
 
 class DiskKVTier:
@@ -115,8 +47,10 @@ class DiskKVTier:
         self.queued_bytes = 0  # blocks handed to the writer thread and not yet written
         self.counts = TierCounts()
         self.corrupt = 0  # files refused on read (short, unreadable, checksum)
-        self.index: OrderedDict[bytes, int] = OrderedDict()  # hash -> file bytes, LRU first
+        self.index: OrderedDict[bytes, int] = OrderedDict()  # hash (or snapshot key) -> file bytes, LRU first
         self.nbytes = 0
+        self.num_snapshots = 0  # snapshot keys in the index
+        self.snapshot_hits = 0  # snapshots read back whole (engine/kv_tier/host.py get_snapshot)
         self._lock = threading.Lock()  # index and nbytes: the writer thread adds, the stepper reads
         self._queue: queue.Queue = queue.Queue()
         os.makedirs(directory, exist_ok=True)
@@ -146,8 +80,7 @@ class DiskKVTier:
             st = os.stat(path)
             found.append((st.st_mtime, h, st.st_size))
         for _, h, size in sorted(found):
-            self.index[h] = size
-            self.nbytes += size
+            self._add(h, size)
         if others:
             log.info("disk KV tier %s: ignored %d files of another model, dtype, page size or layout",
                      self.directory, others)
@@ -160,7 +93,7 @@ class DiskKVTier:
         with self._lock:
             return h in self.index
 
-    def put(self, h: bytes, block: KVBlock) -> bool:
+    def put(self, h: bytes, block: KVBlock | StateSnapshot) -> bool:
         """Queues the block for writing; False (dropped) when the writer is
         max_queued_bytes behind."""
         if h in self:
@@ -189,7 +122,7 @@ class DiskKVTier:
                     self.queued_bytes -= block.nbytes
                 self._queue.task_done()
 
-    def _write(self, h: bytes, block: KVBlock) -> None:
+    def _write(self, h: bytes, block: KVBlock | StateSnapshot) -> None:
         data = encode(block, self.fp)
         if len(data) > self.budget_bytes:
             self.counts.dropped += 1
@@ -200,10 +133,18 @@ class DiskKVTier:
         os.replace(tmp, self._path(h))  # a reader never sees half a file under the real name
         with self._lock:
             if h not in self.index:
-                self.index[h] = len(data)
-                self.nbytes += len(data)
-                self.counts.stored += 1
+                self._add(h, len(data))
+                self.counts.stored += not is_snapshot_key(h)
         self._trim()
+
+    def _add(self, h: bytes, size: int) -> None:  # [lock]
+        self.index[h] = size
+        self.nbytes += size
+        self.num_snapshots += is_snapshot_key(h)
+
+    def _removed(self, h: bytes, size: int) -> None:  # [lock] h just left the index
+        self.nbytes -= size
+        self.num_snapshots -= is_snapshot_key(h)
 
     def _trim(self) -> None:
         while True:
@@ -211,7 +152,7 @@ class DiskKVTier:
                 if self.nbytes <= self.budget_bytes or not self.index:
                     return
                 h, size = self.index.popitem(last=False)
-                self.nbytes -= size
+                self._removed(h, size)
             self._unlink(h)
 
     def _unlink(self, h: bytes) -> None:
@@ -224,10 +165,11 @@ class DiskKVTier:
         with self._lock:
             size = self.index.pop(h, None)
             if size is not None:
-                self.nbytes -= size
+                self._removed(h, size)
 
-    def get(self, h: bytes) -> KVBlock | None:
-        """The block, checked; a bad file is deleted and None returned."""
+    def get(self, h: bytes) -> KVBlock | StateSnapshot | None:
+        """The block (a snapshot under a snapshot key), checked; a bad file is deleted and
+        None returned."""
         with self._lock:
             if h not in self.index:
                 return None
@@ -235,6 +177,8 @@ class DiskKVTier:
         try:
             with open(self._path(h), "rb") as f:
                 block = decode(f.read(), self.fp)
+            if is_snapshot_key(h) != isinstance(block, StateSnapshot):
+                raise ValueError("a block and a state snapshot swapped names")
         except (OSError, ValueError, KeyError, json.JSONDecodeError, struct.error) as e:
             log.warning("disk KV tier: refused block %s (%s); it will be recomputed", h.hex()[:12], e)
             self.corrupt += 1
@@ -254,7 +198,7 @@ class DiskKVTier:
         self.flush()
         with self._lock:
             hashes, self.index = list(self.index), OrderedDict()
-            self.nbytes = 0
+            self.nbytes = self.num_snapshots = 0
             self.fp = hashlib.blake2b((self.fp + ":updated").encode(), digest_size=16).hexdigest()
         for h in hashes:
             self._unlink(h)
@@ -267,6 +211,7 @@ class DiskKVTier:
     def stats(self) -> dict:
         c = self.counts
         with self._lock:
-            return {"disk_kv_cache_bytes": self.nbytes, "disk_kv_pages_used": len(self.index),
+            return {"disk_kv_cache_bytes": self.nbytes, "disk_kv_pages_used": len(self.index) - self.num_snapshots,
+                    "disk_state_snapshots": self.num_snapshots, "disk_state_snapshot_hits": self.snapshot_hits,
                     "disk_kv_queries": c.queries, "disk_kv_hits": c.hits, "disk_kv_saved": c.stored,
                     "disk_kv_dropped": c.dropped, "disk_kv_corrupt": self.corrupt}

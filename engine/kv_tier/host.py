@@ -9,14 +9,14 @@ vLLM's offloading found 4x faster to move than a block per layer):
 Blocks are keyed by the same hash chain as the device's prefix cache (engine/
 block_manager.py: parent hash, tokens and cache_salt), so a hit here is the same prefix
 a device hit would be. LRU within a byte budget; a block that does not fit the budget at
-all is never kept. A block pushed out goes to the disk tier when there is one (engine/
-kv_tier/disk.py), and a disk hit comes back through here.
+all goes straight to the disk tier (dropped without one). A block pushed out goes to the
+disk tier when there is one (engine/kv_tier/disk.py), and a disk hit comes back through here.
 
 A linear-attention hybrid's state snapshot at a page (engine/scheduler/state_snapshots.py)
 is kept here too, under the same byte budget and LRU, keyed by that page's hash plus a
-suffix (`snapshot_key`): a host hit resumes only where its snapshot is here or on the
-device. Snapshots never go to disk (the disk tier keeps KV blocks only; hybrids refuse it)
-and make no KV events.
+suffix (`snapshot_key`): a host hit resumes only where its snapshot is here, on the disk
+below (pushed out like a block, in the same files' budget) or on the device. Snapshots
+make no KV events.
 
 Pure numpy, no JAX: engine/kv_tier/page_offload.py moves blocks between the device and here. One
 tier serves every data replica (a block is the same bytes wherever it was computed).
@@ -62,6 +62,10 @@ def snapshot_key(h: bytes) -> bytes:
     return h + b"state"
 
 
+def is_snapshot_key(key: bytes) -> bool:
+    return len(key) == 21 and key.endswith(b"state")
+
+
 @dataclasses.dataclass
 class TierCounts:
     """Pages looked up in / served by one tier (after a device miss), and pages it took in."""
@@ -91,7 +95,8 @@ class HostKVTier:
             self.blocks.move_to_end(h)
             return
         if block.nbytes > self.budget_bytes:
-            self.counts.dropped += 1
+            if self.disk is None or not self._to_disk(h, block):
+                self.counts.dropped += 1
             return
         while self.nbytes + block.nbytes > self.budget_bytes:
             self._push_out()
@@ -112,8 +117,17 @@ class HostKVTier:
             return
         if self.listener is not None:
             self.listener("removed", h, "host")
-        if self.disk is not None and self.disk.put(h, block) and self.listener is not None:
+        if self.disk is not None:
+            self._to_disk(h, block)
+
+    def _to_disk(self, h: bytes, block: KVBlock | StateSnapshot) -> bool:
+        """Hands a block (or snapshot) to the disk tier; False when it was dropped there."""
+        if h in self.disk:
+            return True
+        ok = self.disk.put(h, block)
+        if ok and self.listener is not None and isinstance(block, KVBlock):
             self.listener("stored", h, block.parent, list(block.tokens), "disk")
+        return ok
 
     def peek(self, h: bytes) -> str | None:
         """Where a block is kept ("host", "disk") or None; changes nothing (the scheduler's
@@ -133,21 +147,29 @@ class HostKVTier:
         block = None if self.disk is None else self.disk.get(h)
         if block is not None:
             self.put(h, block)
-        return block
+        return block if isinstance(block, KVBlock) else None
 
     def put_snapshot(self, h: bytes, snapshot: StateSnapshot) -> None:
         self.put(snapshot_key(h), snapshot)
 
     def has_snapshot(self, h: bytes) -> bool:
-        return snapshot_key(h) in self.blocks
+        """Whether the snapshot at page hash h is here or on disk (changes nothing)."""
+        key = snapshot_key(h)
+        return key in self.blocks or (self.disk is not None and key in self.disk)
 
     def get_snapshot(self, h: bytes) -> StateSnapshot | None:
-        """The state snapshot at page hash h (now the most recently used), or None."""
+        """The state snapshot at page hash h (now the most recently used), or None. One on
+        disk is read, checked and brought into this tier (a bad file is None)."""
         key = snapshot_key(h)
-        if key not in self.blocks:
+        if key in self.blocks:
+            self.blocks.move_to_end(key)
+            return self.blocks[key]
+        snap = None if self.disk is None else self.disk.get(key)
+        if not isinstance(snap, StateSnapshot):
             return None
-        self.blocks.move_to_end(key)
-        return self.blocks[key]
+        self.disk.snapshot_hits += 1
+        self.put(key, snap)
+        return snap
 
     def discard(self, *hashes: bytes) -> None:
         """Forgets these blocks (a restore of them failed: they will be recomputed)."""

@@ -268,20 +268,27 @@ def build_kv_offload(config, cache, stages: int) -> KVOffload | None:
     if not float(s.host_kv_cache_gb) > 0:
         return None
     lockstep = jax.process_count() > 1  # the disk tier is refused then (engine/capabilities/table.py)
-    from jaxfill.engine.kv_tier.disk import DiskKVTier, fingerprint
+    from jaxfill.engine.kv_tier.disk import DiskKVTier
+    from jaxfill.engine.kv_tier.disk_format import fingerprint
     from jaxfill.engine.kv_tier.host import HostKVTier
     from jaxfill.models.kv_cache import kv_bytes_per_token, shares_kv
+    from jaxfill.models.linear_state import cache_states
 
     m = config.model
     layout = kv_rows.Layout.of(config, cache)
     attention_layers = len(kv_rows.paged_entries(cache)) * cache.stages  # a hybrid's linear layers hold no pages
     block_bytes = s.page_size * kv_bytes_per_token(attention_layers, m.num_kv_heads, m.head_dim, s.kv_cache_dtype,
                                                    m.jnp_dtype, shares_kv(m))
+    # a hybrid's snapshot (every linear layer's state of one slot; at most this, the pool's
+    # bytes over its slots per replica) may outweigh a block: the disk queue takes a few
+    snapshot_bytes = sum(a.nbytes for e in cache_states(cache.pages) for a in (e.recurrent, e.conv))
+    snapshot_bytes //= max(1, s.state_pool_slots if s.state_slots else 1)
     disk = None
     if s.disk_kv_cache_dir:
         disk = DiskKVTier(s.disk_kv_cache_dir, int(float(s.disk_kv_cache_gb) * 2**30),
                           fingerprint(config, layout.to_json()),
-                          max_queued_bytes=max(int(float(s.host_kv_cache_gb) * 2**30), 16 * block_bytes))
+                          max_queued_bytes=max(int(float(s.host_kv_cache_gb) * 2**30), 16 * block_bytes,
+                                               4 * snapshot_bytes))
     tier = HostKVTier(int(float(s.host_kv_cache_gb) * 2**30), disk)
     pages = tier.budget_bytes // block_bytes
     log.info("host KV tier: %.1f MiB hold %d pages (%d tokens, %d bytes a page)%s", tier.budget_bytes / 2**20,
