@@ -41,10 +41,13 @@ def engine(checkpoint, **overrides) -> Engine:
 
 
 def run(e: Engine, prompts) -> list:
-    """Completions, two prompts a call (in order)."""
+    """Completions, two prompts a call (in order); between calls the tiers' saves and
+    file writes are waited for, so which prefix a later call finds does not race them."""
     out = []
     for k in range(0, len(prompts), 2):
         out += e.generate(prompts[k:k + 2], GREEDY)
+        if e.runner.kv_offload is not None:
+            e.runner.kv_offload.flush()
     return out
 
 

@@ -174,6 +174,9 @@ EVIDENCE: tuple[Evidence, ...] = (
              ("engine.kv_cache_dtype=int8",)),
     Evidence("tests/test_hybrid_host_tier.py::test_host_tier_snapshots_resume_like_prefix_caching_off", ("qwen3_5",),
              ("engine.host_kv_cache_gb",)),
+    # state snapshots in files beside the pages: a repeated prompt resumes from disk, a restart too
+    *_each("tests/test_hybrid_disk_tier.py::test_a_repeated_prompt_resumes_from_a_snapshot_on_disk",
+           ("qwen3_5", "granitemoehybrid"), ("engine.disk_kv_cache_dir",)),
 )
 
 

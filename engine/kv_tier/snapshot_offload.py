@@ -4,13 +4,14 @@ and the host tier (engine/kv_tier/host.py), as engine/kv_tier/page_offload.py mo
 Saves: a snapshot about to lose its slot (engine/scheduler/state_snapshots.py
 `take_evicted`) is gathered before the copy that reuses the slot (engine/step_phases.py
 `_copy_states`) and copied to the host without waiting; `poll` folds the arrived ones
-into the tier under the page's hash, where they count against its byte budget. Until
-then the host does not have it, and a hit is cut back to a snapshot it has.
+into the tier under the page's hash, where they count against its byte budget (and go
+on to the disk tier as its blocks do). Until then the host does not have it, and a hit
+is cut back to a snapshot it has.
 
 Restores: a request admitted at a boundary whose snapshot only the host holds gets it
 written into its own fresh working slot before its step (`restore`). A snapshot the
-tier dropped meanwhile fails the restore: the request recomputes, never resuming from a
-state that is not its prefix's.
+tier dropped meanwhile, or whose file on disk is damaged, fails the restore: the request
+recomputes, never resuming from a state that is not its prefix's.
 
 One process only (hybrids refuse several); one program per direction (a slot at a time).
 """

@@ -20,8 +20,8 @@ cache only when its step's results come back, and must not count as stale before
 With the host tier (engine/kv_tier/host.py) a snapshot leaving its slot is saved there
 (`take_evicted`: gathered before the copy that reuses the slot), so prefix pages that
 come back from the host can resume too: `resume_pages` also counts a boundary whose
-snapshot the host holds (`on_host`), and the admission writes that snapshot into the
-request's own slot before its step (engine/kv_tier/restore.py).
+snapshot the host holds (`on_host`; or the disk tier below it), and the admission writes
+that snapshot into the request's own slot before its step (engine/kv_tier/restore.py).
 
 Pure Python: the copies are (source slot, destination slot) pairs for the runner.
 """
