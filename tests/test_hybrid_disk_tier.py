@@ -27,12 +27,15 @@ BASE = {"engine.page_size": 8, "engine.num_pages": 14, "engine.max_num_batched_t
         "engine.token_buckets": [16], "engine.max_model_len": 64, "engine.max_num_seqs": 2,
         "engine.kv_fill_value": float("nan"), "engine.state_snapshot_tokens": 16,
         "engine.state_snapshot_slots": 2}
-HOST_BYTES = 16384  # four Qwen3.5 pages (4096 bytes), less than one snapshot (~21-24 KB)
+# host tiers of four pages (Qwen3.5's hold 4096 bytes, Granite's 2048), less than one
+# snapshot (24192 and 20992 bytes)
+HOST_BYTES = {"qwen3_5": 16384, "granitemoehybrid": 8192}
 SNAPSHOT_FILE = snapshot_key(b"").hex() + ".kvb"  # how a snapshot's file name ends
 
 
-def tiers(directory) -> dict:
-    return {"engine.host_kv_cache_gb": HOST_BYTES / 2**30, "engine.disk_kv_cache_dir": str(directory),
+def tiers(directory, checkpoint) -> dict:
+    host = HOST_BYTES[os.path.basename(checkpoint)]
+    return {"engine.host_kv_cache_gb": host / 2**30, "engine.disk_kv_cache_dir": str(directory),
             "engine.disk_kv_cache_gb": 0.01}
 
 
@@ -93,7 +96,7 @@ def hybrid(request, tmp_path_factory):
     off = engine(checkpoint, **{"engine.state_snapshot_tokens": 0})
     assert not off.config.engine.enable_prefix_caching
     want = run(off, prompts)
-    e = engine(checkpoint, **tiers(root / "kv"))
+    e = engine(checkpoint, **tiers(root / "kv", checkpoint))
     got = run(e, prompts)
     st = e.stats()
     back = all_back(e) and null_slot_untouched(e)
@@ -150,7 +153,7 @@ def test_a_restart_serves_snapshots_and_refuses_damaged_ones(hybrid, tmp_path):
     bad = [copy / (snapshot_key(h).hex() + ".kvb") for h in prefix_hashes(prompts[hurt], 8)[1:4:2]]
     for i, p in enumerate(bad):
         damage(p, truncate=i == 1)
-    e = engine(checkpoint, **tiers(copy))
+    e = engine(checkpoint, **tiers(copy, checkpoint))
     assert e.stats()["disk_state_snapshots"] >= 4
     got = run(e, [prompts[hurt], prompts[whole]])
     assert_same(got, [want[hurt], want[whole]])
@@ -178,7 +181,7 @@ def test_restoring_another_prefixs_snapshot_is_caught(hybrid, tmp_path, monkeypa
     swap = {a[1]: b[1], b[1]: a[1], a[3]: b[3], b[3]: a[3]}  # two documents' states, swapped
     real = HostKVTier.get_snapshot
     monkeypatch.setattr(HostKVTier, "get_snapshot", lambda self, h: real(self, swap.get(h, h)))
-    e = engine(checkpoint, **tiers(copy))
+    e = engine(checkpoint, **tiers(copy, checkpoint))
     got = run(e, [prompts[i] for i in kept[:2]])
     assert got[0].cached_tokens == 32  # it did resume, from the wrong state
     assert [c.token_ids for c in got] != [want[i].token_ids for i in kept[:2]]
