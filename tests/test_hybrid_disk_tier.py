@@ -1,13 +1,13 @@
 """A linear-attention hybrid's state snapshots on the disk tier (engine/kv_tier/disk.py,
 disk_format.py), beside its prefix's pages: Qwen3.5 (Gated DeltaNet) and Granite 4.0-H
-(Mamba2), random init, f32, NaN-filled unused pages and slots. The host tier (16 KiB) is
+(Mamba2), random init, f32, NaN-filled unused pages and slots. The host tier (four pages) is
 smaller than one snapshot, so every snapshot leaving its device slot goes straight to a
 file; a repeated prompt resumes from it with the greedy tokens and logprobs of prefix
 caching off. A restarted engine serves the files; a damaged or truncated snapshot file
 is refused (deleted, counted) and its prompt recomputed, never resumed. Reading another
 prefix's snapshot from disk gives other tokens or logprobs (the checks can fail); so does
 skipping a disk snapshot's write, or its checksum (tried once by hand: those tests failed).
-About 15 s (Qwen3.5) and 10 s (Granite) for the file's two fixtures on 2 cores.
+About 15 s (Qwen3.5) and 10 s (Granite) for the file's two fixtures on 2 cores."""
 
 import os
 import shutil
@@ -76,7 +76,7 @@ def null_slot_untouched(e: Engine) -> bool:
 def workload():
     """Four 32-token documents with a question each, two a call, then the first prompt again
     and the second document with a new question: by then the first two documents' pages
-    and snapshots have left the device (and the 16 KiB host tier) for the disk."""
+    and snapshots have left the device (and the four-page host tier) for the disk."""
     rng = np.random.default_rng(7)
     ids = lambda n: [int(t) for t in rng.integers(1, 250, n)]  # noqa: E731
     docs = [ids(32) for _ in range(4)]
