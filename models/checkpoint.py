@@ -183,7 +183,7 @@ def load_hf_params(model_dir: str, config: ModelConfig, attention_impl: str = "a
             if name not in table:
                 raise CheckpointError(f"unexpected tensor {name!r} in {os.path.basename(path)} "
                                       f"(not part of a {config.architecture} with this config)")
-            parts = tensor_parts(table.pop(name))
+            parts = family.stored_layout(name, stored.shape, tensor_parts(table.pop(name)))
             if stored.shape != parts[0].hf_shape:
                 raise CheckpointError(f"tensor {name!r} has shape {stored.shape}, "
                                       f"config.json implies {parts[0].hf_shape}")

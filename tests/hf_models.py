@@ -332,10 +332,12 @@ def make_hf_checkpoint(directory: str, arch: str, dtype: torch.dtype = torch.flo
     import transformers as tf
 
     kw = dict(HF_SMALL, **overrides)
-    if arch in ("qwen3_vl", "qwen3_5_vl"):  # image-text: its vision tower and image processor too
+    if arch in ("qwen3_vl", "qwen3_5_vl", "qwen3_vl_moe", "qwen3_5_moe_vl"):  # image-text: the vision tower too
         import vision_models  # tests/vision_models.py
 
-        return {"qwen3_vl": vision_models.tiny_qwen3_vl, "qwen3_5_vl": vision_models.tiny_qwen3_5_vl}[arch](directory)
+        return {"qwen3_vl": vision_models.tiny_qwen3_vl, "qwen3_5_vl": vision_models.tiny_qwen3_5_vl,
+                "qwen3_vl_moe": vision_models.tiny_qwen3_vl_moe,
+                "qwen3_5_moe_vl": vision_models.tiny_qwen3_5_moe_vl}[arch](directory)
     if arch == "llama":
         kw.setdefault("rope_scaling", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 64})

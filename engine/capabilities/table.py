@@ -244,8 +244,9 @@ RULES: tuple[Rule, ...] = (
     Rule(("lora.max_loras", "moe", "mesh.tensor"), "LoRA: the experts' adapter tables split over tensor are not "
          "tested", "lora.max_loras = 0 or mesh.tensor = 1"),
     # images (engine/vision/, docs/vision.md): Qwen3-VL's (t, h, w) positions and image rows ride
-    # one replica's unrolled step beside its tokens
-    *(Rule(("mrope", cond), f"images and (t, h, w) rope: {why}", change) for cond, why, change in (
+    # one replica's unrolled step beside its tokens; model.mrope_section = [] loads the text tower alone
+    *(Rule(("mrope", cond), f"images and (t, h, w) rope: {why}",
+           f"{change}, or model.mrope_section = [] (the text tower alone, no images)") for cond, why, change in (
         ("mesh.data", "image rows are laid out for one data replica", "mesh.data = 1"),
         ("mesh.sequence", "image rows split over sequence ranks are not built", "mesh.sequence = 1"),
         ("mesh.stage", "pipeline microbatches do not carry image rows or DeepStack's adds", "mesh.stage = 1"),

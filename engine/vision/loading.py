@@ -20,10 +20,11 @@ from jaxfill.models.vision.siglip import siglip_config
 from jaxfill.models.vision.siglip_weights import load_siglip
 from jaxfill.models.vision.weights import load_encoder
 
-# the towers models/vision/ builds (Qwen3.5's is Qwen3-VL's without DeepStack; Gemma 3's is SigLIP;
-# Gemma 4's its own, models/vision/gemma4_vision.py)
-VISION_ARCHITECTURES = ("Qwen3VLForConditionalGeneration", "Qwen3_5ForConditionalGeneration",
-                        "Gemma3ForConditionalGeneration", "Gemma4ForConditionalGeneration")
+# the towers models/vision/ builds (Qwen3.5's is Qwen3-VL's without DeepStack, the MoE classes'
+# their dense sibling's; Gemma 3's is SigLIP; Gemma 4's its own, models/vision/gemma4_vision.py)
+QWEN_ARCHITECTURES = ("Qwen3VLForConditionalGeneration", "Qwen3_5ForConditionalGeneration",
+                      "Qwen3VLMoeForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
+VISION_ARCHITECTURES = QWEN_ARCHITECTURES + ("Gemma3ForConditionalGeneration", "Gemma4ForConditionalGeneration")
 
 
 def checkpoint_json(config) -> dict:
@@ -37,8 +38,12 @@ def checkpoint_json(config) -> dict:
 
 
 def build_vision(config) -> VisionTower | None:
-    """The tower, in f32 (small beside the decoder; transformers' reference runs it so too)."""
+    """The tower, in f32 (small beside the decoder; transformers' reference runs it so too).
+    None for a Qwen image-text checkpoint loaded with `model.mrope_section = []`: its text
+    tower alone, on the plain rope (images would need the (t, h, w) one)."""
     if config.model.architecture not in VISION_ARCHITECTURES:
+        return None
+    if config.model.architecture in QWEN_ARCHITECTURES and not config.model.attention.mrope_section:
         return None
     hf = checkpoint_json(config)
     if not hf.get("vision_config"):

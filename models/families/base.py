@@ -264,6 +264,11 @@ class Family:
         config.json (`hf`, {} when absent) announces beside the model."""
         return self.ignored_prefixes
 
+    def stored_layout(self, name: str, shape: tuple, parts: tuple) -> tuple:
+        """The parts of tensor `name` as stored with `shape`: the table's, unless the family
+        reads a second layout of it (Qwen3-VL-MoE's fused experts, models/families/qwen3_vl.py)."""
+        return parts
+
     def model_class(self):
         from jaxfill.models.decoder import Decoder
 

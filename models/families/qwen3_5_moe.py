@@ -20,8 +20,8 @@ class Qwen3_5Moe(Qwen3_5):
     experts = True
     honoured = Qwen3_5.honoured | SPARSE
     inert = Qwen3_5.inert | TRAINING_ONLY
-    tested = ("HF f32 logits and greedy tokens (model level: prefill in chunks carrying the state, then decode), "
-              "the image-text checkpoint's text tower; through the Engine: unchunked = chunked = prefix-cached "
+    tested = ("HF f32 logits and greedy tokens (model level: prefill in chunks carrying the state, then decode); "
+              "through the Engine: unchunked = chunked = prefix-cached "
               "(state snapshots) = tensor 2")
 
     def model_fields(self, hf):
@@ -43,17 +43,15 @@ class Qwen3_5Moe(Qwen3_5):
 
 
 class Qwen3_5MoeMultimodal(Qwen3_5Multimodal, Qwen3_5Moe):
-    """The text tower of the image-text checkpoint (what Qwen/Qwen3.5-*-A*B publish). Its
-    vision tower is not loaded yet (docs/vision.md), so its attention ropes as for text:
-    every mrope section turns with the same position, the plain rope, and none of the
-    (t, h, w) rope's refusals (kind `mrope`) apply."""
-    name = "qwen3_5_moe"
+    """The image-text checkpoint (what Qwen/Qwen3.5-*-A*B publish): Qwen3.5-MoE's text tower
+    under `model.language_model.`, its attention layers roping with the (t, h, w) sections,
+    and Qwen3.5's vision tower beside it (engine/vision/, kind `mrope`). With
+    `model.mrope_section = []` it loads as its text tower only: the plain rope, no tower, and
+    none of the (t, h, w) rope's refusals (docs/vision.md)."""
+    name = "qwen3_5_moe_vl"
     architectures = ("Qwen3_5MoeForConditionalGeneration",)
-    multimodal_rope = False
-    tested = Qwen3_5Moe.tested
-
-    def model_fields(self, hf):
-        return dict(super().model_fields(hf), mrope_section=())
+    tested = ("HF f32 logits and greedy tokens with an image, its rows split over prefill chunks (the recurrent "
+              "state carried inside the image), = unchunked; the text tower alone (model level)")
 
 
 FAMILIES = (Qwen3_5Moe(), Qwen3_5MoeMultimodal())
