@@ -83,9 +83,8 @@ def test_abort_mid_prefill_and_preemption(hybrid):
 
 def test_what_hybrids_cannot_do_yet_is_refused_by_name(hybrid):
     directory = hybrid[0]
+    # the disk tier holds Gated DeltaNet snapshots now (tests/test_hybrid_disk_tier.py)
     for override, name in [({"mesh.sequence": 2}, "mesh"), ({"mesh.tensor": 4}, "linear key heads"),
-                           ({"engine.host_kv_cache_gb": 0.01, "engine.disk_kv_cache_gb": 0.01,
-                             "engine.disk_kv_cache_dir": "/nonexistent"}, "disk_kv_cache_dir"),
                            ({"engine.scan_layers": True}, "scan_layers")]:
         with pytest.raises(ConfigError, match=name):
             load_config("tiny", override, model_path=directory)
