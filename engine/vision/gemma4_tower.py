@@ -21,7 +21,6 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxfill.engine.vision.encoder_cache import EncoderCache
 from jaxfill.engine.vision.gemma3_tower import Gemma3Tower
 from jaxfill.engine.vision.gemma4_images import Gemma4ImageSettings, patches
 from jaxfill.engine.vision.prompt import ImageSpan, PromptImages, image_key, placeholders
@@ -60,12 +59,7 @@ def patch_xy(rows: int, cols: int, max_patches: int) -> np.ndarray:  # [max_patc
 class Gemma4Tower(Gemma3Tower):
     def __init__(self, encoder: Gemma4VisionEncoder, settings: Gemma4ImageSettings, boi: int, image_token: int,
                  eoi: int, bidirectional: bool, pad_id: int | None, capacity: int = 64, refused: str | None = None):
-        self.graphdef, self.state = nnx.split(encoder)
-        self.cfg = encoder.cfg
-        self.settings = settings
-        self.boi, self.image_token_id, self.eoi = boi, image_token, eoi
-        self.cache = EncoderCache(capacity)
-        self.refused = refused  # the capability table's line refusing images under this config (loading.py)
+        super().__init__(encoder, settings, boi, image_token, eoi, capacity, refused)
         self.bidirectional, self.pad_id = bidirectional, pad_id
 
     def mark_text(self, text: str) -> str:  # processing_gemma4 adds no text around an image
